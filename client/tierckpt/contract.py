@@ -1,0 +1,297 @@
+"""THE contract between operator, training pod and replicator (spec: docs/format.md, "Contract").
+
+It defines, in one place:
+
+* the environment variables the operator's webhook injects and the client reads (``Env``);
+* the JobSet and pod annotations and labels (``Annotations``, ``Labels``);
+* how the pod's node rank arrives: the operator writes the ``tierckpt.io/node-rank`` annotation on
+  the pod, and a downward-API volume exposes the pod's annotations as a file the client polls
+  (``read_podinfo``). Stale pods never receive a rank, so they never see one;
+* the control files in ``<root>/<job>/control/`` and their typed messages: the peer assignment
+  (``PeerAssignment``), the job's restore plan (``RestorePlan``), per-rank restore progress
+  (``RestoreStatus``);
+* the inventory a replicator reports (``NodeInventory``), from which anyone can compute the same
+  restore step with ``tierckpt.restore_choice``.
+
+Pure data and encoding, plus atomic reads and writes of the control files. No network, no Kubernetes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+import re
+from pathlib import Path
+from typing import ClassVar
+
+from tierckpt._codec import Message
+from tierckpt.errors import ContractError, FormatError
+from tierckpt.format import control_dir, write_atomic
+
+__all__ = [
+    "Annotations",
+    "Env",
+    "Labels",
+    "NodeInventory",
+    "PeerAssignment",
+    "PeerNode",
+    "RankHoldings",
+    "RestorePlan",
+    "RestoreState",
+    "RestoreStatus",
+    "Tier",
+    "job_id_for",
+    "parse_podinfo",
+    "read_control",
+    "read_podinfo",
+    "restore_status_name",
+    "write_control",
+]
+
+CONTRACT_VERSION = 1
+
+
+class Env:
+    """Environment variables injected into training containers (all optional for local use)."""
+
+    ROOT = "TIERCKPT_ROOT"
+    """Ramdisk root inside the container; the job's directory is ``$TIERCKPT_ROOT/$TIERCKPT_JOB``."""
+    JOB = "TIERCKPT_JOB"
+    """Job id: ``<namespace>_<jobset>_<uid[:8]>`` (see ``job_id_for``)."""
+    RANK = "TIERCKPT_RANK"
+    """Process rank, when not taken from torch.distributed or torchrun's RANK."""
+    WORLD_SIZE = "TIERCKPT_WORLD_SIZE"
+    PODINFO_DIR = "TIERCKPT_PODINFO_DIR"
+    """Downward-API volume holding the pod's ``annotations`` file (node rank arrives there)."""
+    REPLICATOR_URL = "TIERCKPT_REPLICATOR_URL"
+    """The node-local replicator's control endpoint (``http://$(HOST_IP):<port>``)."""
+    NODE_NAME = "TIERCKPT_NODE_NAME"
+    POD_NAME = "TIERCKPT_POD_NAME"
+    POD_UID = "TIERCKPT_POD_UID"
+    RESTORE_WAIT = "TIERCKPT_RESTORE_WAIT"
+    """Seconds without restore progress after which the client stops waiting (default 300)."""
+
+
+class Annotations:
+    """Annotation keys. JobSet opt-in keys are set by users; pod keys are set by the operator."""
+
+    PREFIX = "tierckpt.io/"
+    ENABLED = "tierckpt.io/enabled"
+    """On a JobSet: ``"true"`` opts it in."""
+    CONFIG = "tierckpt.io/config"
+    """On a JobSet: the name of the CheckpointConfiguration to use."""
+    NODE_RANK = "tierckpt.io/node-rank"
+    """On a pod: its node rank, written by the operator once the pod is scheduled."""
+    NUM_NODES = "tierckpt.io/num-nodes"
+    JOB_ID = "tierckpt.io/job-id"
+    ASSIGNMENT_GENERATION = "tierckpt.io/assignment-generation"
+    """On a pod: the assignment generation (restart attempt) its rank belongs to."""
+
+
+class Labels:
+    MANAGED = "tierckpt.io/managed"
+    JOBSET_NAME = "jobset.sigs.k8s.io/jobset-name"
+    JOB_INDEX = "jobset.sigs.k8s.io/job-index"
+    JOB_GLOBAL_INDEX = "jobset.sigs.k8s.io/job-global-index"
+    REPLICATED_JOB = "jobset.sigs.k8s.io/replicatedjob-name"
+    RESTART_ATTEMPT = "jobset.sigs.k8s.io/restart-attempt"
+    COMPLETION_INDEX = "batch.kubernetes.io/job-completion-index"
+
+
+_DNS_RE = re.compile(r"^[a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?$")
+
+
+def job_id_for(namespace: str, name: str, uid: str) -> str:
+    """The job id of a JobSet: unique across namespaces and re-creations, and a safe path component."""
+    for what, value in (("namespace", namespace), ("name", name)):
+        if not _DNS_RE.match(value or ""):
+            raise ContractError(f"JobSet {what} {value!r} is not a DNS-1123 name")
+    short = re.sub(r"[^a-z0-9]", "", uid.lower())[:8]
+    if len(short) < 8:
+        raise ContractError(f"JobSet uid {uid!r} is too short")
+    return f"{namespace}_{name}_{short}"
+
+
+# ------------------------------------------------------------------------------- downward API file
+
+_PODINFO_LINE = re.compile(r'^([^=]+)="(.*)"$')
+
+
+def parse_podinfo(text: str) -> dict[str, str]:
+    """Parse the kubelet's downward-API ``annotations`` file: ``key="value"`` lines, Go-quoted."""
+    out: dict[str, str] = {}
+    for line in text.splitlines():
+        m = _PODINFO_LINE.match(line.strip())
+        if m:
+            out[m.group(1)] = bytes(m.group(2), "utf-8").decode("unicode_escape")
+    return out
+
+
+def read_podinfo(podinfo_dir: str | os.PathLike[str]) -> dict[str, str]:
+    try:
+        return parse_podinfo((Path(podinfo_dir) / "annotations").read_text())
+    except FileNotFoundError:
+        return {}
+
+
+# ------------------------------------------------------------------------------- typed messages
+
+
+class Tier(str, enum.Enum):
+    """Where a rank's step can be restored from, fastest first."""
+
+    LOCAL = "local"
+    """This node's own primary copy."""
+    REPLICA = "replica"
+    """A replica this node holds for the rank."""
+    PEER = "peer"
+    """Another node's primary or replica, fetched over the network."""
+    GCS = "gcs"
+
+    @property
+    def cost(self) -> int:
+        return _TIER_COST[self]
+
+
+_TIER_COST = {Tier.LOCAL: 0, Tier.REPLICA: 1, Tier.PEER: 2, Tier.GCS: 3}
+
+
+@dataclasses.dataclass(frozen=True)
+class PeerNode:
+    name: str
+    endpoint: str
+    """The node's replicator data endpoint, ``http://host:port``."""
+    domain: str = ""
+    """The node's failure domain (the configured label's value)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PeerAssignment(Message):
+    """``control/peers.json``: which nodes each node replicates to, and the node ranks.
+
+    Written by the operator (through the replicator's control API) or from static configuration in
+    local mode. ``generation`` increases with every change; replicators ignore older generations.
+    """
+
+    KIND = "tierckpt.peers"
+    VERSION = CONTRACT_VERSION
+    FILE: ClassVar[str] = "peers.json"
+
+    job: str
+    generation: int
+    nodes: dict[str, PeerNode]
+    peers: dict[str, tuple[str, ...]]
+    """Node name -> the names of the nodes it sends its ranks' shards to."""
+    node_ranks: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for node, targets in self.peers.items():
+            unknown = [t for t in (node, *targets) if t not in self.nodes]
+            if unknown:
+                raise FormatError(f"peer assignment names unknown nodes {unknown}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RankHoldings:
+    """Committed steps of one rank held by one node."""
+
+    local: tuple[int, ...] = ()
+    replica: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeInventory(Message):
+    """What one node's replicator holds for a job. Served at ``GET /v1/jobs/{job}/inventory``."""
+
+    KIND = "tierckpt.inventory"
+    VERSION = CONTRACT_VERSION
+
+    job: str
+    node: str
+    endpoint: str
+    updated_at: float
+    ranks: dict[int, RankHoldings]
+    world_sizes: dict[int, int] = dataclasses.field(default_factory=dict)
+    """Step -> world size recorded in its manifests (steps of different world sizes never mix)."""
+    gcs: tuple[int, ...] = ()
+    """Steps this node knows to be complete in the bucket (complete manifest object present)."""
+    domain: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class RestorePlan(Message):
+    """``control/restore.json``: the step the whole job restores, and each rank's source tier.
+
+    ``step`` is None when no step is restorable by every rank (a fresh start). Computed by the pure
+    ``tierckpt.restore_choice.choose_restore`` from inventories, so any party gets the same answer.
+    """
+
+    KIND = "tierckpt.restore-plan"
+    VERSION = CONTRACT_VERSION
+    FILE: ClassVar[str] = "restore.json"
+
+    job: str
+    step: int | None
+    world_size: int
+    sources: dict[int, Tier]
+    """Rank -> fastest tier holding it."""
+    holders: dict[int, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    """Rank -> nodes holding a copy (primary or replica), fastest first."""
+    generation: int = 0
+    decided_at: float = 0.0
+
+
+class RestoreState(str, enum.Enum):
+    PENDING = "pending"
+    STAGING = "staging"
+    READY = "ready"
+    NONE = "none"
+    """Nothing to restore: start fresh."""
+    FAILED = "failed"
+
+
+@dataclasses.dataclass(frozen=True)
+class RestoreStatus(Message):
+    """``control/restore-rank-<rank:05d>.json``: written by the replicator while it stages a rank.
+
+    The client waits while ``updated_at`` keeps moving, not on a fixed timeout, and loads once
+    ``state`` is ``ready`` (or starts fresh on ``none``).
+    """
+
+    KIND = "tierckpt.restore-status"
+    VERSION = CONTRACT_VERSION
+
+    job: str
+    rank: int
+    state: RestoreState
+    step: int | None
+    source: Tier | None
+    bytes_done: int
+    bytes_total: int
+    updated_at: float
+    message: str = ""
+
+
+def restore_status_name(rank: int) -> str:
+    return f"restore-rank-{rank:05d}.json"
+
+
+def write_control(root: str | os.PathLike[str], job: str, name: str, msg: Message) -> Path:
+    """Atomically write a control file into ``<root>/<job>/control/``."""
+    if "/" in name or name.startswith("."):
+        raise ContractError(f"invalid control file name {name!r}")
+    d = control_dir(root, job)
+    d.mkdir(parents=True, exist_ok=True)
+    path = d / name
+    write_atomic(path, msg.to_bytes())
+    return path
+
+
+def read_control(root: str | os.PathLike[str], job: str, name: str, cls: type[Message]) -> Message | None:
+    """Read a control file, or None if absent. A malformed file raises ``FormatError``."""
+    try:
+        body = (control_dir(root, job) / name).read_bytes()
+    except FileNotFoundError:
+        return None
+    return cls.from_bytes(body)

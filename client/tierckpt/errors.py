@@ -1,0 +1,63 @@
+"""The tierckpt exception hierarchy.
+
+Every error says what happened and why. The tree::
+
+    TierckptError
+    ├── FormatError            a file does not follow the on-ramdisk format (bad JSON, wrong version)
+    │   └── CorruptShardError  bytes on disk do not match their crc32c; names the tensor and the file
+    ├── MissingCheckpointError no committed step matches the request
+    ├── RamdiskFullError       the ramdisk ran out of space (ENOSPC); the partial step was removed
+    ├── SaveInProgressError    a save was refused because another is still running (policy "error")
+    ├── ContractError          operator/pod/replicator contract data is missing or malformed
+    └── RetryableError         a transient failure (peer down, GCS 5xx, timeout); safe to retry
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ContractError",
+    "CorruptShardError",
+    "FormatError",
+    "MissingCheckpointError",
+    "RamdiskFullError",
+    "RetryableError",
+    "SaveInProgressError",
+    "TierckptError",
+]
+
+
+class TierckptError(Exception):
+    """Base class of every error tierckpt raises on purpose."""
+
+
+class FormatError(TierckptError):
+    """A file does not follow the on-ramdisk format."""
+
+
+class CorruptShardError(FormatError):
+    """Bytes on disk do not match the crc32c recorded for them."""
+
+    def __init__(self, message: str, *, path: str, key: str | None = None) -> None:
+        super().__init__(message)
+        self.path = path
+        self.key = key
+
+
+class MissingCheckpointError(TierckptError):
+    """No committed step matches the request."""
+
+
+class RamdiskFullError(TierckptError, OSError):
+    """The ramdisk has no space left; the partial step was cleaned up."""
+
+
+class SaveInProgressError(TierckptError):
+    """A save arrived while another was still running."""
+
+
+class ContractError(TierckptError):
+    """Data exchanged between operator, pod and replicator is missing or malformed."""
+
+
+class RetryableError(TierckptError):
+    """A transient failure: the same call may succeed later."""

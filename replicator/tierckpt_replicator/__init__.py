@@ -1,0 +1,1 @@
+"""tierckpt node replicator."""

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Set up (idempotent), then run every check CI runs: ruff, import-linter, the docs build, and pytest.
+# Extra arguments go to pytest. GPU tests are deselected here and run on the device machine.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+export PATH="$PWD/.venv/bin:$PATH"
+echo "== ruff" && ruff check client replicator operator tests bench
+echo "== import-linter" && lint-imports
+if [ -f mkdocs.yml ]; then echo "== docs (strict)" && mkdocs build --strict --quiet -d "$(mktemp -d)"; fi
+echo "== pytest"
+set +e
+python -m pytest -m "not gpu" -p no:cacheprovider "$@"
+rc=$?
+set -e
+[ $rc -eq 5 ] && { echo "no tests collected"; exit 1; }
+exit $rc
