@@ -31,6 +31,7 @@ from tierckpt.format import control_dir, write_atomic
 
 __all__ = [
     "Annotations",
+    "Csi",
     "Env",
     "Labels",
     "NodeInventory",
@@ -97,6 +98,27 @@ class Labels:
     REPLICATED_JOB = "jobset.sigs.k8s.io/replicatedjob-name"
     RESTART_ATTEMPT = "jobset.sigs.k8s.io/restart-attempt"
     COMPLETION_INDEX = "batch.kubernetes.io/job-completion-index"
+
+
+class Csi:
+    """The node ramdisk as an inline ephemeral CSI volume: driver name and volume attribute keys.
+
+    The operator's webhook injects into opted-in pods a ``csi`` volume with ``driver: Csi.DRIVER`` and
+    ``volumeAttributes`` {``Csi.JOB_ID``: job id, optionally ``Csi.RESERVATION``: a quantity such as
+    ``"64Gi"``}; the node plugin (``tierckpt-csi``) bind-mounts ``<node ramdisk>/<job id>`` there. The
+    job id's namespace must be the pod's own. The volume holds the job directory itself, so mount it at
+    ``<root>/<job id>`` and set ``Env.ROOT`` to ``<root>``. In hostPath mode the webhook mounts
+    ``<HOST_ROOT>/<job id>`` the same way (no isolation beyond the cluster's hostPath policy).
+    """
+
+    DRIVER = "ramdisk.tierckpt.io"
+    JOB_ID = "tierckpt.io/job-id"
+    """Volume attribute: the job id (same key as ``Annotations.JOB_ID``)."""
+    RESERVATION = "tierckpt.io/ramdisk-reservation"
+    """Volume attribute (optional): ramdisk bytes reserved for the job on the node, a quantity string.
+    Absent: the node plugin's default (the whole ramdisk, i.e. one job per node)."""
+    HOST_ROOT = "/var/lib/tierckpt/ramdisk"
+    """Default host path of the node ramdisk (a tmpfs mounted once, surviving driver restarts)."""
 
 
 _DNS_RE = re.compile(r"^[a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?$")
