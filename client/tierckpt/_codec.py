@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import json
 import types
 import typing
@@ -43,12 +44,19 @@ class Message:
         return decode_bytes(cls, data)
 
 
+_SCALARS = (int, str, float, bool, type(None))
+
+
 def _plain(value: Any) -> Any:
+    if type(value) in _SCALARS:
+        return value
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if isinstance(value, enum.Enum):
         return value.value
     if isinstance(value, (list, tuple)):
+        if all(type(v) in _SCALARS for v in value):
+            return list(value)
         return [_plain(v) for v in value]
     if isinstance(value, dict):
         return {str(k): _plain(v) for k, v in value.items()}
@@ -84,12 +92,18 @@ def decode(cls: type[T], data: Any) -> T:
     return _build(cls, data, cls.KIND)
 
 
+@functools.cache
+def _fields_and_hints(cls: type) -> tuple[tuple[dataclasses.Field[Any], ...], dict[str, Any]]:
+    """Resolving type hints is slow; messages with thousands of records resolve them once per class."""
+    return dataclasses.fields(cls), typing.get_type_hints(cls)
+
+
 def _build(cls: type, data: Any, where: str) -> Any:
     if not isinstance(data, dict):
         raise FormatError(f"{where}: expected an object")
-    hints = typing.get_type_hints(cls)
+    fields, hints = _fields_and_hints(cls)
     kwargs = {}
-    for f in dataclasses.fields(cls):
+    for f in fields:
         if f.name in data:
             kwargs[f.name] = _coerce(hints[f.name], data[f.name], f"{where}.{f.name}")
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
@@ -125,6 +139,8 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:  # noqa: C901 - one branch 
         if not isinstance(value, list):
             raise FormatError(f"{where}: expected a list")
         if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
+            if args[0] in (int, str, bool) and all(type(v) is args[0] for v in value):
+                return tuple(value)  # fast path for long homogeneous arrays; errors take the slow path
             return tuple(_coerce(args[0], v, f"{where}[{i}]") for i, v in enumerate(value))
         if origin is tuple:
             if len(value) != len(args):
