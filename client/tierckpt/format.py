@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import re
 import shutil
@@ -48,6 +49,7 @@ __all__ = [
     "committed_steps",
     "control_dir",
     "data_file_name",
+    "decode_commit",
     "discard_step",
     "fsync_dir",
     "job_dir",
@@ -271,6 +273,9 @@ class CommitMarker(Message):
     manifest_crc32c: int
     total_bytes: int
     committed_at: float
+    marker_crc32c: int | None = None
+    """crc32c of this marker's own compact JSON object without this member, which is written last (so a
+    flipped byte anywhere in COMMIT is detected, ``committed_at`` included). Readers require it."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -339,17 +344,39 @@ def commit_step(step_path: str | os.PathLike[str], manifest: Manifest) -> Commit
         total_bytes=manifest.total_bytes,
         committed_at=time.time(),
     )
-    write_atomic(step_path / COMMIT_NAME, marker.to_bytes())
+    body = _encode_marker(marker)
+    write_atomic(step_path / COMMIT_NAME, body)
+    return CommitMarker.from_bytes(body)
+
+
+_MARKER_CRC_MEMBER = b',"marker_crc32c":'
+
+
+def _encode_marker(marker: CommitMarker) -> bytes:
+    """Compact JSON of the marker, with ``marker_crc32c`` appended last as the crc of what precedes it."""
+    fields = marker.to_dict()
+    fields.pop("marker_crc32c", None)
+    body = json.dumps(fields, separators=(",", ":")).encode()
+    return body[:-1] + _MARKER_CRC_MEMBER + str(crc32c(body)).encode() + b"}"
+
+
+def decode_commit(body: bytes, where: str = COMMIT_NAME) -> CommitMarker:
+    """Parse COMMIT bytes and check the marker's own crc32c (``where`` names the file in errors)."""
+    marker = CommitMarker.from_bytes(body)
+    cut = body.rfind(_MARKER_CRC_MEMBER)
+    if marker.marker_crc32c is None or cut < 0 or crc32c(body[:cut] + b"}") != marker.marker_crc32c:
+        raise FormatError(f"{where}: commit marker does not match its own crc32c (corrupt)")
     return marker
 
 
 def read_commit(step_path: str | os.PathLike[str]) -> CommitMarker | None:
     """The step's commit marker, or None if the step is not committed."""
+    path = Path(step_path) / COMMIT_NAME
     try:
-        body = (Path(step_path) / COMMIT_NAME).read_bytes()
+        body = path.read_bytes()
     except (FileNotFoundError, NotADirectoryError):
         return None
-    return CommitMarker.from_bytes(body)
+    return decode_commit(body, str(path))
 
 
 def read_manifest(step_path: str | os.PathLike[str]) -> Manifest:
