@@ -5,6 +5,7 @@ Layout under a root directory (the node ramdisk; in a pod, the job's bind mount)
     <root>/<job>/rank-<rank:05d>/step-<step:012d>/
         data-<n:05d>.bin     tensor bytes, each tensor at an aligned offset
         objects.pkl          pickled non-tensor user objects (optional)
+        dcp-metadata.json    DCP steps, coordinator rank only: the global DCP metadata (typed JSON)
         manifest.json        Manifest: every tensor's key, dtype, shape, file, offset, length, crc32c
         COMMIT               CommitMarker, written last and atomically
     <root>/<job>/rank-<rank:05d>/leases/<step:012d>.<holder>.json    Lease
@@ -35,6 +36,7 @@ from tierckpt.integrity import crc32c
 __all__ = [
     "ALIGNMENT",
     "COMMIT_NAME",
+    "DCP_METADATA_NAME",
     "FORMAT_VERSION",
     "MANIFEST_NAME",
     "OBJECTS_NAME",
@@ -71,6 +73,8 @@ ALIGNMENT = 256
 MANIFEST_NAME = "manifest.json"
 COMMIT_NAME = "COMMIT"
 OBJECTS_NAME = "objects.pkl"
+DCP_METADATA_NAME = "dcp-metadata.json"
+"""DCP steps only: the coordinator's typed-JSON DCP ``Metadata`` (see tierckpt.dcp.metadata)."""
 _TMP_SUFFIX = ".tmp"
 
 _JOB_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,252}$")
@@ -106,7 +110,7 @@ def check_holder(holder: str) -> str:
 
 def check_file_name(name: str) -> str:
     """A file named in a manifest must be a plain data or objects file: no separators, no traversal."""
-    if name != OBJECTS_NAME and not _DATA_RE.match(name):
+    if name not in (OBJECTS_NAME, DCP_METADATA_NAME) and not _DATA_RE.match(name):
         raise FormatError(f"invalid shard file name {name!r}")
     return name
 
@@ -420,4 +424,4 @@ def discard_step(step_path: str | os.PathLike[str]) -> None:
 
 
 def iter_data_files(manifest: Manifest) -> Iterator[FileEntry]:
-    return (f for f in manifest.files if f.name != OBJECTS_NAME)
+    return (f for f in manifest.files if _DATA_RE.match(f.name))
