@@ -42,6 +42,10 @@ class CorruptShardError(FormatError):
         self.path = path
         self.key = key
 
+    def __reduce__(self) -> tuple[object, ...]:
+        # Picklable with its keyword-only fields: torch.distributed ships errors between ranks.
+        return (_corrupt_shard_error, (str(self), self.path, self.key))
+
 
 class MissingCheckpointError(TierckptError):
     """No committed step matches the request."""
@@ -61,3 +65,7 @@ class ContractError(TierckptError):
 
 class RetryableError(TierckptError):
     """A transient failure: the same call may succeed later."""
+
+
+def _corrupt_shard_error(message: str, path: str, key: str | None) -> CorruptShardError:
+    return CorruptShardError(message, path=path, key=key)
