@@ -1,0 +1,199 @@
+"""Typed messages between the daemon and its replication worker process, one JSON line each.
+
+The daemon starts the worker with one end of a socketpair and sends ``WorkerConfig`` first. Then it
+sends ``SendTask``/``FetchTask``; the worker answers each with ``TaskProgress`` lines and one
+``TaskResult``, and reports what its data server did as ``DataEvent``. ``Shutdown`` (or the daemon's
+end closing) stops the worker. No pickle: every line is a ``_codec`` message.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import socket
+import threading
+from typing import Literal
+
+from tierckpt._codec import Message, decode
+from tierckpt.errors import FormatError
+
+__all__ = [
+    "MESSAGES",
+    "Channel",
+    "DataEvent",
+    "FetchSource",
+    "FetchTask",
+    "Outcome",
+    "PeerAddress",
+    "SendTask",
+    "Shutdown",
+    "TaskProgress",
+    "TaskResult",
+    "WorkerConfig",
+    "decode_line",
+    "encode_line",
+]
+
+MAX_LINE = 1 << 20
+
+OutcomeStatus = Literal[
+    "ok", "already", "failed", "corrupt", "full", "busy", "unreachable", "missing", "unauthorized"
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class PeerAddress:
+    node: str
+    host: str
+    port: int
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerConfig(Message):
+    KIND = "tierckpt.worker-config"
+
+    node: str
+    root: str
+    token_file: str
+    listen_host: str
+    data_port: int
+    holder: str
+    concurrency: int = 2
+    max_incoming: int = 4
+    bandwidth_bytes_per_s: float = 0.0
+    transfer_timeout: float = 30.0
+    connect_timeout: float = 5.0
+    max_manifest_bytes: int = 64 << 20
+    reserve_bytes: int = 64 << 20
+    replica_keep: int = 2
+    nice: int = 10
+    log_level: str = "INFO"
+
+
+@dataclasses.dataclass(frozen=True)
+class SendTask(Message):
+    """Copy ``job``/``rank``/``step`` (a local primary) to ``want`` of the candidates, in order."""
+
+    KIND = "tierckpt.send-task"
+
+    id: int
+    job: str
+    rank: int
+    step: int
+    candidates: tuple[PeerAddress, ...]
+    want: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class FetchSource:
+    kind: Literal["replica", "peer"]
+    node: str
+    host: str = ""
+    port: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class FetchTask(Message):
+    """Stage ``job``/``rank``/``step`` as this node's primary from the first source that works."""
+
+    KIND = "tierckpt.fetch-task"
+
+    id: int
+    job: str
+    rank: int
+    step: int
+    sources: tuple[FetchSource, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    node: str
+    status: OutcomeStatus
+    message: str = ""
+    bytes: int = 0
+    seconds: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskProgress(Message):
+    KIND = "tierckpt.task-progress"
+
+    id: int
+    bytes_done: int
+    bytes_total: int
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskResult(Message):
+    KIND = "tierckpt.task-result"
+
+    id: int
+    ok: bool
+    outcomes: tuple[Outcome, ...] = ()
+    message: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class DataEvent(Message):
+    """Something the worker's data server did (for metrics, logs and inventory refresh)."""
+
+    KIND = "tierckpt.data-event"
+
+    op: Literal["put", "get", "corrupt"]
+    job: str
+    rank: int
+    step: int
+    peer: str
+    status: int
+    bytes: int = 0
+    seconds: float = 0.0
+    message: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Shutdown(Message):
+    KIND = "tierckpt.worker-shutdown"
+
+
+MESSAGES: dict[str, type[Message]] = {
+    cls.KIND: cls
+    for cls in (WorkerConfig, SendTask, FetchTask, TaskProgress, TaskResult, DataEvent, Shutdown)
+}
+
+
+def encode_line(msg: Message) -> bytes:
+    return msg.to_bytes() + b"\n"
+
+
+def decode_line(line: bytes) -> Message:
+    try:
+        obj = json.loads(line)
+    except ValueError as exc:
+        raise FormatError(f"worker channel: not JSON ({exc})") from exc
+    cls = MESSAGES.get(obj.get("kind")) if isinstance(obj, dict) else None
+    if cls is None:
+        raise FormatError(f"worker channel: unknown message {str(obj)[:80]!r}")
+    return decode(cls, obj)
+
+
+class Channel:
+    """The worker's blocking end: ``recv()`` one message (None at EOF), ``send()`` from any thread."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._rfile = sock.makefile("rb")
+        self._lock = threading.Lock()
+
+    def recv(self) -> Message | None:
+        line = self._rfile.readline(MAX_LINE)
+        return decode_line(line) if line else None
+
+    def send(self, msg: Message) -> None:
+        data = encode_line(msg)
+        with self._lock, contextlib.suppress(OSError):  # daemon gone: the main loop sees EOF and exits
+            self._sock.sendall(data)
+
+    def close(self) -> None:
+        self._rfile.close()
+        self._sock.close()

@@ -1,0 +1,71 @@
+"""What to send where (pure; no I/O).
+
+``candidate_targets`` orders the nodes a node may copy its ranks to: the peers the assignment names
+(in its order), then nodes of other failure domains, then the rest of its own domain; nodes in backoff
+go last. ``plan_sends`` turns the newest committed step of each local rank, and what is already known
+to be replicated or in flight, into ``SendItem``s: the step, the candidates, and how many more copies
+are wanted. The worker walks the candidates in order until that many succeeded, so a dead or full peer
+is replaced by the next one at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+from collections.abc import Collection, Mapping
+
+from tierckpt.contract import PeerAssignment
+
+__all__ = ["SendItem", "candidate_targets", "plan_sends"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SendItem:
+    job: str
+    rank: int
+    step: int
+    candidates: tuple[str, ...]
+    want: int
+
+
+def candidate_targets(
+    assignment: PeerAssignment, node: str, *, avoid: Collection[str] = ()
+) -> tuple[str, ...]:
+    """Nodes ``node`` may replicate to, most preferred first."""
+    assigned = [n for n in assignment.peers.get(node, ()) if n != node and n in assignment.nodes]
+    own = assignment.nodes[node].domain if node in assignment.nodes else ""
+    rest = sorted(n for n in assignment.nodes if n != node and n not in assigned)
+    # Rotate the fallbacks by a stable hash of the sender, so fallback load spreads over the cluster.
+    if rest:
+        shift = zlib.crc32(node.encode()) % len(rest)
+        rest = rest[shift:] + rest[:shift]
+    other_domain = [n for n in rest if not own or assignment.nodes[n].domain != own]
+    same_domain = [n for n in rest if n not in other_domain]
+    ordered = assigned + other_domain + same_domain
+    return tuple([n for n in ordered if n not in avoid] + [n for n in ordered if n in avoid])
+
+
+def plan_sends(
+    *,
+    job: str,
+    node: str,
+    k: int,
+    assignment: PeerAssignment,
+    newest: Mapping[int, int],
+    confirmed: Mapping[tuple[int, int], Collection[str]],
+    in_flight: Collection[tuple[int, int]] = (),
+    avoid: Collection[str] = (),
+) -> list[SendItem]:
+    """One ``SendItem`` per local rank whose newest step has fewer than ``k`` confirmed copies."""
+    base = candidate_targets(assignment, node, avoid=avoid)
+    items = []
+    for rank in sorted(newest):
+        step = newest[rank]
+        if (rank, step) in in_flight:
+            continue
+        have = set(confirmed.get((rank, step), ()))
+        want = k - len(have)
+        candidates = tuple(n for n in base if n not in have)
+        if want > 0 and candidates:
+            items.append(SendItem(job=job, rank=rank, step=step, candidates=candidates, want=want))
+    return items

@@ -1,0 +1,331 @@
+"""The data endpoint: receives replicas (``put``), serves steps to restoring nodes (``get``), and hears
+corruption reports (``corrupt``). Blocking sockets, one thread per connection, at most
+``max_incoming`` transfers at once; everything else is refused as busy (503) before any data moves.
+
+Put: auth → parse and cross-check COMMIT + manifest → already held? (208) → in progress? (409) → room?
+(507, after dropping what retention allows) → preallocate every file (507 on ENOSPC) → ``100
+continue`` → receive with crc32c → all match? commit atomically (200) : drop the staging dir (422).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from tierckpt import leases
+from tierckpt.errors import CorruptShardError, FormatError, MissingCheckpointError, RamdiskFullError
+from tierckpt.format import (
+    COMMIT_NAME,
+    MANIFEST_NAME,
+    check_job_id,
+    discard_step,
+    read_commit,
+    replica_rank_dir,
+    step_dir,
+)
+from tierckpt_replicator.replication.context import DataContext, unique_holder
+from tierckpt_replicator.replication.ipc import DataEvent
+from tierckpt_replicator.replication.replicas import apply_retention, client_headroom, free_bytes, make_room
+from tierckpt_replicator.replication.store import StepWriter, find_committed, parse_header, verify_step
+from tierckpt_replicator.replication.stream import receive_file, send_file
+from tierckpt_replicator.replication.wire import (
+    DataReply,
+    DataRequest,
+    ProtocolError,
+    Status,
+    recv_exact,
+    recv_frame,
+    send_frame,
+)
+
+__all__ = ["DataServer"]
+
+log = logging.getLogger(__name__)
+
+_MAX_INDEX = 1 << 62
+
+
+class _Reject(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class DataServer:
+    """``start()`` binds and serves on a background thread; ``stop()`` closes the listener."""
+
+    def __init__(self, ctx: DataContext) -> None:
+        self.ctx = ctx
+        self._slots = threading.BoundedSemaphore(ctx.config.max_incoming)
+        self._claims: set[tuple[str, int, int]] = set()
+        self._claims_lock = threading.Lock()
+        self._listener: socket.socket | None = None
+        self._stopped = threading.Event()
+
+    @property
+    def port(self) -> int:
+        assert self._listener is not None
+        return self._listener.getsockname()[1]
+
+    def start(self) -> None:
+        cfg = self.ctx.config
+        family = socket.AF_INET6 if ":" in cfg.listen_host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((cfg.listen_host, cfg.data_port))
+        sock.listen(128)
+        self._listener = sock
+        threading.Thread(target=self._accept_loop, name="data-accept", daemon=True).start()
+        log.info("data endpoint listening on %s:%d", cfg.listen_host, self.port)
+
+    def stop(self) -> None:
+        self._stopped.set()
+        if self._listener is not None:
+            with contextlib.suppress(OSError):
+                self._listener.shutdown(socket.SHUT_RDWR)
+            self._listener.close()
+
+    def _accept_loop(self) -> None:
+        assert self._listener is not None
+        while not self._stopped.is_set():
+            try:
+                conn, addr = self._listener.accept()
+            except OSError:
+                if self._stopped.is_set():
+                    return
+                time.sleep(0.05)
+                continue
+            threading.Thread(target=self._serve, args=(conn, addr), name="data-conn", daemon=True).start()
+
+    # ------------------------------------------------------------------ one connection
+
+    def _serve(self, conn: socket.socket, addr: tuple[str, int]) -> None:
+        conn.settimeout(self.ctx.config.transfer_timeout)
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        slot = self._slots.acquire(blocking=False)
+        try:
+            req = recv_frame(conn, DataRequest)
+            self._check(req, slot)
+            handler = {"put": self._put, "get": self._get, "corrupt": self._corrupt}[req.op]
+            handler(conn, req)
+        except _Reject as exc:
+            log.info("data %s: refused (%d): %s", addr[0], exc.status, exc)
+            self._reply(conn, DataReply(status=exc.status, message=str(exc)))
+        except ProtocolError as exc:
+            log.warning("data %s: %s", addr[0], exc)
+            self._reply(conn, DataReply(status=exc.status or Status.BAD_REQUEST, message=str(exc)))
+        except OSError as exc:
+            log.warning("data %s: connection failed: %s", addr[0], exc)
+        except Exception:  # a bug must not kill the server thread silently
+            log.exception("data %s: unexpected error", addr[0])
+        finally:
+            if slot:
+                self._slots.release()
+            conn.close()
+
+    def _check(self, req: DataRequest, slot: bool) -> None:
+        if not req.token:
+            raise _Reject(Status.UNAUTHORIZED, "missing token")
+        if not self.ctx.tokens.check(req.token):
+            raise _Reject(Status.FORBIDDEN, "invalid token")
+        try:
+            check_job_id(req.job)
+        except FormatError as exc:
+            raise _Reject(Status.BAD_REQUEST, str(exc)) from exc
+        if not (0 <= req.rank < _MAX_INDEX and 0 <= req.step < _MAX_INDEX):
+            raise _Reject(Status.BAD_REQUEST, "rank and step must be non-negative integers")
+        if not slot:
+            raise _Reject(Status.BUSY, f"already serving {self.ctx.config.max_incoming} transfers")
+
+    @staticmethod
+    def _reply(conn: socket.socket, reply: DataReply, payload: bytes = b"") -> None:
+        with contextlib.suppress(OSError):
+            send_frame(conn, reply, payload)
+
+    @contextlib.contextmanager
+    def _claim(self, key: tuple[str, int, int]) -> Iterator[None]:
+        with self._claims_lock:
+            if key in self._claims:
+                raise _Reject(Status.CONFLICT, "this step is already being received")
+            self._claims.add(key)
+        try:
+            yield
+        finally:
+            with self._claims_lock:
+                self._claims.discard(key)
+
+    # ------------------------------------------------------------------ put
+
+    def _put(self, conn: socket.socket, req: DataRequest) -> None:
+        limit = self.ctx.config.max_manifest_bytes
+        for what, size in (("commit", req.commit_size), ("manifest", req.manifest_size)):
+            if not 0 < size <= limit:
+                raise _Reject(Status.TOO_LARGE, f"{what} size {size} outside 1..{limit}")
+        commit_bytes = recv_exact(conn, req.commit_size)
+        manifest_bytes = recv_exact(conn, req.manifest_size)
+        try:
+            header = parse_header(commit_bytes, manifest_bytes, job=req.job, rank=req.rank, step=req.step)
+        except FormatError as exc:
+            raise _Reject(Status.BAD_REQUEST, f"bad step header: {exc}") from exc
+        parent = replica_rank_dir(self.ctx.root, req.job, req.rank)
+        if read_commit(step_dir(parent, req.step)) is not None:
+            self._reply(conn, DataReply(status=Status.ALREADY, message="replica already committed"))
+            return
+        with self._claim((req.job, req.rank, req.step)):
+            self._ensure_room(req.job, header.manifest.total_bytes + len(commit_bytes) + len(manifest_bytes))
+            started, status, message = time.monotonic(), Status.OK, "committed"
+            writer = StepWriter(parent, header)
+            try:
+                writer.prepare()
+                send_frame(conn, DataReply(status=Status.CONTINUE))
+                _receive_all(conn, writer)
+                writer.commit()
+            except RamdiskFullError as exc:
+                writer.abort()
+                raise _Reject(Status.NO_SPACE, str(exc)) from exc
+            except CorruptShardError as exc:
+                writer.abort()
+                status, message = Status.CORRUPT, str(exc)
+            except BaseException:
+                writer.abort()
+                raise
+            self._reply(
+                conn, DataReply(status=status, message=message, total_bytes=header.manifest.total_bytes)
+            )
+        seconds = time.monotonic() - started
+        log.info(
+            "replica %s rank %d step %d from %s: %s (%d bytes, %.2fs)",
+            req.job,
+            req.rank,
+            req.step,
+            req.node or "?",
+            message,
+            header.manifest.total_bytes,
+            seconds,
+        )
+        if status == Status.OK:
+            apply_retention(self.ctx.root, req.job, self.ctx.config.replica_keep)
+        self.ctx.emit(
+            DataEvent(
+                op="put",
+                job=req.job,
+                rank=req.rank,
+                step=req.step,
+                peer=req.node,
+                status=status,
+                bytes=header.manifest.total_bytes,
+                seconds=seconds,
+                message=message,
+            )
+        )
+
+    def _ensure_room(self, job: str, need: int) -> None:
+        root = self.ctx.root
+        reserve = self.ctx.config.reserve_bytes + client_headroom(root)
+        if free_bytes(root) - need >= reserve:
+            return
+        make_room(root, job)
+        free = free_bytes(root)
+        if free - need < reserve:
+            raise _Reject(Status.NO_SPACE, f"need {need} bytes plus a reserve of {reserve}, {free} free")
+
+    # ------------------------------------------------------------------ get
+
+    def _get(self, conn: socket.socket, req: DataRequest) -> None:
+        path = find_committed(self.ctx.root, req.job, req.rank, req.step)
+        if path is None:
+            raise _Reject(Status.NOT_FOUND, f"no committed copy of {req.job} rank {req.rank} step {req.step}")
+        started = time.monotonic()
+        try:
+            lease = leases.hold(path.parent, req.step, unique_holder(self.ctx.config.holder))
+        except MissingCheckpointError as exc:
+            raise _Reject(Status.NOT_FOUND, "the step was deleted meanwhile") from exc
+        with lease:
+            commit_bytes = (path / COMMIT_NAME).read_bytes()
+            manifest_bytes = (path / MANIFEST_NAME).read_bytes()
+            try:
+                header = parse_header(commit_bytes, manifest_bytes, job=req.job, rank=req.rank, step=req.step)
+            except FormatError as exc:
+                raise _Reject(Status.CORRUPT, f"local copy unreadable: {exc}") from exc
+            reply = DataReply(
+                status=Status.OK,
+                commit_size=len(commit_bytes),
+                manifest_size=len(manifest_bytes),
+                total_bytes=header.manifest.total_bytes,
+            )
+            send_frame(conn, reply, commit_bytes + manifest_bytes)
+            for f in header.manifest.files:
+                send_file(conn, path / f.name, f.size)
+        seconds = time.monotonic() - started
+        log.info(
+            "served %s rank %d step %d to %s (%d bytes, %.2fs)",
+            req.job,
+            req.rank,
+            req.step,
+            req.node or "?",
+            header.manifest.total_bytes,
+            seconds,
+        )
+        self.ctx.emit(
+            DataEvent(
+                op="get",
+                job=req.job,
+                rank=req.rank,
+                step=req.step,
+                peer=req.node,
+                status=Status.OK,
+                bytes=header.manifest.total_bytes,
+                seconds=seconds,
+            )
+        )
+
+    # ------------------------------------------------------------------ corrupt
+
+    def _corrupt(self, conn: socket.socket, req: DataRequest) -> None:
+        path = step_dir(replica_rank_dir(self.ctx.root, req.job, req.rank), req.step)
+        message = "no replica held"
+        if read_commit(path) is not None:
+            problems = verify_step(Path(path))
+            if problems:
+                discard_step(path)
+                message = f"replica dropped: {'; '.join(problems)}"
+                log.warning(
+                    "%s rank %d step %d reported corrupt by %s: %s",
+                    req.job,
+                    req.rank,
+                    req.step,
+                    req.node or "?",
+                    message,
+                )
+            else:
+                message = "replica verified intact"
+        self._reply(conn, DataReply(status=Status.OK, message=message))
+        self.ctx.emit(
+            DataEvent(
+                op="corrupt",
+                job=req.job,
+                rank=req.rank,
+                step=req.step,
+                peer=req.node,
+                status=Status.OK,
+                message=message,
+            )
+        )
+
+
+def _receive_all(conn: socket.socket, writer: StepWriter) -> None:
+    """Receive every file; a crc mismatch is raised only after the stream is drained (protocol in sync)."""
+    bad: CorruptShardError | None = None
+    for f in writer.header.manifest.files:
+        crc = receive_file(conn, writer.path(f.name), f.size)
+        try:
+            writer.record(f.name, crc)
+        except CorruptShardError as exc:
+            bad = bad or exc
+    if bad is not None:
+        raise bad

@@ -1,0 +1,251 @@
+"""The client side of the data protocol: push a local step to a peer, or stage a step from a source.
+
+``push_step`` copies this node's primary of a step to one peer (``put``), holding a lease on the
+primary throughout. ``fetch_step`` stages a step as this node's primary from a local replica (a copy
+within the ramdisk) or from a peer (``get``), verifying every file's crc32c as it arrives; a corrupt
+copy is reported to its holder, which re-verifies and drops it. Both return an ``Outcome`` and never
+raise for the failures a network or a peer can cause.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from tierckpt import leases
+from tierckpt.errors import CorruptShardError, FormatError, MissingCheckpointError, RamdiskFullError
+from tierckpt.format import (
+    COMMIT_NAME,
+    MANIFEST_NAME,
+    discard_step,
+    rank_dir,
+    read_commit,
+    replica_rank_dir,
+    step_dir,
+)
+from tierckpt_replicator.replication.context import DataContext, connect, unique_holder
+from tierckpt_replicator.replication.ipc import FetchSource, Outcome, OutcomeStatus, PeerAddress
+from tierckpt_replicator.replication.store import StepHeader, StepWriter, parse_header
+from tierckpt_replicator.replication.stream import copy_file, receive_file, send_file
+from tierckpt_replicator.replication.wire import (
+    DataReply,
+    DataRequest,
+    ProtocolError,
+    Status,
+    recv_exact,
+    recv_frame,
+    send_frame,
+)
+
+__all__ = ["fetch_step", "outcome_status", "push_step", "report_corrupt"]
+
+log = logging.getLogger(__name__)
+
+OnProgress = Callable[[int, int], None]
+
+_STATUS_NAMES: dict[int, OutcomeStatus] = {
+    Status.OK: "ok",
+    Status.ALREADY: "already",
+    Status.UNAUTHORIZED: "unauthorized",
+    Status.FORBIDDEN: "unauthorized",
+    Status.NOT_FOUND: "missing",
+    Status.CONFLICT: "busy",
+    Status.BUSY: "busy",
+    Status.CORRUPT: "corrupt",
+    Status.NO_SPACE: "full",
+}
+
+
+def outcome_status(status: int) -> OutcomeStatus:
+    return _STATUS_NAMES.get(status, "failed")
+
+
+def _read_header(path: Path, job: str, rank: int, step: int) -> StepHeader:
+    return parse_header(
+        (path / COMMIT_NAME).read_bytes(), (path / MANIFEST_NAME).read_bytes(), job=job, rank=rank, step=step
+    )
+
+
+# ------------------------------------------------------------------------------------ push
+
+
+def push_step(ctx: DataContext, job: str, rank: int, step: int, peer: PeerAddress) -> Outcome:
+    """Copy this node's primary of ``job``/``rank``/``step`` to ``peer``."""
+    started = time.monotonic()
+    parent = rank_dir(ctx.root, job, rank)
+    path = step_dir(parent, step)
+    try:
+        lease = leases.hold(parent, step, unique_holder(ctx.config.holder))
+    except MissingCheckpointError:
+        return Outcome(peer.node, "missing", "the primary is no longer committed")
+    try:
+        with lease:
+            header = _read_header(path, job, rank, step)
+            try:
+                sock = connect(ctx, peer)
+            except OSError as exc:
+                return Outcome(peer.node, "unreachable", f"connect {peer.host}:{peer.port}: {exc}")
+            with sock:
+                sent = _push(ctx, sock, header, path)
+    except FormatError as exc:
+        return Outcome(peer.node, "failed", f"local primary unreadable: {exc}")
+    except (OSError, ProtocolError) as exc:
+        return Outcome(
+            peer.node, "failed", f"transfer to {peer.node} broke: {exc}", seconds=time.monotonic() - started
+        )
+    reply, nbytes = sent
+    return Outcome(
+        peer.node,
+        outcome_status(reply.status),
+        reply.message,
+        bytes=nbytes,
+        seconds=time.monotonic() - started,
+    )
+
+
+def _push(ctx: DataContext, sock: socket.socket, header: StepHeader, path: Path) -> tuple[DataReply, int]:
+    m = header.manifest
+    req = DataRequest(
+        op="put",
+        token=ctx.tokens.text(),
+        job=m.job,
+        rank=m.rank,
+        step=m.step,
+        node=ctx.config.node,
+        commit_size=len(header.commit_bytes),
+        manifest_size=len(header.manifest_bytes),
+    )
+    send_frame(sock, req, header.commit_bytes + header.manifest_bytes)
+    reply = recv_frame(sock, DataReply)
+    if reply.status != Status.CONTINUE:
+        return reply, 0
+    sent = 0
+
+    def on_bytes(n: int) -> None:
+        nonlocal sent
+        sent += n
+
+    for f in m.files:
+        send_file(sock, path / f.name, f.size, bucket=ctx.bucket, on_bytes=on_bytes)
+    return recv_frame(sock, DataReply), sent
+
+
+# ------------------------------------------------------------------------------------ fetch
+
+
+def fetch_step(
+    ctx: DataContext, job: str, rank: int, step: int, source: FetchSource, on_progress: OnProgress
+) -> Outcome:
+    """Stage ``job``/``rank``/``step`` as this node's committed primary from ``source``."""
+    started = time.monotonic()
+    if read_commit(step_dir(rank_dir(ctx.root, job, rank), step)) is not None:
+        return Outcome(source.node, "already", "already a local primary")
+    try:
+        if source.kind == "replica":
+            nbytes = _copy_replica(ctx, job, rank, step, on_progress)
+        else:
+            nbytes = _download(ctx, job, rank, step, source, on_progress)
+    except RamdiskFullError as exc:
+        return Outcome(source.node, "full", str(exc))
+    except CorruptShardError as exc:
+        log.warning(
+            "%s rank %d step %d from %s (%s) is corrupt: %s", job, rank, step, source.node, source.kind, exc
+        )
+        if source.kind == "peer":
+            report_corrupt(ctx, job, rank, step, source)
+        return Outcome(source.node, "corrupt", str(exc))
+    except _Refused as exc:
+        return Outcome(source.node, exc.status, str(exc))
+    except FormatError as exc:
+        return Outcome(source.node, "corrupt", f"unreadable step header: {exc}")
+    except (OSError, ProtocolError) as exc:
+        return Outcome(source.node, "failed", f"fetch from {source.node} broke: {exc}")
+    return Outcome(source.node, "ok", bytes=nbytes, seconds=time.monotonic() - started)
+
+
+class _Refused(Exception):
+    def __init__(self, status: OutcomeStatus, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def _copy_replica(ctx: DataContext, job: str, rank: int, step: int, on_progress: OnProgress) -> int:
+    parent = replica_rank_dir(ctx.root, job, rank)
+    src = step_dir(parent, step)
+    try:
+        lease = leases.hold(parent, step, unique_holder(ctx.config.holder))
+    except MissingCheckpointError as exc:
+        raise _Refused("missing", "no committed local replica") from exc
+    with lease:
+        header = _read_header(src, job, rank, step)
+        total, done = header.manifest.total_bytes, 0
+        try:
+            with StepWriter(rank_dir(ctx.root, job, rank), header) as writer:
+                writer.prepare()
+                for f in header.manifest.files:
+                    writer.record(f.name, copy_file(src / f.name, writer.path(f.name), f.size))
+                    done += f.size
+                    on_progress(done, total)
+                writer.commit()
+        except CorruptShardError:
+            discard_step(src)  # our own replica is bad: drop it so nobody fetches it again
+            raise
+    return total
+
+
+def _download(
+    ctx: DataContext, job: str, rank: int, step: int, source: FetchSource, on_progress: OnProgress
+) -> int:
+    try:
+        sock = connect(ctx, PeerAddress(source.node, source.host, source.port))
+    except OSError as exc:
+        raise _Refused("unreachable", f"connect {source.host}:{source.port}: {exc}") from exc
+    with sock:
+        send_frame(
+            sock,
+            DataRequest(
+                op="get", token=ctx.tokens.text(), job=job, rank=rank, step=step, node=ctx.config.node
+            ),
+        )
+        reply = recv_frame(sock, DataReply)
+        if reply.status != Status.OK:
+            raise _Refused(outcome_status(reply.status), reply.message)
+        limit = ctx.config.max_manifest_bytes
+        if not (0 < reply.commit_size <= limit and 0 < reply.manifest_size <= limit):
+            raise ProtocolError(f"header sizes {reply.commit_size}/{reply.manifest_size} out of bounds")
+        header = parse_header(
+            recv_exact(sock, reply.commit_size),
+            recv_exact(sock, reply.manifest_size),
+            job=job,
+            rank=rank,
+            step=step,
+        )
+        total, done = header.manifest.total_bytes, 0
+
+        def on_bytes(n: int) -> None:
+            nonlocal done
+            done += n
+            on_progress(done, total)
+
+        with StepWriter(rank_dir(ctx.root, job, rank), header) as writer:
+            writer.prepare()
+            for f in header.manifest.files:
+                writer.record(f.name, receive_file(sock, writer.path(f.name), f.size, on_bytes=on_bytes))
+            writer.commit()
+    return total
+
+
+def report_corrupt(ctx: DataContext, job: str, rank: int, step: int, source: FetchSource) -> None:
+    """Tell the holder its copy failed verification (best effort)."""
+    peer = PeerAddress(source.node, source.host, source.port)
+    with contextlib.suppress(OSError, ProtocolError), connect(ctx, peer) as sock:
+        req = DataRequest(
+            op="corrupt", token=ctx.tokens.text(), job=job, rank=rank, step=step, node=ctx.config.node
+        )
+        send_frame(sock, req)
+        reply = recv_frame(sock, DataReply)
+        log.info("reported corrupt copy to %s: %s", source.node, reply.message)

@@ -1,0 +1,139 @@
+"""The streaming data protocol between replicators (spec: docs/replicator.md, "Data protocol").
+
+One TCP connection carries one request. Every message is a *frame*: the magic ``TKR1``, a 4-byte
+big-endian length, then a ``_codec`` JSON message. Raw step bytes follow some frames::
+
+    put  (sender -> holder-to-be)   DataRequest{op=put, token, job, rank, step, commit_size, manifest_size}
+                                    + COMMIT bytes + manifest bytes
+                                    <- DataReply{status=100 continue | error}
+                                    + every file of the manifest, in manifest order, exactly its size
+                                    <- DataReply{status=200 committed | 422 corrupt | error}
+    get  (restorer -> holder)       DataRequest{op=get, token, job, rank, step}
+                                    <- DataReply{status=200, commit_size, manifest_size} + COMMIT + manifest
+                                    + every file of the manifest, in manifest order
+    corrupt (restorer -> holder)    DataRequest{op=corrupt, ...}: "your copy failed its crc32c";
+                                    the holder re-verifies its replica and drops it if bad.
+
+The token is checked (constant time) before anything else is read. Statuses follow HTTP's meaning.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+import struct
+from typing import ClassVar, Literal, TypeVar
+
+from tierckpt._codec import Message
+from tierckpt.errors import FormatError, RetryableError
+
+__all__ = [
+    "MAGIC",
+    "MAX_FRAME",
+    "DataReply",
+    "DataRequest",
+    "ProtocolError",
+    "Status",
+    "recv_exact",
+    "recv_frame",
+    "send_frame",
+]
+
+MAGIC = b"TKR1"
+MAX_FRAME = 64 << 10
+_HEADER = struct.Struct("!4sI")
+
+Op = Literal["put", "get", "corrupt"]
+M = TypeVar("M", bound=Message)
+
+
+class Status:
+    """Reply statuses (HTTP meanings)."""
+
+    CONTINUE = 100
+    OK = 200
+    ALREADY = 208
+    BAD_REQUEST = 400
+    UNAUTHORIZED = 401
+    FORBIDDEN = 403
+    NOT_FOUND = 404
+    CONFLICT = 409
+    TOO_LARGE = 413
+    CORRUPT = 422
+    BUSY = 503
+    NO_SPACE = 507
+
+    RETRYABLE: ClassVar[frozenset[int]] = frozenset({CONFLICT, BUSY, NO_SPACE})
+
+
+class ProtocolError(RetryableError):
+    """The peer broke the protocol or the connection; another attempt (or peer) may succeed."""
+
+    def __init__(self, message: str, status: int = 0) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclasses.dataclass(frozen=True)
+class DataRequest(Message):
+    KIND = "tierckpt.data-request"
+    VERSION = 1
+
+    op: Op
+    token: str
+    job: str
+    rank: int
+    step: int
+    node: str = ""
+    """The requesting node's name (logs and metrics only)."""
+    commit_size: int = 0
+    manifest_size: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class DataReply(Message):
+    KIND = "tierckpt.data-reply"
+    VERSION = 1
+
+    status: int
+    message: str = ""
+    commit_size: int = 0
+    manifest_size: int = 0
+    total_bytes: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return self.status in (Status.OK, Status.ALREADY, Status.CONTINUE)
+
+
+def send_frame(sock: socket.socket, msg: Message, payload: bytes = b"") -> None:
+    body = msg.to_bytes()
+    if len(body) > MAX_FRAME:
+        raise FormatError(f"frame of {len(body)} bytes exceeds {MAX_FRAME}")
+    sock.sendall(_HEADER.pack(MAGIC, len(body)) + body + payload)
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    """Exactly ``n`` bytes, or ``ProtocolError`` if the peer closes first."""
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            raise ProtocolError(f"connection closed after {got} of {n} bytes")
+        got += k
+    return bytes(buf)
+
+
+def recv_frame(sock: socket.socket, cls: type[M]) -> M:
+    """One frame decoded as ``cls``; a bad magic, size or body raises ``ProtocolError`` (status 400)."""
+    magic, size = _HEADER.unpack(recv_exact(sock, _HEADER.size))
+    if magic != MAGIC:
+        raise ProtocolError(f"bad frame magic {magic!r}", Status.BAD_REQUEST)
+    if size > MAX_FRAME:
+        raise ProtocolError(f"frame of {size} bytes exceeds {MAX_FRAME}", Status.TOO_LARGE)
+    try:
+        return cls.from_bytes(recv_exact(sock, size))
+    except FormatError as exc:
+        raise ProtocolError(f"malformed {cls.KIND}: {exc}", Status.BAD_REQUEST) from exc

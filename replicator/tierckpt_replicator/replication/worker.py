@@ -1,0 +1,175 @@
+"""The replication worker process: the data endpoint plus a bounded pool of outgoing transfers.
+
+Started by the daemon (``python -m tierckpt_replicator.replication.worker --fd N``) with one end of a
+socketpair; it lowers its own CPU and I/O priority first, so replication never competes with the
+training step. It exits when the daemon says ``Shutdown`` or its end of the socketpair closes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import os
+import socket
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from tierckpt.errors import FormatError
+from tierckpt_replicator.replication.context import DataContext
+from tierckpt_replicator.replication.ipc import (
+    Channel,
+    FetchTask,
+    Outcome,
+    SendTask,
+    Shutdown,
+    TaskProgress,
+    TaskResult,
+    WorkerConfig,
+)
+from tierckpt_replicator.replication.server import DataServer
+from tierckpt_replicator.replication.store import remove_stale_incoming
+from tierckpt_replicator.replication.transfer import fetch_step, push_step
+
+__all__ = ["lower_priority", "main", "run_fetch", "run_send"]
+
+log = logging.getLogger("tierckpt_replicator.worker")
+
+_IOPRIO_CLASS_BE, _IOPRIO_CLASS_SHIFT, _IOPRIO_WHO_PROCESS = 2, 13, 1
+_SYS_IOPRIO_SET = {"x86_64": 251, "aarch64": 30}
+_PROGRESS_EVERY = 0.25
+
+
+def lower_priority(nice: int) -> None:
+    """nice(``nice``) and best-effort I/O class at its lowest level (ionice -c2 -n7)."""
+    if nice > 0:
+        os.nice(nice)
+    nr = _SYS_IOPRIO_SET.get(os.uname().machine)
+    if nr is None:
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.syscall(nr, _IOPRIO_WHO_PROCESS, 0, (_IOPRIO_CLASS_BE << _IOPRIO_CLASS_SHIFT) | 7)
+    except OSError:  # pragma: no cover - best effort
+        pass
+
+
+def run_send(ctx: DataContext, task: SendTask) -> TaskResult:
+    """Push to the candidates in order until ``want`` hold the step."""
+    outcomes: list[Outcome] = []
+    have = 0
+    for peer in task.candidates:
+        out = push_step(ctx, task.job, task.rank, task.step, peer)
+        outcomes.append(out)
+        level = logging.INFO if out.status in ("ok", "already") else logging.WARNING
+        log.log(
+            level,
+            "send %s rank %d step %d -> %s: %s %s",
+            task.job,
+            task.rank,
+            task.step,
+            peer.node,
+            out.status,
+            out.message,
+        )
+        if out.status in ("ok", "already"):
+            have += 1
+        if out.status == "missing" or have >= task.want:
+            break
+    return TaskResult(id=task.id, ok=have >= task.want, outcomes=tuple(outcomes))
+
+
+def run_fetch(ctx: DataContext, task: FetchTask) -> TaskResult:
+    """Stage from the first source that delivers a verified copy."""
+    outcomes: list[Outcome] = []
+    last = 0.0
+
+    def progress(done: int, total: int) -> None:
+        nonlocal last
+        now = time.monotonic()
+        if now - last >= _PROGRESS_EVERY or done >= total:
+            last = now
+            ctx.emit(TaskProgress(id=task.id, bytes_done=done, bytes_total=total))
+
+    for source in task.sources:
+        out = fetch_step(ctx, task.job, task.rank, task.step, source, progress)
+        outcomes.append(out)
+        log.log(
+            logging.INFO if out.status in ("ok", "already") else logging.WARNING,
+            "fetch %s rank %d step %d <- %s (%s): %s %s",
+            task.job,
+            task.rank,
+            task.step,
+            source.node,
+            source.kind,
+            out.status,
+            out.message,
+        )
+        if out.status in ("ok", "already"):
+            return TaskResult(id=task.id, ok=True, outcomes=tuple(outcomes))
+    return TaskResult(
+        id=task.id, ok=False, outcomes=tuple(outcomes), message="no source delivered a good copy"
+    )
+
+
+def _serve_tasks(chan: Channel, ctx: DataContext, pool: ThreadPoolExecutor) -> None:
+    def run(fn, task) -> None:  # type: ignore[no-untyped-def]
+        try:
+            result = fn(ctx, task)
+        except Exception as exc:  # a bug: report it, keep the worker alive
+            log.exception("task %d failed unexpectedly", task.id)
+            result = TaskResult(id=task.id, ok=False, message=f"worker error: {exc!r}")
+        chan.send(result)
+
+    while True:
+        try:
+            msg = chan.recv()
+        except FormatError as exc:
+            log.error("ignoring a malformed message from the daemon: %s", exc)
+            continue
+        if msg is None or isinstance(msg, Shutdown):
+            return
+        if isinstance(msg, SendTask):
+            pool.submit(run, run_send, msg)
+        elif isinstance(msg, FetchTask):
+            pool.submit(run, run_fetch, msg)
+        else:
+            log.error("unexpected message from the daemon: %s", type(msg).__name__)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tierckpt-replicator-worker")
+    parser.add_argument("--fd", type=int, required=True, help="socketpair end connected to the daemon")
+    args = parser.parse_args(argv)
+    sock = socket.socket(fileno=args.fd)
+    chan = Channel(sock)
+    config = chan.recv()
+    if not isinstance(config, WorkerConfig):
+        print("worker: first message must be a WorkerConfig", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=config.log_level.upper(),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s [worker] %(name)s: %(message)s",
+    )
+    lower_priority(config.nice)
+    ctx = DataContext.from_config(config, emit=chan.send)
+    removed = remove_stale_incoming(Path(config.root))
+    if removed:
+        log.info("removed %d torn transfers left by an earlier run", removed)
+    server = DataServer(ctx)
+    server.start()
+    pool = ThreadPoolExecutor(max_workers=config.concurrency, thread_name_prefix="transfer")
+    try:
+        _serve_tasks(chan, ctx, pool)
+    finally:
+        server.stop()
+        pool.shutdown(wait=False, cancel_futures=True)
+        log.info("worker stopping; unfinished transfers leave staging dirs that the next start removes")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,276 @@
+"""Every replicator option, in one place: flag, environment fallback, unit and default.
+
+Each option is a field of ``Settings`` with a help text. ``parse_settings(argv, environ)`` builds the
+argument parser from those fields: a flag given on the command line wins, then the environment
+variable ``TIERCKPT_REPLICATOR_<NAME>``, then the default. ``tierckpt-replicator --help`` lists them all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import socket
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from tierckpt.format import check_holder
+
+__all__ = ["ENV_PREFIX", "Settings", "build_parser", "parse_settings"]
+
+ENV_PREFIX = "TIERCKPT_REPLICATOR_"
+MiB = 1 << 20
+
+
+def _opt(help: str, *, unit: str = "", env: bool = True, short: str | None = None) -> dict[str, Any]:
+    return {"help": help, "unit": unit, "env": env, "short": short}
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """The replicator's configuration. Field docs are the ``--help`` texts."""
+
+    # --- identity and storage
+    node_name: str = dataclasses.field(
+        default="",
+        metadata=_opt("This node's name, as the operator and peers.json know it (default: hostname)."),
+    )
+    root: Path = dataclasses.field(
+        default=Path("/run/tierckpt"),
+        metadata=_opt("The node ramdisk (tmpfs) root holding <job>/ directories."),
+    )
+    token_file: Path | None = dataclasses.field(
+        default=None,
+        metadata=_opt(
+            "File holding the bearer token every control and data request must carry (a mounted Secret)."
+        ),
+    )
+    domain: str = dataclasses.field(
+        default="", metadata=_opt("This node's failure domain (reported in inventories).")
+    )
+    # --- network
+    listen_host: str = dataclasses.field(
+        default="0.0.0.0", metadata=_opt("Address the control API and the data endpoint listen on.")
+    )
+    api_port: int = dataclasses.field(
+        default=8470, metadata=_opt("TCP port of the control API (FastAPI).", unit="port")
+    )
+    data_port: int = dataclasses.field(
+        default=0,
+        metadata=_opt(
+            "TCP port of the streaming data endpoint; 0 means api-port + 1, the port peers assume.",
+            unit="port",
+        ),
+    )
+    advertise_host: str = dataclasses.field(
+        default="",
+        metadata=_opt("Host or IP peers reach this node at (default: $POD_IP, else this host's address)."),
+    )
+    # --- replication
+    replicas: int = dataclasses.field(
+        default=1, metadata=_opt("K: number of peer nodes each rank's newest step is copied to.", short="-k")
+    )
+    concurrency: int = dataclasses.field(
+        default=2, metadata=_opt("Outgoing transfers (sends and restore fetches) running at once.")
+    )
+    max_incoming: int = dataclasses.field(
+        default=4, metadata=_opt("Incoming transfers accepted at once; more are refused as busy.")
+    )
+    bandwidth_limit: float = dataclasses.field(
+        default=0.0, metadata=_opt("Cap on outgoing replication bandwidth; 0 = unlimited.", unit="MB/s")
+    )
+    peers_file: Path | None = dataclasses.field(
+        default=None,
+        metadata=_opt(
+            "Static peer assignment (a peers.json PeerAssignment) for local mode, used until the "
+            "operator sends a newer generation."
+        ),
+    )
+    replica_keep: int = dataclasses.field(
+        default=2,
+        metadata=_opt("Committed replica steps kept per rank (the newest complete copy is always kept)."),
+    )
+    reserve_bytes: int = dataclasses.field(
+        default=64 * MiB,
+        metadata=_opt(
+            "Free ramdisk space never given to replicas, on top of room for the client's next save.",
+            unit="bytes",
+        ),
+    )
+    transfer_timeout: float = dataclasses.field(
+        default=30.0,
+        metadata=_opt("A transfer with no progress for this long is abandoned and retried.", unit="s"),
+    )
+    connect_timeout: float = dataclasses.field(default=5.0, metadata=_opt("TCP connect timeout.", unit="s"))
+    retry_max: float = dataclasses.field(
+        default=60.0, metadata=_opt("Longest backoff between retries of a failed transfer.", unit="s")
+    )
+    poll_interval: float = dataclasses.field(
+        default=5.0, metadata=_opt("Full rescan of the ramdisk, as a safety net under inotify.", unit="s")
+    )
+    reconcile_interval: float = dataclasses.field(
+        default=30.0,
+        metadata=_opt("How often peers are asked whether they still hold our replicas.", unit="s"),
+    )
+    worker_nice: int = dataclasses.field(
+        default=10,
+        metadata=_opt("Niceness of the replication worker process (it never competes with training)."),
+    )
+    # --- restore
+    restore_on_start: bool = dataclasses.field(
+        default=True, metadata=_opt("Stage this node's ranks for restore when the daemon starts.")
+    )
+    inventory_timeout: float = dataclasses.field(
+        default=3.0,
+        metadata=_opt("Deadline for a peer's inventory while computing a restore plan.", unit="s"),
+    )
+    restore_attempts: int = dataclasses.field(
+        default=5, metadata=_opt("Rounds over all sources before a rank's restore is marked failed.")
+    )
+    # --- GCS backup (tierckpt_replicator.backup)
+    gcs_bucket: str = dataclasses.field(
+        default="", metadata=_opt("GCS bucket for backups; empty disables them.")
+    )
+    gcs_prefix: str = dataclasses.field(default="tierckpt", metadata=_opt("Object prefix inside the bucket."))
+    gcs_endpoint: str = dataclasses.field(
+        default="", metadata=_opt("GCS API endpoint override (an emulator), e.g. http://10.0.0.1:4443.")
+    )
+    backup_interval: float = dataclasses.field(
+        default=1800.0, metadata=_opt("Back up the newest complete step at most this often.", unit="s")
+    )
+    preemption_timeout: float = dataclasses.field(
+        default=25.0,
+        metadata=_opt("On SIGTERM, time allowed to back up the newest step before exiting.", unit="s"),
+    )
+    # --- limits and logging
+    max_request_bytes: int = dataclasses.field(
+        default=1 * MiB, metadata=_opt("Largest control API request body accepted.", unit="bytes")
+    )
+    max_manifest_bytes: int = dataclasses.field(
+        default=64 * MiB,
+        metadata=_opt("Largest manifest (or commit marker) accepted on the data endpoint.", unit="bytes"),
+    )
+    log_level: str = dataclasses.field(default="INFO", metadata=_opt("Logging level."))
+
+    def __post_init__(self) -> None:
+        if not self.node_name:
+            object.__setattr__(self, "node_name", socket.gethostname())
+        check_holder(self.node_name)
+        if not self.data_port:
+            object.__setattr__(self, "data_port", self.api_port + 1)
+        if not self.advertise_host:
+            object.__setattr__(self, "advertise_host", os.environ.get("POD_IP") or _own_address())
+        for name in ("replicas", "concurrency", "max_incoming", "restore_attempts"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+        if self.replica_keep < 1:
+            raise ValueError("--replica-keep must be at least 1")
+
+    @property
+    def api_endpoint(self) -> str:
+        """This node's control API as peers reach it."""
+        return f"http://{_host_for_url(self.advertise_host)}:{self.api_port}"
+
+    @property
+    def holder(self) -> str:
+        """The lease holder name of this replicator."""
+        return f"replicator-{self.node_name}"[:128]
+
+    def read_token(self) -> str:
+        if self.token_file is None:
+            raise ValueError("no --token-file configured")
+        token = self.token_file.read_text().strip()
+        if not token:
+            raise ValueError(f"token file {self.token_file} is empty")
+        return token
+
+
+def _own_address() -> str:
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+def _host_for_url(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+# ------------------------------------------------------------------------------------ parsing
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _env(name: str) -> str:
+    return ENV_PREFIX + name.upper()
+
+
+def _field_type(f: dataclasses.Field[Any]) -> type:
+    default = f.default
+    if isinstance(default, bool):
+        return bool
+    if isinstance(default, (int, float)):
+        return type(default)
+    return Path if "Path" in str(f.type) else str
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="tierckpt-replicator",
+        description="tierckpt node replicator: copies ramdisk checkpoints to peer nodes and GCS, and stages "
+        "them back for restore. Every option may also be set as " + ENV_PREFIX + "<OPTION> (upper case, "
+        "underscores); a flag wins over the environment.",
+    )
+    for f in dataclasses.fields(Settings):
+        meta, kind = f.metadata, _field_type(f)
+        unit = f" [{meta['unit']}]" if meta["unit"] else ""
+        help_text = f"{meta['help']}{unit} (env {_env(f.name)})"
+        names = [_flag(f.name)] + ([meta["short"]] if meta["short"] else [])
+        if kind is bool:
+            p.add_argument(
+                *names,
+                dest=f.name,
+                action=argparse.BooleanOptionalAction,
+                default=None,
+                help=help_text + f" default: {f.default}",
+            )
+        else:
+            p.add_argument(
+                *names,
+                dest=f.name,
+                type=kind,
+                default=None,
+                metavar=f.name.upper(),
+                help=help_text + f" default: {f.default if f.default is not None else 'none'}",
+            )
+    return p
+
+
+def _from_env(f: dataclasses.Field[Any], raw: str) -> Any:
+    kind = _field_type(f)
+    if kind is bool:
+        if raw.lower() in ("1", "true", "yes", "on"):
+            return True
+        if raw.lower() in ("0", "false", "no", "off", ""):
+            return False
+        raise ValueError(f"{_env(f.name)}={raw!r} is not a boolean")
+    try:
+        return kind(raw)
+    except ValueError as exc:
+        raise ValueError(f"{_env(f.name)}={raw!r}: {exc}") from exc
+
+
+def parse_settings(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> Settings:
+    """Flags, then ``TIERCKPT_REPLICATOR_*`` environment variables, then defaults."""
+    environ = os.environ if environ is None else environ
+    args = vars(build_parser().parse_args(argv))
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(Settings):
+        if args.get(f.name) is not None:
+            values[f.name] = args[f.name]
+        elif _env(f.name) in environ:
+            values[f.name] = _from_env(f, environ[_env(f.name)])
+    return Settings(**values)
