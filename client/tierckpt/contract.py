@@ -206,12 +206,30 @@ class PeerAssignment(Message):
     peers: dict[str, tuple[str, ...]]
     """Node name -> the names of the nodes it sends its ranks' shards to."""
     node_ranks: dict[str, int] = dataclasses.field(default_factory=dict)
+    procs_per_node: int = 0
+    """Training processes per node (torchrun ``--nproc-per-node``); 0 = derive from the world size."""
 
     def __post_init__(self) -> None:
         for node, targets in self.peers.items():
             unknown = [t for t in (node, *targets) if t not in self.nodes]
             if unknown:
                 raise FormatError(f"peer assignment names unknown nodes {unknown}")
+
+    def process_ranks(self, node: str, world_size: int = 0) -> tuple[int, ...]:
+        """The process ranks that run on ``node``: torchrun's contiguous block of its node rank.
+
+        Node rank ``n`` with ``p`` processes per node holds ranks ``n*p .. n*p+p-1``. ``p`` is
+        ``procs_per_node``, else ``world_size // len(node_ranks)``; () if neither is known or ``node``
+        has no node rank. A replaced node learns its ranks this way before it holds any data.
+        """
+        n = self.node_ranks.get(node)
+        p = self.procs_per_node
+        if not p and world_size > 0 and self.node_ranks and world_size % len(self.node_ranks) == 0:
+            p = world_size // len(self.node_ranks)
+        if n is None or p <= 0:
+            return ()
+        ranks = range(n * p, (n + 1) * p)
+        return tuple(r for r in ranks if world_size <= 0 or r < world_size)
 
 
 @dataclasses.dataclass(frozen=True)
