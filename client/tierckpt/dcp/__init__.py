@@ -1,0 +1,20 @@
+"""PyTorch Distributed Checkpoint (DCP) on the tierckpt ramdisk.
+
+``RamdiskWriter`` and ``RamdiskReader`` are DCP storage plugins: ``dcp.save``, ``dcp.async_save`` and
+``dcp.load`` write and read the same on-ramdisk format as ``Checkpointer`` (one committed step
+directory per rank, ``manifest_kind="dcp"``), so the replicator replicates and backs up DCP checkpoints
+like native ones, and FSDP2/DTensor state dicts reshard on load under another world size::
+
+    import torch.distributed.checkpoint as dcp
+    from tierckpt.dcp import RamdiskReader, RamdiskWriter
+
+    dcp.save(state_dict, checkpoint_id=step, storage_writer=RamdiskWriter())
+    dcp.load(state_dict, checkpoint_id=step, storage_reader=RamdiskReader())
+
+See docs/dcp.md.
+"""
+
+from tierckpt.dcp.reader import RamdiskReader, dcp_steps
+from tierckpt.dcp.writer import RamdiskWriter
+
+__all__ = ["RamdiskReader", "RamdiskWriter", "dcp_steps"]
