@@ -88,6 +88,12 @@ class Annotations:
     JOB_ID = "tierckpt.io/job-id"
     ASSIGNMENT_GENERATION = "tierckpt.io/assignment-generation"
     """On a pod: the assignment generation (restart attempt) its rank belongs to."""
+    COORDINATOR = "tierckpt.io/coordinator"
+    """On a pod: the address of the pod holding node rank 0 (``<hostname>.<subdomain>`` or its IP), for
+    launchers that need a rendezvous host (torchrun ``--master-addr``); ranks move with the data, so the
+    JobSet's own index-0 pod is not necessarily rank 0."""
+    REPLICATOR_ENDPOINT = "tierckpt.io/replicator-endpoint"
+    """On a replicator pod (optional): its control API URL, overriding ``http://<pod IP>:<port>``."""
 
 
 class Labels:
