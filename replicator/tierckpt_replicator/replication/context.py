@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from tierckpt._codec import Message
+
 from tierckpt_replicator.replication.ipc import PeerAddress, WorkerConfig
 from tierckpt_replicator.replication.throttle import TokenBucket
 from tierckpt_replicator.tokens import TokenFile

@@ -39,6 +39,7 @@ from tierckpt.format import (
     write_atomic,
 )
 from tierckpt.integrity import crc32c, crc32c_file
+
 from tierckpt_replicator.replication.stream import create_preallocated
 
 __all__ = [

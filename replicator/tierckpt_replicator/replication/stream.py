@@ -21,6 +21,7 @@ from pathlib import Path
 
 from tierckpt.errors import FormatError, RamdiskFullError
 from tierckpt.integrity import crc32c_address
+
 from tierckpt_replicator.replication.throttle import TokenBucket
 from tierckpt_replicator.replication.wire import ProtocolError
 

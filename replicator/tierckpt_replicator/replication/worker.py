@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from tierckpt.errors import FormatError
+
 from tierckpt_replicator.replication.context import DataContext
 from tierckpt_replicator.replication.ipc import (
     Channel,

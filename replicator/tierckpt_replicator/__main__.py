@@ -1,0 +1,40 @@
+"""``tierckpt-replicator``: parse flags and environment, set up logging, run the daemon on uvloop."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+from collections.abc import Sequence
+
+from tierckpt_replicator.settings import parse_settings
+
+__all__ = ["main"]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        settings = parse_settings(argv)
+    except ValueError as exc:
+        print(f"tierckpt-replicator: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=settings.log_level.upper(),
+        stream=sys.stderr,
+        format=f"%(asctime)s %(levelname)s [{settings.node_name}] %(name)s: %(message)s",
+    )
+    if settings.token_file is None:
+        print("tierckpt-replicator: --token-file is required", file=sys.stderr)
+        return 2
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per peer request is noise
+    import uvloop
+
+    from tierckpt_replicator.daemon import serve
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(serve(settings))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""Every Prometheus metric the replicator exports, in one place (served at ``GET /metrics``).
+
+Labels stay low-cardinality: ``job`` (one per training job on the node), ``direction``, ``result``,
+``source``; never ranks, steps or peers.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+__all__ = ["CONTENT_TYPE", "Metrics"]
+
+_SECONDS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
+_NS = "tierckpt_replicator"
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.transfer_bytes = Counter(
+            f"{_NS}_transfer_bytes", "Step bytes moved between nodes.", ["direction"], registry=r
+        )
+        self.transfers = Counter(
+            f"{_NS}_transfers", "Step transfers by direction and result.", ["direction", "result"], registry=r
+        )
+        self.replication_seconds = Histogram(
+            f"{_NS}_replication_seconds",
+            "Time to copy one rank's step to one peer.",
+            buckets=_SECONDS,
+            registry=r,
+        )
+        self.replication_lag = Gauge(
+            f"{_NS}_replication_lag_seconds",
+            "Age of the oldest newest-local step still short of its K replicas (0 when all are replicated).",
+            ["job"],
+            registry=r,
+        )
+        self.steps = Gauge(f"{_NS}_steps", "Committed steps held on this node.", ["job", "kind"], registry=r)
+        self.held_bytes = Gauge(
+            f"{_NS}_held_bytes", "Bytes of committed steps held on this node.", ["job", "kind"], registry=r
+        )
+        self.restore_bytes = Counter(
+            f"{_NS}_restore_bytes", "Bytes staged for restore, by source tier.", ["source"], registry=r
+        )
+        self.restores = Counter(f"{_NS}_restores", "Rank restores by result.", ["result"], registry=r)
+        self.restore_seconds = Histogram(
+            f"{_NS}_restore_seconds", "Time to stage one rank for restore.", buckets=_SECONDS, registry=r
+        )
+        self.backups = Counter(f"{_NS}_backups", "Backups requested, by result.", ["result"], registry=r)
+        self.worker_restarts = Counter(
+            f"{_NS}_worker_restarts", "Times the replication worker process was restarted.", registry=r
+        )
+        self.worker_up = Gauge(f"{_NS}_worker_up", "1 while the replication worker runs.", registry=r)
+        self.requests = Counter(
+            f"{_NS}_api_requests",
+            "Control API requests by route and status class.",
+            ["route", "code"],
+            registry=r,
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,248 @@
+"""The daemon's replication loop: notice commits, plan sends, hand them to the worker, keep count.
+
+Each pass (woken by inotify, or every ``poll_interval``): for every job with a peer assignment, take
+the newest committed step of each local rank and, if fewer than K peers are known to hold it, send it
+(``plan.plan_sends``; the worker tries candidates in order until K succeed). Failures back off
+exponentially per step (and a failing peer moves to the end of the candidate list for a while).
+Every ``reconcile_interval`` the peers' inventories are checked, so a replica a peer lost (node wiped,
+replica found corrupt) is sent again. Only the newest step of a rank is ever sent: an older one that
+is still in flight when a newer one commits finishes, and the newer one follows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+from tierckpt.contract import PeerAssignment
+from tierckpt.errors import ContractError, RetryableError
+
+from tierckpt_replicator.assignments import AssignmentStore, data_address
+from tierckpt_replicator.inventory import Holdings, InventoryScanner, list_jobs
+from tierckpt_replicator.metrics import Metrics
+from tierckpt_replicator.peer_client import PeerClient
+from tierckpt_replicator.replication.ipc import SendTask
+from tierckpt_replicator.replication.plan import SendItem, plan_sends
+from tierckpt_replicator.replication.supervisor import WorkerSupervisor
+
+__all__ = ["ReplicationManager"]
+
+log = logging.getLogger(__name__)
+
+OnCommitted = Callable[[str, int, tuple[int, ...]], Awaitable[None]]
+Key = tuple[str, int, int]
+
+
+class _Backoff:
+    """Exponential backoff per key: ``ready(key)`` until ``fail(key)``; ``ok(key)`` resets it."""
+
+    def __init__(self, first: float, cap: float) -> None:
+        self.first, self.cap = first, cap
+        self._state: dict[object, tuple[float, float]] = {}
+
+    def ready(self, key: object, now: float) -> bool:
+        return now >= self._state.get(key, (0.0, 0.0))[0]
+
+    def fail(self, key: object, now: float) -> float:
+        delay = min(self._state.get(key, (0.0, self.first / 2))[1] * 2, self.cap)
+        self._state[key] = (now + delay, delay)
+        return delay
+
+    def ok(self, key: object) -> None:
+        self._state.pop(key, None)
+
+    def blocked(self, now: float) -> set[object]:
+        return {k for k, (until, _) in self._state.items() if until > now}
+
+
+class ReplicationManager:
+    def __init__(
+        self,
+        *,
+        node: str,
+        k: int,
+        scanner: InventoryScanner,
+        assignments: AssignmentStore,
+        supervisor: WorkerSupervisor,
+        peers: PeerClient,
+        metrics: Metrics,
+        retry_max: float = 60.0,
+        reconcile_interval: float = 30.0,
+        on_committed: OnCommitted | None = None,
+        kick: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.node, self.k = node, k
+        self.scanner, self.assignments, self.supervisor = scanner, assignments, supervisor
+        self.peers, self.metrics = peers, metrics
+        self.reconcile_interval = reconcile_interval
+        self.on_committed = on_committed
+        self.kick = kick
+        self.confirmed: dict[Key, set[str]] = {}
+        self.last_replication: dict[str, float] = {}
+        self._in_flight: set[Key] = set()
+        self._step_backoff = _Backoff(1.0, retry_max)
+        self._node_backoff = _Backoff(2.0, retry_max)
+        self._notified: dict[str, int] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._last_reconcile = time.monotonic()
+
+    async def close(self) -> None:
+        for t in list(self._tasks):
+            t.cancel()
+        for t in list(self._tasks):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+
+    def lag(self, job: str, holdings: Holdings, now: float | None = None) -> float:
+        """Seconds since the oldest local newest-step that still lacks K replicas committed (0 if none)."""
+        now = time.time() if now is None else now
+        lags = [
+            now - holdings.newest_commit_at.get(rank, now)
+            for rank, step in holdings.newest_local().items()
+            if len(self.confirmed.get((job, rank, step), ())) < self.k
+        ]
+        return max(lags, default=0.0)
+
+    async def run_pass(self) -> None:
+        """One pass over every job (never raises for a single job's trouble)."""
+        for job in list_jobs(self.scanner.root):
+            try:
+                await self._pass_job(job)
+            except ContractError as exc:
+                log.error("job %s: cannot replicate: %s", job, exc)
+        if time.monotonic() - self._last_reconcile >= self.reconcile_interval:
+            self._last_reconcile = time.monotonic()
+            await self.reconcile()
+
+    async def _pass_job(self, job: str) -> None:
+        holdings = self.scanner.holdings(job)
+        newest = holdings.newest_local()
+        await self._notify_committed(job, holdings)
+        self._prune(job, newest)
+        assignment = self.assignments.get(job)
+        self.metrics.replication_lag.labels(job).set(self.lag(job, holdings))
+        if assignment is None or not newest:
+            return
+        now = time.monotonic()
+        in_flight = {(r, s) for (j, r, s) in self._in_flight if j == job}
+        in_backoff = {(r, s) for (r, s) in newest.items() if not self._step_backoff.ready((job, r, s), now)}
+        items = plan_sends(
+            job=job,
+            node=self.node,
+            k=self.k,
+            assignment=assignment,
+            newest=newest,
+            confirmed={(r, s): nodes for (j, r, s), nodes in self.confirmed.items() if j == job},
+            in_flight=in_flight | in_backoff,
+            avoid={n for n in self._node_backoff.blocked(now) if isinstance(n, str)},
+        )
+        for item in items:
+            self._spawn(self._send(item, assignment))
+
+    def _spawn(self, coro: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _send(self, item: SendItem, assignment: PeerAssignment) -> None:
+        key = (item.job, item.rank, item.step)
+        self._in_flight.add(key)
+        try:
+            candidates = tuple(data_address(n, assignment.nodes[n]) for n in item.candidates)
+            task = SendTask(
+                id=self.supervisor.next_id(),
+                job=item.job,
+                rank=item.rank,
+                step=item.step,
+                candidates=candidates,
+                want=item.want,
+            )
+            try:
+                result = await self.supervisor.run_task(task)
+            except RetryableError as exc:
+                delay = self._step_backoff.fail(key, time.monotonic())
+                log.warning("send %s rank %d step %d: %s; retrying in %.0fs", *key, exc, delay)
+                return
+            self._record(key, result.outcomes)
+            if result.ok:
+                self._step_backoff.ok(key)
+                self.last_replication[item.job] = time.time()
+            else:
+                delay = self._step_backoff.fail(key, time.monotonic())
+                log.warning(
+                    "send %s rank %d step %d reached only %d of %d peers; retrying in %.0fs",
+                    *key,
+                    len(self.confirmed.get(key, ())),
+                    self.k,
+                    delay,
+                )
+        finally:
+            self._in_flight.discard(key)
+            self.kick()
+
+    def _record(self, key: Key, outcomes) -> None:  # type: ignore[no-untyped-def]
+        now = time.monotonic()
+        for o in outcomes:
+            self.metrics.transfers.labels("out", o.status).inc()
+            if o.status in ("ok", "already"):
+                self.confirmed.setdefault(key, set()).add(o.node)
+                self._node_backoff.ok(o.node)
+                if o.status == "ok":
+                    self.metrics.transfer_bytes.labels("out").inc(o.bytes)
+                    self.metrics.replication_seconds.observe(o.seconds)
+            elif o.status != "missing":
+                self._node_backoff.fail(o.node, now)
+
+    def _prune(self, job: str, newest: dict[int, int]) -> None:
+        """Forget confirmations of steps that are no longer a rank's newest."""
+        for key in [k for k in self.confirmed if k[0] == job and newest.get(k[1]) != k[2]]:
+            del self.confirmed[key]
+
+    async def _notify_committed(self, job: str, holdings: Holdings) -> None:
+        """Tell the backup service once per newest step that every local rank has committed."""
+        if self.on_committed is None:
+            return
+        local = [set(h.local) for h in holdings.ranks.values() if h.local]
+        common = set.intersection(*local) if local else set()
+        if not common:
+            return
+        step = max(common)
+        if self._notified.get(job, -1) >= step:
+            return
+        self._notified[job] = step
+        ranks = tuple(sorted(r for r, h in holdings.ranks.items() if step in h.local))
+        try:
+            await self.on_committed(job, step, ranks)
+        except Exception:
+            log.exception("job %s: the backup service failed on step %d", job, step)
+
+    async def reconcile(self) -> None:
+        """Drop confirmations that peers no longer back up (their inventories lack the step)."""
+        by_peer: dict[tuple[str, str], list[Key]] = {}
+        for key, nodes in self.confirmed.items():
+            for n in nodes:
+                by_peer.setdefault((key[0], n), []).append(key)
+        for (job, name), keys in by_peer.items():
+            assignment = self.assignments.get(job)
+            if assignment is None or name not in assignment.nodes:
+                continue
+            try:
+                inv = await self.peers.inventory(name, assignment.nodes[name], job)
+            except RetryableError as exc:
+                log.info("reconcile: %s", exc)
+                continue
+            for key in keys:
+                h = inv.ranks.get(key[1])
+                if h is None or (key[2] not in h.replica and key[2] not in h.local):
+                    log.warning("%s no longer holds %s rank %d step %d; sending it again", name, *key)
+                    self.confirmed.get(key, set()).discard(name)
+        if by_peer:
+            self.kick()
+
+    def forget(self, job: str) -> None:
+        for key in [k for k in self.confirmed if k[0] == job]:
+            del self.confirmed[key]
+        self._notified.pop(job, None)

@@ -1,0 +1,173 @@
+"""The daemon's side of the worker process: start it, feed it tasks, restart it if it dies.
+
+``WorkerSupervisor.run_task(task, on_progress)`` sends a task and awaits its ``TaskResult``. If the
+worker dies meanwhile, every pending task fails with ``RetryableError`` (callers retry with backoff)
+and a new worker starts after a short, growing delay. ``DataEvent``s go to the ``on_event`` callback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import socket
+import subprocess
+import sys
+from collections.abc import Callable
+
+from tierckpt._codec import Message
+from tierckpt.errors import FormatError, RetryableError
+
+from tierckpt_replicator.replication.ipc import (
+    MAX_LINE,
+    DataEvent,
+    FetchTask,
+    SendTask,
+    Shutdown,
+    TaskProgress,
+    TaskResult,
+    WorkerConfig,
+    decode_line,
+    encode_line,
+)
+
+__all__ = ["WorkerSupervisor"]
+
+log = logging.getLogger(__name__)
+
+OnProgress = Callable[[TaskProgress], None]
+
+
+class WorkerSupervisor:
+    def __init__(self, config: WorkerConfig, *, on_event: Callable[[DataEvent], None] | None = None) -> None:
+        self.config = config
+        self.on_event = on_event or (lambda _e: None)
+        self.restarts = 0
+        self._ids = itertools.count(1)
+        self._pending: dict[int, tuple[asyncio.Future[TaskResult], OnProgress | None]] = {}
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._writer: asyncio.StreamWriter | None = None
+        self._ready = asyncio.Event()
+        self._stopping = False
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None and self._ready.is_set()
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def next_id(self) -> int:
+        return next(self._ids)
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._supervise(), name="worker-supervisor")
+        await asyncio.wait_for(self._ready.wait(), timeout=30)
+
+    async def stop(self, timeout: float = 5.0) -> None:
+        self._stopping = True
+        if self._writer is not None:
+            with contextlib.suppress(ConnectionError, RuntimeError):
+                self._writer.write(encode_line(Shutdown()))
+                await self._writer.drain()
+        proc = self._proc
+        if proc is not None:
+            try:
+                await asyncio.wait_for(asyncio.to_thread(proc.wait), timeout)
+            except asyncio.TimeoutError:
+                log.warning("worker did not stop in %.0fs; killing it", timeout)
+                proc.kill()
+                await asyncio.to_thread(proc.wait)
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def run_task(self, task: SendTask | FetchTask, on_progress: OnProgress | None = None) -> TaskResult:
+        if not self._ready.is_set():
+            raise RetryableError("the replication worker is not running")
+        fut: asyncio.Future[TaskResult] = asyncio.get_running_loop().create_future()
+        self._pending[task.id] = (fut, on_progress)
+        try:
+            assert self._writer is not None
+            self._writer.write(encode_line(task))
+            await self._writer.drain()
+            return await fut
+        except ConnectionError as exc:
+            raise RetryableError(f"the replication worker went away: {exc}") from exc
+        finally:
+            self._pending.pop(task.id, None)
+
+    # ------------------------------------------------------------------ internals
+
+    async def _supervise(self) -> None:
+        delay = 0.5
+        while not self._stopping:
+            rc = await self._run_once()
+            self._ready.clear()
+            self._fail_pending(f"the replication worker exited with {rc}")
+            if self._stopping:
+                return
+            self.restarts += 1
+            log.error("replication worker exited with %s; restarting in %.1fs", rc, delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 30.0)
+
+    async def _run_once(self) -> int | None:
+        parent, child = socket.socketpair()
+        try:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "tierckpt_replicator.replication.worker", "--fd", str(child.fileno())],
+                pass_fds=[child.fileno()],
+                stdin=subprocess.DEVNULL,
+            )
+        finally:
+            child.close()
+        reader, writer = await asyncio.open_unix_connection(sock=parent, limit=MAX_LINE)
+        self._writer = writer
+        writer.write(encode_line(self.config))
+        await writer.drain()
+        self._ready.set()
+        log.info("replication worker started (pid %d)", self._proc.pid)
+        try:
+            await self._read_loop(reader)
+        finally:
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+            self._writer = None
+        return await asyncio.to_thread(self._proc.wait)
+
+    async def _read_loop(self, reader: asyncio.StreamReader) -> None:
+        while True:
+            try:
+                line = await reader.readline()
+            except (ConnectionError, ValueError) as exc:
+                log.error("worker channel broke: %s", exc)
+                return
+            if not line:
+                return
+            try:
+                self._dispatch(decode_line(line))
+            except FormatError as exc:
+                log.error("ignoring a malformed message from the worker: %s", exc)
+
+    def _dispatch(self, msg: Message) -> None:
+        if isinstance(msg, TaskResult):
+            fut = self._pending.get(msg.id, (None, None))[0]
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
+        elif isinstance(msg, TaskProgress):
+            cb = self._pending.get(msg.id, (None, None))[1]
+            if cb is not None:
+                cb(msg)
+        elif isinstance(msg, DataEvent):
+            self.on_event(msg)
+
+    def _fail_pending(self, why: str) -> None:
+        for fut, _ in list(self._pending.values()):
+            if not fut.done():
+                fut.set_exception(RetryableError(why))

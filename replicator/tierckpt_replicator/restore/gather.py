@@ -1,0 +1,60 @@
+"""Gather every node's inventory of a job and decide the restore plan (``restore_choice``).
+
+This node's own inventory is read from disk; every other node in ``peers.json`` is asked over its
+control API, all at once, each within ``timeout``. A node that does not answer is left out: its
+holdings are unknown, and the plan is made from what the others (and the bucket) hold.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+
+from tierckpt.contract import NodeInventory, PeerAssignment, RestorePlan
+from tierckpt.errors import RetryableError
+from tierckpt.restore_choice import choose_restore
+
+from tierckpt_replicator.peer_client import PeerClient
+
+__all__ = ["compute_plan", "gather_inventories"]
+
+log = logging.getLogger(__name__)
+
+
+async def gather_inventories(
+    own: NodeInventory, assignment: PeerAssignment | None, peers: PeerClient
+) -> list[NodeInventory]:
+    """``own`` plus the inventories of every other assigned node that answers."""
+    if assignment is None:
+        return [own]
+    names = sorted(n for n in assignment.nodes if n != own.node)
+
+    async def ask(name: str) -> NodeInventory | None:
+        try:
+            return await peers.inventory(name, assignment.nodes[name], own.job)
+        except RetryableError as exc:
+            log.warning("restore %s: holdings of %s unknown: %s", own.job, name, exc)
+            return None
+
+    answers = await asyncio.gather(*(ask(n) for n in names))
+    return [own, *(a for a in answers if a is not None)]
+
+
+async def compute_plan(
+    job: str,
+    own: Callable[[], Awaitable[NodeInventory]],
+    assignment: PeerAssignment | None,
+    peers: PeerClient,
+) -> RestorePlan:
+    """The plan every replicator computes identically from the same inventories."""
+    inventories = await gather_inventories(await own(), assignment, peers)
+    plan = choose_restore(inventories, job=job, generation=assignment.generation if assignment else 0)
+    log.info(
+        "restore %s: step %s from %d inventories (%s)",
+        job,
+        plan.step,
+        len(inventories),
+        ", ".join(sorted(i.node for i in inventories)),
+    )
+    return plan

@@ -1,0 +1,254 @@
+"""Stage this node's ranks for restore: fetch what is missing from the fastest source, verified.
+
+For a plan (published by the operator, or computed from every node's inventory), each rank this node
+is responsible for (``PeerAssignment.process_ranks``: its node rank's block of process ranks) ends up
+as a committed primary ``<job>/rank-N/step-S/``, so the client loads it as local:
+
+1. already a local primary: nothing to move;
+2. a replica this node holds: copied within the ramdisk (and verified);
+3. a peer holding it (the plan's holders): streamed over the data endpoint, crc32c checked on arrival;
+   a corrupt copy is reported to its holder and the next source is tried;
+4. the bucket, through the backup service.
+
+Progress goes to ``control/restore-rank-N.json`` (see ``status``). Each rank makes up to
+``restore_attempts`` rounds over the sources, with backoff, before it is marked ``failed``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+from tierckpt.contract import NodeInventory, PeerAssignment, RestorePlan, RestoreState, Tier, read_control
+from tierckpt.errors import FormatError, RetryableError, TierckptError
+from tierckpt.format import job_dir, rank_dir, ranks_in, read_commit, replica_rank_dir, step_dir
+
+from tierckpt_replicator.assignments import AssignmentStore, data_address
+from tierckpt_replicator.backup_hook import BackupPort
+from tierckpt_replicator.metrics import Metrics
+from tierckpt_replicator.peer_client import PeerClient
+from tierckpt_replicator.replication.ipc import FetchSource, FetchTask, TaskProgress
+from tierckpt_replicator.replication.supervisor import WorkerSupervisor
+from tierckpt_replicator.restore.gather import compute_plan
+from tierckpt_replicator.restore.status import StatusReporter
+from tierckpt_replicator.settings import Settings
+
+__all__ = ["Stager", "published_plan"]
+
+log = logging.getLogger(__name__)
+
+
+def published_plan(root, job: str, assignment: PeerAssignment | None) -> RestorePlan | None:  # type: ignore[no-untyped-def]
+    """The operator's plan in ``control/restore.json``, unless an older assignment generation made it."""
+    try:
+        plan = read_control(root, job, RestorePlan.FILE, RestorePlan)
+    except FormatError as exc:
+        log.error("job %s: ignoring unreadable restore.json: %s", job, exc)
+        return None
+    if not isinstance(plan, RestorePlan):
+        return None
+    if assignment is not None and plan.generation < assignment.generation:
+        log.info(
+            "job %s: restore.json is for generation %d < %d; recomputing",
+            job,
+            plan.generation,
+            assignment.generation,
+        )
+        return None
+    return plan
+
+
+class Stager:
+    def __init__(
+        self,
+        *,
+        settings: Settings,
+        assignments: AssignmentStore,
+        supervisor: WorkerSupervisor,
+        peers: PeerClient,
+        metrics: Metrics,
+        own_inventory: Callable[[str], Awaitable[NodeInventory]],
+        backup: BackupPort | None = None,
+    ) -> None:
+        self.settings, self.assignments, self.supervisor = settings, assignments, supervisor
+        self.peers, self.metrics, self.backup = peers, metrics, backup
+        self.own_inventory = own_inventory
+        self.plans: dict[str, RestorePlan] = {}
+        self.states: dict[str, dict[int, RestoreState]] = {}
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+
+    @property
+    def node(self) -> str:
+        return self.settings.node_name
+
+    def start(self, job: str, plan: RestorePlan | None = None) -> asyncio.Task[None]:
+        """(Re)start staging ``job``; a run already going for it is cancelled."""
+        old = self._tasks.get(job)
+        if old is not None and not old.done():
+            old.cancel()
+        task = asyncio.create_task(self._run(job, plan), name=f"restore-{job}")
+        self._tasks[job] = task
+        return task
+
+    def running(self, job: str) -> bool:
+        task = self._tasks.get(job)
+        return task is not None and not task.done()
+
+    def forget(self, job: str) -> None:
+        """Stop staging ``job`` and drop what is known about it."""
+        task = self._tasks.pop(job, None)
+        if task is not None:
+            task.cancel()
+        self.plans.pop(job, None)
+        self.states.pop(job, None)
+
+    async def close(self) -> None:
+        for task in self._tasks.values():
+            task.cancel()
+        for task in self._tasks.values():
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+    async def _run(self, job: str, plan: RestorePlan | None) -> None:
+        assignment = self.assignments.get(job)
+        if plan is None:
+            plan = published_plan(self.settings.root, job, assignment) or await compute_plan(
+                job, lambda: self.own_inventory(job), assignment, self.peers
+            )
+        self.plans[job] = plan
+        ranks = self._ranks(job, plan, assignment)
+        self.states[job] = {r: RestoreState.PENDING for r in ranks}
+        log.info("restore %s: step %s for ranks %s", job, plan.step, list(ranks))
+        sem = asyncio.Semaphore(self.settings.concurrency)
+        await asyncio.gather(*(self._stage_rank(job, r, plan, assignment, sem) for r in ranks))
+
+    def _ranks(self, job: str, plan: RestorePlan, assignment: PeerAssignment | None) -> tuple[int, ...]:
+        ranks = assignment.process_ranks(self.node, plan.world_size) if assignment is not None else ()
+        if not ranks:  # no node rank known: the ranks whose primaries live here
+            ranks = tuple(ranks_in(job_dir(self.settings.root, job)))
+            if ranks:
+                log.warning(
+                    "restore %s: no node rank for %s in peers.json; staging local ranks %s",
+                    job,
+                    self.node,
+                    list(ranks),
+                )
+        return ranks
+
+    async def _stage_rank(
+        self,
+        job: str,
+        rank: int,
+        plan: RestorePlan,
+        assignment: PeerAssignment | None,
+        sem: asyncio.Semaphore,
+    ) -> None:
+        async with StatusReporter(self.settings.root, job, rank) as rep:
+            if plan.step is None:
+                self._done(job, rank, rep, RestoreState.NONE, None, "no step is restorable: start fresh")
+                return
+            rep.update(force=True, state=RestoreState.STAGING, step=plan.step, source=None, message="")
+            started, delay = time.monotonic(), 1.0
+            async with sem:
+                for attempt in range(1, self.settings.restore_attempts + 1):
+                    tier, why = await self._try_sources(job, rank, plan.step, plan, assignment, rep)
+                    if tier is not None:
+                        self.metrics.restore_seconds.observe(time.monotonic() - started)
+                        self._done(job, rank, rep, RestoreState.READY, tier, f"staged from {tier.value}")
+                        return
+                    log.warning(
+                        "restore %s rank %d step %d, attempt %d: %s", job, rank, plan.step, attempt, why
+                    )
+                    rep.update(force=True, message=f"attempt {attempt}: {why}")
+                    if attempt < self.settings.restore_attempts:
+                        await asyncio.sleep(delay)
+                        delay = min(delay * 2, self.settings.retry_max)
+            self._done(job, rank, rep, RestoreState.FAILED, None, f"every source failed: {why}")
+
+    def _done(
+        self, job: str, rank: int, rep: StatusReporter, state: RestoreState, tier: Tier | None, message: str
+    ) -> None:
+        rep.finish(state, source=tier, message=message)
+        self.states.setdefault(job, {})[rank] = state
+        self.metrics.restores.labels(state.value).inc()
+        if tier is not None and tier != Tier.LOCAL:
+            self.metrics.restore_bytes.labels(tier.value).inc(rep.status.bytes_total)
+
+    async def _try_sources(
+        self,
+        job: str,
+        rank: int,
+        step: int,
+        plan: RestorePlan,
+        assignment: PeerAssignment | None,
+        rep: StatusReporter,
+    ) -> tuple[Tier | None, str]:
+        root = self.settings.root
+        if read_commit(step_dir(rank_dir(root, job, rank), step)) is not None:
+            return Tier.LOCAL, ""
+        reasons = []
+        sources = self._sources(job, rank, step, plan, assignment)
+        if sources:
+            tier, why = await self._fetch(job, rank, step, sources, rep)
+            if tier is not None:
+                return tier, ""
+            reasons.append(why)
+        if self.backup is not None:
+            tier, why = await self._from_bucket(job, rank, step, rep)
+            if tier is not None:
+                return tier, ""
+            reasons.append(why)
+        return None, "; ".join(reasons) or "no node holds it and no bucket is configured"
+
+    def _sources(
+        self, job: str, rank: int, step: int, plan: RestorePlan, assignment: PeerAssignment | None
+    ) -> tuple[FetchSource, ...]:
+        out = []
+        with contextlib.suppress(FormatError):
+            if read_commit(step_dir(replica_rank_dir(self.settings.root, job, rank), step)) is not None:
+                out.append(FetchSource(kind="replica", node=self.node))
+        if assignment is not None:
+            holders = plan.holders.get(rank) or tuple(sorted(assignment.nodes))
+            for name in holders:
+                if name != self.node and name in assignment.nodes:
+                    addr = data_address(name, assignment.nodes[name])
+                    out.append(FetchSource(kind="peer", node=name, host=addr.host, port=addr.port))
+        return tuple(out)
+
+    async def _fetch(
+        self, job: str, rank: int, step: int, sources: tuple[FetchSource, ...], rep: StatusReporter
+    ) -> tuple[Tier | None, str]:
+        task = FetchTask(id=self.supervisor.next_id(), job=job, rank=rank, step=step, sources=sources)
+
+        def progress(p: TaskProgress) -> None:
+            rep.progress(p.bytes_done, p.bytes_total)
+
+        try:
+            result = await self.supervisor.run_task(task, progress)
+        except RetryableError as exc:
+            return None, str(exc)
+        if result.ok:
+            last = result.outcomes[-1]
+            if last.status == "already":
+                return Tier.LOCAL, ""
+            return (Tier.REPLICA if last.node == self.node else Tier.PEER), ""
+        return None, "; ".join(f"{o.node}: {o.status} {o.message}".strip() for o in result.outcomes)
+
+    async def _from_bucket(
+        self, job: str, rank: int, step: int, rep: StatusReporter
+    ) -> tuple[Tier | None, str]:
+        assert self.backup is not None
+        try:
+            if step not in await self.backup.complete_steps(job):
+                return None, f"step {step} is not complete in the bucket"
+            await self.backup.fetch_rank(
+                job, step, rank, rank_dir(self.settings.root, job, rank), rep.progress
+            )
+        except (TierckptError, OSError) as exc:
+            return None, f"bucket: {exc}"
+        if read_commit(step_dir(rank_dir(self.settings.root, job, rank), step)) is None:
+            return None, "bucket: fetch_rank returned without a committed step"
+        return Tier.GCS, ""

@@ -1,0 +1,80 @@
+"""Restore progress for the client: ``control/restore-rank-NNNNN.json`` (a ``contract.RestoreStatus``).
+
+``StatusReporter`` rewrites the file when the state changes, at most every ``min_interval`` seconds
+while bytes move, and every ``heartbeat`` seconds regardless (``updated_at`` keeps moving while a
+source is retried), so the client waits on progress, not on a fixed timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+from tierckpt.contract import RestoreState, RestoreStatus, Tier, restore_status_name, write_control
+
+__all__ = ["StatusReporter"]
+
+log = logging.getLogger(__name__)
+
+
+class StatusReporter:
+    def __init__(
+        self,
+        root,
+        job: str,
+        rank: int,
+        *,
+        heartbeat: float = 1.0,
+        min_interval: float = 0.25,  # type: ignore[no-untyped-def]
+    ) -> None:
+        self.root, self.job, self.rank = root, job, rank
+        self.heartbeat, self.min_interval = heartbeat, min_interval
+        self.status = RestoreStatus(
+            job=job,
+            rank=rank,
+            state=RestoreState.PENDING,
+            step=None,
+            source=None,
+            bytes_done=0,
+            bytes_total=0,
+            updated_at=time.time(),
+        )
+        self._written = 0.0
+        self._beat: asyncio.Task[None] | None = None
+
+    def update(self, *, force: bool = False, **changes: object) -> None:
+        state_changed = "state" in changes and changes["state"] != self.status.state
+        fields = {**self.status.__dict__, **changes, "updated_at": time.time()}
+        self.status = RestoreStatus(**fields)  # type: ignore[arg-type]
+        if force or state_changed or time.monotonic() - self._written >= self.min_interval:
+            self._write()
+
+    def progress(self, done: int, total: int) -> None:
+        self.update(bytes_done=done, bytes_total=total)
+
+    def finish(self, state: RestoreState, *, source: Tier | None = None, message: str = "") -> None:
+        self.update(force=True, state=state, source=source, message=message)
+
+    def _write(self) -> None:
+        try:
+            write_control(self.root, self.job, restore_status_name(self.rank), self.status)
+            self._written = time.monotonic()
+        except OSError as exc:  # a full ramdisk must not stop staging; the next write retries
+            log.warning("cannot write restore status of rank %d: %s", self.rank, exc)
+
+    async def __aenter__(self) -> StatusReporter:
+        self._beat = asyncio.create_task(self._heartbeat())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._beat is not None:
+            self._beat.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._beat
+
+    async def _heartbeat(self) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat)
+            self.update(force=True)
