@@ -19,6 +19,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import uvicorn
 from tierckpt.contract import NodeInventory, PeerAssignment, RestorePlan, read_control, write_control
 from tierckpt.errors import FormatError
@@ -74,12 +75,19 @@ def worker_config(settings: Settings) -> WorkerConfig:
 class Daemon:
     """Every part of one node's replicator, wired together; also the ``Controls`` the API calls."""
 
-    def __init__(self, settings: Settings, *, backup: BackupPort | None = None, peer_transport=None) -> None:  # type: ignore[no-untyped-def]
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        metrics: Metrics | None = None,
+        backup: BackupPort | None = None,
+        peer_transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
         if settings.token_file is None:
             raise ValueError("--token-file is required: every request must carry the bearer token it holds")
         self.settings = settings
         self.tokens = TokenFile(settings.token_file)
-        self.metrics = Metrics()
+        self.metrics = metrics or Metrics()
         self.started_at = time.time()
         self.backup = backup
         static = load_static(settings.peers_file) if settings.peers_file else None
@@ -113,7 +121,7 @@ class Daemon:
             backup=backup,
         )
         self._gcs_cache: dict[str, tuple[float, tuple[int, ...]]] = {}
-        self._loop_task: asyncio.Task[None] | None = None
+        self._loops: list[asyncio.Task[None]] = []
         self.app = create_app(self)
 
     # ------------------------------------------------------------------ lifecycle
@@ -122,7 +130,9 @@ class Daemon:
         self.settings.root.mkdir(parents=True, exist_ok=True)
         await self.supervisor.start()
         self.watcher.start()
-        self._loop_task = asyncio.create_task(self._replication_loop(), name="replication")
+        self._loops.append(asyncio.create_task(self._replication_loop(), name="replication"))
+        if self.backup is not None:
+            self._loops.append(asyncio.create_task(self._backup_loop(), name="backup-poll"))
         if self.settings.restore_on_start:
             jobs = set(list_jobs(self.settings.root))
             if self.assignments.static is not None:
@@ -132,15 +142,18 @@ class Daemon:
                     self.stager.start(job)
 
     async def close(self) -> None:
-        if self._loop_task is not None:
-            self._loop_task.cancel()
+        for task in self._loops:
+            task.cancel()
+        for task in self._loops:
             with contextlib.suppress(asyncio.CancelledError):
-                await self._loop_task
+                await task
         await self.stager.close()
         await self.replication.close()
         self.watcher.close()
         await self.supervisor.stop()
         await self.peers.close()
+        if self.backup is not None:
+            await self.backup.close()
 
     async def preemption_backup(self) -> None:
         """Back up every job's newest step, all within ``preemption_timeout`` seconds."""
@@ -150,7 +163,7 @@ class Daemon:
 
         async def one(job: str) -> None:
             try:
-                step = await self.backup.backup_now(job)  # type: ignore[union-attr]
+                step = await self.backup.backup_now(job, all_local=True)  # type: ignore[union-attr]
                 log.info("preemption: job %s backed up at step %s", job, step)
             except Exception as exc:
                 log.error("preemption: backup of job %s failed: %s", job, exc)
@@ -169,6 +182,18 @@ class Daemon:
             except Exception:
                 log.exception("replication pass failed; retrying at the next wake-up")
             await self.watcher.wait()
+
+    async def _backup_loop(self) -> None:
+        """Join backups other nodes started, take over ranks of dead nodes, apply bucket retention."""
+        assert self.backup is not None
+        while True:
+            await asyncio.sleep(self.settings.backup_poll_interval)
+            for job in list_jobs(self.settings.root):
+                try:
+                    await self.backup.poll(job)
+                except Exception:
+                    log.exception("backup poll of job %s failed", job)
+                self._gcs_cache.pop(job, None)
 
     def _update_gauges(self) -> None:
         self.metrics.worker_up.set(1 if self.supervisor.alive else 0)
@@ -191,11 +216,9 @@ class Daemon:
 
     async def _on_committed(self, job: str, step: int, ranks: tuple[int, ...]) -> None:
         assert self.backup is not None
-        holders = {
-            r: (self.settings.node_name, *sorted(self.replication.confirmed.get((job, r, step), ())))
-            for r in ranks
-        }
-        await self.backup.on_step_committed(job, step, ranks, holders)
+        # Every node uploads its own primaries: uploads spread over the job's nodes with no hand-off
+        # delay; a dead node's ranks are taken over from their replicas by the others' poll().
+        await self.backup.on_step_committed(job, step, ranks, {r: (self.settings.node_name,) for r in ranks})
 
     # ------------------------------------------------------------------ Controls (the API calls these)
 
@@ -262,13 +285,14 @@ class Daemon:
     async def restore(self, job: str) -> None:
         self.stager.start(job)
 
-    async def purge(self, job: str) -> bool:
+    async def purge(self, job: str, *, bucket: bool = False) -> bool:
         self.stager.forget(job)
         self.replication.forget(job)
         self.assignments.forget(job)
         self.scanner.forget(job)
-        if self.backup is not None:
+        if bucket and self.backup is not None:
             await self.backup.purge_job(job)
+            log.info("job %s: purged its backups from the bucket", job)
         path = job_dir(self.settings.root, job)
         if not path.exists():
             return False
@@ -301,6 +325,7 @@ class Daemon:
                     last_replication_at=self.replication.last_replication.get(job, 0.0),
                     restore_step=plan.step if plan else None,
                     restore={r: s.value for r, s in self.stager.states.get(job, {}).items()},
+                    backup_error=getattr(self.backup.status(job), "last_error", "") if self.backup else "",
                 )
             )
         ok, why = self.ready()
@@ -360,7 +385,8 @@ class _Server(uvicorn.Server):
 
 async def serve(settings: Settings) -> None:
     """Run the daemon until SIGTERM/SIGINT; then back up (bounded), and shut down in order."""
-    daemon = Daemon(settings, backup=load_backup_service(settings))
+    metrics = Metrics()
+    daemon = Daemon(settings, metrics=metrics, backup=load_backup_service(settings, metrics.registry))
     await daemon.start()
     server = _Server(
         uvicorn.Config(

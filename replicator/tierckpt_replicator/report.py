@@ -30,6 +30,8 @@ class JobStatus:
     restore_step: int | None
     restore: dict[int, str]
     """Rank -> restore state of the last staging run on this node."""
+    backup_error: str = ""
+    """The backup service's last error for this job ('' if the last attempt succeeded)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -134,10 +134,50 @@ class Settings:
     )
     gcs_prefix: str = dataclasses.field(default="tierckpt", metadata=_opt("Object prefix inside the bucket."))
     gcs_endpoint: str = dataclasses.field(
-        default="", metadata=_opt("GCS API endpoint override (an emulator), e.g. http://10.0.0.1:4443.")
+        default="",
+        metadata=_opt(
+            "GCS API endpoint override (an emulator), e.g. http://10.0.0.1:4443 "
+            "(default: $STORAGE_EMULATOR_HOST, else the real service)."
+        ),
+    )
+    gcs_project: str = dataclasses.field(
+        default="", metadata=_opt("GCS billing project (default: from the credentials).")
     )
     backup_interval: float = dataclasses.field(
-        default=1800.0, metadata=_opt("Back up the newest complete step at most this often.", unit="s")
+        default=1800.0,
+        metadata=_opt(
+            "Back up a newly committed step once this long has passed since the newest complete "
+            "backup; 0 disables the time schedule.",
+            unit="s",
+        ),
+    )
+    backup_interval_steps: int = dataclasses.field(
+        default=0,
+        metadata=_opt(
+            "Back up a newly committed step once this many steps have passed since the newest "
+            "complete backup; 0 disables the step schedule.",
+            unit="steps",
+        ),
+    )
+    backup_keep_last: int = dataclasses.field(
+        default=3, metadata=_opt("Newest complete backups kept in the bucket.")
+    )
+    backup_keep_every: int = dataclasses.field(
+        default=0,
+        metadata=_opt(
+            "Also keep the oldest complete backup of every window of this many steps; 0: off.", unit="steps"
+        ),
+    )
+    backup_parallelism: int = dataclasses.field(
+        default=8, metadata=_opt("Object uploads/downloads in flight at once on this node.")
+    )
+    backup_poll_interval: float = dataclasses.field(
+        default=30.0,
+        metadata=_opt(
+            "How often the bucket is checked to join backups other nodes started, take over "
+            "ranks of dead nodes and apply retention.",
+            unit="s",
+        ),
     )
     preemption_timeout: float = dataclasses.field(
         default=25.0,

@@ -245,7 +245,11 @@ class Stager:
             if step not in await self.backup.complete_steps(job):
                 return None, f"step {step} is not complete in the bucket"
             await self.backup.fetch_rank(
-                job, step, rank, rank_dir(self.settings.root, job, rank), rep.progress
+                job,
+                step,
+                rank,
+                rank_dir(self.settings.root, job, rank),
+                lambda done: rep.update(bytes_done=done),
             )
         except (TierckptError, OSError) as exc:
             return None, f"bucket: {exc}"
