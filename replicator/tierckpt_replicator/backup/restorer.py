@@ -1,0 +1,144 @@
+"""Restore one rank of a complete step from the bucket into a ramdisk rank directory (blocking).
+
+Trust chain, each link checked before the next is used: the completion object lists the rank's commit
+object (size, crc32c) -> the rank commit gives the COMMIT marker's and the manifest's size and crc32c
+-> the manifest gives every file's size and crc32c. Files are downloaded in parallel byte ranges into
+a staging directory (``StepWriter``: preallocated, so a full ramdisk fails before any byte moves), the
+crc32c of every byte written is computed on the way and combined per file; any mismatch discards the
+staging directory and raises ``CorruptShardError``. Only a fully verified step is committed (manifest,
+then COMMIT, byte for byte the originals) and renamed into place.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+from tierckpt.bucket_layout import BucketLayout
+from tierckpt.errors import CorruptShardError, MissingCheckpointError
+from tierckpt.format import COMMIT_NAME, MANIFEST_NAME, FileEntry, read_commit, step_dir
+from tierckpt.integrity import crc32c, crc32c_concat
+
+from tierckpt_replicator.backup.catalog import SMALL_OBJECT_LIMIT, Catalog
+from tierckpt_replicator.backup.store import ObjectStore
+from tierckpt_replicator.replication.store import StepHeader, StepWriter, parse_header
+
+__all__ = ["Restorer", "plan_ranges"]
+
+log = logging.getLogger(__name__)
+
+OnBytes = Callable[[int], None] | None
+
+
+def plan_ranges(size: int, range_size: int) -> list[tuple[int, int]]:
+    """``(offset, length)`` byte ranges of at most ``range_size`` (one range if ``range_size`` is 0)."""
+    if range_size <= 0 or size <= range_size:
+        return [(0, size)]
+    return [(off, min(range_size, size - off)) for off in range(0, size, range_size)]
+
+
+class Restorer:
+    def __init__(
+        self,
+        store: ObjectStore,
+        layout: BucketLayout,
+        catalog: Catalog,
+        pool: cf.Executor,
+        *,
+        range_size: int = 64 << 20,
+        max_manifest_bytes: int = 64 << 20,
+    ) -> None:
+        self.store, self.layout, self.catalog, self.pool = store, layout, catalog, pool
+        self.range_size = range_size
+        self.max_manifest_bytes = max_manifest_bytes
+
+    def header(self, job: str, step: int, rank: int) -> StepHeader:
+        """The rank's COMMIT and manifest from the bucket, verified along the trust chain."""
+        done = self.catalog.read_complete(job, step)
+        ref = done.ranks.get(rank)
+        if ref is None:
+            raise MissingCheckpointError(
+                f"step {step} of {job} has no rank {rank} (world size {done.world_size})"
+            )
+        commit = self.catalog.read_rank_commit(job, step, rank, ref=ref)
+        bodies = {}
+        for name, size, crc, limit in (
+            (COMMIT_NAME, commit.commit_size, commit.commit_crc32c, SMALL_OBJECT_LIMIT),
+            (MANIFEST_NAME, commit.manifest_size, commit.manifest_crc32c, self.max_manifest_bytes),
+        ):
+            key = self.layout.rank_file_key(job, step, rank, name)
+            body = self.store.get_bytes(key, max_size=limit)
+            if len(body) != size or crc32c(body) != crc:
+                raise CorruptShardError(f"gs object {key} does not match its rank commit", path=key)
+            bodies[name] = body
+        return parse_header(bodies[COMMIT_NAME], bodies[MANIFEST_NAME], job=job, rank=rank, step=step)
+
+    def fetch_rank(
+        self,
+        job: str,
+        step: int,
+        rank: int,
+        dest_rank_dir: Path,
+        on_bytes: OnBytes = None,
+        on_total: OnBytes = None,
+    ) -> Path:
+        """Download, verify and commit ``dest_rank_dir/step-<step>``; returns that directory.
+        ``on_total(bytes)`` is called once the manifest is known, ``on_bytes(n)`` as bytes arrive."""
+        header = self.header(job, step, rank)
+        if on_total is not None:
+            on_total(header.manifest.total_bytes)
+        final = step_dir(dest_rank_dir, step)
+        marker = read_commit(final) if final.exists() else None
+        if marker is not None and marker.manifest_crc32c == header.marker.manifest_crc32c:
+            log.info("rank %d of step %d of %s is already in %s", rank, step, job, final)
+            return final
+        with StepWriter(Path(dest_rank_dir), header) as writer:
+            writer.prepare()
+            files = header.manifest.files
+            futures = {
+                f.name: self._submit_file(job, step, rank, f, writer.path(f.name), on_bytes) for f in files
+            }
+            try:
+                for f in files:
+                    parts = [(fut.result(), length) for fut, length in futures[f.name]]
+                    writer.record(f.name, crc32c_concat(parts))
+            except BaseException:
+                for fs in futures.values():
+                    for fut, _ in fs:
+                        fut.cancel()
+                cf.wait([fut for fs in futures.values() for fut, _ in fs])
+                raise
+            for f in files:
+                _fsync(writer.path(f.name))
+            path = writer.commit()
+        log.info("restored rank %d of step %d of %s from the bucket into %s", rank, step, job, path)
+        return path
+
+    def _submit(
+        self, job: str, step: int, rank: int, f: FileEntry, path: Path, on_bytes: OnBytes
+    ) -> list[tuple[cf.Future[int], int]]:
+        key = self.layout.rank_file_key(job, step, rank, f.name)
+        return [
+            (self.pool.submit(self._get_range, key, path, off, length, on_bytes), length)
+            for off, length in plan_ranges(f.size, self.range_size)
+        ]
+
+    def _get_range(self, key: str, path: Path, offset: int, length: int, on_bytes: OnBytes) -> int:
+        fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+        try:
+            return self.store.download_to(
+                key, fd, start=offset, length=length, file_offset=offset, on_bytes=on_bytes
+            )
+        finally:
+            os.close(fd)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

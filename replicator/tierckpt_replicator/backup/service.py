@@ -1,0 +1,488 @@
+"""``BackupService``: tier 3. Backs committed steps up to a bucket and restores ranks from it.
+
+The replicator daemon calls it; every blocking bucket call runs in thread pools, so the daemon's event
+loop never blocks. One pass per call, serialised per job:
+
+1. Read the bucket's view of the job (complete steps, started-but-incomplete steps).
+2. Targets: the new step if ``BackupPolicy.due`` says so, plus any backup another node started that is
+   not complete yet (so nodes join the same step even when their own schedules disagree).
+3. For each target step, upload this node's share: of the ranks this node holds (primary or replica),
+   the ones ``assign_uploads`` gives it, spread over all holders; after ``takeover_after`` seconds
+   also any rank still missing in the bucket (its assigned node may be gone).
+4. Try to complete the step (creates ``complete/<step>.json`` once every rank is committed), and when
+   a step became complete run retention (and remove abandoned incomplete steps).
+
+A failure never deletes anything complete and never makes a partial step visible (see catalog.py).
+Call ``poll(job)`` periodically (every few tens of seconds) so a node that committed no new step still
+joins backups others started (preemption), takes over ranks of dead nodes, and completes steps whose
+last uploader died before writing the completion object.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures as cf
+import contextlib
+import dataclasses
+import functools
+import logging
+import re
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+from tierckpt import leases
+from tierckpt.bucket_layout import BucketLayout
+from tierckpt.contract import PeerAssignment, read_control
+from tierckpt.errors import FormatError, MissingCheckpointError, TierckptError
+from tierckpt.format import (
+    committed_steps,
+    job_dir,
+    parse_step_name,
+    rank_dir,
+    ranks_in,
+    read_manifest,
+    replica_rank_dir,
+)
+
+from tierckpt_replicator.backup.catalog import Catalog
+from tierckpt_replicator.backup.metrics import BackupMetrics
+from tierckpt_replicator.backup.policy import BackupPolicy
+from tierckpt_replicator.backup.restorer import Restorer
+from tierckpt_replicator.backup.spread import assign_uploads
+from tierckpt_replicator.backup.store import ObjectStore
+from tierckpt_replicator.backup.uploader import Uploader
+from tierckpt_replicator.replication.store import find_committed
+
+__all__ = ["BackupService", "BackupStatus"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+MiB = 1 << 20
+_PROGRESS_EVERY = 8 * MiB
+ProgressCallback = Callable[[int, int], None]
+"""``progress(bytes_done, bytes_total)``."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BackupStatus:
+    """This node's view of a job's backups, for the daemon's status endpoint."""
+
+    newest_complete: int | None = None
+    complete: tuple[int, ...] = ()
+    last_uploaded: int | None = None
+    """Newest step whose share this node finished uploading."""
+    last_success_at: float | None = None
+    last_error: str = ""
+
+
+class BackupService:
+    """Backups of the jobs under ``root`` (this node's ramdisk) to ``store``.
+
+    ``node``: this node's name as it appears in ``holders``. ``parallelism``: object transfers in
+    flight at once (uploads and downloads). ``slice_size``: files larger than this go up as parallel
+    slices composed server side (0: never). ``range_size``: restore downloads files in byte ranges of
+    this size in parallel. ``takeover_after``: seconds after a step's backup started before this node
+    also uploads ranks assigned to another holder that are still missing. ``incomplete_grace``: an
+    incomplete step older than the newest complete one is deleted once untouched this long.
+    ``lease_ttl``: lifetime of the leases that keep the client's retention off a step being uploaded.
+    """
+
+    def __init__(
+        self,
+        *,
+        node: str,
+        root: Path,
+        store: ObjectStore | None = None,
+        policy: BackupPolicy | None = None,
+        settings: Any = None,
+        layout: BucketLayout | None = None,
+        parallelism: int = 8,
+        slice_size: int = 256 * MiB,
+        range_size: int = 64 * MiB,
+        takeover_after: float = 120.0,
+        incomplete_grace: float = 3600.0,
+        lease_ttl: float = 60.0,
+        max_manifest_bytes: int = 64 * MiB,
+        metrics: BackupMetrics | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if settings is not None:  # the daemon's settings (gcs_* / backup_* fields) or a BackupSettings
+            from tierckpt_replicator.backup.settings import BackupSettings
+
+            cfg = BackupSettings.from_object(settings)
+            store, policy = store or cfg.store(), policy or cfg.policy()
+            layout = layout or BucketLayout(cfg.prefix)
+            parallelism, slice_size, range_size = cfg.parallelism, cfg.slice_size, cfg.range_size
+            takeover_after, incomplete_grace = cfg.takeover_after, cfg.incomplete_grace
+        if store is None or policy is None:
+            raise ValueError("BackupService needs store= and policy=, or settings=")
+        if parallelism < 1:
+            raise ValueError("parallelism must be at least 1")
+        self.store, self.policy, self.node, self.root = store, policy, node, Path(root)
+        self.layout = layout or BucketLayout()
+        self.takeover_after, self.incomplete_grace = takeover_after, incomplete_grace
+        self.lease_ttl = lease_ttl
+        self.metrics = metrics or BackupMetrics.default()
+        self.clock = clock
+        self._io = cf.ThreadPoolExecutor(parallelism, thread_name_prefix="backup-io")
+        self._ops = cf.ThreadPoolExecutor(4, thread_name_prefix="backup-op")
+        self.catalog = Catalog(store, self.layout, node, self._io)
+        self.uploader = Uploader(
+            store, self.layout, self.catalog, node, self._io, slice_size=slice_size,
+            max_manifest_bytes=max_manifest_bytes, on_bytes=self.metrics.bytes_uploaded.inc,
+            should_stop=lambda job: job in self._cancelled,
+        )  # fmt: skip
+        self.restorer = Restorer(
+            store,
+            self.layout,
+            self.catalog,
+            self._io,
+            range_size=range_size,
+            max_manifest_bytes=max_manifest_bytes,
+        )
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._holders: dict[str, dict[int, tuple[str, ...]]] = {}
+        self._latest: dict[str, int] = {}
+        self._fetching: dict[str, set[int]] = {}
+        self._status: dict[str, BackupStatus] = {}
+        self._cancelled: set[str] = set()
+        self._holder = "backup." + re.sub(r"[^A-Za-z0-9_.-]", "-", node)[:100]
+
+    # ------------------------------------------------------------------------------------ API
+
+    async def on_step_committed(
+        self, job: str, step: int, ranks_here: Sequence[int], holders: Mapping[int, Sequence[str]]
+    ) -> None:
+        """A step was committed locally (and replicated): upload this node's share if it is due.
+
+        ``ranks_here``: ranks of ``step`` this node holds (primary or replica); ``holders``: rank -> every
+        node holding a copy of it (primary first). Never raises for bucket or data errors: they are
+        logged, counted (``tierckpt_backup_failures_total{op="upload"}``) and kept in ``status(job)``.
+        A call that waited behind a newer step's call returns without doing anything.
+        """
+        self._remember_holders(job, holders)
+        self._latest[job] = max(self._latest.get(job, -1), step)
+        async with self._lock(job):
+            if step < self._latest[job]:
+                log.debug("step %d of %s superseded by step %d before its turn", step, job, self._latest[job])
+                return
+            with contextlib.suppress(TierckptError, OSError):
+                await self._run(self._pass, job, step, tuple(ranks_here), False, False)
+
+    async def backup_now(
+        self, job: str, *, holders: Mapping[int, Sequence[str]] | None = None, all_local: bool = False
+    ) -> int | None:
+        """Back up the newest step committed locally (on demand: API call, SIGTERM). Returns that step
+        once this node's share of it is in the bucket (or it was already complete there), None if the
+        node holds no committed step of ``job``. Raises if the upload fails. ``all_local``: upload every
+        rank this node holds, not only its share (for a node about to disappear)."""
+        if holders:
+            self._remember_holders(job, holders)
+        async with self._lock(job):
+            return await self._run(self._backup_now, job, all_local)
+
+    async def poll(self, job: str) -> None:
+        """Periodic housekeeping: join started backups, take over orphaned ranks, complete, retain."""
+        async with self._lock(job):
+            with contextlib.suppress(TierckptError, OSError):
+                await self._run(self._pass, job, None, (), False, False)
+
+    async def complete_steps(self, job: str) -> tuple[int, ...]:
+        """Steps of ``job`` complete in the bucket, oldest first."""
+        steps = tuple(sorted(await self._run(self.catalog.complete_steps, job)))
+        self._set_status(job, complete=steps, newest_complete=steps[-1] if steps else None)
+        return steps
+
+    async def fetch_rank(
+        self,
+        job: str,
+        step: int,
+        rank: int,
+        dest_rank_dir: Path,
+        progress: ProgressCallback | None = None,
+    ) -> None:
+        """Download ``rank`` of the complete ``step``, verify every byte's crc32c, and commit it as
+        ``dest_rank_dir/step-<step>`` in the client format (manifest and COMMIT byte for byte the
+        originals). ``progress(bytes_done, bytes_total)`` is called on the event loop as bytes arrive
+        (throttled) and once at the end. Raises ``MissingCheckpointError`` if the step is not complete in
+        the bucket, ``CorruptShardError`` on any checksum mismatch (nothing is committed),
+        ``RamdiskFullError`` if the step does not fit, ``StoreError`` if the bucket keeps failing."""
+        relay = _Progress(asyncio.get_running_loop(), progress, self.metrics.bytes_downloaded.inc)
+        fetching = self._fetching.setdefault(job, set())
+        fetching.add(step)
+        started = time.monotonic()
+        try:
+            await self._run(
+                self.restorer.fetch_rank, job, step, rank, Path(dest_rank_dir), relay.add, relay.start
+            )
+        except BaseException:
+            self.metrics.failures.labels(op="restore").inc()
+            raise
+        finally:
+            fetching.discard(step)
+        relay.finish()
+        self.metrics.restore_seconds.observe(time.monotonic() - started)
+
+    async def purge_job(self, job: str) -> None:
+        """Forget ``job`` on this node: stop its uploads (the transfers under way finish, no new one
+        starts; a partial step stays invisible) and drop its state. The bucket keeps its backups; use
+        ``delete_backups`` to remove them."""
+        self._cancelled.add(job)
+        try:
+            async with self._lock(job):
+                pass  # wait for the running pass to stop
+        finally:
+            self._cancelled.discard(job)
+        for state in (self._holders, self._latest, self._status, self._locks):
+            state.pop(job, None)
+        log.info("job %s: backup state forgotten on this node", job)
+
+    async def delete_backups(self, job: str) -> None:
+        """Delete every object of ``job`` from the bucket (completion objects first). Irreversible."""
+        async with self._lock(job):
+            await self._run(self.catalog.purge, job)
+        self._status.pop(job, None)
+
+    def status(self, job: str) -> BackupStatus:
+        return self._status.get(job, BackupStatus())
+
+    async def close(self) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, self._shutdown)
+
+    def _shutdown(self) -> None:
+        self._ops.shutdown(wait=True, cancel_futures=True)
+        self._io.shutdown(wait=True, cancel_futures=True)
+
+    # ------------------------------------------------------------------------------------ passes (blocking)
+
+    def _pass(
+        self, job: str, step: int | None, ranks_here: tuple[int, ...], on_demand: bool, all_local: bool
+    ) -> None:
+        try:
+            view = self.catalog.view(job)
+            now = self.clock()
+            targets: dict[int, str] = {}
+            if step is not None:
+                decision = self.policy.due(
+                    step, newest_complete=view.newest_complete, in_progress=view.in_progress.items(),
+                    now=now, on_demand=on_demand,
+                )  # fmt: skip
+                if decision:
+                    targets[step] = decision.reason
+                else:
+                    log.debug("step %d of %s not backed up: %s", step, job, decision.reason)
+            floor = view.newest_complete[0] if view.newest_complete else -1
+            for s, started in view.in_progress.items():
+                if s > floor and s not in targets and now - started < self.policy.stale_after:
+                    targets[s] = "joining a backup in progress"
+            completed = False
+            for s in sorted(targets):
+                hint = ranks_here if s == step else ()
+                completed |= self._backup_step(job, s, targets[s], view.in_progress.get(s), hint, all_local)
+            if completed or step is None:
+                self._maintain(job)
+            else:
+                self._set_status(job, complete=tuple(sorted(view.complete)))
+        except (TierckptError, OSError) as exc:
+            self.metrics.failures.labels(op="upload").inc()
+            self._set_status(job, last_error=f"{type(exc).__name__}: {exc}")
+            log.error("backup of %s failed: %s", job, exc)
+            raise
+
+    def _backup_now(self, job: str, all_local: bool) -> int | None:
+        step = self._newest_local(job)
+        if step is None:
+            log.info("backup of %s requested, but this node holds no committed step of it", job)
+            return None
+        self._pass(job, step, (), True, all_local)
+        return step
+
+    def _backup_step(
+        self, job: str, step: int, reason: str, started_at: float | None, hint: Iterable[int], all_local: bool
+    ) -> bool:
+        """Upload this node's share of ``step``; True if the step is complete in the bucket afterwards."""
+        local = self._local_copies(job, step, hint)
+        if not local:
+            return False
+        world_size = read_manifest(next(iter(local.values()))).world_size
+        mine = self._my_share(job, step, world_size, local, started_at, all_local)
+        if mine:
+            self.catalog.mark_started(job, step, world_size, reason)
+            log.info("backing up step %d of %s (%s): ranks %s of %d", step, job, reason, mine, world_size)
+            started = time.monotonic()
+            with _leases({r: local[r] for r in mine}, self._holder, self.lease_ttl) as held:
+                self._upload_ranks(job, held)
+            self.metrics.upload_seconds.observe(time.monotonic() - started)
+            self._set_status(job, last_uploaded=step, last_success_at=self.clock(), last_error="")
+            self.metrics.last_success.labels(job=job).set(self.clock())
+        done = self.catalog.try_complete(job, step, world_size)
+        if done:
+            self.metrics.steps_completed.inc()
+        return done
+
+    def _my_share(
+        self, job: str, step: int, world_size: int, local: Mapping[int, Path], started_at: float | None,
+        all_local: bool,
+    ) -> list[int]:  # fmt: skip
+        """The ranks this node uploads: its share of the spread over all holders, plus orphans."""
+        if all_local:
+            return sorted(local)
+        holders = self._holders_of(job, world_size)
+        for r in local:
+            if self.node not in holders.get(r, ()):
+                holders[r] = (*holders.get(r, ()), self.node)
+        owner = assign_uploads(job, step, holders)
+        mine = {r for r in local if owner.get(r) == self.node}
+        if started_at is not None and self.clock() - started_at >= self.takeover_after:
+            committed = self.catalog.rank_commits(job, step)
+            orphans = {r for r in local if r not in committed} - mine
+            if orphans:
+                log.warning("step %d of %s: taking over ranks %s, still missing %.0fs after its backup began",
+                            step, job, sorted(orphans), self.clock() - started_at)  # fmt: skip
+                mine |= orphans
+        return sorted(mine)
+
+    def _upload_ranks(self, job: str, paths: Mapping[int, Path]) -> None:
+        """Upload several ranks at once (their files share the transfer pool); raise the first failure
+        after all have finished, so every rank that can be committed is."""
+        errors = []
+        if not paths:
+            return
+        with cf.ThreadPoolExecutor(min(8, len(paths)), thread_name_prefix="backup-rank") as ranks:
+            futures = {ranks.submit(self.uploader.upload_rank, job, path): r for r, path in paths.items()}
+            for fut in cf.as_completed(futures):
+                try:
+                    if not fut.result().skipped:
+                        self.metrics.ranks_uploaded.inc()
+                except (TierckptError, OSError) as exc:
+                    log.error("upload of rank %d of %s failed: %s", futures[fut], job, exc)
+                    errors.append(exc)
+        if errors:
+            raise errors[0]
+
+    def _maintain(self, job: str) -> None:
+        view = self.catalog.view(job)
+        plan = self.policy.retention(view.complete, protect=self._fetching.get(job, ()))
+        removed = self.catalog.collect_garbage(job, view, plan.delete, grace=self.incomplete_grace)
+        self.metrics.steps_deleted.inc(len([s for s in removed if s in view.complete]))
+        kept = tuple(s for s in sorted(view.complete) if s not in removed)
+        self._set_status(job, complete=kept, newest_complete=kept[-1] if kept else None)
+        if kept:
+            self.metrics.last_step.labels(job=job).set(kept[-1])
+
+    # ------------------------------------------------------------------------------------ local data
+
+    def _local_copies(self, job: str, step: int, hint: Iterable[int]) -> dict[int, Path]:
+        """Rank -> this node's committed copy of ``step`` (primary preferred over replica). Scans the
+        ramdisk: the daemon reports its primaries, but replicas held here are uploaded too."""
+        jd = job_dir(self.root, job)
+        ranks = set(hint) | set(ranks_in(jd)) | set(ranks_in(jd / "replicas"))
+        out = {}
+        for r in sorted(ranks):
+            path = find_committed(self.root, job, r, step)
+            if path is not None:
+                out[r] = path
+        return out
+
+    def _newest_local(self, job: str) -> int | None:
+        """The newest step committed for every primary rank here (replicas if the node has none)."""
+        jd = job_dir(self.root, job)
+        primaries = [rank_dir(self.root, job, r) for r in ranks_in(jd)]
+        replicas = [replica_rank_dir(self.root, job, r) for r in ranks_in(jd / "replicas")]
+        for parents in (primaries, replicas):
+            sets = [set(committed_steps(p)) for p in parents]
+            common = set.intersection(*sets) if sets else set()
+            if common:
+                return max(common)
+        return None
+
+    # ------------------------------------------------------------------------------------ plumbing
+
+    def _remember_holders(self, job: str, holders: Mapping[int, Sequence[str]]) -> None:
+        self._holders.setdefault(job, {}).update({int(r): tuple(h) for r, h in holders.items()})
+
+    def _holders_of(self, job: str, world_size: int) -> dict[int, tuple[str, ...]]:
+        """Rank -> nodes holding it. From ``control/peers.json`` when present (every node reads the same
+        file, so every node computes the same upload split): a node's process ranks are held by it and
+        by its replication peers. Otherwise what the daemon told us in ``on_step_committed`` calls."""
+        try:
+            peers = read_control(self.root, job, PeerAssignment.FILE, PeerAssignment)
+        except FormatError as exc:
+            log.warning(
+                "job %s: unreadable peers.json (%s); spreading uploads by what the daemon reported", job, exc
+            )
+            peers = None
+        holders = dict(self._holders.get(job, {}))
+        if isinstance(peers, PeerAssignment):
+            for node in sorted(peers.node_ranks):
+                for r in peers.process_ranks(node, world_size):
+                    holders[r] = (node, *peers.peers.get(node, ()))
+        return holders
+
+    def _lock(self, job: str) -> asyncio.Lock:
+        return self._locks.setdefault(job, asyncio.Lock())
+
+    def _set_status(self, job: str, **changes: Any) -> None:
+        self._status[job] = dataclasses.replace(self._status.get(job, BackupStatus()), **changes)
+
+    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._ops, functools.partial(fn, *args))
+
+
+@contextlib.contextmanager
+def _leases(paths: Mapping[int, Path], holder: str, ttl: float) -> Iterator[dict[int, Path]]:
+    """Lease each step dir (renewed in the background) so retention leaves it alone while it is read.
+    Yields the ranks whose step still existed when leased."""
+    with contextlib.ExitStack() as stack:
+        held = {}
+        for r, path in paths.items():
+            step = parse_step_name(path.name)
+            assert step is not None
+            try:
+                stack.enter_context(leases.hold(path.parent, step, holder, ttl=ttl))
+            except MissingCheckpointError:
+                log.warning(
+                    "rank %d step %d vanished from %s before it could be uploaded", r, step, path.parent
+                )
+                continue
+            held[r] = path
+        yield held
+
+
+class _Progress:
+    """Per-chunk byte counts from worker threads -> a metric, and throttled cumulative
+    ``progress(done, total)`` calls on the event loop."""
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        progress: Callable[[int, int], None] | None,
+        count: Callable[[int], None],
+    ) -> None:
+        self._loop, self._progress, self._count = loop, progress, count
+        self._lock = threading.Lock()
+        self.done = self.total = self._reported = 0
+
+    def start(self, total: int) -> None:
+        self.total = total
+
+    def add(self, n: int) -> None:
+        self._count(n)
+        with self._lock:
+            self.done += n
+            if self.done - self._reported < _PROGRESS_EVERY:
+                return
+            self._reported = done = self.done
+        self._emit(done)
+
+    def finish(self) -> None:
+        self._emit(self.done)
+
+    def _emit(self, done: int) -> None:
+        if self._progress is not None:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is listening any more
+                self._loop.call_soon_threadsafe(self._progress, done, self.total)

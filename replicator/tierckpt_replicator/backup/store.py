@@ -1,0 +1,111 @@
+"""The object-store boundary of the backup service: what it needs from a bucket, and its errors.
+
+``ObjectStore`` is the protocol the uploader, the restorer and the catalog are written against.
+``tierckpt_replicator.backup.gcs.GcsStore`` implements it with google-cloud-storage; tests put
+explicit fakes here to reach paths an emulator cannot (server-side checksum rejection, preconditions
+on resumable uploads). Every method blocks: the service runs them in its thread pool.
+
+Errors: ``ObjectNotFound`` (404), ``PreconditionFailed`` (412: a create-only write found the object),
+``UploadCorrupted`` (the stored object's crc32c is not the one the caller expected; the object was
+deleted), ``TransientStoreError`` (5xx, timeouts, resets still failing after the retry policy gave up;
+safe to retry later) and ``StoreError`` for anything else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Protocol
+
+from tierckpt.errors import RetryableError, TierckptError
+
+__all__ = [
+    "ObjectInfo",
+    "ObjectNotFound",
+    "ObjectStore",
+    "PreconditionFailed",
+    "StoreError",
+    "TransientStoreError",
+    "UploadCorrupted",
+]
+
+
+class StoreError(TierckptError):
+    """An object-store request failed, and retrying the same request will not help."""
+
+
+class TransientStoreError(StoreError, RetryableError):
+    """A transient failure (5xx, timeout, connection reset) outlasted the retry policy."""
+
+
+class ObjectNotFound(StoreError):
+    pass
+
+
+class PreconditionFailed(StoreError):
+    """A create-only write found the object already there (HTTP 412)."""
+
+
+class UploadCorrupted(StoreError):
+    """The uploaded object's crc32c differs from the expected one; the object has been deleted."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectInfo:
+    name: str
+    size: int
+    crc32c: int | None
+    generation: int
+    updated: float
+    """Last modification, seconds since the epoch."""
+
+
+class ObjectStore(Protocol):
+    """One bucket. Keys are full object names (built by ``tierckpt.bucket_layout``)."""
+
+    def upload_file(
+        self, key: str, path: Path, *, offset: int = 0, length: int | None = None, crc32c: int | None = None
+    ) -> ObjectInfo:
+        """Resumable upload of ``path[offset:offset+length]`` (to the end if ``length`` is None).
+
+        With ``crc32c``, the object must end up with exactly that checksum (GCS also checks it server
+        side); otherwise it is deleted and ``UploadCorrupted`` raised. Overwrites an existing object.
+        """
+        ...
+
+    def put_bytes(self, key: str, data: bytes, *, create_only: bool = False) -> ObjectInfo:
+        """Single-request upload. ``create_only``: ``PreconditionFailed`` if the object exists."""
+        ...
+
+    def get_bytes(self, key: str, *, max_size: int) -> bytes:
+        """A small object's bytes; ``StoreError`` if it is larger than ``max_size``."""
+        ...
+
+    def download_to(
+        self,
+        key: str,
+        fd: int,
+        *,
+        start: int,
+        length: int,
+        file_offset: int,
+        on_bytes: Callable[[int], None] | None = None,
+    ) -> int:
+        """Write ``object[start:start+length]`` to ``fd`` at ``file_offset``; return the crc32c of the
+        bytes written. ``on_bytes(n)`` is called as bytes arrive."""
+        ...
+
+    def stat(self, key: str) -> ObjectInfo | None: ...
+
+    def list(self, prefix: str, *, delimiter: str | None = None) -> tuple[list[ObjectInfo], list[str]]:
+        """Objects under ``prefix``; with a delimiter also the sub-prefixes ("directories")."""
+        ...
+
+    def delete(self, key: str) -> bool:
+        """Delete an object; False if it did not exist."""
+        ...
+
+    def compose(self, key: str, sources: Sequence[str]) -> ObjectInfo:
+        """Concatenate up to 32 objects into ``key`` (server side)."""
+        ...

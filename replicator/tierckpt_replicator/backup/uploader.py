@@ -1,0 +1,227 @@
+"""Upload one rank's committed step from the ramdisk to the bucket (blocking; transfers in a pool).
+
+Order, per rank: every file (in parallel; files larger than ``slice_size`` as parallel slices composed
+server side), then the ``COMMIT`` and ``manifest.json`` bytes, then the create-only rank commit object.
+Every object is checked against the crc32c the manifest (or commit marker) records, so a shard that
+rotted on the ramdisk or in flight never gets a rank commit. Objects already in the bucket with the
+right size and crc32c (an earlier, interrupted attempt) are not uploaded again.
+
+If a rank commit for the same step and rank already exists with a different manifest (a step number
+saved again by a later attempt of the job), the newer save wins while the step is incomplete; a
+complete step is never touched.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import dataclasses
+import logging
+import math
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from tierckpt.bucket_layout import BucketLayout, RankBackup
+from tierckpt.errors import CorruptShardError, FormatError, TierckptError
+from tierckpt.format import COMMIT_NAME, MANIFEST_NAME, CommitMarker, FileEntry, Manifest
+from tierckpt.integrity import crc32c
+
+from tierckpt_replicator.backup.catalog import Catalog
+from tierckpt_replicator.backup.store import ObjectInfo, ObjectNotFound, ObjectStore, PreconditionFailed
+
+__all__ = ["RankUpload", "StaleStepError", "UploadCancelled", "Uploader", "plan_slices"]
+
+log = logging.getLogger(__name__)
+
+MAX_COMPOSE = 32
+
+
+class UploadCancelled(TierckptError):
+    """The job was purged on this node while its upload ran."""
+
+
+class StaleStepError(FormatError):
+    """The bucket already holds this step and rank from a different (newer, or complete) save."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RankUpload:
+    """What uploading one rank did."""
+
+    commit: RankBackup
+    bytes_sent: int
+    skipped: bool
+    """True when the rank was already committed in the bucket with the same manifest."""
+
+
+def plan_slices(size: int, slice_size: int) -> list[tuple[int, int]]:
+    """``(offset, length)`` slices of a file: one if ``slice_size`` is 0 or the file is small, else at
+    most 32 (the compose limit) of equal size rounded up to 256 KiB."""
+    if slice_size <= 0 or size <= slice_size:
+        return [(0, size)]
+    count = min(MAX_COMPOSE, math.ceil(size / slice_size))
+    step = -(-math.ceil(size / count) // (256 << 10)) * (256 << 10)
+    return [(off, min(step, size - off)) for off in range(0, size, step)]
+
+
+class Uploader:
+    def __init__(
+        self,
+        store: ObjectStore,
+        layout: BucketLayout,
+        catalog: Catalog,
+        node: str,
+        pool: cf.Executor,
+        *,
+        slice_size: int = 0,
+        max_manifest_bytes: int = 64 << 20,
+        on_bytes: Callable[[int], None] | None = None,
+        should_stop: Callable[[str], bool] | None = None,
+    ) -> None:
+        self.store, self.layout, self.catalog, self.node, self.pool = store, layout, catalog, node, pool
+        self.should_stop = should_stop or (lambda job: False)
+        self.slice_size = slice_size
+        self.max_manifest_bytes = max_manifest_bytes
+        self.on_bytes = on_bytes or (lambda n: None)
+
+    def upload_rank(self, job: str, step_path: Path) -> RankUpload:
+        """Upload the committed step at ``step_path`` (a primary or replica step dir of ``job``)."""
+        self._check_stop(job)
+        commit_bytes, manifest_bytes, marker, manifest = self._read_local(step_path)
+        rank, step = manifest.rank, manifest.step
+        if manifest.job != job:
+            raise FormatError(f"{step_path} belongs to job {manifest.job!r}, not {job!r}")
+        existing = self._existing_commit(job, step, rank)
+        if existing is not None:
+            if existing.manifest_crc32c == marker.manifest_crc32c:
+                return RankUpload(existing, 0, skipped=True)
+            self._replace_stale(job, step, rank, existing, manifest)
+        present = {o.name: o for o in self.store.list(self.layout.rank_dir(job, step, rank))[0]}
+        sent = self._upload_files(job, step, rank, step_path, manifest.files, present)
+        self._check_stop(job)
+        for name, body in ((COMMIT_NAME, commit_bytes), (MANIFEST_NAME, manifest_bytes)):
+            self.store.put_bytes(self.layout.rank_file_key(job, step, rank, name), body)
+        commit = RankBackup(
+            job=job, step=step, rank=rank, world_size=manifest.world_size,
+            commit_size=len(commit_bytes), commit_crc32c=crc32c(commit_bytes),
+            manifest_size=len(manifest_bytes), manifest_crc32c=marker.manifest_crc32c,
+            total_bytes=manifest.total_bytes, saved_at=manifest.created_at,
+            uploaded_by=self.node, uploaded_at=time.time(),
+        )  # fmt: skip
+        try:
+            self.store.put_bytes(
+                self.layout.rank_commit_key(job, step, rank), commit.to_bytes(), create_only=True
+            )
+        except PreconditionFailed:
+            other = self.catalog.read_rank_commit(job, step, rank)
+            if other.manifest_crc32c != commit.manifest_crc32c:
+                raise StaleStepError(
+                    f"rank {rank} of step {step} was committed by {other.uploaded_by} with another manifest "
+                    "while we uploaded it"
+                ) from None
+            return RankUpload(other, sent, skipped=False)
+        log.info("uploaded rank %d of step %d of %s (%d bytes sent)", rank, step, job, sent)
+        return RankUpload(commit, sent, skipped=False)
+
+    # ------------------------------------------------------------------------------------ helpers
+
+    def _check_stop(self, job: str) -> None:
+        if self.should_stop(job):
+            raise UploadCancelled(f"uploads of job {job} were cancelled")
+
+    def _read_local(self, step_path: Path) -> tuple[bytes, bytes, CommitMarker, Manifest]:
+        commit_bytes = (step_path / COMMIT_NAME).read_bytes()
+        marker = CommitMarker.from_bytes(commit_bytes)
+        if marker.manifest_size > self.max_manifest_bytes:
+            raise FormatError(f"{step_path}: manifest of {marker.manifest_size} bytes is over the limit")
+        manifest_bytes = (step_path / MANIFEST_NAME).read_bytes()
+        if len(manifest_bytes) != marker.manifest_size or crc32c(manifest_bytes) != marker.manifest_crc32c:
+            raise CorruptShardError(
+                f"{step_path / MANIFEST_NAME} does not match its commit marker", path=str(step_path)
+            )
+        manifest = Manifest.from_bytes(manifest_bytes)
+        if (manifest.step, manifest.rank) != (marker.step, marker.rank):
+            raise FormatError(f"{step_path}: manifest and commit marker disagree on step or rank")
+        return commit_bytes, manifest_bytes, marker, manifest
+
+    def _existing_commit(self, job: str, step: int, rank: int) -> RankBackup | None:
+        try:
+            return self.catalog.read_rank_commit(job, step, rank)
+        except ObjectNotFound:
+            return None
+
+    def _replace_stale(self, job: str, step: int, rank: int, old: RankBackup, manifest: Manifest) -> None:
+        if self.store.stat(self.layout.complete_key(job, step)) is not None:
+            raise StaleStepError(f"step {step} of {job} is already complete in the bucket from another save")
+        if old.saved_at >= manifest.created_at:
+            raise StaleStepError(
+                f"rank {rank} of step {step} is in the bucket from a newer save "
+                f"({old.saved_at:.3f} >= {manifest.created_at:.3f}); not uploading this copy"
+            )
+        log.warning("rank %d of step %d of %s: replacing an older save's upload", rank, step, job)
+        self.store.delete(self.layout.rank_commit_key(job, step, rank))
+
+    def _upload_files(
+        self, job: str, step: int, rank: int, step_path: Path, files: tuple[FileEntry, ...],
+        present: dict[str, ObjectInfo],
+    ) -> int:  # fmt: skip
+        """Upload the files not already present; large ones as slices composed afterwards. All transfers
+        go to the pool from this (orchestrating) thread, so pool workers never wait on each other."""
+        futures: list[cf.Future[None]] = []
+        composed: list[tuple[FileEntry, list[str]]] = []
+        sent = 0
+        for f in files:
+            key = self.layout.rank_file_key(job, step, rank, f.name)
+            have = present.get(key)
+            if have is not None and have.size == f.size and have.crc32c == f.crc32c:
+                continue
+            sent += f.size
+            slices = plan_slices(f.size, self.slice_size)
+            if len(slices) == 1:
+                futures.append(self.pool.submit(self._put, job, key, step_path / f.name, 0, f.size, f.crc32c))
+                continue
+            parts = [self.layout.part_key(job, step, rank, f.name, i) for i in range(len(slices))]
+            composed.append((f, parts))
+            for part, (off, length) in zip(parts, slices, strict=True):
+                futures.append(self.pool.submit(self._put, job, part, step_path / f.name, off, length, None))
+        try:
+            _wait_all(futures)
+            _wait_all(
+                [
+                    self.pool.submit(self._compose, job, step, rank, step_path, f, parts)
+                    for f, parts in composed
+                ]
+            )
+        finally:
+            leftovers = [p for _, parts in composed for p in parts]
+            cf.wait([self.pool.submit(self.store.delete, p) for p in leftovers])
+        return sent
+
+    def _put(self, job: str, key: str, path: Path, offset: int, length: int, crc: int | None) -> None:
+        self._check_stop(job)
+        self.store.upload_file(key, path, offset=offset, length=length, crc32c=crc)
+        self.on_bytes(length)
+
+    def _compose(self, job: str, step: int, rank: int, path: Path, f: FileEntry, parts: list[str]) -> None:
+        """Compose a file's slices and check the result against the manifest's size and crc32c."""
+        key = self.layout.rank_file_key(job, step, rank, f.name)
+        info = self.store.compose(key, parts)
+        if info.crc32c != f.crc32c or info.size != f.size:
+            self.store.delete(key)
+            raise CorruptShardError(
+                f"{path / f.name}: composed object has crc32c {info.crc32c} size {info.size}, "
+                f"manifest says {f.crc32c:08x} size {f.size}",
+                path=str(path / f.name),
+            )
+
+
+def _wait_all(futures: list[cf.Future[None]]) -> None:
+    """Wait for every future; re-raise the first failure after cancelling what has not started."""
+    try:
+        for fut in cf.as_completed(futures):
+            fut.result()
+    except BaseException:
+        for fut in futures:
+            fut.cancel()
+        cf.wait(futures)
+        raise
