@@ -1,0 +1,622 @@
+"""``Checkpointer``: save a state dict to the node's ramdisk in the time of one memory copy; load it back.
+
+It orchestrates and touches no bytes itself: ``snapshot.flatten`` turns the state into a tree and
+tensors, ``snapshot.layout`` places them, ``snapshot.pool`` hands out pre-faulted (and CUDA-pinned)
+data files, ``snapshot.copy`` fills them, and a background thread checksums and commits
+(``snapshot.commit``), applies retention (``retention``, ``leases``) and recycles the retired step's
+files for the next save. Loading goes the other way through ``snapshot.restore``, after the ranks
+agreed on a step (``snapshot.agree``) and any replicator finished staging it (``snapshot.staging``).
+
+API and semantics: docs/client.md. On-disk format: docs/format.md.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import contextlib
+import dataclasses
+import errno
+import fcntl
+import logging
+import os
+import pickle
+import threading
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tierckpt import cuda, leases
+from tierckpt.errors import (
+    CorruptShardError,
+    FormatError,
+    MissingCheckpointError,
+    RamdiskFullError,
+    SaveInProgressError,
+    TierckptError,
+)
+from tierckpt.format import (
+    COMMIT_NAME,
+    CommitMarker,
+    discard_step,
+    fsync_dir,
+    rank_dir,
+    read_commit,
+    read_manifest,
+    step_dir,
+    step_dirs,
+)
+from tierckpt.retention import plan_retention
+from tierckpt.settings import BusyPolicy, Settings, resolve
+from tierckpt.snapshot import agree, staging
+from tierckpt.snapshot.commit import StepIdentity, commit_files
+from tierckpt.snapshot.copy import copy_into
+from tierckpt.snapshot.dtypes import dtype_name
+from tierckpt.snapshot.flatten import FlatState, flatten
+from tierckpt.snapshot.handle import SaveHandle
+from tierckpt.snapshot.layout import LayoutPlan, TensorSpec, plan_layout
+from tierckpt.snapshot.pool import Slot, SlotPool
+from tierckpt.snapshot.restore import load_into, open_data_files
+from tierckpt.snapshot.shardfile import MappedFile
+
+__all__ = ["Checkpointer", "StepScan", "scan_steps"]
+
+log = logging.getLogger(__name__)
+
+WRITER_LOCK = ".writer.lock"
+_PLAN_CACHE = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class StepScan:
+    """The step directories of a rank, by state."""
+
+    committed: dict[int, CommitMarker]
+    corrupt: tuple[int, ...]
+    """Steps whose COMMIT exists but does not verify."""
+    uncommitted: tuple[int, ...]
+
+
+def scan_steps(rank_path: Path) -> StepScan:
+    committed, corrupt, uncommitted = {}, [], []
+    for step, path in step_dirs(rank_path).items():
+        try:
+            marker = read_commit(path)
+        except FormatError as exc:
+            log.error("step %d in %s has a corrupt commit marker: %s", step, rank_path, exc)
+            corrupt.append(step)
+            continue
+        if marker is None:
+            uncommitted.append(step)
+        elif marker.step != step:
+            log.error("%s holds the commit marker of step %d; ignoring it", path, marker.step)
+            corrupt.append(step)
+        else:
+            committed[step] = marker
+    return StepScan(committed, tuple(sorted(corrupt)), tuple(sorted(uncommitted)))
+
+
+@dataclasses.dataclass
+class _SaveJob:
+    """One save between the training thread and the commit thread."""
+
+    step: int
+    path: Path
+    slot: Slot
+    plan: LayoutPlan
+    flat: FlatState
+    objects: bytes | None
+    handle: SaveHandle
+    deferred_cpu: list[int]
+    """Indices of CPU tensors the commit thread copies (overlap mode)."""
+    tickets: list[cuda.CopyTicket]
+    deferred_ticket: cuda.CopyTicket | None = None
+    copied: threading.Event = dataclasses.field(default_factory=threading.Event)
+    """Set once every tensor's bytes are in the mapping (or the save failed)."""
+    started: float = dataclasses.field(default_factory=time.perf_counter)
+
+
+class Checkpointer:
+    """Per-rank checkpoints in node RAM: fast asynchronous ``save``, verified in-place ``load``.
+
+    Arguments left as None come from the environment the operator injects (``TIERCKPT_ROOT``,
+    ``TIERCKPT_JOB``, ``TIERCKPT_RANK``, ``TIERCKPT_WORLD_SIZE``), then torch.distributed, then
+    torchrun's ``RANK``/``WORLD_SIZE``, then rank 0 of 1. Other options: see ``settings.Settings``.
+    Holds an exclusive lock on its rank directory until ``close()``.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str] | None = None,
+        job: str | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        *,
+        keep: int = 2,
+        on_busy: BusyPolicy = "wait",
+        overlap: bool = False,
+        **options: Any,
+    ) -> None:
+        self.settings: Settings = resolve(
+            root=root,
+            job=job,
+            rank=rank,
+            world_size=world_size,
+            keep=keep,
+            on_busy=on_busy,
+            overlap=overlap,
+            **options,
+        )
+        s = self.settings
+        self.rank_path = rank_dir(s.root, s.job, s.rank)
+        self.rank_path.mkdir(parents=True, exist_ok=True)
+        self._lock_fd = _lock_writer(self.rank_path, s.writer_lock_timeout)
+        self._closed = False
+        self._pool = SlotPool(self.rank_path, target=s.keep + 1)
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tierckpt-commit")
+        self._inflight: _SaveJob | None = None
+        self._plans: collections.OrderedDict[tuple[Any, ...], LayoutPlan] = collections.OrderedDict()
+        self._optimizers: weakref.WeakKeyDictionary[torch.optim.Optimizer, Any] = weakref.WeakKeyDictionary()
+        self._warned_overlap = False
+        try:
+            self._startup_cleanup()
+        except BaseException:
+            self._release()
+            raise
+        log.info("checkpointer for job %s rank %d/%d at %s", s.job, s.rank, s.world_size, self.rank_path)
+
+    # ------------------------------------------------------------------------------- lifecycle
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Wait for the save in flight, stop the commit thread, unmap everything, release the lock.
+
+        Files stay on disk: committed steps remain loadable, spares are adopted by the next writer.
+        """
+        if self._closed:
+            return
+        try:
+            self.wait()
+        except Exception as exc:  # already reported through its handle and the log
+            log.debug("last save failed: %s", exc)
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        self._closed = True
+        self._executor.shutdown(wait=True)
+        for handle in self._optimizers.values():
+            handle.remove()
+        self._optimizers.clear()
+        self._pool.close()
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this Checkpointer is closed")
+
+    def _startup_cleanup(self) -> None:
+        """Remove what a crashed writer left (uncommitted steps), apply retention, adopt spares."""
+        leases.purge_expired(self.rank_path)
+        with leases.lock(self.rank_path):
+            scan = scan_steps(self.rank_path)
+            plan = plan_retention(
+                scan.committed,
+                keep=self.settings.keep,
+                leased=leases.leased_steps(self.rank_path),
+                uncommitted=scan.uncommitted,
+            )
+            self._uncommit(plan.retire)
+        for step in plan.discard:
+            log.warning(
+                "removing step %d of %s: never committed (left by a crashed save)", step, self.rank_path
+            )
+            discard_step(step_dir(self.rank_path, step))
+        self._pool.adopt_spares(committed_count=len(plan.kept) + len(plan.held))
+        for step in plan.retire:
+            self._pool.recycle(step, step_dir(self.rank_path, step))
+
+    def _uncommit(self, steps: Sequence[int]) -> None:
+        """Remove the COMMIT of each step (caller holds the lease lock): they stop existing at once."""
+        for step in steps:
+            path = step_dir(self.rank_path, step)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path / COMMIT_NAME)
+                fsync_dir(path)
+
+    # ------------------------------------------------------------------------------- queries
+
+    def committed_steps(self) -> list[int]:
+        """This rank's committed steps on the ramdisk, oldest first."""
+        return sorted(scan_steps(self.rank_path).committed)
+
+    def latest_step(self) -> int | None:
+        """This rank's newest committed step (no collective; ``load`` is what agrees across ranks)."""
+        steps = self.committed_steps()
+        return steps[-1] if steps else None
+
+    # ------------------------------------------------------------------------------- save
+
+    def save(self, step: int, state_dict: dict[Any, Any], *, blocking: bool = False) -> SaveHandle:
+        """Snapshot ``state_dict`` as ``step``; returns once training may change it again.
+
+        Checksums, sync and commit continue in the background (``handle.wait()`` or
+        ``blocking=True`` waits for them). At most one save is in flight; another one arriving
+        meanwhile waits, is skipped or raises, per ``on_busy``.
+        """
+        self._check_open()
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ValueError(f"step must be a non-negative integer, got {step!r}")
+        refused = self._admit(step)
+        if refused is not None:
+            return refused
+        flat = flatten(state_dict)
+        plan = self._plan(flat)
+        refused = self._make_room(step)
+        if refused is not None:
+            return refused
+        objects = pickle.dumps(list(flat.objects), protocol=pickle.HIGHEST_PROTOCOL) if flat.objects else None
+        if not self._pool.register_cuda and any(cuda.is_cuda(t) for t in flat.tensors):
+            self._pool.register_cuda = True
+            self._pool.register_all()
+        path = step_dir(self.rank_path, step)
+        try:
+            slot = self._pool.take(step, plan)
+        except BaseException:
+            discard_step(path)
+            raise
+        job = _SaveJob(step, path, slot, plan, flat, objects, SaveHandle(step), [], [])
+        try:
+            self._start_copies(job)
+        except BaseException:
+            self._pool.forget(slot)
+            discard_step(path)
+            raise
+        self._inflight = job
+        if not job.deferred_cpu and job.deferred_ticket is None:
+            job.handle._set_snapshot()
+        self._executor.submit(self._finish, job)
+        if blocking:
+            job.handle.wait()
+        return job.handle
+
+    def _admit(self, step: int) -> SaveHandle | None:
+        job = self._inflight
+        if job is None or job.handle.done():
+            return None
+        policy = self.settings.on_busy
+        if policy == "skip":
+            reason = f"step {job.step} is still committing"
+            log.info("skipped the save of step %d: %s", step, reason)
+            return SaveHandle.skipped_save(step, reason)
+        if policy == "error":
+            raise SaveInProgressError(f"cannot save step {step}: step {job.step} is still committing")
+        with contextlib.suppress(Exception):  # its failure belongs to its own handle
+            job.handle.wait()
+        return None
+
+    def _plan(self, flat: FlatState) -> LayoutPlan:
+        """The layout for this state; the same plan object for the same keys, dtypes and shapes."""
+        signature = (flat.keys, tuple(t.dtype for t in flat.tensors), tuple(t.shape for t in flat.tensors))
+        plan = self._plans.get(signature)
+        if plan is None:
+            specs = []
+            for key, t in zip(flat.keys, flat.tensors, strict=True):
+                name = dtype_name(t.dtype)
+                assert name is not None  # flatten only keeps storable dtypes
+                specs.append(TensorSpec(key, name, tuple(t.shape)))
+            plan = plan_layout(specs, max_file_bytes=self.settings.max_file_bytes)
+            self._plans[signature] = plan
+            while len(self._plans) > _PLAN_CACHE:
+                self._plans.popitem(last=False)
+        self._plans.move_to_end(signature)
+        return plan
+
+    def _make_room(self, step: int) -> SaveHandle | None:
+        """Saving a step that already exists replaces it, unless a reader holds a lease on it."""
+        path = step_dir(self.rank_path, step)
+        if not path.exists():
+            return None
+        with leases.lock(self.rank_path):
+            if step in leases.leased_steps(self.rank_path):
+                reason = f"step {step} already exists and is leased by a reader"
+                log.warning("skipped the save of step %d: %s", step, reason)
+                return SaveHandle.skipped_save(step, reason)
+            was_committed = (path / COMMIT_NAME).exists()
+            self._uncommit([step])
+        if was_committed:
+            log.info("replacing committed step %d", step)
+            self._pool.recycle(step, path)
+        else:
+            discard_step(path)
+        return None
+
+    def _protected(self) -> set[int]:
+        """Storages that only a registered optimizer's step mutates (overlap mode defers them)."""
+        out = set()
+        for opt in list(self._optimizers):
+            for group in opt.param_groups:
+                out.update(p.untyped_storage().data_ptr() for p in group["params"])
+            for state in opt.state.values():
+                out.update(
+                    v.untyped_storage().data_ptr() for v in state.values() if isinstance(v, torch.Tensor)
+                )
+        return out
+
+    def _start_copies(self, job: _SaveJob) -> None:
+        views = job.slot.views(job.plan)
+        tensors = job.flat.tensors
+        now = list(range(len(tensors)))
+        later: list[int] = []
+        if self.settings.overlap:
+            protected = self._protected()
+            if not protected and not self._warned_overlap:
+                log.warning("overlap=True but no optimizer is registered: saves wait for every copy")
+                self._warned_overlap = True
+            later = [i for i in now if tensors[i].untyped_storage().data_ptr() in protected]
+            now = [i for i in now if tensors[i].untyped_storage().data_ptr() not in protected]
+        ticket = copy_into([views[i] for i in now], [tensors[i] for i in now])
+        if ticket is not None:
+            ticket.synchronize()
+        gpu_later = [i for i in later if cuda.is_cuda(tensors[i])]
+        job.deferred_cpu = [i for i in later if not cuda.is_cuda(tensors[i])]
+        if gpu_later:
+            job.deferred_ticket = cuda.copy_to_host(
+                [views[i] for i in gpu_later], [tensors[i] for i in gpu_later]
+            )
+            job.tickets.append(job.deferred_ticket)
+        if not job.deferred_cpu and job.deferred_ticket is None:
+            job.copied.set()
+
+    def _finish(self, job: _SaveJob) -> None:
+        """Commit thread: finish deferred copies, checksum, sync, commit, apply retention."""
+        try:
+            if job.deferred_cpu:
+                views = job.slot.views(job.plan)
+                copy_into(
+                    [views[i] for i in job.deferred_cpu], [job.flat.tensors[i] for i in job.deferred_cpu]
+                )
+            for ticket in job.tickets:
+                ticket.synchronize()
+            job.copied.set()
+            job.handle._set_snapshot()
+            snapshot_s = time.perf_counter() - job.started
+            s = self.settings
+            who = StepIdentity(s.job, s.rank, s.world_size, job.step)
+            marker = commit_files(
+                job.path,
+                who,
+                job.plan,
+                job.slot.files,
+                tree=job.flat.tree,
+                objects=job.objects,
+                object_count=len(job.flat.objects),
+                workers=s.crc_workers,
+            )
+            job.flat = dataclasses.replace(job.flat, tensors=())  # release the sources
+            self._pool.committed(job.step, job.slot)
+            self._apply_retention()
+        except BaseException as exc:
+            job.copied.set()
+            self._fail(job, exc)
+            return
+        log.debug(
+            "step %d committed: %d bytes, snapshot %.3f s, commit %.3f s",
+            job.step,
+            marker.total_bytes,
+            snapshot_s,
+            time.perf_counter() - job.started,
+        )
+        job.handle._set_committed(marker)
+        try:
+            self._pool.fill_spares(job.plan)
+        except Exception as exc:  # spares are an optimisation; the next save allocates its own
+            log.warning("could not prepare spare slots: %s", exc)
+
+    def _fail(self, job: _SaveJob, exc: BaseException) -> None:
+        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC and not isinstance(exc, RamdiskFullError):
+            exc = RamdiskFullError(
+                errno.ENOSPC, f"ramdisk full while committing step {job.step}", str(job.path)
+            )
+        log.error("save of step %d failed, nothing was committed: %s", job.step, exc)
+        with contextlib.suppress(Exception):
+            self._pool.forget(job.slot)
+        with contextlib.suppress(Exception):
+            discard_step(job.path)
+        job.handle._set_failed(exc)
+
+    def _apply_retention(self) -> None:
+        with leases.lock(self.rank_path):
+            scan = scan_steps(self.rank_path)
+            plan = plan_retention(
+                scan.committed, keep=self.settings.keep, leased=leases.leased_steps(self.rank_path)
+            )
+            self._uncommit(plan.retire)
+        newest = max(scan.committed, default=-1)
+        for step in plan.retire:
+            log.debug("retiring step %d", step)
+            self._pool.recycle(step, step_dir(self.rank_path, step))
+        for step in scan.corrupt:
+            if step < newest:
+                log.warning("removing step %d: its commit marker is corrupt", step)
+                discard_step(step_dir(self.rank_path, step))
+        self._pool.trim()
+
+    def wait(self, timeout: float | None = None) -> CommitMarker | None:
+        """Wait for the save in flight (if any) to commit; returns its marker or raises its error."""
+        job = self._inflight
+        return None if job is None else job.handle.wait(timeout)
+
+    def prepare(self, state_dict: dict[Any, Any]) -> None:
+        """Pre-fault (and pin) all ``keep + 1`` slots for this state's layout now, off the save path."""
+        self._check_open()
+        flat = flatten(state_dict)
+        if any(cuda.is_cuda(t) for t in flat.tensors):
+            self._pool.register_cuda = True
+            self._pool.register_all()
+        self._executor.submit(self._pool.fill_spares, self._plan(flat)).result()
+
+    # ------------------------------------------------------------------------------- overlap
+
+    def register_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Overlap mode: ``optimizer.step()`` waits for the snapshot copy of its parameters and state."""
+        if optimizer in self._optimizers:
+            return
+        self._optimizers[optimizer] = optimizer.register_step_pre_hook(self._before_step)
+
+    def _before_step(self, *_: Any) -> None:
+        job = self._inflight
+        if job is None or job.copied.is_set():
+            return
+        if job.deferred_ticket is not None and not job.deferred_cpu:
+            job.deferred_ticket.block_stream()  # the GPU orders the update after the copy; no CPU wait
+            return
+        job.copied.wait()
+
+    # ------------------------------------------------------------------------------- load
+
+    def load(
+        self,
+        state_dict: dict[Any, Any],
+        step: int | None = None,
+        *,
+        fallback: bool = False,
+        allow_missing: bool = False,
+        verify: bool = True,
+        device: torch.device | str | None = None,
+    ) -> int | None:
+        """Fill ``state_dict`` in place from a committed step and return that step.
+
+        Without ``step``, the newest step every rank holds (agreed over torch.distributed when it is
+        initialised, or named by the replicator's restore plan). Checksums are verified unless
+        ``verify=False``. A corrupt step raises ``CorruptShardError``, or with ``fallback=True`` the
+        next older common step is tried (on all ranks together). Nothing to load raises
+        ``MissingCheckpointError``, or returns None with ``allow_missing=True``. New tensors (paths
+        the destination lacks) are created on ``device`` (default CPU).
+        """
+        self._check_open()
+        with contextlib.suppress(Exception):
+            self.wait()
+        candidates = self._candidates(step, fallback=fallback)
+        if not candidates:
+            if allow_missing:
+                log.info("no checkpoint to load for rank %d; starting fresh", self.settings.rank)
+                return None
+            raise MissingCheckpointError(
+                f"no committed step {'' if step is None else step} that every rank holds in {self.rank_path}"
+            )
+        last: BaseException | None = None
+        for n, candidate in enumerate(candidates):
+            error = self._try_load(state_dict, candidate, verify=verify, device=device)
+            ok, failed = agree.all_ok(error is None)
+            if ok:
+                if n:
+                    log.warning("loaded step %d after falling back from step %d", candidate, candidates[0])
+                return candidate
+            last = error or CorruptShardError(
+                f"step {candidate}: rank(s) {failed} could not load their shard", path=str(self.rank_path)
+            )
+            if not fallback:
+                raise last
+            log.warning("step %d is not loadable (%s); falling back", candidate, last)
+        raise MissingCheckpointError(
+            f"no committed step could be loaded; the oldest tried failed: {last}"
+        ) from last
+
+    def _candidates(self, step: int | None, *, fallback: bool) -> list[int]:
+        """Steps to try, newest first, the same list on every rank."""
+        s = self.settings
+        status = staging.wait_for_restore(
+            s.root, s.job, s.rank, expect_replicator=bool(s.replicator_url), stall_timeout=s.restore_wait
+        )
+        scan = scan_steps(self.rank_path)
+        present = sorted({*scan.committed, *scan.corrupt})
+        newest_at = max((m.committed_at for m in scan.committed.values()), default=None)
+        target = staging.restore_target(status, newest_at) if step is None else step
+        gathered = agree.all_gather((present, target))
+        common = agree.common_steps([p for p, _ in gathered])
+        targets = {t for _, t in gathered}
+        if len(targets) == 1 and (only := next(iter(targets))) != staging.USE_LOCAL:
+            if only is None:
+                return []  # the job-wide restore plan says: start fresh
+            if only not in common and not fallback:
+                raise MissingCheckpointError(
+                    f"step {only} is not committed on every rank (ranks hold {common})"
+                )
+            return [t for t in common if t <= only]
+        return common
+
+    def _try_load(
+        self, state_dict: dict[Any, Any], step: int, *, verify: bool, device: torch.device | str | None
+    ) -> BaseException | None:
+        path = step_dir(self.rank_path, step)
+        try:
+            with leases.hold(self.rank_path, step, f"client-{os.getpid()}", ttl=self.settings.lease_ttl):
+                self._load_step(state_dict, step, path, verify=verify, device=device)
+        except (FormatError, MissingCheckpointError) as exc:
+            log.error("could not load step %d: %s", step, exc)
+            return exc
+        return None
+
+    def _load_step(
+        self,
+        state_dict: dict[Any, Any],
+        step: int,
+        path: Path,
+        *,
+        verify: bool,
+        device: torch.device | str | None,
+    ) -> None:
+        manifest = read_manifest(path)
+        s = self.settings
+        if (manifest.job, manifest.rank, manifest.step) != (s.job, s.rank, step):
+            raise FormatError(
+                f"{path}: manifest is job {manifest.job} rank {manifest.rank} step {manifest.step}, "
+                f"expected job {s.job} rank {s.rank} step {step}"
+            )
+        if cuda.available() and torch.cuda.is_initialized() and not self._pool.register_cuda:
+            self._pool.register_cuda = True
+            self._pool.register_all()
+        opened: dict[str, MappedFile] = {}
+        slot = self._pool.slot_of(step) or self._pool.adopt_step(step, path)
+        if slot is not None:
+            files = {f.path.name: f for f in slot.files}
+        else:
+            files = opened = open_data_files(path, manifest, register=self._pool.register_cuda)
+        try:
+            load_into(state_dict, path, manifest, files, verify=verify, device=device)
+        finally:
+            for f in opened.values():
+                f.close()
+
+
+def _lock_writer(rank_path: Path, timeout: float, sleep: Callable[[float], None] = time.sleep) -> int:
+    """Take ``<rank dir>/.writer.lock`` exclusively, waiting up to ``timeout`` for a previous writer."""
+    fd = os.open(rank_path / WRITER_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                os.close(fd)
+                raise TierckptError(
+                    f"another process still writes {rank_path} (it holds {WRITER_LOCK}); "
+                    "one Checkpointer per rank"
+                ) from None
+            sleep(0.1)
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd

@@ -1,0 +1,54 @@
+"""Which steps of one rank directory may go (pure: no file access; the caller does the I/O).
+
+Rules (docs/format.md, "Retention"):
+
+* the newest ``keep`` committed steps stay;
+* the newest committed step always stays, whatever ``keep`` says;
+* an older committed step with an unexpired lease stays until the lease ends ("held");
+* every other committed step is retired (its COMMIT removed first, then its files recycled or deleted);
+* step directories without a COMMIT are crash leftovers and are discarded, except the one being
+  written right now and any that is leased.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Collection, Iterable
+
+__all__ = ["RetentionPlan", "plan_retention"]
+
+
+@dataclasses.dataclass(frozen=True)
+class RetentionPlan:
+    kept: tuple[int, ...]
+    """Committed steps retained by policy, oldest first."""
+    held: tuple[int, ...]
+    """Committed steps past the policy that a lease keeps alive, oldest first."""
+    retire: tuple[int, ...]
+    """Committed steps to remove, oldest first."""
+    discard: tuple[int, ...]
+    """Uncommitted step directories to remove."""
+
+
+def plan_retention(
+    committed: Iterable[int],
+    *,
+    keep: int,
+    leased: Collection[int] = (),
+    uncommitted: Iterable[int] = (),
+    in_flight: int | None = None,
+) -> RetentionPlan:
+    """Apply the retention rules to the steps present in one rank directory."""
+    if keep < 1:
+        raise ValueError(f"keep must be at least 1, got {keep}")
+    steps = sorted(set(committed))
+    kept = steps[-keep:]
+    older = steps[: len(steps) - len(kept)]
+    return RetentionPlan(
+        kept=tuple(kept),
+        held=tuple(s for s in older if s in leased),
+        retire=tuple(s for s in older if s not in leased),
+        discard=tuple(
+            sorted(s for s in set(uncommitted) if s != in_flight and s not in leased and s not in steps)
+        ),
+    )

@@ -1,0 +1,140 @@
+"""Checkpointer settings: explicit arguments, then the operator's environment, then torch.distributed.
+
+Resolution order for each identity field:
+
+==============  ==================  =========================  ============================  =======
+field           argument            operator env (contract)    torch.distributed / torchrun   default
+==============  ==================  =========================  ============================  =======
+``root``        ``root=``           ``TIERCKPT_ROOT``          —                             error
+``job``         ``job=``            ``TIERCKPT_JOB``           —                             "local"
+``rank``        ``rank=``           ``TIERCKPT_RANK``          ``get_rank()``, then ``RANK``  0
+``world_size``  ``world_size=``     ``TIERCKPT_WORLD_SIZE``    ``get_world_size()``, then     1
+                                                               ``WORLD_SIZE``
+==============  ==================  =========================  ============================  =======
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Literal
+
+from tierckpt.contract import Env
+from tierckpt.errors import ContractError
+from tierckpt.format import check_job_id
+
+__all__ = ["DEFAULT_JOB", "BusyPolicy", "Settings", "resolve"]
+
+BusyPolicy = Literal["wait", "skip", "error"]
+DEFAULT_JOB = "local"
+_BUSY = ("wait", "skip", "error")
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """Everything a ``Checkpointer`` is configured with."""
+
+    root: Path
+    """Ramdisk root; this rank writes under ``<root>/<job>/rank-<rank>/``."""
+    job: str
+    """Job id (a safe path component); the operator injects ``<namespace>_<jobset>_<uid8>``."""
+    rank: int
+    """Process rank (the torch.distributed rank)."""
+    world_size: int
+    keep: int = 2
+    """Committed steps retained per rank (the newest always is). The pool keeps ``keep + 1`` slots."""
+    on_busy: BusyPolicy = "wait"
+    """A save arriving while one is still committing: ``wait`` for it, ``skip`` (logged), or ``error``."""
+    overlap: bool = False
+    """Copy device tensors on a side stream and return at once; registered optimizers wait before
+    stepping. Everything that is not an optimizer's parameter or state is still copied before
+    ``save`` returns."""
+    restore_wait: float = 300.0
+    """Seconds without progress in the replicator's restore status after which ``load`` stops waiting."""
+    replicator_url: str | None = None
+    """The node's replicator (from the operator); when set, ``load`` waits for its restore status."""
+    max_file_bytes: int | None = None
+    """Start a new data file past this size (None: one data file per step)."""
+    crc_workers: int | None = None
+    """Threads that checksum large tensors (None: half the CPUs, at most 8)."""
+    lease_ttl: float = 60.0
+    """Seconds a lease taken by ``load`` lasts (renewed while loading)."""
+    writer_lock_timeout: float = 60.0
+    """Seconds to wait for another process still holding this rank's writer lock."""
+
+    def __post_init__(self) -> None:
+        check_job_id(self.job)
+        if self.rank < 0 or self.world_size < 1 or self.rank >= self.world_size:
+            raise ContractError(f"rank {self.rank} is not within world size {self.world_size}")
+        if self.keep < 1:
+            raise ValueError(f"keep must be at least 1, got {self.keep}")
+        if self.on_busy not in _BUSY:
+            raise ValueError(f"on_busy must be one of {_BUSY}, got {self.on_busy!r}")
+
+
+def _env_int(env: Mapping[str, str], name: str) -> int | None:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise ContractError(f"${name}={raw!r} is not an integer") from None
+
+
+def _env_float(env: Mapping[str, str], name: str) -> float | None:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return None
+    try:
+        return float(raw)
+    except ValueError:
+        raise ContractError(f"${name}={raw!r} is not a number") from None
+
+
+def _dist() -> tuple[int, int] | None:
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return None
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return None
+
+
+def _first(*values: int | None, default: int) -> int:
+    return next((v for v in values if v is not None), default)
+
+
+def resolve(
+    *,
+    root: str | os.PathLike[str] | None = None,
+    job: str | None = None,
+    rank: int | None = None,
+    world_size: int | None = None,
+    env: Mapping[str, str] | None = None,
+    **options: object,
+) -> Settings:
+    """Build ``Settings`` from arguments, the environment and torch.distributed (see the module doc)."""
+    env = os.environ if env is None else env
+    root = root if root is not None else env.get(Env.ROOT) or None
+    if root is None:
+        raise ContractError(f"no checkpoint root: pass root=... or set ${Env.ROOT} (a tmpfs directory)")
+    dist = _dist()
+    rank = _first(rank, _env_int(env, Env.RANK), dist and dist[0], _env_int(env, "RANK"), default=0)
+    world_size = _first(
+        world_size, _env_int(env, Env.WORLD_SIZE), dist and dist[1], _env_int(env, "WORLD_SIZE"), default=1
+    )
+    if "restore_wait" not in options and (wait := _env_float(env, Env.RESTORE_WAIT)) is not None:
+        options["restore_wait"] = wait
+    if "replicator_url" not in options and env.get(Env.REPLICATOR_URL):
+        options["replicator_url"] = env[Env.REPLICATOR_URL]
+    return Settings(
+        root=Path(root),
+        job=job or env.get(Env.JOB) or DEFAULT_JOB,
+        rank=rank,
+        world_size=world_size,
+        **options,  # type: ignore[arg-type]
+    )

@@ -1,0 +1,53 @@
+"""Agreement between ranks at load time (torch.distributed collectives, no-ops without a process group).
+
+Saves need no collective: each rank commits on its own. Loads do: every rank must restore the same
+step, so ranks exchange the steps they hold and take the newest one that *every* rank holds, and after
+loading they exchange success flags so that a corrupt shard on one rank makes all ranks fall back
+together (or all raise).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["all_gather", "all_ok", "common_steps", "distributed", "newest_common"]
+
+
+def distributed() -> bool:
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return False
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def all_gather(obj: Any) -> list[Any]:
+    """Every rank's ``obj`` (just ``[obj]`` without a process group)."""
+    if not distributed():
+        return [obj]
+    import torch.distributed as dist
+
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def common_steps(per_rank: Sequence[Sequence[int]]) -> list[int]:
+    """Steps every rank holds, newest first (pure)."""
+    if not per_rank:
+        return []
+    common = set(per_rank[0]).intersection(*map(set, per_rank[1:]))
+    return sorted(common, reverse=True)
+
+
+def newest_common(per_rank: Sequence[Sequence[int]]) -> int | None:
+    steps = common_steps(per_rank)
+    return steps[0] if steps else None
+
+
+def all_ok(ok: bool) -> tuple[bool, list[int]]:
+    """Whether every rank reports success, and which ranks did not."""
+    flags = all_gather(bool(ok))
+    failed = [r for r, f in enumerate(flags) if not f]
+    return not failed, failed

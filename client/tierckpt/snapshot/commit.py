@@ -1,0 +1,102 @@
+"""Turning filled data files into a committed step: checksums, sync, objects.pkl, manifest, COMMIT.
+
+Order (docs/format.md, "Commit protocol"): every data file is msync'ed and fsync'ed, objects.pkl is
+written atomically, then ``format.commit_step`` writes the manifest and, last, the COMMIT marker.
+A crash anywhere before the COMMIT rename leaves a step directory that readers ignore.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from tierckpt.format import (
+    OBJECTS_NAME,
+    CommitMarker,
+    FileEntry,
+    Manifest,
+    ManifestKind,
+    TensorEntry,
+    commit_step,
+    write_atomic,
+)
+from tierckpt.integrity import crc32c
+from tierckpt.snapshot.copy import file_crc, region_crcs
+from tierckpt.snapshot.layout import LayoutPlan
+from tierckpt.snapshot.shardfile import MappedFile
+
+__all__ = ["StepIdentity", "checksum_slot", "commit_files"]
+
+
+class StepIdentity:
+    """Who a step belongs to: job, rank, world size, step."""
+
+    __slots__ = ("job", "rank", "step", "world_size")
+
+    def __init__(self, job: str, rank: int, world_size: int, step: int) -> None:
+        self.job, self.rank, self.world_size, self.step = job, rank, world_size, step
+
+
+def checksum_slot(
+    plan: LayoutPlan, files: Sequence[MappedFile], *, workers: int | None = None
+) -> tuple[list[int], list[FileEntry]]:
+    """Per-tensor crc32c and per-file entries (size, crc) of data files filled according to ``plan``."""
+    regions = [(files[p.file].address + p.offset, p.length) for p in plan.placements]
+    tensor_crcs = region_crcs(regions, workers=workers)
+    entries = []
+    for i, (fp, f) in enumerate(zip(plan.files, files, strict=True)):
+        parts = sorted(
+            (p.offset, p.length, c) for p, c in zip(plan.placements, tensor_crcs, strict=True) if p.file == i
+        )
+        entries.append(FileEntry(name=fp.name, size=fp.size, crc32c=file_crc(f.address, fp.size, parts)))
+    return tensor_crcs, entries
+
+
+def commit_files(
+    step_path: Path,
+    who: StepIdentity,
+    plan: LayoutPlan,
+    files: Sequence[MappedFile],
+    *,
+    tree: Any = None,
+    objects: bytes | None = None,
+    object_count: int = 0,
+    manifest_kind: ManifestKind = "state_dict",
+    extra: dict[str, Any] | None = None,
+    workers: int | None = None,
+) -> CommitMarker:
+    """Checksum, sync and commit a step whose data files hold ``plan``'s tensors."""
+    tensor_crcs, file_entries = checksum_slot(plan, files, workers=workers)
+    for f in files:
+        f.sync()
+    if objects is not None:
+        write_atomic(step_path / OBJECTS_NAME, objects)
+        file_entries.append(FileEntry(name=OBJECTS_NAME, size=len(objects), crc32c=crc32c(objects)))
+    tensors = tuple(
+        TensorEntry(
+            key=spec.key,
+            dtype=spec.dtype,
+            shape=spec.shape,
+            file=plan.files[p.file].name,
+            offset=p.offset,
+            length=p.length,
+            crc32c=c,
+        )
+        for spec, p, c in zip(plan.specs, plan.placements, tensor_crcs, strict=True)
+    )
+    manifest = Manifest(
+        job=who.job,
+        rank=who.rank,
+        world_size=who.world_size,
+        step=who.step,
+        created_at=time.time(),
+        files=tuple(file_entries),
+        tensors=tensors,
+        tree=tree,
+        object_count=object_count,
+        manifest_kind=manifest_kind,
+        extra=extra or {},
+    )
+    return commit_step(step_path, manifest)

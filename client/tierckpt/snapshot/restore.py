@@ -1,0 +1,186 @@
+"""Reading a committed step back into the caller's state dict, in place, verifying as it goes.
+
+Tensor bytes are copied once, straight from the mapped data file into the destination tensor: on
+CPU a ``copy_`` from the mapping, on CUDA a ``non_blocking`` host-to-device copy from the mapping
+(pinned when the pool registered it). With ``verify``, each tensor's region is checksummed before
+its bytes are used (CPU) or concurrently with the DMA on a thread pool (CUDA), and a mismatch raises
+``CorruptShardError`` naming the tensor and the file.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import pickle
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tierckpt import cuda
+from tierckpt.errors import CorruptShardError, FormatError
+from tierckpt.format import OBJECTS_NAME, Manifest, TensorEntry, iter_data_files
+from tierckpt.integrity import crc32c, crc32c_address
+from tierckpt.snapshot.dtypes import torch_dtype
+from tierckpt.snapshot.flatten import restore_into
+from tierckpt.snapshot.shardfile import MappedFile
+
+__all__ = ["load_into", "open_data_files", "read_objects", "tensor_views"]
+
+log = logging.getLogger(__name__)
+
+
+def open_data_files(step_path: Path, manifest: Manifest, *, register: bool = False) -> dict[str, MappedFile]:
+    """Map a step's data files read-only, checking their sizes against the manifest."""
+    out: dict[str, MappedFile] = {}
+    try:
+        for entry in iter_data_files(manifest):
+            path = step_path / entry.name
+            try:
+                f = MappedFile.open(path, writable=False)
+            except FileNotFoundError as exc:
+                raise CorruptShardError(f"{path}: missing", path=str(path)) from exc
+            out[entry.name] = f
+            if f.size != entry.size:
+                raise CorruptShardError(f"{path}: {f.size} bytes, manifest says {entry.size}", path=str(path))
+            if register:
+                f.register()
+    except BaseException:
+        for f in out.values():
+            f.close()
+        raise
+    return out
+
+
+def tensor_views(manifest: Manifest, files: dict[str, MappedFile]) -> list[torch.Tensor]:
+    """A typed CPU view of every tensor of the manifest, into the mapped files."""
+    views = []
+    for t in manifest.tensors:
+        buf = files[t.file].buffer
+        if t.offset + t.length > buf.numel():
+            raise CorruptShardError(f"{t.file}: too short for tensor {t.key!r}", path=t.file, key=t.key)
+        views.append(buf[t.offset : t.offset + t.length].view(torch_dtype(t.dtype)).view(t.shape))
+    return views
+
+
+def read_objects(step_path: Path, manifest: Manifest) -> list[Any]:
+    """Unpickle objects.pkl after checking its crc32c (an empty list when the step has none)."""
+    if manifest.object_count == 0:
+        return []
+    entry = manifest.file(OBJECTS_NAME)
+    path = step_path / OBJECTS_NAME
+    try:
+        body = path.read_bytes()
+    except FileNotFoundError as exc:
+        raise CorruptShardError(f"{path}: missing", path=str(path)) from exc
+    if len(body) != entry.size or crc32c(body) != entry.crc32c:
+        raise CorruptShardError(f"{path}: does not match its crc32c in the manifest", path=str(path))
+    objects = pickle.loads(body)
+    if not isinstance(objects, list) or len(objects) != manifest.object_count:
+        raise FormatError(f"{path}: expected a list of {manifest.object_count} objects")
+    return objects
+
+
+class _Filler:
+    """Supplies tensor ``i`` for ``restore_into``: copies it into the existing tensor or a new one."""
+
+    def __init__(
+        self,
+        step_path: Path,
+        entries: Sequence[TensorEntry],
+        views: Sequence[torch.Tensor],
+        *,
+        verify: bool,
+        device: torch.device | None,
+    ) -> None:
+        self.step_path = step_path
+        self.entries = entries
+        self.views = views
+        self.verify = verify
+        self.device = device
+        self.devices: set[torch.device] = set()
+        self.pending: list[tuple[int, concurrent.futures.Future[int]]] = []
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+    def check(self, i: int, crc: int) -> None:
+        entry = self.entries[i]
+        if crc != entry.crc32c:
+            path = self.step_path / entry.file
+            raise CorruptShardError(
+                f"{path}: tensor {entry.key!r} at [{entry.offset}, {entry.offset + entry.length}) has crc32c "
+                f"{crc:08x}, manifest says {entry.crc32c:08x}",
+                path=str(path),
+                key=entry.key,
+            )
+
+    def __call__(self, i: int, existing: torch.Tensor | None) -> torch.Tensor:
+        src = self.views[i]
+        if existing is not None and (existing.dtype != src.dtype or existing.shape != src.shape):
+            log.warning(
+                "%s: checkpoint has %s%s, the destination %s%s; replacing the tensor",
+                self.entries[i].key,
+                src.dtype,
+                tuple(src.shape),
+                existing.dtype,
+                tuple(existing.shape),
+            )
+            target = torch.empty(src.shape, dtype=src.dtype, device=existing.device)
+        elif existing is not None:
+            target = existing
+        else:
+            target = torch.empty(src.shape, dtype=src.dtype, device=self.device or "cpu")
+        on_gpu = cuda.is_cuda(target)
+        if self.verify and on_gpu:
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="tierckpt-verify")
+            self.pending.append(
+                (i, self._pool.submit(crc32c_address, src.data_ptr(), self.entries[i].length))
+            )
+        elif self.verify:
+            self.check(i, crc32c_address(src.data_ptr(), self.entries[i].length))
+        with torch.no_grad():
+            target.copy_(src, non_blocking=on_gpu)
+        if on_gpu:
+            self.devices.add(target.device)
+        return target
+
+    def finish(self, *, check: bool = True) -> None:
+        """Wait for queued host-to-device copies and concurrent checksums; raise on a mismatch."""
+        try:
+            for device in self.devices:
+                torch.cuda.current_stream(device).synchronize()
+            for i, future in self.pending if check else ():
+                self.check(i, future.result())
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def load_into(
+    dest: dict[Any, Any],
+    step_path: Path,
+    manifest: Manifest,
+    files: dict[str, MappedFile],
+    *,
+    verify: bool = True,
+    device: torch.device | str | None = None,
+) -> None:
+    """Fill ``dest`` in place from a committed step whose data files are mapped in ``files``."""
+    if manifest.manifest_kind != "state_dict":
+        raise FormatError(f"{step_path}: a {manifest.manifest_kind!r} step; load it through tierckpt.dcp")
+    objects = read_objects(step_path, manifest)
+    views = tensor_views(manifest, files)
+    filler = _Filler(
+        step_path,
+        manifest.tensors,
+        views,
+        verify=verify,
+        device=None if device is None else torch.device(device),
+    )
+    try:
+        restore_into(dest, manifest.tree, fill=filler, n_tensors=len(views), objects=objects)
+    except BaseException:
+        filler.finish(check=False)
+        raise
+    filler.finish()

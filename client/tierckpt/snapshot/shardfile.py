@@ -1,0 +1,229 @@
+"""One data file of a step, mapped into memory: created preallocated, pre-faulted, optionally CUDA-pinned.
+
+Space is reserved with ``posix_fallocate`` before anything is mapped, so a full ramdisk is an
+``ENOSPC`` (``RamdiskFullError``) up front instead of a SIGBUS in the middle of a copy. The mapping
+is then populated (``MADV_POPULATE_WRITE``, or touching each page on older kernels), so copies into
+it never fault. A ``MappedFile`` keeps its mapping when the file is renamed (the mapping follows the
+inode), which is how data files are recycled from a retired step into a new one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import mmap
+import os
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tierckpt import cuda
+from tierckpt.errors import RamdiskFullError
+
+__all__ = ["MappedFile", "allocate"]
+
+log = logging.getLogger(__name__)
+
+PAGE = mmap.PAGESIZE
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
+
+
+def allocate(fd: int, offset: int, length: int, path: Path) -> None:
+    """Reserve ``[offset, offset + length)`` of a file; a full filesystem raises ``RamdiskFullError``."""
+    if length <= 0:
+        return
+    try:
+        os.posix_fallocate(fd, offset, length)
+    except OSError as exc:
+        if exc.errno == errno.ENOSPC:
+            raise RamdiskFullError(
+                errno.ENOSPC, f"ramdisk full: cannot reserve {length} bytes for {path.name}", str(path)
+            ) from exc
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+        log.warning("%s: fallocate unsupported (%s); a full disk may surface as SIGBUS", path, exc)
+        os.ftruncate(fd, offset + length)
+
+
+def _populate(mm: mmap.mmap, start: int, length: int, *, write: bool) -> None:
+    """Fault in the pages of ``[start, start + length)`` now, so later copies never fault."""
+    start_page = start - start % PAGE
+    length += start - start_page
+    if length <= 0:
+        return
+    try:
+        mm.madvise(_MADV_POPULATE_WRITE if write else _MADV_POPULATE_READ, start_page, length)
+        return
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.ENOSYS):
+            raise
+    pages = np.frombuffer(mm, dtype=np.uint8)[start_page : start_page + length : PAGE]
+    if write:
+        pages[:] = pages  # rewrite each page's first byte with itself: a write fault, content unchanged
+    else:
+        int(pages.sum())
+
+
+class MappedFile:
+    """A data file and its ``MAP_SHARED`` mapping. Not thread-safe; one owner at a time."""
+
+    def __init__(self, path: Path, fd: int, size: int, *, writable: bool) -> None:
+        self.path = path
+        self.size = size
+        self.writable = writable
+        self.registered = False
+        self._fd = fd
+        self._mm: mmap.mmap | None = None
+        self._buffer: torch.Tensor | None = None
+        self.populated = False
+        if size:
+            self._map()
+
+    # ---------------------------------------------------------------------------------- creation
+
+    @classmethod
+    def create(cls, path: Path, size: int) -> MappedFile:
+        """A new file of ``size`` bytes, reserved, mapped and pre-faulted."""
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            allocate(fd, 0, size, path)
+            f = cls(path, fd, size, writable=True)
+            f.populate()
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            raise
+        return f
+
+    @classmethod
+    def open(cls, path: Path, *, writable: bool = True, populate: bool = True) -> MappedFile:
+        """Map an existing file (read-write if ``writable`` and permitted, else read-only)."""
+        try:
+            fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
+        except PermissionError:
+            if not writable:
+                raise
+            fd, writable = os.open(path, os.O_RDONLY), False
+        try:
+            f = cls(path, fd, os.fstat(fd).st_size, writable=writable)
+            if populate:
+                f.populate()
+        except BaseException:
+            os.close(fd)
+            raise
+        return f
+
+    def _map(self) -> None:
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if self.writable else 0)
+        self._mm = mmap.mmap(self._fd, self.size, mmap.MAP_SHARED, prot)
+
+    def populate(self) -> None:
+        """Fault in every page now (a no-op once done)."""
+        if not self.populated and self._mm is not None:
+            _populate(self._mm, 0, self.size, write=self.writable)
+        self.populated = True
+
+    @property
+    def _mapping(self) -> mmap.mmap:
+        if self._mm is None:
+            raise ValueError(f"{self.path} is not mapped")
+        return self._mm
+
+    # ---------------------------------------------------------------------------------- access
+
+    @property
+    def buffer(self) -> torch.Tensor:
+        """The whole file as a uint8 tensor sharing the mapping's memory."""
+        if self._buffer is None:
+            if self._mm is None:
+                self._buffer = torch.empty(0, dtype=torch.uint8)
+            else:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # read-only mappings: we never write through them
+                    self._buffer = torch.frombuffer(self._mm, dtype=torch.uint8)
+        return self._buffer
+
+    @property
+    def address(self) -> int:
+        return self.buffer.data_ptr()
+
+    def register(self) -> bool:
+        """Pin the mapping for CUDA DMA (once); False when CUDA is unavailable or refuses."""
+        if not self.registered and self.size:
+            self.registered = cuda.register(self.address, self.size, read_only=not self.writable)
+        return self.registered
+
+    def _unregister(self) -> None:
+        if self.registered:
+            cuda.unregister(self.address)
+            self.registered = False
+
+    def _drop_views(self) -> None:
+        self._buffer = None
+
+    # ---------------------------------------------------------------------------------- changes
+
+    def resize(self, size: int) -> None:
+        """Grow (reserving and faulting only the new part) or shrink the file and its mapping."""
+        if size == self.size:
+            return
+        if not self.writable:
+            raise ValueError(f"{self.path} is mapped read-only")
+        was_registered = self.registered
+        self._unregister()
+        self._drop_views()
+        old = self.size
+        if size > old:
+            allocate(self._fd, old, size - old, self.path)
+        if self._mm is None:
+            os.ftruncate(self._fd, size)
+            self.size = size
+            self._map()
+        else:
+            self._mm.resize(size)
+            self.size = size
+        if size > old and self.populated:
+            _populate(self._mapping, old, size - old, write=True)
+        if was_registered:
+            self.register()
+
+    def zero(self, gaps: list[tuple[int, int]]) -> None:
+        buf = self.buffer
+        for offset, length in gaps:
+            buf[offset : offset + length].zero_()
+
+    def move(self, dest: Path) -> None:
+        """Rename the file; the mapping stays valid (it follows the inode)."""
+        os.rename(self.path, dest)
+        self.path = dest
+
+    def sync(self) -> None:
+        """msync the mapping and fsync the file."""
+        if self._mm is not None and self.writable:
+            self._mm.flush()
+        os.fsync(self._fd)
+
+    def close(self, *, unlink: bool = False) -> None:
+        """Unregister, unmap and close; optionally delete the file."""
+        self._unregister()
+        self._drop_views()
+        if self._mm is not None:
+            try:
+                self._mm.close()
+            except BufferError:
+                log.warning("%s: views of the mapping are still alive; leaving it mapped", self.path)
+            self._mm = None
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        if unlink:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+
+    def __repr__(self) -> str:
+        return f"MappedFile({str(self.path)!r}, size={self.size}, registered={self.registered})"

@@ -1,0 +1,85 @@
+"""Waiting for the node's replicator to stage this rank's restore (``control/restore-rank-NNNNN.json``).
+
+The replicator writes a ``contract.RestoreStatus`` while it brings a step to this node's ramdisk.
+``wait_for_restore`` waits while that file's ``updated_at`` keeps moving and returns once the state
+is ``ready`` or ``none``; ``failed`` raises. A status that stops moving for ``stall_timeout`` seconds
+is given up on (logged), and the client loads what the ramdisk holds. Without a status file and
+without a replicator URL nothing waits at all.
+
+``restore_target`` decides what a status means for this load (pure): a status older than the newest
+local commit is stale (training has saved since), and is ignored.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from tierckpt.contract import RestoreState, RestoreStatus, read_control, restore_status_name
+from tierckpt.errors import RetryableError
+
+__all__ = ["USE_LOCAL", "restore_target", "wait_for_restore"]
+
+log = logging.getLogger(__name__)
+
+USE_LOCAL = "local"
+"""``restore_target`` result: no instruction from the replicator; use the newest local step."""
+
+
+def wait_for_restore(
+    root: Path,
+    job: str,
+    rank: int,
+    *,
+    expect_replicator: bool,
+    stall_timeout: float,
+    poll: float = 0.2,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> RestoreStatus | None:
+    """Wait for the replicator's restore status of ``rank`` to settle; None when there is none."""
+    name = restore_status_name(rank)
+    last_seen: float | None = None
+    last_progress = clock()
+    announced = False
+    while True:
+        status = read_control(root, job, name, RestoreStatus)
+        assert status is None or isinstance(status, RestoreStatus)
+        if status is None and not expect_replicator:
+            return None
+        if status is not None:
+            if status.state in (RestoreState.READY, RestoreState.NONE):
+                return status
+            if status.state is RestoreState.FAILED:
+                raise RetryableError(
+                    f"the replicator could not stage rank {rank}'s restore: {status.message}"
+                )
+            if status.updated_at != last_seen:
+                last_seen, last_progress = status.updated_at, clock()
+        if not announced:
+            log.info(
+                "waiting for the replicator to stage rank %d's restore (%s)",
+                rank,
+                status and status.state.value,
+            )
+            announced = True
+        if clock() - last_progress > stall_timeout:
+            log.warning(
+                "no restore progress for rank %d in %.0f s (status: %s); loading what the ramdisk holds",
+                rank,
+                stall_timeout,
+                status.state.value if status else "absent",
+            )
+            return status
+        sleep(poll)
+
+
+def restore_target(status: RestoreStatus | None, newest_commit_at: float | None) -> int | str | None:
+    """The step a load should take: a step, None (start fresh) or ``USE_LOCAL`` (pure)."""
+    if status is None or status.state not in (RestoreState.READY, RestoreState.NONE):
+        return USE_LOCAL
+    if newest_commit_at is not None and newest_commit_at > status.updated_at:
+        return USE_LOCAL  # saved since the replicator staged: its instruction is stale
+    return status.step if status.state is RestoreState.READY else None
