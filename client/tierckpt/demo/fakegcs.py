@@ -95,6 +95,14 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+def _check_port_free(host: str, port: int) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            raise RuntimeError(f"cannot start fake-gcs-server: {host}:{port} is in use ({exc})") from exc
+
+
 # --------------------------------------------------------------------------------------------- server
 
 
@@ -160,6 +168,8 @@ class FakeGcsServer:
     def start(self) -> FakeGcsServer:
         if self._proc is not None:
             raise RuntimeError("fake-gcs-server is already started")
+        if self.netns is None:
+            _check_port_free(self.host, self.port)  # else the readiness probe could reach another server
         self._log_file = tempfile.TemporaryFile(prefix="fake-gcs-server-")  # noqa: SIM115 - lives with the process
         self._proc = subprocess.Popen(
             self.command(), stdin=subprocess.DEVNULL, stdout=self._log_file, stderr=subprocess.STDOUT
