@@ -1,0 +1,40 @@
+"""dcp.save / dcp.async_save to the ramdisk and dcp.load back, on real gloo process groups."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import dcp_scenarios as sc
+import pytest
+from dcp_dist import run_ranks
+from tierckpt.format import committed_steps, rank_dir, read_manifest, step_dir
+
+
+def test_save_load_round_trip_is_bit_exact(ramdisk: Path, job: str) -> None:
+    run_ranks(3, sc.save_plain, str(ramdisk), job, 100, 1)
+    for rank in range(3):
+        assert committed_steps(rank_dir(ramdisk, job, rank)) == [100]
+    run_ranks(3, sc.load_plain, str(ramdisk), job, 100, 1)
+
+
+def test_load_without_step_picks_the_newest_complete_checkpoint(ramdisk: Path, job: str) -> None:
+    run_ranks(2, sc.save_plain, str(ramdisk), job, 10, 1)
+    run_ranks(2, sc.save_plain, str(ramdisk), job, 20, 2)
+    run_ranks(2, sc.load_plain, str(ramdisk), job, None, 2)
+    run_ranks(2, sc.load_plain, str(ramdisk), job, 10, 1)
+
+
+def test_async_save_then_load(ramdisk: Path, job: str) -> None:
+    run_ranks(2, sc.save_plain, str(ramdisk), job, 7, 3, "async")
+    run_ranks(2, sc.load_plain, str(ramdisk), job, 7, 3)
+
+
+@pytest.mark.parametrize(("saved_at", "loaded_at"), [(4, 2), (2, 3), (4, 1)])
+def test_fsdp2_state_reshards_on_load(
+    ramdisk: Path, job: str, tmp_path: Path, saved_at: int, loaded_at: int
+) -> None:
+    ref = str(tmp_path / "full.pt")
+    run_ranks(saved_at, sc.save_sharded, str(ramdisk), job, 50, ref)
+    manifest = read_manifest(step_dir(rank_dir(ramdisk, job, saved_at - 1), 50))
+    assert manifest.world_size == saved_at and manifest.manifest_kind == "dcp"
+    run_ranks(loaded_at, sc.load_sharded, str(ramdisk), job, 50, ref)
