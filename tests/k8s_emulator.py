@@ -189,7 +189,7 @@ class KubeEmulator(kmock.KubernetesEmulator):
     # -- helpers
 
     def _info(self, resource: references.resource) -> references.ResourceInfo | None:
-        return self.resources[resource] if resource in self.resources else None
+        return self.resources[resource] if resource in self.resources else None  # noqa: SIM401 (get() auto-creates)
 
     def _has_status(self, resource: references.resource) -> bool:
         info = self._info(resource)
@@ -245,7 +245,9 @@ class KubeEmulator(kmock.KubernetesEmulator):
         elif request.namespace:
             if meta.get("namespace", request.namespace) != request.namespace:
                 raise kmock.KubernetesError(
-                    status=400, reason="BadRequest", message="the namespace of the object does not match the URL"
+                    status=400,
+                    reason="BadRequest",
+                    message="the namespace of the object does not match the URL",
                 )
             meta["namespace"] = request.namespace
         if not meta.get("name") and meta.get("generateName"):
@@ -271,7 +273,9 @@ class KubeEmulator(kmock.KubernetesEmulator):
             current = old.get("metadata", {}).get("resourceVersion")
             if claimed is not None and claimed != current:
                 raise kmock.KubernetesError(
-                    status=409, reason="Conflict", message=f"resourceVersion {claimed} is stale (now {current})"
+                    status=409,
+                    reason="Conflict",
+                    message=f"resourceVersion {claimed} is stale (now {current})",
                 )
             new = self._isolate(request, old, _apply(old, body))
             if new == old:
@@ -288,7 +292,9 @@ class KubeEmulator(kmock.KubernetesEmulator):
                 await self._buses[request.resource].put({"type": "DELETED", "object": raw})
         return aiohttp.web.json_response(raw)
 
-    def _isolate(self, request: rendering.Request, old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    def _isolate(
+        self, request: rendering.Request, old: dict[str, Any], new: dict[str, Any]
+    ) -> dict[str, Any]:
         """Status subresource writes touch only status; main-resource writes never touch it."""
         meta = dict(new.get("metadata") or {})
         for fixed in ("uid", "name", "namespace", "creationTimestamp", "resourceVersion", "generation"):
@@ -324,13 +330,19 @@ class KubeEmulator(kmock.KubernetesEmulator):
                         continue
                     meta = obj.raw.get("metadata", {})
                     owners = [o.get("uid") for o in meta.get("ownerReferences") or []]
-                    if owners and not any(uid in alive for uid in owners) and not meta.get("deletionTimestamp"):
+                    if (
+                        owners
+                        and not any(uid in alive for uid in owners)
+                        and not meta.get("deletionTimestamp")
+                    ):
                         orphans.append(key)
                 for key in orphans:
                     obj = self.objects[key]
                     resource = key[0] if isinstance(key[0], kmock.resource) else kmock.resource(key[0])
                     if obj.raw["metadata"].get("finalizers"):
-                        obj.patch({"metadata": {"deletionTimestamp": _now(), "resourceVersion": self._next_rv()}})
+                        obj.patch(
+                            {"metadata": {"deletionTimestamp": _now(), "resourceVersion": self._next_rv()}}
+                        )
                         await self._buses[resource].put({"type": "MODIFIED", "object": obj.raw})
                     else:
                         raw = obj.raw

@@ -12,7 +12,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for k8s_emulator
 
-from k8s_emulator import KubeEmulator  # noqa: E402
+from k8s_emulator import KubeEmulator
 
 REPO = Path(__file__).resolve().parents[2]
 CRD_DIR = REPO / "charts" / "tierckpt" / "crds"

@@ -24,7 +24,9 @@ async def test_create_stamps_metadata_and_answers_201(kube):
     obj = await _json(resp)
     meta = obj["metadata"]
     assert meta["name"].startswith("cfg-") and len(meta["name"]) > 4
-    assert meta["namespace"] == "ns1" and meta["uid"] and meta["resourceVersion"] and meta["creationTimestamp"]
+    assert (
+        meta["namespace"] == "ns1" and meta["uid"] and meta["resourceVersion"] and meta["creationTimestamp"]
+    )
     dup = await kube.post(CM, json={"metadata": {"name": meta["name"]}})
     assert dup.status == 409
     mismatch = await kube.post(CM, json={"metadata": {"name": "x", "namespace": "other"}})
@@ -40,16 +42,24 @@ async def test_patches_bump_versions_and_detect_conflicts(kube):
     assert stale.status == 409
     failed_test = await kube.patch(
         f"{CM}/c",
-        data=json.dumps([{"op": "test", "path": "/metadata/resourceVersion", "value": rv0},
-                         {"op": "add", "path": "/data/d", "value": "4"}]),
+        data=json.dumps(
+            [
+                {"op": "test", "path": "/metadata/resourceVersion", "value": rv0},
+                {"op": "add", "path": "/data/d", "value": "4"},
+            ]
+        ),
         headers={"Content-Type": "application/json-patch+json"},
     )
     assert failed_test.status == 409
     rv1 = ok["metadata"]["resourceVersion"]
     json_patch = await kube.patch(
         f"{CM}/c",
-        data=json.dumps([{"op": "test", "path": "/metadata/resourceVersion", "value": rv1},
-                         {"op": "remove", "path": "/data/a"}]),
+        data=json.dumps(
+            [
+                {"op": "test", "path": "/metadata/resourceVersion", "value": rv1},
+                {"op": "remove", "path": "/data/a"},
+            ]
+        ),
         headers={"Content-Type": "application/json-patch+json"},
     )
     assert json_patch.status == 200
@@ -66,14 +76,19 @@ async def test_crd_registration_status_isolation_and_generation(kube_with_crds):
     assert kinds["checkpointjobs"] == ("CheckpointJob", True)
     assert "checkpointjobs/status" in kinds
     url = "/apis/tierckpt.io/v1alpha1/checkpointconfigurations"
-    body = {"metadata": {"name": "c1", "namespace": "ignored"}, "spec": {"gcs": {"bucket": "b"}},
-            "status": {"jobs": 9}}
+    body = {
+        "metadata": {"name": "c1", "namespace": "ignored"},
+        "spec": {"gcs": {"bucket": "b"}},
+        "status": {"jobs": 9},
+    }
     created = await _json(await kube.post(url, json=body))
     assert "namespace" not in created["metadata"] and "status" not in created
     assert created["metadata"]["generation"] == 1
     st = await _json(await kube.patch(f"{url}/c1/status", json={"status": {"jobs": 2}, "spec": {"x": 1}}))
     assert st["status"] == {"jobs": 2} and "x" not in st["spec"] and st["metadata"]["generation"] == 1
-    main = await _json(await kube.patch(f"{url}/c1", json={"status": {"jobs": 5}, "spec": {"gcs": {"prefix": "p"}}}))
+    main = await _json(
+        await kube.patch(f"{url}/c1", json={"status": {"jobs": 5}, "spec": {"gcs": {"prefix": "p"}}})
+    )
     assert main["status"] == {"jobs": 2} and main["spec"]["gcs"] == {"bucket": "b", "prefix": "p"}
     assert main["metadata"]["generation"] == 2
     meta_only = await _json(await kube.patch(f"{url}/c1", json={"metadata": {"labels": {"a": "b"}}}))
@@ -141,8 +156,12 @@ async def test_finalizers_and_garbage_collection(kube):
 async def test_kubernetes_client_round_trip(kube_with_crds):
     cfg = kubernetes.client.Configuration(host=str(kube_with_crds.url).rstrip("/"))
     api = kubernetes.client.CustomObjectsApi(kubernetes.client.ApiClient(cfg))
-    body = {"apiVersion": "tierckpt.io/v1alpha1", "kind": "CheckpointJob",
-            "metadata": {"name": "j"}, "spec": {"jobSetName": "j", "jobSetUID": "u", "jobId": "x"}}
+    body = {
+        "apiVersion": "tierckpt.io/v1alpha1",
+        "kind": "CheckpointJob",
+        "metadata": {"name": "j"},
+        "spec": {"jobSetName": "j", "jobSetUID": "u", "jobId": "x"},
+    }
 
     def create():
         return api.create_namespaced_custom_object("tierckpt.io", "v1alpha1", "ns1", "checkpointjobs", body)
@@ -162,5 +181,7 @@ def test_label_selector_parser_and_merge_diff():
     with pytest.raises(ValueError):
         LabelSelector("a in")
     assert merge_diff({"a": 1, "b": {"c": 1, "d": 2}}, {"b": {"c": 1, "d": 3}, "e": [1]}) == {
-        "a": None, "b": {"d": 3}, "e": [1]
+        "a": None,
+        "b": {"d": 3},
+        "e": [1],
     }

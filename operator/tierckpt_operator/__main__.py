@@ -1,0 +1,140 @@
+"""``tierckpt-operator``: settings -> runtime -> (leader election) -> kopf, plus /healthz, /readyz, /metrics.
+
+With ``--leader-election`` every replica starts as a standby serving only the admission webhook; the
+one that takes the Lease restarts kopf with the full set of handlers, and exits if it loses the Lease.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import sys
+from collections.abc import Sequence
+
+import kopf
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from tierckpt_operator.kube import Kube, api_client
+from tierckpt_operator.leader import LeaseElector
+from tierckpt_operator.registry import build_registry
+from tierckpt_operator.runtime import Runtime
+from tierckpt_operator.settings import Settings, parse_settings
+
+__all__ = ["main", "run"]
+
+log = logging.getLogger("tierckpt_operator")
+
+
+async def _probes(runtime: Runtime, ready: asyncio.Event) -> web.AppRunner | None:
+    """Serve /healthz (process alive), /readyz (kopf ready: webhook answering) and /metrics."""
+    port = runtime.settings.metrics_port
+    if not port:
+        return None
+
+    async def healthz(_: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def readyz(_: web.Request) -> web.Response:
+        return web.Response(text="ready") if ready.is_set() else web.Response(status=503, text="starting")
+
+    async def metrics(_: web.Request) -> web.Response:
+        body = generate_latest(runtime.metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    app = web.Application()
+    app.add_routes([web.get("/healthz", healthz), web.get("/readyz", readyz), web.get("/metrics", metrics)])
+    runner = web.AppRunner(app, handle_signals=False)
+    await runner.setup()
+    await web.TCPSite(runner, "0.0.0.0", port).start()
+    return runner
+
+
+async def _kopf(runtime: Runtime, role: str, stop: asyncio.Event, ready: asyncio.Event) -> None:
+    s = runtime.settings
+    runtime.metrics.leader.set(1 if role == "leader" else 0)
+    await kopf.operator(
+        registry=build_registry(s, runtime, role=role),
+        standalone=True,
+        clusterwide=not s.namespaces,
+        namespaces=s.namespaces,
+        stop_flag=stop,
+        ready_flag=ready,
+    )
+
+
+async def run(settings: Settings, stop: asyncio.Event | None = None) -> int:
+    """Run until ``stop`` (or SIGTERM); returns the process exit code."""
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    runtime = Runtime(settings)
+    ready = asyncio.Event()
+    probes = await _probes(runtime, ready)
+    try:
+        if not settings.leader_election:
+            await _kopf(runtime, "leader", stop, ready)
+            return 0
+        return await _elected(runtime, stop, ready)
+    finally:
+        if probes is not None:
+            await probes.cleanup()
+
+
+async def _elected(runtime: Runtime, stop: asyncio.Event, ready: asyncio.Event) -> int:
+    s = runtime.settings
+    kube = Kube(await asyncio.to_thread(api_client, s.server, s.kubeconfig))
+    elector = LeaseElector(
+        kube, s.namespace, s.lease_name, s.pod_name or socket.gethostname(), s.lease_duration
+    )
+    standby_stop = asyncio.Event()
+    standby = asyncio.create_task(_kopf(runtime, "webhook", standby_stop, ready))
+    acquire = asyncio.create_task(elector.acquire())
+    stopping = asyncio.create_task(stop.wait())
+    await asyncio.wait({acquire, stopping, standby}, return_when=asyncio.FIRST_COMPLETED)
+    standby_stop.set()
+    await asyncio.gather(standby, return_exceptions=True)
+    if not acquire.done():
+        acquire.cancel()
+        stopping.cancel()
+        kube.close()
+        return 0
+    lost = asyncio.Event()
+    holding = asyncio.create_task(elector.hold(lost))
+    leader_stop = asyncio.Event()
+    relay = asyncio.create_task(_first(stop, lost, leader_stop))
+    ready.clear()
+    try:
+        await _kopf(runtime, "leader", leader_stop, ready)
+    finally:
+        for task in (holding, relay, stopping):
+            task.cancel()
+        kube.close()
+    return 1 if lost.is_set() and not stop.is_set() else 0
+
+
+async def _first(a: asyncio.Event, b: asyncio.Event, then: asyncio.Event) -> None:
+    waits = [asyncio.create_task(a.wait()), asyncio.create_task(b.wait())]
+    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    for w in waits:
+        w.cancel()
+    then.set()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    settings = parse_settings(argv)
+    logging.basicConfig(
+        level=getattr(logging, settings.log_level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    if settings.kubeconfig:
+        os.environ["KUBECONFIG"] = settings.kubeconfig
+    sys.exit(asyncio.run(run(settings)))
+
+
+if __name__ == "__main__":
+    main()

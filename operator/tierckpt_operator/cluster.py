@@ -1,0 +1,111 @@
+"""A read-only view of the cluster as the operator's kopf indices hold it (no API calls).
+
+The indices are filled by the watches (see ``handlers``): opted-in JobSets, configurations,
+training pods, replicator pods, node labels and CheckpointJob states. Planning reads them from
+here, so a reconcile costs no API request.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from tierckpt_operator.jobsets import JobSetInfo
+from tierckpt_operator.planning import JobState
+from tierckpt_operator.pods import ReplicatorPod, WorkerPod
+from tierckpt_operator.resources import ConfigSpec
+
+__all__ = ["INDEX_IDS", "CheckpointJobRecord", "Cluster", "ConfigRecord", "JobSetRecord"]
+
+INDEX_IDS = (
+    "tierckpt_jobsets",
+    "tierckpt_configs",
+    "tierckpt_workers",
+    "tierckpt_replicators",
+    "tierckpt_nodes",
+    "tierckpt_ckjobs",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class JobSetRecord:
+    """An opted-in JobSet: parsed, or the reason it cannot be served."""
+
+    namespace: str
+    name: str
+    uid: str
+    info: JobSetInfo | None = None
+    error: str = ""
+    deleting: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class ConfigRecord:
+    name: str
+    spec: ConfigSpec | None = None
+    error: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointJobRecord:
+    namespace: str
+    name: str
+    uid: str
+    state: JobState
+    job_id: str = ""
+    status: Mapping[str, Any] = dataclasses.field(default_factory=dict, compare=False, hash=False)
+
+
+def _one(index: Mapping[Any, Iterable[Any]] | None, key: Any) -> Any:
+    if index is None or key not in index:
+        return None
+    return next(iter(index[key]), None)
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+    """Lookups over the indices; missing indices read as empty."""
+
+    indices: Mapping[str, Any]
+
+    def _index(self, name: str) -> Any:
+        return self.indices.get(name) if hasattr(self.indices, "get") else self.indices[name]
+
+    def jobset(self, namespace: str, name: str) -> JobSetRecord | None:
+        return _one(self._index("tierckpt_jobsets"), (namespace, name))
+
+    def jobsets(self) -> list[JobSetRecord]:
+        index = self._index("tierckpt_jobsets") or {}
+        return [rec for key in index for rec in index[key]]
+
+    def config(self, name: str) -> ConfigRecord | None:
+        return _one(self._index("tierckpt_configs"), name)
+
+    def workers(self, namespace: str, jobset: str) -> list[WorkerPod]:
+        index = self._index("tierckpt_workers")
+        key = (namespace, jobset)
+        return list(index[key]) if index is not None and key in index else []
+
+    def replicator(self, node: str) -> ReplicatorPod | None:
+        """The node's replicator, a ready one first."""
+        index = self._index("tierckpt_replicators")
+        if index is None or node not in index:
+            return None
+        pods = sorted(index[node], key=lambda p: (not p.ready, p.name))
+        return pods[0] if pods else None
+
+    def replicators(self) -> list[ReplicatorPod]:
+        index = self._index("tierckpt_replicators") or {}
+        return [pod for node in index for pod in index[node]]
+
+    def node_labels(self, node: str) -> dict[str, str] | None:
+        labels = _one(self._index("tierckpt_nodes"), node)
+        return dict(labels) if labels is not None else None
+
+    def nodes(self) -> dict[str, dict[str, str]]:
+        index = self._index("tierckpt_nodes") or {}
+        return {name: dict(labels) for name in index for labels in index[name]}
+
+    def checkpoint_job(self, namespace: str, name: str) -> CheckpointJobRecord | None:
+        return _one(self._index("tierckpt_ckjobs"), (namespace, name))

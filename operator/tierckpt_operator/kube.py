@@ -1,0 +1,182 @@
+"""The only module that calls the Kubernetes API beyond kopf (through the ``kubernetes`` client).
+
+kopf watches, patches the objects its handlers run for, posts events and serves the webhook; this
+adapter does the rest: create and update CheckpointJobs, annotate pods with their ranks, read a
+JobSet the watch has not delivered yet, and hold the leader Lease. The client is synchronous, so
+every call runs in a worker thread, with at most ``concurrency`` calls in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import kubernetes
+from kubernetes.client import ApiException
+
+from tierckpt_operator import resources
+
+__all__ = ["Kube", "api_client"]
+
+log = logging.getLogger(__name__)
+
+
+def api_client(server: str = "", kubeconfig: str = "") -> kubernetes.client.ApiClient:
+    """An API client: an explicit server URL (tests), else in-cluster, else the kubeconfig."""
+    if server:
+        cfg = kubernetes.client.Configuration(host=server.rstrip("/"))
+        return kubernetes.client.ApiClient(cfg)
+    cfg = kubernetes.client.Configuration()
+    try:
+        kubernetes.config.load_incluster_config(client_configuration=cfg)
+    except kubernetes.config.ConfigException:
+        kubernetes.config.load_kube_config(config_file=kubeconfig or None, client_configuration=cfg)
+    return kubernetes.client.ApiClient(cfg)
+
+
+class Kube:
+    """Async wrappers of the few API calls the operator makes itself."""
+
+    def __init__(self, client: kubernetes.client.ApiClient, concurrency: int = 16) -> None:
+        self.client = client
+        self.core = kubernetes.client.CoreV1Api(client)
+        self.custom = kubernetes.client.CustomObjectsApi(client)
+        self.leases = kubernetes.client.CoordinationV1Api(client)
+        self._slots = asyncio.Semaphore(concurrency)
+
+    async def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        async with self._slots:
+            return await asyncio.to_thread(fn, *args, **kwargs)
+
+    def close(self) -> None:
+        self.client.close()
+
+    # ------------------------------------------------------------------------------ CheckpointJobs
+
+    async def create_checkpoint_job(self, body: Mapping[str, Any]) -> dict[str, Any] | None:
+        """Create it; None if it already exists (creation is idempotent)."""
+        ns = body["metadata"]["namespace"]
+        try:
+            return await self._call(
+                self.custom.create_namespaced_custom_object,
+                resources.GROUP,
+                resources.VERSION,
+                ns,
+                resources.JOBS,
+                dict(body),
+            )
+        except ApiException as exc:
+            if exc.status == 409:
+                return None
+            raise
+
+    async def patch_checkpoint_job_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> bool:
+        """Merge-patch the status; False if the CheckpointJob is gone."""
+        try:
+            await self._call(
+                self.custom.patch_namespaced_custom_object_status,
+                resources.GROUP,
+                resources.VERSION,
+                namespace,
+                resources.JOBS,
+                name,
+                {"status": dict(status)},
+            )
+            return True
+        except ApiException as exc:
+            if exc.status == 404:
+                return False
+            raise
+
+    async def delete_checkpoint_job(self, namespace: str, name: str) -> None:
+        try:
+            await self._call(
+                self.custom.delete_namespaced_custom_object,
+                resources.GROUP,
+                resources.VERSION,
+                namespace,
+                resources.JOBS,
+                name,
+            )
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+
+    async def get_jobset(self, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            return await self._call(
+                self.custom.get_namespaced_custom_object,
+                resources.JOBSET_GROUP,
+                resources.JOBSET_VERSION,
+                namespace,
+                resources.JOBSETS,
+                name,
+            )
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    # ------------------------------------------------------------------------------ pods
+
+    async def annotate_pod(self, namespace: str, name: str, annotations: Mapping[str, str]) -> bool:
+        """Merge the annotations into the pod; False if the pod is gone."""
+        try:
+            await self._call(
+                self.core.patch_namespaced_pod,
+                name,
+                namespace,
+                {"metadata": {"annotations": dict(annotations)}},
+            )
+            return True
+        except ApiException as exc:
+            if exc.status == 404:
+                return False
+            raise
+
+    # ------------------------------------------------------------------------------ leader Lease
+
+    async def try_lease(self, namespace: str, name: str, holder: str, duration: float) -> bool:
+        """Take or renew the Lease if it is ours, free or expired; True while we hold it.
+
+        Optimistic concurrency: the patch carries the resourceVersion we read, so two candidates
+        racing for an expired Lease cannot both win.
+        """
+        now = datetime.datetime.now(datetime.timezone.utc)
+        stamp = now.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+        spec = {"holderIdentity": holder, "leaseDurationSeconds": max(1, int(duration)), "renewTime": stamp}
+        try:
+            lease = await self._call(self.leases.read_namespaced_lease, name, namespace)
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+            body = {
+                "metadata": {"name": name, "namespace": namespace},
+                "spec": {**spec, "acquireTime": stamp},
+            }
+            try:
+                await self._call(self.leases.create_namespaced_lease, namespace, body)
+                return True
+            except ApiException as exc2:
+                if exc2.status == 409:
+                    return False
+                raise
+        current = lease.spec.holder_identity if lease.spec else None
+        renewed = lease.spec.renew_time if lease.spec else None
+        held_for = (lease.spec.lease_duration_seconds or duration) if lease.spec else duration
+        expired = renewed is None or (now - renewed).total_seconds() > held_for
+        if current not in (holder, None, "") and not expired:
+            return False
+        if current != holder:
+            spec["acquireTime"] = stamp
+        patch = {"metadata": {"resourceVersion": lease.metadata.resource_version}, "spec": spec}
+        try:
+            await self._call(self.leases.patch_namespaced_lease, name, namespace, patch)
+            return True
+        except ApiException as exc:
+            if exc.status == 409:
+                return False
+            raise

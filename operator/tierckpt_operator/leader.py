@@ -1,0 +1,50 @@
+"""Leader election through a ``coordination.k8s.io`` Lease (one active replica reconciles).
+
+Every replica serves the admission webhook; only the Lease holder runs the control loops. The holder
+renews every third of the Lease duration; a replica that cannot renew within the duration gives up
+leadership (and the process exits, to come back as a standby), so two leaders never overlap for
+longer than one Lease duration.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from tierckpt_operator.kube import Kube
+
+__all__ = ["LeaseElector"]
+
+log = logging.getLogger(__name__)
+
+
+class LeaseElector:
+    def __init__(self, kube: Kube, namespace: str, name: str, identity: str, duration: float = 15.0) -> None:
+        self.kube, self.namespace, self.name = kube, namespace, name
+        self.identity, self.duration = identity, duration
+
+    async def _try(self) -> bool:
+        try:
+            return await self.kube.try_lease(self.namespace, self.name, self.identity, self.duration)
+        except Exception as exc:  # API unreachable: not leader this round
+            log.warning("lease %s/%s: %s", self.namespace, self.name, exc)
+            return False
+
+    async def acquire(self) -> None:
+        """Return once this replica holds the Lease."""
+        while not await self._try():
+            await asyncio.sleep(self.duration / 3)
+        log.info("became leader (lease %s/%s as %s)", self.namespace, self.name, self.identity)
+
+    async def hold(self, lost: asyncio.Event) -> None:
+        """Renew until a renewal has not succeeded for a whole Lease duration, then set ``lost``."""
+        last = time.monotonic()
+        while True:
+            await asyncio.sleep(self.duration / 3)
+            if await self._try():
+                last = time.monotonic()
+            elif time.monotonic() - last > self.duration * 2 / 3:
+                log.error("lost the lease %s/%s", self.namespace, self.name)
+                lost.set()
+                return

@@ -1,0 +1,43 @@
+"""Every Prometheus metric of the operator, in one place (served at ``/metrics``)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+__all__ = ["Metrics"]
+
+
+class Metrics:
+    """The operator's metrics, on their own registry (tests may build several operators)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.reconciles = Counter(
+            "tierckpt_operator_reconciles", "Job reconcile rounds, by outcome.", ["outcome"], registry=r
+        )
+        self.reconcile_seconds = Histogram(
+            "tierckpt_operator_reconcile_seconds", "Duration of one job reconcile round.", registry=r
+        )
+        self.assignments = Counter(
+            "tierckpt_operator_rank_assignments",
+            "Completed rank assignments (one per restart attempt).",
+            registry=r,
+        )
+        self.ranks_moved = Counter(
+            "tierckpt_operator_ranks_moved", "Node ranks that changed node at an assignment.", registry=r
+        )
+        self.replicator_calls = Counter(
+            "tierckpt_operator_replicator_calls",
+            "Replicator API calls, by call and outcome.",
+            ["call", "outcome"],
+            registry=r,
+        )
+        self.webhook_mutations = Counter(
+            "tierckpt_operator_webhook_mutations",
+            "Admission reviews answered, by kind and outcome.",
+            ["kind", "outcome"],
+            registry=r,
+        )
+        self.jobs = Gauge("tierckpt_operator_jobs", "Opted-in JobSets being served.", registry=r)
+        self.leader = Gauge("tierckpt_operator_leader", "1 while this replica reconciles.", registry=r)

@@ -1,0 +1,198 @@
+"""A job's rank assignment and peer plan, decided from what the watches show (pure).
+
+``JobState`` is what the operator remembers about a job, kept in the CheckpointJob status so that a
+restarted operator carries on: the assignment generation (the JobSet restart attempt), the node,
+failure domain and pod of every node rank, and the peer plan. ``decide_assignment`` and
+``decide_peers`` turn the current pods and nodes into the next state plus the writes it needs;
+``peer_assignment`` builds the ``PeerAssignment`` each replicator receives.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from tierckpt.contract import Annotations, PeerAssignment, PeerNode
+from tierckpt.errors import ContractError
+from tierckpt.placement import Placement, RankAssignment, assign_ranks, current_members, plan_peers
+
+from tierckpt_operator.jobsets import JobSetInfo
+from tierckpt_operator.pods import WorkerPod
+
+__all__ = [
+    "AssignmentDecision",
+    "JobState",
+    "decide_assignment",
+    "decide_peers",
+    "peer_assignment",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class JobState:
+    """The operator's memory of one job (persisted in CheckpointJob status)."""
+
+    generation: int | None = None
+    """The restart attempt the current ranks belong to; None before the first assignment."""
+    nodes: tuple[str, ...] = ()
+    """Node rank -> node."""
+    domains: tuple[str, ...] = ()
+    """Node rank -> failure domain of its node."""
+    pods: tuple[str, ...] = ()
+    """Node rank -> pod."""
+    peers: tuple[tuple[int, ...], ...] = ()
+    """Node rank -> peer node ranks."""
+    peer_generation: int = 0
+    restore_generation: int | None = None
+    """The attempt whose restore plan was published."""
+
+    @classmethod
+    def from_status(cls, status: Mapping[str, Any] | None) -> JobState:
+        status = status or {}
+        restore = status.get("restore") or {}
+        n = len(status.get("nodes") or ())
+
+        def column(key: str) -> tuple[str, ...]:
+            values = tuple(str(v) for v in status.get(key) or ())
+            return values if len(values) == n else ("",) * n
+
+        return cls(
+            generation=status.get("assignmentGeneration"),
+            nodes=tuple(str(v) for v in status.get("nodes") or ()),
+            domains=column("domains"),
+            pods=column("pods"),
+            peers=tuple(tuple(int(p) for p in ps) for ps in status.get("peers") or ()),
+            peer_generation=int(status.get("peerGeneration") or 0),
+            restore_generation=restore.get("generation"),
+        )
+
+    def to_status(self) -> dict[str, Any]:
+        return {
+            "assignmentGeneration": self.generation,
+            "nodes": list(self.nodes),
+            "domains": list(self.domains),
+            "pods": list(self.pods),
+            "peers": [list(p) for p in self.peers],
+            "peerGeneration": self.peer_generation,
+        }
+
+    def placements(self) -> dict[int, Placement]:
+        return {
+            r: Placement(node, self.domains[r] if r < len(self.domains) else "")
+            for r, node in enumerate(self.nodes)
+            if node
+        }
+
+    @property
+    def node_ranks(self) -> dict[str, int]:
+        return {node: r for r, node in enumerate(self.nodes) if node}
+
+
+@dataclasses.dataclass(frozen=True)
+class AssignmentDecision:
+    """The outcome of one assignment round."""
+
+    attempt: int
+    scheduled: int
+    needed: int
+    state: JobState
+    assignment: RankAssignment | None = None
+    writes: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)
+    """Pod name -> annotations to write."""
+    problem: str = ""
+
+    @property
+    def complete(self) -> bool:
+        return self.assignment is not None
+
+
+def decide_assignment(
+    info: JobSetInfo,
+    pods: Iterable[WorkerPod],
+    state: JobState,
+    domains: Mapping[str, str],
+) -> AssignmentDecision:
+    """Assign node ranks once every pod of the current attempt is scheduled.
+
+    Pods of older attempts are ignored; a rank delivered in this attempt is kept; otherwise ranks
+    stick to the nodes that hold them (``tierckpt.placement.assign_ranks``).
+    """
+    mine = [p for p in pods if p.job_key == info.key]
+    workers = [w for p in mine if (w := p.as_worker(info.shape)) is not None]
+    attempt, members = current_members(workers, info.restarts)
+    n = info.world_size
+    if len(members) != n or len({m.initial_rank for m in members}) != n:
+        problem = "" if len(members) <= n else f"{len(members)} scheduled pods for {n} ranks"
+        return AssignmentDecision(attempt, len(members), n, state, problem=problem)
+    try:
+        assignment = assign_ranks(n, members, state.placements(), domains)
+    except ContractError as exc:
+        return AssignmentDecision(attempt, len(members), n, state, problem=str(exc))
+    by_name = {p.name: p for p in mine}
+    rank0 = next((by_name[pod] for pod, r in assignment.ranks.items() if r == 0), None)
+    coordinator = rank0.address if rank0 is not None else ""
+    writes = {}
+    for pod, rank in assignment.ranks.items():
+        want = {
+            Annotations.NODE_RANK: str(rank),
+            Annotations.NUM_NODES: str(n),
+            Annotations.ASSIGNMENT_GENERATION: str(attempt),
+            Annotations.COORDINATOR: coordinator,
+        }
+        p = by_name[pod]
+        if (p.rank, p.rank_generation, p.coordinator) != (rank, attempt, coordinator) or p.num_nodes != n:
+            writes[pod] = want
+    pods_by_rank = [""] * n
+    for pod, rank in assignment.ranks.items():
+        pods_by_rank[rank] = pod
+    new_state = dataclasses.replace(
+        state,
+        generation=attempt,
+        nodes=assignment.nodes,
+        domains=tuple(domains.get(node, "") for node in assignment.nodes),
+        pods=tuple(pods_by_rank),
+    )
+    return AssignmentDecision(attempt, len(members), n, new_state, assignment, writes)
+
+
+def decide_peers(state: JobState, k: int) -> tuple[tuple[int, ...], ...]:
+    """The peer plan for the state's ranks, keeping the previous plan's still-valid edges."""
+    previous = state.peers if len(state.peers) == len(state.domains) else ()
+    return plan_peers(state.domains, k, previous)
+
+
+def peer_assignment(
+    job: str,
+    state: JobState,
+    endpoints: Mapping[str, str],
+    *,
+    view_of: str | None = None,
+) -> PeerAssignment:
+    """The ``PeerAssignment`` replicators receive.
+
+    ``view_of=None``: every node. ``view_of=node``: that node, its peers and the nodes that send to
+    it (big jobs: each replicator gets a few kilobytes instead of the whole map).
+    """
+    ranks: Sequence[int] = range(len(state.nodes))
+    senders: set[int] = set()
+    if view_of is not None:
+        me = state.node_ranks[view_of]
+        senders = {r for r, ps in enumerate(state.peers) if me in ps}
+        ranks = sorted({me, *state.peers[me], *senders})
+    nodes = {
+        state.nodes[r]: PeerNode(state.nodes[r], endpoints.get(state.nodes[r], ""), state.domains[r])
+        for r in ranks
+    }
+    peers = {
+        state.nodes[r]: tuple(state.nodes[p] for p in state.peers[r])
+        for r in ranks
+        if view_of is None or state.nodes[r] == view_of
+    }
+    return PeerAssignment(
+        job=job,
+        generation=state.peer_generation,
+        nodes=nodes,
+        peers=peers,
+        node_ranks={state.nodes[r]: r for r in ranks},
+    )

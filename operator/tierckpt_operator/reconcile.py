@@ -1,0 +1,493 @@
+"""One job's control loop: assign ranks, publish peers, publish the restore plan, report status.
+
+``JobController.reconcile`` is level-triggered and idempotent: it reads the cluster from the indices,
+decides with the pure planners, performs only the writes that differ from what is already there,
+and records the outcome in the CheckpointJob status. ``refresh`` gathers the replicators'
+inventories for tier progress. Neither ever waits for all nodes: an unreachable replicator is retried
+on the next round, and the restore plan is chosen without it once ``restore_grace`` has passed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import hashlib
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from tierckpt.contract import NodeInventory, PeerAssignment, RestorePlan
+from tierckpt.placement import peer_churn
+
+from tierckpt_operator import resources
+from tierckpt_operator.cluster import CheckpointJobRecord, Cluster, ConfigRecord
+from tierckpt_operator.jobsets import JobSetInfo
+from tierckpt_operator.planning import (
+    AssignmentDecision,
+    JobState,
+    decide_assignment,
+    decide_peers,
+    peer_assignment,
+)
+from tierckpt_operator.status import (
+    condition,
+    iso_time,
+    merge_conditions,
+    rank_ranges,
+    restore_summary,
+    tier_progress,
+)
+
+if TYPE_CHECKING:
+    from tierckpt_operator.runtime import JobKey, Runtime
+
+__all__ = ["JobController", "checkpoint_job_body"]
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+def checkpoint_job_body(info: JobSetInfo | None, namespace: str, name: str, uid: str) -> dict[str, Any]:
+    """A new CheckpointJob for a JobSet, owned by it (garbage-collected with it)."""
+    spec: dict[str, Any] = {"jobSetName": name, "jobSetUID": uid, "jobId": info.job_id if info else ""}
+    if info is not None:
+        spec.update(
+            configName=info.config_name,
+            numNodes=info.world_size,
+            replicatedJobs=[
+                {"name": rj.name, "replicas": rj.replicas, "parallelism": rj.parallelism}
+                for rj in info.shape.replicated_jobs
+            ],
+        )
+    owner = {
+        "apiVersion": f"{resources.JOBSET_GROUP}/{resources.JOBSET_VERSION}",
+        "kind": "JobSet",
+        "name": name,
+        "uid": uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+    return {
+        "apiVersion": f"{resources.GROUP}/{resources.VERSION}",
+        "kind": "CheckpointJob",
+        "metadata": {
+            "name": name,
+            "namespace": namespace,
+            "labels": {"app.kubernetes.io/managed-by": "tierckpt-operator"},
+            "ownerReferences": [owner],
+        },
+        "spec": spec,
+    }
+
+
+@dataclasses.dataclass
+class _Restore:
+    plan: RestorePlan
+    acked: set[str] = dataclasses.field(default_factory=set)
+
+
+class JobController:
+    """The memory and the control loop of one opted-in JobSet."""
+
+    def __init__(self, runtime: Runtime, key: JobKey) -> None:
+        self.rt = runtime
+        self.key = key
+        self.wake = asyncio.Event()
+        self.state: JobState | None = None
+        self.ref: dict[str, Any] | None = None
+        self.status: dict[str, Any] = {}
+        self.peer_digest: str | None = None
+        self.delivered: dict[str, str] = {}
+        """Node -> digest of the peer assignment it accepted."""
+        self.assigned_at = 0.0
+        self.restore: _Restore | None = None
+        self.job_id = ""
+        self._said: dict[str, str] = {}
+
+    # ------------------------------------------------------------------------------ loop
+
+    async def run(self, cluster_of: Callable[[], Cluster], stopped: Any) -> None:
+        """Reconcile on every poke (debounced) and at least every ``resync_interval``."""
+        s = self.rt.settings
+        self.wake.set()
+        while not stopped:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.wake.wait(), timeout=s.resync_interval)
+            if stopped:
+                return
+            await asyncio.sleep(s.debounce)
+            self.wake.clear()
+            if not self.rt.leading:
+                continue
+            started = time.monotonic()
+            try:
+                await self.reconcile(cluster_of())
+                self.rt.metrics.reconciles.labels("ok").inc()
+            except Exception as exc:
+                self.rt.metrics.reconciles.labels("error").inc()
+                log.exception("reconcile of %s/%s failed", *self.key)
+                self._event("Warning", "ReconcileFailed", f"{type(exc).__name__}: {exc}")
+                await asyncio.sleep(min(30.0, s.debounce * 10))
+                self.wake.set()
+            finally:
+                self.rt.metrics.reconcile_seconds.observe(time.monotonic() - started)
+
+    # ------------------------------------------------------------------------------ reconcile
+
+    async def reconcile(self, cluster: Cluster) -> None:
+        ns, name = self.key
+        rec = cluster.jobset(ns, name)
+        if rec is None or rec.deleting:
+            return
+        ck = cluster.checkpoint_job(ns, name)
+        if ck is None:
+            await self._ensure_checkpoint_job(rec.info, rec.uid)
+            return
+        self._adopt(ck)
+        if rec.info is not None:
+            self.job_id = rec.info.job_id
+        if rec.info is None:
+            await self._report("Invalid", [condition("ConfigResolved", False, "InvalidJobSet", rec.error)])
+            return
+        info = rec.info
+        cfg = cluster.config(info.config_name)
+        if cfg is None or cfg.spec is None:
+            await self._config_missing(info, cfg)
+            return
+        domains = self._domains(cluster, info, cfg)
+        decision = decide_assignment(info, cluster.workers(ns, name), self.state, domains)
+        if not decision.complete:
+            await self._waiting(decision)
+            return
+        await self._deliver_ranks(decision)
+        await self._publish_peers(info, cfg, cluster)
+        await self._publish_restore(info, cluster)
+        await self._report_running(info, cfg)
+
+    def _adopt(self, ck: CheckpointJobRecord) -> None:
+        self.ref = {
+            "apiVersion": f"{resources.GROUP}/{resources.VERSION}",
+            "kind": "CheckpointJob",
+            "metadata": {"name": ck.name, "namespace": ck.namespace, "uid": ck.uid},
+        }
+        if self.state is None:
+            self.state = ck.state
+            self.status = dict(ck.status)
+            self.job_id = self.job_id or ck.job_id
+
+    async def _ensure_checkpoint_job(self, info: JobSetInfo | None, uid: str) -> None:
+        assert self.rt.kube is not None
+        body = checkpoint_job_body(info, *self.key, uid)
+        created = await self.rt.kube.create_checkpoint_job(body)
+        if created is not None:
+            log.info("created CheckpointJob %s/%s", *self.key)
+
+    def _domains(self, cluster: Cluster, info: JobSetInfo, cfg: ConfigRecord) -> dict[str, str]:
+        assert cfg.spec is not None
+        nodes = {w.node for w in cluster.workers(*info.key) if w.node}
+        nodes |= {n for n in (self.state.nodes if self.state else ()) if n}
+        out = {}
+        for node in nodes:
+            labels = cluster.node_labels(node)
+            if labels is not None:
+                out[node] = cfg.spec.domain_of(labels)
+        return out
+
+    async def _config_missing(self, info: JobSetInfo, cfg: ConfigRecord | None) -> None:
+        if cfg is None:
+            message = f"CheckpointConfiguration {info.config_name!r} does not exist"
+            reason = "ConfigNotFound"
+        else:
+            message = f"CheckpointConfiguration {info.config_name!r} is invalid: {cfg.error}"
+            reason = "ConfigInvalid"
+        self._event_once("config", "Warning", reason, message)
+        await self._report("Pending", [condition("ConfigResolved", False, reason, message)])
+
+    async def _waiting(self, decision: AssignmentDecision) -> None:
+        if decision.problem:
+            self._event_once("assign", "Warning", "AssignmentBlocked", decision.problem)
+        message = decision.problem or (
+            f"attempt {decision.attempt}: {decision.scheduled}/{decision.needed} pods scheduled"
+        )
+        await self._report(
+            "Scheduling",
+            [
+                condition("ConfigResolved", True, "Resolved"),
+                condition("RanksAssigned", False, "WaitingForPods", message),
+            ],
+        )
+
+    # ------------------------------------------------------------------------------ ranks
+
+    async def _deliver_ranks(self, decision: AssignmentDecision) -> None:
+        """Write each pod's rank annotations (only those that differ), then adopt the new state."""
+        assert self.rt.kube is not None and self.state is not None and decision.assignment is not None
+        ns = self.key[0]
+        new_generation = self.state.generation != decision.attempt
+        results = await _gather(
+            self.rt.kube.annotate_pod(ns, pod, ann) for pod, ann in decision.writes.items()
+        )
+        failed = [str(r) for r in results if isinstance(r, BaseException)]
+        if failed:
+            raise RuntimeError(f"could not annotate {len(failed)} pods: {failed[0]}")
+        if new_generation:
+            a = decision.assignment
+            self.assigned_at = time.time()
+            self.restore = None
+            self.rt.metrics.assignments.inc()
+            self.rt.metrics.ranks_moved.inc(len(a.moved))
+            moved = f" (moved: {rank_ranges(a.moved)})" if a.moved else ""
+            self._event(
+                "Normal",
+                "RanksAssigned",
+                f"attempt {decision.attempt}: {len(a.ranks)} node ranks assigned; {len(a.sticky)} stayed on "
+                f"their nodes, {len(a.moved)} moved to new nodes, {len(a.fresh)} new{moved}",
+            )
+        self.state = decision.state
+        self.rt.track_nodes(self.key, self.state.nodes)
+
+    # ------------------------------------------------------------------------------ peers
+
+    async def _publish_peers(self, info: JobSetInfo, cfg: ConfigRecord, cluster: Cluster) -> None:
+        assert cfg.spec is not None and self.state is not None
+        peers = decide_peers(self.state, cfg.spec.replication_factor)
+        endpoints = {n: rep.endpoint for n in self.state.nodes if (rep := cluster.replicator(n))}
+        digest = _digest(self.state.nodes, self.state.domains, peers, sorted(endpoints.items()))
+        if digest != self.peer_digest:
+            before = self.state.peers
+            self.state = dataclasses.replace(
+                self.state, peers=peers, peer_generation=self.state.peer_generation + 1
+            )
+            self.peer_digest = digest
+            if peers != before:
+                churn = peer_churn(before, peers) if before else 0
+                domains = len(set(self.state.domains))
+                self._event(
+                    "Normal",
+                    "PeersPlanned",
+                    f"peer generation {self.state.peer_generation}: {cfg.spec.replication_factor} peers per "
+                    f"node across {domains} failure domain(s); {churn} edges changed",
+                )
+        messages = self._peer_messages(info, endpoints)
+        await self._send(messages, endpoints, cluster)
+
+    def _peer_messages(self, info: JobSetInfo, endpoints: dict[str, str]) -> dict[str, PeerAssignment]:
+        assert self.state is not None
+        if len(self.state.nodes) <= self.rt.settings.peers_full_view_max:
+            full = peer_assignment(info.job_id, self.state, endpoints)
+            return {node: full for node in self.state.nodes}
+        return {
+            node: peer_assignment(info.job_id, self.state, endpoints, view_of=node)
+            for node in self.state.nodes
+        }
+
+    async def _send(
+        self, messages: dict[str, PeerAssignment], endpoints: dict[str, str], cluster: Cluster
+    ) -> None:
+        assert self.rt.replicators is not None
+        todo = {}
+        digests: dict[int, str] = {}
+        for node, msg in messages.items():
+            content = digests.get(id(msg)) or digests.setdefault(
+                id(msg), _digest(msg.to_dict() | {"generation": 0})
+            )
+            rep = cluster.replicator(node)
+            if self.delivered.get(node) != content and rep is not None and rep.ready:
+                todo[node] = (rep.endpoint, msg, content)
+        results = await _gather(self.rt.replicators.put_peers(ep, msg) for ep, msg, _ in todo.values())
+        failures = []
+        for (node, (_, _, content)), result in zip(todo.items(), results, strict=True):
+            if isinstance(result, BaseException):
+                failures.append(f"{node}: {result}")
+                self.rt.metrics.replicator_calls.labels("put_peers", "error").inc()
+            else:
+                self.delivered[node] = content
+                self.rt.metrics.replicator_calls.labels("put_peers", "ok").inc()
+        if failures:
+            self._event_once(
+                "peers", "Warning", "PeersNotDelivered", f"{len(failures)} node(s): {failures[0]}"
+            )
+            self._retry_later()
+
+    # ------------------------------------------------------------------------------ restore
+
+    async def _publish_restore(self, info: JobSetInfo, cluster: Cluster) -> None:
+        assert self.state is not None and self.rt.replicators is not None
+        attempt = self.state.generation
+        if self.restore is None or self.restore.plan.generation != attempt:
+            if self.state.restore_generation == attempt:
+                return  # published before this operator (re)started; replicators hold it
+            missing = [n for n in self.state.nodes if not (r := cluster.replicator(n)) or not r.ready]
+            waited = time.time() - self.assigned_at
+            if missing and waited < self.rt.settings.restore_grace:
+                self._retry_later(self.rt.settings.restore_grace - waited)
+                return
+            invs = await self._inventories(cluster)
+            plan = _choose_restore(invs, job=info.job_id, generation=attempt or 0, decided_at=time.time())
+            self.restore = _Restore(plan)
+            self.state = dataclasses.replace(self.state, restore_generation=attempt)
+            self._restore_event(plan, len(invs), missing)
+        await self._send_restore(cluster)
+
+    def _restore_event(self, plan: RestorePlan, answered: int, missing: list[str]) -> None:
+        without = f"; chosen without {len(missing)} unready replicator(s)" if missing else ""
+        if plan.step is None:
+            self._event(
+                "Normal",
+                "FreshStart",
+                f"attempt {plan.generation}: no complete step in any tier, "
+                f"training starts fresh ({answered} inventories){without}",
+            )
+            return
+        sources = restore_summary(plan, 0)["sources"]
+        text = ", ".join(f"{tier} {ranks}" for tier, ranks in sources.items())
+        self._event(
+            "Normal",
+            "RestorePlanned",
+            f"attempt {plan.generation} restores step {plan.step} (ranks by source: {text}){without}",
+        )
+
+    async def _send_restore(self, cluster: Cluster) -> None:
+        assert self.restore is not None and self.state is not None and self.rt.replicators is not None
+        todo = {}
+        for node in self.state.nodes:
+            rep = cluster.replicator(node)
+            if node not in self.restore.acked and rep is not None and rep.ready:
+                todo[node] = rep.endpoint
+        plan = self.restore.plan
+        results = await _gather(self.rt.replicators.put_restore_plan(ep, plan) for ep in todo.values())
+        for node, result in zip(todo, results, strict=True):
+            outcome = "error" if isinstance(result, BaseException) else "ok"
+            self.rt.metrics.replicator_calls.labels("put_restore_plan", outcome).inc()
+            if outcome == "ok":
+                self.restore.acked.add(node)
+        if len(self.restore.acked) < len(set(self.state.nodes)):
+            self._retry_later()
+
+    async def _inventories(self, cluster: Cluster) -> list[NodeInventory]:
+        assert self.state is not None and self.rt.replicators is not None and self.ref is not None
+        job = self.job_id
+        targets = {n: rep.endpoint for n in self.state.nodes if (rep := cluster.replicator(n))}
+        results = await _gather(self.rt.replicators.inventory(ep, job) for ep in targets.values())
+        out = []
+        for node, result in zip(targets, results, strict=True):
+            if isinstance(result, NodeInventory):
+                out.append(result if result.node else dataclasses.replace(result, node=node))
+                self.rt.metrics.replicator_calls.labels("inventory", "ok").inc()
+            elif result is None:
+                self.rt.metrics.replicator_calls.labels("inventory", "ok").inc()
+            else:
+                self.rt.metrics.replicator_calls.labels("inventory", "error").inc()
+                log.info("no inventory from %s: %s", node, result)
+        return out
+
+    # ------------------------------------------------------------------------------ refresh
+
+    async def refresh(self, cluster: Cluster) -> None:
+        """Gather inventories and report the newest local, replicated and backed-up steps."""
+        if self.state is None or not self.state.nodes or self.ref is None or not self.job_id:
+            return
+        invs = await self._inventories(cluster)
+        progress = tier_progress(invs)
+        await self._write(
+            {
+                "latestLocalStep": progress.local,
+                "latestReplicatedStep": progress.replicated,
+                "latestBackedUpStep": progress.backed_up,
+                "inventoryTime": iso_time(time.time()),
+                "inventoryNodes": f"{len(invs)}/{len(set(self.state.nodes))}",
+            }
+        )
+
+    # ------------------------------------------------------------------------------ status
+
+    async def _report_running(self, info: JobSetInfo, cfg: ConfigRecord) -> None:
+        assert self.state is not None
+        nodes = set(self.state.nodes)
+        published = sum(1 for n in nodes if n in self.delivered)
+        restored = len(self.restore.acked) if self.restore else 0
+        if self.restore is None:  # published by an earlier run of the operator, or not yet chosen
+            restore_ok = self.state.restore_generation == self.state.generation
+        else:
+            restore_ok = restored == len(nodes)
+        peers_ok = published == len(nodes)
+        conditions = [
+            condition("ConfigResolved", True, "Resolved", f"CheckpointConfiguration {info.config_name}"),
+            condition(
+                "RanksAssigned", True, "Assigned", f"attempt {self.state.generation}: {len(nodes)} ranks"
+            ),
+            condition(
+                "PeersPublished",
+                peers_ok,
+                "Published" if peers_ok else "Pending",
+                f"generation {self.state.peer_generation}: {published}/{len(nodes)} nodes",
+            ),
+            condition(
+                "RestorePlanned",
+                restore_ok,
+                "Published" if restore_ok else "Pending",
+                f"{restored}/{len(nodes)} nodes",
+            ),
+        ]
+        ready = all(c["status"] == "True" for c in conditions)
+        conditions.append(condition("Ready", ready, "Ready" if ready else "NotReady"))
+        extra: dict[str, Any] = {"peersPublished": published, "ranksAssigned": len(self.state.nodes)}
+        if self.restore is not None:
+            extra["restore"] = restore_summary(self.restore.plan, restored)
+        await self._report("Running" if ready else "Restoring", conditions, extra)
+
+    async def _report(
+        self, phase: str, conditions: list[dict[str, Any]], extra: dict[str, Any] | None = None
+    ) -> None:
+        fields: dict[str, Any] = {"phase": phase, **(extra or {})}
+        if self.state is not None and self.state.generation is not None:
+            fields.update(self.state.to_status())
+        fields["conditions"] = merge_conditions(self.status.get("conditions"), conditions, time.time())
+        await self._write(fields)
+
+    async def _write(self, fields: dict[str, Any]) -> None:
+        """Merge-patch the status fields that changed since the last write."""
+        assert self.rt.kube is not None
+        changed = {k: v for k, v in fields.items() if self.status.get(k, _MISSING) != v}
+        if not changed:
+            return
+        if await self.rt.kube.patch_checkpoint_job_status(*self.key, changed):
+            self.status.update(changed)
+
+    # ------------------------------------------------------------------------------ events
+
+    def _event(self, kind: str, reason: str, message: str) -> None:
+        from tierckpt_operator.runtime import post_event
+
+        log.info("%s/%s %s: %s", *self.key, reason, message)
+        post_event(self.ref, kind, reason, message)
+
+    def _event_once(self, topic: str, kind: str, reason: str, message: str) -> None:
+        """Post an event unless the same one was the last on this topic (no repeats every round)."""
+        if self._said.get(topic) != f"{reason}:{message}":
+            self._said[topic] = f"{reason}:{message}"
+            self._event(kind, reason, message)
+
+    def _retry_later(self, delay: float | None = None) -> None:
+        delay = max(self.rt.settings.debounce, delay if delay is not None else 5 * self.rt.settings.debounce)
+        asyncio.get_running_loop().call_later(delay, self.wake.set)
+
+
+_MISSING = object()
+
+
+def _digest(*parts: Any) -> str:
+    return hashlib.sha1(repr(parts).encode(), usedforsecurity=False).hexdigest()
+
+
+async def _gather(calls: Iterable[Awaitable[T]]) -> list[T | BaseException]:
+    """Run calls concurrently (the adapters bound concurrency), returning results or exceptions."""
+    return list(await asyncio.gather(*calls, return_exceptions=True))
+
+
+def _choose_restore(invs: list[NodeInventory], **kwargs: Any) -> RestorePlan:
+    from tierckpt.restore_choice import choose_restore
+
+    return choose_restore(invs, **kwargs)

@@ -1,0 +1,328 @@
+"""Every kopf handler of the operator, registered on an explicit registry (no module-level state).
+
+Handlers are thin: read the event, call a pure function or poke a job controller, write the result.
+Two roles share one registry builder:
+
+* ``webhook``: the indices and the two admission webhooks. Every replica serves these.
+* ``leader``: all of the above plus the JobSet lifecycle (CheckpointJob creation, per-job control
+  loop and refresh timer, cleanup on deletion), configuration status and the watches that wake jobs.
+
+Index ids double as handler kwargs (see ``cluster.INDEX_IDS``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import kopf
+from tierckpt.contract import Annotations, Labels, job_id_for
+from tierckpt.errors import ContractError
+
+from tierckpt_operator import admission, resources
+from tierckpt_operator.cleanup import purge_job
+from tierckpt_operator.cluster import INDEX_IDS, CheckpointJobRecord, Cluster, ConfigRecord, JobSetRecord
+from tierckpt_operator.jobsets import opt_in_value, parse_jobset
+from tierckpt_operator.planning import JobState
+from tierckpt_operator.pods import replicator_of, worker_of
+from tierckpt_operator.reconcile import checkpoint_job_body
+from tierckpt_operator.resources import ConfigSpec
+from tierckpt_operator.runtime import Runtime, post_event
+from tierckpt_operator.settings import Settings
+from tierckpt_operator.status import config_status, merge_conditions
+
+__all__ = ["build_registry"]
+
+log = logging.getLogger(__name__)
+
+JOBSET = (resources.JOBSET_GROUP, resources.JOBSET_VERSION, resources.JOBSETS)
+CONFIG = (resources.GROUP, resources.VERSION, resources.CONFIGS)
+CKJOB = (resources.GROUP, resources.VERSION, resources.JOBS)
+OPTED = {Annotations.ENABLED: kopf.PRESENT}
+ENABLED = {Annotations.ENABLED: "true"}
+MANAGED = {Labels.MANAGED: "true"}
+
+
+def _cluster(kwargs: dict[str, Any]) -> Cluster:
+    return Cluster({k: kwargs[k] for k in INDEX_IDS if k in kwargs})
+
+
+def build_registry(settings: Settings, runtime: Runtime, *, role: str = "leader") -> kopf.OperatorRegistry:
+    """A registry for ``role`` (``leader`` or ``webhook``)."""
+    if role not in ("leader", "webhook"):
+        raise ValueError(f"unknown role {role!r}")
+    registry = kopf.OperatorRegistry()
+    _lifecycle(registry, settings, runtime)
+    _indices(registry, settings)
+    if settings.webhook_enabled:
+        _admission(registry, settings, runtime)
+    if role == "leader":
+        _jobsets(registry, settings, runtime)
+        _configs(registry, settings, runtime)
+        _wakeups(registry, settings, runtime)
+    return registry
+
+
+# ------------------------------------------------------------------------------------ lifecycle
+
+
+def _lifecycle(registry: kopf.OperatorRegistry, settings: Settings, runtime: Runtime) -> None:
+    @kopf.on.login(registry=registry)
+    def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+        if settings.server:
+            return kopf.ConnectionInfo(server=settings.server.rstrip("/"), insecure=True)
+        return kopf.login_via_client(**kwargs)
+
+    @kopf.on.startup(registry=registry)
+    async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+        _configure_kopf(settings, runtime.settings)
+        await runtime.start()
+
+    @kopf.on.cleanup(registry=registry)
+    async def close(**_: Any) -> None:
+        await runtime.stop()
+
+
+def _configure_kopf(kopf_settings: kopf.OperatorSettings, settings: Settings) -> None:
+    kopf_settings.persistence.finalizer = "tierckpt.io/cleanup"
+    kopf_settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="tierckpt.io")
+    kopf_settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix="tierckpt.io", key="last-handled-configuration"
+    )
+    kopf_settings.posting.level = logging.WARNING
+    kopf_settings.watching.connect_timeout = 60
+    if settings.pod_selector:
+        kopf_settings.watching.label_selectors["v1", "pods"] = settings.pod_selector
+    if settings.webhook_enabled:
+        cert_dir = settings.webhook_cert_dir
+        kopf_settings.admission.server = kopf.WebhookServer(
+            addr=settings.webhook_addr,
+            port=settings.webhook_port,
+            insecure=settings.webhook_insecure,
+            certfile=f"{cert_dir}/tls.crt" if cert_dir else None,
+            pkeyfile=f"{cert_dir}/tls.key" if cert_dir else None,
+        )
+        if not cert_dir and not settings.webhook_insecure:
+            raise kopf.PermanentError(
+                "the webhook needs --webhook-cert-dir (tls.crt, tls.key) or --webhook-insecure"
+            )
+
+
+# ------------------------------------------------------------------------------------ indices
+
+
+def _indices(registry: kopf.OperatorRegistry, settings: Settings) -> None:
+    @kopf.index(*JOBSET, id="tierckpt_jobsets", annotations=OPTED, registry=registry)
+    def jobsets(body: kopf.Body, namespace: str, name: str, uid: str, meta: kopf.Meta, **_: Any) -> Any:
+        deleting = bool(meta.get("deletionTimestamp"))
+        try:
+            if not opt_in_value(meta.annotations):
+                return {}
+            info = parse_jobset(body, settings.default_config)
+        except ContractError as exc:
+            return {(namespace, name): JobSetRecord(namespace, name, uid, error=str(exc), deleting=deleting)}
+        return {(namespace, name): JobSetRecord(namespace, name, uid, info=info, deleting=deleting)}
+
+    @kopf.index(*CONFIG, id="tierckpt_configs", registry=registry)
+    def configs(body: kopf.Body, name: str, **_: Any) -> Any:
+        try:
+            return {name: ConfigRecord(name, spec=ConfigSpec.from_body(body))}
+        except ContractError as exc:
+            return {name: ConfigRecord(name, error=str(exc))}
+
+    @kopf.index("v1", "pods", id="tierckpt_workers", labels=MANAGED, registry=registry)
+    def workers(body: kopf.Body, **_: Any) -> Any:
+        w = worker_of(body)
+        return {w.job_key: w} if w is not None else {}
+
+    @kopf.index("v1", "pods", id="tierckpt_replicators", labels=settings.replicator_labels, registry=registry)
+    def replicators(body: kopf.Body, **_: Any) -> Any:
+        r = replicator_of(body, settings.replicator_api_port)
+        return {r.node: r} if r is not None else {}
+
+    @kopf.index("v1", "nodes", id="tierckpt_nodes", registry=registry)
+    def nodes(name: str, labels: kopf.Labels, **_: Any) -> Any:
+        return {name: tuple(sorted(labels.items()))}
+
+    @kopf.index(*CKJOB, id="tierckpt_ckjobs", registry=registry)
+    def ckjobs(namespace: str, name: str, uid: str, spec: kopf.Spec, status: kopf.Status, **_: Any) -> Any:
+        record = CheckpointJobRecord(
+            namespace,
+            name,
+            uid,
+            JobState.from_status(status),
+            job_id=spec.get("jobId", ""),
+            status=dict(status),
+        )
+        return {(namespace, name): record}
+
+
+# ------------------------------------------------------------------------------------ admission
+
+
+def _admission(registry: kopf.OperatorRegistry, settings: Settings, runtime: Runtime) -> None:
+    @kopf.on.mutate(*JOBSET, id="mutate-jobsets", operation="CREATE", annotations=ENABLED, registry=registry)
+    def mutate_jobset(body: kopf.Body, patch: kopf.Patch, warnings: list[str], **kwargs: Any) -> None:
+        admission.jobset_mutation(body, _cluster(kwargs), settings, warnings)
+        patch.fns.append(admission.apply_jobset())
+        runtime.metrics.webhook_mutations.labels("jobset", "ok").inc()
+
+    @kopf.on.mutate("v1", "pods", id="mutate-pods", operation="CREATE", labels=MANAGED, registry=registry)
+    async def mutate_pod(body: kopf.Body, patch: kopf.Patch, **kwargs: Any) -> None:
+        fetch = runtime.kube.get_jobset if runtime.kube is not None else None
+        try:
+            plan = await admission.pod_mutation(body, _cluster(kwargs), settings, fetch)
+        except kopf.AdmissionError:
+            runtime.metrics.webhook_mutations.labels("pod", "refused").inc()
+            raise
+        patch.fns.append(admission.apply_pod(plan))
+        runtime.metrics.webhook_mutations.labels("pod", "ok").inc()
+
+
+# ------------------------------------------------------------------------------------ JobSets
+
+
+def _jobsets(registry: kopf.OperatorRegistry, settings: Settings, runtime: Runtime) -> None:
+    @kopf.on.resume(*JOBSET, id="opt-in", annotations=OPTED, registry=registry)
+    @kopf.on.create(*JOBSET, id="opt-in", annotations=OPTED, registry=registry)
+    async def opt_in(body: kopf.Body, meta: kopf.Meta, namespace: str, name: str, uid: str, **_: Any) -> None:
+        try:
+            if not opt_in_value(meta.annotations):
+                return
+        except ContractError as exc:
+            post_event(body, "Warning", "InvalidAnnotation", str(exc))
+            raise kopf.PermanentError(str(exc)) from exc
+        try:
+            info, error = parse_jobset(body, settings.default_config), None
+        except ContractError as exc:
+            info, error = None, exc
+        assert runtime.kube is not None
+        created = await runtime.kube.create_checkpoint_job(checkpoint_job_body(info, namespace, name, uid))
+        runtime.poke((namespace, name))
+        if error is not None:
+            post_event(body, "Warning", "InvalidJobSet", f"not checkpointed: {error}")
+            raise kopf.PermanentError(str(error))
+        if created is not None:
+            post_event(
+                body,
+                "Normal",
+                "CheckpointingEnabled",
+                f"job {info.job_id}: {info.world_size} node ranks, configuration {info.config_name}",
+            )
+
+    @kopf.daemon(*JOBSET, id="control-loop", annotations=ENABLED, cancellation_timeout=10, registry=registry)
+    async def control_loop(namespace: str, name: str, stopped: kopf.DaemonStopped, **kwargs: Any) -> None:
+        indices = {k: kwargs[k] for k in INDEX_IDS}
+        await runtime.controller((namespace, name)).run(lambda: Cluster(indices), stopped)
+
+    @kopf.timer(
+        *JOBSET,
+        id="refresh",
+        annotations=ENABLED,
+        interval=settings.refresh_interval,
+        initial_delay=min(5.0, settings.refresh_interval),
+        registry=registry,
+    )
+    async def refresh(namespace: str, name: str, **kwargs: Any) -> None:
+        ctl = runtime.controllers.get((namespace, name))
+        if ctl is not None and runtime.leading:
+            await ctl.refresh(_cluster(kwargs))
+
+    @kopf.on.delete(*JOBSET, id="cleanup", annotations=ENABLED, retries=5, backoff=5, registry=registry)
+    async def cleanup(
+        body: kopf.Body, namespace: str, name: str, uid: str, retry: int, **kwargs: Any
+    ) -> None:
+        cluster = _cluster(kwargs)
+        rec = cluster.jobset(namespace, name)
+        info = rec.info if rec is not None else None
+        try:
+            job_id = info.job_id if info else job_id_for(namespace, name, uid)
+        except ContractError:
+            return
+        cfg = cluster.config(info.config_name) if info else None
+        assert runtime.replicators is not None and runtime.kube is not None
+        result = await purge_job(runtime.replicators, cluster, job_id, cfg.spec if cfg else None)
+        if (result.failed or result.backups_deleted is False) and retry < 4:
+            raise kopf.TemporaryError(f"{result.summary()}; retrying", delay=5 * (retry + 1))
+        kind = "Warning" if result.failed or result.backups_deleted is False else "Normal"
+        post_event(body, kind, "JobDataPurged", f"job {job_id}: {result.summary()}")
+        await runtime.kube.delete_checkpoint_job(namespace, name)
+        runtime.forget((namespace, name))
+
+
+# ------------------------------------------------------------------------------------ configurations
+
+
+def _configs(registry: kopf.OperatorRegistry, settings: Settings, runtime: Runtime) -> None:
+    @kopf.on.resume(*CONFIG, id="replan", registry=registry)
+    @kopf.on.update(*CONFIG, id="replan", registry=registry)
+    @kopf.on.create(*CONFIG, id="replan", registry=registry)
+    def replan(body: kopf.Body, name: str, reason: str, **kwargs: Any) -> None:
+        keys = [
+            (rec.namespace, rec.name)
+            for rec in _cluster(kwargs).jobsets()
+            if rec.info is not None and rec.info.config_name == name
+        ]
+        for key in keys:
+            runtime.poke(key)
+        if reason == "update":
+            post_event(body, "Normal", "Replanning", f"configuration changed: re-planning {len(keys)} job(s)")
+
+    @kopf.timer(
+        *CONFIG, id="status", interval=settings.config_status_interval, initial_delay=1.0, registry=registry
+    )
+    def config_status_timer(
+        name: str, status: kopf.Status, meta: kopf.Meta, patch: kopf.Patch, **kwargs: Any
+    ) -> None:
+        cluster = _cluster(kwargs)
+        rec = cluster.config(name)
+        spec = rec.spec if rec else None
+        nodes = cluster.nodes()
+        selected = {n for n, labels in nodes.items() if spec is None or spec.selects(labels)}
+        ready = {r.node for r in cluster.replicators() if r.ready and r.node in selected}
+        jobs = sum(1 for j in cluster.jobsets() if j.info is not None and j.info.config_name == name)
+        fields, conds = config_status(
+            spec is not None,
+            rec.error if rec else "",
+            len(selected),
+            len(ready),
+            jobs,
+            int(meta.get("generation") or 0),
+        )
+        fields["conditions"] = merge_conditions(status.get("conditions"), conds, time.time())
+        for key, value in fields.items():
+            if status.get(key) != value:
+                patch.status[key] = value
+
+
+# ------------------------------------------------------------------------------------ wake-ups
+
+
+def _wakeups(registry: kopf.OperatorRegistry, settings: Settings, runtime: Runtime) -> None:
+    @kopf.on.event("v1", "pods", id="worker-changed", labels=MANAGED, registry=registry)
+    def worker_changed(labels: kopf.Labels, namespace: str, **_: Any) -> None:
+        jobset = labels.get(Labels.JOBSET_NAME)
+        if jobset:
+            runtime.poke((namespace, jobset))
+
+    @kopf.on.event(
+        "v1", "pods", id="replicator-changed", labels=settings.replicator_labels, registry=registry
+    )
+    def replicator_changed(spec: kopf.Spec, **_: Any) -> None:
+        node = spec.get("nodeName")
+        if node:
+            runtime.poke_node(node)
+
+    @kopf.on.event("v1", "nodes", id="node-changed", registry=registry)
+    def node_changed(name: str, **_: Any) -> None:
+        runtime.poke_node(name)
+
+    @kopf.on.event(*JOBSET, id="jobset-changed", annotations=OPTED, registry=registry)
+    def jobset_changed(namespace: str, name: str, **_: Any) -> None:
+        runtime.poke((namespace, name))
+
+    @kopf.on.event(*CKJOB, id="checkpointjob-changed", registry=registry)
+    def checkpoint_job_changed(namespace: str, name: str, type: str | None, **_: Any) -> None:
+        if type in (None, "ADDED", "DELETED"):  # not our own status writes
+            runtime.poke((namespace, name))

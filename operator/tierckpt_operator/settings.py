@@ -1,0 +1,239 @@
+"""Every operator option, in one place: flag, environment fallback, unit and default.
+
+``parse_settings(argv, environ)``: a flag wins, then ``TIERCKPT_OPERATOR_<NAME>``, then the default.
+``tierckpt-operator --help`` lists them all. (Named apart from ``kopf.OperatorSettings``, which the
+composition root fills from these.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from tierckpt.contract import Csi
+
+__all__ = ["ENV_PREFIX", "Settings", "build_parser", "parse_settings"]
+
+ENV_PREFIX = "TIERCKPT_OPERATOR_"
+
+
+def _opt(help: str, unit: str = "") -> dict[str, Any]:
+    return {"help": help, "unit": unit}
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """The operator's configuration. Field docs are the ``--help`` texts."""
+
+    # --- cluster access and scope
+    server: str = dataclasses.field(
+        default="",
+        metadata=_opt(
+            "Kubernetes API URL (no auth, for emulators and tests). Default: in-cluster, else kubeconfig."
+        ),
+    )
+    kubeconfig: str = dataclasses.field(default="", metadata=_opt("Kubeconfig file (default: $KUBECONFIG)."))
+    watch_namespaces: str = dataclasses.field(
+        default="", metadata=_opt("Comma-separated namespaces to serve; empty = the whole cluster.")
+    )
+    namespace: str = dataclasses.field(
+        default="default", metadata=_opt("The operator's own namespace (holds the leader Lease).")
+    )
+    pod_name: str = dataclasses.field(
+        default="", metadata=_opt("This operator pod's name (the Lease identity).")
+    )
+    leader_election: bool = dataclasses.field(
+        default=False,
+        metadata=_opt("Elect one active replica through a Lease; the others only serve the webhook."),
+    )
+    lease_name: str = dataclasses.field(
+        default="tierckpt-operator", metadata=_opt("Name of the leader Lease.")
+    )
+    lease_duration: float = dataclasses.field(
+        default=15.0, metadata=_opt("A leader that stops renewing loses the Lease after this long.", "s")
+    )
+    default_config: str = dataclasses.field(
+        default="default",
+        metadata=_opt("CheckpointConfiguration used by JobSets that opt in without tierckpt.io/config."),
+    )
+    pod_selector: str = dataclasses.field(
+        default="",
+        metadata=_opt(
+            "Server-side label selector for the pod watch (must match training AND replicator pods); "
+            "empty = watch all pods and filter here."
+        ),
+    )
+    # --- replicators
+    replicator_selector: str = dataclasses.field(
+        default="app.kubernetes.io/name=tierckpt,app.kubernetes.io/component=replicator",
+        metadata=_opt("Label selector of the replicator pods (equality terms)."),
+    )
+    replicator_api_port: int = dataclasses.field(
+        default=8470,
+        metadata=_opt("Replicator control API port (pods may override with an annotation).", "port"),
+    )
+    replicator_data_port: int = dataclasses.field(
+        default=8471, metadata=_opt("Replicator data port.", "port")
+    )
+    token_file: str = dataclasses.field(
+        default="", metadata=_opt("File with the bearer token for the replicator API (a mounted Secret).")
+    )
+    http_timeout: float = dataclasses.field(
+        default=5.0, metadata=_opt("Timeout of one replicator call.", "s")
+    )
+    http_retries: int = dataclasses.field(default=3, metadata=_opt("Attempts per replicator call."))
+    http_concurrency: int = dataclasses.field(
+        default=64, metadata=_opt("Replicator calls in flight at once (all jobs together).")
+    )
+    peers_full_view_max: int = dataclasses.field(
+        default=1024,
+        metadata=_opt(
+            "Jobs up to this many nodes send every replicator the whole peer map; larger jobs "
+            "send each node only its neighbourhood."
+        ),
+    )
+    # --- pods
+    ramdisk_mode: str = dataclasses.field(
+        default="csi", metadata=_opt("How pods get the ramdisk: csi (inline CSI volume) or hostPath.")
+    )
+    ramdisk_host_path: str = dataclasses.field(
+        default=Csi.HOST_ROOT, metadata=_opt("hostPath mode: the node ramdisk holding <job id>/ directories.")
+    )
+    podinfo_dir: str = dataclasses.field(
+        default="/etc/tierckpt/podinfo", metadata=_opt("Where pods see their annotations (downward API).")
+    )
+    api_concurrency: int = dataclasses.field(
+        default=16, metadata=_opt("Kubernetes API writes in flight at once (pod annotations).")
+    )
+    # --- timing
+    debounce: float = dataclasses.field(
+        default=0.5, metadata=_opt("Events for one job within this window are handled together.", "s")
+    )
+    resync_interval: float = dataclasses.field(
+        default=60.0, metadata=_opt("Each job is reconciled at least this often.", "s")
+    )
+    refresh_interval: float = dataclasses.field(
+        default=30.0, metadata=_opt("How often tier progress is gathered from the replicators.", "s")
+    )
+    restore_grace: float = dataclasses.field(
+        default=30.0,
+        metadata=_opt(
+            "After ranks are assigned, wait at most this long for every node's replicator "
+            "before choosing the restore step without the missing ones.",
+            "s",
+        ),
+    )
+    config_status_interval: float = dataclasses.field(
+        default=30.0, metadata=_opt("How often CheckpointConfiguration status is refreshed.", "s")
+    )
+    # --- webhook and probes
+    webhook_port: int = dataclasses.field(
+        default=9443, metadata=_opt("Admission webhook HTTPS port.", "port")
+    )
+    webhook_addr: str = dataclasses.field(
+        default="0.0.0.0", metadata=_opt("Admission webhook listen address.")
+    )
+    webhook_cert_dir: str = dataclasses.field(
+        default="", metadata=_opt("Directory with tls.crt and tls.key for the webhook (a TLS Secret).")
+    )
+    webhook_insecure: bool = dataclasses.field(
+        default=False, metadata=_opt("Serve the webhook over plain HTTP (development only).")
+    )
+    webhook_enabled: bool = dataclasses.field(default=True, metadata=_opt("Serve the admission webhook."))
+    metrics_port: int = dataclasses.field(
+        default=8080, metadata=_opt("Port of /healthz, /readyz and /metrics (0 = off).", "port")
+    )
+    log_level: str = dataclasses.field(default="INFO", metadata=_opt("Logging level."))
+
+    def __post_init__(self) -> None:
+        if self.ramdisk_mode not in ("csi", "hostPath"):
+            raise ValueError(f"--ramdisk-mode must be csi or hostPath, not {self.ramdisk_mode!r}")
+        for name in ("http_retries", "http_concurrency", "api_concurrency"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+
+    @property
+    def namespaces(self) -> tuple[str, ...]:
+        return tuple(ns.strip() for ns in self.watch_namespaces.split(",") if ns.strip())
+
+    @property
+    def replicator_labels(self) -> dict[str, str]:
+        """The replicator selector as a kopf ``labels=`` filter (equality terms only)."""
+        out = {}
+        for term in self.replicator_selector.split(","):
+            if term.strip():
+                key, sep, value = term.partition("=")
+                if not sep or key.rstrip().endswith("!"):
+                    raise ValueError(f"--replicator-selector term {term!r} is not key=value")
+                out[key.strip()] = value.lstrip("=").strip()
+        return out
+
+    def read_token(self) -> str | None:
+        """The replicator bearer token, read fresh (the mounted Secret may rotate); None if not set."""
+        if not self.token_file:
+            return None
+        token = Path(self.token_file).read_text().strip()
+        if not token:
+            raise ValueError(f"token file {self.token_file} is empty")
+        return token
+
+
+def _field_type(f: dataclasses.Field[Any]) -> type:
+    if isinstance(f.default, bool):
+        return bool
+    if isinstance(f.default, (int, float)):
+        return type(f.default)
+    return str
+
+
+def _env(name: str) -> str:
+    return ENV_PREFIX + name.upper()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="tierckpt-operator",
+        description="tierckpt Kubernetes operator: turns annotated JobSets into checkpoint-aware jobs. "
+        f"Every option may also be set as {ENV_PREFIX}<OPTION> (upper case, underscores); a flag wins.",
+    )
+    for f in dataclasses.fields(Settings):
+        kind, meta = _field_type(f), f.metadata
+        unit = f" [{meta['unit']}]" if meta["unit"] else ""
+        text = f"{meta['help']}{unit} (env {_env(f.name)}; default: {f.default!r})"
+        flag = "--" + f.name.replace("_", "-")
+        if kind is bool:
+            p.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=text)
+        else:
+            p.add_argument(flag, dest=f.name, type=kind, default=None, metavar=f.name.upper(), help=text)
+    return p
+
+
+def _from_env(f: dataclasses.Field[Any], raw: str) -> Any:
+    kind = _field_type(f)
+    if kind is bool:
+        if raw.strip().lower() in ("1", "true", "yes", "on"):
+            return True
+        if raw.strip().lower() in ("0", "false", "no", "off", ""):
+            return False
+        raise ValueError(f"{_env(f.name)}={raw!r} is not a boolean")
+    try:
+        return kind(raw)
+    except ValueError as exc:
+        raise ValueError(f"{_env(f.name)}={raw!r}: {exc}") from exc
+
+
+def parse_settings(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> Settings:
+    """Flags, then ``TIERCKPT_OPERATOR_*`` environment variables, then defaults."""
+    environ = os.environ if environ is None else environ
+    args = vars(build_parser().parse_args(argv))
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(Settings):
+        if args.get(f.name) is not None:
+            values[f.name] = args[f.name]
+        elif _env(f.name) in environ:
+            values[f.name] = _from_env(f, environ[_env(f.name)])
+    return Settings(**values)
