@@ -1,0 +1,230 @@
+"""The webhook reaches only opted-in objects over verified TLS; the token and certificates are generated
+once and kept across upgrades (helm lookup, against the Kubernetes API emulator)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import datetime
+import sys
+import threading
+from collections.abc import Iterator
+
+import helm_python as helm
+import pytest
+from chart_render import NAMESPACE, REPO, Rendered, render
+from cryptography import x509
+from cryptography.hazmat.primitives.asymmetric import padding
+from tierckpt.contract import Annotations, Labels
+
+sys.path.insert(0, str(REPO / "tests"))  # the shared API emulator (tests/k8s_emulator.py)
+
+
+def _b64(text: str) -> bytes:
+    return base64.b64decode(text)
+
+
+def test_webhooks_see_only_opted_in_objects() -> None:
+    mwc = render().get("MutatingWebhookConfiguration")
+    hooks = {w["name"]: w for w in mwc["webhooks"]}
+    assert set(hooks) == {"jobsets.tierckpt.io", "pods.tierckpt.io"}
+    jobsets, pods = hooks["jobsets.tierckpt.io"], hooks["pods.tierckpt.io"]
+    assert jobsets["rules"] == [
+        {
+            "apiGroups": ["jobset.x-k8s.io"],
+            "apiVersions": ["*"],
+            "operations": ["CREATE"],
+            "resources": ["jobsets"],
+            "scope": "Namespaced",
+        }
+    ]
+    expression = jobsets["matchConditions"][0]["expression"]
+    assert f"'{Annotations.ENABLED}'" in expression and "== 'true'" in expression
+    assert pods["rules"][0]["resources"] == ["pods"] and pods["rules"][0]["operations"] == ["CREATE"]
+    assert pods["objectSelector"] == {"matchLabels": {Labels.MANAGED: "true"}}
+    for hook in hooks.values():
+        assert hook["failurePolicy"] == "Fail" and hook["sideEffects"] == "None"
+        assert hook["namespaceSelector"]["matchExpressions"] == [
+            {"key": "kubernetes.io/metadata.name", "operator": "NotIn", "values": ["kube-system", NAMESPACE]}
+        ]
+        assert hook["clientConfig"]["service"]["name"] == "tierckpt-webhook"
+    custom = render({"webhook": {"namespaceSelector": {"matchLabels": {"team": "ml"}}}})
+    selector = custom.get("MutatingWebhookConfiguration")["webhooks"][1]["namespaceSelector"]
+    assert selector["matchLabels"] == {"team": "ml"} and len(selector["matchExpressions"]) == 1
+
+
+def _tls(r: Rendered) -> tuple[x509.Certificate, x509.Certificate, bytes]:
+    secret = r.get("Secret", "tierckpt-webhook-tls")
+    ca_bundle = r.get("MutatingWebhookConfiguration")["webhooks"][0]["clientConfig"]["caBundle"]
+    assert secret["type"] == "kubernetes.io/tls"
+    assert _b64(secret["data"]["ca.crt"]) == _b64(ca_bundle)
+    ca = x509.load_pem_x509_certificate(_b64(ca_bundle))
+    leaf = x509.load_pem_x509_certificate(_b64(secret["data"]["tls.crt"]))
+    return ca, leaf, _b64(secret["data"]["tls.key"])
+
+
+def test_generated_serving_certificate_is_signed_by_the_ca_bundle_for_the_service() -> None:
+    r = render()
+    ca, leaf, key = _tls(r)
+    ca.public_key().verify(
+        leaf.signature, leaf.tbs_certificate_bytes, padding.PKCS1v15(), leaf.signature_hash_algorithm
+    )
+    names = leaf.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(
+        x509.DNSName
+    )
+    assert f"tierckpt-webhook.{NAMESPACE}.svc" in names
+    assert leaf.not_valid_after_utc > datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(
+        days=365
+    )
+    assert b"PRIVATE KEY" in key
+    volumes = {v["name"]: v for v in r.get("Deployment")["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["webhook-tls"]["secret"]["secretName"] == "tierckpt-webhook-tls"
+
+
+def test_cert_manager_mode_issues_and_injects() -> None:
+    r = render({"webhook": {"tls": {"mode": "certManager"}}})
+    assert [s["metadata"]["name"] for s in r.all("Secret")] == ["tierckpt-token"]  # no generated TLS secret
+    cert = r.get("Certificate")
+    assert cert["spec"]["secretName"] == "tierckpt-webhook-tls"
+    assert f"tierckpt-webhook.{NAMESPACE}.svc" in cert["spec"]["dnsNames"]
+    assert cert["spec"]["issuerRef"] == {"kind": "Issuer", "name": r.get("Issuer")["metadata"]["name"]}
+    mwc = r.get("MutatingWebhookConfiguration")
+    assert mwc["metadata"]["annotations"] == {
+        "cert-manager.io/inject-ca-from": f"{NAMESPACE}/tierckpt-webhook"
+    }
+    assert all("caBundle" not in w["clientConfig"] for w in mwc["webhooks"])
+    corp = render(
+        {
+            "webhook": {
+                "tls": {
+                    "mode": "certManager",
+                    "certManager": {"issuerRef": {"kind": "ClusterIssuer", "name": "corp-ca"}},
+                }
+            }
+        }
+    )
+    assert corp.all("Issuer") == [] and corp.get("Certificate")["spec"]["issuerRef"]["name"] == "corp-ca"
+
+
+def test_token_is_generated_given_or_external() -> None:
+    generated = _b64(render().get("Secret", "tierckpt-token")["data"]["token"])
+    assert len(generated) == 48 and generated.isalnum()
+    assert generated != _b64(render().get("Secret", "tierckpt-token")["data"]["token"])  # random per install
+    given = "g" * 40
+    assert (
+        _b64(render({"auth": {"token": given}}).get("Secret", "tierckpt-token")["data"]["token"])
+        == given.encode()
+    )
+    external = render({"auth": {"existingSecret": "corp-token"}})
+    assert [s["metadata"]["name"] for s in external.all("Secret")] == ["tierckpt-webhook-tls"]
+    for kind in ("DaemonSet", "Deployment"):
+        volumes = {v["name"]: v for v in external.get(kind)["spec"]["template"]["spec"]["volumes"]}
+        assert volumes["token"]["secret"]["secretName"] == "corp-token"
+
+
+@pytest.fixture
+def api_server() -> Iterator[str]:
+    """The Kubernetes API emulator (tests/k8s_emulator.py) on loopback, in a thread of its own."""
+    import kmock
+    from k8s_emulator import KubeEmulator
+
+    ready, box = threading.Event(), {}
+
+    async def serve() -> None:
+        async with KubeEmulator() as emulator, kmock.Server(emulator) as server:
+            box.update(url=str(server.url).rstrip("/"), loop=asyncio.get_running_loop(), stop=asyncio.Event())
+            ready.set()
+            await box["stop"].wait()
+
+    thread = threading.Thread(target=asyncio.run, args=(serve(),), daemon=True)
+    thread.start()
+    assert ready.wait(30), "emulator did not start"
+    yield box["url"]
+    box["loop"].call_soon_threadsafe(box["stop"].set)
+    thread.join(10)
+
+
+def _apply_secrets(url: str, r: Rendered) -> None:
+    import json
+    import urllib.request
+
+    for secret in r.all("Secret"):
+        req = urllib.request.Request(
+            f"{url}/api/v1/namespaces/{NAMESPACE}/secrets",
+            method="POST",
+            data=json.dumps(secret).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            assert resp.status == 201
+
+
+def test_upgrade_keeps_the_token_and_certificates(api_server: str) -> None:
+    config = helm.Config(kube_apiserver=api_server, storage_driver="memory", namespace=NAMESPACE)
+    first = render(config=config)  # nothing in the cluster yet: generated
+    _apply_secrets(api_server, first)
+    second = render(config=config)  # an upgrade: lookup finds them
+    for name in ("tierckpt-token", "tierckpt-webhook-tls"):
+        assert second.get("Secret", name)["data"] == first.get("Secret", name)["data"]
+    bundle = [
+        r.get("MutatingWebhookConfiguration")["webhooks"][0]["clientConfig"]["caBundle"]
+        for r in (first, second)
+    ]
+    assert bundle[0] == bundle[1]
+    rotated = render({"auth": {"token": "r" * 40}}, config=config)  # an explicit token still wins
+    assert _b64(rotated.get("Secret", "tierckpt-token")["data"]["token"]) == b"r" * 40
+
+
+def test_network_policy_admits_only_replicators_operator_and_opted_in_pods() -> None:
+    metrics_peer = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+    policy = render({"networkPolicy": {"enabled": True, "metricsFrom": [metrics_peer]}}).get("NetworkPolicy")
+    spec = policy["spec"]
+    assert spec["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "replicator"
+    assert spec["policyTypes"] == ["Ingress"]
+    peers, training, metrics = spec["ingress"]
+    assert [p["podSelector"]["matchLabels"]["app.kubernetes.io/component"] for p in peers["from"]] == [
+        "replicator",
+        "operator",
+    ]
+    assert {p["port"] for p in peers["ports"]} == {"api", "data"}
+    assert training["from"] == [
+        {"namespaceSelector": {}, "podSelector": {"matchLabels": {Labels.MANAGED: "true"}}}
+    ]
+    assert [p["port"] for p in training["ports"]] == ["api"]
+    assert metrics["from"] == [metrics_peer] and {p["port"] for p in metrics["ports"]} == {
+        "api",
+        "csi-health",
+    }
+    closed = render({"networkPolicy": {"enabled": True, "allowTrainingPods": False}}).get("NetworkPolicy")
+    assert len(closed["spec"]["ingress"]) == 1
+    assert render().all("NetworkPolicy") == []
+
+
+def test_monitors_select_services_by_labels_and_existing_ports() -> None:
+    r = render(
+        {
+            "metrics": {
+                "serviceMonitor": {"enabled": True, "labels": {"release": "prom"}},
+                "podMonitoring": {"enabled": True},
+            }
+        }
+    )
+    for monitor in r.all("ServiceMonitor"):
+        assert monitor["metadata"]["labels"]["release"] == "prom"
+        services = [
+            s
+            for s in r.all("Service")
+            if monitor["spec"]["selector"]["matchLabels"].items() <= s["metadata"]["labels"].items()
+        ]
+        assert len(services) == 1
+        ports = {p["name"] for p in services[0]["spec"]["ports"]}
+        assert {e["port"] for e in monitor["spec"]["endpoints"]} <= ports
+        assert all(e["path"] == "/metrics" for e in monitor["spec"]["endpoints"])
+    for monitor in r.all("PodMonitoring"):
+        component = monitor["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"]
+        workload = r.get("DaemonSet" if component == "replicator" else "Deployment")
+        declared = {
+            p["name"] for c in workload["spec"]["template"]["spec"]["containers"] for p in c.get("ports", [])
+        }
+        assert {e["port"] for e in monitor["spec"]["endpoints"]} <= declared
+    assert len(r.all("ServiceMonitor")) == len(r.all("PodMonitoring")) == 2

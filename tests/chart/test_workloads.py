@@ -1,0 +1,151 @@
+"""The DaemonSet and the operator Deployment: privileges, mounts, probes, selectors, contract values."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from chart_render import render
+from tierckpt.contract import Csi
+
+
+def _containers(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {c["name"]: c for c in doc["spec"]["template"]["spec"]["containers"]}
+
+
+def _mounts(container: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {m["name"]: m for m in container.get("volumeMounts", [])}
+
+
+def _env(container: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container.get("env", [])}
+
+
+def _assert_probes_name_declared_ports(container: dict[str, Any]) -> None:
+    ports = {p["name"] for p in container.get("ports", [])}
+    probes = [container[k] for k in ("livenessProbe", "readinessProbe") if k in container]
+    assert probes, f"{container['name']} has no probe"
+    for probe in probes:
+        assert probe["httpGet"]["port"] in ports, (container["name"], probe)
+
+
+def _assert_selector_matches(doc: dict[str, Any]) -> None:
+    labels = doc["spec"]["template"]["metadata"]["labels"]
+    selector = doc["spec"]["selector"]["matchLabels"]
+    assert selector and selector.items() <= labels.items()
+
+
+def test_csi_mode_daemonset_privileges_are_confined_to_the_csi_container() -> None:
+    ds = render().get("DaemonSet")
+    _assert_selector_matches(ds)
+    c = _containers(ds)
+    assert set(c) == {"csi", "registrar", "replicator"}
+    assert [n for n, x in c.items() if x["securityContext"].get("privileged")] == ["csi"]
+    for name in ("registrar", "replicator"):
+        sc = c[name]["securityContext"]
+        assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"] is True
+        assert sc["capabilities"]["drop"] == ["ALL"]
+    added = sorted(c["replicator"]["securityContext"]["capabilities"]["add"])
+    assert added == ["CHOWN", "DAC_OVERRIDE", "FOWNER"]
+    assert "add" not in c["registrar"]["securityContext"]["capabilities"]
+    assert c["csi"]["securityContext"]["readOnlyRootFilesystem"] is True
+    # Bidirectional propagation only where mounts are made; the replicator only receives them.
+    propagation = {(n, m["name"]): m.get("mountPropagation") for n, x in c.items() for m in x["volumeMounts"]}
+    assert {k for k, v in propagation.items() if v == "Bidirectional"} == {("csi", "pods-dir"),
+                                                                           ("csi", "ramdisk-parent")}
+    assert propagation[("replicator", "ramdisk-parent")] == "HostToContainer"
+    for container in c.values():
+        _assert_probes_name_declared_ports(container)
+
+
+def test_csi_mode_paths_agree_with_each_other_and_the_contract() -> None:
+    r = render()
+    ds = r.get("DaemonSet")
+    c = _containers(ds)
+    volumes = {v["name"]: v for v in ds["spec"]["template"]["spec"]["volumes"]}
+    csi_env, rep_env = _env(c["csi"]), _env(c["replicator"])
+    assert csi_env["TIERCKPT_RAMDISK_PATH"] == rep_env["TIERCKPT_REPLICATOR_ROOT"] == Csi.HOST_ROOT
+    assert volumes["ramdisk-parent"]["hostPath"]["path"] == "/var/lib/tierckpt"
+    assert _mounts(c["csi"])["ramdisk-parent"]["mountPath"] == "/var/lib/tierckpt"
+    registration = next(a for a in c["registrar"]["args"] if a.startswith("--kubelet-registration-path="))
+    plugin_dir = volumes["plugin-dir"]["hostPath"]["path"]
+    assert registration.split("=", 1)[1] == f"{plugin_dir}/csi.sock"
+    assert plugin_dir == f"/var/lib/kubelet/plugins/{Csi.DRIVER}"
+    assert csi_env["TIERCKPT_CSI_ENDPOINT"] == "unix:///csi/csi.sock"
+    assert _mounts(c["csi"])["plugin-dir"]["mountPath"] == "/csi"
+    pods_dir = volumes["pods-dir"]["hostPath"]["path"]
+    assert csi_env["TIERCKPT_KUBELET_PODS_DIR"] == pods_dir == "/var/lib/kubelet/pods"
+    assert c["csi"]["command"] == ["tierckpt-csi", "serve"]
+    driver = r.get("CSIDriver")
+    assert driver["metadata"]["name"] == Csi.DRIVER
+    assert driver["spec"] | {} == {**driver["spec"], "attachRequired": False, "podInfoOnMount": True,
+                                   "volumeLifecycleModes": ["Ephemeral"], "fsGroupPolicy": "File"}
+    assert ds["spec"]["template"]["spec"]["priorityClassName"] == "system-node-critical"
+    quota = r.get("ResourceQuota")
+    assert quota["spec"]["scopeSelector"]["matchExpressions"][0]["values"] == ["system-node-critical"]
+
+
+def test_replicator_ports_probes_and_token() -> None:
+    ds = render({"gcs": {"bucket": "b-1"}}).get("DaemonSet")
+    rep = _containers(ds)["replicator"]
+    ports = {p["name"]: p for p in rep["ports"]}
+    assert ports["api"]["containerPort"] == ports["api"]["hostPort"] == 8470
+    assert ports["data"]["containerPort"] == 8471 and "hostPort" not in ports["data"]
+    env = _env(rep)
+    assert env["TIERCKPT_REPLICATOR_TOKEN_FILE"] == "/var/run/tierckpt/token/token"
+    assert _mounts(rep)["token"]["mountPath"] == "/var/run/tierckpt/token"
+    token_volume = next(v for v in ds["spec"]["template"]["spec"]["volumes"] if v["name"] == "token")
+    assert token_volume["secret"] == {"secretName": "tierckpt-token", "defaultMode": 0o400}
+    assert env["TIERCKPT_REPLICATOR_GCS_BUCKET"] == "b-1"
+    assert "limits" not in rep["resources"], "a memory limit OOM-kills the replicator as replicas fill tmpfs"
+    assert ds["spec"]["template"]["spec"].get("hostNetwork") is None
+    host_net = render({"replicator": {"hostNetwork": True}}).get("DaemonSet")
+    assert host_net["spec"]["template"]["spec"]["hostNetwork"] is True
+    assert all("hostPort" not in p for p in _containers(host_net)["replicator"]["ports"])
+
+
+@pytest.mark.parametrize("manage", [True, False])
+def test_hostpath_mode_has_no_csi_driver(manage: bool) -> None:
+    r = render({"ramdisk": {"mode": "hostPath", "manageTmpfs": manage, "hostPath": "/mnt/ckpt/ram"}})
+    assert r.all("CSIDriver") == []
+    c = _containers(r.get("DaemonSet"))
+    assert set(c) == ({"ramdisk", "replicator"} if manage else {"replicator"})
+    privileged = [n for n, x in c.items() if x["securityContext"].get("privileged")]
+    assert privileged == (["ramdisk"] if manage else [])
+    if manage:
+        assert c["ramdisk"]["command"] == ["tierckpt-csi", "ramdisk"]
+        assert _env(c["ramdisk"])["TIERCKPT_RAMDISK_PATH"] == "/mnt/ckpt/ram"
+    assert _env(c["replicator"])["TIERCKPT_REPLICATOR_ROOT"] == "/mnt/ckpt/ram"
+    operator_env = _env(_containers(r.get("Deployment"))["operator"])
+    assert operator_env["TIERCKPT_OPERATOR_RAMDISK_MODE"] == "hostPath"
+    assert operator_env["TIERCKPT_OPERATOR_RAMDISK_HOST_PATH"] == "/mnt/ckpt/ram"
+
+
+def test_operator_runs_restricted_with_probes_and_spread() -> None:
+    r = render()
+    dep = r.get("Deployment")
+    _assert_selector_matches(dep)
+    pod = dep["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] != 0
+    op = _containers(dep)["operator"]
+    sc = op["securityContext"]
+    assert sc["readOnlyRootFilesystem"] and sc["runAsNonRoot"] and not sc["allowPrivilegeEscalation"]
+    assert sc["capabilities"] == {"drop": ["ALL"]} and sc["seccompProfile"] == {"type": "RuntimeDefault"}
+    _assert_probes_name_declared_ports(op)
+    assert dep["spec"]["replicas"] == 2 and _env(op)["TIERCKPT_OPERATOR_LEADER_ELECTION"] == "true"
+    assert pod["affinity"]["podAntiAffinity"]
+    assert r.get("PodDisruptionBudget")["spec"] == {"minAvailable": 1, "selector": dep["spec"]["selector"]}
+    single = render({"operator": {"replicas": 1}})
+    single_env = _env(_containers(single.get("Deployment"))["operator"])
+    assert single_env["TIERCKPT_OPERATOR_LEADER_ELECTION"] == "false"
+    assert "minAvailable" not in single.get("PodDisruptionBudget")["spec"]
+
+
+def test_services_select_the_pods_and_name_their_ports() -> None:
+    r = render()
+    for svc in r.all("Service"):
+        component = svc["spec"]["selector"]["app.kubernetes.io/component"]
+        workload = r.get("DaemonSet" if component == "replicator" else "Deployment")
+        assert svc["spec"]["selector"].items() <= workload["spec"]["template"]["metadata"]["labels"].items()
+        declared = {p["name"] for c in _containers(workload).values() for p in c.get("ports", [])}
+        assert {p["targetPort"] for p in svc["spec"]["ports"]} <= declared
