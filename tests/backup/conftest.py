@@ -22,6 +22,7 @@ from tierckpt_replicator.backup.policy import BackupPolicy
 from tierckpt_replicator.backup.service import BackupService
 
 KiB = 1 << 10
+MiB = 1 << 20
 FAST_RETRY = RetryPolicy(initial=0.01, maximum=0.05, multiplier=2.0, deadline=3.0)
 _counter = itertools.count()
 

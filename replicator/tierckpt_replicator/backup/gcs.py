@@ -328,12 +328,13 @@ class _Region(io.RawIOBase):
 
 
 class _Sink(io.RawIOBase):
-    """A write-only stream into ``fd`` at ``offset``: buffers small chunks, crc32c over what it writes."""
+    """A write-only stream into ``fd`` at ``offset``: batches small chunks, crc32c over what it writes."""
 
     def __init__(self, fd: int, offset: int, limit: int, on_bytes: Callable[[int], None] | None) -> None:
         super().__init__()
         self._fd, self._pos, self._limit, self._on_bytes = fd, offset, limit, on_bytes
-        self._buf = bytearray()
+        self._parts: list[bytes] = []
+        self._pending = 0
         self.written = 0
         self.crc = 0
 
@@ -342,24 +343,25 @@ class _Sink(io.RawIOBase):
 
     def write(self, chunk: Any) -> int:
         n = len(chunk)
-        if self.written + len(self._buf) + n > self._limit:
+        if self.written + self._pending + n > self._limit:
             raise StoreError(f"server sent more than the {self._limit} bytes requested")
-        self._buf += chunk
-        if len(self._buf) >= _WRITE_BUFFER:
+        self._parts.append(bytes(chunk))
+        self._pending += n
+        if self._pending >= _WRITE_BUFFER:
             self.flush()
         return n
 
     def flush(self) -> None:
-        if not self._buf:
+        if not self._pending:
             return
-        view = memoryview(self._buf)
-        self.crc = google_crc32c.extend(self.crc, view)
+        data = b"".join(self._parts)
+        self._parts, self._pending = [], 0
+        self.crc = google_crc32c.extend(self.crc, data)
+        view = memoryview(data)
         done = 0
         while done < len(view):
             done += os.pwrite(self._fd, view[done:], self._pos + done)
-        view.release()
         self._pos += done
         self.written += done
-        self._buf = bytearray()
         if self._on_bytes is not None:
             self._on_bytes(done)
