@@ -1,0 +1,128 @@
+"""Bad input gets a clear error and loses nothing: corrupt bytes, truncated files, a rank killed mid-save,
+an existing step, a full ramdisk."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import uuid
+from pathlib import Path
+
+import dcp_scenarios as sc
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from dcp_dist import run_ranks
+from tierckpt.dcp import RamdiskReader, RamdiskWriter
+from tierckpt.errors import MissingCheckpointError, RamdiskFullError
+from tierckpt.format import DCP_METADATA_NAME, committed_steps, rank_dir, read_manifest, step_dir
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.multiprocessing import ProcessExitedException
+
+
+def _find_entry(root: Path, job: str, step: int, key: str) -> tuple[Path, int]:
+    """(data file, offset) of the item ``key``, whichever rank wrote it."""
+    for rank in range(8):
+        path = step_dir(rank_dir(root, job, rank), step)
+        if not path.exists():
+            continue
+        for t in read_manifest(path).tensors:
+            if t.key == key:
+                return path / t.file, t.offset
+    raise AssertionError(f"no item {key!r} in step {step}")
+
+
+def _flip_byte(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x40]))
+
+
+def _failures(out: Path, world_size: int) -> list[dict[str, str]]:
+    """Every failure reported to every rank (DCP gathers each rank's exception to all ranks)."""
+    records = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(world_size)]
+    assert all(rec == records[0] for rec in records), records
+    return list(records[0].values())
+
+
+def test_a_corrupt_byte_is_reported_with_its_item_and_file(ramdisk: Path, job: str, tmp_path: Path) -> None:
+    run_ranks(2, sc.save_plain, str(ramdisk), job, 5, 1)
+    data_file, offset = _find_entry(ramdisk, job, 5, "w@0,0")
+    _flip_byte(data_file, offset + 100)
+    run_ranks(2, sc.load_expecting_failure, str(ramdisk), job, 5, 1, str(tmp_path))
+    failures = _failures(tmp_path, 2)  # both ranks read the replicated tensor "w": both detect it
+    assert failures and all(f["type"] == "CorruptShardError" for f in failures), failures
+    for failure in failures:
+        assert failure["key"] == "w@0,0" and failure["path"] == str(data_file)
+        assert "'w@0,0'" in failure["message"] and str(data_file) in failure["message"]
+        assert "corrupt" in failure["message"]
+
+
+def test_a_truncated_data_file_is_corrupt(ramdisk: Path, job: str, tmp_path: Path) -> None:
+    run_ranks(2, sc.save_plain, str(ramdisk), job, 5, 1)
+    data_file, _ = _find_entry(ramdisk, job, 5, "w@0,0")
+    os.truncate(data_file, 300)
+    run_ranks(2, sc.load_expecting_failure, str(ramdisk), job, 5, 1, str(tmp_path))
+    failures = _failures(tmp_path, 2)
+    assert any(f["type"] == "CorruptShardError" and f["path"] == str(data_file) for f in failures), failures
+
+
+def test_corrupt_metadata_fails_the_load_clearly(ramdisk: Path, job: str, tmp_path: Path) -> None:
+    run_ranks(2, sc.save_plain, str(ramdisk), job, 5, 1)
+    metadata = step_dir(rank_dir(ramdisk, job, 0), 5) / DCP_METADATA_NAME
+    _flip_byte(metadata, 40)
+    run_ranks(2, sc.load_expecting_failure, str(ramdisk), job, 5, 1, str(tmp_path))
+    failures = _failures(tmp_path, 2)
+    assert all(str(metadata) in f["message"] and "corrupt" in f["message"] for f in failures), failures
+
+
+def test_a_rank_killed_mid_save_leaves_no_visible_step(ramdisk: Path, job: str) -> None:
+    run_ranks(3, sc.save_plain, str(ramdisk), job, 10, 1)
+    with pytest.raises(ProcessExitedException):
+        run_ranks(3, sc.save_and_die, str(ramdisk), job, 20, 2)
+    victim = rank_dir(ramdisk, job, 1)
+    assert step_dir(victim, 20).exists(), "the victim had started writing step 20"
+    assert committed_steps(victim) == [10]
+    assert 20 not in committed_steps(rank_dir(ramdisk, job, 0)), "the coordinator never committed step 20"
+    run_ranks(3, sc.load_plain, str(ramdisk), job, None, 1)  # newest complete checkpoint: step 10
+    with pytest.raises(MissingCheckpointError, match=r"step 20 under \S+ has no committed DCP metadata"):
+        RamdiskReader(ramdisk, job, step=20).read_metadata()
+
+
+def test_an_existing_step_is_kept_unless_overwrite(ramdisk: Path, job: str) -> None:
+    first, second = {"x": torch.ones(4)}, {"x": torch.full((4,), 2.0)}
+    dcp.save(first, checkpoint_id=3, storage_writer=RamdiskWriter(ramdisk, job), no_dist=True)
+    with pytest.raises(CheckpointException, match="already has a committed step 3"):
+        dcp.save(second, checkpoint_id=3, storage_writer=RamdiskWriter(ramdisk, job), no_dist=True)
+    got = {"x": torch.zeros(4)}
+    dcp.load(got, checkpoint_id=3, storage_reader=RamdiskReader(ramdisk, job), no_dist=True)
+    assert torch.equal(got["x"], first["x"])
+    dcp.save(
+        second, checkpoint_id=3, storage_writer=RamdiskWriter(ramdisk, job, overwrite=True), no_dist=True
+    )
+    dcp.load(got, checkpoint_id=3, storage_reader=RamdiskReader(ramdisk, job), no_dist=True)
+    assert torch.equal(got["x"], second["x"])
+
+
+@pytest.mark.root
+def test_a_full_ramdisk_raises_ramdisk_full_and_keeps_older_steps(tmp_path: Path, job: str) -> None:
+    mount = tmp_path / f"tmpfs-{uuid.uuid4().hex[:8]}"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tierckpt-dcp-test", str(mount)], check=True)
+    try:
+        small = {"x": torch.arange(1000, dtype=torch.float32)}
+        dcp.save(small, checkpoint_id=1, storage_writer=RamdiskWriter(mount, job), no_dist=True)
+        with pytest.raises(CheckpointException) as info:
+            big = {"x": torch.randn(1 << 20)}  # 4 MiB into a 1 MiB ramdisk
+            dcp.save(big, checkpoint_id=2, storage_writer=RamdiskWriter(mount, job), no_dist=True)
+        ((error, _tb),) = info.value.failures.values()
+        assert isinstance(error, RamdiskFullError), error
+        assert not step_dir(rank_dir(mount, job, 0), 2).exists(), "the partial step was removed"
+        got = {"x": torch.zeros(1000)}
+        dcp.load(got, storage_reader=RamdiskReader(mount, job), no_dist=True)
+        assert torch.equal(got["x"], small["x"])
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
