@@ -18,6 +18,8 @@ OPERATOR_RULES = [
      "verbs": ["get", "list", "watch", "patch"]},
     {"apiGroups": ["tierckpt.io"], "resources": ["checkpointconfigurations/status"],
      "verbs": ["get", "update", "patch"]},
+    {"apiGroups": ["apiextensions.k8s.io"], "resources": ["customresourcedefinitions"],
+     "verbs": ["get", "list", "watch"]},
 ]  # fmt: skip
 
 OPERATOR_SA = {"kind": "ServiceAccount", "name": "tierckpt-operator", "namespace": NAMESPACE}

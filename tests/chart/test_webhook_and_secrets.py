@@ -48,6 +48,18 @@ def test_webhooks_see_only_opted_in_objects() -> None:
             {"key": "kubernetes.io/metadata.name", "operator": "NotIn", "values": ["kube-system", NAMESPACE]}
         ]
         assert hook["clientConfig"]["service"]["name"] == "tierckpt-webhook"
+    scoped = render({"operator": {"watchNamespaces": ["ml", "research"]}})
+    for hook in scoped.get("MutatingWebhookConfiguration")["webhooks"]:
+        assert hook["namespaceSelector"]["matchExpressions"][1] == {
+            "key": "kubernetes.io/metadata.name",
+            "operator": "In",
+            "values": ["ml", "research"],
+        }
+    env = {
+        e["name"]: e.get("value")
+        for e in scoped.get("Deployment")["spec"]["template"]["spec"]["containers"][0]["env"]
+    }
+    assert env["TIERCKPT_OPERATOR_WATCH_NAMESPACES"] == "ml,research"
     custom = render({"webhook": {"namespaceSelector": {"matchLabels": {"team": "ml"}}}})
     selector = custom.get("MutatingWebhookConfiguration")["webhooks"][1]["namespaceSelector"]
     assert selector["matchLabels"] == {"team": "ml"} and len(selector["matchExpressions"]) == 1
