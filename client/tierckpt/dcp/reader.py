@@ -46,9 +46,10 @@ from tierckpt.format import (
     replica_rank_dir,
 )
 from tierckpt.integrity import crc32c
+from tierckpt.settings import resolve
 
 from ._io import MappedFile
-from ._paths import default_job, default_root, find_rank_step, parse_step_id, require_step_id
+from ._paths import find_rank_step, parse_step_id, require_step_id
 from .metadata import DcpMetadata, ItemLocation, decode_metadata
 from .writer import item_key
 
@@ -108,8 +109,8 @@ class RamdiskReader(StorageReader):
         self, root: str | os.PathLike[str] | None = None, job: str | None = None, step: int | None = None
     ) -> None:
         super().__init__()
-        self.root = default_root(root)
-        self.job = default_job(job)
+        where = resolve(root=root, job=job)
+        self.root, self.job = where.root, where.job
         self.step = None if step is None else require_step_id(step)
         self.load_id = str(uuid.uuid4())
         self._record: DcpMetadata | None = None

@@ -49,17 +49,11 @@ from tierckpt.format import (
     write_atomic,
 )
 from tierckpt.integrity import crc32c
+from tierckpt.settings import resolve
 
 from ._io import Payload, as_bytes, write_files
 from ._layout import RankLayout, Slot, file_crc32c, plan_layout
-from ._paths import (
-    default_job,
-    default_root,
-    parse_step_id,
-    process_rank,
-    process_world_size,
-    require_step_id,
-)
+from ._paths import parse_step_id, require_step_id
 from .metadata import ItemLocation, encode_metadata, tensor_dtype_name
 
 __all__ = ["DCP_FORMAT_VERSION", "RamdiskWriter", "item_key"]
@@ -128,8 +122,8 @@ class RamdiskWriter(StorageWriter):
         sync_files: bool = True,
     ) -> None:
         super().__init__()
-        self.root = default_root(root)
-        self.job = default_job(job)
+        where = resolve(root=root, job=job, rank=rank, world_size=world_size)
+        self.root, self.job = where.root, where.job
         self.step = None if step is None else require_step_id(step)
         self.threads = max(1, int(threads))
         self.overwrite = overwrite
@@ -166,8 +160,8 @@ class RamdiskWriter(StorageWriter):
         if self.step is None:
             raise ValueError("no step to save: pass checkpoint_id=<step> to dcp.save, or step=")
         self._abandon_unfinished()
-        rank = process_rank() if self._rank is None else self._rank
-        world_size = process_world_size() if self._world_size is None else self._world_size
+        who = resolve(root=self.root, job=self.job, rank=self._rank, world_size=self._world_size)
+        rank, world_size = who.rank, who.world_size
         path = step_dir(rank_dir(self.root, self.job, rank), self.step)
         self._save = _Save(self.step, rank, world_size, bool(is_coordinator), path)
 
