@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import shutil
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,7 +16,7 @@ from prometheus_client import CollectorRegistry
 from tierckpt.bucket_layout import BucketLayout
 from tierckpt.contract import PeerAssignment, PeerNode, write_control
 from tierckpt.demo.fakegcs import FakeGcsServer, FaultProxy
-from tierckpt.format import replica_rank_dir
+from tierckpt.format import replica_rank_dir, step_dir
 from tierckpt_replicator.backup.gcs import GcsSettings, GcsStore, RetryPolicy
 from tierckpt_replicator.backup.metrics import BackupMetrics
 from tierckpt_replicator.backup.policy import BackupPolicy
@@ -90,9 +91,9 @@ def write_cluster_step(
         primary, replica = nodes[i], nodes[(i + 1) % len(nodes)]
         out[r] = write_step(roots[primary], job, r, step, world_size=world_size, sizes=sizes, files=files,
                             seed=step * 1000 + r)  # fmt: skip
-        if replica != primary:
-            write_step(roots[replica], job, r, step, world_size=world_size, sizes=sizes, files=files,
-                       seed=step * 1000 + r, parent=replica_rank_dir(roots[replica], job, r))  # fmt: skip
+        if replica != primary:  # a replica is a byte-for-byte copy of the primary
+            shutil.copytree(out[r], step_dir(replica_rank_dir(roots[replica], job, r), step))
+
     return out
 
 

@@ -99,7 +99,7 @@ class Restorer:
             writer.prepare()
             files = header.manifest.files
             futures = {
-                f.name: self._submit_file(job, step, rank, f, writer.path(f.name), on_bytes) for f in files
+                f.name: self._submit(job, step, rank, f, writer.path(f.name), on_bytes) for f in files
             }
             try:
                 for f in files:

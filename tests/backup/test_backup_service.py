@@ -1,0 +1,489 @@
+"""BackupService end to end against the real fake-gcs-server through the real google-cloud-storage
+client: two "nodes" (ramdisk roots) back up a job's steps, spread the uploads, complete steps, keep
+retention, survive faults, and restore ranks bit-exact into the client format."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from conftest import KiB, make_service, make_store, write_cluster_step, write_peers
+from fixtures.steps import step_files, write_step
+from prometheus_client import CollectorRegistry
+from tierckpt.bucket_layout import BucketLayout, RankBackup, StepBackup
+from tierckpt.demo.fakegcs import FakeGcsServer, FaultProxy, FaultRule
+from tierckpt.errors import CorruptShardError, MissingCheckpointError
+from tierckpt.format import rank_dir, read_manifest, step_dir
+from tierckpt_replicator.backup.gcs import GcsStore, RetryPolicy
+from tierckpt_replicator.backup.metrics import BackupMetrics
+from tierckpt_replicator.backup.policy import BackupPolicy
+from tierckpt_replicator.backup.service import BackupService
+from tierckpt_replicator.backup.settings import BackupSettings
+from tierckpt_replicator.backup.store import TransientStoreError, UploadCorrupted
+from tierckpt_replicator.backup.uploader import StaleStepError
+
+JOB = "default_train_0123abcd"
+LAYOUT = BucketLayout("t")
+
+
+class SpyStore:
+    """Records every write and delete (in order) on the way to the real store; optionally makes
+    completion writers meet at a barrier so they race for real."""
+
+    def __init__(self, inner: GcsStore, barrier: threading.Barrier | None = None) -> None:
+        self.inner, self.barrier = inner, barrier
+        self.ops: list[tuple[str, str]] = []
+        self._lock = threading.Lock()
+
+    def _log(self, op: str, key: str) -> None:
+        with self._lock:
+            self.ops.append((op, key))
+
+    def upload_file(self, key: str, path: Path, **kw: object):  # type: ignore[no-untyped-def]
+        info = self.inner.upload_file(key, path, **kw)  # type: ignore[arg-type]
+        self._log("upload", key)
+        return info
+
+    def put_bytes(self, key: str, data: bytes, *, create_only: bool = False):  # type: ignore[no-untyped-def]
+        if self.barrier is not None and "/complete/" in key:
+            self.barrier.wait(timeout=10)
+        info = self.inner.put_bytes(key, data, create_only=create_only)
+        self._log("put", key)
+        return info
+
+    def delete(self, key: str) -> bool:
+        self._log("delete", key)
+        return self.inner.delete(key)
+
+    def compose(self, key: str, sources):  # type: ignore[no-untyped-def]
+        info = self.inner.compose(key, sources)
+        self._log("compose", key)
+        return info
+
+    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+        return getattr(self.inner, name)
+
+
+@pytest.fixture
+def roots(tmp_path: Path) -> dict[str, Path]:
+    out = {n: tmp_path / n for n in ("node-a", "node-b")}
+    for p in out.values():
+        p.mkdir()
+    write_peers(out, JOB, 4)
+    return out
+
+
+async def _back_up_everywhere(services: dict[str, BackupService], roots: dict[str, Path], step: int) -> None:
+    for node, svc in services.items():
+        ranks = [r for r in range(4) if (r // 2) == sorted(roots).index(node)]
+        await svc.on_step_committed(JOB, step, ranks, {})
+
+
+# --------------------------------------------------------------------------------------------- happy path
+
+
+async def test_step_backed_up_by_two_nodes_and_restored_bit_exact(
+    gcs_server: FakeGcsServer, bucket: str, roots: dict[str, Path], tmp_path: Path
+) -> None:
+    primaries = write_cluster_step(roots, JOB, 10, 4)
+    services = {n: make_service(make_store(gcs_server.url, bucket), roots[n], n) for n in roots}
+    await _back_up_everywhere(services, roots, 10)
+    reader = make_service(make_store(gcs_server.url, bucket), tmp_path / "reader", "reader")
+    assert await reader.complete_steps(JOB) == (10,)
+
+    store = make_store(gcs_server.url, bucket)
+    uploaders = [RankBackup.from_bytes(store.get_bytes(LAYOUT.rank_commit_key(JOB, 10, r), max_size=1 << 20))
+                 for r in range(4)]  # fmt: skip
+    per_node = {n: sum(c.uploaded_by == n for c in uploaders) for n in roots}
+    assert per_node == {"node-a": 2, "node-b": 2}  # spread over both holders of every rank
+
+    dest = tmp_path / "restored"
+    seen: list[tuple[int, int]] = []
+    for r in range(4):
+        await reader.fetch_rank(
+            JOB, 10, r, rank_dir(dest, JOB, r), lambda done, total: seen.append((done, total))
+        )
+        got = step_dir(rank_dir(dest, JOB, r), 10)
+        assert step_files(got) == step_files(primaries[r])  # data, manifest.json and COMMIT, byte for byte
+        assert read_manifest(got).rank == r
+    assert seen[-1][0] == seen[-1][1] == read_manifest(primaries[3]).total_bytes
+    assert not list(dest.rglob(".incoming-*"))
+    for svc in (*services.values(), reader):
+        await svc.close()
+
+
+async def test_only_due_steps_are_backed_up(gcs_server: FakeGcsServer, bucket: str, tmp_path: Path) -> None:
+    root = tmp_path / "n"
+    svc = make_service(make_store(gcs_server.url, bucket), root, "n",
+                       policy=BackupPolicy(interval_steps=10, interval_seconds=0, keep_last=5))  # fmt: skip
+    for step in (10, 15, 19, 20, 25):
+        write_step(root, JOB, 0, step, sizes=(1000,))
+        await svc.on_step_committed(JOB, step, [0], {0: ["n"]})
+    assert await svc.complete_steps(JOB) == (10, 20)
+    assert svc.status(JOB).newest_complete == 20 and svc.status(JOB).last_uploaded == 20
+    await svc.close()
+
+
+async def test_sliced_upload_is_composed_and_verified(
+    gcs_server: FakeGcsServer, bucket: str, tmp_path: Path
+) -> None:
+    root = tmp_path / "n"
+    src = write_step(root, JOB, 0, 5, sizes=(1100 * KiB, 700 * KiB), files=2)
+    spy = SpyStore(make_store(gcs_server.url, bucket))
+    svc = make_service(spy, root, "n", slice_size=256 * KiB, range_size=200 * KiB)
+    assert await svc.backup_now(JOB) == 5
+    assert ("compose", LAYOUT.rank_file_key(JOB, 5, 0, "data-00000.bin")) in spy.ops
+    objects, _ = spy.inner.list(LAYOUT.rank_dir(JOB, 5, 0))
+    assert not [o.name for o in objects if "/.parts/" in o.name]  # slices cleaned up
+    await svc.fetch_rank(JOB, 5, 0, tmp_path / "out")
+    assert step_files(step_dir(tmp_path / "out", 5)) == step_files(src)
+    await svc.close()
+
+
+# --------------------------------------------------------------------------------------------- completion
+
+
+async def test_completion_is_written_last_and_only_once(
+    gcs_server: FakeGcsServer, bucket: str, roots: dict[str, Path]
+) -> None:
+    write_cluster_step(roots, JOB, 10, 4)
+    barrier = threading.Barrier(2)
+    spies = {n: SpyStore(make_store(gcs_server.url, bucket), barrier) for n in roots}
+    services = {n: make_service(spies[n], roots[n], n, takeover_after=1e9) for n in roots}
+    # Upload each node's share without completing, then let both nodes complete at the same moment.
+    for svc in services.values():
+        share = svc._my_share(JOB, 10, 4, svc._local_copies(JOB, 10, ()), None, False)
+        for r in share:
+            svc.uploader.upload_rank(JOB, svc._local_copies(JOB, 10, ())[r])
+    results: dict[str, bool] = {}
+
+    def complete(node: str) -> None:
+        results[node] = services[node].catalog.try_complete(JOB, 10, 4)
+
+    threads = [threading.Thread(target=complete, args=(n,)) for n in roots]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert results == {"node-a": True, "node-b": True}  # the loser got 412 and counts it as success
+    key = LAYOUT.complete_key(JOB, 10)
+    store = make_store(gcs_server.url, bucket)
+    done = StepBackup.from_bytes(store.get_bytes(key, max_size=1 << 20))
+    winners = [n for n, spy in spies.items() if ("put", key) in spy.ops]
+    assert winners == [done.completed_by]
+    # Every object of the step was written before the completion object.
+    objects, _ = store.list(LAYOUT.step_dir(JOB, 10))
+    completion = store.stat(key)
+    assert completion is not None and all(o.generation < completion.generation for o in objects)
+    assert set(done.ranks) == {0, 1, 2, 3}
+    for svc in services.values():
+        await svc.close()
+
+
+async def test_a_node_joins_a_backup_started_elsewhere(
+    gcs_server: FakeGcsServer, bucket: str, roots: dict[str, Path]
+) -> None:
+    write_cluster_step(roots, JOB, 30, 4)
+    on_demand_only = BackupPolicy(interval_steps=0, interval_seconds=0)
+    services = {n: make_service(make_store(gcs_server.url, bucket), roots[n], n, policy=on_demand_only)
+                for n in roots}  # fmt: skip
+    assert await services["node-a"].backup_now(JOB) == 30  # e.g. SIGTERM on node-a only
+    assert await services["node-a"].complete_steps(JOB) == ()
+    await services["node-b"].poll(JOB)  # node-b's periodic pass sees the started backup and joins it
+    assert await services["node-b"].complete_steps(JOB) == (30,)
+    for svc in services.values():
+        await svc.close()
+
+
+async def test_ranks_of_a_silent_holder_are_taken_over(
+    gcs_server: FakeGcsServer, bucket: str, roots: dict[str, Path]
+) -> None:
+    write_cluster_step(roots, JOB, 40, 4)
+    svc = make_service(make_store(gcs_server.url, bucket), roots["node-a"], "node-a", takeover_after=0.0)
+    await svc.on_step_committed(JOB, 40, [0, 1], {})  # node-b never runs
+    await svc.poll(JOB)
+    assert await svc.complete_steps(JOB) == (40,)
+    await svc.close()
+
+
+# --------------------------------------------------------------------------------------------- failures
+
+
+async def test_a_partial_upload_is_invisible_and_the_previous_backup_survives(
+    gcs_server: FakeGcsServer, bucket: str, proxy: FaultProxy, tmp_path: Path
+) -> None:
+    root = tmp_path / "n"
+    src10 = write_step(root, JOB, 0, 10, sizes=(300 * KiB,))
+    fragile = make_store(proxy.url, bucket, retry=RetryPolicy(initial=0.01, maximum=0.02, deadline=0.3))
+    policy = BackupPolicy(interval_steps=10, interval_seconds=0, keep_last=1)
+    svc = make_service(fragile, root, "n", policy=policy)
+    assert await svc.backup_now(JOB) == 10
+    write_step(root, JOB, 0, 20, sizes=(300 * KiB, 5 * KiB), files=2)
+    proxy.add_rule(FaultRule(action="reset_midway", method="POST", path="uploadType=multipart",
+                             after_bytes=50 * KiB, skip=1, times=None))  # fmt: skip
+    with pytest.raises(TransientStoreError):
+        await svc.backup_now(JOB)
+    assert proxy.hits_for("reset_midway")
+    assert await svc.complete_steps(JOB) == (10,)  # keep_last=1, yet step 10 is still there
+    direct = make_store(proxy.upstream_url, bucket)
+    assert direct.stat(LAYOUT.rank_commit_key(JOB, 20, 0)) is None
+    assert svc.status(JOB).last_error and "TransientStoreError" in svc.status(JOB).last_error
+    await svc.fetch_rank(JOB, 10, 0, tmp_path / "out")
+    assert step_files(step_dir(tmp_path / "out", 10)) == step_files(src10)
+    # Once the bucket is healthy the same step completes, and only then does retention drop step 10.
+    proxy.clear_rules()
+    assert await svc.backup_now(JOB) == 20
+    assert await svc.complete_steps(JOB) == (20,)
+    await svc.close()
+
+
+async def test_transient_errors_are_retried_with_backoff_and_the_backup_succeeds(
+    bucket: str, proxy: FaultProxy, tmp_path: Path
+) -> None:
+    root = tmp_path / "n"
+    write_step(root, JOB, 0, 7, sizes=(9 << 20,))  # over 8 MiB: a resumable upload
+    svc = make_service(make_store(proxy.url, bucket, read_timeout=1.0), root, "n")
+    proxy.add_rule(FaultRule(action="status", status=503, method="POST", times=3))
+    proxy.add_rule(FaultRule(action="status", status=500, method="PUT", skip=2, times=2))
+    proxy.add_rule(FaultRule(action="reset_midway", method="PUT", after_bytes=10 * KiB, skip=5, times=1))
+    proxy.add_rule(FaultRule(action="stall", seconds=10, method="GET", times=1))
+    assert await svc.backup_now(JOB) == 7
+    assert await svc.complete_steps(JOB) == (7,)
+    fired = {h.action for h in proxy.hits}
+    assert {"status", "reset_midway", "stall"} <= fired
+    await svc.close()
+
+
+async def test_a_dead_bucket_fails_cleanly_and_keeps_the_previous_backup(
+    bucket: str, proxy: FaultProxy, tmp_path: Path
+) -> None:
+    root = tmp_path / "n"
+    write_step(root, JOB, 0, 10, sizes=(10 * KiB,))
+    metrics = BackupMetrics(CollectorRegistry())
+    store = make_store(proxy.url, bucket, retry=RetryPolicy(initial=0.01, maximum=0.02, deadline=0.3))
+    svc = make_service(store, root, "n", metrics=metrics, policy=BackupPolicy(interval_steps=1, keep_last=1))
+    await svc.on_step_committed(JOB, 10, [0], {})
+    write_step(root, JOB, 0, 11, sizes=(10 * KiB,))
+    proxy.add_rule(FaultRule(action="status", status=503, method="POST", times=None))
+    await svc.on_step_committed(JOB, 11, [0], {})  # never raises: logged and counted
+    assert metrics.failures.labels(op="upload")._value.get() >= 1
+    with pytest.raises(TransientStoreError):
+        await svc.backup_now(JOB)
+    proxy.clear_rules()
+    assert await svc.complete_steps(JOB) == (10,)
+    await svc.close()
+
+
+async def test_a_killed_uploader_leaves_no_visible_step_and_a_rerun_finishes_it(
+    gcs_server: FakeGcsServer, bucket: str, proxy: FaultProxy, tmp_path: Path
+) -> None:
+    root = tmp_path / "n"
+    for r in range(4):
+        write_step(root, JOB, r, 50, world_size=4, sizes=(100 * KiB,), files=1)
+    proxy.add_rule(FaultRule(action="stall", seconds=60, method="POST", path="uploadType=multipart", skip=3,
+                             times=None))  # fmt: skip
+    script = textwrap.dedent(f"""
+        import asyncio
+        from pathlib import Path
+        from prometheus_client import CollectorRegistry
+        from tierckpt.bucket_layout import BucketLayout
+        from tierckpt_replicator.backup import BackupPolicy, BackupService
+        from tierckpt_replicator.backup.gcs import GcsSettings, GcsStore
+        from tierckpt_replicator.backup.metrics import BackupMetrics
+        store = GcsStore(GcsSettings(bucket={bucket!r}, endpoint={proxy.url!r}))
+        svc = BackupService(store=store, policy=BackupPolicy(), node="n", root=Path({str(root)!r}),
+                            layout=BucketLayout("t"), parallelism=1,
+                            metrics=BackupMetrics(CollectorRegistry()))
+        asyncio.run(svc.backup_now({JOB!r}))
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while not proxy.hits_for("stall") and time.monotonic() < deadline and proc.poll() is None:
+            await asyncio.sleep(0.05)
+        assert proxy.hits_for("stall"), proc.communicate(timeout=5)[0] if proc.poll() is not None else ""
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    proxy.clear_rules()
+    spy = SpyStore(make_store(gcs_server.url, bucket))
+    svc = make_service(spy, root, "n")
+    assert await svc.complete_steps(JOB) == ()
+    before, _ = spy.inner.list(LAYOUT.step_dir(JOB, 50))
+    assert before  # some objects made it before the kill
+    assert await svc.backup_now(JOB) == 50
+    assert await svc.complete_steps(JOB) == (50,)
+    uploads = [k for op, k in spy.ops if op == "upload"]
+    assert len(uploads) < 4  # data objects already in the bucket were not uploaded again
+    await svc.close()
+
+
+async def test_a_corrupt_object_in_the_bucket_is_detected_and_nothing_is_committed(
+    gcs_server: FakeGcsServer, bucket: str, tmp_path: Path
+) -> None:
+    root = tmp_path / "n"
+    write_step(root, JOB, 0, 3, sizes=(64 * KiB,))
+    svc = make_service(make_store(gcs_server.url, bucket), root, "n")
+    assert await svc.backup_now(JOB) == 3
+    key = LAYOUT.rank_file_key(JOB, 3, 0, "data-00000.bin")
+    raw = gcs_server.client().bucket(bucket).blob(key)
+    data = bytearray(raw.download_as_bytes())
+    data[1234] ^= 0xFF
+    raw.upload_from_string(bytes(data))  # same size, one flipped byte
+    dest = tmp_path / "out"
+    with pytest.raises(CorruptShardError):
+        await svc.fetch_rank(JOB, 3, 0, dest)
+    assert not step_dir(dest, 3).exists() and not list(dest.glob(".incoming-*"))
+    with pytest.raises(MissingCheckpointError):
+        await svc.fetch_rank(JOB, 99, 0, dest)
+    await svc.close()
+
+
+async def test_a_rotted_local_shard_is_never_committed_to_the_bucket(
+    gcs_server: FakeGcsServer, bucket: str, tmp_path: Path
+) -> None:
+    root = tmp_path / "n"
+    src = write_step(root, JOB, 0, 4, sizes=(64 * KiB,))
+    with open(src / "data-00000.bin", "r+b") as f:
+        f.seek(100)
+        f.write(b"\x42")
+    svc = make_service(make_store(gcs_server.url, bucket), root, "n")
+    with pytest.raises(UploadCorrupted):
+        await svc.backup_now(JOB)
+    store = make_store(gcs_server.url, bucket)
+    assert store.stat(LAYOUT.rank_file_key(JOB, 4, 0, "data-00000.bin")) is None  # deleted again
+    assert store.stat(LAYOUT.rank_commit_key(JOB, 4, 0)) is None
+    assert await svc.complete_steps(JOB) == ()
+    await svc.close()
+
+
+async def test_a_newer_save_of_the_same_step_replaces_an_incomplete_older_one(
+    gcs_server: FakeGcsServer, bucket: str, tmp_path: Path
+) -> None:
+    old_root, new_root = tmp_path / "old", tmp_path / "new"
+    for r in range(2):
+        write_step(old_root, JOB, r, 60, world_size=2, sizes=(8 * KiB,), seed=1)
+    svc_old = make_service(make_store(gcs_server.url, bucket), old_root, "n")
+    svc_old.uploader.upload_rank(JOB, step_dir(rank_dir(old_root, JOB, 0), 60))  # a dead attempt's rank 0
+    time.sleep(0.01)
+    new = {r: write_step(new_root, JOB, r, 60, world_size=2, sizes=(8 * KiB,), seed=2) for r in range(2)}
+    svc = make_service(make_store(gcs_server.url, bucket), new_root, "n")
+    assert await svc.backup_now(JOB) == 60
+    await svc.fetch_rank(JOB, 60, 0, tmp_path / "out")
+    assert step_files(step_dir(tmp_path / "out", 60)) == step_files(new[0])
+    # The old attempt can no longer overwrite it.
+    with pytest.raises(StaleStepError, match="already complete"):
+        svc_old.uploader.upload_rank(JOB, step_dir(rank_dir(old_root, JOB, 1), 60))
+    for s in (svc_old, svc):
+        await s.close()
+
+
+# --------------------------------------------------------------------------------------------- retention
+
+
+async def test_retention_keeps_the_last_n_and_every_kth_deleting_completion_objects_first(
+    gcs_server: FakeGcsServer, bucket: str, tmp_path: Path
+) -> None:
+    root = tmp_path / "n"
+    spy = SpyStore(make_store(gcs_server.url, bucket))
+    policy = BackupPolicy(interval_steps=10, interval_seconds=0, keep_last=2, keep_every=30)
+    svc = make_service(spy, root, "n", policy=policy)
+    for step in range(10, 90, 10):
+        write_step(root, JOB, 0, step, sizes=(2 * KiB,))
+        await svc.on_step_committed(JOB, step, [0], {})
+    assert await svc.complete_steps(JOB) == (10, 30, 60, 70, 80)  # windows 0-29, 30-59, 60-89; last two
+    store = spy.inner
+    for gone in (20, 40, 50):
+        assert store.list(LAYOUT.step_dir(JOB, gone))[0] == []
+        deletes = [k for op, k in spy.ops if op == "delete" and f"/{gone:012d}" in k]
+        assert deletes[0] == LAYOUT.complete_key(
+            JOB, gone
+        )  # the step stops existing before anything else goes
+        assert len(deletes) > 3
+    await svc.close()
+
+
+async def test_purge_forgets_locally_and_delete_backups_empties_the_job(
+    gcs_server: FakeGcsServer, bucket: str, tmp_path: Path
+) -> None:
+    root = tmp_path / "n"
+    write_step(root, JOB, 0, 1, sizes=(KiB,))
+    write_step(root, "other", 0, 1, sizes=(KiB,))
+    svc = make_service(make_store(gcs_server.url, bucket), root, "n")
+    assert await svc.backup_now(JOB) == 1 and await svc.backup_now("other") == 1
+    await svc.purge_job(JOB)
+    assert await svc.complete_steps(JOB) == (1,)  # the bucket keeps backups when a node forgets a job
+    await svc.delete_backups(JOB)
+    assert await svc.complete_steps(JOB) == ()
+    assert make_store(gcs_server.url, bucket).list(LAYOUT.job(JOB))[0] == []
+    assert await svc.complete_steps("other") == (1,)
+    await svc.close()
+
+
+# --------------------------------------------------------------------------------------------- wiring
+
+
+async def test_built_from_the_daemon_settings(gcs_server: FakeGcsServer, bucket: str, tmp_path: Path) -> None:
+    daemon_settings = SimpleNamespace(gcs_bucket=bucket, gcs_prefix="t", gcs_endpoint=gcs_server.url,
+                                      backup_interval=0.0, node_name="n", root=tmp_path / "n")  # fmt: skip
+    cfg = BackupSettings.from_object(daemon_settings)
+    assert (cfg.bucket, cfg.prefix, cfg.endpoint, cfg.interval_seconds) == (bucket, "t", gcs_server.url, 0.0)
+    write_step(tmp_path / "n", JOB, 0, 2, sizes=(KiB,))
+    svc = BackupService(settings=daemon_settings, node="n", root=tmp_path / "n",
+                        metrics=BackupMetrics(CollectorRegistry()))  # fmt: skip
+    assert await svc.backup_now(JOB) == 2
+    assert await svc.complete_steps(JOB) == (2,)
+    with pytest.raises(ValueError):
+        BackupSettings().build(node="n", root=tmp_path)
+    await svc.close()
+
+
+@pytest.mark.root
+async def test_restore_into_a_full_ramdisk_fails_cleanly(
+    gcs_server: FakeGcsServer, bucket: str, tmp_path: Path
+) -> None:
+    from tierckpt.errors import RamdiskFullError
+
+    root = tmp_path / "n"
+    write_step(root, JOB, 0, 8, sizes=(512 * KiB,))
+    svc = make_service(make_store(gcs_server.url, bucket), root, "n")
+    assert await svc.backup_now(JOB) == 8
+    small = tmp_path / "small"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=128k", "tckfull", str(small)], check=True)
+    try:
+        with pytest.raises(RamdiskFullError):
+            await svc.fetch_rank(JOB, 8, 0, small / "rank")
+        assert not [p for p in (small / "rank").rglob("*") if p.is_file()]
+    finally:
+        subprocess.run(["umount", str(small)], check=False)
+    await svc.close()
+
+
+def test_no_event_loop_is_blocked_by_uploads(gcs_server: FakeGcsServer, bucket: str, tmp_path: Path) -> None:
+    """The loop keeps ticking while a backup runs (all bucket I/O is in worker threads)."""
+    root = tmp_path / "n"
+    write_step(root, JOB, 0, 9, sizes=(9 << 20,))
+    svc = make_service(make_store(gcs_server.url, bucket), root, "n")
+
+    async def main() -> int:
+        ticks = 0
+        task = asyncio.create_task(svc.backup_now(JOB))
+        while not task.done():
+            ticks += 1
+            await asyncio.sleep(0.001)
+        await task
+        await svc.close()
+        return ticks
+
+    assert asyncio.run(main()) > 5
+    assert os.path.exists(step_dir(rank_dir(root, JOB, 0), 9))
