@@ -389,8 +389,8 @@ class Checkpointer:
                 )
             for ticket in job.tickets:
                 ticket.synchronize()
-            job.copied.set()
             job.handle._set_snapshot()
+            job.copied.set()
             snapshot_s = time.perf_counter() - job.started
             s = self.settings
             who = StepIdentity(s.job, s.rank, s.world_size, job.step)
@@ -592,6 +592,12 @@ class Checkpointer:
         slot = self._pool.slot_of(step) or self._pool.adopt_step(step, path)
         if slot is not None:
             files = {f.path.name: f for f in slot.files}
+            for entry in manifest.files:
+                f = files.get(entry.name)
+                if f is not None and f.disk_size() != entry.size:  # reading past a truncation would SIGBUS
+                    raise CorruptShardError(
+                        f"{f.path}: {f.disk_size()} bytes, manifest says {entry.size}", path=str(f.path)
+                    )
         else:
             files = opened = open_data_files(path, manifest, register=self._pool.register_cuda)
         try:

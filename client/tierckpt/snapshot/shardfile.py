@@ -152,6 +152,10 @@ class MappedFile:
     def address(self) -> int:
         return self.buffer.data_ptr()
 
+    def disk_size(self) -> int:
+        """The file's current size on disk (differs from ``size`` only if someone else changed it)."""
+        return os.fstat(self._fd).st_size
+
     def register(self) -> bool:
         """Pin the mapping for CUDA DMA (once); False when CUDA is unavailable or refuses."""
         if not self.registered and self.size:

@@ -1,0 +1,83 @@
+"""Waiting for the replicator's restore status (control/restore-rank-NNNNN.json) before loading."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from tierckpt import Checkpointer, RetryableError
+from tierckpt.contract import RestoreState, RestoreStatus, Tier, restore_status_name, write_control
+from tierckpt.snapshot.staging import USE_LOCAL, restore_target, wait_for_restore
+
+
+def status(job: str, state: RestoreState, step: int | None = None, updated_at: float | None = None) -> RestoreStatus:
+    return RestoreStatus(
+        job=job, rank=0, state=state, step=step, source=Tier.PEER, bytes_done=0, bytes_total=10,
+        updated_at=time.time() if updated_at is None else updated_at, message="disk on fire" * (state == "failed"),
+    )
+
+
+def publish(root, job, st: RestoreStatus) -> None:
+    write_control(root, job, restore_status_name(0), st)
+
+
+def test_no_status_and_no_replicator_means_no_wait(root, job):
+    assert wait_for_restore(root, job, 0, expect_replicator=False, stall_timeout=100) is None
+
+
+def test_waits_while_the_status_moves_then_returns_ready(root, job):
+    publish(root, job, status(job, RestoreState.STAGING))
+
+    def replicator():
+        for i in range(5):
+            time.sleep(0.1)
+            publish(root, job, status(job, RestoreState.STAGING))
+        publish(root, job, status(job, RestoreState.READY, step=4))
+
+    t = threading.Thread(target=replicator)
+    t.start()
+    got = wait_for_restore(root, job, 0, expect_replicator=True, stall_timeout=0.3, poll=0.02)
+    t.join()
+    assert got is not None and got.state is RestoreState.READY and got.step == 4
+
+
+def test_a_stalled_status_is_given_up_on(root, job):
+    publish(root, job, status(job, RestoreState.STAGING))
+    got = wait_for_restore(root, job, 0, expect_replicator=False, stall_timeout=0.2, poll=0.02)
+    assert got is not None and got.state is RestoreState.STAGING
+    assert wait_for_restore(root, "other-job", 0, expect_replicator=True, stall_timeout=0.1, poll=0.02) is None
+
+
+def test_failed_staging_raises(root, job):
+    publish(root, job, status(job, RestoreState.FAILED))
+    with pytest.raises(RetryableError, match="disk on fire"):
+        wait_for_restore(root, job, 0, expect_replicator=False, stall_timeout=1)
+
+
+def test_restore_target_ignores_stale_statuses():
+    ready = status("j", RestoreState.READY, step=3, updated_at=100.0)
+    none = status("j", RestoreState.NONE, updated_at=100.0)
+    assert restore_target(None, 50.0) == USE_LOCAL
+    assert restore_target(ready, 50.0) == 3 and restore_target(ready, None) == 3
+    assert restore_target(ready, 150.0) == USE_LOCAL  # saved since the replicator staged
+    assert restore_target(none, 50.0) is None and restore_target(none, 150.0) == USE_LOCAL
+    assert restore_target(status("j", RestoreState.STAGING, updated_at=100.0), 50.0) == USE_LOCAL
+
+
+def test_load_follows_a_fresh_status_and_ignores_a_stale_one(root, job):
+    with Checkpointer(root=root, job=job) as ck:
+        for step in (1, 2):
+            ck.save(step, {"v": torch.full((4,), step)}, blocking=True)
+        publish(root, job, status(job, RestoreState.READY, step=1))  # the job-wide plan says step 1
+        dest = {}
+        assert ck.load(dest) == 1 and int(dest["v"][0]) == 1
+        publish(root, job, status(job, RestoreState.NONE))
+        assert ck.load({}, allow_missing=True) is None
+        ck.save(3, {"v": torch.full((4,), 3)}, blocking=True)  # training went on: the status is stale
+        assert ck.load({}) == 3
+        publish(root, job, status(job, RestoreState.FAILED))
+        with pytest.raises(RetryableError):
+            ck.load({})
