@@ -7,6 +7,7 @@ from chart_render import NAMESPACE, render
 OPERATOR_RULES = [
     {"apiGroups": ["jobset.x-k8s.io"], "resources": ["jobsets"],
      "verbs": ["get", "list", "watch", "patch"]},
+    {"apiGroups": ["jobset.x-k8s.io"], "resources": ["jobsets/finalizers"], "verbs": ["update"]},
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch", "patch"]},
     {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch"]},
     {"apiGroups": ["", "events.k8s.io"], "resources": ["events"], "verbs": ["create"]},

@@ -16,29 +16,56 @@ COMBOS: dict[str, dict] = {
     "defaults": {},
     "hostPath with managed tmpfs": {"ramdisk": {"mode": "hostPath"}},
     "hostPath, admin-mounted tmpfs": {"ramdisk": {"mode": "hostPath", "manageTmpfs": False}},
-    "networkPolicy": {"networkPolicy": {"enabled": True, "metricsFrom": [
-        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]}},
+    "networkPolicy": {
+        "networkPolicy": {
+            "enabled": True,
+            "metricsFrom": [
+                {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+            ],
+        }
+    },
     "networkPolicy, hostPath, no training pods": {
-        "ramdisk": {"mode": "hostPath"}, "networkPolicy": {"enabled": True, "allowTrainingPods": False}},
-    "monitoring": {"metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}},
-                               "podMonitoring": {"enabled": True}}},
+        "ramdisk": {"mode": "hostPath"},
+        "networkPolicy": {"enabled": True, "allowTrainingPods": False},
+    },
+    "monitoring": {
+        "metrics": {
+            "serviceMonitor": {"enabled": True, "labels": {"release": "prom"}},
+            "podMonitoring": {"enabled": True},
+        }
+    },
     "given token": {"auth": {"token": TOKEN}},
     "existing token secret": {"auth": {"existingSecret": "my-token"}},
     "workload identity": {"gcs": {"bucket": "my-bucket", "workloadIdentity": {"gcpServiceAccount": GSA}}},
     "cert-manager": {"webhook": {"tls": {"mode": "certManager"}}},
-    "cert-manager with issuer": {"webhook": {"tls": {"mode": "certManager", "certManager": {
-        "issuerRef": {"kind": "ClusterIssuer", "name": "corp-ca"}}}}},
-    "checkpoint configuration": {"gcs": {"bucket": "my-bucket"}, "checkpointConfiguration": {
-        "create": True, "spec": {"ramdisk": {"size": "48Gi"}, "backup": {"intervalMinutes": 10}}}},
+    "cert-manager with issuer": {
+        "webhook": {
+            "tls": {
+                "mode": "certManager",
+                "certManager": {"issuerRef": {"kind": "ClusterIssuer", "name": "corp-ca"}},
+            }
+        }
+    },
+    "checkpoint configuration": {
+        "gcs": {"bucket": "my-bucket"},
+        "checkpointConfiguration": {
+            "create": True,
+            "spec": {"ramdisk": {"size": "48Gi"}, "backup": {"intervalMinutes": 10}},
+        },
+    },
     "host network, one operator": {"replicator": {"hostNetwork": True}, "operator": {"replicas": 1}},
-    "custom priority, no quota": {"replicator": {"priorityClassName": "", "criticalPodsQuota": False},
-                                  "webhook": {"namespaceSelector": {"matchLabels": {"team": "ml"}}}},
+    "custom priority, no quota": {
+        "replicator": {"priorityClassName": "", "criticalPodsQuota": False},
+        "webhook": {"namespaceSelector": {"matchLabels": {"team": "ml"}}},
+    },
 }
 
 # Custom resources of other projects: no CRD on this machine, checked field by field in test_objects.py.
 THIRD_PARTY = {
-    ("monitoring.coreos.com/v1", "ServiceMonitor"), ("monitoring.googleapis.com/v1", "PodMonitoring"),
-    ("cert-manager.io/v1", "Issuer"), ("cert-manager.io/v1", "Certificate"),
+    ("monitoring.coreos.com/v1", "ServiceMonitor"),
+    ("monitoring.googleapis.com/v1", "PodMonitoring"),
+    ("cert-manager.io/v1", "Issuer"),
+    ("cert-manager.io/v1", "Certificate"),
 }
 
 
@@ -61,8 +88,17 @@ def test_renders_and_validates(name: str) -> None:
 
 
 @pytest.mark.parametrize("kube", [f"v{v}" for v in KUBE_VERSIONS])
-@pytest.mark.parametrize("name", ["defaults", "hostPath with managed tmpfs", "networkPolicy", "monitoring",
-                                  "cert-manager", "checkpoint configuration"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "defaults",
+        "hostPath with managed tmpfs",
+        "networkPolicy",
+        "monitoring",
+        "cert-manager",
+        "checkpoint configuration",
+    ],
+)
 def test_lints_clean(name: str, kube: str) -> None:
     report = helm.lint(CHART, COMBOS[name], strict=True, kube_version=kube)
     problems = [m for m in report["messages"] if m["severity"] >= 2]  # 1 is info ("icon is recommended")
@@ -102,7 +138,47 @@ def test_crds_are_valid_for_every_supported_version() -> None:
 def test_every_template_is_rendered_by_some_combination() -> None:
     kinds = set().union(*(render(values).kinds() for values in COMBOS.values()))
     templates = {p.name for p in (CHART / "templates").glob("*.yaml")}
-    assert kinds >= {"CSIDriver", "DaemonSet", "Deployment", "MutatingWebhookConfiguration", "NetworkPolicy",
-                     "ServiceMonitor", "PodMonitoring", "Issuer", "Certificate", "CheckpointConfiguration",
-                     "ResourceQuota", "PodDisruptionBudget", "Secret"}
+    assert kinds >= {
+        "CSIDriver",
+        "DaemonSet",
+        "Deployment",
+        "MutatingWebhookConfiguration",
+        "NetworkPolicy",
+        "ServiceMonitor",
+        "PodMonitoring",
+        "Issuer",
+        "Certificate",
+        "CheckpointConfiguration",
+        "ResourceQuota",
+        "PodDisruptionBudget",
+        "Secret",
+    }
     assert Path(CHART / "templates" / "NOTES.txt").exists() and templates
+
+
+def test_every_value_is_documented_in_the_chart_readme() -> None:
+    import yaml
+
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    readme = (CHART / "README.md").read_text().splitlines()
+    schema = helm.Chart.load(CHART).schema["properties"]
+
+    def leaves(d: dict, prefix: str = "", props: dict | None = None):
+        for key, value in d.items():
+            path = f"{prefix}{key}"
+            sub = (props or {}).get(key, {})
+            nested = "properties" in sub and sub.get("additionalProperties") is False and key != "resources"
+            if isinstance(value, dict) and value and nested:
+                yield from leaves(value, path + ".", sub["properties"])
+            else:
+                yield path
+
+    def documented(path: str) -> bool:
+        parent, _, last = path.rpartition(".")
+        return any(
+            f"`{path}`" in line or (f"`{parent}." in line and f"`.{last}`" in line) or (f"`{path}` /" in line)
+            for line in readme
+        )
+
+    missing = [p for p in leaves(values, props=schema) if not documented(p)]
+    assert missing == []
