@@ -1,6 +1,7 @@
 """Typed messages between the daemon and its replication worker process, one JSON line each.
 
-The daemon starts the worker with one end of a socketpair and sends ``WorkerConfig`` first. Then it
+The daemon starts the worker with one end of a socketpair and sends ``WorkerConfig`` first; the worker
+answers ``WorkerReady`` once its data endpoint listens. Then the daemon
 sends ``SendTask``/``FetchTask``; the worker answers each with ``TaskProgress`` lines and one
 ``TaskResult``, and reports what its data server did as ``DataEvent``. ``Shutdown`` (or the daemon's
 end closing) stops the worker. No pickle: every line is a ``_codec`` message.
@@ -31,6 +32,7 @@ __all__ = [
     "TaskProgress",
     "TaskResult",
     "WorkerConfig",
+    "WorkerReady",
     "decode_line",
     "encode_line",
 ]
@@ -152,13 +154,22 @@ class DataEvent(Message):
 
 
 @dataclasses.dataclass(frozen=True)
+class WorkerReady(Message):
+    """Sent once the worker's data endpoint listens."""
+
+    KIND = "tierckpt.worker-ready"
+
+    data_port: int
+
+
+@dataclasses.dataclass(frozen=True)
 class Shutdown(Message):
     KIND = "tierckpt.worker-shutdown"
 
 
 MESSAGES: dict[str, type[Message]] = {
     cls.KIND: cls
-    for cls in (WorkerConfig, SendTask, FetchTask, TaskProgress, TaskResult, DataEvent, Shutdown)
+    for cls in (WorkerConfig, WorkerReady, SendTask, FetchTask, TaskProgress, TaskResult, DataEvent, Shutdown)
 }
 
 

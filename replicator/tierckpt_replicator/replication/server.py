@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from tierckpt import leases
 from tierckpt.errors import CorruptShardError, FormatError, MissingCheckpointError, RamdiskFullError
@@ -32,7 +33,13 @@ from tierckpt.format import (
 from tierckpt_replicator.replication.context import DataContext, unique_holder
 from tierckpt_replicator.replication.ipc import DataEvent
 from tierckpt_replicator.replication.replicas import apply_retention, client_headroom, free_bytes, make_room
-from tierckpt_replicator.replication.store import StepWriter, find_committed, parse_header, verify_step
+from tierckpt_replicator.replication.store import (
+    StepHeader,
+    StepWriter,
+    find_committed,
+    parse_header,
+    verify_step,
+)
 from tierckpt_replicator.replication.stream import receive_file, send_file
 from tierckpt_replicator.replication.wire import (
     DataReply,
@@ -163,6 +170,25 @@ class DataServer:
     # ------------------------------------------------------------------ put
 
     def _put(self, conn: socket.socket, req: DataRequest) -> None:
+        header = self._read_header(conn, req)
+        parent = replica_rank_dir(self.ctx.root, req.job, req.rank)
+        if read_commit(step_dir(parent, req.step)) is not None:
+            self._reply(conn, DataReply(status=Status.ALREADY, message="replica already committed"))
+            return
+        total = header.manifest.total_bytes
+        with self._claim((req.job, req.rank, req.step)):
+            self._ensure_room(req.job, total + len(header.commit_bytes) + len(header.manifest_bytes))
+            started = time.monotonic()
+            status, message = self._receive_replica(conn, req, StepWriter(parent, header))
+            if status == Status.OK:  # before the reply: once the sender hears "committed", retention ran
+                apply_retention(self.ctx.root, req.job, self.ctx.config.replica_keep)
+            self._reply(conn, DataReply(status=status, message=message, total_bytes=total))
+        seconds = time.monotonic() - started
+        log.info("replica %s rank %d step %d from %s: %s (%d bytes, %.2fs)", req.job, req.rank, req.step,
+                 req.node or "?", message, total, seconds)  # fmt: skip
+        self._event(req, status, bytes=total, seconds=seconds, message=message)
+
+    def _read_header(self, conn: socket.socket, req: DataRequest) -> StepHeader:
         limit = self.ctx.config.max_manifest_bytes
         for what, size in (("commit", req.commit_size), ("manifest", req.manifest_size)):
             if not 0 < size <= limit:
@@ -170,60 +196,32 @@ class DataServer:
         commit_bytes = recv_exact(conn, req.commit_size)
         manifest_bytes = recv_exact(conn, req.manifest_size)
         try:
-            header = parse_header(commit_bytes, manifest_bytes, job=req.job, rank=req.rank, step=req.step)
+            return parse_header(commit_bytes, manifest_bytes, job=req.job, rank=req.rank, step=req.step)
         except FormatError as exc:
             raise _Reject(Status.BAD_REQUEST, f"bad step header: {exc}") from exc
-        parent = replica_rank_dir(self.ctx.root, req.job, req.rank)
-        if read_commit(step_dir(parent, req.step)) is not None:
-            self._reply(conn, DataReply(status=Status.ALREADY, message="replica already committed"))
-            return
-        with self._claim((req.job, req.rank, req.step)):
-            self._ensure_room(req.job, header.manifest.total_bytes + len(commit_bytes) + len(manifest_bytes))
-            started, status, message = time.monotonic(), Status.OK, "committed"
-            writer = StepWriter(parent, header)
-            try:
-                writer.prepare()
-                send_frame(conn, DataReply(status=Status.CONTINUE))
-                _receive_all(conn, writer)
-                writer.commit()
-            except RamdiskFullError as exc:
-                writer.abort()
-                raise _Reject(Status.NO_SPACE, str(exc)) from exc
-            except CorruptShardError as exc:
-                writer.abort()
-                status, message = Status.CORRUPT, str(exc)
-            except BaseException:
-                writer.abort()
-                raise
-            self._reply(
-                conn, DataReply(status=status, message=message, total_bytes=header.manifest.total_bytes)
-            )
-        seconds = time.monotonic() - started
-        log.info(
-            "replica %s rank %d step %d from %s: %s (%d bytes, %.2fs)",
-            req.job,
-            req.rank,
-            req.step,
-            req.node or "?",
-            message,
-            header.manifest.total_bytes,
-            seconds,
-        )
-        if status == Status.OK:
-            apply_retention(self.ctx.root, req.job, self.ctx.config.replica_keep)
-        self.ctx.emit(
-            DataEvent(
-                op="put",
-                job=req.job,
-                rank=req.rank,
-                step=req.step,
-                peer=req.node,
-                status=status,
-                bytes=header.manifest.total_bytes,
-                seconds=seconds,
-                message=message,
-            )
-        )
+
+    def _receive_replica(self, conn: socket.socket, req: DataRequest, writer: StepWriter) -> tuple[int, str]:
+        """Preallocate, say continue, receive and verify, commit. Returns (status, message)."""
+        try:
+            writer.prepare()
+            send_frame(conn, DataReply(status=Status.CONTINUE))
+            _receive_all(conn, writer)
+            writer.commit()
+            return Status.OK, "committed"
+        except RamdiskFullError as exc:
+            writer.abort()
+            raise _Reject(Status.NO_SPACE, str(exc)) from exc
+        except CorruptShardError as exc:
+            writer.abort()
+            return Status.CORRUPT, str(exc)
+        except BaseException as exc:
+            writer.abort()
+            self._event(req, Status.ABORTED, message=f"transfer aborted: {exc}")
+            raise
+
+    def _event(self, req: DataRequest, status: int, **fields: Any) -> None:
+        self.ctx.emit(DataEvent(op=req.op, job=req.job, rank=req.rank, step=req.step, peer=req.node,
+                                status=status, **fields))  # fmt: skip
 
     def _ensure_room(self, job: str, need: int) -> None:
         root = self.ctx.root
@@ -272,18 +270,7 @@ class DataServer:
             header.manifest.total_bytes,
             seconds,
         )
-        self.ctx.emit(
-            DataEvent(
-                op="get",
-                job=req.job,
-                rank=req.rank,
-                step=req.step,
-                peer=req.node,
-                status=Status.OK,
-                bytes=header.manifest.total_bytes,
-                seconds=seconds,
-            )
-        )
+        self._event(req, Status.OK, bytes=header.manifest.total_bytes, seconds=seconds)
 
     # ------------------------------------------------------------------ corrupt
 
@@ -305,18 +292,8 @@ class DataServer:
                 )
             else:
                 message = "replica verified intact"
+        self._event(req, Status.OK, message=message)
         self._reply(conn, DataReply(status=Status.OK, message=message))
-        self.ctx.emit(
-            DataEvent(
-                op="corrupt",
-                job=req.job,
-                rank=req.rank,
-                step=req.step,
-                peer=req.node,
-                status=Status.OK,
-                message=message,
-            )
-        )
 
 
 def _receive_all(conn: socket.socket, writer: StepWriter) -> None:

@@ -28,6 +28,7 @@ from tierckpt_replicator.replication.ipc import (
     TaskProgress,
     TaskResult,
     WorkerConfig,
+    WorkerReady,
     decode_line,
     encode_line,
 )
@@ -130,8 +131,6 @@ class WorkerSupervisor:
         self._writer = writer
         writer.write(encode_line(self.config))
         await writer.drain()
-        self._ready.set()
-        log.info("replication worker started (pid %d)", self._proc.pid)
         try:
             await self._read_loop(reader)
         finally:
@@ -166,6 +165,9 @@ class WorkerSupervisor:
                 cb(msg)
         elif isinstance(msg, DataEvent):
             self.on_event(msg)
+        elif isinstance(msg, WorkerReady):
+            self._ready.set()
+            log.info("replication worker %s ready, data endpoint on port %d", self.pid, msg.data_port)
 
     def _fail_pending(self, why: str) -> None:
         for fut, _ in list(self._pending.values()):

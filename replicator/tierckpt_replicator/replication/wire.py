@@ -60,6 +60,8 @@ class Status:
     CONFLICT = 409
     TOO_LARGE = 413
     CORRUPT = 422
+    ABORTED = 499
+    """The other side went away mid-transfer (nothing was committed)."""
     BUSY = 503
     NO_SPACE = 507
 

@@ -29,6 +29,7 @@ from tierckpt_replicator.replication.ipc import (
     TaskProgress,
     TaskResult,
     WorkerConfig,
+    WorkerReady,
 )
 from tierckpt_replicator.replication.server import DataServer
 from tierckpt_replicator.replication.store import remove_stale_incoming
@@ -162,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         log.info("removed %d torn transfers left by an earlier run", removed)
     server = DataServer(ctx)
     server.start()
+    chan.send(WorkerReady(data_port=server.port))
     pool = ThreadPoolExecutor(max_workers=config.concurrency, thread_name_prefix="transfer")
     try:
         _serve_tasks(chan, ctx, pool)

@@ -1,0 +1,346 @@
+"""The streaming data endpoint over real loopback sockets: bit-exact copies, and every bad input
+refused before it can leave a torn or wrong step behind."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import socket
+import struct
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from fixtures.steps import step_files, write_step
+from tierckpt.format import committed_steps, rank_dir, replica_rank_dir, step_dir
+from tierckpt_replicator.replication.context import DataContext
+from tierckpt_replicator.replication.ipc import FetchSource, PeerAddress, WorkerConfig
+from tierckpt_replicator.replication.server import DataServer
+from tierckpt_replicator.replication.store import INCOMING_PREFIX
+from tierckpt_replicator.replication.transfer import fetch_step, push_step
+from tierckpt_replicator.replication.wire import DataReply, DataRequest, Status, recv_frame, send_frame
+from tierckpt_replicator.tokens import TokenFile
+
+TOKEN = "t0ken-for-tests"
+JOB = "ns_job_0123abcd"
+
+
+@dataclasses.dataclass
+class Peer:
+    ctx: DataContext
+    server: DataServer
+    events: list
+
+    @property
+    def root(self) -> Path:
+        return self.ctx.root
+
+    @property
+    def address(self) -> PeerAddress:
+        return PeerAddress(self.ctx.config.node, "127.0.0.1", self.server.port)
+
+    def source(self) -> FetchSource:
+        return FetchSource(kind="peer", node=self.ctx.config.node, host="127.0.0.1", port=self.server.port)
+
+
+@pytest.fixture
+def make_peer(tmp_path: Path) -> Iterator:
+    token = tmp_path / "token"
+    token.write_text(TOKEN + "\n")
+    servers: list[DataServer] = []
+
+    def make(name: str, **overrides) -> Peer:
+        root = tmp_path / name
+        root.mkdir()
+        cfg = WorkerConfig(
+            node=name,
+            root=str(root),
+            token_file=str(token),
+            listen_host="127.0.0.1",
+            data_port=0,
+            holder=f"replicator-{name}",
+            transfer_timeout=5.0,
+            **overrides,
+        )
+        events: list = []
+        ctx = DataContext.from_config(cfg, emit=events.append)
+        server = DataServer(ctx)
+        server.start()
+        servers.append(server)
+        return Peer(ctx, server, events)
+
+    yield make
+    for s in servers:
+        s.stop()
+
+
+def no_leftovers(root: Path) -> bool:
+    return not [p for p in root.rglob("*") if p.name.startswith(INCOMING_PREFIX)]
+
+
+def replica(peer: Peer, rank: int, step: int) -> Path:
+    return step_dir(replica_rank_dir(peer.root, JOB, rank), step)
+
+
+def test_put_is_bit_exact_and_idempotent(make_peer):
+    a, b = make_peer("a"), make_peer("b")
+    src = write_step(a.root, JOB, 3, 100, sizes=(3 << 20, 17, 5 << 20), files=2)
+    out = push_step(a.ctx, JOB, 3, 100, b.address)
+    assert out.status == "ok" and out.bytes == sum(p.stat().st_size for p in src.glob("data-*"))
+    assert step_files(replica(b, 3, 100)) == step_files(src)  # COMMIT and manifest byte for byte too
+    assert push_step(a.ctx, JOB, 3, 100, b.address).status == "already"
+    assert [e.status for e in b.events] == [200]
+    assert not list((rank_dir(a.root, JOB, 3) / "leases").glob("*.json"))  # the sender's lease is gone
+
+
+def test_get_stages_a_committed_primary(make_peer):
+    a, b = make_peer("a"), make_peer("b")
+    src = write_step(a.root, JOB, 0, 7, sizes=(9 << 20,))
+    assert push_step(a.ctx, JOB, 0, 7, b.address).status == "ok"
+    c = make_peer("c")
+    progress: list[tuple[int, int]] = []
+    out = fetch_step(c.ctx, JOB, 0, 7, b.source(), lambda d, t: progress.append((d, t)))
+    assert out.status == "ok"
+    staged = step_dir(rank_dir(c.root, JOB, 0), 7)
+    assert step_files(staged) == step_files(src)
+    assert progress[-1] == (9 << 20, 9 << 20)
+    assert fetch_step(c.ctx, JOB, 0, 7, b.source(), lambda d, t: None).status == "already"
+
+
+def test_local_replica_copy(make_peer):
+    a, b = make_peer("a"), make_peer("b")
+    src = write_step(a.root, JOB, 1, 5, sizes=(1 << 20, 333))
+    push_step(a.ctx, JOB, 1, 5, b.address)
+    out = fetch_step(b.ctx, JOB, 1, 5, FetchSource(kind="replica", node="b"), lambda d, t: None)
+    assert out.status == "ok"
+    assert step_files(step_dir(rank_dir(b.root, JOB, 1), 5)) == step_files(src)
+
+
+def test_corrupt_source_is_never_committed(make_peer):
+    a, b = make_peer("a"), make_peer("b")
+    src = write_step(a.root, JOB, 0, 1, sizes=(4 << 20,))
+    data = src / "data-00000.bin"
+    raw = bytearray(data.read_bytes())
+    raw[12345] ^= 0x01
+    data.write_bytes(raw)  # bit rot after commit
+    out = push_step(a.ctx, JOB, 0, 1, b.address)
+    assert out.status == "corrupt"
+    assert committed_steps(replica_rank_dir(b.root, JOB, 0)) == []
+    assert no_leftovers(b.root)
+
+
+def test_corrupt_replica_is_detected_reported_and_dropped(make_peer):
+    a, b, c = make_peer("a"), make_peer("b"), make_peer("c")
+    write_step(a.root, JOB, 2, 9, sizes=(2 << 20,))
+    push_step(a.ctx, JOB, 2, 9, b.address)
+    f = replica(b, 2, 9) / "data-00000.bin"
+    raw = bytearray(f.read_bytes())
+    raw[-1] ^= 0xFF
+    f.write_bytes(raw)
+    out = fetch_step(c.ctx, JOB, 2, 9, b.source(), lambda d, t: None)
+    assert out.status == "corrupt"
+    assert committed_steps(rank_dir(c.root, JOB, 2)) == [] and no_leftovers(c.root)
+    assert not replica(b, 2, 9).exists()  # the holder re-verified its copy and dropped it
+    assert any(e.op == "corrupt" and "dropped" in e.message for e in b.events)
+
+
+def test_wrong_or_missing_token_is_refused(make_peer, tmp_path):
+    a, b = make_peer("a"), make_peer("b")
+    write_step(a.root, JOB, 0, 1, sizes=(1024,))
+    wrong = tmp_path / "wrong-token"
+    wrong.write_text("not-the-token\n")
+    a.ctx.tokens = TokenFile(wrong)
+    assert push_step(a.ctx, JOB, 0, 1, b.address).status == "unauthorized"
+    with socket.create_connection(("127.0.0.1", b.server.port), timeout=5) as s:
+        send_frame(s, DataRequest(op="get", token="", job=JOB, rank=0, step=1))
+        assert recv_frame(s, DataReply).status == Status.UNAUTHORIZED
+    assert not (b.root / JOB).exists()
+
+
+def raw_request(peer: Peer, data: bytes) -> DataReply | None:
+    with socket.create_connection(("127.0.0.1", peer.server.port), timeout=5) as s:
+        s.sendall(data)
+        s.shutdown(socket.SHUT_WR)
+        try:
+            return recv_frame(s, DataReply)
+        except Exception:
+            return None
+
+
+def frame(obj: dict) -> bytes:
+    body = json.dumps(obj).encode()
+    return struct.pack("!4sI", b"TKR1", len(body)) + body
+
+
+@pytest.mark.parametrize(
+    ("payload", "status"),
+    [
+        (b"GET / HTTP/1.1\r\n\r\n", Status.BAD_REQUEST),  # not our protocol
+        (struct.pack("!4sI", b"TKR1", 1 << 30), Status.TOO_LARGE),  # absurd frame size
+        (frame({"kind": "tierckpt.data-request", "version": 1, "op": "get"}), Status.BAD_REQUEST),
+        (
+            frame(
+                {
+                    "kind": "tierckpt.data-request",
+                    "version": 1,
+                    "op": "rm",
+                    "token": TOKEN,
+                    "job": JOB,
+                    "rank": 0,
+                    "step": 0,
+                }
+            ),
+            Status.BAD_REQUEST,
+        ),
+        (
+            frame(
+                {
+                    "kind": "tierckpt.data-request",
+                    "version": 1,
+                    "op": "get",
+                    "token": TOKEN,
+                    "job": "../../etc",
+                    "rank": 0,
+                    "step": 0,
+                }
+            ),
+            Status.BAD_REQUEST,
+        ),
+        (
+            frame(
+                {
+                    "kind": "tierckpt.data-request",
+                    "version": 1,
+                    "op": "get",
+                    "token": TOKEN,
+                    "job": JOB,
+                    "rank": -1,
+                    "step": 0,
+                }
+            ),
+            Status.BAD_REQUEST,
+        ),
+        (
+            frame(
+                {
+                    "kind": "tierckpt.data-request",
+                    "version": 1,
+                    "op": "put",
+                    "token": TOKEN,
+                    "job": JOB,
+                    "rank": 0,
+                    "step": 0,
+                    "commit_size": 1 << 40,
+                    "manifest_size": 10,
+                }
+            ),
+            Status.TOO_LARGE,
+        ),
+        (
+            frame(
+                {
+                    "kind": "tierckpt.data-request",
+                    "version": 1,
+                    "op": "get",
+                    "token": TOKEN,
+                    "job": JOB,
+                    "rank": 0,
+                    "step": 5,
+                }
+            ),
+            Status.NOT_FOUND,
+        ),
+    ],
+)
+def test_malformed_requests_get_a_clean_error(make_peer, payload, status):
+    b = make_peer("b")
+    reply = raw_request(b, payload)
+    assert reply is not None and reply.status == status
+    assert not (b.root / JOB).exists() and not (b.root / "etc").exists()
+
+
+def test_header_that_lies_is_refused(make_peer, tmp_path):
+    a, b = make_peer("a"), make_peer("b")
+    src = write_step(a.root, JOB, 0, 4, sizes=(1000,))
+    commit, manifest = (src / "COMMIT").read_bytes(), (src / "manifest.json").read_bytes()
+    evil = manifest.replace(b'"data-00000.bin"', b'"../../../x.bin"')
+    for c, m, step in ((commit, manifest, 5), (commit, evil, 4), (commit[:-3] + b"99}", manifest, 4)):
+        req = DataRequest(
+            op="put", token=TOKEN, job=JOB, rank=0, step=step, commit_size=len(c), manifest_size=len(m)
+        )
+        with socket.create_connection(("127.0.0.1", b.server.port), timeout=5) as s:
+            send_frame(s, req, c + m)
+            assert recv_frame(s, DataReply).status == Status.BAD_REQUEST
+    assert not (b.root / JOB).exists() and not (tmp_path / "x.bin").exists()
+
+
+def test_a_full_receiver_refuses_before_any_byte_moves(make_peer):
+    a, b = make_peer("a"), make_peer("b", reserve_bytes=1 << 62)
+    write_step(a.root, JOB, 0, 1, sizes=(1 << 20,))
+    out = push_step(a.ctx, JOB, 0, 1, b.address)
+    assert out.status == "full" and out.bytes == 0
+    assert committed_steps(replica_rank_dir(b.root, JOB, 0)) == [] and no_leftovers(b.root)
+
+
+def test_connection_dropped_mid_stream_leaves_nothing(make_peer):
+    a, b = make_peer("a"), make_peer("b")
+    src = write_step(a.root, JOB, 0, 2, sizes=(8 << 20,))
+    commit, manifest = (src / "COMMIT").read_bytes(), (src / "manifest.json").read_bytes()
+    req = DataRequest(
+        op="put", token=TOKEN, job=JOB, rank=0, step=2, commit_size=len(commit), manifest_size=len(manifest)
+    )
+    with socket.create_connection(("127.0.0.1", b.server.port), timeout=5) as s:
+        send_frame(s, req, commit + manifest)
+        assert recv_frame(s, DataReply).status == Status.CONTINUE
+        s.sendall((src / "data-00000.bin").read_bytes()[: 3 << 20])  # the sender dies after 3 of 8 MiB
+    LocalWait.until(lambda: b.events)
+    assert b.events[-1].status == Status.ABORTED
+    assert committed_steps(replica_rank_dir(b.root, JOB, 0)) == [] and no_leftovers(b.root)
+    assert push_step(a.ctx, JOB, 0, 2, b.address).status == "ok"  # a later attempt succeeds
+
+
+def test_busy_receiver_says_so(make_peer):
+    a, b = make_peer("a"), make_peer("b", max_incoming=1)
+    write_step(a.root, JOB, 0, 1, sizes=(1024,))
+    hold = socket.create_connection(("127.0.0.1", b.server.port), timeout=5)  # occupies the only slot
+    try:
+        LocalWait.until(lambda: b.server._slots._value == 0)
+        assert push_step(a.ctx, JOB, 0, 1, b.address).status == "busy"
+    finally:
+        hold.close()
+
+
+def test_replicas_follow_retention(make_peer):
+    a, b = make_peer("a"), make_peer("b", replica_keep=2)
+    for step in (1, 2, 3, 4):
+        write_step(a.root, JOB, 0, step, sizes=(4096,))
+        assert push_step(a.ctx, JOB, 0, step, b.address).status == "ok"
+    assert committed_steps(replica_rank_dir(b.root, JOB, 0)) == [3, 4]
+
+
+def test_concurrent_puts_of_one_step_commit_once(make_peer):
+    a, b = make_peer("a"), make_peer("b")
+    src = write_step(a.root, JOB, 0, 6, sizes=(6 << 20,))
+    results: list[str] = []
+    threads = [
+        threading.Thread(target=lambda: results.append(push_step(a.ctx, JOB, 0, 6, b.address).status))
+        for _ in range(3)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert "ok" in results and set(results) <= {"ok", "busy", "already"}
+    assert step_files(replica(b, 0, 6)) == step_files(src) and no_leftovers(b.root)
+
+
+class LocalWait:
+    @staticmethod
+    def until(predicate, timeout: float = 10.0) -> None:
+        import time
+
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            assert time.monotonic() < deadline, "condition not met in time"
+            time.sleep(0.01)
