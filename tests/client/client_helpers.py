@@ -25,7 +25,9 @@ def assert_same(a: Any, b: Any, path: str = "") -> None:
         assert torch.equal(_bits(a), _bits(b)), f"{path}: tensor bytes differ"
         assert a.requires_grad == b.requires_grad, f"{path}: requires_grad differs"
     elif isinstance(a, np.ndarray):
-        assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes(), f"{path}: arrays differ"
+        assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes(), (
+            f"{path}: arrays differ"
+        )
     elif isinstance(a, dict):
         assert list(a) == list(b), f"{path}: keys {list(a)} != {list(b)}"
         for k in a:

@@ -8,7 +8,6 @@ import resource
 import pytest
 import torch
 from client_helpers import assert_same, training_state
-
 from tierckpt import Checkpointer, MissingCheckpointError, SaveHandle, TierckptError
 from tierckpt.format import CommitMarker, read_manifest, step_dir
 from tierckpt.snapshot.pool import SPARE_DIR
@@ -56,7 +55,9 @@ def test_a_model_and_optimizer_restore_through_their_load_state_dict(root, job):
     model2.load_state_dict(state["model"])
     opt2.load_state_dict(state["opt"])
     assert torch.equal(model2.weight, model.weight) and opt2.param_groups[0]["lr"] == 0.1
-    assert torch.equal(opt2.state[model2.weight]["momentum_buffer"], opt.state[model.weight]["momentum_buffer"])
+    assert torch.equal(
+        opt2.state[model2.weight]["momentum_buffer"], opt.state[model.weight]["momentum_buffer"]
+    )
 
 
 def test_nothing_to_load(root, job):

@@ -6,7 +6,6 @@ import threading
 import time
 
 import torch
-
 from tierckpt import Checkpointer, MissingCheckpointError, leases
 from tierckpt.format import committed_steps, step_dir
 from tierckpt.verify import verify_step

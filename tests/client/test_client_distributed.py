@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-
 from tierckpt import Checkpointer, CorruptShardError
 from tierckpt.format import discard_step, read_manifest, step_dir
 
@@ -59,7 +58,10 @@ def child(root: Path, job: str, rank: int, results: Path) -> None:
     try:
         torch.set_num_threads(1)
         dist.init_process_group(
-            "gloo", init_method=f"file://{results / 'store'}", rank=rank, world_size=WORLD,
+            "gloo",
+            init_method=f"file://{results / 'store'}",
+            rank=rank,
+            world_size=WORLD,
             timeout=datetime.timedelta(seconds=30),
         )
         out = scenario(root, job, rank)

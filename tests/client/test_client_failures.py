@@ -10,9 +10,16 @@ from pathlib import Path
 import pytest
 import torch
 from client_helpers import assert_same
-
 from tierckpt import Checkpointer, CorruptShardError, FormatError, RamdiskFullError
-from tierckpt.format import COMMIT_NAME, MANIFEST_NAME, OBJECTS_NAME, read_commit, read_manifest, step_dir, step_dirs
+from tierckpt.format import (
+    COMMIT_NAME,
+    MANIFEST_NAME,
+    OBJECTS_NAME,
+    read_commit,
+    read_manifest,
+    step_dir,
+    step_dirs,
+)
 from tierckpt.snapshot.pool import SlotPool
 from tierckpt.verify import step_problems, verify_step
 

@@ -12,7 +12,6 @@ import torch
 from client_helpers import assert_same, training_state
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from tierckpt.errors import FormatError
 from tierckpt.snapshot.flatten import flatten, restore_into
 
@@ -108,11 +107,17 @@ def test_distributed_tensors_are_refused_with_a_pointer_to_dcp():
 def test_state_must_be_a_dict_and_malformed_trees_are_format_errors():
     with pytest.raises(TypeError):
         flatten([torch.zeros(1)])  # type: ignore[arg-type]
-    for bad in ({"t": "list", "v": []}, {"t": "dict", "v": [[1]]}, {"t": "dict", "v": [["k", {"t": "nope"}]]}):
+    for bad in (
+        {"t": "list", "v": []},
+        {"t": "dict", "v": [[1]]},
+        {"t": "dict", "v": [["k", {"t": "nope"}]]},
+    ):
         with pytest.raises(FormatError):
             restore_into({}, bad, fill=lambda i, e: None, n_tensors=0, objects=[])
     with pytest.raises(FormatError, match="out of range"):
-        restore_into({}, {"t": "dict", "v": [["k", {"t": "tensor", "i": 3}]]}, fill=None, n_tensors=1, objects=[])
+        restore_into(
+            {}, {"t": "dict", "v": [["k", {"t": "tensor", "i": 3}]]}, fill=None, n_tensors=1, objects=[]
+        )
 
 
 scalars = st.one_of(

@@ -10,7 +10,6 @@ import time
 import pytest
 import torch
 from client_helpers import filled_state
-
 from tierckpt import Checkpointer
 from tierckpt.format import rank_dir, read_commit, step_dir, step_dirs
 from tierckpt.verify import verify_step

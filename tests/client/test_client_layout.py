@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from tierckpt.format import ALIGNMENT
 from tierckpt.snapshot.layout import TensorSpec, plan_layout
 

@@ -7,7 +7,6 @@ import threading
 import time
 
 import pytest
-
 from tierckpt import leases
 from tierckpt.errors import MissingCheckpointError
 from tierckpt.format import Lease, Manifest, commit_step, lease_dir, rank_dir, step_dir
@@ -19,7 +18,9 @@ def rank_path(root, job):
     for step in (1, 2):
         d = step_dir(path, step)
         d.mkdir(parents=True)
-        commit_step(d, Manifest(job=job, rank=0, world_size=1, step=step, created_at=0.0, files=(), tensors=()))
+        commit_step(
+            d, Manifest(job=job, rank=0, world_size=1, step=step, created_at=0.0, files=(), tensors=())
+        )
     step_dir(path, 3).mkdir()  # uncommitted
     return path
 

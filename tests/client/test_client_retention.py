@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from tierckpt.retention import plan_retention
 
 

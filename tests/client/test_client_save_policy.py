@@ -5,9 +5,8 @@ from __future__ import annotations
 import threading
 
 import pytest
-import torch
-
 import tierckpt.checkpointer as checkpointer_module
+import torch
 from tierckpt import Checkpointer, SaveInProgressError
 from tierckpt.format import step_dirs
 

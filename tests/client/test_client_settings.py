@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from tierckpt.contract import Env
 from tierckpt.errors import ContractError, FormatError
 from tierckpt.settings import resolve

@@ -7,16 +7,24 @@ import time
 
 import pytest
 import torch
-
 from tierckpt import Checkpointer, RetryableError
 from tierckpt.contract import RestoreState, RestoreStatus, Tier, restore_status_name, write_control
 from tierckpt.snapshot.staging import USE_LOCAL, restore_target, wait_for_restore
 
 
-def status(job: str, state: RestoreState, step: int | None = None, updated_at: float | None = None) -> RestoreStatus:
+def status(
+    job: str, state: RestoreState, step: int | None = None, updated_at: float | None = None
+) -> RestoreStatus:
     return RestoreStatus(
-        job=job, rank=0, state=state, step=step, source=Tier.PEER, bytes_done=0, bytes_total=10,
-        updated_at=time.time() if updated_at is None else updated_at, message="disk on fire" * (state == "failed"),
+        job=job,
+        rank=0,
+        state=state,
+        step=step,
+        source=Tier.PEER,
+        bytes_done=0,
+        bytes_total=10,
+        updated_at=time.time() if updated_at is None else updated_at,
+        message="disk on fire" * (state == "failed"),
     )
 
 
@@ -32,7 +40,7 @@ def test_waits_while_the_status_moves_then_returns_ready(root, job):
     publish(root, job, status(job, RestoreState.STAGING))
 
     def replicator():
-        for i in range(5):
+        for _i in range(5):
             time.sleep(0.1)
             publish(root, job, status(job, RestoreState.STAGING))
         publish(root, job, status(job, RestoreState.READY, step=4))
@@ -48,7 +56,9 @@ def test_a_stalled_status_is_given_up_on(root, job):
     publish(root, job, status(job, RestoreState.STAGING))
     got = wait_for_restore(root, job, 0, expect_replicator=False, stall_timeout=0.2, poll=0.02)
     assert got is not None and got.state is RestoreState.STAGING
-    assert wait_for_restore(root, "other-job", 0, expect_replicator=True, stall_timeout=0.1, poll=0.02) is None
+    assert (
+        wait_for_restore(root, "other-job", 0, expect_replicator=True, stall_timeout=0.1, poll=0.02) is None
+    )
 
 
 def test_failed_staging_raises(root, job):
