@@ -1,0 +1,197 @@
+"""GCS backup and restore throughput of tierckpt's backup service vs a plain google-cloud-storage transfer.
+
+Baselines, measured in the same run against the same server: one ``blob.upload_from_filename`` of the
+same bytes (one file), and one ``blob.download_to_filename``. Ours: ``BackupService.backup_now`` of a
+committed step (``--ranks`` x ``--files`` data files holding the same bytes: crc32c-verified parallel
+uploads, manifest, rank commits and the completion object), and ``fetch_rank`` of every rank
+(parallel ranged downloads, crc32c of every byte, commit into the ramdisk format).
+
+By default it starts a fake-gcs-server (memory backend) on loopback; ``--endpoint``/``--bucket`` point
+it at another emulator or a real bucket (with ``--real`` it uses your default credentials).
+
+    python bench/gcs_bench.py                     # 256 MiB, 2 ranks x 2 files
+    python bench/gcs_bench.py --size-mib 1024 --ranks 1 --files 1 --slice-mib 128 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+MiB = 1 << 20
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--size-mib", type=int, default=256, help="total bytes of the step (default 256 MiB)")
+    p.add_argument(
+        "--ranks", type=int, default=2, help="ranks of the step, all held by this node (default 2)"
+    )
+    p.add_argument("--files", type=int, default=2, help="data files per rank (default 2)")
+    p.add_argument("--parallelism", type=int, default=8, help="object transfers in flight (default 8)")
+    p.add_argument("--chunk-mib", type=int, default=64, help="resumable upload chunk (default 64 MiB)")
+    p.add_argument("--slice-mib", type=int, default=256, help="files above this upload as composed slices")
+    p.add_argument("--range-mib", type=int, default=64, help="restore download range size (default 64 MiB)")
+    p.add_argument("--repeat", type=int, default=3, help="runs per measurement; the median is reported")
+    p.add_argument(
+        "--dir", type=Path, default=None, help="where the step lives (default: /dev/shm if present)"
+    )
+    p.add_argument("--endpoint", default="", help="use this GCS endpoint instead of a local fake-gcs-server")
+    p.add_argument("--bucket", default="", help="bucket to use (created on the emulator if missing)")
+    p.add_argument("--real", action="store_true", help="real GCS with default credentials (needs --bucket)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    return p.parse_args(argv)
+
+
+def _write_step(root: Path, job: str, ranks: int, files: int, total: int) -> Path:
+    """Commit a step of ``ranks`` ranks with random data files; also write the same bytes as one file."""
+    from tierckpt.format import (
+        FileEntry,
+        Manifest,
+        TensorEntry,
+        commit_step,
+        data_file_name,
+        rank_dir,
+        step_dir,
+    )
+    from tierckpt.integrity import crc32c
+
+    per_file = max(1, total // (ranks * files)) // 4096 * 4096
+    flat = root.parent / "baseline.bin"
+    block = os.urandom(8 * MiB)
+    with open(flat, "wb") as out:
+        for r in range(ranks):
+            path = step_dir(rank_dir(root, job, r), 1)
+            path.mkdir(parents=True)
+            entries, tensors = [], []
+            for i in range(files):
+                name = data_file_name(i)
+                crc, done = 0, 0
+                with open(path / name, "wb") as f:
+                    while done < per_file:
+                        piece = block[: min(len(block), per_file - done)]
+                        tag = (r * files + i + done).to_bytes(8, "little")  # no two blocks alike
+                        piece = tag + piece[8:]
+                        f.write(piece)
+                        out.write(piece)
+                        crc = crc32c(piece, crc)
+                        done += len(piece)
+                entries.append(FileEntry(name, per_file, crc))
+                tensors.append(TensorEntry(f"t{i}", "uint8", (per_file,), name, 0, per_file, crc))
+            manifest = Manifest(job=job, rank=r, world_size=ranks, step=1, created_at=time.time(),
+                                files=tuple(entries), tensors=tuple(tensors), tree={})  # fmt: skip
+            commit_step(path, manifest)
+    return flat
+
+
+def _timed(fn: Callable[[], Any]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _run(args: argparse.Namespace, endpoint: str, bucket: str, work: Path) -> dict[str, Any]:
+    from google.auth.credentials import AnonymousCredentials
+    from google.cloud import storage
+    from prometheus_client import CollectorRegistry
+    from tierckpt.bucket_layout import BucketLayout
+    from tierckpt.format import rank_dir
+    from tierckpt_replicator.backup import BackupPolicy, BackupService
+    from tierckpt_replicator.backup.gcs import GcsSettings, GcsStore
+    from tierckpt_replicator.backup.metrics import BackupMetrics
+
+    job = "bench"
+    root = work / "ramdisk"
+    flat = _write_step(root, job, args.ranks, args.files, args.size_mib * MiB)
+    nbytes = flat.stat().st_size
+    kw: dict[str, Any] = {} if args.real else {"credentials": AnonymousCredentials(),
+                                                "client_options": {"api_endpoint": endpoint}}  # fmt: skip
+    client = storage.Client(project="bench", **kw)
+    blob = client.bucket(bucket).blob(f"tierckpt-bench-baseline/{uuid.uuid4().hex}")
+    out, dest = work / "baseline.out", work / "restored"
+    gcs = GcsSettings(bucket=bucket, endpoint="" if args.real else endpoint, chunk_size=args.chunk_mib * MiB,
+                      pool_size=2 * args.parallelism)  # fmt: skip
+    svc = BackupService(
+        store=GcsStore(gcs), policy=BackupPolicy(interval_steps=0, interval_seconds=0), node="bench",
+        root=root, layout=BucketLayout(f"tierckpt-bench-{uuid.uuid4().hex[:8]}"),
+        parallelism=args.parallelism, slice_size=args.slice_mib * MiB, range_size=args.range_mib * MiB,
+        metrics=BackupMetrics(CollectorRegistry()),
+    )  # fmt: skip
+    loop = asyncio.new_event_loop()
+
+    def restore() -> None:
+        for r in range(args.ranks):
+            loop.run_until_complete(svc.fetch_rank(job, 1, r, rank_dir(dest, job, r)))
+
+    # Baseline and ours alternate, so load from anything else on the machine hits both alike.
+    times: dict[str, list[float]] = {"plain_up": [], "ours_up": [], "plain_down": [], "ours_down": []}
+    try:
+        for _ in range(args.repeat):
+            loop.run_until_complete(svc.delete_backups(job))
+            times["plain_up"].append(_timed(lambda: blob.upload_from_filename(str(flat))))
+            times["ours_up"].append(_timed(lambda: loop.run_until_complete(svc.backup_now(job))))
+            shutil.rmtree(dest, ignore_errors=True)
+            times["plain_down"].append(_timed(lambda: blob.download_to_filename(str(out))))
+            times["ours_down"].append(_timed(restore))
+        loop.run_until_complete(svc.delete_backups(job))
+        loop.run_until_complete(svc.close())
+    finally:
+        loop.close()
+        blob.delete()
+    plain_up, ours_up, plain_down, ours_down = (statistics.median(times[k]) for k in times)
+    mbps = lambda seconds: nbytes / seconds / 1e6  # noqa: E731
+    return {
+        "bytes": nbytes, "ranks": args.ranks, "files_per_rank": args.files, "parallelism": args.parallelism,
+        "chunk_mib": args.chunk_mib, "slice_mib": args.slice_mib, "repeat": args.repeat,
+        "plain_upload_MBps": round(mbps(plain_up), 1), "backup_MBps": round(mbps(ours_up), 1),
+        "backup_vs_plain": round(plain_up / ours_up, 3),
+        "plain_download_MBps": round(mbps(plain_down), 1), "restore_MBps": round(mbps(ours_down), 1),
+        "restore_vs_plain": round(plain_down / ours_down, 3),
+        "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
+        "server": "real GCS" if args.real else (endpoint if args.endpoint else "fake-gcs-server (memory)"),
+    }  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    if args.real and not args.bucket:
+        sys.exit("--real needs --bucket")
+    base = args.dir or (Path("/dev/shm") if Path("/dev/shm").is_dir() else None)
+    with tempfile.TemporaryDirectory(prefix="tierckpt-gcs-bench-", dir=base) as tmp:
+        if args.endpoint or args.real:
+            result = _run(args, args.endpoint, args.bucket, Path(tmp))
+        else:
+            from tierckpt.demo.fakegcs import FakeGcsServer
+
+            with FakeGcsServer(log_level="error") as gcs:
+                bucket = args.bucket or "tierckpt-bench"
+                gcs.create_bucket(bucket)
+                result = _run(args, gcs.url, bucket, Path(tmp))
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"GCS bench: {result['bytes'] / MiB:.0f} MiB as {args.ranks} rank(s) x {args.files} file(s), "
+              f"{result['server']}, median of {args.repeat} ({result['machine']})")  # fmt: skip
+        print(f"  upload   plain upload_from_filename {result['plain_upload_MBps']:8.1f} MB/s")
+        print(f"           tierckpt backup_now        {result['backup_MBps']:8.1f} MB/s   "
+              f"({result['backup_vs_plain']:.2f}x plain)")  # fmt: skip
+        print(f"  download plain download_to_filename {result['plain_download_MBps']:8.1f} MB/s")
+        print(f"           tierckpt fetch_rank        {result['restore_MBps']:8.1f} MB/s   "
+              f"({result['restore_vs_plain']:.2f}x plain)")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
