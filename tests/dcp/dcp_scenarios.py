@@ -17,6 +17,7 @@ import torch.distributed.checkpoint as dcp
 from tierckpt.dcp import RamdiskReader, RamdiskWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.planner import WriteItemType
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
@@ -182,14 +183,14 @@ def load_expecting_failure(
 
 
 class DieMidWrite(DefaultSavePlanner):
-    """Kills the process (no cleanup, like SIGKILL or a node loss) after it wrote ``after`` items."""
+    """Kills the process (no cleanup, like SIGKILL or a node loss) after it copied ``after`` tensors."""
 
     def __init__(self, victim: int, after: int) -> None:
         super().__init__()
         self.victim, self.after, self.count = victim, after, 0
 
     def resolve_data(self, write_item: Any) -> Any:
-        if dist.get_rank() == self.victim:
+        if dist.get_rank() == self.victim and write_item.type != WriteItemType.BYTE_IO:
             self.count += 1
             if self.count > self.after:
                 os._exit(17)
@@ -198,5 +199,5 @@ class DieMidWrite(DefaultSavePlanner):
 
 def save_and_die(rank: int, world_size: int, root: str, job: str, step: int, seed: int) -> None:
     state = plain_state(seed)
-    writer = RamdiskWriter(root, job, threads=1)
+    writer = RamdiskWriter(root, job)
     dcp.save(state, checkpoint_id=step, storage_writer=writer, planner=DieMidWrite(victim=1, after=1))

@@ -114,15 +114,17 @@ def test_a_full_ramdisk_raises_ramdisk_full_and_keeps_older_steps(tmp_path: Path
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tierckpt-dcp-test", str(mount)], check=True)
     try:
         small = {"x": torch.arange(1000, dtype=torch.float32)}
-        dcp.save(small, checkpoint_id=1, storage_writer=RamdiskWriter(mount, job), no_dist=True)
-        with pytest.raises(CheckpointException) as info:
-            big = {"x": torch.randn(1 << 20)}  # 4 MiB into a 1 MiB ramdisk
-            dcp.save(big, checkpoint_id=2, storage_writer=RamdiskWriter(mount, job), no_dist=True)
+        with RamdiskWriter(mount, job) as writer:
+            dcp.save(small, checkpoint_id=1, storage_writer=writer, no_dist=True)
+            with pytest.raises(CheckpointException) as info:
+                big = {"x": torch.randn(1 << 20)}  # 4 MiB into a 1 MiB ramdisk
+                dcp.save(big, checkpoint_id=2, storage_writer=writer, no_dist=True)
         ((error, _tb),) = info.value.failures.values()
         assert isinstance(error, RamdiskFullError), error
+        assert "ramdisk full" in str(error)
         assert not step_dir(rank_dir(mount, job, 0), 2).exists(), "the partial step was removed"
         got = {"x": torch.zeros(1000)}
         dcp.load(got, storage_reader=RamdiskReader(mount, job), no_dist=True)
         assert torch.equal(got["x"], small["x"])
     finally:
-        subprocess.run(["umount", str(mount)], check=True)
+        subprocess.run(["umount", "--lazy", str(mount)], check=True)

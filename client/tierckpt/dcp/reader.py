@@ -25,7 +25,6 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
@@ -45,10 +44,10 @@ from tierckpt.format import (
     read_manifest,
     replica_rank_dir,
 )
-from tierckpt.integrity import crc32c
+from tierckpt.integrity import crc32c, crc32c_address
 from tierckpt.settings import resolve
+from tierckpt.snapshot.shardfile import MappedFile
 
-from ._io import MappedFile
 from ._paths import find_rank_step, parse_step_id, require_step_id
 from .metadata import DcpMetadata, ItemLocation, decode_metadata
 from .writer import item_key
@@ -81,7 +80,7 @@ class _RankStep:
         self._checked: set[str] = set()
 
     def open(self, name: str) -> MappedFile:
-        mapped = MappedFile(self.path / name)
+        mapped = MappedFile.open(self.path / name, writable=False, populate=False)
         if name not in self._checked:
             entry = self.manifest.file(name)
             if mapped.size != entry.size:
@@ -280,11 +279,15 @@ class RamdiskReader(StorageReader):
         self, req: ReadItem, mapped: MappedFile, verified: set[MetadataIndex], planner: LoadPlanner
     ) -> None:
         loc = self._storage[req.storage_index]
-        region = mapped.region(loc.offset, loc.length)
+        key = item_key(req.storage_index)
+        if loc.offset + loc.length > mapped.size:
+            raise CorruptShardError(
+                f"{mapped.path}: item {key!r} runs past the end of the file", path=str(mapped.path), key=key
+            )
+        region = mapped.buffer[loc.offset : loc.offset + loc.length]
         if req.storage_index not in verified:
-            actual = mapped.crc32c(region)
+            actual = crc32c_address(region.data_ptr(), loc.length) if loc.length else 0
             if actual != loc.crc32c:
-                key = item_key(req.storage_index)
                 raise CorruptShardError(
                     f"{mapped.path}: item {key!r} (bytes {loc.offset}..{loc.offset + loc.length}) has crc32c "
                     f"{actual:08x}, expected {loc.crc32c:08x}: the shard is corrupt",
@@ -293,19 +296,18 @@ class RamdiskReader(StorageReader):
                 )
             verified.add(req.storage_index)
         if req.type == LoadItemType.BYTE_IO:
-            planner.load_bytes(req, io.BytesIO(region.tobytes()))
+            planner.load_bytes(req, io.BytesIO(region.numpy().tobytes()))
             return
         self._load_tensor(req, region, planner)
 
-    def _load_tensor(self, req: ReadItem, region: np.ndarray, planner: LoadPlanner) -> None:
+    def _load_tensor(self, req: ReadItem, region: torch.Tensor, planner: LoadPlanner) -> None:
         index = req.storage_index
         sizes, dtype = self._chunks[(index.fqn, tuple(index.offset or ()))]
-        if region.nbytes != sizes.numel() * dtype.itemsize:
+        if region.numel() != sizes.numel() * dtype.itemsize:
             raise FormatError(
-                f"item {item_key(index)!r}: {region.nbytes} bytes do not hold {dtype} {tuple(sizes)}"
+                f"item {item_key(index)!r}: {region.numel()} bytes do not hold {dtype} {tuple(sizes)}"
             )
-        src = torch.from_numpy(region).view(dtype).reshape(sizes)
-        src = narrow_tensor_by_index(src, req.storage_offsets, req.lengths)
+        src = narrow_tensor_by_index(region.view(dtype).reshape(sizes), req.storage_offsets, req.lengths)
         target = planner.resolve_tensor(req).detach()
         if target.size() != src.size():
             raise FormatError(

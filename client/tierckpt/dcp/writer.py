@@ -1,6 +1,6 @@
 """``RamdiskWriter``: a DCP ``StorageWriter`` that saves into the tierckpt ramdisk format.
 
-Each rank writes its own step directory ``<root>/<job>/rank-NNNNN/step-NNNNNNNNNNNN/`` (data files,
+Each rank writes its own step directory ``<root>/<job>/rank-NNNNN/step-NNNNNNNNNNNN/`` (data file,
 ``manifest.json`` with ``manifest_kind="dcp"``, ``COMMIT``), so the replicator replicates and backs up
 DCP checkpoints exactly like native ones. DCP's call order, and what each call does here:
 
@@ -8,21 +8,23 @@ DCP checkpoints exactly like native ones. DCP's call order, and what each call d
    ``parse_step_id``), unless the writer was built with ``step=``.
 2. (all ranks) ``set_up_storage_writer``: learn the role; resolve rank and world size.
 3. (all ranks) ``prepare_local_plan``: refuse an existing committed step unless ``overwrite=True``.
-4. (coordinator) ``prepare_global_plan``: check that all ranks save the same step from distinct ranks.
-5. (all ranks) ``write_data``: write every item's bytes to the data files, crc32c each; a non-coordinator
-   rank then commits its step (its step is complete and self-describing on its own).
+4. (coordinator) ``prepare_global_plan``: check that all ranks save the same step from distinct ranks,
+   and tell every rank which checkpoints are complete (for retention).
+5. (all ranks) ``write_data``: copy every item straight into the rank's mapped data file (pages reused
+   from a retired step when possible), crc32c each item in place; a non-coordinator rank then commits
+   its step (complete and self-describing on its own) and applies retention.
 6. (coordinator) ``finish``: write the global metadata as typed JSON (``dcp-metadata.json``, see
    ``tierckpt.dcp.metadata``), then commit its own step last. The coordinator only gets here when every
    rank's ``write_data`` succeeded, so its COMMIT marks the whole DCP checkpoint complete.
 
-A failure removes this rank's partial step; ``ENOSPC`` raises ``RamdiskFullError``.
+A failure removes this rank's partial step; a full ramdisk raises ``RamdiskFullError``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import io
 import logging
-import math
 import os
 import time
 import uuid
@@ -30,18 +32,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
+from tierckpt import cuda
 from tierckpt.format import (
     DCP_METADATA_NAME,
     FileEntry,
     Manifest,
     TensorEntry,
     commit_step,
-    data_file_name,
+    committed_steps,
     discard_step,
     rank_dir,
     read_commit,
@@ -50,10 +53,13 @@ from tierckpt.format import (
 )
 from tierckpt.integrity import crc32c
 from tierckpt.settings import resolve
+from tierckpt.snapshot.commit import checksum_slot
+from tierckpt.snapshot.copy import copy_into
+from tierckpt.snapshot.layout import LayoutPlan, TensorSpec, plan_layout
+from tierckpt.snapshot.pool import Slot
 
-from ._io import Payload, as_bytes, write_files
-from ._layout import RankLayout, Slot, file_crc32c, plan_layout
 from ._paths import parse_step_id, require_step_id
+from ._store import RankStore
 from .metadata import ItemLocation, encode_metadata, tensor_dtype_name
 
 __all__ = ["DCP_FORMAT_VERSION", "RamdiskWriter", "item_key"]
@@ -64,13 +70,15 @@ DCP_FORMAT_VERSION = 1
 """Version of the ``extra["dcp"]`` block of DCP manifests."""
 _DCP_VERSION = "1.0.0"
 """``Metadata.version`` we record (the DCP checkpoint format version our layout is equivalent to)."""
+_COPY_BATCH = 256 << 20
+"""Resolve and copy items in batches of about this many bytes (DCP asks to resolve lazily)."""
 
 
-def item_key(item_index: Any) -> str:
+def item_key(index: MetadataIndex) -> str:
     """The manifest key of a DCP item: its fqn, plus ``@offsets`` for a tensor chunk."""
-    if item_index.offset is None:
-        return item_index.fqn
-    return f"{item_index.fqn}@{','.join(str(int(o)) for o in item_index.offset)}"
+    if index.offset is None:
+        return index.fqn
+    return f"{index.fqn}@{','.join(str(int(o)) for o in index.offset)}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +87,14 @@ class _LocalPlanData:
 
     rank: int
     step: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _GlobalPlanData:
+    """``SavePlan.storage_data`` the coordinator sends back: checkpoints complete before this save."""
+
+    step: int
+    complete: tuple[int, ...]
 
 
 @dataclasses.dataclass
@@ -90,6 +106,7 @@ class _Save:
     world_size: int
     is_coordinator: bool
     path: Path
+    slot: Slot | None = None
     files: list[FileEntry] = dataclasses.field(default_factory=list)
     tensors: list[TensorEntry] = dataclasses.field(default_factory=list)
     objects: list[int] = dataclasses.field(default_factory=list)
@@ -103,10 +120,9 @@ class RamdiskWriter(StorageWriter):
         job: the job id (default ``$TIERCKPT_JOB``, else ``"local"``).
         step: the step to save; ``dcp.save(..., checkpoint_id=step)`` sets it per save instead.
         rank, world_size: this process's rank and the job's world size as recorded in manifests
-            (default: torch.distributed's global rank and world size).
-        threads: data files (and writer threads) per rank; tmpfs takes one writer per file at a time.
+            (default: ``TIERCKPT_RANK``/``TIERCKPT_WORLD_SIZE``, else torch.distributed's).
+        keep: complete checkpoints retained per rank (older steps are retired and their pages reused).
         overwrite: replace this rank's committed step of the same number instead of refusing.
-        sync_files: fsync data files (cheap on tmpfs; keeps the commit order on other file systems).
     """
 
     def __init__(
@@ -117,21 +133,23 @@ class RamdiskWriter(StorageWriter):
         *,
         rank: int | None = None,
         world_size: int | None = None,
-        threads: int = 2,
+        keep: int = 2,
         overwrite: bool = False,
-        sync_files: bool = True,
     ) -> None:
         super().__init__()
-        where = resolve(root=root, job=job, rank=rank, world_size=world_size)
-        self.root, self.job = where.root, where.job
+        where = resolve(root=root, job=job, rank=rank, world_size=world_size, keep=keep)
+        self.root, self.job, self.keep = where.root, where.job, where.keep
         self.step = None if step is None else require_step_id(step)
-        self.threads = max(1, int(threads))
         self.overwrite = overwrite
-        self.sync_files = sync_files
         self._rank = rank
         self._world_size = world_size
         self.save_id = str(uuid.uuid4())
         self._save: _Save | None = None
+        self._stores: dict[int, RankStore] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        # DCP's process-based async executor pickles the writer: mappings stay in this process.
+        return {**self.__dict__, "_stores": {}, "_save": None}
 
     # ------------------------------------------------------------------ identity
 
@@ -152,6 +170,18 @@ class RamdiskWriter(StorageWriter):
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.checkpoint_id, save_id=self.save_id)
 
+    def close(self) -> None:
+        """Unmap the data files this writer keeps for reuse (files stay; the next writer adopts them)."""
+        for store in self._stores.values():
+            store.close()
+        self._stores = {}
+
+    def __enter__(self) -> RamdiskWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     # ------------------------------------------------------------------ planning
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -161,9 +191,8 @@ class RamdiskWriter(StorageWriter):
             raise ValueError("no step to save: pass checkpoint_id=<step> to dcp.save, or step=")
         self._abandon_unfinished()
         who = resolve(root=self.root, job=self.job, rank=self._rank, world_size=self._world_size)
-        rank, world_size = who.rank, who.world_size
-        path = step_dir(rank_dir(self.root, self.job, rank), self.step)
-        self._save = _Save(self.step, rank, world_size, bool(is_coordinator), path)
+        path = step_dir(rank_dir(self.root, self.job, who.rank), self.step)
+        self._save = _Save(self.step, who.rank, who.world_size, bool(is_coordinator), path)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         save = self._current()
@@ -175,6 +204,7 @@ class RamdiskWriter(StorageWriter):
         return dataclasses.replace(plan, storage_data=_LocalPlanData(save.rank, save.step))
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        save = self._current()
         infos = [p.storage_data for p in plans if isinstance(p.storage_data, _LocalPlanData)]
         steps = {i.step for i in infos}
         if len(steps) > 1:
@@ -182,7 +212,9 @@ class RamdiskWriter(StorageWriter):
         ranks = [i.rank for i in infos]
         if len(set(ranks)) != len(ranks):
             raise ValueError(f"two processes save as the same rank (ranks {sorted(ranks)}); check rank=")
-        return plans
+        complete = tuple(s for s in committed_steps(save.path.parent) if s != save.step)
+        info = _GlobalPlanData(save.step, complete)
+        return [dataclasses.replace(p, storage_data=info) for p in plans]
 
     # ------------------------------------------------------------------ writing
 
@@ -190,88 +222,75 @@ class RamdiskWriter(StorageWriter):
         save = self._current()
         if save.path.exists():
             discard_step(save.path)  # an uncommitted leftover, or a step we were told to overwrite
-        save.path.mkdir(parents=True)
+        store = self._store(save)
         try:
-            results = self._write_items(save, plan.items, planner)
+            results = self._write_items(save, store, plan.items, planner)
+            if not save.is_coordinator:
+                manifest_crc = commit_step(save.path, self._manifest(save)).manifest_crc32c
+                results = [
+                    dataclasses.replace(
+                        r, storage_data=dataclasses.replace(r.storage_data, manifest_crc32c=manifest_crc)
+                    )
+                    for r in results
+                ]
         except BaseException:
+            if save.slot is not None:
+                store.forget(save.slot)
             discard_step(save.path)
             raise
+        if not save.is_coordinator:
+            info = plan.storage_data
+            fresh = isinstance(info, _GlobalPlanData) and info.step == save.step  # not a cached plan
+            assert save.slot is not None
+            store.committed(save.step, save.slot, info.complete if fresh else None)
+            log.info("rank %d committed DCP step %d at %s", save.rank, save.step, save.path)
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
 
-    def _write_items(self, save: _Save, items: list[WriteItem], planner: SavePlanner) -> list[WriteResult]:
-        objects = {i: as_bytes(planner.resolve_data(it)) for i, it in enumerate(items) if _is_object(it)}
-        lengths = [len(objects[i]) if i in objects else _planned_length(it) for i, it in enumerate(items)]
-        layout = plan_layout(lengths, self.threads)
-
-        def resolve(slot: Slot) -> Payload:
-            if slot.item in objects:
-                return objects.pop(slot.item)
-            return _tensor_payload(items[slot.item], planner.resolve_data(items[slot.item]))
-
-        paths = [save.path / data_file_name(f) for f in range(len(layout.file_sizes))]
-        slots_per_file = [layout.slots_in(f) for f in range(len(paths))]
+    def _write_items(
+        self, save: _Save, store: RankStore, items: list[WriteItem], planner: SavePlanner
+    ) -> list[WriteResult]:
+        objects = {
+            i: _object_bytes(it, planner.resolve_data(it)) for i, it in enumerate(items) if _is_object(it)
+        }
+        plan = plan_layout([_spec(it, objects.get(i)) for i, it in enumerate(items)])
+        if not store.pool.register_cuda and cuda.available() and torch.cuda.is_initialized():
+            store.pool.register_cuda = True  # device tensors copy straight into pinned ramdisk pages
+            store.pool.register_all()
         t0 = time.perf_counter()
-        crcs = write_files(paths, layout.file_sizes, slots_per_file, resolve, sync=self.sync_files)
-        self._record(save, items, layout, crcs)
-        manifest_crc = None
-        if not save.is_coordinator:
-            manifest_crc = commit_step(save.path, self._manifest(save)).manifest_crc32c
-            log.info(
-                "rank %d committed DCP step %d: %d items, %d bytes in %.3fs at %s",
-                save.rank,
-                save.step,
-                len(items),
-                sum(layout.file_sizes),
-                time.perf_counter() - t0,
-                save.path,
-            )
+        save.slot = store.take(save.step, plan)
+        views = save.slot.views(plan)
+        _copy_items(views, items, planner, objects)
+        crcs, save.files = checksum_slot(plan, save.slot.files)
+        for f in save.slot.files:
+            f.sync()
+        self._record(save, items, plan, crcs)
+        log.debug(
+            "rank %d wrote %d DCP items (%d bytes) in %.3fs",
+            save.rank,
+            len(items),
+            plan.total_bytes,
+            time.perf_counter() - t0,
+        )
         return [
             WriteResult(
                 index=it.index,
-                size_in_bytes=slot.length,
-                storage_data=ItemLocation(
-                    save.rank,
-                    data_file_name(slot.file),
-                    slot.offset,
-                    slot.length,
-                    crcs[slot.item],
-                    manifest_crc,
-                ),
+                size_in_bytes=p.length,
+                storage_data=ItemLocation(save.rank, plan.files[p.file].name, p.offset, p.length, crc),
             )
-            for it, slot in zip(items, layout.slots, strict=True)
+            for it, p, crc in zip(items, plan.placements, crcs, strict=True)
         ]
 
-    def _record(self, save: _Save, items: list[WriteItem], layout: RankLayout, crcs: dict[int, int]) -> None:
-        save.files = [
-            FileEntry(data_file_name(f), size, file_crc32c(layout.slots_in(f), crcs))
-            for f, size in enumerate(layout.file_sizes)
+    def _record(self, save: _Save, items: list[WriteItem], plan: LayoutPlan, crcs: list[int]) -> None:
+        save.objects = [i for i, it in enumerate(items) if _is_object(it)]
+        save.tensors = [
+            TensorEntry(spec.key, spec.dtype, spec.shape, plan.files[p.file].name, p.offset, p.length, crc)
+            for spec, p, crc in zip(plan.specs, plan.placements, crcs, strict=True)
         ]
-        save.tensors = []
-        save.objects = []
-        for it, slot in zip(items, layout.slots, strict=True):
-            if _is_object(it):
-                save.objects.append(len(save.tensors))
-                dtype, shape = "uint8", (slot.length,)
-            else:
-                td = it.tensor_data
-                assert td is not None
-                dtype, shape = tensor_dtype_name(td.properties.dtype), tuple(td.chunk.sizes)
-            save.tensors.append(
-                TensorEntry(
-                    item_key(it.index),
-                    dtype,
-                    shape,
-                    data_file_name(slot.file),
-                    slot.offset,
-                    slot.length,
-                    crcs[slot.item],
-                )
-            )
 
     def _manifest(self, save: _Save) -> Manifest:
-        extra = {
+        extra: dict[str, Any] = {
             "version": DCP_FORMAT_VERSION,
             "coordinator": save.is_coordinator,
             "save_id": self.save_id,
@@ -299,6 +318,7 @@ class RamdiskWriter(StorageWriter):
         metadata.storage_data = locations
         metadata.storage_meta = self.storage_meta()
         metadata.version = _DCP_VERSION
+        store = self._store(save)
         try:
             record = encode_metadata(
                 metadata,
@@ -313,8 +333,12 @@ class RamdiskWriter(StorageWriter):
             save.files.append(FileEntry(DCP_METADATA_NAME, len(body), crc32c(body)))
             commit_step(save.path, self._manifest(save))
         except BaseException:
+            if save.slot is not None:
+                store.forget(save.slot)
             discard_step(save.path)
             raise
+        assert save.slot is not None
+        store.committed(save.step, save.slot, committed_steps(save.path.parent))
         log.info(
             "coordinator rank %d committed DCP step %d (%d entries, %d items from %d ranks) at %s",
             save.rank,
@@ -326,11 +350,18 @@ class RamdiskWriter(StorageWriter):
         )
         self._save = None
 
+    def _store(self, save: _Save) -> RankStore:
+        if save.rank not in self._stores:
+            self._stores[save.rank] = RankStore(save.path.parent, keep=self.keep)
+        return self._stores[save.rank]
+
     def _abandon_unfinished(self) -> None:
         """The coordinator's previous save never reached ``finish`` (another rank failed): remove it."""
         prev, self._save = self._save, None
         if prev is not None and prev.is_coordinator and prev.path.exists() and not _committed(prev.path):
             log.warning("removing DCP step %d of rank %d: its save did not finish", prev.step, prev.rank)
+            if prev.slot is not None:
+                self._store(prev).forget(prev.slot)
             discard_step(prev.path)
 
     def _current(self) -> _Save:
@@ -350,21 +381,51 @@ def _is_object(item: WriteItem) -> bool:
     return item.type == WriteItemType.BYTE_IO
 
 
-def _planned_length(item: WriteItem) -> int:
+def _object_bytes(item: WriteItem, data: Any) -> bytes:
+    if not isinstance(data, io.BytesIO):
+        raise TypeError(f"planner resolved object item {item.index.fqn!r} to a {type(data).__name__}")
+    return data.getvalue()
+
+
+def _spec(item: WriteItem, data: bytes | None) -> TensorSpec:
+    if data is not None:
+        return TensorSpec(item_key(item.index), "uint8", (len(data),))
     td = item.tensor_data
     if td is None:
         raise ValueError(f"write item {item.index.fqn!r} has no tensor data")
-    return math.prod(td.chunk.sizes) * td.properties.dtype.itemsize
+    return TensorSpec(item_key(item.index), tensor_dtype_name(td.properties.dtype), tuple(td.chunk.sizes))
 
 
-def _tensor_payload(item: WriteItem, data: Any) -> Payload:
-    if not isinstance(data, torch.Tensor):
-        raise TypeError(f"planner resolved tensor item {item.index.fqn!r} to a {type(data).__name__}")
+def _tensor_source(item: WriteItem, data: Any) -> torch.Tensor:
     td = item.tensor_data
     assert td is not None
+    if not isinstance(data, torch.Tensor):
+        raise TypeError(f"planner resolved tensor item {item.index.fqn!r} to a {type(data).__name__}")
     if data.dtype != td.properties.dtype or tuple(data.shape) != tuple(td.chunk.sizes):
         raise ValueError(
             f"planner resolved {item_key(item.index)!r} to {data.dtype} {tuple(data.shape)}, "
             f"planned {td.properties.dtype} {tuple(td.chunk.sizes)}"
         )
-    return as_bytes(data)
+    return data.detach()
+
+
+def _copy_items(
+    views: list[torch.Tensor], items: list[WriteItem], planner: SavePlanner, objects: dict[int, bytes]
+) -> None:
+    """Resolve items lazily, in batches, and copy each into its view of the mapped data file."""
+    batch_views: list[torch.Tensor] = []
+    batch_srcs: list[torch.Tensor] = []
+    batch_bytes = 0
+    for i, (view, item) in enumerate(zip(views, items, strict=True)):
+        if i in objects:
+            src = torch.frombuffer(bytearray(objects.pop(i)), dtype=torch.uint8) if view.numel() else view
+        else:
+            src = _tensor_source(item, planner.resolve_data(item))
+        batch_views.append(view)
+        batch_srcs.append(src)
+        batch_bytes += view.numel() * view.element_size()
+        if batch_bytes >= _COPY_BATCH or i == len(items) - 1:
+            ticket = copy_into(batch_views, batch_srcs)
+            if ticket is not None:
+                ticket.synchronize()
+            batch_views, batch_srcs, batch_bytes = [], [], 0

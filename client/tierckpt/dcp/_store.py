@@ -1,0 +1,108 @@
+"""One rank directory as the DCP writer uses it: reusable mapped data files, and retention.
+
+Data files come from ``snapshot.pool.SlotPool`` (the same pool ``Checkpointer`` uses): they stay
+mapped and pre-faulted across saves, and a retired step's files become the next save's, so a save
+copies into pages that already exist instead of allocating the ramdisk anew.
+
+Retention differs from ``Checkpointer``'s in one way: a rank's own COMMIT does not make a DCP
+checkpoint, the coordinator's does (it commits only after every rank wrote). So a rank retires a
+step only when ``keep`` newer *complete* checkpoints exist (steps the coordinator committed), and
+never the step being written. A failed save therefore never costs the last complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Collection, Iterable
+from pathlib import Path
+
+from tierckpt import leases
+from tierckpt.format import (
+    COMMIT_NAME,
+    committed_steps,
+    discard_step,
+    fsync_dir,
+    read_commit,
+    step_dir,
+    step_dirs,
+)
+from tierckpt.snapshot.layout import LayoutPlan
+from tierckpt.snapshot.pool import Slot, SlotPool
+
+__all__ = ["RankStore", "plan_dcp_retention"]
+
+log = logging.getLogger(__name__)
+
+
+def plan_dcp_retention(
+    committed: Iterable[int], complete: Iterable[int], *, keep: int, leased: Collection[int] = ()
+) -> tuple[int, ...]:
+    """Committed steps of one rank to retire: those older than the ``keep`` newest complete checkpoints
+    (that this rank holds), unless leased. Nothing is retired before ``keep`` complete checkpoints exist."""
+    if keep < 1:
+        raise ValueError(f"keep must be at least 1, got {keep}")
+    held = sorted(set(committed))
+    kept = sorted(set(complete) & set(held))[-keep:]
+    if len(kept) < keep:
+        return ()
+    return tuple(s for s in held if s < kept[0] and s not in leased)
+
+
+class RankStore:
+    """The slot pool and retention of one rank directory."""
+
+    def __init__(self, rank_path: Path, *, keep: int) -> None:
+        self.rank_path = rank_path
+        self.keep = keep
+        rank_path.mkdir(parents=True, exist_ok=True)
+        self.pool = SlotPool(rank_path, target=keep + 2)  # keep complete + one unconfirmed + the new one
+        self.pool.adopt_spares(committed_count=len(committed_steps(rank_path)))
+
+    def take(self, step: int, plan: LayoutPlan) -> Slot:
+        """Mapped data files for ``plan`` inside ``step``'s directory (a spare's pages when one is free)."""
+        return self.pool.take(step, plan)
+
+    def forget(self, slot: Slot) -> None:
+        self.pool.forget(slot)
+
+    def committed(self, step: int, slot: Slot, complete: Iterable[int] | None) -> None:
+        """Track a committed step's slot, then apply retention (``complete`` None: not known now)."""
+        self.pool.committed(step, slot)
+        if complete is not None:
+            self.retire(complete, current=step)
+
+    def retire(self, complete: Iterable[int], *, current: int) -> None:
+        leases.purge_expired(self.rank_path)
+        with leases.lock(self.rank_path):
+            held = leases.leased_steps(self.rank_path)
+            retire = plan_dcp_retention(
+                committed_steps(self.rank_path), complete, keep=self.keep, leased=held
+            )
+            for step in retire:
+                path = step_dir(self.rank_path, step)
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path / COMMIT_NAME)
+                    fsync_dir(path)
+        for step in retire:
+            log.debug("retiring DCP step %d of %s", step, self.rank_path)
+            self.pool.recycle(step, step_dir(self.rank_path, step))
+        self._discard_leftovers(current, held)
+        self.pool.trim()
+
+    def _discard_leftovers(self, current: int, leased: Collection[int]) -> None:
+        """Remove step directories that never committed (a crashed or failed save), except ``current``."""
+        for step, path in step_dirs(self.rank_path).items():
+            if step == current or step in leased:
+                continue
+            try:
+                committed = read_commit(path) is not None
+            except Exception:  # a corrupt marker: leave it for inspection (verify/CLI report it)
+                continue
+            if not committed:
+                log.warning("removing step %d of %s: it never committed", step, self.rank_path)
+                discard_step(path)
+
+    def close(self) -> None:
+        self.pool.close()
