@@ -28,7 +28,8 @@ def _env(container: dict[str, Any]) -> dict[str, str]:
 
 
 def _container(doc: dict[str, Any], name: str) -> dict[str, Any]:
-    return next(c for c in doc["spec"]["template"]["spec"]["containers"] if c["name"] == name)
+    pod = doc["spec"]["template"]["spec"]
+    return next(c for c in pod.get("initContainers", []) + pod["containers"] if c["name"] == name)
 
 
 def _mount_for(container: dict[str, Any], path: str) -> str:

@@ -235,8 +235,9 @@ def test_monitors_select_services_by_labels_and_existing_ports() -> None:
     for monitor in r.all("PodMonitoring"):
         component = monitor["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"]
         workload = r.get("DaemonSet" if component == "replicator" else "Deployment")
+        pod = workload["spec"]["template"]["spec"]
         declared = {
-            p["name"] for c in workload["spec"]["template"]["spec"]["containers"] for p in c.get("ports", [])
+            p["name"] for c in pod.get("initContainers", []) + pod["containers"] for p in c.get("ports", [])
         }
         assert {e["port"] for e in monitor["spec"]["endpoints"]} <= declared
     assert len(r.all("ServiceMonitor")) == len(r.all("PodMonitoring")) == 2

@@ -10,7 +10,10 @@ from tierckpt.contract import Csi
 
 
 def _containers(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    return {c["name"]: c for c in doc["spec"]["template"]["spec"]["containers"]}
+    """Every long-running container: the regular ones and native sidecars (restartPolicy Always)."""
+    pod = doc["spec"]["template"]["spec"]
+    assert all(c.get("restartPolicy") == "Always" for c in pod.get("initContainers", [])), "only sidecars"
+    return {c["name"]: c for c in pod.get("initContainers", []) + pod["containers"]}
 
 
 def _mounts(container: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -56,6 +59,18 @@ def test_csi_mode_daemonset_privileges_are_confined_to_the_csi_container() -> No
     assert propagation[("replicator", "ramdisk-parent")] == "HostToContainer"
     for container in c.values():
         _assert_probes_name_declared_ports(container)
+
+
+@pytest.mark.parametrize("values", [{}, {"ramdisk": {"mode": "hostPath"}}])
+def test_the_ramdisk_keeper_is_a_sidecar_that_starts_before_the_replicator(values: dict) -> None:
+    pod = render(values).get("DaemonSet")["spec"]["template"]["spec"]
+    (keeper,) = pod["initContainers"]
+    assert keeper["name"] in ("csi", "ramdisk") and keeper["restartPolicy"] == "Always"
+    # kubelet starts the regular containers only after this passes: the tmpfs is mounted by then.
+    assert keeper["startupProbe"]["httpGet"] == {"path": "/readyz", "port": "csi-health"}
+    assert [c["name"] for c in pod["containers"]][-1] == "replicator"
+    hand_mounted = render({"ramdisk": {"mode": "hostPath", "manageTmpfs": False}}).get("DaemonSet")
+    assert "initContainers" not in hand_mounted["spec"]["template"]["spec"]
 
 
 def test_csi_mode_paths_agree_with_each_other_and_the_contract() -> None:
