@@ -1,0 +1,106 @@
+"""The CUDA path: D2H straight into registered ramdisk pages, H2D back, overlap with the optimizer hook.
+
+Run on the device machine (``pytest -m gpu tests/client``); skipped where there is no GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from client_helpers import assert_same
+from tierckpt import Checkpointer, CorruptShardError
+from tierckpt.format import read_manifest, step_dir
+
+pytestmark = pytest.mark.gpu
+
+
+def cuda_state(seed: int = 0) -> tuple[dict, torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 256), torch.nn.BatchNorm1d(256), torch.nn.Linear(256, 8)
+    ).cuda()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.randn(16, 64, device="cuda")).pow(2).mean().backward()
+        opt.step()
+    state = {
+        "model": model.state_dict(),
+        "optim": opt.state_dict(),
+        "bf16": torch.randn(1000, device="cuda").bfloat16(),
+        "fp8": torch.randn(100, device="cuda").to(torch.float8_e4m3fn),
+        "transposed": torch.randn(32, 48, device="cuda").t(),
+        "scalar": torch.tensor(3.0, device="cuda"),
+        "empty": torch.empty(0, 3, device="cuda"),
+        "cpu_rng": torch.get_rng_state(),
+        "cuda_rng": torch.cuda.get_rng_state(),
+        "step": 5,
+    }
+    return state, model, opt
+
+
+def test_cuda_state_round_trips_bit_exact_in_place(root, job):
+    state, _, _ = cuda_state(0)
+    with Checkpointer(root=root, job=job) as ck:
+        ck.save(1, state, blocking=True)
+        dest, _, _ = cuda_state(1)
+        weight = dest["model"]["0.weight"]
+        assert ck.load(dest) == 1
+        assert dest["model"]["0.weight"] is weight and weight.is_cuda
+        assert_same(state, dest)
+        fresh: dict = {}
+        ck.load(fresh, device="cuda")
+        assert fresh["bf16"].is_cuda and fresh["cpu_rng"].is_cuda  # new tensors go to ``device``
+        assert torch.equal(fresh["bf16"].cpu(), state["bf16"].cpu())
+
+
+def test_saves_use_registered_ramdisk_pages(root, job):
+    state, _, _ = cuda_state(0)
+    with Checkpointer(root=root, job=job) as ck:
+        for step in range(1, 5):
+            ck.save(step, state, blocking=True)
+        for step in (3, 4):
+            slot = ck._pool.slot_of(step)
+            assert slot is not None and all(f.registered for f in slot.files)
+            assert all(f.buffer.is_pinned() for f in slot.files)  # CUDA sees the mapping as pinned memory
+
+
+def test_a_new_process_loads_through_a_registered_mapping_and_verifies(root, job):
+    state, _, _ = cuda_state(0)
+    with Checkpointer(root=root, job=job, keep=3) as ck:
+        ck.save(1, state, blocking=True)
+        ck.save(2, state, blocking=True)
+    with Checkpointer(root=root, job=job, keep=3) as ck:  # nothing of step 2 is mapped yet
+        dest, _, _ = cuda_state(1)
+        assert ck.load(dest) == 2
+        assert_same(state, dest)
+        assert all(f.registered for f in ck._pool.slot_of(2).files)
+        entry = next(t for t in read_manifest(step_dir(ck.rank_path, 2)).tensors if t.key == "bf16")
+        path = step_dir(ck.rank_path, 2) / entry.file
+        data = bytearray(path.read_bytes())
+        data[entry.offset + 3] ^= 0x10
+        path.write_bytes(bytes(data))
+        with pytest.raises(CorruptShardError) as info:
+            ck.load(dest)
+        assert info.value.key == "bf16"
+        assert ck.load(dest, fallback=True) == 1
+
+
+def test_overlap_mode_orders_the_optimizer_step_after_the_copy(root, job):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(16)]).cuda()  # ~256 MiB
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    with Checkpointer(root=root, job=job, overlap=True) as ck:
+        ck.register_optimizer(opt)
+        ck.save(0, {"model": model.state_dict()}, blocking=True)  # warm the slots
+        expected = {k: v.clone() for k, v in model.state_dict().items()}
+        handle = ck.save(1, {"model": model.state_dict()})
+        opt.zero_grad()
+        model(torch.randn(8, 2048, device="cuda")).sum().backward()
+        opt.step()  # the pre-step hook orders these updates after the snapshot copy
+        handle.wait()
+        dest: dict = {}
+        ck.load(dest, step=1)
+    for key, value in expected.items():
+        assert torch.equal(dest["model"][key], value.cpu()), key
+    assert not torch.equal(model[0].weight.cpu(), expected["0.weight"].cpu())
