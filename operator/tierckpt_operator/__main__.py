@@ -66,13 +66,20 @@ async def _kopf(runtime: Runtime, role: str, stop: asyncio.Event, ready: asyncio
     )
 
 
-async def run(settings: Settings, stop: asyncio.Event | None = None) -> int:
-    """Run until ``stop`` (or SIGTERM); returns the process exit code."""
+async def run(
+    settings: Settings,
+    stop: asyncio.Event | None = None,
+    *,
+    signals: bool = True,
+    runtime: Runtime | None = None,
+) -> int:
+    """Run until ``stop`` (or SIGTERM/SIGINT with ``signals``); returns the process exit code."""
     stop = stop or asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    runtime = Runtime(settings)
+    if signals:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+    runtime = runtime or Runtime(settings)
     ready = asyncio.Event()
     probes = await _probes(runtime, ready)
     try:

@@ -2,7 +2,7 @@
 
 The operator holds no storage credentials: every replicator purges its own node
 (``DELETE /v1/jobs/{job}``), and when the configuration says so one replicator deletes the job's GCS
-backups (``DELETE /v1/jobs/{job}?backups=true``), trying the next if one fails.
+backups (``DELETE /v1/jobs/{job}?bucket=true``), trying the next if one fails.
 """
 
 from __future__ import annotations

@@ -82,6 +82,10 @@ class Cluster:
     def config(self, name: str) -> ConfigRecord | None:
         return _one(self._index("tierckpt_configs"), name)
 
+    def configs(self) -> list[ConfigRecord]:
+        index = self._index("tierckpt_configs") or {}
+        return [rec for key in index for rec in index[key]]
+
     def workers(self, namespace: str, jobset: str) -> list[WorkerPod]:
         index = self._index("tierckpt_workers")
         key = (namespace, jobset)

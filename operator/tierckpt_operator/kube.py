@@ -91,6 +91,23 @@ class Kube:
                 return False
             raise
 
+    async def patch_config_status(self, name: str, status: Mapping[str, Any]) -> bool:
+        """Merge-patch a CheckpointConfiguration's status; False if it is gone."""
+        try:
+            await self._call(
+                self.custom.patch_cluster_custom_object_status,
+                resources.GROUP,
+                resources.VERSION,
+                resources.CONFIGS,
+                name,
+                {"status": dict(status)},
+            )
+            return True
+        except ApiException as exc:
+            if exc.status == 404:
+                return False
+            raise
+
     async def delete_checkpoint_job(self, namespace: str, name: str) -> None:
         try:
             await self._call(

@@ -31,6 +31,7 @@ from tierckpt_operator.planning import (
     decide_peers,
     peer_assignment,
 )
+from tierckpt_operator.replicators import ReplicatorError
 from tierckpt_operator.status import (
     condition,
     iso_time,
@@ -257,9 +258,10 @@ class JobController:
         digest = _digest(self.state.nodes, self.state.domains, peers, sorted(endpoints.items()))
         if digest != self.peer_digest:
             before = self.state.peers
-            self.state = dataclasses.replace(
-                self.state, peers=peers, peer_generation=self.state.peer_generation + 1
-            )
+            # Milliseconds since the epoch: newer than anything an earlier operator sent, even if
+            # that one's status write was lost (replicators refuse generations not newer than theirs).
+            generation = max(self.state.peer_generation + 1, int(time.time() * 1000))
+            self.state = dataclasses.replace(self.state, peers=peers, peer_generation=generation)
             self.peer_digest = digest
             if peers != before:
                 churn = peer_churn(before, peers) if before else 0
@@ -302,6 +304,8 @@ class JobController:
             if isinstance(result, BaseException):
                 failures.append(f"{node}: {result}")
                 self.rt.metrics.replicator_calls.labels("put_peers", "error").inc()
+                if isinstance(result, ReplicatorError) and result.status == 409:
+                    self.peer_digest = None  # it holds a newer generation: send a fresh one next round
             else:
                 self.delivered[node] = content
                 self.rt.metrics.replicator_calls.labels("put_peers", "ok").inc()

@@ -13,7 +13,6 @@ Index ids double as handler kwargs (see ``cluster.INDEX_IDS``).
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any
 
 import kopf
@@ -30,7 +29,6 @@ from tierckpt_operator.reconcile import checkpoint_job_body
 from tierckpt_operator.resources import ConfigSpec
 from tierckpt_operator.runtime import Runtime, post_event
 from tierckpt_operator.settings import Settings
-from tierckpt_operator.status import config_status, merge_conditions
 
 __all__ = ["build_registry"]
 
@@ -78,6 +76,7 @@ def _lifecycle(registry: kopf.OperatorRegistry, settings: Settings, runtime: Run
     async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
         _configure_kopf(settings, runtime.settings)
         await runtime.start()
+        runtime.background(runtime.configs.run())
 
     @kopf.on.cleanup(registry=registry)
     async def close(**_: Any) -> None:
@@ -269,31 +268,9 @@ def _configs(registry: kopf.OperatorRegistry, settings: Settings, runtime: Runti
         if reason == "update":
             post_event(body, "Normal", "Replanning", f"configuration changed: re-planning {len(keys)} job(s)")
 
-    @kopf.timer(
-        *CONFIG, id="status", interval=settings.config_status_interval, initial_delay=1.0, registry=registry
-    )
-    def config_status_timer(
-        name: str, status: kopf.Status, meta: kopf.Meta, patch: kopf.Patch, **kwargs: Any
-    ) -> None:
-        cluster = _cluster(kwargs)
-        rec = cluster.config(name)
-        spec = rec.spec if rec else None
-        nodes = cluster.nodes()
-        selected = {n for n, labels in nodes.items() if spec is None or spec.selects(labels)}
-        ready = {r.node for r in cluster.replicators() if r.ready and r.node in selected}
-        jobs = sum(1 for j in cluster.jobsets() if j.info is not None and j.info.config_name == name)
-        fields, conds = config_status(
-            spec is not None,
-            rec.error if rec else "",
-            len(selected),
-            len(ready),
-            jobs,
-            int(meta.get("generation") or 0),
-        )
-        fields["conditions"] = merge_conditions(status.get("conditions"), conds, time.time())
-        for key, value in fields.items():
-            if status.get(key) != value:
-                patch.status[key] = value
+    @kopf.on.event(*CONFIG, id="config-changed", registry=registry)
+    def config_changed(**kwargs: Any) -> None:
+        runtime.configs.poke(_cluster(kwargs))
 
 
 # ------------------------------------------------------------------------------------ wake-ups
@@ -309,14 +286,16 @@ def _wakeups(registry: kopf.OperatorRegistry, settings: Settings, runtime: Runti
     @kopf.on.event(
         "v1", "pods", id="replicator-changed", labels=settings.replicator_labels, registry=registry
     )
-    def replicator_changed(spec: kopf.Spec, **_: Any) -> None:
+    def replicator_changed(spec: kopf.Spec, **kwargs: Any) -> None:
         node = spec.get("nodeName")
         if node:
             runtime.poke_node(node)
+        runtime.configs.poke(_cluster(kwargs))
 
     @kopf.on.event("v1", "nodes", id="node-changed", registry=registry)
-    def node_changed(name: str, **_: Any) -> None:
+    def node_changed(name: str, **kwargs: Any) -> None:
         runtime.poke_node(name)
+        runtime.configs.poke(_cluster(kwargs))
 
     @kopf.on.event(*JOBSET, id="jobset-changed", annotations=OPTED, registry=registry)
     def jobset_changed(namespace: str, name: str, **_: Any) -> None:

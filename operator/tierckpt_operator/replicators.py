@@ -77,7 +77,7 @@ class ReplicatorClient:
 
     async def purge(self, endpoint: str, job: str, *, backups: bool = False) -> None:
         """Delete the job's data on the node (and, with ``backups``, its GCS backups); a 404 is success."""
-        params = {"backups": "true"} if backups else None
+        params = {"bucket": "true"} if backups else None
         await self._request("DELETE", endpoint, f"/v1/jobs/{_seg(job)}", params=params, ok_missing=True)
 
     # ------------------------------------------------------------------------------ transport
@@ -96,7 +96,7 @@ class ReplicatorClient:
         token = self._token()
         if token:
             headers["Authorization"] = f"Bearer {token}"
-        url = endpoint.rstrip("/") + path
+        url = _base(endpoint) + path
         last = ""
         status: int | None = None
         for attempt in range(self._retries):
@@ -118,6 +118,12 @@ class ReplicatorClient:
                 break
         log.debug("%s %s failed: %s", method, url, last)
         raise ReplicatorError(endpoint, f"{method} {path} failed: {last}", status)
+
+
+def _base(endpoint: str) -> str:
+    """``scheme://host:port`` of an endpoint (a query such as ``?data=PORT`` names the data port)."""
+    parts = urllib.parse.urlsplit(endpoint)
+    return f"{parts.scheme}://{parts.netloc}"
 
 
 def _seg(value: str) -> str:

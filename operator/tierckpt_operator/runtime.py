@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import kopf
 
+from tierckpt_operator.configs import ConfigReporter
 from tierckpt_operator.kube import Kube, api_client
 from tierckpt_operator.metrics import Metrics
 from tierckpt_operator.replicators import ReplicatorClient
@@ -52,6 +53,18 @@ class Runtime:
     leading: bool = True
     controllers: dict[JobKey, JobController] = dataclasses.field(default_factory=dict)
     node_jobs: dict[str, set[JobKey]] = dataclasses.field(default_factory=lambda: defaultdict(set))
+    job_nodes: dict[JobKey, set[str]] = dataclasses.field(default_factory=dict)
+    configs: ConfigReporter = dataclasses.field(init=False)
+    tasks: set[asyncio.Task[Any]] = dataclasses.field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.configs = ConfigReporter(self)
+
+    def background(self, coro: Any) -> None:
+        """Run a background loop until ``stop``."""
+        task = asyncio.create_task(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
 
     async def start(self) -> None:
         s = self.settings
@@ -66,6 +79,9 @@ class Runtime:
             )
 
     async def stop(self) -> None:
+        for task in list(self.tasks):
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
         if self.replicators is not None:
             await self.replicators.aclose()
             self.replicators = None
@@ -99,8 +115,14 @@ class Runtime:
 
     def track_nodes(self, key: JobKey, nodes: tuple[str, ...] | list[str]) -> None:
         """Remember which jobs use which nodes, to wake them when a node or replicator changes."""
-        for jobs in self.node_jobs.values():
-            jobs.discard(key)
-        for node in nodes:
-            if node:
-                self.node_jobs[node].add(key)
+        for node in self.job_nodes.pop(key, ()):
+            jobs = self.node_jobs.get(node)
+            if jobs is not None:
+                jobs.discard(key)
+                if not jobs:
+                    del self.node_jobs[node]
+        current = {n for n in nodes if n}
+        if current:
+            self.job_nodes[key] = current
+        for node in current:
+            self.node_jobs[node].add(key)

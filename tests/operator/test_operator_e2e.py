@@ -1,0 +1,192 @@
+"""End to end: the real operator (kopf, in its own thread) against the API emulator, real replicator
+processes on loopback, and the webhooks called over HTTPS with AdmissionReviews as kube-apiserver
+calls them. Pods are created, bound and restarted the way the JobSet controller, the Job controller
+and the scheduler do it.
+
+Covered: first start; a restart on the same nodes (ranks stay, restore from local copies); one node
+replaced (its rank moves to the replacement, restored from the peer replica); a whole failure domain
+lost; JobSet deletion purging every node.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from fixtures.steps import write_step
+from operator_harness import eventually, jobset_body
+from tierckpt.contract import (
+    Annotations,
+    PeerAssignment,
+    RestorePlan,
+    RestoreState,
+    RestoreStatus,
+    Tier,
+    read_control,
+    restore_status_name,
+)
+from tierckpt.format import committed_steps, job_dir, rank_dir
+from tierckpt_operator.status import parse_ranges
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+NS, NAME = "team", "train"
+ZONES = [("n0", "a"), ("n1", "a"), ("n2", "b"), ("n3", "b"), ("n4", "c"), ("n5", "c")]
+STEP = 40
+
+
+def ranks_by_node(cluster, attempt):
+    out = {}
+    for pod in cluster.pods(NS, NAME, attempt):
+        ann = pod["metadata"].get("annotations", {})
+        if ann.get(Annotations.ASSIGNMENT_GENERATION) == str(attempt) and Annotations.NODE_RANK in ann:
+            out[pod["spec"]["nodeName"]] = int(ann[Annotations.NODE_RANK])
+    return out
+
+
+def status(cluster):
+    return (cluster.checkpoint_job(NS, NAME) or {}).get("status", {})
+
+
+async def place(env, nodes, attempt, *, seed):
+    """Create the attempt's pods and bind them to ``nodes`` in a shuffled order."""
+    pods = await env.cluster.create_pods(NS, NAME)
+    order = list(nodes)
+    random.Random(seed).shuffle(order)
+    for pod, node in zip(pods, order, strict=True):
+        await env.cluster.schedule(NS, pod["metadata"]["name"], node)
+    return await eventually(
+        lambda: (r := ranks_by_node(env.cluster, attempt)) and len(r) == len(nodes) and r,
+        30,
+        f"ranks of attempt {attempt}",
+    )
+
+
+async def restore_plan(env, attempt):
+    return await eventually(
+        lambda: (
+            (s := status(env.cluster)).get("phase") == "Running"
+            and s.get("restore", {}).get("generation") == attempt
+            and s["restore"]
+        ),
+        30,
+        f"restore plan of attempt {attempt}",
+    )
+
+
+async def save_everywhere(env, job, ranks, step, world):
+    """Each node's trainer commits ``step`` for its rank; wait until every rank is replicated."""
+    for node, rank in ranks.items():
+        write_step(env.replicators.nodes[node].root, job, rank, step, world_size=world, sizes=(4096, 700))
+    await eventually(lambda: status(env.cluster).get("latestReplicatedStep") == step, 40, "replicated step")
+
+
+async def start_job(env, zones=ZONES, factor=1):
+    nodes = await env.add_nodes(*zones)
+    await env.cluster.config(
+        replication={"factor": factor, "failureDomainLabel": "topology.kubernetes.io/zone"}
+    )
+    await env.start_operator()
+    js = await env.cluster.create_jobset(NS, jobset_body(NAME, [("workers", 3, 2)]))
+    job = f"{NS}_{NAME}_{js['metadata']['uid'].replace('-', '')[:8]}"
+    await eventually(lambda: env.cluster.checkpoint_job(NS, NAME), what="CheckpointJob")
+    return nodes, job
+
+
+async def test_first_start_restart_and_node_replacement(env):
+    nodes, job = await start_job(env)
+    ck = env.cluster.checkpoint_job(NS, NAME)
+    assert ck["metadata"]["ownerReferences"][0]["name"] == NAME
+    assert ck["spec"]["numNodes"] == 6 and ck["spec"]["jobId"] == job
+
+    # first start: ranks are the initial ranks (job index * parallelism + completion index)
+    pods = await env.cluster.create_pods(NS, NAME)
+    for pod, node in zip(pods, nodes, strict=True):
+        await env.cluster.schedule(NS, pod["metadata"]["name"], node.name)
+    first = await eventually(lambda: len(r := ranks_by_node(env.cluster, 0)) == 6 and r, 30, "first ranks")
+    assert first == {n.name: i for i, n in enumerate(nodes)}
+    plan0 = await restore_plan(env, 0)
+    assert plan0["freshStart"] and "step" not in plan0
+    st = status(env.cluster)
+    assert st["nodes"] == [n.name for n in nodes] and st["domains"] == ["a", "a", "b", "b", "c", "c"]
+    for r, peers in enumerate(st["peers"]):
+        assert len(peers) == 1 and st["domains"][peers[0]] != st["domains"][r]
+    for node in nodes:  # the real replicators stored what the operator published
+        assignment = read_control(node.root, job, PeerAssignment.FILE, PeerAssignment)
+        assert assignment.node_ranks == {n.name: i for i, n in enumerate(nodes)}
+        assert assignment.peers[node.name] == tuple(st["nodes"][p] for p in st["peers"][first[node.name]])
+        assert read_control(node.root, job, RestorePlan.FILE, RestorePlan).step is None
+    assert {e["reason"] for e in env.cluster.events()} >= {
+        "CheckpointingEnabled",
+        "RanksAssigned",
+        "FreshStart",
+    }
+
+    await save_everywhere(env, job, first, STEP, 6)
+    assert status(env.cluster)["latestLocalStep"] == STEP
+
+    # all pods restarted, landing on the same nodes in another order: every rank stays on its node
+    attempt = await env.cluster.restart(NS, NAME)
+    again = await place(env, [n.name for n in nodes], attempt, seed=1)
+    assert again == first
+    plan1 = await restore_plan(env, attempt)
+    assert plan1["step"] == STEP and not plan1["freshStart"] and set(plan1["sources"]) == {Tier.LOCAL.value}
+
+    # one node replaced by a new node in the same failure domain: it inherits the vacated rank
+    env.replicators.kill("n2")
+    await env.cluster.remove_node("n2")
+    (n6,) = await env.add_nodes(("n6", "b"))
+    attempt = await env.cluster.restart(NS, NAME)
+    survivors = [n.name for n in nodes if n.name != "n2"] + ["n6"]
+    moved = await place(env, survivors, attempt, seed=2)
+    assert moved == {**{k: v for k, v in first.items() if k != "n2"}, "n6": first["n2"]}
+    plan2 = await restore_plan(env, attempt)
+    assert plan2["step"] == STEP and parse_ranges(plan2["sources"]["replica"]) == [first["n2"]]
+    assert status(env.cluster)["peers"] == st["peers"]  # same domain: the peer plan is unchanged
+    rank = first["n2"]
+    staged = await eventually(
+        lambda: (
+            (s := read_control(n6.root, job, restore_status_name(rank), RestoreStatus))
+            and s.state == RestoreState.READY
+            and s
+        ),
+        40,
+        "the replacement node staged its rank",
+    )
+    assert staged.step == STEP and committed_steps(rank_dir(n6.root, job, rank)) == [STEP]
+
+    # deleting the JobSet purges the job on every node and removes the CheckpointJob
+    await env.cluster.delete(f"/apis/jobset.x-k8s.io/v1alpha2/namespaces/{NS}/jobsets/{NAME}")
+    await eventually(
+        lambda: env.cluster.obj("jobset.x-k8s.io/v1alpha2/jobsets", NS, NAME) is None,
+        30,
+        "JobSet gone (finalizer released)",
+    )
+    assert env.cluster.checkpoint_job(NS, NAME) is None
+    for name in survivors:
+        assert not job_dir(env.replicators.nodes[name].root, job).exists()
+    assert env.cluster.events("JobDataPurged")
+
+
+async def test_whole_failure_domain_lost(env):
+    nodes, job = await start_job(env)
+    first = await place(env, [n.name for n in nodes], 0, seed=3)
+    await restore_plan(env, 0)
+    before = status(env.cluster)
+    await save_everywhere(env, job, first, STEP, 6)
+
+    for name in ("n2", "n3"):  # zone b is gone, with both of its nodes
+        env.replicators.kill(name)
+        await env.cluster.remove_node(name)
+    await env.add_nodes(("n6", "d"), ("n7", "d"))
+    attempt = await env.cluster.restart(NS, NAME)
+    ranks = await place(env, ["n0", "n1", "n4", "n5", "n6", "n7"], attempt, seed=4)
+    for name in ("n0", "n1", "n4", "n5"):
+        assert ranks[name] == first[name]
+    assert {ranks["n6"], ranks["n7"]} == {first["n2"], first["n3"]}
+    plan = await restore_plan(env, attempt)
+    assert plan["step"] == STEP
+    assert sorted(parse_ranges(plan["sources"]["replica"])) == sorted([first["n2"], first["n3"]])
+    after = status(env.cluster)
+    assert after["peers"] == before["peers"]  # their peers still sit in other domains: nothing moves
+    assert sorted(set(after["domains"])) == ["a", "c", "d"]
