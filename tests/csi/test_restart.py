@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import urllib.request
@@ -90,12 +91,8 @@ def test_a_non_tmpfs_mount_at_the_ramdisk_path_is_refused(node: Node) -> None:
 
 
 def test_health_and_metrics_endpoints(node: Node, processes: list) -> None:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    processes.append(proc := PluginProcess(node, "16Mi", "--health-address", f"127.0.0.1:{port}"))
+    processes.append(proc := PluginProcess(node, "16Mi", "--health-address", "127.0.0.1:0"))
+    port = int(re.search(r"/metrics on port (\d+)", proc.output()).group(1))
     with connect(node.endpoint) as c:
         c.identity.GetPluginInfo(csi_pb2.GetPluginInfoRequest())
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=10) as r:

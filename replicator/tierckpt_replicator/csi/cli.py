@@ -78,11 +78,12 @@ def serve(
         require_namespace_match=require_namespace_match,
     )  # fmt: skip
     server = PluginServer(NodePlugin(disk, settings), endpoint)
-    server.start()
     health = None
-    if health_address:
+    if health_address:  # up first: /healthz answers 503 until the CSI socket does
         health = HealthServer(health_address, check=lambda: probe(endpoint), metrics=server.metrics)
         health.start()
+        log.info("serving /healthz, /readyz and /metrics on port %d", health.port)
+    server.start()
     wait_for_signal()
     log.info("stopping: the ramdisk and published volumes stay mounted")
     if health:
