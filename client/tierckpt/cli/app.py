@@ -9,8 +9,11 @@ import typer
 
 from tierckpt import __version__
 from tierckpt.cli.demo import demo_command
+from tierckpt.cli.gc import gc_command
 from tierckpt.cli.ls import ls_command
 from tierckpt.cli.node_rank import node_rank_command
+from tierckpt.cli.status import status_command
+from tierckpt.cli.verify import verify_command
 
 __all__ = ["app", "main"]
 
@@ -43,9 +46,12 @@ def _root(
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
-app.command("demo")(demo_command)
 app.command("ls")(ls_command)
+app.command("verify")(verify_command)
+app.command("gc")(gc_command)
+app.command("status")(status_command)
 app.command("node-rank")(node_rank_command)
+app.command("demo")(demo_command)
 
 
 def main() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 
+from rich import box
 from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
@@ -67,7 +68,7 @@ class ScenarioResult:
     name: str
     """``local``, ``peer`` or ``gcs``."""
     failure: str
-    """What was broken, in words."""
+    """What was broken, in a few words."""
     ok: bool
     killed_at_step: int
     expected_step: int | None
@@ -135,6 +136,7 @@ class DemoReport(Message):
 # ------------------------------------------------------------------------------------- rendering
 
 _TIER_STYLE = {"local": "green", "replica": "cyan", "peer": "blue", "gcs": "magenta", "none": "red"}
+_TIER_ORDER = {"local": 0, "replica": 1, "peer": 2, "gcs": 3}
 _BLOCKS = "▁▂▃▄▅▆▇█"
 
 
@@ -150,19 +152,22 @@ def sparkline(values: list[float], width: int = 48) -> str:
 
 
 def _tiers(s: ScenarioResult) -> Text:
+    """Ranks grouped by the tier they restored from, e.g. ``local 0 2 3`` / ``peer 1``."""
+    by_tier: dict[str, list[RankResult]] = {}
+    for r in s.ranks:
+        by_tier.setdefault(r.tier, []).append(r)
     text = Text()
-    for i, r in enumerate(s.ranks):
-        if i:
-            text.append(" ")
-        style = _TIER_STYLE.get(r.tier, "white")
-        if r.tier != r.expected_tier:
-            style = "bold red"
-        text.append(f"{r.rank}:{r.tier}", style=style)
+    for tier in sorted(by_tier, key=lambda t: _TIER_ORDER.get(t, 9)):
+        if text:
+            text.append("\n")
+        text.append(f"{tier:<5}", style=_TIER_STYLE.get(tier, "white"))
+        for r in by_tier[tier]:
+            text.append(f" {r.rank}", style="bold red" if r.tier != r.expected_tier else "")
     return text
 
 
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1000:.0f} ms" if seconds < 10 else f"{seconds:.1f} s"
+def _seconds(seconds: float) -> str:
+    return f"{seconds * 1000:.0f} ms" if seconds < 1 else f"{seconds:.2f} s"
 
 
 def _mib(n: int) -> str:
@@ -170,36 +175,40 @@ def _mib(n: int) -> str:
 
 
 def scenario_table(report: DemoReport) -> Table:
-    table = Table(title="tierckpt demo: failures and recoveries", title_justify="left", header_style="bold")
-    for col, justify in (
-        ("scenario", "left"),
-        ("failure", "left"),
-        ("step", "right"),
-        ("rank:tier", "left"),
-        ("bytes", "right"),
-        ("save blocks", "right"),
-        ("restore", "right"),
-        ("result", "left"),
-    ):
-        table.add_column(col, justify=justify)  # type: ignore[arg-type]
+    table = Table(
+        title="tierckpt demo: failures and recoveries",
+        title_justify="left",
+        title_style="bold",
+        header_style="bold",
+        caption_justify="left",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+    )
+    table.add_column("scenario", min_width=15, max_width=18)
+    table.add_column("step", justify="right")
+    table.add_column("ranks from", no_wrap=True)
+    table.add_column("bytes", justify="right", no_wrap=True)
+    table.add_column("save", justify="right", no_wrap=True)
+    table.add_column("restore", justify="right", no_wrap=True)
+    table.add_column("check", no_wrap=True)
     for s in report.scenarios:
-        failed = [c for c in s.checks if not c.ok]
+        failed = [c.name for c in s.checks if not c.ok]
         result = (
-            Text("✔ bit-exact", style="bold green")
-            if s.ok
-            else Text("✘ " + ", ".join(c.name for c in failed), style="bold red")
+            Text("✔ bit-exact", style="bold green") if s.ok else Text("✘ " + ", ".join(failed), "bold red")
         )
-        step = "-" if s.restored_step is None else str(s.restored_step)
         table.add_row(
-            s.name,
-            s.failure,
-            step,
+            Text.assemble((s.name, "bold"), "\n", (s.failure, "dim")),
+            "-" if s.restored_step is None else str(s.restored_step),
             _tiers(s),
             _mib(s.bytes),
-            f"{_ms(s.save_blocking_s)} (max {_ms(s.save_blocking_max_s)})",
-            _ms(s.restore_s),
+            _seconds(s.save_blocking_s),
+            _seconds(s.restore_s),
             result,
         )
+    table.caption = (
+        "save: median time one save blocked training. restore: staging + load, slowest rank. "
+        "bit-exact: restored state and replayed losses equal the first run's."
+    )
     return table
 
 

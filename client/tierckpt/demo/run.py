@@ -542,7 +542,7 @@ class Demo:
         )
         saves = [e.seconds for evs in before.values() for e in evs if e.event == "saved"]
         result = ScenarioResult(
-            name=previous.scenario, failure=sc.SCENARIOS[previous.scenario].failure,
+            name=previous.scenario, failure=sc.SCENARIOS[previous.scenario].title,
             ok=all(c.ok for c in checks), killed_at_step=previous.until,
             expected_step=previous.expected_restore, restored_step=ranks[0].step if ranks else None,
             lost_nodes=self.lost, ranks=tuple(ranks), bytes=sum(r.bytes for r in ranks),

@@ -39,8 +39,10 @@ __all__ = [
 @dataclasses.dataclass(frozen=True)
 class Scenario:
     name: str
+    title: str
+    """What breaks, in a few words (the report's table)."""
     failure: str
-    """What breaks, in words (the report's "failure" column)."""
+    """What breaks, in a sentence."""
     needs_replication: bool
     """The newest step must be on the peers before the failure."""
     needs_backup: bool
@@ -48,12 +50,26 @@ class Scenario:
 
 
 SCENARIOS: dict[str, Scenario] = {
-    "local": Scenario("local", "training processes killed", needs_replication=False, needs_backup=False),
+    "local": Scenario(
+        "local",
+        "processes killed",
+        "every training process killed (SIGKILL)",
+        needs_replication=False,
+        needs_backup=False,
+    ),
     "peer": Scenario(
-        "peer", "node lost (replicator killed, ramdisk wiped)", needs_replication=True, needs_backup=False
+        "peer",
+        "node lost",
+        "one node lost: processes killed, replicator killed, ramdisk wiped",
+        needs_replication=True,
+        needs_backup=False,
     ),
     "gcs": Scenario(
-        "gcs", "peer group lost (a node and its peers wiped)", needs_replication=True, needs_backup=True
+        "gcs",
+        "peer group lost",
+        "a peer group lost: a node and every node holding its replicas wiped",
+        needs_replication=True,
+        needs_backup=True,
     ),
 }
 
