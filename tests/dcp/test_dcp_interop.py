@@ -1,0 +1,54 @@
+"""A DCP step is an ordinary tierckpt step: format-level listing, verification and restore choice see it."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import dcp_scenarios as sc
+from dcp_dist import run_ranks
+from tierckpt.contract import NodeInventory, RankHoldings, Tier
+from tierckpt.format import (
+    DCP_METADATA_NAME,
+    committed_steps,
+    iter_data_files,
+    rank_dir,
+    read_manifest,
+    step_dir,
+)
+from tierckpt.integrity import crc32c_file
+from tierckpt.restore_choice import choose_restore
+from tierckpt.verify import verify_step
+
+
+def test_dcp_steps_are_committed_self_describing_and_verify(ramdisk: Path, job: str) -> None:
+    run_ranks(3, sc.save_plain, str(ramdisk), job, 42, 1)
+    for rank in range(3):
+        path = step_dir(rank_dir(ramdisk, job, rank), 42)
+        assert committed_steps(rank_dir(ramdisk, job, rank)) == [42]
+        report = verify_step(path)
+        manifest = read_manifest(path)
+        assert (report.step, manifest.rank, manifest.world_size) == (42, rank, 3)
+        assert manifest.manifest_kind == "dcp" and manifest.extra["dcp"]["coordinator"] == (rank == 0)
+        for t in manifest.tensors:  # every item's own crc is right where the manifest says
+            assert crc32c_file(path / t.file, offset=t.offset, length=t.length) == t.crc32c, t.key
+        names = {f.name for f in manifest.files}
+        assert (DCP_METADATA_NAME in names) == (rank == 0)
+        assert all(f.name.startswith("data-") for f in iter_data_files(manifest))
+
+
+def test_restore_choice_picks_the_dcp_step(ramdisk: Path, job: str) -> None:
+    run_ranks(2, sc.save_plain, str(ramdisk), job, 8, 1)
+    run_ranks(2, sc.save_plain, str(ramdisk), job, 9, 2)
+    holdings = {r: RankHoldings(local=tuple(committed_steps(rank_dir(ramdisk, job, r)))) for r in range(2)}
+    world = {s: read_manifest(step_dir(rank_dir(ramdisk, job, 0), s)).world_size for s in (8, 9)}
+    inventory = NodeInventory(
+        job=job,
+        node="n0",
+        endpoint="http://127.0.0.1:1",
+        updated_at=time.time(),
+        ranks=holdings,
+        world_sizes=world,
+    )
+    plan = choose_restore([inventory])
+    assert plan.step == 9 and plan.world_size == 2 and plan.sources == {0: Tier.LOCAL, 1: Tier.LOCAL}

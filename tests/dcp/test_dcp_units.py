@@ -1,0 +1,137 @@
+"""In-process checks: the metadata encoding, step ids, DCP retention, argument errors, page reuse."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from tierckpt.dcp import RamdiskReader, RamdiskWriter
+from tierckpt.dcp._paths import parse_step_id
+from tierckpt.dcp._store import plan_dcp_retention
+from tierckpt.dcp.metadata import DcpMetadata, ItemLocation, decode_metadata, encode_metadata
+from tierckpt.errors import FormatError
+from tierckpt.format import committed_steps, rank_dir, step_dir
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+
+def _metadata(planner_data: object) -> tuple[Metadata, dict[MetadataIndex, ItemLocation]]:
+    chunks = [
+        ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([3, 4])),
+        ChunkStorageMetadata(torch.Size([3, 0]), torch.Size([2, 4])),
+    ]
+    sdm = {
+        "w": TensorStorageMetadata(
+            TensorProperties(dtype=torch.bfloat16, requires_grad=True), torch.Size([5, 4]), chunks
+        ),
+        "scalar": TensorStorageMetadata(
+            TensorProperties(dtype=torch.float64),
+            torch.Size([]),
+            [ChunkStorageMetadata(torch.Size([]), torch.Size([]))],
+        ),
+        "obj": BytesStorageMetadata(),
+    }
+    locs = {
+        MetadataIndex("w", [0, 0], 0): ItemLocation(0, "data-00000.bin", 0, 24, 11),
+        MetadataIndex("w", [3, 0], 1): ItemLocation(1, "data-00000.bin", 512, 16, 22, manifest_crc32c=99),
+        MetadataIndex("scalar", []): ItemLocation(0, "data-00000.bin", 256, 8, 33),
+        MetadataIndex("obj"): ItemLocation(0, "data-00001.bin", 0, 1261, 44),
+    }
+    md = Metadata(
+        sdm,
+        planner_data=planner_data,
+        storage_data=locs,
+        storage_meta=StorageMeta("7", "s-1"),
+        version="1.0.0",
+    )
+    return md, locs
+
+
+@pytest.mark.parametrize(
+    "planner_data", [None, {"w": ("model", "w"), "obj": ("extra", 0, "obj")}, {"any": [1, "x"]}]
+)
+def test_metadata_round_trips_through_typed_json(planner_data: object) -> None:
+    md, locs = _metadata(planner_data)
+    record = encode_metadata(md, locs, job="j", step=7, world_size=2, coordinator=0)
+    body = record.to_bytes()
+    assert json.loads(body)["kind"] == "tierckpt.dcp-metadata"
+    back = decode_metadata(DcpMetadata.from_bytes(body))
+    assert back.state_dict_metadata == md.state_dict_metadata
+    assert back.storage_data == locs
+    assert back.planner_data == planner_data
+    assert back.version == "1.0.0" and back.storage_meta.checkpoint_id == "7"
+    assert DcpMetadata.from_bytes(body).ranks == {1: 99}
+
+
+def test_metadata_refuses_what_json_cannot_hold() -> None:
+    md, locs = _metadata({"w": object()})
+    with pytest.raises(FormatError, match="cannot be stored as JSON"):
+        encode_metadata(md, locs, job="j", step=7, world_size=2, coordinator=0)
+    md, locs = _metadata(None)
+    locs[MetadataIndex("ghost", [0])] = ItemLocation(0, "data-00000.bin", 0, 1, 1)
+    with pytest.raises(FormatError, match="no entry"):
+        encode_metadata(md, locs, job="j", step=7, world_size=2, coordinator=0)
+    record = encode_metadata(*_metadata(None), job="j", step=7, world_size=2, coordinator=0).to_dict()
+    record["entries"][0]["tensor"]["properties"]["dtype"] = "float128"
+    with pytest.raises(FormatError, match="float128"):
+        decode_metadata(DcpMetadata.from_dict(record))
+
+
+def test_step_ids() -> None:
+    assert [
+        parse_step_id(x) for x in (0, 1200, "1200", "step-000000001200", Path("/a/step-000000000003"))
+    ] == [
+        0,
+        1200,
+        1200,
+        1200,
+        3,
+    ]
+    assert [parse_step_id(x) for x in (-1, True, "latest", "runs/last", "step-x", None)] == [None] * 6
+
+
+def test_dcp_retention_keeps_complete_checkpoints_only() -> None:
+    assert plan_dcp_retention([1, 2, 3, 4], [1, 2, 3, 4], keep=2) == (1, 2)
+    assert plan_dcp_retention([1, 2, 3, 4], [1, 2], keep=2) == ()  # 3 and 4 are not known complete yet
+    assert plan_dcp_retention([1, 2, 3, 4], [1, 2, 3], keep=1) == (1, 2)
+    assert plan_dcp_retention([1, 2, 3, 4], [1, 2, 3], keep=1, leased={1}) == (2,)
+    assert plan_dcp_retention([5], [], keep=1) == ()
+
+
+def test_writer_argument_errors(ramdisk: Path, job: str) -> None:
+    writer = RamdiskWriter(ramdisk, job)
+    with pytest.raises(ValueError, match="names no step"):
+        writer.reset("latest")
+    with pytest.raises(ValueError, match="no step to save"):
+        writer.set_up_storage_writer(True)
+    writer.reset(5)
+    with pytest.raises(ValueError, match="use_collectives=True"):
+        writer.set_up_storage_writer(True, rank=0, use_collectives=False)
+    with pytest.raises(Exception, match="no checkpoint root"):
+        os.environ.pop("TIERCKPT_ROOT", None)
+        RamdiskWriter()
+
+
+def test_repeated_saves_keep_n_checkpoints_and_reuse_pages(ramdisk: Path, job: str) -> None:
+    with RamdiskWriter(ramdisk, job, keep=2) as writer:
+        inodes = []
+        for step in range(1, 6):
+            state = {"w": torch.full((1 << 16,), float(step)), "step": step}
+            dcp.save(state, checkpoint_id=step, storage_writer=writer, no_dist=True)
+            inodes.append(os.stat(step_dir(rank_dir(ramdisk, job, 0), step) / "data-00000.bin").st_ino)
+    assert committed_steps(rank_dir(ramdisk, job, 0)) == [4, 5]
+    assert set(inodes[3:]) & set(inodes[:2]), "later saves write into the recycled files of retired steps"
+    got = {"w": torch.zeros(1 << 16), "step": 0}
+    dcp.load(got, storage_reader=RamdiskReader(ramdisk, job), no_dist=True)
+    assert got["step"] == 5 and bool((got["w"] == 5.0).all())
