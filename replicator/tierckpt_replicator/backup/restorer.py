@@ -98,9 +98,7 @@ class Restorer:
         with StepWriter(Path(dest_rank_dir), header) as writer:
             writer.prepare()
             files = header.manifest.files
-            futures = {
-                f.name: self._submit(job, step, rank, f, writer.path(f.name), on_bytes) for f in files
-            }
+            futures = {f.name: self._submit(job, step, rank, f, writer.path(f.name), on_bytes) for f in files}
             try:
                 for f in files:
                     parts = [(fut.result(), length) for fut, length in futures[f.name]]

@@ -21,6 +21,7 @@ last uploader died before writing the completion object.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures as cf
 import contextlib
 import dataclasses
@@ -147,7 +148,7 @@ class BackupService:
         self._locks: dict[str, asyncio.Lock] = {}
         self._holders: dict[str, dict[int, tuple[str, ...]]] = {}
         self._latest: dict[str, int] = {}
-        self._fetching: dict[str, set[int]] = {}
+        self._fetching: dict[str, collections.Counter[int]] = {}
         self._status: dict[str, BackupStatus] = {}
         self._cancelled: set[str] = set()
         self._holder = "backup." + re.sub(r"[^A-Za-z0-9_.-]", "-", node)[:100]
@@ -170,7 +171,7 @@ class BackupService:
             if step < self._latest[job]:
                 log.debug("step %d of %s superseded by step %d before its turn", step, job, self._latest[job])
                 return
-            with contextlib.suppress(TierckptError, OSError):
+            with contextlib.suppress(Exception):  # _pass logged and counted it
                 await self._run(self._pass, job, step, tuple(ranks_here), False, False)
 
     async def backup_now(
@@ -188,7 +189,7 @@ class BackupService:
     async def poll(self, job: str) -> None:
         """Periodic housekeeping: join started backups, take over orphaned ranks, complete, retain."""
         async with self._lock(job):
-            with contextlib.suppress(TierckptError, OSError):
+            with contextlib.suppress(Exception):  # _pass logged and counted it
                 await self._run(self._pass, job, None, (), False, False)
 
     async def complete_steps(self, job: str) -> tuple[int, ...]:
@@ -212,8 +213,8 @@ class BackupService:
         the bucket, ``CorruptShardError`` on any checksum mismatch (nothing is committed),
         ``RamdiskFullError`` if the step does not fit, ``StoreError`` if the bucket keeps failing."""
         relay = _Progress(asyncio.get_running_loop(), progress, self.metrics.bytes_downloaded.inc)
-        fetching = self._fetching.setdefault(job, set())
-        fetching.add(step)
+        fetching = self._fetching.setdefault(job, collections.Counter())
+        fetching[step] += 1
         started = time.monotonic()
         try:
             await self._run(
@@ -223,7 +224,7 @@ class BackupService:
             self.metrics.failures.labels(op="restore").inc()
             raise
         finally:
-            fetching.discard(step)
+            fetching[step] -= 1
         relay.finish()
         self.metrics.restore_seconds.observe(time.monotonic() - started)
 
@@ -287,10 +288,13 @@ class BackupService:
                 self._maintain(job)
             else:
                 self._set_status(job, complete=tuple(sorted(view.complete)))
-        except (TierckptError, OSError) as exc:
+        except Exception as exc:
             self.metrics.failures.labels(op="upload").inc()
             self._set_status(job, last_error=f"{type(exc).__name__}: {exc}")
-            log.error("backup of %s failed: %s", job, exc)
+            if isinstance(exc, (TierckptError, OSError)):
+                log.error("backup of %s failed: %s", job, exc)
+            else:
+                log.exception("backup of %s failed unexpectedly", job)
             raise
 
     def _backup_now(self, job: str, all_local: bool) -> int | None:
@@ -335,7 +339,7 @@ class BackupService:
         for r in local:
             if self.node not in holders.get(r, ()):
                 holders[r] = (*holders.get(r, ()), self.node)
-        owner = assign_uploads(job, step, holders)
+        owner = _assign(job, step, tuple(sorted((r, tuple(sorted(h))) for r, h in holders.items())))
         mine = {r for r in local if owner.get(r) == self.node}
         if started_at is not None and self.clock() - started_at >= self.takeover_after:
             committed = self.catalog.rank_commits(job, step)
@@ -366,7 +370,8 @@ class BackupService:
 
     def _maintain(self, job: str) -> None:
         view = self.catalog.view(job)
-        plan = self.policy.retention(view.complete, protect=self._fetching.get(job, ()))
+        protect = [s for s, n in self._fetching.get(job, collections.Counter()).items() if n > 0]
+        plan = self.policy.retention(view.complete, protect=protect)
         removed = self.catalog.collect_garbage(job, view, plan.delete, grace=self.incomplete_grace)
         self.metrics.steps_deleted.inc(len([s for s in removed if s in view.complete]))
         kept = tuple(s for s in sorted(view.complete) if s not in removed)
@@ -431,6 +436,12 @@ class BackupService:
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._ops, functools.partial(fn, *args))
+
+
+@functools.lru_cache(maxsize=16)
+def _assign(job: str, step: int, holders: tuple[tuple[int, tuple[str, ...]], ...]) -> dict[int, str]:
+    """``assign_uploads``, remembered: every pass over a step needs the same split again."""
+    return assign_uploads(job, step, dict(holders))
 
 
 @contextlib.contextmanager

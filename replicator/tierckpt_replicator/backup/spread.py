@@ -2,9 +2,9 @@
 
 Each rank of a step is held by its primary node and by the nodes it was replicated to. Any of them can
 upload it; ``assign_uploads`` picks exactly one per rank so that the busiest node uploads as few ranks
-as possible (an optimal semi-matching: no rank can move to lighter node without making it as busy),
-with rendezvous hashing on ``(job, step, rank, node)`` breaking ties. It depends only on its inputs,
-never on their order, so every node computes the same split without talking to the others.
+as possible (the maximum load is optimal), with rendezvous hashing on ``(job, step, rank, node)``
+breaking ties. It depends only on its inputs, never on their order, so every node computes the same
+split without talking to the others.
 """
 
 from __future__ import annotations
@@ -38,40 +38,39 @@ def assign_uploads(job: str, step: int, holders: Mapping[int, Sequence[str]]) ->
 
 
 def _rebalance(options: Mapping[int, list[str]], owner: dict[int, str], load: dict[str, int]) -> None:
-    """Apply cost-reducing paths (move a chain of ranks from a busy node to one at least 2 lighter)
-    until none exists; the result minimises the maximum load (Harvey et al., semi-matchings)."""
+    """Move chains of ranks from the busiest nodes to nodes at least 2 lighter until no such chain
+    exists. Then the maximum load is optimal: every node reachable from a busiest one carries at least
+    max-1 ranks, and the ranks on those nodes have nowhere else to go in any assignment."""
     by_node: dict[str, set[int]] = {n: set() for n in load}
     for r, n in owner.items():
         by_node[n].add(r)
-    improved = True
-    while improved:
-        improved = False
-        for start in sorted(load, key=lambda n: (-load[n], n)):
-            path = _cost_reducing_path(start, options, by_node, load)
-            if path:
-                for r, src, dst in path:
-                    by_node[src].discard(r)
-                    by_node[dst].add(r)
-                    owner[r] = dst
-                load[path[0][1]] -= 1
-                load[path[-1][2]] += 1
-                improved = True
-                break
+    while load:
+        top = max(load.values())
+        path = _chain(sorted(n for n in load if load[n] == top), top - 2, options, by_node, load)
+        if path is None:
+            return
+        for r, src, dst in path:
+            by_node[src].discard(r)
+            by_node[dst].add(r)
+            owner[r] = dst
+        load[path[0][1]] -= 1
+        load[path[-1][2]] += 1
 
 
-def _cost_reducing_path(
-    start: str, options: Mapping[int, list[str]], by_node: Mapping[str, set[int]], load: Mapping[str, int]
-) -> list[tuple[int, str, str]] | None:
-    """BFS over "rank r on node a could move to node b" edges from ``start`` to a node with load
-    <= load[start] - 2; returns the moves (rank, from, to) in order, or None."""
-    prev: dict[str, tuple[int, str] | None] = {start: None}
-    queue = deque([start])
+def _chain(
+    starts: list[str], target: int, options: Mapping[int, list[str]], by_node: Mapping[str, set[int]],
+    load: Mapping[str, int],
+) -> list[tuple[int, str, str]] | None:  # fmt: skip
+    """Breadth-first over "rank r on node a could move to node b" from ``starts`` to a node with load
+    <= ``target``; the moves (rank, from, to) in order, or None."""
+    prev: dict[str, tuple[int, str] | None] = dict.fromkeys(starts)
+    queue = deque(starts)
     while queue:
         node = queue.popleft()
-        if load[node] <= load[start] - 2:
+        if load[node] <= target:
             moves = []
-            while prev[node] is not None:
-                rank, src = prev[node]  # type: ignore[misc]
+            while (step := prev[node]) is not None:
+                rank, src = step
                 moves.append((rank, src, node))
                 node = src
             return moves[::-1]
