@@ -14,7 +14,6 @@ from pathlib import Path
 
 from tierckpt.errors import CorruptShardError, FormatError
 from tierckpt.format import (
-    OBJECTS_NAME,
     FileEntry,
     Manifest,
     parse_step_name,
@@ -48,11 +47,12 @@ def verify_file(step_path: str | os.PathLike[str], manifest: Manifest, entry: Fi
         crc = region_crcs([(f.address, f.size)])[0] if f.size else 0
         if crc == entry.crc32c:
             return
-        if entry.name != OBJECTS_NAME:
+        data_file = any(t.file == entry.name for t in manifest.tensors)
+        if data_file:
             _narrow(path, f, manifest, entry)
         raise CorruptShardError(
             f"{path}: crc32c {crc:08x}, manifest says {entry.crc32c:08x}"
-            + ("" if entry.name == OBJECTS_NAME else " (every tensor matches: the padding is damaged)"),
+            + (" (every tensor matches: the padding is damaged)" if data_file else ""),
             path=str(path),
         )
     finally:
