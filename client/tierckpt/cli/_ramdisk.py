@@ -65,13 +65,20 @@ def step_record(rd: RankDir, step: int, path: Path) -> StepRecord:
     try:
         marker = fmt.read_commit(path)
     except FormatError as exc:
-        return StepRecord(*base, "corrupt", _dir_bytes(path), _mtime(path), str(path),
-                          f"unreadable commit marker: {exc}")  # fmt: skip
+        return StepRecord(
+            *base, "corrupt", _dir_bytes(path), _mtime(path), str(path), f"unreadable commit marker: {exc}"
+        )
     if marker is None:
         return StepRecord(*base, "incomplete", _dir_bytes(path), _mtime(path), str(path))
     if marker.step != step or marker.rank != rd.rank:
-        return StepRecord(*base, "corrupt", marker.total_bytes, marker.committed_at, str(path),
-                          f"commit marker names rank {marker.rank} step {marker.step}")  # fmt: skip
+        return StepRecord(
+            *base,
+            "corrupt",
+            marker.total_bytes,
+            marker.committed_at,
+            str(path),
+            f"commit marker names rank {marker.rank} step {marker.step}",
+        )
     return StepRecord(*base, "committed", marker.total_bytes, marker.committed_at, str(path))
 
 

@@ -65,10 +65,17 @@ def demo_command(
         from tierckpt.demo.run import DemoOptions, run_demo
 
         options = DemoOptions(
-            nodes=nodes, model_size=model_size, steps=steps, checkpoint_every=checkpoint_every,
-            scenarios=_scenarios(scenarios), keep_workdir=keep_workdir, seed=seed, replicas=replicas,
-            netns=False if loopback else None, timeout=timeout,
-        )  # fmt: skip
+            nodes=nodes,
+            model_size=model_size,
+            steps=steps,
+            checkpoint_every=checkpoint_every,
+            scenarios=_scenarios(scenarios),
+            keep_workdir=keep_workdir,
+            seed=seed,
+            replicas=replicas,
+            netns=False if loopback else None,
+            timeout=timeout,
+        )
         try:
             options.validate()
         except ValueError as exc:

@@ -102,8 +102,16 @@ def gc_rank(rd: RankDir, *, keep: int, stale_after: float, dry_run: bool, now: f
     now = time.time() if now is None else now
     if rd.copy == "primary" and _writer_alive(rd.path):
         plan, _ = _plan(rd, keep, stale_after, now)
-        return RankGc(rd.job, rd.rank, rd.copy, plan.kept, plan.held, (), 0,
-                      "a running Checkpointer holds it and applies its own retention")  # fmt: skip
+        return RankGc(
+            rd.job,
+            rd.rank,
+            rd.copy,
+            plan.kept,
+            plan.held,
+            (),
+            0,
+            "a running Checkpointer holds it and applies its own retention",
+        )
     if dry_run:
         plan, sizes = _plan(rd, keep, stale_after, now)
     else:
@@ -135,8 +143,16 @@ def _table(results: list[RankGc], title: str) -> Table:
     for col in ("job", "rank", "copy", "kept", "held", "removed", "freed", "note"):
         table.add_column(col, justify="right" if col in ("rank", "freed") else "left")
     for r in results:
-        table.add_row(r.job, str(r.rank), r.copy, _steps(r.kept), _steps(r.held), _steps(r.removed),
-                      format_bytes(r.freed_bytes), r.skipped)  # fmt: skip
+        table.add_row(
+            r.job,
+            str(r.rank),
+            r.copy,
+            _steps(r.kept),
+            _steps(r.held),
+            _steps(r.removed),
+            format_bytes(r.freed_bytes),
+            r.skipped,
+        )
     return table
 
 
@@ -164,8 +180,15 @@ def gc_command(
                 progress.advance(task)
         freed = sum(r.freed_bytes for r in results)
         if as_json:
-            print_json({"path": path, "dry_run": dry_run, "keep": keep, "freed_bytes": freed,
-                        "ranks": [dataclasses.asdict(r) for r in results]})  # fmt: skip
+            print_json(
+                {
+                    "path": path,
+                    "dry_run": dry_run,
+                    "keep": keep,
+                    "freed_bytes": freed,
+                    "ranks": [dataclasses.asdict(r) for r in results],
+                }
+            )
             return
         if not results:
             out_console.print(f"no rank directory found under {path}")

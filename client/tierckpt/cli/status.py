@@ -47,8 +47,11 @@ def _call(what: str, fn: Any, **kwargs: Any) -> Any:
         return fn(CRD_GROUP, CRD_VERSION, plural=CRD_PLURAL, _request_timeout=15, **kwargs)
     except ApiException as exc:
         if exc.status == 404:
-            raise CliError(f"{what}: not found (is the JobSet opted in with tierckpt.io/enabled=true, "
-                           "and the tierckpt CRDs installed?)", EXIT_FAILED) from None  # fmt: skip
+            raise CliError(
+                f"{what}: not found (is the JobSet opted in with tierckpt.io/enabled=true, "
+                "and the tierckpt CRDs installed?)",
+                EXIT_FAILED,
+            ) from None
         if exc.status in (401, 403):
             raise CliError(f"{what}: access denied ({exc.status} {exc.reason})", EXIT_FAILED) from None
         raise CliError(f"{what}: the API server answered {exc.status} {exc.reason}", EXIT_FAILED) from None

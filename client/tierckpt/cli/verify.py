@@ -79,8 +79,15 @@ def _table(verdicts: list[StepVerdict], title: str) -> Table:
         )
         if len(v.problems) > 1:
             problem += f" (+{len(v.problems) - 1} more)"
-        table.add_row(v.job, str(v.rank), v.copy, str(v.step), f"[{_STYLE[v.verdict]}]{v.verdict}[/]",
-                      format_bytes(v.bytes), problem)  # fmt: skip
+        table.add_row(
+            v.job,
+            str(v.rank),
+            v.copy,
+            str(v.step),
+            f"[{_STYLE[v.verdict]}]{v.verdict}[/]",
+            format_bytes(v.bytes),
+            problem,
+        )
     return table
 
 
@@ -100,16 +107,24 @@ def verify_command(
         seconds = time.monotonic() - t0
         bad = [v for v in verdicts if v.verdict == "corrupt"]
         if as_json:
-            print_json({"path": path, "ok": not bad, "seconds": seconds,
-                        "steps": [dataclasses.asdict(v) for v in verdicts]})  # fmt: skip
+            print_json(
+                {
+                    "path": path,
+                    "ok": not bad,
+                    "seconds": seconds,
+                    "steps": [dataclasses.asdict(v) for v in verdicts],
+                }
+            )
         elif not verdicts:
             out_console.print(f"no step found under {path}")
         else:
             out_console.print(_table(verdicts, title=f"verify {path}"))
             ok = sum(v.verdict == "ok" for v in verdicts)
             checked = sum(v.bytes for v in verdicts if v.verdict != "incomplete")
-            out_console.print(f"{ok} ok, {len(bad)} corrupt, {len(verdicts) - ok - len(bad)} incomplete; "
-                              f"{format_bytes(checked)} checked in {seconds:.2f} s")  # fmt: skip
+            out_console.print(
+                f"{ok} ok, {len(bad)} corrupt, {len(verdicts) - ok - len(bad)} incomplete; "
+                f"{format_bytes(checked)} checked in {seconds:.2f} s"
+            )
         if bad:
             err_console.print(f"[bold red]error:[/] {len(bad)} corrupt step(s)")
             raise typer.Exit(EXIT_FAILED)

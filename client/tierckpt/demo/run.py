@@ -189,12 +189,17 @@ class Demo:
     def _report(self, error: str) -> DemoReport:
         names = [n.name for n in self.cluster.nodes] if self.cluster else []
         config = DemoConfig(
-            nodes=self.o.nodes, world_size=self.o.nodes,
+            nodes=self.o.nodes,
+            world_size=self.o.nodes,
             network="netns" if self.cluster is not None and self.cluster.netns else "loopback",
-            model_params=self.shape.params, state_bytes=self.shape.state_bytes, steps=self.o.steps,
-            checkpoint_every=self.o.checkpoint_every, scenarios=self.o.scenarios, seed=self.o.seed,
+            model_params=self.shape.params,
+            state_bytes=self.shape.state_bytes,
+            steps=self.o.steps,
+            checkpoint_every=self.o.checkpoint_every,
+            scenarios=self.o.scenarios,
+            seed=self.o.seed,
             peers=dict(self.assignment.peers) if self.assignment else {n: () for n in names},
-        )  # fmt: skip
+        )
         ran_all = len(self.results) == len(self.o.scenarios)
         ok = not error and ran_all and all(s.ok for s in self.results)
         return DemoReport(
@@ -230,12 +235,30 @@ class Demo:
         self._phase(f"starting {self.o.nodes} nodes (replicators, ramdisks) and fake-gcs-server")
         every = self.o.checkpoint_every
         self.cluster = LocalCluster(
-            self.o.nodes, job=JOB, k=self.o.replicas, procs_per_node=1, ramdisk_size=self._ramdisk_size(),
-            gcs=True, domains=min(self.o.domains, self.o.nodes), netns=self.o.netns,
-            replicator_args=["--no-restore-on-start", "--poll-interval", "1", "--reconcile-interval", "2",
-                             "--inventory-timeout", "2", "--backup-poll-interval", "2",
-                             "--backup-interval-steps", str(2 * every), "--log-level", "INFO"],
-        )  # fmt: skip
+            self.o.nodes,
+            job=JOB,
+            k=self.o.replicas,
+            procs_per_node=1,
+            ramdisk_size=self._ramdisk_size(),
+            gcs=True,
+            domains=min(self.o.domains, self.o.nodes),
+            netns=self.o.netns,
+            replicator_args=[
+                "--no-restore-on-start",
+                "--poll-interval",
+                "1",
+                "--reconcile-interval",
+                "2",
+                "--inventory-timeout",
+                "2",
+                "--backup-poll-interval",
+                "2",
+                "--backup-interval-steps",
+                str(2 * every),
+                "--log-level",
+                "INFO",
+            ],
+        )
         self.assignment = self._assign_peers()
         self.timings["setup_s"] = time.monotonic() - t0
         mode = "network namespaces + tmpfs" if self.cluster.netns else "loopback ports + directories"
@@ -254,10 +277,13 @@ class Demo:
         nodes = self.cluster.nodes
         plan = plan_node_peers({n.name: n.domain for n in nodes}, self.o.replicas)
         assignment = PeerAssignment(
-            job=JOB, generation=2,
+            job=JOB,
+            generation=2,
             nodes={n.name: PeerNode(name=n.name, endpoint=n.peer_endpoint, domain=n.domain) for n in nodes},
-            peers=plan, node_ranks={n.name: n.index for n in nodes}, procs_per_node=1,
-        )  # fmt: skip
+            peers=plan,
+            node_ranks={n.name: n.index for n in nodes},
+            procs_per_node=1,
+        )
         self.cluster.peers_file.write_bytes(assignment.to_bytes())  # what a restarted replicator reads
         for node in nodes:
             self._put(node, f"/v1/jobs/{JOB}/peers", assignment.to_bytes(), ok=(200,))
@@ -356,12 +382,19 @@ class Demo:
 
     def _trainer_env(self, node: Any, rank: int, master_ip: str, port: int) -> dict[str, str]:
         return {
-            "MASTER_ADDR": master_ip, "MASTER_PORT": str(port), "RANK": str(rank), "LOCAL_RANK": "0",
-            "WORLD_SIZE": str(self.o.nodes), "GLOO_SOCKET_IFNAME": "eth0" if self.cluster.netns else "lo",
-            "TIERCKPT_ROOT": str(node.root), "TIERCKPT_JOB": JOB, "TIERCKPT_REPLICATOR_URL": node.endpoint,
-            "TIERCKPT_RESTORE_WAIT": str(int(self.o.timeout)), "OMP_NUM_THREADS": "1",
+            "MASTER_ADDR": master_ip,
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "LOCAL_RANK": "0",
+            "WORLD_SIZE": str(self.o.nodes),
+            "GLOO_SOCKET_IFNAME": "eth0" if self.cluster.netns else "lo",
+            "TIERCKPT_ROOT": str(node.root),
+            "TIERCKPT_JOB": JOB,
+            "TIERCKPT_REPLICATOR_URL": node.endpoint,
+            "TIERCKPT_RESTORE_WAIT": str(int(self.o.timeout)),
+            "OMP_NUM_THREADS": "1",
             "PYTHONUNBUFFERED": "1",
-        }  # fmt: skip
+        }
 
     def _wait_segment(self, index: int, segment: sc.Segment) -> dict[int, list[TrainerEvent]]:
         """Follow the segment until every rank is held (or done); returns every rank's events."""
@@ -542,14 +575,21 @@ class Demo:
         )
         saves = [e.seconds for evs in before.values() for e in evs if e.event == "saved"]
         result = ScenarioResult(
-            name=previous.scenario, failure=sc.SCENARIOS[previous.scenario].title,
-            ok=all(c.ok for c in checks), killed_at_step=previous.until,
-            expected_step=previous.expected_restore, restored_step=ranks[0].step if ranks else None,
-            lost_nodes=self.lost, ranks=tuple(ranks), bytes=sum(r.bytes for r in ranks),
-            save_blocking_s=median(saves), save_blocking_max_s=max(saves, default=0.0),
-            restore_s=max((r.restore_s for r in ranks), default=0.0), replayed_steps=compared,
+            name=previous.scenario,
+            failure=sc.SCENARIOS[previous.scenario].title,
+            ok=all(c.ok for c in checks),
+            killed_at_step=previous.until,
+            expected_step=previous.expected_restore,
+            restored_step=ranks[0].step if ranks else None,
+            lost_nodes=self.lost,
+            ranks=tuple(ranks),
+            bytes=sum(r.bytes for r in ranks),
+            save_blocking_s=median(saves),
+            save_blocking_max_s=max(saves, default=0.0),
+            restore_s=max((r.restore_s for r in ranks), default=0.0),
+            replayed_steps=compared,
             checks=tuple(checks),
-        )  # fmt: skip
+        )
         self.results.append(result)
         tiers = " ".join(f"{r.rank}:{r.tier}" for r in ranks)
         head = f"{result.name}: restored step {result.restored_step} ({tiers}) in {result.restore_s:.2f} s"

@@ -1,0 +1,173 @@
+"""Listing backups in a bucket (``tierckpt ls gs://bucket/prefix``), through tierckpt.bucket_layout.
+
+google-cloud-storage is imported here only, on first use. ``$STORAGE_EMULATOR_HOST`` points it at
+an emulator (fake-gcs-server) with anonymous credentials; otherwise the usual application default
+credentials are used. Listing reads only small objects: each job's completion objects and, for
+steps still being uploaded, their per-rank commit objects; never the data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+from tierckpt.bucket_layout import BucketLayout, RankBackup, StepBackup, parse_gs_url
+from tierckpt.cli._common import EXIT_FAILED, CliError
+from tierckpt.errors import FormatError
+
+__all__ = ["DEFAULT_PREFIX", "BucketStep", "scan_bucket"]
+
+DEFAULT_PREFIX = "tierckpt"
+"""The replicator's default ``--gcs-prefix``: tried when the URL names only a bucket."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketStep:
+    """One step of one job in the bucket."""
+
+    job: str
+    step: int
+    state: str
+    """``complete`` (every rank listed in its completion object), ``partial`` (an upload under way or
+    abandoned) or ``corrupt`` (an unreadable completion object)."""
+    world_size: int
+    ranks: int
+    """Ranks whose objects are all uploaded."""
+    bytes: int
+    age_at: float | None
+    url: str
+    detail: str = ""
+
+
+def _client() -> Any:
+    from google.auth.credentials import AnonymousCredentials
+    from google.auth.exceptions import DefaultCredentialsError
+    from google.cloud import storage
+
+    endpoint = os.environ.get("STORAGE_EMULATOR_HOST")
+    try:
+        if endpoint:
+            return storage.Client(
+                project="tierckpt",
+                credentials=AnonymousCredentials(),
+                client_options={"api_endpoint": endpoint},
+            )
+        return storage.Client()
+    except DefaultCredentialsError as exc:
+        raise CliError(
+            f"no Google Cloud credentials ({exc}); run 'gcloud auth application-default login' "
+            "or set STORAGE_EMULATOR_HOST for an emulator",
+            EXIT_FAILED,
+        ) from None
+
+
+def _prefixes(client: Any, bucket: str, prefix: str) -> list[str]:
+    it = client.list_blobs(bucket, prefix=prefix, delimiter="/")
+    for _ in it.pages:
+        pass
+    return sorted(it.prefixes)
+
+
+def _job_ids(client: Any, bucket: str, layout: BucketLayout) -> list[str]:
+    k8s_root, local_root = layout.jobs_roots()
+    jobs = [p[len(local_root) : -1] for p in _prefixes(client, bucket, local_root)]
+    for ns in _prefixes(client, bucket, k8s_root):
+        for name in _prefixes(client, bucket, ns):
+            for uid in _prefixes(client, bucket, name):
+                jobs.append("_".join(uid[len(k8s_root) : -1].split("/")))
+    return sorted(jobs)
+
+
+def _read(blob: Any, cls: type[Any]) -> Any:
+    return cls.from_bytes(blob.download_as_bytes())
+
+
+def _complete_steps(client: Any, bucket: str, layout: BucketLayout, job: str) -> list[BucketStep]:
+    out = []
+    for blob in client.list_blobs(bucket, prefix=layout.complete_dir(job)):
+        step = layout.step_of_complete(job, blob.name)
+        if step is None:
+            continue
+        url = f"gs://{bucket}/{layout.step_dir(job, step)}"
+        try:
+            done = _read(blob, StepBackup)
+        except FormatError as exc:
+            out.append(BucketStep(job, step, "corrupt", 0, 0, 0, None, url, f"completion object: {exc}"))
+            continue
+        out.append(
+            BucketStep(
+                job,
+                step,
+                "complete",
+                done.world_size,
+                len(done.ranks),
+                done.total_bytes,
+                done.completed_at,
+                url,
+            )
+        )
+    return out
+
+
+def _partial_steps(
+    client: Any, bucket: str, layout: BucketLayout, job: str, done: set[int]
+) -> list[BucketStep]:
+    out = []
+    for step_prefix in _prefixes(client, bucket, layout.steps_dir(job)):
+        step = layout.step_of_dir(job, step_prefix)
+        if step is None or step in done:
+            continue
+        ranks: list[RankBackup] = []
+        for blob in client.list_blobs(bucket, prefix=layout.rank_commits_dir(job, step)):
+            if layout.rank_of_commit(job, step, blob.name) is not None:
+                try:
+                    ranks.append(_read(blob, RankBackup))
+                except FormatError:
+                    continue
+        world = max((r.world_size for r in ranks), default=0)
+        newest = max((r.uploaded_at for r in ranks), default=None)
+        out.append(
+            BucketStep(
+                job,
+                step,
+                "partial",
+                world,
+                len(ranks),
+                sum(r.total_bytes for r in ranks),
+                newest,
+                f"gs://{bucket}/{step_prefix}",
+                f"{len(ranks)}/{world or '?'} ranks uploaded",
+            )
+        )
+    return out
+
+
+def _scan(client: Any, bucket: str, prefix: str, job: str | None) -> list[BucketStep]:
+    layout = BucketLayout(prefix)
+    jobs = [job] if job else _job_ids(client, bucket, layout)
+    out: list[BucketStep] = []
+    for j in jobs:
+        complete = _complete_steps(client, bucket, layout, j)
+        out += complete + _partial_steps(client, bucket, layout, j, {s.step for s in complete})
+    return sorted(out, key=lambda s: (s.job, s.step))
+
+
+def scan_bucket(url: str, *, job: str | None = None) -> list[BucketStep]:
+    """Every step of every job (or of ``job``) under ``gs://bucket/prefix``."""
+    from google.api_core import exceptions as gexc
+    from requests.exceptions import RequestException
+
+    bucket, prefix = parse_gs_url(url)
+    client = _client()
+    try:
+        found = _scan(client, bucket, prefix, job)
+        if not found and not prefix:
+            found = _scan(client, bucket, DEFAULT_PREFIX, job)
+    except gexc.NotFound:
+        raise CliError(f"{url}: no such bucket", EXIT_FAILED) from None
+    except gexc.Forbidden as exc:
+        raise CliError(f"{url}: access denied ({exc.message})", EXIT_FAILED) from None
+    except (gexc.GoogleAPIError, RequestException) as exc:
+        raise CliError(f"{url}: cannot list the bucket ({exc})", EXIT_FAILED) from None
+    return found
