@@ -1,0 +1,240 @@
+"""The control API in-process (httpx ASGITransport into the real daemon app, no worker started):
+authorization, input validation, and that a refused request changes nothing."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import pytest
+from fixtures.steps import write_step
+from tierckpt.contract import (
+    NodeInventory,
+    PeerAssignment,
+    PeerNode,
+    RestorePlan,
+    RestoreState,
+    RestoreStatus,
+    Tier,
+    read_control,
+    restore_status_name,
+)
+from tierckpt.format import control_dir
+from tierckpt_replicator.daemon import Daemon
+from tierckpt_replicator.report import NodeStatus
+from tierckpt_replicator.settings import Settings
+
+TOKEN = "s3cr3t-token-value"
+JOB = "team_train_1234abcd"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+@pytest.fixture
+async def api(tmp_path: Path) -> AsyncIterator[tuple[httpx.AsyncClient, Daemon]]:
+    token = tmp_path / "token"
+    token.write_text(TOKEN + "\n")
+    root = tmp_path / "ramdisk"
+    root.mkdir()
+    settings = Settings(node_name="node-a", root=root, token_file=token, advertise_host="127.0.0.1",
+                        restore_attempts=1, max_request_bytes=64 << 10)  # fmt: skip
+    daemon = Daemon(settings)
+    transport = httpx.ASGITransport(app=daemon.app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://replicator") as client:
+        yield client, daemon
+    await daemon.close()
+
+
+def assignment(generation: int = 1, job: str = JOB) -> PeerAssignment:
+    return PeerAssignment(
+        job=job,
+        generation=generation,
+        nodes={
+            "node-a": PeerNode("node-a", "http://10.0.0.1:8470"),
+            "node-b": PeerNode("node-b", "http://10.0.0.2:8470"),
+        },
+        peers={"node-a": ("node-b",), "node-b": ("node-a",)},
+        node_ranks={"node-a": 0, "node-b": 1},
+        procs_per_node=2,
+    )
+
+
+ROUTES = [
+    ("GET", f"/v1/jobs/{JOB}/inventory"),
+    ("PUT", f"/v1/jobs/{JOB}/peers"),
+    ("PUT", f"/v1/jobs/{JOB}/restore-plan"),
+    ("POST", f"/v1/jobs/{JOB}/backup"),
+    ("POST", f"/v1/jobs/{JOB}/restore"),
+    ("DELETE", f"/v1/jobs/{JOB}"),
+    ("GET", "/v1/status"),
+]
+
+
+@pytest.mark.parametrize(("method", "path"), ROUTES)
+async def test_every_control_route_needs_the_token(api, method, path):
+    client, daemon = api
+    write_step(daemon.settings.root, JOB, 0, 1, sizes=(64,))
+    body = assignment().to_bytes()
+    for headers, status in (
+        ({}, 401),
+        ({"Authorization": "Basic " + TOKEN}, 401),
+        ({"Authorization": "Bearer "}, 401),
+        ({"Authorization": "Bearer wrong-token"}, 403),
+        ({"Authorization": f"Bearer {TOKEN}x"}, 403),
+    ):
+        resp = await client.request(method, path, headers=headers, content=body)
+        assert resp.status_code == status, (headers, resp.text)
+        if status == 401:
+            assert resp.headers["www-authenticate"] == "Bearer"
+    assert (daemon.settings.root / JOB / "rank-00000").is_dir()  # DELETE refused: nothing purged
+    assert not (control_dir(daemon.settings.root, JOB) / "peers.json").exists()
+
+
+async def test_probes_are_open_and_say_nothing(api):
+    client, _ = api
+    assert (await client.get("/healthz")).json() == {"status": "ok"}
+    ready = await client.get("/readyz")
+    assert ready.status_code == 503 and ready.json() == {"status": "unavailable"}  # no worker running
+    metrics = await client.get("/metrics")
+    assert metrics.status_code == 200 and "tierckpt_replicator_worker_up" in metrics.text
+    assert TOKEN not in metrics.text and "ramdisk" not in metrics.text
+    for hidden in ("/docs", "/openapi.json", "/redoc"):
+        assert (await client.get(hidden)).status_code == 404
+
+
+@pytest.mark.parametrize("job", ["..", ".hidden", "-rf", "a b", "a%2F..%2Fb", "x" * 300, "%2e%2e"])
+async def test_bad_job_ids_are_refused(api, job):
+    client, daemon = api
+    resp = await client.get(f"/v1/jobs/{job}/inventory", headers=AUTH)
+    assert resp.status_code in (400, 404)
+    resp = await client.delete(f"/v1/jobs/{job}", headers=AUTH)
+    assert resp.status_code in (400, 404, 405)
+    assert sorted(p.name for p in daemon.settings.root.iterdir()) == []
+
+
+async def test_inventory_reports_what_is_held(api):
+    client, daemon = api
+    root = daemon.settings.root
+    write_step(root, JOB, 0, 10, world_size=4, sizes=(100,))
+    write_step(root, JOB, 0, 20, world_size=4, sizes=(100,))
+    write_step(root, JOB, 3, 10, world_size=4, sizes=(100,), parent=root / JOB / "replicas" / "rank-00003")
+    (root / JOB / "rank-00000" / "step-000000000030").mkdir()  # not committed: does not exist
+    resp = await client.get(f"/v1/jobs/{JOB}/inventory", headers=AUTH)
+    inv = NodeInventory.from_bytes(resp.content)
+    assert inv.node == "node-a" and inv.endpoint == "http://127.0.0.1:8470"
+    assert inv.ranks[0].local == (10, 20) and inv.ranks[3].replica == (10,)
+    assert inv.world_sizes == {10: 4, 20: 4}
+    empty = NodeInventory.from_bytes((await client.get("/v1/jobs/other_job/inventory", headers=AUTH)).content)
+    assert empty.ranks == {}  # known to hold nothing, which is not the same as unknown
+
+
+async def test_peers_newer_generation_only(api):
+    client, daemon = api
+    url = f"/v1/jobs/{JOB}/peers"
+    assert (await client.put(url, headers=AUTH, content=assignment(2).to_bytes())).status_code == 200
+    path = control_dir(daemon.settings.root, JOB) / "peers.json"
+    stored = path.read_bytes()
+    for generation in (2, 1):
+        resp = await client.put(url, headers=AUTH, content=assignment(generation).to_bytes())
+        assert resp.status_code == 409
+    assert path.read_bytes() == stored
+    assert (await client.put(url, headers=AUTH, content=assignment(3).to_bytes())).status_code == 200
+    assert PeerAssignment.from_bytes(path.read_bytes()).generation == 3
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"",
+        b"not json",
+        b"[]",
+        b'{"kind": "tierckpt.peers", "version": 1}',
+        b'{"kind": "tierckpt.inventory", "version": 1}',
+        b'{"kind": "tierckpt.peers", "version": 99, "job": "x", "generation": 1, "nodes": {}, "peers": {}}',
+        assignment(job="another_job").to_bytes(),
+        assignment().to_bytes().replace(b'"node-b":["node-a"]', b'"node-b":["node-zz"]'),
+        assignment().to_bytes().replace(b'"generation":1', b'"generation":"1"'),
+    ],
+)
+async def test_malformed_peers_change_nothing(api, body):
+    client, daemon = api
+    await client.put(f"/v1/jobs/{JOB}/peers", headers=AUTH, content=assignment(5).to_bytes())
+    path = control_dir(daemon.settings.root, JOB) / "peers.json"
+    before = path.read_bytes()
+    resp = await client.put(f"/v1/jobs/{JOB}/peers", headers=AUTH, content=body)
+    assert resp.status_code == 400, resp.text
+    assert path.read_bytes() == before
+
+
+async def test_bodies_are_bounded(api):
+    client, daemon = api
+    huge = b'{"kind":"tierckpt.peers","pad":"' + b"x" * (128 << 10) + b'"}'
+    resp = await client.put(f"/v1/jobs/{JOB}/peers", headers=AUTH, content=huge)
+    assert resp.status_code == 413
+
+    async def chunks():  # no Content-Length: the stream itself is cut off
+        for _ in range(200):
+            yield b"x" * 1024
+
+    resp = await client.put(f"/v1/jobs/{JOB}/peers", headers=AUTH, content=chunks())
+    assert resp.status_code == 413
+    assert not (daemon.settings.root / JOB).exists()
+
+
+async def test_restore_plan_stages_a_local_step(api):
+    client, daemon = api
+    root = daemon.settings.root
+    await client.put(f"/v1/jobs/{JOB}/peers", headers=AUTH, content=assignment(1).to_bytes())
+    for rank in (0, 1):  # node-a has node rank 0 with 2 processes: ranks 0 and 1
+        write_step(root, JOB, rank, 40, world_size=4, sizes=(128,))
+    plan = RestorePlan(
+        job=JOB, step=40, world_size=4, sources={r: Tier.LOCAL for r in range(4)}, generation=1
+    )
+    resp = await client.put(f"/v1/jobs/{JOB}/restore-plan", headers=AUTH, content=plan.to_bytes())
+    assert resp.status_code == 202
+    assert read_control(root, JOB, RestorePlan.FILE, RestorePlan) == plan
+
+    async def ready(rank: int) -> RestoreStatus | None:
+        st = read_control(root, JOB, restore_status_name(rank), RestoreStatus)
+        return st if st is not None and st.state == RestoreState.READY else None
+
+    for rank in (0, 1):
+        for _ in range(200):
+            if st := await ready(rank):
+                break
+            await asyncio.sleep(0.02)
+        assert st is not None and st.step == 40 and st.source == Tier.LOCAL
+    assert read_control(root, JOB, restore_status_name(2), RestoreStatus) is None  # not this node's rank
+    older = RestorePlan(job=JOB, step=30, world_size=4, sources={}, generation=0)
+    resp = await client.put(f"/v1/jobs/{JOB}/restore-plan", headers=AUTH, content=older.to_bytes())
+    assert resp.status_code == 409
+    assert read_control(root, JOB, RestorePlan.FILE, RestorePlan) == plan
+
+
+async def test_backup_without_a_bucket_is_unavailable(api):
+    client, _ = api
+    resp = await client.post(f"/v1/jobs/{JOB}/backup", headers=AUTH)
+    assert resp.status_code == 503 and "not configured" in resp.json()["detail"]
+
+
+async def test_delete_purges_only_that_job(api):
+    client, daemon = api
+    root = daemon.settings.root
+    write_step(root, JOB, 0, 1, sizes=(64,))
+    write_step(root, JOB, 1, 1, sizes=(64,), parent=root / JOB / "replicas" / "rank-00001")
+    write_step(root, "keep_me", 0, 1, sizes=(64,))
+    resp = await client.delete(f"/v1/jobs/{JOB}", headers=AUTH)
+    assert resp.json() == {"job": JOB, "purged": True, "bucket": False}
+    assert not (root / JOB).exists() and (root / "keep_me" / "rank-00000").is_dir()
+    assert (await client.delete(f"/v1/jobs/{JOB}", headers=AUTH)).json()["purged"] is False
+
+
+async def test_status_describes_the_node(api):
+    client, daemon = api
+    write_step(daemon.settings.root, JOB, 0, 7, sizes=(4096,))
+    resp = await client.get("/v1/status", headers=AUTH)
+    status = NodeStatus.from_bytes(resp.content)
+    assert status.node == "node-a" and not status.healthy and status.problems
+    (job,) = status.jobs
+    assert job.job == JOB and job.local == {0: (7,)} and job.local_bytes == 4096 and job.generation == -1

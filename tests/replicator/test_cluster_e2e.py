@@ -1,0 +1,277 @@
+"""End to end on three real nodes (network namespaces on a bridge, a tmpfs each, real replicator
+processes, fake-gcs-server): replication, node loss, pair loss, and every failure the spec names.
+
+The nodes form a ring with K=1: node-i holds rank i and sends it to node-(i+1). Each test uses its own
+job id on the shared cluster and leaves every node running and reachable.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import threading
+
+import pytest
+from fixtures.cluster import cluster3, commit_everywhere, committed, new_job, replica_path, wait_restored
+from fixtures.steps import step_files, write_step
+from tierckpt.contract import NodeInventory, RestoreState, Tier
+from tierckpt.format import committed_steps, control_dir, rank_dir, replica_rank_dir, step_dir
+from tierckpt_replicator.replication.wire import DataReply, DataRequest, Status, recv_frame, send_frame
+
+pytestmark = [pytest.mark.root, pytest.mark.e2e, pytest.mark.slow]
+
+__all__ = ["cluster3"]  # the module-scoped fixture, re-exported for pytest
+
+
+def leftovers(root) -> list:
+    return [p for p in root.rglob(".incoming-*")]
+
+
+def wait_replica(cluster, node, job: str, rank: int, step: int, timeout: float = 30.0):
+    path = replica_path(node, job, rank, step)
+    try:
+        cluster.wait_for(
+            lambda: committed(path), timeout=timeout, what=f"replica of rank {rank} on {node.name}"
+        )
+    except TimeoutError:
+        raise TimeoutError("\n".join(n.log_text()[-3000:] for n in cluster.nodes)) from None
+    return path
+
+
+def wait_replicated(cluster, job: str, rank: int, step: int, timeout: float = 30.0):
+    """The node holding a committed replica: the ring peer normally, the next candidate if that peer
+    failed recently (then it is in backoff for a few seconds)."""
+    return cluster.wait_for(
+        lambda: next((n for n in cluster.nodes if committed(replica_path(n, job, rank, step))), None),
+        timeout=timeout, what=f"a replica of rank {rank} step {step}",
+    )  # fmt: skip
+
+
+def lose(node) -> None:
+    """The node is gone: its replicator and worker killed, its ramdisk empty."""
+    node.kill_replicator()
+    node.wipe_ramdisk()
+
+
+def backup_everywhere(cluster, job: str, step: int) -> None:
+    """POST /backup on every node at once, then wait until the bucket reports the step complete."""
+    threads = [
+        threading.Thread(target=n.request, args=("POST", f"/v1/jobs/{job}/backup")) for n in cluster.nodes
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+    def complete() -> bool:
+        _, body = cluster.nodes[0].request("GET", f"/v1/jobs/{job}/inventory")
+        return step in NodeInventory.from_bytes(body).gcs
+
+    cluster.wait_for(complete, timeout=60, interval=0.5, what=f"step {step} complete in the bucket")
+
+
+def test_committed_step_is_replicated_bit_exact(cluster3):
+    job = new_job("repl")
+    cluster3.assign(job)
+    sources = commit_everywhere(cluster3, job, 10)
+    for i in range(3):
+        peer = cluster3.nodes[(i + 1) % 3]
+        rep = wait_replica(cluster3, peer, job, i, 10)
+        assert step_files(rep) == step_files(sources[i])  # data, manifest and COMMIT, byte for byte
+        assert not leftovers(peer.root)
+    status = cluster3.nodes[0].json("GET", "/v1/status")
+    (job_status,) = [j for j in status["jobs"] if j["job"] == job]
+    cluster3.wait_for(lambda: cluster3.nodes[0].json("GET", "/v1/status")["jobs"], what="status")
+    assert job_status["local"] == {"0": [10]} and job_status["replicas"] == {"2": [10]}
+
+
+def test_lost_node_is_restored_from_its_peer(cluster3):
+    a = cluster3.nodes[0]
+    job = new_job("loss")
+    cluster3.assign(job)
+    sources = commit_everywhere(cluster3, job, 20)
+    wait_replicated(cluster3, job, 0, 20)
+    lose(a)
+    a.start_replicator()
+    cluster3.assign(job, generation=2)  # the operator re-sends peers.json to the replacement node
+    st = wait_restored(a, job, 0)
+    assert st.state == RestoreState.READY and st.step == 20 and st.source == Tier.PEER
+    assert st.bytes_done == st.bytes_total > 0
+    assert step_files(step_dir(rank_dir(a.root, job, 0), 20)) == step_files(sources[0])
+
+
+def test_pair_lost_is_restored_from_the_bucket(cluster3):
+    a = cluster3.nodes[0]
+    job = new_job("pair")
+    cluster3.assign(job)
+    sources = commit_everywhere(cluster3, job, 30)
+    b = wait_replicated(cluster3, job, 0, 30)  # the node holding rank 0's only replica
+    rank_b = b.index
+    wait_replicated(cluster3, job, rank_b, 30)
+    backup_everywhere(cluster3, job, 30)
+    lose(a)
+    lose(b)  # rank 0's primary (a) and its only replica (b) are gone
+    a.start_replicator(wait=False)
+    b.start_replicator(wait=False)
+    a.wait_ready()
+    b.wait_ready()
+    cluster3.assign(job, generation=2)
+    st0, st_b = wait_restored(a, job, 0), wait_restored(b, job, rank_b)
+    assert (st0.state, st0.step, st0.source) == (RestoreState.READY, 30, Tier.GCS)
+    assert (st_b.state, st_b.step) == (RestoreState.READY, 30)  # from the third node (or the bucket)
+    assert st_b.source in (Tier.PEER, Tier.GCS)
+    assert step_files(step_dir(rank_dir(a.root, job, 0), 30)) == step_files(sources[0])
+    assert step_files(step_dir(rank_dir(b.root, job, rank_b), 30)) == step_files(sources[rank_b])
+
+
+def test_corrupt_replica_is_detected_and_fetched_again(cluster3):
+    a = cluster3.nodes[0]
+    job = new_job("rot")
+    cluster3.assign(job)
+    sources = commit_everywhere(cluster3, job, 40)
+    b = wait_replicated(cluster3, job, 0, 40)
+    rep = replica_path(b, job, 0, 40)
+    backup_everywhere(cluster3, job, 40)
+    data = rep / "data-00000.bin"
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0x10  # one flipped bit in b's replica
+    data.write_bytes(raw)
+    lose(a)
+    a.start_replicator()
+    cluster3.assign(job, generation=2)
+    st = wait_restored(a, job, 0)
+    assert (st.state, st.source) == (RestoreState.READY, Tier.GCS)  # b's copy failed its crc32c
+    assert step_files(step_dir(rank_dir(a.root, job, 0), 40)) == step_files(sources[0])
+    cluster3.wait_for(lambda: not committed(rep), what="the corrupt replica dropped by its holder")
+    # a holds rank 0 again and replicates it: an intact replica comes back
+    holder = wait_replicated(cluster3, job, 0, 40)
+    assert step_files(replica_path(holder, job, 0, 40)) == step_files(sources[0])
+
+
+def test_peer_killed_mid_transfer_leaves_no_torn_replica(cluster3):
+    a, b, c = cluster3.nodes
+    job = new_job("kill")
+    cluster3.assign(job)
+    a.extra_args = ["--bandwidth-limit", "12"]  # MB/s: the 40 MiB send takes ~3.5 s
+    a.restart_replicator()
+    try:
+        src = write_step(a.root, job, 0, 50, world_size=3, sizes=(40 << 20,))
+        incoming = replica_rank_dir(b.root, job, 0)
+        cluster3.wait_for(lambda: incoming.is_dir() and leftovers(incoming), what="transfer under way")
+        b.kill_replicator()  # the receiver dies mid-transfer
+        assert committed_steps(incoming) == []  # nothing torn is visible: only the hidden staging dir
+        rep = wait_replica(cluster3, c, job, 0, 50)  # the sender moved on to the next candidate
+        assert step_files(rep) == step_files(src)
+        b.start_replicator()
+        assert not leftovers(b.root) and committed_steps(incoming) == []  # the restart cleaned up
+    finally:
+        a.extra_args = []
+        a.restart_replicator()
+        if not b.running:
+            b.start_replicator()
+
+
+def test_link_cut_then_restored(cluster3):
+    a, b, c = cluster3.nodes
+    job = new_job("cut")
+    cluster3.assign(job)
+    b.cut_link()
+    try:
+        src0 = write_step(a.root, job, 0, 60, world_size=3, sizes=(2 << 20,))
+        src1 = write_step(b.root, job, 1, 60, world_size=3, sizes=(2 << 20,))
+        assert step_files(wait_replica(cluster3, c, job, 0, 60)) == step_files(src0)  # around b
+        assert not committed(replica_path(c, job, 1, 60))  # b cannot send while cut off
+    finally:
+        b.restore_link()
+    assert step_files(wait_replica(cluster3, c, job, 1, 60)) == step_files(src1)  # retried later
+
+
+def test_port_blocked_by_nft_is_routed_around(cluster3):
+    a, b, c = cluster3.nodes
+    job = new_job("nft")
+    cluster3.assign(job)
+    b.drop_port(b.data_port)
+    try:
+        src = write_step(a.root, job, 0, 65, world_size=3, sizes=(1 << 20,))
+        assert step_files(wait_replica(cluster3, c, job, 0, 65)) == step_files(src)
+        assert not replica_path(b, job, 0, 65).exists()
+    finally:
+        b.clear_drops()
+
+
+def test_full_receiver_refuses_cleanly(cluster3):
+    a, b, c = cluster3.nodes
+    job = new_job("full")
+    cluster3.assign(job)
+    filler = b.fill_ramdisk(leave_bytes=2 << 20)
+    try:
+        src = write_step(a.root, job, 0, 70, world_size=3, sizes=(8 << 20,))
+        assert step_files(wait_replica(cluster3, c, job, 0, 70)) == step_files(src)  # retried elsewhere
+        assert (
+            not (b.root / job / "replicas").exists()
+            or committed_steps(replica_rank_dir(b.root, job, 0)) == []
+        )
+        assert not leftovers(b.root)
+        assert step_files(step_dir(rank_dir(a.root, job, 0), 70)) == step_files(src)  # the primary is intact
+    finally:
+        filler.unlink()
+
+
+def test_requests_without_the_token_or_malformed_change_nothing(cluster3):
+    a = cluster3.nodes[0]
+    job = new_job("sec")
+    assignment = cluster3.assign(job)
+    routes = [
+        ("GET", f"/v1/jobs/{job}/inventory"),
+        ("PUT", f"/v1/jobs/{job}/peers"),
+        ("PUT", f"/v1/jobs/{job}/restore-plan"),
+        ("POST", f"/v1/jobs/{job}/backup"),
+        ("POST", f"/v1/jobs/{job}/restore"),
+        ("DELETE", f"/v1/jobs/{job}"),
+        ("GET", "/v1/status"),
+    ]
+    newer = assignment.to_bytes().replace(b'"generation":1', b'"generation":9')
+    for method, path in routes:
+        assert a.request(method, path, newer, token="")[0] == 401
+        assert a.request(method, path, newer, token="nope")[0] == 403
+    peers = control_dir(a.root, job) / "peers.json"
+    assert json.loads(peers.read_bytes())["generation"] == 1
+    assert a.request("PUT", f"/v1/jobs/{job}/peers", b'{"kind":"tierckpt.peers"')[0] == 400
+    for path in (
+        "/v1/jobs/..%2F..%2Fetc/inventory",
+        "/v1/jobs/../../etc/passwd",
+        "/v1/jobs/%2e%2e/inventory",
+    ):
+        conn = http.client.HTTPConnection(a.ip, a.api_port, timeout=5)
+        conn.request("GET", path, headers={"Authorization": f"Bearer {cluster3.token}"})
+        assert conn.getresponse().status in (400, 404)
+        conn.close()
+    with socket.create_connection((a.ip, a.data_port), timeout=5) as s:  # the data endpoint, wrong token
+        send_frame(
+            s, DataRequest(op="put", token="nope", job=job, rank=0, step=1, commit_size=10, manifest_size=10)
+        )
+        assert recv_frame(s, DataReply).status == Status.FORBIDDEN
+    with socket.create_connection((a.ip, a.data_port), timeout=5) as s:
+        send_frame(s, DataRequest(op="get", token=cluster3.token, job="../x", rank=0, step=1))
+        assert recv_frame(s, DataReply).status == Status.BAD_REQUEST
+    assert not (a.root / job / "replicas").exists() and not (a.root / "x").exists()
+
+
+def test_sigterm_backs_up_the_newest_step(cluster3):
+    """Preemption of the whole job: each node backs up what it holds before it exits (runs last)."""
+    job = new_job("term")
+    cluster3.assign(job)
+    commit_everywhere(cluster3, job, 80)
+    for rank in range(3):
+        wait_replicated(cluster3, job, rank, 80)
+    threads = [threading.Thread(target=n.stop_replicator) for n in cluster3.nodes]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for node in cluster3.nodes:
+        assert "preemption: job " + job + " backed up at step 80" in node.log_text()
+        node.start_replicator()
+    _, body = cluster3.nodes[0].request("GET", f"/v1/jobs/{job}/inventory")
+    assert 80 in NodeInventory.from_bytes(body).gcs
