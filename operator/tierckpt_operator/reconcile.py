@@ -10,7 +10,6 @@ on the next round, and the restore plan is chosen without it once ``restore_grac
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import hashlib
 import logging
@@ -114,8 +113,7 @@ class JobController:
         s = self.rt.settings
         self.wake.set()
         while not stopped:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self.wake.wait(), timeout=s.resync_interval)
+            await _wait_any(self.wake.wait(), stopped.wait(), timeout=s.resync_interval)
             if stopped:
                 return
             await asyncio.sleep(s.debounce)
@@ -480,6 +478,17 @@ class JobController:
 
 
 _MISSING = object()
+
+
+async def _wait_any(*aws: Awaitable[Any], timeout: float) -> None:
+    """Wait until one of ``aws`` completes or ``timeout`` passes; cancel the rest."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        await asyncio.wait(tasks, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _digest(*parts: Any) -> str:

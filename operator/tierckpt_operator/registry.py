@@ -210,7 +210,14 @@ def _jobsets(registry: kopf.OperatorRegistry, settings: Settings, runtime: Runti
                 f"job {info.job_id}: {info.world_size} node ranks, configuration {info.config_name}",
             )
 
-    @kopf.daemon(*JOBSET, id="control-loop", annotations=ENABLED, cancellation_timeout=10, registry=registry)
+    @kopf.daemon(
+        *JOBSET,
+        id="control-loop",
+        annotations=ENABLED,
+        cancellation_backoff=2.0,
+        cancellation_timeout=10,
+        registry=registry,
+    )
     async def control_loop(namespace: str, name: str, stopped: kopf.DaemonStopped, **kwargs: Any) -> None:
         indices = {k: kwargs[k] for k in INDEX_IDS}
         await runtime.controller((namespace, name)).run(lambda: Cluster(indices), stopped)
