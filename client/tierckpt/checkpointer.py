@@ -193,6 +193,7 @@ class Checkpointer:
 
     def _release(self) -> None:
         self._closed = True
+        self._pool.stop_building()
         self._executor.shutdown(wait=True)
         for handle in self._optimizers.values():
             handle.remove()
@@ -418,9 +419,10 @@ class Checkpointer:
             snapshot_s,
             time.perf_counter() - job.started,
         )
+        spares = self._pool.reserve_spares()  # before the next save can start, so it waits for them
         job.handle._set_committed(marker)
         try:
-            self._pool.fill_spares(job.plan)
+            self._pool.build_spares(job.plan, spares)
         except Exception as exc:  # spares are an optimisation; the next save allocates its own
             log.warning("could not prepare spare slots: %s", exc)
 

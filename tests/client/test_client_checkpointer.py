@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import resource
 
+import numpy as np
 import pytest
 import torch
 from client_helpers import assert_same, training_state
@@ -182,3 +183,12 @@ def test_a_state_without_tensors_round_trips(root, job):
         ck.load(dest)
         assert read_manifest(step_dir(ck.rank_path, 1)).files == ()
     assert_same(state, dest)
+
+
+def test_meta_tensors_in_the_destination_are_materialised(root, job):
+    with Checkpointer(root=root, job=job) as ck:
+        ck.save(1, {"w": torch.arange(4.0), "a": np.arange(3)}, blocking=True)
+        dest = {"w": torch.empty(4, device="meta")}
+        ck.load(dest)
+    assert dest["w"].device.type == "cpu" and torch.equal(dest["w"], torch.arange(4.0))
+    assert dest["a"].tolist() == [0, 1, 2]

@@ -195,7 +195,7 @@ class _Builder:
         return value
 
     def _ndarray(self, node: dict[str, Any], existing: Any) -> Any:
-        array = self.fill(self._index(node, self.n_tensors), None).numpy()
+        array = self.fill(self._index(node, self.n_tensors), None).cpu().numpy()
         if (
             type(existing) is np.ndarray
             and existing.shape == array.shape

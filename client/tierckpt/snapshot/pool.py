@@ -109,6 +109,7 @@ class SlotPool:
         self._by_step: dict[int, Slot] = {}
         self._spares: list[Slot] = []
         self._building = 0
+        self._stopping = False
         self._cond = threading.Condition()
         self._ids = itertools.count()
 
@@ -245,32 +246,47 @@ class SlotPool:
         except OSError:
             return None
 
-    def fill_spares(self, plan: LayoutPlan) -> None:
-        """Build spares sized for ``plan`` until the pool holds ``target`` slots (off the training thread)."""
-        while True:
+    def reserve_spares(self) -> int:
+        """Claim the spares still missing (so ``take`` waits for them instead of building its own)."""
+        with self._cond:
+            need = max(0, self.target - len(self._by_step) - len(self._spares) - self._building)
+            self._building += need
+            return need
+
+    def build_spares(self, plan: LayoutPlan, count: int) -> None:
+        """Build ``count`` reserved spares sized for ``plan`` (off the training thread)."""
+        for built in range(count):
+            slot = None if self._stopping else self._build_spare(plan)
             with self._cond:
-                if len(self._by_step) + len(self._spares) + self._building >= self.target:
-                    return
-                self._building += 1
-                directory = self.rank_path / SPARE_DIR / f"{next(self._ids):06d}-{os.getpid()}-new"
-            slot = Slot(directory)
-            try:
-                directory.mkdir(parents=True, exist_ok=True)
-                slot.views(plan)
-                if self.register_cuda:
-                    slot.register()
-            except (RamdiskFullError, OSError) as exc:
-                slot.close(unlink=True)
-                shutil.rmtree(directory, ignore_errors=True)
-                log.warning("could not pre-allocate a spare slot (%s); the next save allocates its own", exc)
-                slot = None
-            with self._cond:
-                self._building -= 1
+                self._building -= 1 if slot is not None else count - built
                 if slot is not None:
                     self._spares.append(slot)
                 self._cond.notify_all()
             if slot is None:
                 return
+
+    def fill_spares(self, plan: LayoutPlan) -> None:
+        """Build spares sized for ``plan`` until the pool holds ``target`` slots."""
+        self.build_spares(plan, self.reserve_spares())
+
+    def _build_spare(self, plan: LayoutPlan) -> Slot | None:
+        directory = self.rank_path / SPARE_DIR / f"{next(self._ids):06d}-{os.getpid()}-new"
+        slot = Slot(directory)
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            slot.views(plan)
+            if self.register_cuda:
+                slot.register()
+        except (RamdiskFullError, OSError) as exc:
+            slot.close(unlink=True)
+            shutil.rmtree(directory, ignore_errors=True)
+            log.warning("could not pre-allocate a spare slot (%s); the next save allocates its own", exc)
+            return None
+        return slot
+
+    def stop_building(self) -> None:
+        """Make ``build_spares`` stop early (closing)."""
+        self._stopping = True
 
     def trim(self) -> None:
         """Delete spares beyond ``target`` slots (e.g. while leases hold extra steps)."""

@@ -126,6 +126,8 @@ class _Filler:
                 tuple(existing.shape),
             )
             target = torch.empty(src.shape, dtype=src.dtype, device=existing.device)
+        elif existing is not None and existing.device.type == "meta":
+            target = torch.empty(src.shape, dtype=src.dtype, device=self.device or "cpu")
         elif existing is not None:
             target = existing
         else:
