@@ -86,6 +86,15 @@ class CopyTicket:
             torch.cuda.current_stream(device).wait_event(e)
 
 
+def _copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    """``dst.copy_(src, non_blocking=True)`` for each pair, in one dispatch when torch allows."""
+    try:
+        torch._foreach_copy_(dsts, srcs, non_blocking=True)
+    except (RuntimeError, TypeError, AttributeError):
+        for dst, src in zip(dsts, srcs, strict=True):
+            dst.copy_(src, non_blocking=True)
+
+
 def copy_to_host(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> CopyTicket:
     """Copy CUDA ``srcs`` into host ``dsts`` on a side stream per device; returns their ticket.
 
@@ -101,8 +110,7 @@ def copy_to_host(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> 
         with torch.cuda.device(device):
             stream.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(stream):
-                for i in indices:
-                    dsts[i].copy_(srcs[i], non_blocking=True)
+                _copy_all([dsts[i] for i in indices], [srcs[i] for i in indices])
                 event = torch.cuda.Event()
                 event.record(stream)
         events.append((device, event))

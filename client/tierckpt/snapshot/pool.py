@@ -146,8 +146,8 @@ class SlotPool:
         manifest = read_manifest(path)
         files = []
         try:
-            for entry in iter_data_files(manifest):
-                files.append(MappedFile.open(path / entry.name))
+            for entry in iter_data_files(manifest):  # registering faults the pages in anyway
+                files.append(MappedFile.open(path / entry.name, populate=not self.register_cuda))
         except BaseException:
             for f in files:
                 f.close()

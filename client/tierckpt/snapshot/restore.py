@@ -38,7 +38,7 @@ def open_data_files(step_path: Path, manifest: Manifest, *, register: bool = Fal
         for entry in iter_data_files(manifest):
             path = step_path / entry.name
             try:
-                f = MappedFile.open(path, writable=False)
+                f = MappedFile.open(path, writable=False, populate=not register)
             except FileNotFoundError as exc:
                 raise CorruptShardError(f"{path}: missing", path=str(path)) from exc
             out[entry.name] = f
