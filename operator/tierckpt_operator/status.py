@@ -123,19 +123,21 @@ def tier_progress(inventories: Sequence[NodeInventory]) -> TierProgress:
 def restore_summary(plan: RestorePlan, published: int) -> dict[str, Any]:
     """The ``status.restore`` block: step, world size and each tier's process ranks as ranges.
 
-    ``step`` None is dropped by a merge patch (null deletes), so ``freshStart`` says it explicitly.
+    Without a step (nothing to restore) ``step`` is absent and ``freshStart`` is true (a merge patch
+    cannot carry null: it would delete the field).
     """
     by_tier: dict[str, list[int]] = defaultdict(list)
     for rank, tier in plan.sources.items():
         by_tier[tier.value].append(rank)
     out: dict[str, Any] = {
         "generation": plan.generation,
-        "step": plan.step,
         "freshStart": plan.step is None,
         "worldSize": plan.world_size,
         "sources": {tier: rank_ranges(ranks) for tier, ranks in sorted(by_tier.items())},
         "published": published,
     }
+    if plan.step is not None:
+        out["step"] = plan.step
     if plan.decided_at:
         out["decidedAt"] = iso_time(plan.decided_at)
     return out

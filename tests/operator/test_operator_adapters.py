@@ -1,0 +1,197 @@
+"""The operator's two I/O adapters at unit level.
+
+``ReplicatorClient`` and ``purge_job`` against a small real HTTP server standing in for the replicator
+API (a unit-level stand-in: retries, status codes and the exact requests are what is under test; the
+e2e tests use real replicators). ``Kube`` leader election against the API emulator.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from aiohttp import web
+from tierckpt.contract import NodeInventory, PeerAssignment, PeerNode, RankHoldings
+from tierckpt.errors import ContractError
+from tierckpt_operator.cleanup import purge_job
+from tierckpt_operator.cluster import Cluster
+from tierckpt_operator.kube import Kube, api_client
+from tierckpt_operator.leader import LeaseElector
+from tierckpt_operator.pods import ReplicatorPod
+from tierckpt_operator.replicators import ReplicatorClient, ReplicatorError
+from tierckpt_operator.resources import ConfigSpec
+
+TOKEN = "adapter-token-0123456789abcdef"
+
+
+class StandIn:
+    """A real HTTP server speaking (part of) the replicator API, scripted per test."""
+
+    def __init__(self) -> None:
+        self.requests: list[tuple[str, str, dict[str, str], str]] = []
+        self.script: dict[tuple[str, str], list[int]] = {}
+        self.inventory: dict | None = None
+
+    async def handle(self, request: web.Request) -> web.Response:
+        body = await request.text()
+        self.requests.append((request.method, request.path, dict(request.query), body))
+        if request.headers.get("Authorization") != f"Bearer {TOKEN}":
+            return web.Response(status=401)
+        codes = self.script.get((request.method, request.path))
+        code = codes.pop(0) if codes else 200
+        if code != 200:
+            return web.Response(status=code, text="scripted")
+        if request.path.endswith("/inventory"):
+            return web.Response(text=json.dumps(self.inventory), content_type="application/json")
+        return web.json_response({"ok": True})
+
+    async def __aenter__(self) -> str:
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", self.handle)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        return f"http://127.0.0.1:{port}/?data={port + 1}"
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.runner.cleanup()
+
+
+def _client(**kw):
+    return ReplicatorClient(token=lambda: TOKEN, timeout=2.0, backoff=0.01, **kw)
+
+
+async def test_calls_are_authorized_and_typed():
+    server = StandIn()
+    inv = NodeInventory(
+        job="ns_j_01234567",
+        node="n1",
+        endpoint="",
+        updated_at=1.0,
+        ranks={0: RankHoldings(local=(5,))},
+        world_sizes={5: 1},
+    )
+    server.inventory = inv.to_dict()
+    async with server as endpoint:
+        client = _client()
+        try:
+            got = await client.inventory(endpoint, "ns_j_01234567")
+            assert got == inv
+            peers = PeerAssignment(
+                job="ns_j_01234567", generation=3, nodes={"n1": PeerNode("n1", endpoint)}, peers={"n1": ()}
+            )
+            await client.put_peers(endpoint, peers)
+            await client.purge(endpoint, "ns_j_01234567", backups=True)
+        finally:
+            await client.aclose()
+    (m1, p1, _, _), (m2, p2, _, b2), (m3, p3, q3, _) = server.requests
+    assert (m1, p1) == ("GET", "/v1/jobs/ns_j_01234567/inventory")  # ?data= is not part of the API URL
+    assert (m2, p2) == ("PUT", "/v1/jobs/ns_j_01234567/peers") and PeerAssignment.from_bytes(b2) == peers
+    assert (m3, p3, q3) == ("DELETE", "/v1/jobs/ns_j_01234567", {"bucket": "true"})
+
+
+async def test_retries_transient_failures_only():
+    server = StandIn()
+    async with server as endpoint:
+        client = _client(retries=3)
+        try:
+            server.script[("DELETE", "/v1/jobs/j")] = [503, 502]
+            await client.purge(endpoint, "j")  # third attempt succeeds
+            assert len(server.requests) == 3
+            server.script[("PUT", "/v1/jobs/j/peers")] = [409]
+            with pytest.raises(ReplicatorError) as exc:
+                await client.put_peers(endpoint, PeerAssignment(job="j", generation=1, nodes={}, peers={}))
+            assert exc.value.status == 409 and len(server.requests) == 4  # no retry
+            server.script[("DELETE", "/v1/jobs/j")] = [404]
+            await client.purge(endpoint, "j")  # nothing to purge is success
+            server.script[("GET", "/v1/jobs/j/inventory")] = [404]
+            assert await client.inventory(endpoint, "j") is None
+        finally:
+            await client.aclose()
+
+
+async def test_malformed_answers_and_dead_replicators():
+    server = StandIn()
+    server.inventory = {"kind": "tierckpt.inventory", "version": 1, "job": "j"}  # fields missing
+    async with server as endpoint:
+        client = _client()
+        try:
+            with pytest.raises(ContractError, match="malformed"):
+                await client.inventory(endpoint, "j")
+        finally:
+            await client.aclose()
+    client = _client(retries=2)
+    try:
+        with pytest.raises(ReplicatorError, match="ConnectError"):
+            await client.inventory(endpoint, "j")  # the server is gone now
+    finally:
+        await client.aclose()
+    anonymous = ReplicatorClient(timeout=1.0)
+    async with StandIn() as endpoint:
+        try:
+            with pytest.raises(ReplicatorError, match="401"):
+                await anonymous.inventory(endpoint, "j")
+        finally:
+            await anonymous.aclose()
+
+
+class _Index(dict):
+    """A kopf index stand-in: key -> list of values."""
+
+
+async def test_purge_asks_every_ready_replicator_and_one_for_the_bucket():
+    servers = [StandIn(), StandIn(), StandIn()]
+    async with servers[0] as e0, servers[1] as e1, servers[2] as e2:
+        reps = _Index(
+            n0=[ReplicatorPod("n0", e0, True)],
+            n1=[ReplicatorPod("n1", e1, True)],
+            n2=[ReplicatorPod("n2", e2, False)],
+        )
+        nodes = _Index(n0=[(("pool", "gpu"),)], n1=[(("pool", "gpu"),)], n2=[(("pool", "gpu"),)])
+        cluster = Cluster({"tierckpt_replicators": reps, "tierckpt_nodes": nodes})
+        cfg = ConfigSpec.from_body(
+            {
+                "metadata": {"name": "c"},
+                "spec": {
+                    "gcs": {"bucket": "bkt"},
+                    "nodeSelector": {"pool": "gpu"},
+                    "deleteBackupsOnJobSetDeletion": True,
+                },
+            }
+        )
+        servers[0].script[("DELETE", "/v1/jobs/j")] = [200, 500, 500, 500]  # the bucket purge fails on n0
+        client = _client(retries=2)
+        try:
+            result = await purge_job(client, cluster, "j", cfg)
+        finally:
+            await client.aclose()
+    assert result.purged == ("n0", "n1") and result.failed == {} and result.backups_deleted
+    assert [r[2] for r in servers[1].requests] == [{}, {"bucket": "true"}]
+    assert servers[2].requests == []  # not ready: not asked
+    assert "GCS backups deleted" in result.summary()
+
+
+async def test_lease_election(kube):
+    def kube_client():
+        return Kube(api_client(str(kube.url)))
+
+    a, b = kube_client(), kube_client()
+    try:
+        first = LeaseElector(a, "default", "tierckpt-operator", "pod-a", duration=1.0)
+        second = LeaseElector(b, "default", "tierckpt-operator", "pod-b", duration=1.0)
+        await first.acquire()
+        assert not await second._try()  # held and fresh
+        assert await first._try()  # renewing our own lease
+        lost = asyncio.Event()
+        await asyncio.wait_for(second.acquire(), 10)  # pod-a stopped renewing: the lease expires
+        holder = kube.objects["coordination.k8s.io/v1/leases", "default", "tierckpt-operator"]["spec"]
+        assert holder["holderIdentity"] == "pod-b"
+        holding = asyncio.create_task(first.hold(lost))
+        await asyncio.wait_for(lost.wait(), 10)  # pod-a cannot renew a lease pod-b holds: it steps down
+        await holding
+    finally:
+        a.close()
+        b.close()

@@ -1,0 +1,463 @@
+"""Unit tests of the operator's pure modules: configuration parsing (defaults equal the CRD's), JobSet
+and pod parsing, pod injection, status helpers, the assignment decision and peer assignment views, and
+the status the operator writes validated against the CRD schema."""
+
+from __future__ import annotations
+
+import copy
+
+import jsonschema
+import kopf
+import pytest
+from conftest import CRD_DIR, load_crds
+from hypothesis import given
+from hypothesis import strategies as st
+from tierckpt.contract import Annotations, NodeInventory, PeerAssignment, RankHoldings, RestorePlan, Tier
+from tierckpt.errors import ContractError
+from tierckpt_operator.injection import Injection, inject, label_pod_templates, preferred_node
+from tierckpt_operator.jobsets import opt_in_value, parse_jobset
+from tierckpt_operator.planning import JobState, decide_assignment, decide_peers, peer_assignment
+from tierckpt_operator.pods import WorkerPod, replicator_of, worker_of
+from tierckpt_operator.reconcile import checkpoint_job_body
+from tierckpt_operator.resources import BackupPolicy, ConfigSpec, Retention
+from tierckpt_operator.settings import parse_settings
+from tierckpt_operator.status import (
+    merge_conditions,
+    parse_ranges,
+    rank_ranges,
+    restore_summary,
+    tier_progress,
+)
+
+# ------------------------------------------------------------------------------------ configuration
+
+
+def _crd(name):
+    return next(c for c in load_crds() if c["metadata"]["name"] == name)
+
+
+def _schema(name):
+    return _crd(name)["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+
+
+def test_config_defaults_equal_the_crd_defaults():
+    spec = _schema("checkpointconfigurations.tierckpt.io")["properties"]["spec"]["properties"]
+    defaults = ConfigSpec.from_body({"metadata": {"name": "c"}, "spec": {"gcs": {"bucket": "bkt"}}})
+    assert spec["gcs"]["properties"]["prefix"]["default"] == defaults.prefix
+    assert spec["ramdisk"]["properties"]["size"]["default"] == defaults.ramdisk_size
+    assert spec["ramdisk"]["properties"]["mountRoot"]["default"] == defaults.mount_root
+    backup = spec["backup"]["properties"]
+    assert backup["intervalSteps"]["default"] == BackupPolicy.interval_steps
+    assert backup["intervalMinutes"]["default"] == BackupPolicy.interval_minutes
+    assert backup["retention"]["properties"]["keepLast"]["default"] == Retention.keep_last
+    assert backup["retention"]["properties"]["keepEvery"]["default"] == Retention.keep_every
+    repl = spec["replication"]["properties"]
+    assert repl["factor"]["default"] == defaults.replication_factor
+    assert repl["failureDomainLabel"]["default"] == defaults.failure_domain_label
+    assert spec["deleteBackupsOnJobSetDeletion"]["default"] is defaults.delete_backups
+
+
+@pytest.mark.parametrize(
+    ("spec", "field"),
+    [
+        ({}, "bucket"),
+        ({"gcs": {"bucket": "Bad_Bucket"}}, "bucket"),
+        ({"gcs": {"bucket": "ok-b"}, "ramdisk": {"size": "lots"}}, "size"),
+        ({"gcs": {"bucket": "ok-b"}, "ramdisk": {"mountRoot": "rel/path"}}, "mountRoot"),
+        ({"gcs": {"bucket": "ok-b"}, "replication": {"factor": 9}}, "factor"),
+        ({"gcs": {"bucket": "ok-b"}, "backup": {"retention": {"keepLast": 0}}}, "keepLast"),
+        ({"gcs": {"bucket": "ok-b"}, "nodeSelector": {"a": 1}}, "nodeSelector"),
+    ],
+)
+def test_invalid_config_names_the_field(spec, field):
+    with pytest.raises(ContractError, match=field):
+        ConfigSpec.from_body({"metadata": {"name": "c"}, "spec": spec})
+
+
+def test_config_selects_nodes_and_domains():
+    cfg = ConfigSpec.from_body(
+        {
+            "metadata": {"name": "c"},
+            "spec": {
+                "gcs": {"bucket": "bkt"},
+                "nodeSelector": {"pool": "gpu"},
+                "replication": {"failureDomainLabel": "rack"},
+            },
+        }
+    )
+    assert cfg.selects({"pool": "gpu", "x": "y"}) and not cfg.selects({"pool": "cpu"})
+    assert cfg.domain_of({"rack": "r7"}) == "r7" and cfg.domain_of({}) == ""
+
+
+@pytest.mark.parametrize("version", ["1.29.0", "1.37.0"])
+def test_crds_validate_strictly(version):
+    import kubernetes_validate
+    import yaml
+
+    for path in sorted(CRD_DIR.glob("*.yaml")):
+        doc = yaml.safe_load(path.read_text())
+        assert kubernetes_validate.validate(doc, version, strict=True) == version.rsplit(".", 1)[0]
+        doc["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["bogusField"] = 1
+        with pytest.raises(kubernetes_validate.ValidationError):
+            kubernetes_validate.validate(doc, version, strict=True)
+
+
+# ------------------------------------------------------------------------------------ JobSets and pods
+
+
+def _jobset(**ann):
+    return {
+        "metadata": {"name": "llm", "namespace": "team", "uid": "0123abcd-9999", "annotations": ann},
+        "spec": {
+            "replicatedJobs": [
+                {"name": "d", "replicas": 1, "template": {"spec": {"completionMode": "Indexed"}}},
+                {
+                    "name": "w",
+                    "replicas": 2,
+                    "template": {"spec": {"completionMode": "Indexed", "parallelism": 4, "completions": 4}},
+                },
+            ]
+        },
+        "status": {"restarts": 3},
+    }
+
+
+def test_parse_jobset():
+    info = parse_jobset(_jobset(**{Annotations.ENABLED: "true"}))
+    assert info.job_id == "team_llm_0123abcd" and info.config_name == "default" and info.restarts == 3
+    assert info.world_size == 9 and info.shape.offset("w") == 1
+    assert parse_jobset(_jobset(**{Annotations.CONFIG: "fast"})).config_name == "fast"
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda j: j["spec"].update(replicatedJobs=[]), "no replicatedJobs"),
+        (lambda j: j["spec"]["replicatedJobs"][1]["template"]["spec"].update(completions=8), "must equal"),
+        (lambda j: j["spec"]["replicatedJobs"][0]["template"]["spec"].pop("completionMode"), "Indexed"),
+        (lambda j: j["metadata"]["annotations"].update({Annotations.CONFIG: "Bad Name"}), "must name"),
+        (lambda j: j["metadata"]["annotations"].update({Annotations.ENABLED: "on"}), "true"),
+    ],
+)
+def test_invalid_jobsets_say_what_to_fix(mutate, message):
+    body = _jobset()
+    mutate(body)
+    with pytest.raises(ContractError, match=message):
+        parse_jobset(body)
+
+
+def test_opt_in_values():
+    assert opt_in_value({Annotations.ENABLED: "TRUE"}) and not opt_in_value({Annotations.ENABLED: "false"})
+    assert not opt_in_value({}) and not opt_in_value(None)
+
+
+def _worker_body(**over):
+    body = {
+        "metadata": {
+            "name": "p",
+            "namespace": "team",
+            "labels": {
+                "jobset.sigs.k8s.io/jobset-name": "llm",
+                "jobset.sigs.k8s.io/replicatedjob-name": "w",
+                "jobset.sigs.k8s.io/job-index": "1",
+                "jobset.sigs.k8s.io/restart-attempt": "2",
+            },
+            "annotations": {
+                "batch.kubernetes.io/job-completion-index": "3",
+                Annotations.NODE_RANK: "7",
+                Annotations.ASSIGNMENT_GENERATION: "2",
+            },
+        },
+        "spec": {"nodeName": "n1", "hostname": "llm-w-1-3", "subdomain": "llm"},
+        "status": {"phase": "Running"},
+    }
+    body.update(over)
+    return body
+
+
+def test_worker_of():
+    w = worker_of(_worker_body())
+    assert (w.job_index, w.completion_index, w.attempt, w.rank, w.rank_generation) == (1, 3, 2, 7, 2)
+    assert w.address == "llm-w-1-3.llm" and w.active and w.node == "n1"
+    info = parse_jobset(_jobset())
+    assert w.initial_rank(info.shape) == 1 + 1 * 4 + 3
+    assert not worker_of(_worker_body(status={"phase": "Failed"})).active
+    assert worker_of({"metadata": {"labels": {}}}) is None
+    bad = worker_of(_worker_body())
+    assert bad.as_worker(parse_jobset(_jobset()).shape) is not None
+
+
+def test_replicator_of():
+    base = {
+        "metadata": {"name": "r"},
+        "spec": {"nodeName": "n1"},
+        "status": {
+            "phase": "Running",
+            "podIP": "10.0.0.7",
+            "conditions": [{"type": "Ready", "status": "True"}],
+        },
+    }
+    assert replicator_of(base, 8470).endpoint == "http://10.0.0.7:8470"
+    v6 = copy.deepcopy(base)
+    v6["status"]["podIP"] = "fd00::7"
+    assert replicator_of(v6, 8470).endpoint == "http://[fd00::7]:8470"
+    ann = copy.deepcopy(base)
+    ann["metadata"]["annotations"] = {Annotations.REPLICATOR_ENDPOINT: "http://127.0.0.1:9/?data=10"}
+    assert replicator_of(ann, 8470).endpoint == "http://127.0.0.1:9/?data=10"
+    unready = copy.deepcopy(base)
+    unready["status"]["conditions"][0]["status"] = "False"
+    assert not replicator_of(unready, 8470).ready
+    assert replicator_of({"metadata": {}, "spec": {}, "status": {}}, 8470) is None
+
+
+# ------------------------------------------------------------------------------------ injection
+
+
+def _pod():
+    return {
+        "metadata": {"labels": {"a": "b"}},
+        "spec": {
+            "containers": [{"name": "c", "env": [{"name": "TIERCKPT_JOB", "value": "mine"}]}],
+            "affinity": {
+                "nodeAffinity": {
+                    "preferredDuringSchedulingIgnoredDuringExecution": [
+                        {
+                            "weight": 5,
+                            "preference": {"matchExpressions": [{"key": "k", "operator": "Exists"}]},
+                        }
+                    ]
+                }
+            },
+            "nodeSelector": {"pool": "user"},
+        },
+    }
+
+
+def test_inject_is_idempotent_and_respects_the_user():
+    plan = Injection(
+        job_id="ns_j_01234567",
+        node_selector=(("pool", "ckpt"), ("zone", "z")),
+        preferred_node="n3",
+        volume_mode="hostPath",
+        host_root="/mnt/rd",
+    )
+    once = _pod()
+    inject(once, plan)
+    twice = copy.deepcopy(once)
+    inject(twice, plan)
+    assert once == twice
+    c = once["spec"]["containers"][0]
+    assert next(e for e in c["env"] if e["name"] == "TIERCKPT_JOB")["value"] == "mine"
+    assert once["spec"]["nodeSelector"] == {"pool": "user", "zone": "z"}
+    vol = next(v for v in once["spec"]["volumes"] if v["name"] == "tierckpt-ramdisk")
+    assert vol["hostPath"] == {"path": "/mnt/rd/ns_j_01234567", "type": "DirectoryOrCreate"}
+    terms = once["spec"]["affinity"]["nodeAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert len(terms) == 2 and terms[1]["preference"]["matchFields"][0]["values"] == ["n3"]
+
+
+def test_kopf_json_patch_reproduces_the_injection():
+    """The webhook hands kopf a transformation; the JSON patch kopf derives must rebuild the same pod."""
+    import jsonpatch
+
+    plan = Injection(job_id="ns_j_01234567", ramdisk_size="8Gi")
+    original = _pod()
+    patch = kopf.Patch(body=kopf.Body(copy.deepcopy(original)))
+    patch.fns.append(lambda b: inject(b, plan))
+    ops = patch.as_json_patch()
+    expected = copy.deepcopy(original)
+    inject(expected, plan)
+    assert jsonpatch.apply_patch(original, ops) == expected
+
+
+def test_label_pod_templates_and_preferred_node():
+    js = {"spec": {"replicatedJobs": [{"name": "a", "template": {"spec": {}}}, {"name": "b"}]}}
+    label_pod_templates(js)
+    for rj in js["spec"]["replicatedJobs"]:
+        assert rj["template"]["spec"]["template"]["metadata"]["labels"] == {"tierckpt.io/managed": "true"}
+    assert preferred_node(("a", "b"), 1) == "b"
+    assert preferred_node(("a", ""), 1) is None and preferred_node(("a",), 5) is None
+    assert preferred_node(("a", "b"), 1, alive={"a": 1}) is None
+
+
+# ------------------------------------------------------------------------------------ status
+
+
+@given(st.sets(st.integers(0, 300)))
+def test_rank_ranges_round_trip(ranks):
+    assert parse_ranges(rank_ranges(ranks)) == sorted(ranks)
+
+
+def test_rank_ranges_text():
+    assert rank_ranges([7, 0, 1, 2, 3, 9, 10]) == "0-3,7,9-10"
+
+
+def test_merge_conditions_keeps_transition_time():
+    first = merge_conditions([], [{"type": "Ready", "status": "False", "reason": "x"}], now=100.0)
+    same = merge_conditions(first, [{"type": "Ready", "status": "False", "reason": "y"}], now=200.0)
+    flipped = merge_conditions(same, [{"type": "Ready", "status": "True", "reason": "z"}], now=300.0)
+    assert first[0]["lastTransitionTime"] == same[0]["lastTransitionTime"] != flipped[0]["lastTransitionTime"]
+    assert same[0]["reason"] == "y"
+
+
+def _inv(node, ranks, ws, gcs=()):
+    return NodeInventory(
+        job="j",
+        node=node,
+        endpoint="",
+        updated_at=0.0,
+        ranks={r: RankHoldings(local=tuple(lo), replica=tuple(re)) for r, (lo, re) in ranks.items()},
+        world_sizes={s: ws for s in (10, 20, 30)},
+        gcs=tuple(gcs),
+    )
+
+
+def test_tier_progress():
+    invs = [
+        _inv("a", {0: ([10, 20, 30], []), 1: ([], [10, 20])}, 2, gcs=[10]),
+        _inv("b", {1: ([10, 20], []), 0: ([], [10])}, 2),
+    ]
+    p = tier_progress(invs)
+    assert (p.local, p.replicated, p.backed_up) == (20, 10, 10)
+    assert tier_progress([]).local is None
+
+
+def test_restore_summary():
+    plan = RestorePlan(
+        job="j",
+        step=5,
+        world_size=4,
+        generation=2,
+        decided_at=1.0,
+        sources={0: Tier.LOCAL, 1: Tier.LOCAL, 2: Tier.REPLICA, 3: Tier.GCS},
+    )
+    out = restore_summary(plan, 3)
+    assert out["sources"] == {"gcs": "3", "local": "0-1", "replica": "2"} and out["published"] == 3
+    assert not out["freshStart"] and out["decidedAt"] == "1970-01-01T00:00:01Z"
+
+
+# ------------------------------------------------------------------------------------ planning
+
+
+def _workers(nodes, attempt=0, rank=None):
+    return [
+        WorkerPod(
+            namespace="team",
+            name=f"p{i}-{attempt}",
+            jobset="llm",
+            replicated_job="w",
+            job_index=i // 4,
+            completion_index=i % 4,
+            attempt=attempt,
+            node=n,
+            rank=rank,
+            rank_generation=attempt,
+        )
+        for i, n in enumerate(nodes)
+    ]
+
+
+def _info(restarts=0):
+    body = _jobset()
+    body["spec"]["replicatedJobs"] = body["spec"]["replicatedJobs"][1:]
+    body["status"]["restarts"] = restarts
+    return parse_jobset(body)
+
+
+def test_decide_assignment_waits_then_writes_only_changes():
+    info = _info()
+    nodes = [f"n{i}" for i in range(8)]
+    waiting = decide_assignment(info, _workers([*nodes[:7], None]), JobState(), {})
+    assert not waiting.complete and (waiting.scheduled, waiting.needed) == (7, 8)
+    d = decide_assignment(info, _workers(nodes), JobState(), {n: "z" for n in nodes})
+    assert d.complete and d.state.nodes == tuple(nodes) and d.state.generation == 0
+    assert len(d.writes) == 8 and d.writes["p3-0"][Annotations.NODE_RANK] == "3"
+    assert d.writes["p0-0"][Annotations.COORDINATOR] == ""  # no DNS name, no IP yet
+    delivered = [
+        WorkerPod(
+            **{
+                **w.__dict__,
+                "rank": int(d.writes[w.name][Annotations.NODE_RANK]),
+                "num_nodes": 8,
+                "coordinator": "",
+            }
+        )
+        for w in _workers(nodes)
+    ]
+    assert decide_assignment(info, delivered, d.state, {}).writes == {}
+
+
+def test_decide_assignment_ignores_stale_pods_and_keeps_ranks_on_nodes():
+    info = _info(restarts=1)
+    nodes = [f"n{i}" for i in range(8)]
+    first = decide_assignment(_info(), _workers(nodes), JobState(), {}).state
+    shuffled = list(reversed(nodes))
+    pods = _workers(nodes, attempt=0) + _workers(shuffled, attempt=1)
+    d = decide_assignment(info, pods, first, {})
+    assert d.complete and d.attempt == 1 and d.state.nodes == tuple(nodes)
+    assert set(d.writes) == {w.name for w in _workers(shuffled, attempt=1)}
+
+
+def test_peer_views_and_state_round_trip():
+    state = JobState(
+        generation=1,
+        nodes=tuple(f"n{i}" for i in range(6)),
+        domains=("a", "a", "b", "b", "c", "c"),
+        pods=tuple(f"p{i}" for i in range(6)),
+    )
+    state = JobState(**{**state.__dict__, "peers": decide_peers(state, 2), "peer_generation": 9})
+    full = peer_assignment("j", state, {"n0": "http://x:1"})
+    assert set(full.nodes) == set(state.nodes) and full.generation == 9
+    view = peer_assignment("j", state, {}, view_of="n2")
+    senders = {state.nodes[r] for r, ps in enumerate(state.peers) if 2 in ps}
+    assert set(view.peers) == {"n2"} and set(view.nodes) == {"n2", *view.peers["n2"], *senders}
+    assert PeerAssignment.from_bytes(view.to_bytes()) == view
+    assert JobState.from_status(state.to_status()) == JobState(
+        **{**state.__dict__, "restore_generation": None}
+    )
+
+
+def test_operator_status_matches_the_crd_schema():
+    """What the operator writes (and the object it creates) validates against the CheckpointJob schema."""
+    schema = _schema("checkpointjobs.tierckpt.io")
+    state = JobState(
+        generation=2,
+        nodes=("n0", "n1"),
+        domains=("a", "b"),
+        pods=("p0", "p1"),
+        peers=((1,), (0,)),
+        peer_generation=1795659287000,
+    )
+    plan = RestorePlan(job="j", step=None, world_size=0, sources={}, generation=2)
+    body = checkpoint_job_body(_info(), "team", "llm", "0123abcd-9999")
+    body["status"] = {
+        **state.to_status(),
+        "phase": "Running",
+        "restore": restore_summary(plan, 2),
+        "peersPublished": 2,
+        "conditions": merge_conditions(
+            [], [{"type": "Ready", "status": "True", "reason": "Ready", "message": ""}], now=0.0
+        ),
+        "latestLocalStep": 10,
+        "inventoryNodes": "2/2",
+        "inventoryTime": "2026-01-01T00:00:00Z",
+    }
+    jsonschema.validate(body, schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({**body, "status": {"phase": "Dancing"}}, schema)
+
+
+def test_settings_from_environment():
+    s = parse_settings(
+        ["--http-retries", "5"],
+        {
+            "TIERCKPT_OPERATOR_LEADER_ELECTION": "true",
+            "TIERCKPT_OPERATOR_REPLICATOR_SELECTOR": "a=b,c==d",
+            "TIERCKPT_OPERATOR_WATCH_NAMESPACES": "x, y",
+        },
+    )
+    assert s.leader_election and s.http_retries == 5 and s.namespaces == ("x", "y")
+    assert s.replicator_labels == {"a": "b", "c": "d"}
+    with pytest.raises(ValueError, match="boolean"):
+        parse_settings([], {"TIERCKPT_OPERATOR_LEADER_ELECTION": "maybe"})
+    with pytest.raises(ValueError, match="ramdisk-mode"):
+        parse_settings(["--ramdisk-mode", "nfs"], {})
