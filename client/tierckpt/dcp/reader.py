@@ -80,7 +80,7 @@ class _RankStep:
         self._checked: set[str] = set()
 
     def open(self, name: str) -> MappedFile:
-        mapped = MappedFile.open(self.path / name, writable=False, populate=False)
+        mapped = MappedFile.open(self.path / name, writable=False, populate=True)
         if name not in self._checked:
             entry = self.manifest.file(name)
             if mapped.size != entry.size:
@@ -116,6 +116,7 @@ class RamdiskReader(StorageReader):
         self._storage: dict[MetadataIndex, ItemLocation] = {}
         self._chunks: dict[tuple[str, tuple[int, ...]], tuple[torch.Size, torch.dtype]] = {}
         self._steps: dict[int, _RankStep] = {}
+        self._manifests: dict[Path, Manifest] = {}
 
     # ------------------------------------------------------------------ identity
 
@@ -131,7 +132,7 @@ class RamdiskReader(StorageReader):
         if checkpoint_id is not None:
             self.step = require_step_id(checkpoint_id)
         self.load_id = str(uuid.uuid4())
-        self._record, self._storage, self._chunks, self._steps = None, {}, {}, {}
+        self._record, self._storage, self._chunks, self._steps, self._manifests = None, {}, {}, {}, {}
 
     # ------------------------------------------------------------------ metadata
 
@@ -156,7 +157,7 @@ class RamdiskReader(StorageReader):
             try:
                 if read_commit(path) is None:
                     continue
-                manifest = read_manifest(path)
+                manifest = self._manifest(path)
             except FormatError as exc:
                 log.warning("skipping %s while looking for DCP metadata: %s", path, exc)
                 continue
@@ -170,6 +171,12 @@ class RamdiskReader(StorageReader):
                 "is not on this node, its save did not finish, or it is not a DCP checkpoint"
             )
         raise MissingCheckpointError(f"no committed step {step} under {where}")
+
+    def _manifest(self, path: Path) -> Manifest:
+        """A committed step's manifest, read once per load."""
+        if path not in self._manifests:
+            self._manifests[path] = read_manifest(path)
+        return self._manifests[path]
 
     def _load_record(self, step: int) -> DcpMetadata:
         path, manifest = self._coordinator_step(step)
@@ -263,7 +270,7 @@ class RamdiskReader(StorageReader):
                 f"{rank_dir(self.root, self.job, rank)} nor among replicas): "
                 "loading this DCP checkpoint needs that rank's data here (docs/dcp.md)"
             )
-        manifest = read_manifest(path)
+        manifest = self._manifest(path)
         want = self._record.ranks.get(rank)
         marker = read_commit(path)
         if manifest.manifest_kind != "dcp" or (
