@@ -447,6 +447,35 @@ async def test_built_from_the_daemon_settings(gcs_server: FakeGcsServer, bucket:
     await svc.close()
 
 
+async def test_built_by_the_replicator_daemon_from_its_own_settings(
+    gcs_server: FakeGcsServer, bucket: str, tmp_path: Path
+) -> None:
+    from tierckpt_replicator.settings import Settings
+
+    settings = Settings(node_name="n", root=tmp_path / "n", gcs_bucket=bucket, gcs_prefix="t",
+                        gcs_endpoint=gcs_server.url, backup_interval_steps=5, backup_keep_last=1)  # fmt: skip
+    cfg = BackupSettings.from_object(settings)
+    assert (cfg.interval_steps, cfg.keep_last, cfg.project) == (5, 1, "")
+    svc = BackupService(
+        settings=settings, node="n", root=settings.root, metrics=BackupMetrics(CollectorRegistry())
+    )
+    for step in (5, 10):
+        write_step(settings.root, JOB, 0, step, sizes=(KiB,))
+        await svc.on_step_committed(JOB, step, [0], {0: ("n",)})
+    assert await svc.complete_steps(JOB) == (10,)
+    await svc.close()
+
+
+async def test_a_node_about_to_disappear_uploads_everything_it_holds(
+    gcs_server: FakeGcsServer, bucket: str, roots: dict[str, Path]
+) -> None:
+    write_cluster_step(roots, JOB, 70, 4)
+    svc = make_service(make_store(gcs_server.url, bucket), roots["node-a"], "node-a")
+    assert await svc.backup_now(JOB, all_local=True) == 70  # node-a holds every rank (primary or replica)
+    assert await svc.complete_steps(JOB) == (70,)
+    await svc.close()
+
+
 @pytest.mark.root
 async def test_restore_into_a_full_ramdisk_fails_cleanly(
     gcs_server: FakeGcsServer, bucket: str, tmp_path: Path

@@ -223,14 +223,15 @@ class GcsStore:
 
 
 def _make_client(settings: GcsSettings) -> Any:
-    kwargs: dict[str, Any] = {"project": settings.project or "tierckpt"}
+    kwargs: dict[str, Any] = {}
     endpoint = settings.endpoint or os.environ.get("STORAGE_EMULATOR_HOST", "")
     if endpoint:
         kwargs["client_options"] = {"api_endpoint": endpoint}
     if endpoint or settings.anonymous:
         kwargs["credentials"] = AnonymousCredentials()
-    elif settings.project is None:
-        kwargs.pop("project")
+        kwargs["project"] = settings.project or "tierckpt"  # emulators need some project name
+    elif settings.project:
+        kwargs["project"] = settings.project
     client = storage.Client(**kwargs)
     adapter = requests.adapters.HTTPAdapter(pool_connections=4, pool_maxsize=settings.pool_size)
     client._http.mount("https://", adapter)  # the default pool (10) would throttle parallel transfers
