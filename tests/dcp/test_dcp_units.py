@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ from tierckpt.dcp import RamdiskReader, RamdiskWriter
 from tierckpt.dcp._paths import parse_step_id
 from tierckpt.dcp._store import plan_dcp_retention
 from tierckpt.dcp.metadata import DcpMetadata, ItemLocation, decode_metadata, encode_metadata
-from tierckpt.errors import FormatError
+from tierckpt.errors import ContractError, FormatError
 from tierckpt.format import committed_steps, rank_dir, step_dir
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -118,9 +119,24 @@ def test_writer_argument_errors(ramdisk: Path, job: str) -> None:
     writer.reset(5)
     with pytest.raises(ValueError, match="use_collectives=True"):
         writer.set_up_storage_writer(True, rank=0, use_collectives=False)
-    with pytest.raises(Exception, match="no checkpoint root"):
-        os.environ.pop("TIERCKPT_ROOT", None)
+
+
+def test_writer_needs_a_root(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TIERCKPT_ROOT", raising=False)
+    with pytest.raises(ContractError, match="no checkpoint root"):
         RamdiskWriter()
+
+
+def test_a_used_writer_pickles_for_the_process_executor(ramdisk: Path, job: str) -> None:
+    """DCP's process-based async executor pickles the writer into a helper process."""
+    with RamdiskWriter(ramdisk, job) as writer:
+        dcp.save({"x": torch.ones(3)}, checkpoint_id=1, storage_writer=writer, no_dist=True)
+        clone = pickle.loads(pickle.dumps(writer))
+    with clone:
+        dcp.save({"x": torch.full((3,), 2.0)}, checkpoint_id=2, storage_writer=clone, no_dist=True)
+    got = {"x": torch.zeros(3)}
+    dcp.load(got, storage_reader=RamdiskReader(ramdisk, job), no_dist=True)
+    assert torch.equal(got["x"], torch.full((3,), 2.0))
 
 
 def test_repeated_saves_keep_n_checkpoints_and_reuse_pages(ramdisk: Path, job: str) -> None:
