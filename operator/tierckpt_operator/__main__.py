@@ -88,6 +88,7 @@ async def run(
             return 0
         return await _elected(runtime, stop, ready)
     finally:
+        await runtime.close()
         if probes is not None:
             await probes.cleanup()
 
@@ -138,6 +139,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         level=getattr(logging, settings.log_level.upper(), logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    if logging.getLogger().level > logging.DEBUG:
+        logging.getLogger("kopf.objects").setLevel(logging.WARNING)  # one line per handled watch event
     if settings.kubeconfig:
         os.environ["KUBECONFIG"] = settings.kubeconfig
     sys.exit(asyncio.run(run(settings)))

@@ -43,7 +43,7 @@ class ConfigReporter:
                 await asyncio.wait_for(self.wake.wait(), timeout=s.config_status_interval)
             await asyncio.sleep(s.debounce)
             self.wake.clear()
-            if self.cluster is None or not self.rt.leading:
+            if self.cluster is None or not self.rt.leading or not self.rt.active:
                 continue
             try:
                 await self.report(self.cluster)

@@ -118,7 +118,7 @@ class JobController:
                 return
             await asyncio.sleep(s.debounce)
             self.wake.clear()
-            if not self.rt.leading:
+            if not self.rt.leading or not self.rt.active:
                 continue
             started = time.monotonic()
             try:
@@ -389,7 +389,13 @@ class JobController:
 
     async def refresh(self, cluster: Cluster) -> None:
         """Gather inventories and report the newest local, replicated and backed-up steps."""
-        if self.state is None or not self.state.nodes or self.ref is None or not self.job_id:
+        if (
+            not self.rt.active
+            or self.state is None
+            or not self.state.nodes
+            or self.ref is None
+            or not self.job_id
+        ):
             return
         invs = await self._inventories(cluster)
         progress = tier_progress(invs)

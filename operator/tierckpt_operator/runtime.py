@@ -51,6 +51,7 @@ class Runtime:
     kube: Kube | None = None
     replicators: ReplicatorClient | None = None
     leading: bool = True
+    stopping: bool = False
     controllers: dict[JobKey, JobController] = dataclasses.field(default_factory=dict)
     node_jobs: dict[str, set[JobKey]] = dataclasses.field(default_factory=lambda: defaultdict(set))
     job_nodes: dict[JobKey, set[str]] = dataclasses.field(default_factory=dict)
@@ -67,6 +68,7 @@ class Runtime:
         task.add_done_callback(self.tasks.discard)
 
     async def start(self) -> None:
+        self.stopping = False
         s = self.settings
         if self.kube is None:
             self.kube = Kube(await asyncio.to_thread(api_client, s.server, s.kubeconfig), s.api_concurrency)
@@ -78,10 +80,21 @@ class Runtime:
                 concurrency=s.http_concurrency,
             )
 
+    @property
+    def active(self) -> bool:
+        """Adapters open and not shutting down: handlers may do I/O."""
+        return self.kube is not None and self.replicators is not None and not self.stopping
+
     async def stop(self) -> None:
+        """kopf is stopping: no new I/O from loops; background tasks end. Adapters stay open."""
+        self.stopping = True
         for task in list(self.tasks):
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
+
+    async def close(self) -> None:
+        """Close the adapters (after kopf has stopped every handler)."""
+        await self.stop()
         if self.replicators is not None:
             await self.replicators.aclose()
             self.replicators = None

@@ -1,0 +1,124 @@
+"""Smoke test of the packaged entry points as separate processes: ``tierckpt-operator`` (the console
+script) against the API emulator running standalone (``python tests/k8s_emulator.py``), driven through
+the ``kubernetes`` client. Ends with SIGTERM: the operator must exit cleanly."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import kubernetes
+import pytest
+from conftest import load_crds
+from operator_harness import free_port, jobset_body
+from tierckpt.contract import Annotations
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+TESTS = Path(__file__).resolve().parents[1]
+
+
+def _wait(predicate, timeout=30.0, what=""):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            value = predicate()
+        except kubernetes.client.ApiException:
+            value = None
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture
+def emulator(tmp_path):
+    port_file = tmp_path / "emulator.json"
+    proc = subprocess.Popen(
+        [sys.executable, str(TESTS / "k8s_emulator.py"), "--port-file", str(port_file)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        _wait(port_file.exists, 30, "the emulator")
+        yield json.loads(port_file.read_text())["url"]
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_console_script_against_standalone_emulator(emulator, tmp_path):
+    api = kubernetes.client.ApiClient(kubernetes.client.Configuration(host=emulator))
+    ext = kubernetes.client.ApiextensionsV1Api(api)
+    core = kubernetes.client.CoreV1Api(api)
+    custom = kubernetes.client.CustomObjectsApi(api)
+    for crd in load_crds():
+        ext.create_custom_resource_definition(crd)
+    core.create_namespace({"metadata": {"name": "team"}})
+    custom.create_cluster_custom_object(
+        "tierckpt.io",
+        "v1alpha1",
+        "checkpointconfigurations",
+        {"metadata": {"name": "default"}, "spec": {"gcs": {"bucket": "bkt"}}},
+    )
+    for i in range(2):
+        core.create_node({"metadata": {"name": f"node-{i}", "labels": {"topology.kubernetes.io/zone": "z"}}})
+    body = jobset_body("smoke", [("w", 1, 2)])
+    js = custom.create_namespaced_custom_object("jobset.x-k8s.io", "v1alpha2", "team", "jobsets", body)
+    log = tmp_path / "operator.log"
+    env = {
+        **os.environ,
+        "TIERCKPT_OPERATOR_SERVER": emulator,
+        "TIERCKPT_OPERATOR_WEBHOOK_INSECURE": "true",
+        "TIERCKPT_OPERATOR_WEBHOOK_PORT": str(free_port()),
+        "TIERCKPT_OPERATOR_METRICS_PORT": str(free_port()),
+        "TIERCKPT_OPERATOR_DEBOUNCE": "0.05",
+    }
+    exe = Path(sys.executable).with_name("tierckpt-operator")
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [str(exe), "--resync-interval", "2"], env=env, stdout=out, stderr=subprocess.STDOUT
+        )
+    try:
+        ck = _wait(
+            lambda: custom.get_namespaced_custom_object(
+                "tierckpt.io", "v1alpha1", "team", "checkpointjobs", "smoke"
+            ),
+            what="the CheckpointJob",
+        )
+        assert ck["spec"]["jobId"] == f"team_smoke_{js['metadata']['uid'].replace('-', '')[:8]}"
+        labels = {
+            "jobset.sigs.k8s.io/jobset-name": "smoke",
+            "jobset.sigs.k8s.io/replicatedjob-name": "w",
+            "jobset.sigs.k8s.io/job-index": "0",
+            "jobset.sigs.k8s.io/restart-attempt": "0",
+            "tierckpt.io/managed": "true",
+        }
+        for c in range(2):
+            pod = {
+                "metadata": {
+                    "name": f"smoke-w-0-{c}",
+                    "labels": {**labels, "batch.kubernetes.io/job-completion-index": str(c)},
+                },
+                "spec": {"nodeName": f"node-{c}", "containers": [{"name": "t", "image": "t"}]},
+            }
+            core.create_namespaced_pod("team", pod)
+
+        def ranks():
+            pods = core.list_namespaced_pod("team", label_selector="tierckpt.io/managed=true").items
+            got = {p.spec.node_name: (p.metadata.annotations or {}).get(Annotations.NODE_RANK) for p in pods}
+            return got if all(got.values()) else None
+
+        assert _wait(ranks, what="rank annotations") == {"node-0": "0", "node-1": "1"}
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(5)
+        print(log.read_text()[-3000:])
