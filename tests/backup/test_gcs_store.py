@@ -95,6 +95,20 @@ def test_5xx_and_resets_are_retried_with_backoff(
     assert actions.count("status") == 5 and "reset_midway" in actions and "reset" in actions
 
 
+def test_a_download_cut_short_resumes_from_the_last_byte(
+    bucket: str, proxy: FaultProxy, blob_file, tmp_path: Path
+) -> None:
+    path, data = blob_file
+    store = make_store(proxy.url, bucket)
+    store.upload_file("big", path)
+    proxy.add_rule(FaultRule(action="cut_response", method="GET", path="alt=media", after_bytes=3 * MiB + 5))
+    got, crc = _download(store, "big", len(data) - 100, tmp_path, start=50)
+    assert got == data[50:-50] and crc == crc32c(data[50:-50])
+    media = [h for h in proxy.hits if "alt=media" in h.target]
+    assert [h.action for h in media] == ["cut_response", "forward"]
+    assert "generation=" in media[1].target  # resumed on the same object generation
+
+
 def test_a_stalled_request_times_out_and_is_retried(bucket: str, proxy: FaultProxy) -> None:
     store = make_store(proxy.url, bucket, read_timeout=0.3)
     proxy.add_rule(FaultRule(action="stall", seconds=10, method="POST", times=1))

@@ -15,7 +15,7 @@ deletes, and accepts uploads whose crc32c is wrong (see shared/research/test-sta
 
 ``FaultProxy`` is a small HTTP/1.1 proxy with per-request rules: answer with an error status (503),
 stall, delay, reset the connection at once or after part of the request body, or let the request
-reach the server and then drop the response (an "ambiguous success")::
+reach the server and then drop the response (an "ambiguous success") or cut it short::
 
     with gcs_behind_proxy() as (gcs, proxy):
         proxy.add_rule(FaultRule(action="status", status=503, method="POST", times=2))
@@ -267,7 +267,7 @@ class FakeGcsServer:
 
 # --------------------------------------------------------------------------------------------- proxy
 
-Action = Literal["status", "stall", "delay", "reset", "reset_midway", "drop_response"]
+Action = Literal["status", "stall", "delay", "reset", "reset_midway", "drop_response", "cut_response"]
 
 
 @dataclasses.dataclass
@@ -282,7 +282,8 @@ class FaultRule:
     * ``reset``: reset the connection (TCP RST) as soon as the request head is read;
     * ``reset_midway``: forward the head and ``after_bytes`` of the body, then reset both sides;
     * ``drop_response``: forward the whole request (the server acts on it), then reset the client
-      connection instead of relaying the answer.
+      connection instead of relaying the answer;
+    * ``cut_response``: relay the answer's head and ``after_bytes`` of its body, then reset.
     """
 
     action: Action
@@ -459,6 +460,14 @@ class FaultProxy:
             return
         resp_head, resp_rest = _read_head(upstream)
         if resp_head is None:
+            return
+        if rule is not None and rule.action == "cut_response":
+            client.sendall(self._rewrite(resp_head) + resp_rest[: rule.after_bytes])
+            sent = min(len(resp_rest), rule.after_bytes)
+            while sent < rule.after_bytes and (chunk := upstream.recv(min(_BUF, rule.after_bytes - sent))):
+                client.sendall(chunk)
+                sent += len(chunk)
+            _hard_close(client)
             return
         client.sendall(self._rewrite(resp_head) + resp_rest)
         while chunk := upstream.recv(_BUF):
