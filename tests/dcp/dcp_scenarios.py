@@ -201,3 +201,14 @@ def save_and_die(rank: int, world_size: int, root: str, job: str, step: int, see
     state = plain_state(seed)
     writer = RamdiskWriter(root, job)
     dcp.save(state, checkpoint_id=step, storage_writer=writer, planner=DieMidWrite(victim=1, after=1))
+
+
+def save_with_disagreeing_steps(rank: int, world_size: int, root: str, job: str, out: str) -> None:
+    """Each rank names a different step: the coordinator must refuse before anything is written."""
+    try:
+        dcp.save(plain_state(1), checkpoint_id=10 + rank, storage_writer=RamdiskWriter(root, job))
+    except CheckpointException as exc:
+        messages = [str(e) for e, _tb in exc.failures.values()]
+        Path(out, f"rank-{rank}.json").write_text(json.dumps(messages))
+        return
+    raise AssertionError("a save with disagreeing steps succeeded")

@@ -128,3 +128,14 @@ def test_a_full_ramdisk_raises_ramdisk_full_and_keeps_older_steps(tmp_path: Path
         assert torch.equal(got["x"], small["x"])
     finally:
         subprocess.run(["umount", "--lazy", str(mount)], check=True)
+
+
+def test_ranks_naming_different_steps_are_refused_before_writing(
+    ramdisk: Path, job: str, tmp_path: Path
+) -> None:
+    run_ranks(2, sc.save_with_disagreeing_steps, str(ramdisk), job, str(tmp_path))
+    for rank in range(2):
+        messages = json.loads((tmp_path / f"rank-{rank}.json").read_text())
+        assert any("ranks disagree on the step to save ([10, 11])" in m for m in messages), messages
+        assert committed_steps(rank_dir(ramdisk, job, rank)) == []
+        assert not step_dir(rank_dir(ramdisk, job, rank), 10 + rank).exists()

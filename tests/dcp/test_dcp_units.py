@@ -151,3 +151,24 @@ def test_repeated_saves_keep_n_checkpoints_and_reuse_pages(ramdisk: Path, job: s
     got = {"w": torch.zeros(1 << 16), "step": 0}
     dcp.load(got, storage_reader=RamdiskReader(ramdisk, job), no_dist=True)
     assert got["step"] == 5 and bool((got["w"] == 5.0).all())
+
+
+def test_steps_being_read_are_leased(ramdisk: Path, job: str) -> None:
+    """While the reader copies a step's data, the step holds a lease (retention elsewhere keeps it)."""
+    from tierckpt import leases
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    rank_path = rank_dir(ramdisk, job, 0)
+    seen: list[set[int]] = []
+
+    class Spy(DefaultLoadPlanner):
+        def commit_tensor(self, read_item, tensor):  # type: ignore[no-untyped-def]
+            seen.append(leases.leased_steps(rank_path))
+            super().commit_tensor(read_item, tensor)
+
+    with RamdiskWriter(ramdisk, job) as writer:
+        dcp.save({"x": torch.ones(3)}, checkpoint_id=4, storage_writer=writer, no_dist=True)
+    got = {"x": torch.zeros(3)}
+    dcp.load(got, storage_reader=RamdiskReader(ramdisk, job), planner=Spy(), no_dist=True)
+    assert seen == [{4}]
+    assert leases.leased_steps(rank_path) == set(), "released after the load"

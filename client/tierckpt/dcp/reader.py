@@ -6,7 +6,7 @@ DCP's call order, and what each call does here:
 2. (all ranks) ``read_metadata``: find the coordinator's committed step (primary or replica copy), check
    ``dcp-metadata.json`` against its manifest, decode it into DCP's ``Metadata``.
 3. (all ranks) ``set_up_storage_reader``; 4./5. planning needs nothing from storage.
-6. (all ranks) ``read_data``: for each item, open the writing rank's committed step (found under
+6. (all ranks) ``read_data``: for each item, open (and lease) the writing rank's committed step (under
    ``<root>/<job>/rank-NNNNN`` or ``<root>/<job>/replicas/rank-NNNNN``), map the data file, verify the
    item's crc32c, and copy its bytes once into the destination tensor (resharding through DCP's plan).
 
@@ -17,6 +17,7 @@ A crc mismatch raises ``CorruptShardError`` naming the item and the file (DCP wr
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import os
@@ -32,6 +33,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from tierckpt import leases
 from tierckpt.errors import CorruptShardError, FormatError, MissingCheckpointError
 from tierckpt.format import (
     DCP_METADATA_NAME,
@@ -239,14 +241,20 @@ class RamdiskReader(StorageReader):
         for req in plan.items:
             loc = self._location(req)
             by_file[(loc.rank, loc.file)].append(req)
-        for (rank, name), reqs in sorted(by_file.items()):
-            mapped = self._rank_step(rank).open(name)
-            try:
-                verified: set[MetadataIndex] = set()
-                for req in sorted(reqs, key=lambda r: self._storage[r.storage_index].offset):
-                    self._read_item(req, mapped, verified, planner)
-            finally:
-                mapped.close()
+        with contextlib.ExitStack() as leased:
+            held: set[int] = set()
+            for (rank, name), reqs in sorted(by_file.items()):
+                step = self._rank_step(rank)
+                if rank not in held:
+                    held.add(rank)
+                    _hold_lease(leased, step.path)
+                mapped = step.open(name)
+                try:
+                    verified: set[MetadataIndex] = set()
+                    for req in sorted(reqs, key=lambda r: self._storage[r.storage_index].offset):
+                        self._read_item(req, mapped, verified, planner)
+                finally:
+                    mapped.close()
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
@@ -323,3 +331,13 @@ class RamdiskReader(StorageReader):
             )
         target.copy_(src)
         planner.commit_tensor(req, target)
+
+
+def _hold_lease(stack: contextlib.ExitStack, path: Path) -> None:
+    """Lease a step while this rank reads it, so retention elsewhere cannot remove it under us."""
+    step = parse_step_id(path.name)
+    assert step is not None
+    try:
+        stack.enter_context(leases.hold(path.parent, step, f"dcp-load-{os.getpid()}"))
+    except (OSError, MissingCheckpointError) as exc:  # e.g. a read-only copy: reading is still safe
+        log.warning("reading %s without a lease: %s", path, exc)
