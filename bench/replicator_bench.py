@@ -1,0 +1,449 @@
+"""Benchmark the replicator on a real multi-node cluster on this machine (``tierckpt.demo.cluster``).
+
+Measured in the same run, between the same network namespaces (root) or over loopback (otherwise):
+
+* **raw TCP**: a Python sender ``sendall``-ing from memory to a receiver ``recv_into``-ing a reused
+  buffer, node A -> node B: the link's speed as Python can drive it (the baseline);
+* **data path**: one rank's step pushed from A's tmpfs to B's running replicator (``sendfile`` out,
+  ``recv_into`` a mapped file with crc32c on a second thread, verified, committed): GB/s and the ratio
+  to raw TCP (target >= 0.8);
+* **end to end**: a step committed in A's ramdisk until its replica is committed on B (adds the
+  inotify wake-up and scheduling);
+* **restore**: node A lost, time until its rank is staged back from its peer, versus from the bucket
+  (fake-gcs-server, memory backend, on this machine) when the peer is lost too;
+* **training slowdown**: a CPU training step (torch MLP) timed while idle and while replication runs
+  (a new step every ``--interval`` s), unpinned (everything shares the cores) and pinned (training
+  on core 0, replicators on the others).
+
+Run as root from the repository root: ``.venv/bin/python bench/replicator_bench.py [--size-mib 256]
+[--json]``. Needs about 4x ``--size-mib`` of RAM for the ramdisks plus 3x for the bucket emulator.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import secrets
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from tierckpt.contract import RestoreState, RestoreStatus, read_control, restore_status_name
+from tierckpt.demo.cluster import LocalCluster, Node, has_netns
+from tierckpt.format import (
+    FileEntry,
+    Manifest,
+    TensorEntry,
+    commit_step,
+    rank_dir,
+    replica_rank_dir,
+    step_dir,
+)
+from tierckpt.integrity import crc32c
+
+MiB = 1 << 20
+RAW_PORT = 9555
+
+
+# ------------------------------------------------------------------------------------------ steps
+
+
+def make_step(parent: Path, job: str, rank: int, step: int, size: int, world_size: int, blob: bytes) -> Path:
+    """Commit a one-file step of ``size`` bytes in the client format (content: ``blob`` repeated)."""
+    path = step_dir(parent, step)
+    path.mkdir(parents=True)
+    crc, done = 0, 0
+    with open(path / "data-00000.bin", "wb") as f:
+        while done < size:
+            chunk = blob[: min(len(blob), size - done)]
+            f.write(chunk)
+            crc = crc32c(chunk, crc)
+            done += len(chunk)
+    tensor = TensorEntry(key="w", dtype="uint8", shape=(size,), file="data-00000.bin", offset=0, length=size,
+                         crc32c=crc)  # fmt: skip
+    manifest = Manifest(
+        job=job,
+        rank=rank,
+        world_size=world_size,
+        step=step,
+        created_at=time.time(),
+        files=(FileEntry("data-00000.bin", size, crc),),
+        tensors=(tensor,),
+        tree={"w": {"tensor": 0}},
+    )
+    commit_step(path, manifest)
+    return path
+
+
+def committed(path: Path) -> bool:
+    return (path / "COMMIT").exists()
+
+
+# ------------------------------------------------------------------------------------------ raw TCP
+
+_RECEIVER = """
+import socket, sys, time
+n = int(sys.argv[1]); s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("0.0.0.0", int(sys.argv[2]))); s.listen(1); print("ready", flush=True)
+c, _ = s.accept(); buf = bytearray(4 << 20); view = memoryview(buf); got = 0; t0 = None
+while got < n:
+    k = c.recv_into(view)
+    if not k: break
+    if t0 is None: t0 = time.perf_counter()
+    got += k
+print(got, time.perf_counter() - t0, flush=True)
+"""
+
+_SENDER = """
+import socket, sys
+n, host, port = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]); blob = bytes(4 << 20)
+s = socket.create_connection((host, port)); sent = 0
+while sent < n:
+    k = min(len(blob), n - sent); s.sendall(memoryview(blob)[:k]); sent += k
+s.close()
+"""
+
+
+def raw_tcp(a: Node, b: Node, size: int) -> float:
+    """Bytes per second of plain Python TCP from A to B (best of 3)."""
+    best = 0.0
+    for _ in range(3):
+        rx = b.popen_in_node([sys.executable, "-c", _RECEIVER, str(size), str(RAW_PORT)], stdout=subprocess.PIPE,
+                             text=True)  # fmt: skip
+        assert rx.stdout is not None
+        assert rx.stdout.readline().strip() == "ready"
+        a.run_in_node([sys.executable, "-c", _SENDER, str(size), b.ip, str(RAW_PORT)], check=True)
+        got, seconds = rx.stdout.readline().split()
+        rx.wait()
+        best = max(best, int(got) / float(seconds))
+    return best
+
+
+# ------------------------------------------------------------------------------------------ data path
+
+_PUSH = """
+import json, sys, time
+from tierckpt_replicator.replication.context import DataContext
+from tierckpt_replicator.replication.ipc import PeerAddress, WorkerConfig
+from tierckpt_replicator.replication.transfer import push_step
+root, token, job, host, port, steps = sys.argv[1:7]
+cfg = WorkerConfig(node="bench", root=root, token_file=token, listen_host="127.0.0.1", data_port=0,
+                   holder="bench", transfer_timeout=60.0)
+ctx = DataContext.from_config(cfg)
+out = []
+for step in json.loads(steps):
+    t0 = time.perf_counter(); o = push_step(ctx, job, 0, step, PeerAddress("b", host, int(port)))
+    out.append([o.status, o.bytes, time.perf_counter() - t0])
+print(json.dumps(out))
+"""
+
+
+def data_path(cluster: LocalCluster, size: int, blob: bytes, repeat: int) -> list[float]:
+    """Bytes per second of push_step A -> B (B's real replicator receives), one per repetition."""
+    a, b = cluster.nodes[0], cluster.nodes[1]
+    job = "bench_datapath"  # never assigned: A's own replicator leaves it alone
+    steps = list(range(1, repeat + 1))
+    for s in steps:
+        make_step(rank_dir(a.root, job, 0), job, 0, s, size, 1, blob)
+    proc = a.run_in_node([sys.executable, "-c", _PUSH, str(a.root), str(cluster.token_file), job, b.ip,
+                          str(b.data_port), json.dumps(steps)], check=True)  # fmt: skip
+    rates = []
+    for status, nbytes, seconds in json.loads(proc.stdout):
+        assert status == "ok", status
+        rates.append(nbytes / seconds)
+    for s in steps:  # free the ramdisks for what follows
+        for p in (step_dir(rank_dir(a.root, job, 0), s), step_dir(replica_rank_dir(b.root, job, 0), s)):
+            subprocess.run(["rm", "-rf", str(p)], check=True)
+    return rates
+
+
+# ------------------------------------------------------------------------------------------ end to end
+
+
+def end_to_end(cluster: LocalCluster, size: int, blob: bytes, repeat: int) -> list[float]:
+    """Seconds from a step's COMMIT on A to its replica's COMMIT on B."""
+    a, b = cluster.nodes[0], cluster.nodes[1]
+    job = cluster.job
+    hidden = rank_dir(a.root, job, 0) / ".bench"
+    times = []
+    for i in range(repeat):
+        step = 100 + i
+        staged = make_step(hidden, job, 0, step, size, 1, blob)  # written out of sight, then moved in
+        t0 = time.perf_counter()
+        os.rename(staged, step_dir(rank_dir(a.root, job, 0), step))
+        target = step_dir(replica_rank_dir(b.root, job, 0), step)
+        while not committed(target):
+            if time.perf_counter() - t0 > 120:
+                raise TimeoutError(f"no replica of step {step} on {b.name}:\n{a.log_text()[-3000:]}")
+            time.sleep(0.001)
+        times.append(time.perf_counter() - t0)
+        if i:
+            subprocess.run(["rm", "-rf", str(step_dir(rank_dir(a.root, job, 0), step - 1))], check=True)
+    return times
+
+
+# ------------------------------------------------------------------------------------------ restore
+
+
+def wait_ready(node: Node, job: str, rank: int, timeout: float = 300) -> RestoreStatus:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            st = read_control(node.root, job, restore_status_name(rank), RestoreStatus)
+        except Exception:
+            st = None
+        if isinstance(st, RestoreStatus) and st.state in (RestoreState.READY, RestoreState.FAILED):
+            return st
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{node.name}: rank {rank} not restored:\n{node.log_text()[-3000:]}")
+        time.sleep(0.005)
+
+
+def restore_times(cluster: LocalCluster, size: int, blob: bytes) -> dict[str, Any]:
+    a, b, c = cluster.nodes
+    job = "bench_restore"
+    cluster.assign(job)
+    for node in cluster.nodes:
+        make_step(rank_dir(node.root, job, node.index), job, node.index, 7, size, 3, blob)
+    for i in range(3):
+        peer = cluster.nodes[(i + 1) % 3]
+        LocalCluster.wait_for(lambda i=i, peer=peer: committed(step_dir(replica_rank_dir(peer.root, job, i), 7)),
+                              timeout=300, what="replicas")  # fmt: skip
+    threads = [threading.Thread(target=n.request, args=("POST", f"/v1/jobs/{job}/backup"), kwargs={"timeout": 600})
+               for n in cluster.nodes]  # fmt: skip
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    LocalCluster.wait_for(
+        lambda: 7 in a.json("GET", f"/v1/jobs/{job}/inventory")["gcs"], timeout=600, interval=0.5
+    )
+    out: dict[str, Any] = {}
+    # 1. node A lost: rank 0 comes back from B's replica
+    a.kill_replicator()
+    a.wipe_ramdisk()
+    a.start_replicator()
+    t0 = time.perf_counter()
+    cluster.assign(job, generation=2)
+    st = wait_ready(a, job, 0)
+    out["peer_seconds"], out["peer_source"] = time.perf_counter() - t0, st.source.value if st.source else None
+    # 2. A and B lost: rank 0 only in the bucket
+    for node in (a, b):
+        node.kill_replicator()
+        node.wipe_ramdisk()
+        node.start_replicator()
+    t0 = time.perf_counter()
+    cluster.assign(job, generation=3)
+    st = wait_ready(a, job, 0)
+    out["gcs_seconds"], out["gcs_source"] = time.perf_counter() - t0, st.source.value if st.source else None
+    out["gcs_over_peer"] = out["gcs_seconds"] / out["peer_seconds"]
+    return out
+
+
+# ------------------------------------------------------------------------------------------ training
+
+_TRAIN = """
+import json, sys, time, torch
+torch.set_num_threads(int(sys.argv[1])); seconds = float(sys.argv[2])
+model = torch.nn.Sequential(torch.nn.Linear(1024, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 1024))
+opt = torch.optim.SGD(model.parameters(), lr=1e-3); x = torch.randn(256, 1024)
+def step():
+    opt.zero_grad(); model(x).square().mean().backward(); opt.step()
+for _ in range(20): step()
+print("ready", flush=True); out = []; end = time.perf_counter() + seconds
+while time.perf_counter() < end:
+    t0 = time.perf_counter(); step(); out.append([t0, time.perf_counter() - t0])
+print(json.dumps(out), flush=True)
+"""
+
+
+def _pin(pids: list[int], cpus: set[int]) -> None:
+    for pid in pids:
+        try:
+            os.sched_setaffinity(pid, cpus)
+        except OSError:
+            pass
+
+
+def _tree(pid: int) -> list[int]:
+    import psutil
+
+    try:
+        proc = psutil.Process(pid)
+        return [pid, *(c.pid for c in proc.children(recursive=True))]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def training_slowdown(cluster: LocalCluster, size: int, blob: bytes, *, seconds: float, interval: float,
+                      pin: bool) -> dict[str, Any]:  # fmt: skip
+    """Median training step time idle vs while A replicates a new step every ``interval`` seconds."""
+    a = cluster.nodes[0]
+    job = cluster.job
+    ncpu = os.cpu_count() or 1
+    threads = 1 if pin else ncpu
+    reps = [p for n in cluster.nodes if n.proc for p in _tree(n.proc.pid)]
+    if pin and ncpu > 1:
+        _pin(reps, set(range(1, ncpu)))
+    phases: dict[str, list[float]] = {}
+    sent = 0
+    for phase in ("idle", "replicating"):
+        train = a.popen_in_node([sys.executable, "-c", _TRAIN, str(threads), str(seconds)], stdout=subprocess.PIPE,
+                                text=True)  # fmt: skip
+        if pin:
+            _pin([train.pid], {0})
+        assert train.stdout is not None and train.stdout.readline().strip() == "ready"
+        loader = _Load(a, job, size, blob, interval) if phase == "replicating" else None
+        if loader is not None:
+            loader.start()
+        samples = json.loads(train.stdout.readline())
+        train.wait()
+        if loader is not None:
+            loader.stop.set()
+            loader.join()
+            if loader.error is not None:
+                raise loader.error
+            sent = loader.count
+        phases[phase] = [d for _, d in samples]
+    if pin and ncpu > 1:
+        _pin(reps, set(range(ncpu)))
+    idle, busy = statistics.median(phases["idle"]), statistics.median(phases["replicating"])
+    return {"threads": threads, "pinned": pin, "idle_step_ms": idle * 1e3, "replicating_step_ms": busy * 1e3,
+            "slowdown_pct": (busy / idle - 1) * 100, "steps_replicated": sent}  # fmt: skip
+
+
+class _Load(threading.Thread):
+    """Move a pre-written step into A's rank dir every ``interval`` s (the replicator sends each one).
+
+    Steps are written out of sight beforehand, so the load is replication alone, not the writing."""
+
+    def __init__(self, a: Node, job: str, size: int, blob: bytes, interval: float) -> None:
+        super().__init__(daemon=True)
+        self.a, self.job, self.size, self.blob, self.interval = a, job, size, blob, interval
+        self.stop = threading.Event()
+        self.count = 0
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self._run()
+        except BaseException as exc:
+            self.error = exc
+
+    def _run(self) -> None:
+        parent = rank_dir(self.a.root, self.job, 0)
+        hidden = parent / ".bench"
+        step = 1_000_000 + int(time.time()) % 100_000 * 10
+        staged = make_step(hidden, self.job, 0, step, self.size, 1, self.blob)
+        while not self.stop.is_set():
+            t0 = time.perf_counter()
+            os.rename(staged, step_dir(parent, step))
+            self.count += 1
+            for old in parent.glob("step-*"):
+                if old.name != step_dir(parent, step).name:
+                    subprocess.run(["rm", "-rf", str(old)], check=False)
+            step += 1
+            staged = make_step(hidden, self.job, 0, step, self.size, 1, self.blob)
+            self.stop.wait(max(0.0, self.interval - (time.perf_counter() - t0)))
+
+
+# ------------------------------------------------------------------------------------------ main
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=textwrap.dedent(__doc__.split("\n\n", 1)[1]))  # fmt: skip
+    p.add_argument("--size-mib", type=int, default=256, help="bytes of one rank's step (MiB) [256]")
+    p.add_argument("--repeat", type=int, default=3, help="repetitions of the transfer measurements [3]")
+    p.add_argument("--train-seconds", type=float, default=8.0, help="training time per phase [8]")
+    p.add_argument(
+        "--interval", type=float, default=1.0, help="seconds between replicated steps while training [1]"
+    )
+    p.add_argument("--skip-restore", action="store_true", help="skip the restore measurement")
+    p.add_argument("--skip-training", action="store_true", help="skip the training slowdown measurement")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    args = p.parse_args(argv)
+    size = args.size_mib * MiB
+    blob = secrets.token_bytes(8 * MiB)
+    ramdisk = f"{max(512, 8 * args.size_mib)}m"
+    result: dict[str, Any] = {
+        "machine": {
+            "cpus": os.cpu_count(),
+            "kernel": platform.release(),
+            "python": platform.python_version(),
+            "netns": has_netns(),
+        },  # fmt: skip
+        "size_bytes": size,
+    }
+    args_rep = [
+        "--poll-interval",
+        "1",
+        "--backup-interval",
+        "0",
+        "--log-level",
+        "WARNING",
+        "--transfer-timeout",
+        "60",
+    ]
+    with LocalCluster(nodes=3, job="bench_job", k=1, gcs=not args.skip_restore, ramdisk_size=ramdisk,
+                      replicator_args=args_rep) as cluster:  # fmt: skip
+        a, b = cluster.nodes[0], cluster.nodes[1]
+        raw = raw_tcp(a, b, size)
+        rates = data_path(cluster, size, blob, args.repeat)
+        e2e = end_to_end(cluster, size, blob, args.repeat)
+        result["raw_tcp_gbps"] = raw / 1e9
+        result["data_path_gbps"] = max(rates) / 1e9
+        result["data_path_gbps_all"] = [r / 1e9 for r in rates]
+        result["data_path_over_raw_tcp"] = max(rates) / raw
+        result["end_to_end_seconds"] = min(e2e)
+        result["end_to_end_gbps"] = size / min(e2e) / 1e9
+        if not args.skip_training:
+            kw = {"seconds": args.train_seconds, "interval": args.interval}
+            result["training"] = [training_slowdown(cluster, size, blob, pin=False, **kw)]
+            if (os.cpu_count() or 1) > 1:
+                result["training"].append(training_slowdown(cluster, size, blob, pin=True, **kw))
+        if not args.skip_restore:
+            result["restore"] = restore_times(cluster, size, blob)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        _print_table(result)
+    return 0
+
+
+def _print_table(r: dict[str, Any]) -> None:
+    m = r["machine"]
+    print(f"machine: {m['cpus']} cpus, kernel {m['kernel']}, python {m['python']}, netns={m['netns']}")
+    print(f"step size: {r['size_bytes'] / MiB:.0f} MiB (one rank)")
+    print(f"raw TCP A->B                     {r['raw_tcp_gbps']:.2f} GB/s")
+    print(
+        f"replication data path A->B       {r['data_path_gbps']:.2f} GB/s  = {r['data_path_over_raw_tcp']:.2f}x raw TCP"
+    )
+    print(
+        f"commit on A -> replica on B      {r['end_to_end_seconds']:.3f} s  ({r['end_to_end_gbps']:.2f} GB/s)"
+    )
+    for t in r.get("training", []):
+        print(
+            f"training step ({'pinned' if t['pinned'] else 'unpinned'}, {t['threads']} threads): idle "
+            f"{t['idle_step_ms']:.1f} ms, while replicating {t['replicating_step_ms']:.1f} ms "
+            f"-> slowdown {t['slowdown_pct']:+.1f}% ({t['steps_replicated']} steps replicated)"
+        )
+    if "restore" in r:
+        x = r["restore"]
+        print(
+            f"restore a lost node's rank: from peer {x['peer_seconds']:.2f} s, from bucket (emulator) "
+            f"{x['gcs_seconds']:.2f} s -> bucket/peer {x['gcs_over_peer']:.1f}x"
+        )
+
+
+if __name__ == "__main__":
+    tempfile.tempdir = tempfile.gettempdir()
+    sys.exit(main())

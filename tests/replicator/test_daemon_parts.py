@@ -1,0 +1,164 @@
+"""Daemon parts on their own: settings (flags, environment, --help), the commit watcher, the token file,
+peer assignments, and the worker process supervised for real."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from fixtures.steps import write_step
+from tierckpt.contract import PeerAssignment, PeerNode
+from tierckpt.errors import ContractError
+from tierckpt_replicator.assignments import AssignmentStore, api_url, data_address
+from tierckpt_replicator.daemon import worker_config
+from tierckpt_replicator.replication.ipc import FetchSource, FetchTask, SendTask
+from tierckpt_replicator.replication.supervisor import WorkerSupervisor
+from tierckpt_replicator.settings import ENV_PREFIX, Settings, build_parser, parse_settings
+from tierckpt_replicator.tokens import TokenFile
+from tierckpt_replicator.watch import CommitWatcher
+
+
+def test_flags_win_over_environment_over_defaults(tmp_path: Path):
+    env = {
+        f"{ENV_PREFIX}REPLICAS": "3",
+        f"{ENV_PREFIX}NODE_NAME": "env-node",
+        f"{ENV_PREFIX}RESTORE_ON_START": "no",
+        f"{ENV_PREFIX}ROOT": str(tmp_path),
+    }
+    s = parse_settings(["--node-name", "flag-node", "--advertise-host", "10.1.2.3"], env)
+    assert (s.node_name, s.replicas, s.restore_on_start, s.root) == ("flag-node", 3, False, tmp_path)
+    assert s.data_port == s.api_port + 1 and s.api_endpoint == "http://10.1.2.3:8470"
+    d = parse_settings(["--node-name", "n", "--advertise-host", "h"], {})
+    assert (d.replicas, d.concurrency, d.replica_keep, d.bandwidth_limit) == (1, 2, 2, 0.0)
+
+
+@pytest.mark.parametrize(
+    ("argv", "env"),
+    [
+        (["--replicas", "0"], {}),
+        (["--replicas", "two"], {}),
+        ([], {f"{ENV_PREFIX}REPLICAS": "x"}),
+        ([], {f"{ENV_PREFIX}RESTORE_ON_START": "maybe"}),
+        (["--node-name", "../evil"], {}),
+    ],
+)
+def test_bad_settings_are_refused(argv, env):
+    with pytest.raises((ValueError, SystemExit, Exception)):
+        parse_settings(["--advertise-host", "h", *argv], env)
+
+
+def test_help_documents_every_option_with_its_environment_variable():
+    text = build_parser().format_help()
+    for f in dataclasses.fields(Settings):
+        flag = "--" + f.name.replace("_", "-")
+        assert flag in text, flag
+        assert ENV_PREFIX + f.name.upper() in text.replace("\n", "").replace(" ", ""), f.name
+    for unit in ("[s]", "[bytes]", "[MB/s]", "[port]"):
+        assert unit in text
+
+
+def test_console_script_help_runs():
+    out = subprocess.run(
+        [sys.executable, "-m", "tierckpt_replicator", "--help"], capture_output=True, text=True
+    )
+    assert out.returncode == 0 and "--bandwidth-limit" in out.stdout and "TIERCKPT_REPLICATOR_" in out.stdout
+    bad = subprocess.run(
+        [sys.executable, "-m", "tierckpt_replicator", "--advertise-host", "h"], capture_output=True, text=True
+    )
+    assert bad.returncode == 2 and "--token-file is required" in bad.stderr
+
+
+def test_token_file_rotation_and_constant_time_check(tmp_path: Path):
+    path = tmp_path / "token"
+    path.write_text("first\n")
+    tokens = TokenFile(path)
+    assert tokens.check("first") and not tokens.check("firs") and not tokens.check("")
+    time.sleep(0.01)
+    path.write_text("second\n")
+    assert tokens.check("second") and not tokens.check("first")
+    path.unlink()
+    assert not tokens.check("second")  # unreadable: refuse everything
+
+
+def test_peer_endpoints():
+    node = PeerNode("n", "http://10.0.0.5:8470")
+    assert api_url(node) == "http://10.0.0.5:8470" and data_address("n", node).port == 8471
+    local = PeerNode("n", "http://127.0.0.1:4000/?data=4100")
+    assert api_url(local) == "http://127.0.0.1:4000" and data_address("n", local).port == 4100
+    with pytest.raises(ContractError):
+        api_url(PeerNode("n", "ftp://x"))
+
+
+def test_assignment_store_keeps_the_newest_generation(tmp_path: Path):
+    static = PeerAssignment(job="j1", generation=1, nodes={"a": PeerNode("a", "http://a:1")}, peers={})
+    store = AssignmentStore(tmp_path, static)
+    assert store.get("j1") == static and (tmp_path / "j1" / "control" / "peers.json").exists()
+    assert store.get("other") is None
+    assert store.put(dataclasses.replace(static, generation=1)) == (False, static)
+    newer = dataclasses.replace(static, generation=4)
+    assert store.put(newer) == (True, newer) and store.get("j1") == newer
+    assert AssignmentStore(tmp_path, static).get("j1") == newer  # a restart does not reseed over it
+
+
+async def test_watcher_wakes_on_a_commit(tmp_path: Path):
+    watcher = CommitWatcher(tmp_path, poll_interval=30.0, debounce=0.0)
+    watcher.start()
+    try:
+        assert watcher.uses_inotify
+        write_step(tmp_path, "job", 0, 1, sizes=(10,))  # new job, rank and step dirs: each is watched in turn
+        watcher.refresh()
+        started = time.monotonic()
+        step = tmp_path / "job" / "rank-00000" / "step-000000000002"
+        step.mkdir()
+        await asyncio.wait_for(watcher.wait(), 5)
+        watcher.refresh()  # now watching the uncommitted step dir itself
+        await asyncio.sleep(0.05)
+        watcher._event.clear()
+        (step / "COMMIT.tmp").write_text("x")
+        (step / "COMMIT.tmp").rename(step / "COMMIT")
+        await asyncio.wait_for(watcher.wait(), 5)
+        assert time.monotonic() - started < 29  # woken by inotify, not by the poll interval
+    finally:
+        watcher.close()
+
+
+async def test_supervisor_restarts_a_dead_worker(tmp_path: Path):
+    token = tmp_path / "token"
+    token.write_text("tok\n")
+    settings = Settings(
+        node_name="n",
+        root=tmp_path,
+        token_file=token,
+        advertise_host="127.0.0.1",
+        listen_host="127.0.0.1",
+        api_port=0,
+        data_port=0,
+        worker_nice=0,
+    )
+    sup = WorkerSupervisor(dataclasses.replace(worker_config(settings), data_port=0))
+    await sup.start()
+    try:
+        first = sup.pid
+        result = await sup.run_task(
+            FetchTask(
+                id=sup.next_id(), job="j", rank=0, step=1, sources=(FetchSource(kind="replica", node="n"),)
+            )
+        )
+        assert not result.ok and result.outcomes[0].status == "missing"
+        assert first is not None
+        sup._proc.kill()  # type: ignore[union-attr]
+        for _ in range(200):
+            if sup.alive and sup.pid != first:
+                break
+            await asyncio.sleep(0.05)
+        assert sup.alive and sup.pid != first and sup.restarts == 1
+        result = await sup.run_task(SendTask(id=sup.next_id(), job="j", rank=0, step=1, candidates=()))
+        assert not result.ok
+    finally:
+        await sup.stop()
+    assert not sup.alive
