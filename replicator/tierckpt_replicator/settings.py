@@ -284,9 +284,15 @@ def build_parser() -> argparse.ArgumentParser:
                 type=kind,
                 default=None,
                 metavar=f.name.upper(),
-                help=help_text + f" default: {f.default if f.default is not None else 'none'}",
+                help=help_text + f" default: {_shown(f.default)}",
             )
     return p
+
+
+def _shown(default: Any) -> str:
+    if default is None:
+        return "none"
+    return "(empty)" if default == "" else str(default)
 
 
 def _from_env(f: dataclasses.Field[Any], raw: str) -> Any:

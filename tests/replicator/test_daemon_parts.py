@@ -162,3 +162,9 @@ async def test_supervisor_restarts_a_dead_worker(tmp_path: Path):
     finally:
         await sup.stop()
     assert not sup.alive
+
+
+def test_docs_describe_every_option():
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "replicator.md").read_text()
+    for f in dataclasses.fields(Settings):
+        assert f"`--{f.name.replace('_', '-')}" in doc, f.name
