@@ -121,6 +121,17 @@ async def test_first_start_restart_and_node_replacement(env):
         "RanksAssigned",
         "FreshStart",
     }
+    cfg = await eventually(
+        lambda: (
+            (c := env.cluster.obj("tierckpt.io/v1alpha1/checkpointconfigurations", None, "default"))
+            and c.get("status", {}).get("jobs") == 1
+            and c["status"]
+        ),
+        20,
+        "configuration status",
+    )
+    assert (cfg["nodes"], cfg["nodesReady"], cfg["nodesSelected"]) == ("6/6", 6, 6)
+    assert [c["status"] for c in cfg["conditions"] if c["type"] == "Ready"] == ["True"]
 
     await save_everywhere(env, job, first, STEP, 6)
     assert status(env.cluster)["latestLocalStep"] == STEP
@@ -190,3 +201,26 @@ async def test_whole_failure_domain_lost(env):
     after = status(env.cluster)
     assert after["peers"] == before["peers"]  # their peers still sit in other domains: nothing moves
     assert sorted(set(after["domains"])) == ["a", "c", "d"]
+
+    # editing the configuration re-plans the running job: two peers per node from now on
+    await env.cluster.patch(
+        "/apis/tierckpt.io/v1alpha1/checkpointconfigurations/default",
+        {"spec": {"replication": {"factor": 2}}},
+    )
+    wider = await eventually(
+        lambda: (s := status(env.cluster)) and all(len(p) == 2 for p in s["peers"]) and s,
+        20,
+        "two peers per node",
+    )
+    assert wider["peerGeneration"] > after["peerGeneration"]
+    for r, peers in enumerate(wider["peers"]):
+        assert before["peers"][r][0] in peers  # the old peer is kept, one is added
+        domains = {wider["domains"][p] for p in peers}
+        assert len(domains) == 2 and wider["domains"][r] not in domains
+    n0 = env.replicators.nodes["n0"]
+    await eventually(
+        lambda: len(read_control(n0.root, job, PeerAssignment.FILE, PeerAssignment).peers["n0"]) == 2,
+        20,
+        "replicators got the new peers",
+    )
+    assert env.cluster.events("Replanning")
