@@ -79,23 +79,34 @@ def assert_same(got: Any, want: Any, where: str = "") -> None:
         assert got == want, f"{where}: {got!r} != {want!r}"
 
 
-def save_plain(
-    rank: int, world_size: int, root: str, job: str, step: int, seed: int, mode: str = "sync"
-) -> None:
+def mutate(state: dict[str, Any]) -> None:
+    """What training does to the live state after a save was staged."""
+    state["w"].add_(1)
+    state["ids"].add_(1)
+    state["meta"]["epoch"] = 99
+
+
+def save_plain(rank: int, world_size: int, root: str, job: str, step: int, seed: int) -> None:
+    dcp.save(plain_state(seed), checkpoint_id=step, storage_writer=RamdiskWriter(root, job))
+
+
+def async_save_twice(rank: int, world_size: int, root: str, job: str, seed: int) -> None:
+    """Two async saves through one writer (staging buffers reused); training mutates state in between."""
     state = plain_state(seed)
-    writer = RamdiskWriter(root, job)
-    if mode == "async":
-        response = dcp.async_save(state, checkpoint_id=step, storage_writer=writer)
-        upload = getattr(response, "upload_completion", response)
-        for k in ("w", "ids"):  # staging is done: training may change the live tensors now
-            state[k].add_(1)
-        upload.result()
-    else:
-        dcp.save(state, checkpoint_id=step, storage_writer=writer)
+    with RamdiskWriter(root, job) as writer:
+        for step in (7, 8):
+            response = dcp.async_save(state, checkpoint_id=step, storage_writer=writer)
+            if step == 7:
+                mutate(state)  # staging is done when async_save returns: this must not reach step 7
+            getattr(response, "upload_completion", response).result()
 
 
-def load_plain(rank: int, world_size: int, root: str, job: str, step: int | None, seed: int) -> None:
+def load_plain(
+    rank: int, world_size: int, root: str, job: str, step: int | None, seed: int, mutated: bool = False
+) -> None:
     want = plain_state(seed)
+    if mutated:
+        mutate(want)
     got = blank_like(want)
     dcp.load(got, checkpoint_id=step, storage_reader=RamdiskReader(root, job))
     assert_same(got, want)
@@ -127,7 +138,9 @@ def _full(value: Any) -> Any:
     return value
 
 
-def save_sharded(rank: int, world_size: int, root: str, job: str, step: int, ref: str) -> None:
+def save_sharded(
+    rank: int, world_size: int, root: str, job: str, step: int, ref: str, mode: str = "sync"
+) -> None:
     """Train an FSDP2 model two steps, save model + optimizer state; rank 0 keeps the full values."""
     model, opt = _model(world_size, seed=0)
     for i in range(2):
@@ -139,8 +152,14 @@ def save_sharded(rank: int, world_size: int, root: str, job: str, step: int, ref
     shards = {k: tuple(v.to_local().shape) for k, v in msd.items()}
     assert any(isinstance(v, DTensor) for v in msd.values()), shards
     state = {"model": msd, "optim": osd, "extra": {"step": step}}
-    dcp.save(state, checkpoint_id=step, storage_writer=RamdiskWriter(root, job))
     full = _full(state)
+    if mode == "async":
+        with RamdiskWriter(root, job) as writer:
+            response = dcp.async_save(state, checkpoint_id=step, storage_writer=writer)
+            opt.step()  # training goes on while the checkpoint is written
+            getattr(response, "upload_completion", response).result()
+    else:
+        dcp.save(state, checkpoint_id=step, storage_writer=RamdiskWriter(root, job))
     if rank == 0:
         torch.save(full, ref)
 

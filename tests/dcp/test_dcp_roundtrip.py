@@ -25,8 +25,15 @@ def test_load_without_step_picks_the_newest_complete_checkpoint(ramdisk: Path, j
 
 
 def test_async_save_then_load(ramdisk: Path, job: str) -> None:
-    run_ranks(2, sc.save_plain, str(ramdisk), job, 7, 3, "async")
+    run_ranks(2, sc.async_save_twice, str(ramdisk), job, 3)
     run_ranks(2, sc.load_plain, str(ramdisk), job, 7, 3)
+    run_ranks(2, sc.load_plain, str(ramdisk), job, 8, 3, True)
+
+
+def test_async_save_of_fsdp2_state_reshards_on_load(ramdisk: Path, job: str, tmp_path: Path) -> None:
+    ref = str(tmp_path / "full.pt")
+    run_ranks(2, sc.save_sharded, str(ramdisk), job, 60, ref, "async")
+    run_ranks(3, sc.load_sharded, str(ramdisk), job, 60, ref)
 
 
 @pytest.mark.parametrize(("saved_at", "loaded_at"), [(4, 2), (2, 3), (4, 1)])

@@ -61,6 +61,7 @@ from tierckpt.snapshot.pool import Slot
 from ._paths import parse_step_id, require_step_id
 from ._store import RankStore
 from .metadata import ItemLocation, encode_metadata, tensor_dtype_name
+from .staging import StagingCache
 
 __all__ = ["DCP_FORMAT_VERSION", "RamdiskWriter", "item_key"]
 
@@ -123,7 +124,11 @@ class RamdiskWriter(StorageWriter):
             (default: ``TIERCKPT_RANK``/``TIERCKPT_WORLD_SIZE``, else torch.distributed's).
         keep: complete checkpoints retained per rank (older steps are retired and their pages reused).
         overwrite: replace this rank's committed step of the same number instead of refusing.
+        cache_staging: for ``dcp.async_save``, keep the host staging copy and reuse it (the writer is
+            DCP's ``AsyncStager``; see ``tierckpt.dcp.staging``). False: allocate it per save.
     """
+
+    _synchronize_after_execute = False  # AsyncStager: staging is blocking, nothing to wait for later
 
     def __init__(
         self,
@@ -135,6 +140,7 @@ class RamdiskWriter(StorageWriter):
         world_size: int | None = None,
         keep: int = 2,
         overwrite: bool = False,
+        cache_staging: bool = True,
     ) -> None:
         super().__init__()
         where = resolve(root=root, job=job, rank=rank, world_size=world_size, keep=keep)
@@ -146,10 +152,16 @@ class RamdiskWriter(StorageWriter):
         self.save_id = str(uuid.uuid4())
         self._save: _Save | None = None
         self._stores: dict[int, RankStore] = {}
+        self._staging = StagingCache(reuse=cache_staging)
 
     def __getstate__(self) -> dict[str, Any]:
         # DCP's process-based async executor pickles the writer: mappings stay in this process.
-        return {**self.__dict__, "_stores": {}, "_save": None}
+        return {
+            **self.__dict__,
+            "_stores": {},
+            "_save": None,
+            "_staging": StagingCache(reuse=self._staging.reuse),
+        }
 
     # ------------------------------------------------------------------ identity
 
@@ -171,10 +183,24 @@ class RamdiskWriter(StorageWriter):
         return StorageMeta(checkpoint_id=self.checkpoint_id, save_id=self.save_id)
 
     def close(self) -> None:
-        """Unmap the data files this writer keeps for reuse (files stay; the next writer adopts them)."""
+        """Unmap the data files kept for reuse (files stay; the next writer adopts them), drop staging."""
         for store in self._stores.values():
             store.close()
         self._stores = {}
+        self._staging.close()
+
+    # ------------------------------------------------------------------ AsyncStager (dcp.async_save)
+
+    @property
+    def should_synchronize_after_execute(self) -> bool:
+        return self._synchronize_after_execute
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """A training-safe host copy of ``state_dict`` for ``dcp.async_save`` (buffers reused)."""
+        return self._staging.stage(state_dict)
+
+    def synchronize_staging(self) -> None:
+        """Staging is blocking: nothing to wait for."""
 
     def __enter__(self) -> RamdiskWriter:
         return self
