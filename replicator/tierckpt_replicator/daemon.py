@@ -157,13 +157,14 @@ class Daemon:
 
     async def preemption_backup(self) -> None:
         """Back up every job's newest step, all within ``preemption_timeout`` seconds."""
-        if self.backup is None:
+        backup = self.backup
+        if backup is None:
             return
         jobs = list_jobs(self.settings.root)
 
         async def one(job: str) -> None:
             try:
-                step = await self.backup.backup_now(job, all_local=True)  # type: ignore[union-attr]
+                step = await backup.backup_now(job, all_local=True)
                 log.info("preemption: job %s backed up at step %s", job, step)
             except Exception as exc:
                 log.error("preemption: backup of job %s failed: %s", job, exc)

@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 from tierckpt.contract import PeerAssignment
 from tierckpt.errors import ContractError, RetryableError
@@ -24,7 +24,7 @@ from tierckpt_replicator.assignments import AssignmentStore, data_address
 from tierckpt_replicator.inventory import Holdings, InventoryScanner, list_jobs
 from tierckpt_replicator.metrics import Metrics
 from tierckpt_replicator.peer_client import PeerClient
-from tierckpt_replicator.replication.ipc import SendTask
+from tierckpt_replicator.replication.ipc import Outcome, SendTask
 from tierckpt_replicator.replication.plan import SendItem, plan_sends
 from tierckpt_replicator.replication.supervisor import WorkerSupervisor
 
@@ -120,7 +120,7 @@ class ReplicationManager:
     async def _pass_job(self, job: str) -> None:
         holdings = self.scanner.holdings(job)
         newest = holdings.newest_local()
-        await self._notify_committed(job, holdings)
+        self._notify_committed(job, holdings)
         self._prune(job, newest)
         assignment = self.assignments.get(job)
         self.metrics.replication_lag.labels(job).set(self.lag(job, holdings))
@@ -183,7 +183,7 @@ class ReplicationManager:
             self._in_flight.discard(key)
             self.kick()
 
-    def _record(self, key: Key, outcomes) -> None:  # type: ignore[no-untyped-def]
+    def _record(self, key: Key, outcomes: Sequence[Outcome]) -> None:
         now = time.monotonic()
         for o in outcomes:
             self.metrics.transfers.labels("out", o.status).inc()
@@ -201,19 +201,22 @@ class ReplicationManager:
         for key in [k for k in self.confirmed if k[0] == job and newest.get(k[1]) != k[2]]:
             del self.confirmed[key]
 
-    async def _notify_committed(self, job: str, holdings: Holdings) -> None:
-        """Tell the backup service once per newest step that every local rank has committed."""
+    def _notify_committed(self, job: str, holdings: Holdings) -> None:
+        """Tell the backup service (in the background: an upload may take minutes) once per newest step
+        that every local rank has committed."""
         if self.on_committed is None:
             return
         local = [set(h.local) for h in holdings.ranks.values() if h.local]
         common = set.intersection(*local) if local else set()
-        if not common:
+        if not common or self._notified.get(job, -1) >= max(common):
             return
         step = max(common)
-        if self._notified.get(job, -1) >= step:
-            return
         self._notified[job] = step
         ranks = tuple(sorted(r for r, h in holdings.ranks.items() if step in h.local))
+        self._spawn(self._call_on_committed(job, step, ranks))
+
+    async def _call_on_committed(self, job: str, step: int, ranks: tuple[int, ...]) -> None:
+        assert self.on_committed is not None
         try:
             await self.on_committed(job, step, ranks)
         except Exception:

@@ -14,8 +14,10 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 from tierckpt.errors import FormatError
 
@@ -117,7 +119,7 @@ def run_fetch(ctx: DataContext, task: FetchTask) -> TaskResult:
 
 
 def _serve_tasks(chan: Channel, ctx: DataContext, pool: ThreadPoolExecutor) -> None:
-    def run(fn, task) -> None:  # type: ignore[no-untyped-def]
+    def run(fn: Callable[[DataContext, Any], TaskResult], task: SendTask | FetchTask) -> None:
         try:
             result = fn(ctx, task)
         except Exception as exc:  # a bug: report it, keep the worker alive

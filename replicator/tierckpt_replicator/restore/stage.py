@@ -18,13 +18,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
-from tierckpt.contract import NodeInventory, PeerAssignment, RestorePlan, RestoreState, Tier, read_control
+from tierckpt.contract import (
+    NodeInventory,
+    PeerAssignment,
+    RestorePlan,
+    RestoreState,
+    RestoreStatus,
+    Tier,
+    read_control,
+    write_control,
+)
 from tierckpt.errors import FormatError, RetryableError, TierckptError
-from tierckpt.format import job_dir, rank_dir, ranks_in, read_commit, replica_rank_dir, step_dir
+from tierckpt.format import control_dir, job_dir, rank_dir, ranks_in, read_commit, replica_rank_dir, step_dir
 
 from tierckpt_replicator.assignments import AssignmentStore, data_address
 from tierckpt_replicator.backup_hook import BackupPort
@@ -36,12 +47,12 @@ from tierckpt_replicator.restore.gather import compute_plan
 from tierckpt_replicator.restore.status import StatusReporter
 from tierckpt_replicator.settings import Settings
 
-__all__ = ["Stager", "published_plan"]
+__all__ = ["Stager", "invalidate_statuses", "published_plan"]
 
 log = logging.getLogger(__name__)
 
 
-def published_plan(root, job: str, assignment: PeerAssignment | None) -> RestorePlan | None:  # type: ignore[no-untyped-def]
+def published_plan(root: Path, job: str, assignment: PeerAssignment | None) -> RestorePlan | None:
     """The operator's plan in ``control/restore.json``, unless an older assignment generation made it."""
     try:
         plan = read_control(root, job, RestorePlan.FILE, RestorePlan)
@@ -59,6 +70,27 @@ def published_plan(root, job: str, assignment: PeerAssignment | None) -> Restore
         )
         return None
     return plan
+
+
+def invalidate_statuses(root: Path, job: str) -> None:
+    """Turn every existing restore status of ``job`` back to ``pending`` (a new staging run begins)."""
+    for path in sorted(control_dir(root, job).glob("restore-rank-*.json")):
+        try:
+            old = RestoreStatus.from_bytes(path.read_bytes())
+        except (OSError, FormatError):
+            continue
+        if old.state != RestoreState.PENDING:
+            fresh = dataclasses.replace(
+                old,
+                state=RestoreState.PENDING,
+                step=None,
+                source=None,
+                bytes_done=0,
+                bytes_total=0,
+                updated_at=time.time(),
+                message="restore restarting",
+            )
+            write_control(root, job, path.name, fresh)
 
 
 class Stager:
@@ -113,17 +145,23 @@ class Stager:
                 await task
 
     async def _run(self, job: str, plan: RestorePlan | None) -> None:
-        assignment = self.assignments.get(job)
-        if plan is None:
-            plan = published_plan(self.settings.root, job, assignment) or await compute_plan(
-                job, lambda: self.own_inventory(job), assignment, self.peers
-            )
-        self.plans[job] = plan
-        ranks = self._ranks(job, plan, assignment)
-        self.states[job] = {r: RestoreState.PENDING for r in ranks}
-        log.info("restore %s: step %s for ranks %s", job, plan.step, list(ranks))
-        sem = asyncio.Semaphore(self.settings.concurrency)
-        await asyncio.gather(*(self._stage_rank(job, r, plan, assignment, sem) for r in ranks))
+        try:
+            invalidate_statuses(self.settings.root, job)  # no client may read an older run's "ready" now
+            assignment = self.assignments.get(job)
+            if plan is None:
+                plan = published_plan(self.settings.root, job, assignment) or await compute_plan(
+                    job, lambda: self.own_inventory(job), assignment, self.peers
+                )
+            self.plans[job] = plan
+            ranks = self._ranks(job, plan, assignment)
+            self.states[job] = {r: RestoreState.PENDING for r in ranks}
+            log.info("restore %s: step %s for ranks %s", job, plan.step, list(ranks))
+            sem = asyncio.Semaphore(self.settings.concurrency)
+            await asyncio.gather(*(self._stage_rank(job, r, plan, assignment, sem) for r in ranks))
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("restore %s: staging failed unexpectedly", job)
 
     def _ranks(self, job: str, plan: RestorePlan, assignment: PeerAssignment | None) -> tuple[int, ...]:
         ranks = assignment.process_ranks(self.node, plan.world_size) if assignment is not None else ()

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
+from pathlib import Path
 
 from tierckpt.contract import RestoreState, RestoreStatus, Tier, restore_status_name, write_control
 
@@ -22,12 +24,12 @@ log = logging.getLogger(__name__)
 class StatusReporter:
     def __init__(
         self,
-        root,
+        root: Path,
         job: str,
         rank: int,
         *,
         heartbeat: float = 1.0,
-        min_interval: float = 0.25,  # type: ignore[no-untyped-def]
+        min_interval: float = 0.25,
     ) -> None:
         self.root, self.job, self.rank = root, job, rank
         self.heartbeat, self.min_interval = heartbeat, min_interval
@@ -46,8 +48,7 @@ class StatusReporter:
 
     def update(self, *, force: bool = False, **changes: object) -> None:
         state_changed = "state" in changes and changes["state"] != self.status.state
-        fields = {**self.status.__dict__, **changes, "updated_at": time.time()}
-        self.status = RestoreStatus(**fields)  # type: ignore[arg-type]
+        self.status = dataclasses.replace(self.status, **changes, updated_at=time.time())  # type: ignore[arg-type]
         if force or state_changed or time.monotonic() - self._written >= self.min_interval:
             self._write()
 
