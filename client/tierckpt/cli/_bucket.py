@@ -62,36 +62,55 @@ def _client() -> Any:
         ) from None
 
 
-def _prefixes(client: Any, bucket: str, prefix: str) -> list[str]:
-    it = client.list_blobs(bucket, prefix=prefix, delimiter="/")
+@dataclasses.dataclass(frozen=True)
+class _Lister:
+    """List and read calls with one bounded retry policy (google-cloud-storage retries for minutes)."""
+
+    client: Any
+    bucket: str
+    timeout: float
+
+    def _kw(self) -> dict[str, Any]:
+        from google.cloud.storage.retry import DEFAULT_RETRY
+
+        return {
+            "timeout": (min(5.0, self.timeout), self.timeout),
+            "retry": DEFAULT_RETRY.with_deadline(self.timeout),
+        }
+
+    def blobs(self, prefix: str, delimiter: str | None = None) -> Any:
+        return self.client.list_blobs(self.bucket, prefix=prefix, delimiter=delimiter, **self._kw())
+
+    def read(self, blob: Any, cls: type[Any]) -> Any:
+        return cls.from_bytes(blob.download_as_bytes(**self._kw()))
+
+
+def _prefixes(ls: _Lister, prefix: str) -> list[str]:
+    it = ls.blobs(prefix, delimiter="/")
     for _ in it.pages:
         pass
     return sorted(it.prefixes)
 
 
-def _job_ids(client: Any, bucket: str, layout: BucketLayout) -> list[str]:
+def _job_ids(ls: _Lister, layout: BucketLayout) -> list[str]:
     k8s_root, local_root = layout.jobs_roots()
-    jobs = [p[len(local_root) : -1] for p in _prefixes(client, bucket, local_root)]
-    for ns in _prefixes(client, bucket, k8s_root):
-        for name in _prefixes(client, bucket, ns):
-            for uid in _prefixes(client, bucket, name):
+    jobs = [p[len(local_root) : -1] for p in _prefixes(ls, local_root)]
+    for ns in _prefixes(ls, k8s_root):
+        for name in _prefixes(ls, ns):
+            for uid in _prefixes(ls, name):
                 jobs.append("_".join(uid[len(k8s_root) : -1].split("/")))
     return sorted(jobs)
 
 
-def _read(blob: Any, cls: type[Any]) -> Any:
-    return cls.from_bytes(blob.download_as_bytes())
-
-
-def _complete_steps(client: Any, bucket: str, layout: BucketLayout, job: str) -> list[BucketStep]:
+def _complete_steps(ls: _Lister, layout: BucketLayout, job: str) -> list[BucketStep]:
     out = []
-    for blob in client.list_blobs(bucket, prefix=layout.complete_dir(job)):
+    for blob in ls.blobs(layout.complete_dir(job)):
         step = layout.step_of_complete(job, blob.name)
         if step is None:
             continue
-        url = f"gs://{bucket}/{layout.step_dir(job, step)}"
+        url = f"gs://{ls.bucket}/{layout.step_dir(job, step)}"
         try:
-            done = _read(blob, StepBackup)
+            done = ls.read(blob, StepBackup)
         except FormatError as exc:
             out.append(BucketStep(job, step, "corrupt", 0, 0, 0, None, url, f"completion object: {exc}"))
             continue
@@ -110,19 +129,17 @@ def _complete_steps(client: Any, bucket: str, layout: BucketLayout, job: str) ->
     return out
 
 
-def _partial_steps(
-    client: Any, bucket: str, layout: BucketLayout, job: str, done: set[int]
-) -> list[BucketStep]:
+def _partial_steps(ls: _Lister, layout: BucketLayout, job: str, done: set[int]) -> list[BucketStep]:
     out = []
-    for step_prefix in _prefixes(client, bucket, layout.steps_dir(job)):
+    for step_prefix in _prefixes(ls, layout.steps_dir(job)):
         step = layout.step_of_dir(job, step_prefix)
         if step is None or step in done:
             continue
         ranks: list[RankBackup] = []
-        for blob in client.list_blobs(bucket, prefix=layout.rank_commits_dir(job, step)):
+        for blob in ls.blobs(layout.rank_commits_dir(job, step)):
             if layout.rank_of_commit(job, step, blob.name) is not None:
                 try:
-                    ranks.append(_read(blob, RankBackup))
+                    ranks.append(ls.read(blob, RankBackup))
                 except FormatError:
                     continue
         world = max((r.world_size for r in ranks), default=0)
@@ -136,34 +153,35 @@ def _partial_steps(
                 len(ranks),
                 sum(r.total_bytes for r in ranks),
                 newest,
-                f"gs://{bucket}/{step_prefix}",
+                f"gs://{ls.bucket}/{step_prefix}",
                 f"{len(ranks)}/{world or '?'} ranks uploaded",
             )
         )
     return out
 
 
-def _scan(client: Any, bucket: str, prefix: str, job: str | None) -> list[BucketStep]:
+def _scan(ls: _Lister, prefix: str, job: str | None) -> list[BucketStep]:
     layout = BucketLayout(prefix)
-    jobs = [job] if job else _job_ids(client, bucket, layout)
+    jobs = [job] if job else _job_ids(ls, layout)
     out: list[BucketStep] = []
     for j in jobs:
-        complete = _complete_steps(client, bucket, layout, j)
-        out += complete + _partial_steps(client, bucket, layout, j, {s.step for s in complete})
+        complete = _complete_steps(ls, layout, j)
+        out += complete + _partial_steps(ls, layout, j, {s.step for s in complete})
     return sorted(out, key=lambda s: (s.job, s.step))
 
 
-def scan_bucket(url: str, *, job: str | None = None) -> list[BucketStep]:
-    """Every step of every job (or of ``job``) under ``gs://bucket/prefix``."""
+def scan_bucket(url: str, *, job: str | None = None, timeout: float = 30.0) -> list[BucketStep]:
+    """Every step of every job (or of ``job``) under ``gs://bucket/prefix``; each call to the bucket
+    gives up after ``timeout`` seconds of retries."""
     from google.api_core import exceptions as gexc
     from requests.exceptions import RequestException
 
     bucket, prefix = parse_gs_url(url)
-    client = _client()
+    ls = _Lister(_client(), bucket, timeout)
     try:
-        found = _scan(client, bucket, prefix, job)
+        found = _scan(ls, prefix, job)
         if not found and not prefix:
-            found = _scan(client, bucket, DEFAULT_PREFIX, job)
+            found = _scan(ls, DEFAULT_PREFIX, job)
     except gexc.NotFound:
         raise CliError(f"{url}: no such bucket", EXIT_FAILED) from None
     except gexc.Forbidden as exc:

@@ -83,13 +83,16 @@ def ls_command(
     ),
     job: str = typer.Option(None, "--job", "-j", help="Only this job."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document instead of a table."),
+    timeout: float = typer.Option(
+        30.0, "--timeout", min=0.1, help="Buckets: give up on a call after this long [s]."
+    ),
 ) -> None:
     """List jobs, ranks and steps on a ramdisk or in a bucket: committed or not, sizes, ages."""
     with cli_errors():
         if location.startswith("gs://"):
             from tierckpt.cli._bucket import scan_bucket
 
-            steps = scan_bucket(location, job=job)
+            steps = scan_bucket(location, job=job, timeout=timeout)
             _show(location, job, steps, as_json, lambda: bucket_table(steps, location), "complete")
         else:
             records = [r for r in scan_path(location) if job is None or r.job == job]

@@ -71,24 +71,22 @@ _STYLE = {"ok": "green", "corrupt": "bold red", "incomplete": "yellow"}
 
 def _table(verdicts: list[StepVerdict], title: str) -> Table:
     table = Table(title=title, title_justify="left", header_style="bold")
-    for col in ("job", "rank", "copy", "step", "verdict", "size", "problem"):
-        table.add_column(col, justify="right" if col in ("rank", "step", "size") else "left")
+    for col in ("job", "rank", "copy", "step", "verdict", "size", "problems"):
+        table.add_column(col, justify="right" if col in ("rank", "step", "size", "problems") else "left")
     for v in verdicts:
-        problem = (
-            v.problems[0] if v.problems else ("not committed: skipped" if v.verdict == "incomplete" else "")
-        )
-        if len(v.problems) > 1:
-            problem += f" (+{len(v.problems) - 1} more)"
-        table.add_row(
-            v.job,
-            str(v.rank),
-            v.copy,
-            str(v.step),
-            f"[{_STYLE[v.verdict]}]{v.verdict}[/]",
-            format_bytes(v.bytes),
-            problem,
-        )
+        note = str(len(v.problems)) if v.problems else ("not committed" if v.verdict == "incomplete" else "")
+        verdict = f"[{_STYLE[v.verdict]}]{v.verdict}[/]"
+        table.add_row(v.job, str(v.rank), v.copy, str(v.step), verdict, format_bytes(v.bytes), note)
     return table
+
+
+def _print_problems(verdicts: list[StepVerdict]) -> None:
+    """Every problem in full, below the table (paths are long; a table cell would cut them)."""
+    for v in verdicts:
+        for problem in v.problems:
+            out_console.print(
+                f"[red]✘[/] {v.job} rank {v.rank} ({v.copy}) step {v.step}: {problem}", soft_wrap=True
+            )
 
 
 def verify_command(
@@ -119,6 +117,7 @@ def verify_command(
             out_console.print(f"no step found under {path}")
         else:
             out_console.print(_table(verdicts, title=f"verify {path}"))
+            _print_problems(verdicts)
             ok = sum(v.verdict == "ok" for v in verdicts)
             checked = sum(v.bytes for v in verdicts if v.verdict != "incomplete")
             out_console.print(
