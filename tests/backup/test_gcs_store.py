@@ -208,3 +208,26 @@ def test_a_stored_object_with_the_wrong_crc_is_deleted_and_refused(store: GcsSto
     with pytest.raises(UploadCorrupted):
         store.upload_file("rotten", path, crc32c=crc32c(data) ^ 1)
     assert store.stat("rotten") is None
+
+
+class _RecordingBlob:
+    """Records how the store asks for an upload (the emulator ignores preconditions on resumable ones)."""
+
+    def __init__(self) -> None:
+        self.kwargs: dict[str, object] = {}
+        self.name, self.size, self.generation, self.updated, self.crc32c = "k", 0, 1, None, None
+
+    def upload_from_string(self, data: bytes, **kwargs: object) -> None:
+        self.kwargs = kwargs
+        self.size, self.crc32c = len(data), crc32c_b64(crc32c(data))
+
+
+def test_create_only_writes_carry_the_precondition_whatever_their_size() -> None:
+    """Above 8 MiB the client switches to a resumable upload, where real GCS still enforces
+    ``ifGenerationMatch`` (fake-gcs-server would not); the store must always pass it."""
+    blob = _RecordingBlob()
+    store = GcsStore(GcsSettings(bucket="b", retry=FAST_RETRY), client=_FakeClient(blob))
+    store.put_bytes("complete/000000000001.json", b"x" * (9 * MiB), create_only=True)
+    assert blob.kwargs["if_generation_match"] == 0
+    store.put_bytes("steps/000000000001/rank-00000/COMMIT", b"{}")
+    assert blob.kwargs["if_generation_match"] is None
