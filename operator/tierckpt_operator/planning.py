@@ -10,7 +10,7 @@ failure domain and pod of every node rank, and the peer plan. ``decide_assignmen
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from tierckpt.contract import Annotations, PeerAssignment, PeerNode
@@ -26,6 +26,7 @@ __all__ = [
     "decide_assignment",
     "decide_peers",
     "peer_assignment",
+    "peer_views",
 ]
 
 
@@ -162,33 +163,36 @@ def decide_peers(state: JobState, k: int) -> tuple[tuple[int, ...], ...]:
     return plan_peers(state.domains, k, previous)
 
 
-def peer_assignment(
-    job: str,
-    state: JobState,
-    endpoints: Mapping[str, str],
-    *,
-    view_of: str | None = None,
-) -> PeerAssignment:
-    """The ``PeerAssignment`` replicators receive.
+def peer_assignment(job: str, state: JobState, endpoints: Mapping[str, str]) -> PeerAssignment:
+    """The whole job's ``PeerAssignment``: every node, its peers and its node rank."""
+    return _assignment(job, state, endpoints, range(len(state.nodes)), None)
 
-    ``view_of=None``: every node. ``view_of=node``: that node, its peers and the nodes that send to
-    it (big jobs: each replicator gets a few kilobytes instead of the whole map).
+
+def peer_views(job: str, state: JobState, endpoints: Mapping[str, str]) -> dict[str, PeerAssignment]:
+    """Each node's own view: itself, its peers and the nodes that send to it (a few kilobytes each).
+
+    For big jobs, where the whole map would be megabytes sent to every node. O(nodes x peers).
     """
-    ranks: Sequence[int] = range(len(state.nodes))
-    senders: set[int] = set()
-    if view_of is not None:
-        me = state.node_ranks[view_of]
-        senders = {r for r, ps in enumerate(state.peers) if me in ps}
-        ranks = sorted({me, *state.peers[me], *senders})
+    senders: list[list[int]] = [[] for _ in state.nodes]
+    for r, ps in enumerate(state.peers):
+        for p in ps:
+            senders[p].append(r)
+    return {
+        node: _assignment(job, state, endpoints, sorted({r, *state.peers[r], *senders[r]}), r)
+        for r, node in enumerate(state.nodes)
+    }
+
+
+def _assignment(
+    job: str, state: JobState, endpoints: Mapping[str, str], ranks: Iterable[int], me: int | None
+) -> PeerAssignment:
+    ranks = list(ranks)
     nodes = {
         state.nodes[r]: PeerNode(state.nodes[r], endpoints.get(state.nodes[r], ""), state.domains[r])
         for r in ranks
     }
-    peers = {
-        state.nodes[r]: tuple(state.nodes[p] for p in state.peers[r])
-        for r in ranks
-        if view_of is None or state.nodes[r] == view_of
-    }
+    senders = range(len(state.nodes)) if me is None else (me,)
+    peers = {state.nodes[r]: tuple(state.nodes[p] for p in state.peers[r]) for r in senders}
     return PeerAssignment(
         job=job,
         generation=state.peer_generation,

@@ -29,6 +29,7 @@ from tierckpt_operator.planning import (
     decide_assignment,
     decide_peers,
     peer_assignment,
+    peer_views,
 )
 from tierckpt_operator.replicators import ReplicatorError
 from tierckpt_operator.status import (
@@ -278,10 +279,7 @@ class JobController:
         if len(self.state.nodes) <= self.rt.settings.peers_full_view_max:
             full = peer_assignment(info.job_id, self.state, endpoints)
             return {node: full for node in self.state.nodes}
-        return {
-            node: peer_assignment(info.job_id, self.state, endpoints, view_of=node)
-            for node in self.state.nodes
-        }
+        return peer_views(info.job_id, self.state, endpoints)
 
     async def _send(
         self, messages: dict[str, PeerAssignment], endpoints: dict[str, str], cluster: Cluster

@@ -16,7 +16,7 @@ from tierckpt.contract import Annotations, NodeInventory, PeerAssignment, RankHo
 from tierckpt.errors import ContractError
 from tierckpt_operator.injection import Injection, inject, label_pod_templates, preferred_node
 from tierckpt_operator.jobsets import opt_in_value, parse_jobset
-from tierckpt_operator.planning import JobState, decide_assignment, decide_peers, peer_assignment
+from tierckpt_operator.planning import JobState, decide_assignment, decide_peers, peer_assignment, peer_views
 from tierckpt_operator.pods import WorkerPod, replicator_of, worker_of
 from tierckpt_operator.reconcile import checkpoint_job_body
 from tierckpt_operator.resources import BackupPolicy, ConfigSpec, Retention
@@ -407,7 +407,7 @@ def test_peer_views_and_state_round_trip():
     state = JobState(**{**state.__dict__, "peers": decide_peers(state, 2), "peer_generation": 9})
     full = peer_assignment("j", state, {"n0": "http://x:1"})
     assert set(full.nodes) == set(state.nodes) and full.generation == 9
-    view = peer_assignment("j", state, {}, view_of="n2")
+    view = peer_views("j", state, {})["n2"]
     senders = {state.nodes[r] for r, ps in enumerate(state.peers) if 2 in ps}
     assert set(view.peers) == {"n2"} and set(view.nodes) == {"n2", *view.peers["n2"], *senders}
     assert PeerAssignment.from_bytes(view.to_bytes()) == view
