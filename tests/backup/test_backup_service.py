@@ -412,6 +412,26 @@ async def test_retention_keeps_the_last_n_and_every_kth_deleting_completion_obje
     await svc.close()
 
 
+async def test_a_completion_object_this_version_cannot_read_is_never_collected(
+    gcs_server: FakeGcsServer, bucket: str, tmp_path: Path
+) -> None:
+    """E.g. written by a newer tierckpt during a rolling upgrade: not trusted, but not garbage either."""
+    root = tmp_path / "n"
+    store = make_store(gcs_server.url, bucket)
+    svc = make_service(
+        store, root, "n", policy=BackupPolicy(interval_steps=10, interval_seconds=0, keep_last=5)
+    )
+    for step in (10, 20):
+        write_step(root, JOB, 0, step, sizes=(KiB,))
+        await svc.on_step_committed(JOB, step, [0], {})
+    store.put_bytes(LAYOUT.complete_key(JOB, 10), b'{"kind":"tierckpt.backup.step","version":99}')
+    write_step(root, JOB, 0, 30, sizes=(KiB,))
+    await svc.on_step_committed(JOB, 30, [0], {})
+    assert await svc.complete_steps(JOB) == (20, 30)
+    assert store.list(LAYOUT.rank_dir(JOB, 10, 0))[0]  # step 10's objects are all still there
+    await svc.close()
+
+
 async def test_purge_forgets_locally_and_delete_backups_empties_the_job(
     gcs_server: FakeGcsServer, bucket: str, tmp_path: Path
 ) -> None:

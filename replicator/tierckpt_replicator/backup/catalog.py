@@ -27,7 +27,7 @@ from tierckpt.bucket_layout import BucketLayout, RankBackup, RankRef, StepBackup
 from tierckpt.errors import CorruptShardError, FormatError, MissingCheckpointError
 from tierckpt.integrity import crc32c
 
-from tierckpt_replicator.backup.store import ObjectInfo, ObjectStore, PreconditionFailed, StoreError
+from tierckpt_replicator.backup.store import ObjectInfo, ObjectNotFound, ObjectStore, PreconditionFailed
 
 __all__ = ["BucketView", "Catalog"]
 
@@ -66,18 +66,28 @@ class Catalog:
     # ------------------------------------------------------------------------------------ reading
 
     def complete_steps(self, job: str) -> dict[int, StepBackup]:
-        """Every complete step of ``job``, each completion object read and validated."""
+        """Every complete step of ``job``, each completion object read and validated. A completion
+        object that cannot be decoded is skipped (logged); a failing bucket raises."""
+        return self._scan_complete(job)[0]
+
+    def _scan_complete(self, job: str) -> tuple[dict[int, StepBackup], set[int]]:
+        """Readable completions, and the steps whose completion object exists but cannot be read
+        (corrupt, or written by a newer version): those are never taken for abandoned uploads."""
         objects, _ = self.store.list(self.layout.complete_dir(job))
         out: dict[int, StepBackup] = {}
+        unreadable: set[int] = set()
         for info in objects:
             step = self.layout.step_of_complete(job, info.name)
             if step is None:
                 continue
             try:
                 out[step] = self._read_complete(job, step, info)
-            except (FormatError, StoreError) as exc:
+            except ObjectNotFound:
+                continue  # deleted since the listing
+            except FormatError as exc:
                 log.warning("ignoring completion object %s: %s", info.name, exc)
-        return out
+                unreadable.add(step)
+        return out, unreadable
 
     def read_complete(self, job: str, step: int) -> StepBackup:
         info = self.store.stat(self.layout.complete_key(job, step))
@@ -99,14 +109,15 @@ class Catalog:
         return done
 
     def view(self, job: str) -> BucketView:
-        complete = {s: b.completed_at for s, b in self.complete_steps(job).items()}
+        readable, unreadable = self._scan_complete(job)
+        complete = {s: b.completed_at for s, b in readable.items()}
         _, dirs = self.store.list(self.layout.steps_dir(job), delimiter="/")
         newest = max(complete, default=-1)
         in_progress: dict[int, float] = {}
         old = []
         for d in dirs:
             step = self.layout.step_of_dir(job, d)
-            if step is None or step in complete:
+            if step is None or step in complete or step in unreadable:
                 continue
             if step < newest:
                 old.append(step)
