@@ -113,6 +113,14 @@ class Settings:
         default=30.0,
         metadata=_opt("How often peers are asked whether they still hold our replicas.", unit="s"),
     )
+    send_method: str = dataclasses.field(
+        default="mmap",
+        metadata=_opt(
+            "How the worker streams a file out of the ramdisk: 'mmap' (a read-only mapping handed "
+            "to sendall; fastest on veth/loopback) or 'sendfile' (kernel splice; may win with "
+            "zero-copy NICs)."
+        ),
+    )
     worker_nice: int = dataclasses.field(
         default=10,
         metadata=_opt("Niceness of the replication worker process (it never competes with training)."),
@@ -204,6 +212,8 @@ class Settings:
         for name in ("replicas", "concurrency", "max_incoming", "restore_attempts"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+        if self.send_method not in ("mmap", "sendfile"):
+            raise ValueError("--send-method must be 'mmap' or 'sendfile'")
         if self.replica_keep < 1:
             raise ValueError("--replica-keep must be at least 1")
 

@@ -64,8 +64,8 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 MiB = 1 << 20
 _PROGRESS_EVERY = 8 * MiB
-ProgressCallback = Callable[[int, int], None]
-"""``progress(bytes_done, bytes_total)``."""
+ProgressCallback = Callable[[int], None]
+"""``progress(bytes_done)``: cumulative bytes of the rank written so far."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,7 +208,7 @@ class BackupService:
     ) -> None:
         """Download ``rank`` of the complete ``step``, verify every byte's crc32c, and commit it as
         ``dest_rank_dir/step-<step>`` in the client format (manifest and COMMIT byte for byte the
-        originals). ``progress(bytes_done, bytes_total)`` is called on the event loop as bytes arrive
+        originals). ``progress(bytes_done)`` is called on the event loop as bytes arrive
         (throttled) and once at the end. Raises ``MissingCheckpointError`` if the step is not complete in
         the bucket, ``CorruptShardError`` on any checksum mismatch (nothing is committed),
         ``RamdiskFullError`` if the step does not fit, ``StoreError`` if the bucket keeps failing."""
@@ -496,4 +496,4 @@ class _Progress:
     def _emit(self, done: int) -> None:
         if self._progress is not None:
             with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is listening any more
-                self._loop.call_soon_threadsafe(self._progress, done, self.total)
+                self._loop.call_soon_threadsafe(self._progress, done)

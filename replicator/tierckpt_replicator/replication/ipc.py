@@ -71,6 +71,7 @@ class WorkerConfig(Message):
     replica_keep: int = 2
     nice: int = 10
     log_level: str = "INFO"
+    send_method: Literal["mmap", "sendfile"] = "mmap"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -259,7 +259,7 @@ class DataServer:
             )
             send_frame(conn, reply, commit_bytes + manifest_bytes)
             for f in header.manifest.files:
-                send_file(conn, path / f.name, f.size)
+                send_file(conn, path / f.name, f.size, method=self.ctx.config.send_method)
         seconds = time.monotonic() - started
         log.info(
             "served %s rank %d step %d to %s (%d bytes, %.2fs)",

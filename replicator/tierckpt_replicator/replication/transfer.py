@@ -131,7 +131,9 @@ def _push(ctx: DataContext, sock: socket.socket, header: StepHeader, path: Path)
         sent += n
 
     for f in m.files:
-        send_file(sock, path / f.name, f.size, bucket=ctx.bucket, on_bytes=on_bytes)
+        send_file(
+            sock, path / f.name, f.size, bucket=ctx.bucket, on_bytes=on_bytes, method=ctx.config.send_method
+        )
     return recv_frame(sock, DataReply), sent
 
 
