@@ -461,3 +461,40 @@ def test_settings_from_environment():
         parse_settings([], {"TIERCKPT_OPERATOR_LEADER_ELECTION": "maybe"})
     with pytest.raises(ValueError, match="ramdisk-mode"):
         parse_settings(["--ramdisk-mode", "nfs"], {})
+
+
+def test_several_replicated_jobs_get_consecutive_rank_blocks():
+    body = _jobset()  # "d": 1 Job x 1 pod, then "w": 2 Jobs x 4 pods
+    info = parse_jobset(body)
+    pods = [
+        WorkerPod(
+            namespace="team",
+            name="driver",
+            jobset="llm",
+            replicated_job="d",
+            job_index=0,
+            completion_index=0,
+            attempt=3,
+            job_global_index=0,
+            node="cpu-0",
+        )
+    ]
+    pods += [
+        WorkerPod(
+            namespace="team",
+            name=f"w{j}{c}",
+            jobset="llm",
+            replicated_job="w",
+            job_index=j,
+            completion_index=c,
+            attempt=3,
+            job_global_index=1 + j,
+            node=f"gpu-{j}{c}",
+        )
+        for j in range(2)
+        for c in range(4)
+    ]
+    d = decide_assignment(info, pods, JobState(), {})
+    assert d.complete and d.state.nodes[0] == "cpu-0"
+    assert d.state.nodes[1:] == tuple(f"gpu-{j}{c}" for j in range(2) for c in range(4))
+    assert d.writes["w13"][Annotations.NODE_RANK] == "8" and d.writes["w13"][Annotations.NUM_NODES] == "9"
