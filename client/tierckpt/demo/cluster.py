@@ -76,7 +76,9 @@ def _replicator_command() -> list[str]:
         return [str(script)]
     found = shutil.which("tierckpt-replicator")
     if found is None:
-        raise RuntimeError("the tierckpt-replicator console script is not installed (pip install 'tierckpt[replicator]')")
+        raise RuntimeError(
+            "the tierckpt-replicator console script is not installed (pip install 'tierckpt[replicator]')"
+        )
     return [found]
 
 
@@ -131,17 +133,27 @@ class Node:
     def replicator_args(self) -> list[str]:
         c = self.cluster
         args = [
-            "--node-name", self.name,
-            "--root", str(self.root),
-            "--token-file", str(c.token_file),
-            "--listen-host", "0.0.0.0" if self.netns else "127.0.0.1",
-            "--api-port", str(self.api_port),
-            "--data-port", str(self.data_port),
-            "--advertise-host", self.ip,
-            "--peers-file", str(c.peers_file),
-            "--replicas", str(c.k),
-            "--domain", self.domain,
-        ]  # fmt: skip
+            "--node-name",
+            self.name,
+            "--root",
+            str(self.root),
+            "--token-file",
+            str(c.token_file),
+            "--listen-host",
+            "0.0.0.0" if self.netns else "127.0.0.1",
+            "--api-port",
+            str(self.api_port),
+            "--data-port",
+            str(self.data_port),
+            "--advertise-host",
+            self.ip,
+            "--peers-file",
+            str(c.peers_file),
+            "--replicas",
+            str(c.k),
+            "--domain",
+            self.domain,
+        ]
         if c.gcs is not None:
             args += ["--gcs-bucket", c.bucket, "--gcs-endpoint", c.gcs.url]
         return args + list(c.replicator_args) + self.extra_args
@@ -154,8 +166,12 @@ class Node:
             logf.write(f"---- start {time.strftime('%H:%M:%S')}\n".encode())
             self.proc = self.popen_in_node(
                 [*_replicator_command(), *self.replicator_args()],
-                stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-            )  # fmt: skip
+                stdin=subprocess.DEVNULL,
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
         if wait:
             self.wait_ready()
 
@@ -197,13 +213,20 @@ class Node:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name}: replicator exited with {self.proc.returncode}:\n{self.log_text()}")
-            with contextlib.suppress(urllib.error.URLError, OSError):
-                with urllib.request.urlopen(f"{self.endpoint}/readyz", timeout=1.0) as resp:
-                    if resp.status == 200:
-                        return
+                raise RuntimeError(
+                    f"{self.name}: replicator exited with {self.proc.returncode}:\n{self.log_text()}"
+                )
+            if self._probe_ready():
+                return
             time.sleep(0.1)
         raise TimeoutError(f"{self.name}: replicator not ready after {timeout}s:\n{self.log_text()}")
+
+    def _probe_ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.endpoint}/readyz", timeout=1.0) as resp:
+                return resp.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
 
     def log_text(self) -> str:
         try:
@@ -264,7 +287,13 @@ class Node:
     # ---------------------------------------------------------------- control API
 
     def request(
-        self, method: str, path: str, body: bytes | None = None, *, token: str | None = None, timeout: float = 10.0
+        self,
+        method: str,
+        path: str,
+        body: bytes | None = None,
+        *,
+        token: str | None = None,
+        timeout: float = 10.0,
     ) -> tuple[int, bytes]:
         """One control API call (stdlib HTTP); ``token=None`` uses the cluster's, ``""`` sends none."""
         token = self.cluster.token if token is None else token
@@ -350,6 +379,9 @@ class LocalCluster:
             with os.fdopen(fd, "w") as f:
                 f.write(self.token + "\n")
             if self.netns:
+                stale = cleanup_stale()
+                if stale:
+                    log.info("removed leftovers of dead clusters: %s", stale)
                 self._make_network()
             else:
                 self._make_loopback_nodes()
@@ -432,8 +464,17 @@ class LocalCluster:
     def _make_ramdisk(self, node: Node) -> None:
         node.root.mkdir(parents=True)
         if self.netns:
-            _run(["mount", "-t", "tmpfs", "-o", f"size={self.ramdisk_size},mode=0755",
-                  f"{self.prefix}-n{node.index}", str(node.root)])  # fmt: skip
+            _run(
+                [
+                    "mount",
+                    "-t",
+                    "tmpfs",
+                    "-o",
+                    f"size={self.ramdisk_size},mode=0755",
+                    f"{self.prefix}-n{node.index}",
+                    str(node.root),
+                ]
+            )
             self._mounts.append(node.root)
 
     def _start_gcs(self) -> None:
@@ -444,7 +485,9 @@ class LocalCluster:
 
     # ---------------------------------------------------------------- assignments
 
-    def assignment(self, job: str, generation: int = 1, node_ranks: dict[str, int] | None = None) -> PeerAssignment:
+    def assignment(
+        self, job: str, generation: int = 1, node_ranks: dict[str, int] | None = None
+    ) -> PeerAssignment:
         """A ring: node i sends to the next ``k`` nodes; node i has node rank i (unless given)."""
         names = [n.name for n in self.nodes]
         peers = {
@@ -454,7 +497,9 @@ class LocalCluster:
         return PeerAssignment(
             job=job,
             generation=generation,
-            nodes={n.name: PeerNode(name=n.name, endpoint=n.peer_endpoint, domain=n.domain) for n in self.nodes},
+            nodes={
+                n.name: PeerNode(name=n.name, endpoint=n.peer_endpoint, domain=n.domain) for n in self.nodes
+            },
             peers=peers,
             node_ranks=node_ranks if node_ranks is not None else {n.name: n.index for n in self.nodes},
             procs_per_node=self.procs_per_node,
@@ -478,7 +523,9 @@ class LocalCluster:
         return next(n for n in self.nodes if n.name == name)
 
     @staticmethod
-    def wait_for(predicate: Callable[[], Any], timeout: float = 30.0, interval: float = 0.05, what: str = "") -> Any:
+    def wait_for(
+        predicate: Callable[[], Any], timeout: float = 30.0, interval: float = 0.05, what: str = ""
+    ) -> Any:
         """Poll ``predicate`` until it returns something truthy; ``TimeoutError`` after ``timeout``."""
         deadline = time.monotonic() + timeout
         while True:
