@@ -83,13 +83,10 @@ class Restorer:
         rank: int,
         dest_rank_dir: Path,
         on_bytes: OnBytes = None,
-        on_total: OnBytes = None,
     ) -> Path:
         """Download, verify and commit ``dest_rank_dir/step-<step>``; returns that directory.
-        ``on_total(bytes)`` is called once the manifest is known, ``on_bytes(n)`` as bytes arrive."""
+        ``on_bytes(n)`` is called (from worker threads) as bytes arrive."""
         header = self.header(job, step, rank)
-        if on_total is not None:
-            on_total(header.manifest.total_bytes)
         final = step_dir(dest_rank_dir, step)
         marker = read_commit(final) if final.exists() else None
         if marker is not None and marker.manifest_crc32c == header.marker.manifest_crc32c:

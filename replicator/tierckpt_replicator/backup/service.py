@@ -217,9 +217,7 @@ class BackupService:
         fetching[step] += 1
         started = time.monotonic()
         try:
-            await self._run(
-                self.restorer.fetch_rank, job, step, rank, Path(dest_rank_dir), relay.add, relay.start
-            )
+            await self._run(self.restorer.fetch_rank, job, step, rank, Path(dest_rank_dir), relay.add)
         except BaseException:
             self.metrics.failures.labels(op="restore").inc()
             raise
@@ -466,34 +464,28 @@ def _leases(paths: Mapping[int, Path], holder: str, ttl: float) -> Iterator[dict
 
 class _Progress:
     """Per-chunk byte counts from worker threads -> a metric, and throttled cumulative
-    ``progress(done, total)`` calls on the event loop."""
+    ``progress(done)`` calls on the event loop (in order: the final call comes last)."""
 
     def __init__(
-        self,
-        loop: asyncio.AbstractEventLoop,
-        progress: Callable[[int, int], None] | None,
-        count: Callable[[int], None],
+        self, loop: asyncio.AbstractEventLoop, progress: ProgressCallback | None, count: Callable[[int], None]
     ) -> None:
         self._loop, self._progress, self._count = loop, progress, count
         self._lock = threading.Lock()
-        self.done = self.total = self._reported = 0
-
-    def start(self, total: int) -> None:
-        self.total = total
+        self.done = self._reported = 0
 
     def add(self, n: int) -> None:
+        """From a worker thread, as bytes arrive."""
         self._count(n)
         with self._lock:
             self.done += n
             if self.done - self._reported < _PROGRESS_EVERY:
                 return
             self._reported = done = self.done
-        self._emit(done)
-
-    def finish(self) -> None:
-        self._emit(self.done)
-
-    def _emit(self, done: int) -> None:
         if self._progress is not None:
             with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is listening any more
                 self._loop.call_soon_threadsafe(self._progress, done)
+
+    def finish(self) -> None:
+        """On the loop, after the transfer: calls scheduled by the workers have already run."""
+        if self._progress is not None:
+            self._progress(self.done)
