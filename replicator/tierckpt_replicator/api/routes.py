@@ -45,6 +45,11 @@ def _message(msg: Message, status: int = 200) -> Response:
 
 
 def install_routes(app: FastAPI, c: Controls) -> None:
+    app.include_router(_v1_routes(c))
+    _install_probes(app, c)
+
+
+def _v1_routes(c: Controls) -> APIRouter:
     v1 = APIRouter(prefix="/v1")
     limit = c.settings.max_request_bytes
 
@@ -105,8 +110,10 @@ def install_routes(app: FastAPI, c: Controls) -> None:
         guard(request)
         return _message(await c.status())
 
-    app.include_router(v1)
+    return v1
 
+
+def _install_probes(app: FastAPI, c: Controls) -> None:
     @app.get("/healthz")
     async def healthz() -> JSONResponse:
         return JSONResponse({"status": "ok"})

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
 
+from tierckpt.retention import plan_retention
+
 __all__ = ["newest_common_step", "replicas_to_drop"]
 
 
@@ -33,18 +35,17 @@ def replicas_to_drop(
     pinned: Collection[int] = (),
     leased: Mapping[int, Collection[int]] | None = None,
 ) -> dict[int, list[int]]:
-    """Rank -> replica steps that may be deleted now, oldest first (ranks with nothing to drop omitted)."""
-    if keep < 1:
-        raise ValueError("keep must be at least 1")
+    """Rank -> replica steps that may be deleted now, oldest first (ranks with nothing to drop omitted).
+
+    Per rank this is the client's own rule (``tierckpt.retention.plan_retention``: newest ``keep`` kept,
+    leased steps held), with the newest common step and the pinned steps held as if leased.
+    """
     leased = leased or {}
     common = newest_common_step(held)
     out: dict[int, list[int]] = {}
     for rank, steps in held.items():
-        ordered = sorted(set(steps))
-        protected = set(ordered[-keep:]) | set(pinned) | set(leased.get(rank, ()))
-        if common is not None:
-            protected.add(common)
-        drop = [s for s in ordered if s not in protected]
-        if drop:
-            out[rank] = drop
+        hold = set(pinned) | set(leased.get(rank, ())) | ({common} if common is not None else set())
+        retire = plan_retention(steps, keep=keep, leased=hold).retire
+        if retire:
+            out[rank] = list(retire)
     return out
