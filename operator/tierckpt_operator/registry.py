@@ -90,7 +90,6 @@ def _configure_kopf(kopf_settings: kopf.OperatorSettings, settings: Settings) ->
         prefix="tierckpt.io", key="last-handled-configuration"
     )
     kopf_settings.posting.level = logging.WARNING
-    kopf_settings.watching.connect_timeout = 60
     if settings.pod_selector:
         kopf_settings.watching.label_selectors["v1", "pods"] = settings.pod_selector
     if settings.webhook_enabled:

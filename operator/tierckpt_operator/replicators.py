@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import urllib.parse
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
 from tierckpt.contract import NodeInventory, PeerAssignment, RestorePlan
 from tierckpt.errors import ContractError, FormatError, RetryableError
 
-__all__ = ["ReplicatorClient", "ReplicatorError"]
+__all__ = ["ReplicatorClient", "ReplicatorError", "TokenFile"]
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +35,25 @@ class ReplicatorError(RetryableError):
         super().__init__(f"replicator {endpoint}: {message}")
         self.endpoint = endpoint
         self.status = status
+
+
+class TokenFile:
+    """The bearer token in a file (a mounted Secret), re-read whenever the file changes (rotation)."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self._stamp: tuple[int, int] | None = None
+        self._token = ""
+
+    def __call__(self) -> str:
+        st = os.stat(self.path)
+        stamp = (st.st_mtime_ns, st.st_ino)
+        if stamp != self._stamp:
+            token = self.path.read_text().strip()
+            if not token:
+                raise ContractError(f"token file {self.path} is empty")
+            self._token, self._stamp = token, stamp
+        return self._token
 
 
 class ReplicatorClient:

@@ -11,7 +11,6 @@ import argparse
 import dataclasses
 import os
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 from tierckpt.contract import Csi
@@ -171,15 +170,6 @@ class Settings:
                     raise ValueError(f"--replicator-selector term {term!r} is not key=value")
                 out[key.strip()] = value.lstrip("=").strip()
         return out
-
-    def read_token(self) -> str | None:
-        """The replicator bearer token, read fresh (the mounted Secret may rotate); None if not set."""
-        if not self.token_file:
-            return None
-        token = Path(self.token_file).read_text().strip()
-        if not token:
-            raise ValueError(f"token file {self.token_file} is empty")
-        return token
 
 
 def _field_type(f: dataclasses.Field[Any]) -> type:

@@ -195,3 +195,19 @@ async def test_lease_election(kube):
     finally:
         a.close()
         b.close()
+
+
+def test_token_file_rotation(tmp_path):
+    from tierckpt_operator.replicators import TokenFile
+
+    path = tmp_path / "token"
+    path.write_text("first\n")
+    token = TokenFile(path)
+    assert token() == "first"
+    replacement = tmp_path / "token.new"
+    replacement.write_text("second")
+    replacement.replace(path)  # how a Secret volume rotates: a new file swapped in
+    assert token() == "second"
+    path.write_text("")
+    with pytest.raises(ContractError, match="empty"):
+        token()
