@@ -90,6 +90,10 @@ class BackupService:
     also uploads ranks assigned to another holder that are still missing. ``incomplete_grace``: an
     incomplete step older than the newest complete one is deleted once untouched this long.
     ``lease_ttl``: lifetime of the leases that keep the client's retention off a step being uploaded.
+
+    Either pass ``store`` and ``policy`` (tests, custom stores), or ``settings``: a ``BackupSettings``
+    or any object with ``gcs_<field>``/``backup_<field>`` attributes (see ``BackupSettings.from_object``),
+    which then also supplies parallelism, slicing and takeover settings.
     """
 
     def __init__(
