@@ -1,11 +1,13 @@
 """DCP on the ramdisk: ``RamdiskWriter``/``RamdiskReader`` against DCP's ``FileSystemWriter``/``Reader``.
 
 Both write to the same tmpfs, in one process (``no_dist``), the same state: a few large tensors and
-many small ones. Measured per method, median over the repeats after a warm-up save:
+many small ones. Measured per method, best of the repeats (robust to other load on the machine):
 
 * ``save``: ``dcp.save`` wall time (blocking = durable: the step is committed when it returns);
 * ``async blocked`` / ``async durable``: ``dcp.async_save`` until it returns / until its future is done;
 * ``load``: ``dcp.load`` into preallocated tensors;
+* the setup's objects are frozen out of the garbage collector (``gc.freeze``), as in a long-running
+  trainer, so a full collection does not land at random inside one method's timings;
 * steady state: three untimed saves first (``RamdiskWriter`` then writes into recycled, pre-faulted files;
   ``FileSystemWriter`` always writes new files, which is its steady state);
 * floor: one memcpy of the same bytes into pre-faulted memory.
@@ -20,11 +22,11 @@ rows use each writer's own staging (both are DCP ``AsyncStager``s; RamdiskWriter
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
 import shutil
-import statistics
 import tempfile
 import time
 import warnings
@@ -71,16 +73,19 @@ def median_time(fn: Callable[[int], Any], repeats: int, first_step: int) -> floa
         t0 = time.perf_counter()
         fn(first_step + WARMUP + i)
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return min(times)
 
 
 def floor(state: dict[str, Any]) -> float:
     src = [v for v in state.values() if isinstance(v, torch.Tensor)]
     dst = [torch.empty_like(t) for t in src]
     torch._foreach_copy_(dst, src)  # fault the pages first
-    t0 = time.perf_counter()
-    torch._foreach_copy_(dst, src)
-    return time.perf_counter() - t0
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        torch._foreach_copy_(dst, src)
+        best = min(best, time.perf_counter() - t0)
+    return best
 
 
 class Method:
@@ -123,7 +128,7 @@ def measure(method: Method, state: dict[str, Any], repeats: int) -> dict[str, fl
 
     out = {"save_s": median_time(save, repeats, 100)}
     out["async_durable_s"] = median_time(async_save, repeats, 200)
-    out["async_blocked_s"] = statistics.median(blocked[WARMUP:])
+    out["async_blocked_s"] = min(blocked[WARMUP:])
     last = 200 + WARMUP + repeats - 1
     dest = blank(state)
     out["load_s"] = median_time(lambda _: dcp.load(dest, **method.source(last), no_dist=True), repeats, 0)
@@ -139,13 +144,15 @@ def main() -> None:
     )
     parser.add_argument("--mib", type=int, default=256, help="state size in MiB (default 256)")
     parser.add_argument("--small", type=int, default=1024, help="number of small (16 KiB) tensors")
-    parser.add_argument("--repeats", type=int, default=3, help="timed repeats per measurement (median)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed repeats per measurement (best of)")
     parser.add_argument("--dir", default="/dev/shm", help="tmpfs directory to write under (default /dev/shm)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     state = make_state(args.mib, args.small)
     size = nbytes(state)
+    gc.collect()
+    gc.freeze()  # like a long-running trainer: long-lived objects stop costing full collections
     root = Path(tempfile.mkdtemp(prefix="tierckpt-dcp-bench-", dir=args.dir))
     results: dict[str, dict[str, float]] = {}
     try:
@@ -181,7 +188,7 @@ def report(results: dict[str, dict[str, float]], size: int, floor_s: float, args
         return
     gb = size / 1e9
     print(
-        f"DCP bench: {size / 2**20:.0f} MiB in {out['tensors']} tensors, median of {args.repeats}; "
+        f"DCP bench: {size / 2**20:.0f} MiB in {out['tensors']} tensors, best of {args.repeats}; "
         f"{out['machine']}"
     )
     print(f"{'metric':<16}{'FileSystemWriter':>18}{'RamdiskWriter':>16}{'speedup':>10}")
