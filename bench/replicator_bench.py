@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import platform
@@ -45,6 +46,7 @@ from tierckpt.format import (
     TensorEntry,
     commit_step,
     rank_dir,
+    read_manifest,
     replica_rank_dir,
     step_dir,
 )
@@ -120,12 +122,16 @@ s.close()
 """
 
 
-def raw_tcp(a: Node, b: Node, size: int) -> float:
-    """Bytes per second of plain Python TCP from A to B (best of 3)."""
+def raw_tcp(a: Node, b: Node, size: int, *, into_ramdisk: bool = False) -> float:
+    """Bytes per second of plain Python TCP from A to B (best of 3): discarded on arrival, or written
+    into B's ramdisk (``pwrite`` of each received block, no verification)."""
     best = 0.0
+    dest = [str(b.root / ".bench-raw")] if into_ramdisk else []
     for _ in range(3):
         rx = b.popen_in_node(
-            [sys.executable, "-c", _RECEIVER, str(size), str(RAW_PORT)], stdout=subprocess.PIPE, text=True
+            [sys.executable, "-c", _RECEIVER, str(size), str(RAW_PORT), *dest],
+            stdout=subprocess.PIPE,
+            text=True,
         )
         assert rx.stdout is not None
         assert rx.stdout.readline().strip() == "ready"
@@ -230,6 +236,8 @@ def wait_ready(node: Node, job: str, rank: int, timeout: float = 300) -> Restore
 
 def restore_times(cluster: LocalCluster, size: int, blob: bytes) -> dict[str, Any]:
     a, b, _ = cluster.nodes
+    for node in cluster.nodes:  # nothing else may be staged while the restores are timed
+        node.request("DELETE", f"/v1/jobs/{cluster.job}")
     job = "bench_restore"
     cluster.assign(job)
     for node in cluster.nodes:
@@ -330,13 +338,13 @@ def training_slowdown(
     phases: dict[str, list[float]] = {}
     sent = 0
     for phase in ("idle", "replicating"):
+        loader = _Load(a, job, size, blob, interval) if phase == "replicating" else None  # writes data now
         train = a.popen_in_node(
             [sys.executable, "-c", _TRAIN, str(threads), str(seconds)], stdout=subprocess.PIPE, text=True
         )
         if pin:
             _pin([train.pid], {0})
         assert train.stdout is not None and train.stdout.readline().strip() == "ready"
-        loader = _Load(a, job, size, blob, interval) if phase == "replicating" else None
         if loader is not None:
             loader.start()
         samples = json.loads(train.stdout.readline())
@@ -362,16 +370,21 @@ def training_slowdown(
 
 
 class _Load(threading.Thread):
-    """Move a pre-written step into A's rank dir every ``interval`` s (the replicator sends each one).
+    """Commit a new step in A's rank dir every ``interval`` s; the replicator sends each one.
 
-    Steps are written out of sight beforehand, so the load is replication alone, not the writing."""
+    The steps share one data file (hard links) and only their manifest and COMMIT are written, so the
+    load is replication alone: none of the CPU time goes into producing the steps."""
 
     def __init__(self, a: Node, job: str, size: int, blob: bytes, interval: float) -> None:
         super().__init__(daemon=True)
-        self.a, self.job, self.size, self.blob, self.interval = a, job, size, blob, interval
+        self.parent = rank_dir(a.root, job, 0)
+        self.job, self.size, self.interval = job, size, interval
         self.stop = threading.Event()
         self.count = 0
         self.error: BaseException | None = None
+        self.first = 1_000_000 + int(time.time()) % 100_000 * 10
+        self.template = make_step(self.parent / ".bench", job, 0, self.first, size, 1, blob)
+        self.manifest = read_manifest(self.template)
 
     def run(self) -> None:
         try:
@@ -380,19 +393,19 @@ class _Load(threading.Thread):
             self.error = exc
 
     def _run(self) -> None:
-        parent = rank_dir(self.a.root, self.job, 0)
-        hidden = parent / ".bench"
-        step = 1_000_000 + int(time.time()) % 100_000 * 10
-        staged = make_step(hidden, self.job, 0, step, self.size, 1, self.blob)
+        step = self.first + 1
         while not self.stop.is_set():
             t0 = time.perf_counter()
-            os.rename(staged, step_dir(parent, step))
+            staged = self.parent / ".bench" / f"s{step}"
+            staged.mkdir()
+            os.link(self.template / "data-00000.bin", staged / "data-00000.bin")
+            commit_step(staged, dataclasses.replace(self.manifest, step=step, created_at=time.time()))
+            os.rename(staged, step_dir(self.parent, step))
             self.count += 1
-            for old in parent.glob("step-*"):
-                if old.name != step_dir(parent, step).name:
+            for old in self.parent.glob("step-*"):
+                if old.name != step_dir(self.parent, step).name:
                     subprocess.run(["rm", "-rf", str(old)], check=False)
             step += 1
-            staged = make_step(hidden, self.job, 0, step, self.size, 1, self.blob)
             self.stop.wait(max(0.0, self.interval - (time.perf_counter() - t0)))
 
 

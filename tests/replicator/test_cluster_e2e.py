@@ -200,6 +200,20 @@ def test_port_blocked_by_nft_is_routed_around(cluster3):
         b.clear_drops()
 
 
+def test_slow_peer_still_gets_an_exact_replica(cluster3):
+    a, b, _ = cluster3.nodes
+    job = new_job("slow")
+    cluster3.assign(job)
+    b.limit_rate("40mbit")  # traffic towards b (its veth's egress on the bridge side) at 5 MB/s
+    try:
+        src = write_step(a.root, job, 0, 67, world_size=3, sizes=(6 << 20,))
+        holder = wait_replicated(cluster3, job, 0, 67)
+        assert step_files(replica_path(holder, job, 0, 67)) == step_files(src)
+        assert not leftovers(holder.root)
+    finally:
+        b.unlimit_rate()
+
+
 def test_full_receiver_refuses_cleanly(cluster3):
     a, b, c = cluster3.nodes
     job = new_job("full")

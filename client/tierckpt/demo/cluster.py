@@ -264,6 +264,16 @@ class Node:
         self._need_netns("restore_link")
         _run(["ip", "link", "set", self.veth, "up"])
 
+    def limit_rate(self, rate: str) -> None:
+        """Shape the node's incoming link to ``rate`` (``tc tbf``, e.g. ``"50mbit"``): a slow peer."""
+        self._need_netns("limit_rate")
+        _run(["tc", "qdisc", "replace", "dev", self.veth, "root", "tbf", "rate", rate, "burst", "256kb",
+              "latency", "400ms"])  # fmt: skip
+
+    def unlimit_rate(self) -> None:
+        self._need_netns("unlimit_rate")
+        _run(["tc", "qdisc", "del", "dev", self.veth, "root"], check=False)
+
     def drop_port(self, port: int) -> None:
         """Silently drop incoming TCP to ``port`` inside the node (nft): connects time out."""
         self._need_netns("drop_port")
