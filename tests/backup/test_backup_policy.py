@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from tierckpt_replicator.backup.policy import BackupPolicy
 
@@ -59,6 +59,7 @@ def test_protected_steps_are_kept() -> None:
     assert plan.keep == (1, 3) and plan.delete == (2,)
 
 
+@settings(deadline=None)
 @given(
     steps=st.sets(st.integers(0, 10_000), max_size=40),
     keep_last=st.integers(1, 5),

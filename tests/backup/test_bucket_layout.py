@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from tierckpt.bucket_layout import (
     BucketLayout,
@@ -47,6 +47,7 @@ def test_a_namespace_called_local_cannot_collide_with_a_local_job() -> None:
     assert not job_prefix("p", "x").startswith(job_prefix("p", k8s))
 
 
+@settings(deadline=None)
 @given(ns=dns, name=dns, u=uid, other=local_job)
 def test_job_prefixes_are_prefix_free(ns: str, name: str, u: str, other: str) -> None:
     a, b = job_prefix("t", job_id_for(ns, name, u)), job_prefix("t", other)
@@ -54,6 +55,7 @@ def test_job_prefixes_are_prefix_free(ns: str, name: str, u: str, other: str) ->
         assert not a.startswith(b) and not b.startswith(a)
 
 
+@settings(deadline=None)
 @given(job=st.one_of(local_job, st.builds(job_id_for, dns, dns, uid)), step=steps, rank=ranks)
 def test_every_key_parses_back(job: str, step: int, rank: int) -> None:
     layout = BucketLayout("a/b")
