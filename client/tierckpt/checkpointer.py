@@ -587,6 +587,11 @@ class Checkpointer:
                 f"{path}: manifest is job {manifest.job} rank {manifest.rank} step {manifest.step}, "
                 f"expected job {s.job} rank {s.rank} step {step}"
             )
+        if manifest.world_size != s.world_size:
+            log.warning(
+                "step %d was saved with world size %d, the job now has %d; loading rank %d's shard as is",
+                step, manifest.world_size, s.world_size, s.rank,
+            )  # fmt: skip
         if cuda.available() and torch.cuda.is_initialized() and not self._pool.register_cuda:
             self._pool.register_cuda = True
             self._pool.register_all()

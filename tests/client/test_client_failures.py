@@ -68,9 +68,12 @@ def test_a_flipped_tensor_byte_is_named_and_falls_back(two_steps):
         with pytest.raises(CorruptShardError) as info:
             verify_step(step_dir(ck.rank_path, 2))
         assert info.value.key == "w" and info.value.path == str(path) and "'w'" in str(info.value)
+        dest = state_for(7)
         with pytest.raises(CorruptShardError) as info:
-            ck.load({})
+            ck.load(dest)
         assert info.value.key == "w" and info.value.path == str(path)
+        for key in ("w", "odd", "tail"):  # CPU tensors are verified before any of their bytes is copied
+            assert torch.equal(dest[key], state_for(7)[key])
         assert_falls_back(ck, CorruptShardError)
 
 

@@ -25,7 +25,7 @@ import torch
 from tierckpt.errors import FormatError
 from tierckpt.snapshot.dtypes import dtype_name, numpy_dtype
 
-__all__ = ["FlatState", "flatten", "restore_into", "storable_tensor"]
+__all__ = ["ArrayFiller", "FlatState", "TensorFiller", "flatten", "restore_into", "storable_tensor"]
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +35,8 @@ _DIST_TENSOR_TYPES = ("DTensor", "ShardedTensor")
 
 TensorFiller = Callable[[int, Any], Any]
 """``(tensor index, what the destination holds at that path) -> the value to put there``."""
+ArrayFiller = Callable[[int, Any], np.ndarray]
+"""The same for ``ndarray`` nodes: returns the array to put there (the existing one, when it fits)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,8 +149,11 @@ def flatten(state: dict[Any, Any]) -> FlatState:
 
 
 class _Builder:
-    def __init__(self, fill: TensorFiller, n_tensors: int, objects: Sequence[Any]) -> None:
+    def __init__(
+        self, fill: TensorFiller, n_tensors: int, objects: Sequence[Any], fill_array: ArrayFiller | None
+    ) -> None:
         self.fill = fill
+        self.fill_array = fill_array or self._array_from_tensor
         self.n_tensors = n_tensors
         self.objects = objects
 
@@ -195,7 +200,10 @@ class _Builder:
         return value
 
     def _ndarray(self, node: dict[str, Any], existing: Any) -> Any:
-        array = self.fill(self._index(node, self.n_tensors), None).cpu().numpy()
+        return self.fill_array(self._index(node, self.n_tensors), existing)
+
+    def _array_from_tensor(self, i: int, existing: Any) -> np.ndarray:
+        array = self.fill(i, None).cpu().numpy()
         if (
             type(existing) is np.ndarray
             and existing.shape == array.shape
@@ -246,15 +254,22 @@ class _Builder:
 
 
 def restore_into(
-    dest: dict[Any, Any], tree: Any, *, fill: TensorFiller, n_tensors: int, objects: Sequence[Any]
+    dest: dict[Any, Any],
+    tree: Any,
+    *,
+    fill: TensorFiller,
+    n_tensors: int,
+    objects: Sequence[Any],
+    fill_array: ArrayFiller | None = None,
 ) -> None:
     """Rebuild ``tree`` inside ``dest`` in place; ``fill(i, existing)`` supplies tensor ``i`` (< n_tensors).
 
-    Keys of ``dest`` that the checkpoint does not have are left as they are.
+    ``fill_array`` supplies ``ndarray`` nodes (default: ``fill(i, None)`` as numpy, copied into an
+    existing array of the same shape and dtype). Keys of ``dest`` the checkpoint lacks stay as they are.
     """
     if not isinstance(tree, dict) or tree.get("t") not in ("dict", "odict"):
         raise FormatError("the state tree's root is not a dict")
     if not isinstance(dest, dict):
         raise TypeError(f"load fills a dict in place, not a {type(dest).__name__}")
-    builder = _Builder(fill, n_tensors, objects)
+    builder = _Builder(fill, n_tensors, objects, fill_array)
     builder._mapping(tree, dest, type(dest))

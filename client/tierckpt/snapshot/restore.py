@@ -1,10 +1,11 @@
 """Reading a committed step back into the caller's state dict, in place, verifying as it goes.
 
 Tensor bytes are copied once, straight from the mapped data file into the destination tensor: on
-CPU a ``copy_`` from the mapping, on CUDA a ``non_blocking`` host-to-device copy from the mapping
-(pinned when the pool registered it). With ``verify``, each tensor's region is checksummed before
-its bytes are used (CPU) or concurrently with the DMA on a thread pool (CUDA), and a mismatch raises
-``CorruptShardError`` naming the tensor and the file.
+CPU one parallel batch of copies from the mapping (``copy.copy_cpu``), on CUDA a ``non_blocking``
+host-to-device copy from the mapping (pinned when the pool registered it). With ``verify``, CPU
+tensors are all checksummed before any byte is copied (a corrupt step leaves their bytes alone) and
+CUDA tensors concurrently with their DMA; a mismatch raises ``CorruptShardError`` naming the tensor
+and the file.
 """
 
 from __future__ import annotations
@@ -16,13 +17,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from tierckpt import cuda
 from tierckpt.errors import CorruptShardError, FormatError
 from tierckpt.format import OBJECTS_NAME, Manifest, TensorEntry, iter_data_files
 from tierckpt.integrity import crc32c, crc32c_address
-from tierckpt.snapshot.dtypes import torch_dtype
+from tierckpt.snapshot.copy import copy_cpu, region_crcs
+from tierckpt.snapshot.dtypes import numpy_dtype, torch_dtype
 from tierckpt.snapshot.flatten import restore_into
 from tierckpt.snapshot.shardfile import MappedFile
 
@@ -83,7 +86,12 @@ def read_objects(step_path: Path, manifest: Manifest) -> list[Any]:
 
 
 class _Filler:
-    """Supplies tensor ``i`` for ``restore_into``: copies it into the existing tensor or a new one."""
+    """Supplies tensor ``i`` for ``restore_into`` and moves its bytes in.
+
+    CUDA destinations get their host-to-device copy queued at once (checksummed concurrently); CPU
+    destinations are collected and, in ``finish``, checksummed then copied in one parallel batch, so a
+    corrupt CPU step leaves the destination untouched.
+    """
 
     def __init__(
         self,
@@ -101,6 +109,7 @@ class _Filler:
         self.device = device
         self.devices: set[torch.device] = set()
         self.pending: list[tuple[int, concurrent.futures.Future[int]]] = []
+        self.cpu: list[tuple[int, torch.Tensor]] = []
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
 
     def check(self, i: int, crc: int) -> None:
@@ -114,46 +123,66 @@ class _Filler:
                 key=entry.key,
             )
 
-    def __call__(self, i: int, existing: torch.Tensor | None) -> torch.Tensor:
+    def _target(self, i: int, existing: torch.Tensor | None) -> torch.Tensor:
         src = self.views[i]
         if existing is not None and (existing.dtype != src.dtype or existing.shape != src.shape):
             log.warning(
                 "%s: checkpoint has %s%s, the destination %s%s; replacing the tensor",
-                self.entries[i].key,
-                src.dtype,
-                tuple(src.shape),
-                existing.dtype,
-                tuple(existing.shape),
-            )
-            target = torch.empty(src.shape, dtype=src.dtype, device=existing.device)
-        elif existing is not None and existing.device.type == "meta":
-            target = torch.empty(src.shape, dtype=src.dtype, device=self.device or "cpu")
-        elif existing is not None:
-            target = existing
-        else:
-            target = torch.empty(src.shape, dtype=src.dtype, device=self.device or "cpu")
-        on_gpu = cuda.is_cuda(target)
-        if self.verify and on_gpu:
+                self.entries[i].key, src.dtype, tuple(src.shape), existing.dtype, tuple(existing.shape),
+            )  # fmt: skip
+            return torch.empty(src.shape, dtype=src.dtype, device=existing.device)
+        if existing is not None and existing.device.type != "meta":
+            return existing
+        return torch.empty(src.shape, dtype=src.dtype, device=self.device or "cpu")
+
+    def __call__(self, i: int, existing: torch.Tensor | None) -> torch.Tensor:
+        target = self._target(i, existing)
+        if not cuda.is_cuda(target):
+            self.cpu.append((i, target))
+            return target
+        src = self.views[i]
+        if self.verify:
             if self._pool is None:
                 self._pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="tierckpt-verify")
             self.pending.append(
                 (i, self._pool.submit(crc32c_address, src.data_ptr(), self.entries[i].length))
             )
-        elif self.verify:
-            self.check(i, crc32c_address(src.data_ptr(), self.entries[i].length))
         with torch.no_grad():
-            target.copy_(src, non_blocking=on_gpu)
-        if on_gpu:
-            self.devices.add(target.device)
+            target.copy_(src, non_blocking=True)
+        self.devices.add(target.device)
         return target
 
+    def array(self, i: int, existing: Any) -> np.ndarray:
+        """An ``ndarray`` node: fill the existing array when it fits, else a new one (always on CPU)."""
+        src = self.views[i]
+        fits = (
+            type(existing) is np.ndarray
+            and existing.shape == tuple(src.shape)
+            and existing.dtype == numpy_dtype(self.entries[i].dtype)
+            and existing.flags.writeable
+            and existing.flags.c_contiguous
+        )
+        if fits:
+            self.cpu.append((i, torch.from_numpy(existing)))
+            return existing
+        target = torch.empty(src.shape, dtype=src.dtype)
+        self.cpu.append((i, target))
+        return target.numpy()
+
     def finish(self, *, check: bool = True) -> None:
-        """Wait for queued host-to-device copies and concurrent checksums; raise on a mismatch."""
+        """Wait for the GPU copies and their checksums; checksum then copy the CPU ones."""
         try:
             for device in self.devices:
                 torch.cuda.current_stream(device).synchronize()
-            for i, future in self.pending if check else ():
+            if not check:
+                return
+            for i, future in self.pending:
                 self.check(i, future.result())
+            if self.verify and self.cpu:
+                regions = [(self.views[i].data_ptr(), self.entries[i].length) for i, _ in self.cpu]
+                for (i, _), crc in zip(self.cpu, region_crcs(regions), strict=True):
+                    self.check(i, crc)
+            copy_cpu([t for _, t in self.cpu], [self.views[i] for i, _ in self.cpu])
         finally:
             if self._pool is not None:
                 self._pool.shutdown(wait=True, cancel_futures=True)
@@ -181,7 +210,9 @@ def load_into(
         device=None if device is None else torch.device(device),
     )
     try:
-        restore_into(dest, manifest.tree, fill=filler, n_tensors=len(views), objects=objects)
+        restore_into(
+            dest, manifest.tree, fill=filler, fill_array=filler.array, n_tensors=len(views), objects=objects
+        )
     except BaseException:
         filler.finish(check=False)
         raise
