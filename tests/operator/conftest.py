@@ -1,38 +1,36 @@
-"""Fixtures for the operator tests: the Kubernetes API emulator, CRDs, and a kubernetes client."""
+"""Fixtures for the operator tests: the API emulator with our CRDs, and the end-to-end environment
+(operator thread, real replicators, the apiserver's admission calls)."""
 
 from __future__ import annotations
 
-import functools
-import json
+import asyncio
+import dataclasses
 import sys
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import kmock
 import pytest
-import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for k8s_emulator
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: k8s_emulator and fixtures
 
 from k8s_emulator import KubeEmulator
-
-REPO = Path(__file__).resolve().parents[2]
-CRD_DIR = REPO / "charts" / "tierckpt" / "crds"
-JOBSET_CRD = REPO.parent / "shared" / "k8s" / "jobset.x-k8s.io_jobsets.yaml"
-_YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-
-
-@functools.lru_cache(maxsize=1)
-def _crd_documents() -> tuple[str, ...]:
-    paths = [*sorted(CRD_DIR.glob("*.yaml")), JOBSET_CRD]
-    return tuple(json.dumps(yaml.load(p.read_text(), Loader=_YAML_LOADER)) for p in paths)
-
-
-def load_crds() -> list[dict]:
-    """Our CRDs (from the chart) and the JobSet CRD (from ../shared/k8s, never copied)."""
-    if not JOBSET_CRD.exists():
-        pytest.skip(f"the JobSet CRD is not at {JOBSET_CRD}")
-    return [json.loads(doc) for doc in _crd_documents()]
+from operator_harness import (
+    SYSTEM_NS,
+    TOKEN,
+    Apiserver,
+    Cluster,
+    Node,
+    Replicators,
+    eventually,
+    free_port,
+    load_crds,
+    make_tls,
+)
+from tierckpt_operator.__main__ import run
+from tierckpt_operator.runtime import Runtime
+from tierckpt_operator.settings import Settings
 
 
 @pytest.fixture
@@ -51,25 +49,6 @@ async def kube_with_crds(kube: KubeEmulator) -> KubeEmulator:
 
 
 # ------------------------------------------------------------------------------------ end to end
-
-import asyncio  # noqa: E402
-import dataclasses  # noqa: E402
-import threading  # noqa: E402
-
-from operator_harness import (  # noqa: E402
-    SYSTEM_NS,
-    TOKEN,
-    Apiserver,
-    Cluster,
-    Node,
-    Replicators,
-    eventually,
-    free_port,
-    make_tls,
-)
-from tierckpt_operator.__main__ import run  # noqa: E402
-from tierckpt_operator.runtime import Runtime  # noqa: E402
-from tierckpt_operator.settings import Settings  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -16,6 +16,7 @@ import base64
 import contextlib
 import copy
 import datetime
+import functools
 import json
 import os
 import socket
@@ -31,8 +32,29 @@ from typing import Any, TypeVar
 import httpx
 import jsonpatch
 import kmock
+import pytest
+import yaml
 
 T = TypeVar("T")
+
+REPO = Path(__file__).resolve().parents[2]
+CRD_DIR = REPO / "charts" / "tierckpt" / "crds"
+JOBSET_CRD = REPO.parent / "shared" / "k8s" / "jobset.x-k8s.io_jobsets.yaml"
+_YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+@functools.lru_cache(maxsize=1)
+def _crd_documents() -> tuple[str, ...]:
+    paths = [*sorted(CRD_DIR.glob("*.yaml")), JOBSET_CRD]
+    return tuple(json.dumps(yaml.load(p.read_text(), Loader=_YAML_LOADER)) for p in paths)
+
+
+def load_crds() -> list[dict]:
+    """Our CRDs (from the chart) and the JobSet CRD (from ../shared/k8s, never copied)."""
+    if not JOBSET_CRD.exists():
+        pytest.skip(f"the JobSet CRD is not at {JOBSET_CRD}")
+    return [json.loads(doc) for doc in _crd_documents()]
+
 
 TOKEN = "e2e-token-" + "0123456789abcdef" * 3
 ZONE = "topology.kubernetes.io/zone"

@@ -14,8 +14,7 @@ from pathlib import Path
 
 import kubernetes
 import pytest
-from conftest import load_crds
-from operator_harness import free_port, jobset_body
+from operator_harness import free_port, jobset_body, load_crds
 from tierckpt.contract import Annotations
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

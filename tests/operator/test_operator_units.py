@@ -9,9 +9,9 @@ import copy
 import jsonschema
 import kopf
 import pytest
-from conftest import CRD_DIR, load_crds
 from hypothesis import given
 from hypothesis import strategies as st
+from operator_harness import CRD_DIR, load_crds
 from tierckpt.contract import Annotations, NodeInventory, PeerAssignment, RankHoldings, RestorePlan, Tier
 from tierckpt.errors import ContractError
 from tierckpt_operator.injection import Injection, inject, label_pod_templates, preferred_node
