@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from dcp_dist import run_ranks
+from tierckpt import leases
 from tierckpt.dcp import RamdiskReader, RamdiskWriter
 from tierckpt.errors import MissingCheckpointError, RamdiskFullError
 from tierckpt.format import DCP_METADATA_NAME, committed_steps, rank_dir, read_manifest, step_dir
@@ -100,9 +101,13 @@ def test_an_existing_step_is_kept_unless_overwrite(ramdisk: Path, job: str) -> N
     got = {"x": torch.zeros(4)}
     dcp.load(got, checkpoint_id=3, storage_reader=RamdiskReader(ramdisk, job), no_dist=True)
     assert torch.equal(got["x"], first["x"])
-    dcp.save(
-        second, checkpoint_id=3, storage_writer=RamdiskWriter(ramdisk, job, overwrite=True), no_dist=True
-    )
+    replacing = RamdiskWriter(ramdisk, job, overwrite=True)
+    with (
+        leases.hold(rank_dir(ramdisk, job, 0), 3, "replicator"),
+        pytest.raises(CheckpointException, match="leased"),
+    ):
+        dcp.save(second, checkpoint_id=3, storage_writer=replacing, no_dist=True)  # someone is copying step 3
+    dcp.save(second, checkpoint_id=3, storage_writer=replacing, no_dist=True)
     dcp.load(got, checkpoint_id=3, storage_reader=RamdiskReader(ramdisk, job), no_dist=True)
     assert torch.equal(got["x"], second["x"])
 

@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from tierckpt import cuda
+from tierckpt import cuda, leases
 from tierckpt.format import (
     DCP_METADATA_NAME,
     FileEntry,
@@ -222,11 +222,16 @@ class RamdiskWriter(StorageWriter):
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         save = self._current()
-        if not self.overwrite and _committed(save.path):
-            raise FileExistsError(
-                f"rank {save.rank} already has a committed step {save.step} at {save.path}; "
-                "save under a new step, or pass overwrite=True to RamdiskWriter to replace it"
-            )
+        if _committed(save.path):
+            if not self.overwrite:
+                raise FileExistsError(
+                    f"rank {save.rank} already has a committed step {save.step} at {save.path}; "
+                    "save under a new step, or pass overwrite=True to RamdiskWriter to replace it"
+                )
+            if save.step in leases.leased_steps(save.path.parent):
+                raise FileExistsError(
+                    f"step {save.step} of rank {save.rank} is leased (being read or copied): not overwriting"
+                )
         return dataclasses.replace(plan, storage_data=_LocalPlanData(save.rank, save.step))
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
@@ -246,9 +251,11 @@ class RamdiskWriter(StorageWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         save = self._current()
-        if save.path.exists():
-            discard_step(save.path)  # an uncommitted leftover, or a step we were told to overwrite
         store = self._store(save)
+        if save.path.exists():  # an uncommitted leftover, or a step we were told to overwrite
+            if (stale := store.pool.slot_of(save.step)) is not None:
+                store.forget(stale)
+            discard_step(save.path)
         try:
             results = self._write_items(save, store, plan.items, planner)
             if not save.is_coordinator:
