@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import time
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from tierckpt.format import (
     iter_data_files,
     rank_dir,
     read_manifest,
+    replica_rank_dir,
     step_dir,
 )
 from tierckpt.integrity import crc32c_file
@@ -52,3 +54,14 @@ def test_restore_choice_picks_the_dcp_step(ramdisk: Path, job: str) -> None:
     )
     plan = choose_restore([inventory])
     assert plan.step == 9 and plan.world_size == 2 and plan.sources == {0: Tier.LOCAL, 1: Tier.LOCAL}
+
+
+def test_a_rank_held_only_as_a_replica_is_read_from_there(ramdisk: Path, job: str) -> None:
+    """After a node loss the replicator restores rank 1 as a replica on this node: the reader finds it."""
+    run_ranks(2, sc.save_plain, str(ramdisk), job, 30, 5)
+    primary = rank_dir(ramdisk, job, 1)
+    replica = replica_rank_dir(ramdisk, job, 1)
+    replica.parent.mkdir(parents=True)
+    shutil.move(primary, replica)
+    run_ranks(2, sc.load_plain, str(ramdisk), job, 30, 5)
+    run_ranks(2, sc.load_plain, str(ramdisk), job, None, 5)
