@@ -81,8 +81,10 @@ class _RankStep:
         self.manifest = manifest
         self._checked: set[str] = set()
 
-    def open(self, name: str) -> MappedFile:
-        mapped = MappedFile.open(self.path / name, writable=False, populate=True)
+    def open(self, name: str, *, needed: int) -> MappedFile:
+        """Map a data file; fault it all in up front when at least half of it (``needed`` bytes) is read."""
+        size = self.manifest.file(name).size
+        mapped = MappedFile.open(self.path / name, writable=False, populate=2 * needed >= size)
         if name not in self._checked:
             entry = self.manifest.file(name)
             if mapped.size != entry.size:
@@ -248,7 +250,10 @@ class RamdiskReader(StorageReader):
                 if rank not in held:
                     held.add(rank)
                     _hold_lease(leased, step.path)
-                mapped = step.open(name)
+                needed = sum(
+                    {(loc := self._storage[r.storage_index]).offset: loc.length for r in reqs}.values()
+                )
+                mapped = step.open(name, needed=needed)
                 try:
                     verified: set[MetadataIndex] = set()
                     for req in sorted(reqs, key=lambda r: self._storage[r.storage_index].offset):
