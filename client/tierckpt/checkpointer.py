@@ -41,7 +41,9 @@ from tierckpt.errors import (
 )
 from tierckpt.format import (
     COMMIT_NAME,
+    MANIFEST_NAME,
     CommitMarker,
+    Manifest,
     discard_step,
     fsync_dir,
     rank_dir,
@@ -50,6 +52,7 @@ from tierckpt.format import (
     step_dir,
     step_dirs,
 )
+from tierckpt.integrity import crc32c
 from tierckpt.retention import plan_retention
 from tierckpt.settings import BusyPolicy, Settings, resolve
 from tierckpt.snapshot import agree, staging
@@ -160,6 +163,8 @@ class Checkpointer:
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tierckpt-commit")
         self._inflight: _SaveJob | None = None
         self._plans: collections.OrderedDict[tuple[Any, ...], LayoutPlan] = collections.OrderedDict()
+        self._manifests: collections.OrderedDict[int, tuple[int, int, Manifest]] = collections.OrderedDict()
+        self._manifests_lock = threading.Lock()
         self._optimizers: weakref.WeakKeyDictionary[torch.optim.Optimizer, Any] = weakref.WeakKeyDictionary()
         self._warned_overlap = False
         try:
@@ -395,7 +400,7 @@ class Checkpointer:
             snapshot_s = time.perf_counter() - job.started
             s = self.settings
             who = StepIdentity(s.job, s.rank, s.world_size, job.step)
-            marker = commit_files(
+            committed = commit_files(
                 job.path,
                 who,
                 job.plan,
@@ -405,6 +410,8 @@ class Checkpointer:
                 object_count=len(job.flat.objects),
                 workers=s.crc_workers,
             )
+            marker = committed.marker
+            self._remember_manifest(committed.manifest, marker)
             job.flat = dataclasses.replace(job.flat, tensors=())  # release the sources
             self._pool.committed(job.step, job.slot)
             self._apply_retention()
@@ -571,6 +578,31 @@ class Checkpointer:
             return exc
         return None
 
+    def _remember_manifest(self, manifest: Manifest, marker: CommitMarker) -> None:
+        with self._manifests_lock:
+            self._manifests[manifest.step] = (marker.manifest_size, marker.manifest_crc32c, manifest)
+            self._manifests.move_to_end(manifest.step)
+            while len(self._manifests) > self.settings.keep + 2:
+                self._manifests.popitem(last=False)
+
+    def _read_manifest(self, path: Path, step: int) -> Manifest:
+        """``format.read_manifest``, without decoding again a manifest this process already holds."""
+        with self._manifests_lock:
+            cached = self._manifests.get(step)
+        marker = read_commit(path)
+        if cached is None or marker is None or (marker.manifest_size, marker.manifest_crc32c) != cached[:2]:
+            manifest = read_manifest(path)
+            if marker is not None:
+                self._remember_manifest(manifest, marker)
+            return manifest
+        try:
+            body = (path / MANIFEST_NAME).read_bytes()
+        except FileNotFoundError as exc:
+            raise FormatError(f"{path}: committed but {MANIFEST_NAME} is missing") from exc
+        if len(body) != marker.manifest_size or crc32c(body) != marker.manifest_crc32c:
+            raise FormatError(f"{path / MANIFEST_NAME}: does not match its commit marker (corrupt)")
+        return cached[2]
+
     def _load_step(
         self,
         state_dict: dict[Any, Any],
@@ -580,7 +612,7 @@ class Checkpointer:
         verify: bool,
         device: torch.device | str | None,
     ) -> None:
-        manifest = read_manifest(path)
+        manifest = self._read_manifest(path, step)
         s = self.settings
         if (manifest.job, manifest.rank, manifest.step) != (s.job, s.rank, step):
             raise FormatError(

@@ -185,3 +185,12 @@ def test_running_out_of_space_while_committing_fails_the_handle_cleanly(small_tm
         filler.unlink()
         dest = {}
         assert ck.load(dest) == 1 and torch.equal(dest["w"], state["w"])
+
+
+def test_a_flipped_manifest_byte_is_detected_by_the_writer_that_knows_the_manifest(root, job):
+    with Checkpointer(root=root, job=job, keep=3) as ck:
+        ck.save(1, state_for(1), blocking=True)
+        ck.save(2, state_for(2), blocking=True)
+        assert ck.load({}) == 2  # the manifest it committed is cached, its bytes are still checked
+        flip(step_dir(ck.rank_path, 2) / MANIFEST_NAME, 100)
+        assert_falls_back(ck, FormatError)

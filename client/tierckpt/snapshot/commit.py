@@ -7,6 +7,7 @@ A crash anywhere before the COMMIT rename leaves a step directory that readers i
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,7 +28,7 @@ from tierckpt.snapshot.copy import file_crc, region_crcs
 from tierckpt.snapshot.layout import LayoutPlan
 from tierckpt.snapshot.shardfile import MappedFile
 
-__all__ = ["StepIdentity", "checksum_slot", "commit_files"]
+__all__ = ["CommittedStep", "StepIdentity", "checksum_slot", "commit_files"]
 
 
 class StepIdentity:
@@ -37,6 +38,12 @@ class StepIdentity:
 
     def __init__(self, job: str, rank: int, world_size: int, step: int) -> None:
         self.job, self.rank, self.world_size, self.step = job, rank, world_size, step
+
+
+@dataclasses.dataclass(frozen=True)
+class CommittedStep:
+    marker: CommitMarker
+    manifest: Manifest
 
 
 def checksum_slot(
@@ -66,7 +73,7 @@ def commit_files(
     manifest_kind: ManifestKind = "state_dict",
     extra: dict[str, Any] | None = None,
     workers: int | None = None,
-) -> CommitMarker:
+) -> CommittedStep:
     """Checksum, sync and commit a step whose data files hold ``plan``'s tensors."""
     tensor_crcs, file_entries = checksum_slot(plan, files, workers=workers)
     for f in files:
@@ -99,4 +106,4 @@ def commit_files(
         manifest_kind=manifest_kind,
         extra=extra or {},
     )
-    return commit_step(step_path, manifest)
+    return CommittedStep(commit_step(step_path, manifest), manifest)
