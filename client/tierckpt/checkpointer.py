@@ -628,7 +628,7 @@ class Checkpointer:
             self._pool.register_cuda = True
             self._pool.register_all()
         opened: dict[str, MappedFile] = {}
-        slot = self._pool.slot_of(step) or self._pool.adopt_step(step, path)
+        slot = self._pool.slot_of(step) or self._pool.adopt_step(step, path, manifest)
         if slot is not None:
             files = {f.path.name: f for f in slot.files}
             for entry in manifest.files:

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from tierckpt.errors import RamdiskFullError
-from tierckpt.format import data_file_name, fsync_dir, iter_data_files, read_manifest, step_dir
+from tierckpt.format import Manifest, data_file_name, fsync_dir, iter_data_files, step_dir
 from tierckpt.snapshot.dtypes import torch_dtype
 from tierckpt.snapshot.layout import LayoutPlan
 from tierckpt.snapshot.shardfile import MappedFile
@@ -138,12 +138,11 @@ class SlotPool:
         with self._cond:
             return self._by_step.get(step)
 
-    def adopt_step(self, step: int, path: Path) -> Slot | None:
+    def adopt_step(self, step: int, path: Path, manifest: Manifest) -> Slot | None:
         """Map a committed step's data files (read-write when permitted) and track them as its slot."""
         with self._cond:
             if step in self._by_step:
                 return self._by_step[step]
-        manifest = read_manifest(path)
         files = []
         try:
             for entry in iter_data_files(manifest):  # registering faults the pages in anyway
