@@ -172,3 +172,15 @@ def test_steps_being_read_are_leased(ramdisk: Path, job: str) -> None:
     dcp.load(got, storage_reader=RamdiskReader(ramdisk, job), planner=Spy(), no_dist=True)
     assert seen == [{4}]
     assert leases.leased_steps(rank_path) == set(), "released after the load"
+
+
+def test_a_reused_reader_without_step_follows_the_newest_checkpoint(ramdisk: Path, job: str) -> None:
+    reader = RamdiskReader(ramdisk, job)
+    got = {"x": torch.zeros(2)}
+    with RamdiskWriter(ramdisk, job) as writer:
+        for step in (1, 2):
+            dcp.save(
+                {"x": torch.full((2,), float(step))}, checkpoint_id=step, storage_writer=writer, no_dist=True
+            )
+            dcp.load(got, storage_reader=reader, no_dist=True)
+            assert reader.step == step and torch.equal(got["x"], torch.full((2,), float(step)))

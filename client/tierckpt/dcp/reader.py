@@ -114,7 +114,9 @@ class RamdiskReader(StorageReader):
         super().__init__()
         where = resolve(root=root, job=job)
         self.root, self.job = where.root, where.job
-        self.step = None if step is None else require_step_id(step)
+        self.requested_step = None if step is None else require_step_id(step)
+        """The step asked for (None: the newest complete one); ``step`` is the one the last load resolved."""
+        self.step = self.requested_step
         self.load_id = str(uuid.uuid4())
         self._record: DcpMetadata | None = None
         self._storage: dict[MetadataIndex, ItemLocation] = {}
@@ -130,23 +132,22 @@ class RamdiskReader(StorageReader):
 
     @property
     def checkpoint_id(self) -> str | None:
-        return None if self.step is None else str(self.step)
+        return None if self.requested_step is None else str(self.requested_step)
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | int | None = None) -> None:
         if checkpoint_id is not None:
-            self.step = require_step_id(checkpoint_id)
+            self.requested_step = require_step_id(checkpoint_id)
         self.load_id = str(uuid.uuid4())
-        self._record, self._storage, self._chunks, self._steps, self._manifests = None, {}, {}, {}, {}
 
     # ------------------------------------------------------------------ metadata
 
     def read_metadata(self) -> Metadata:  # no **kwargs: DCP must not fall back to rank-local metadata
-        if self.step is not None:
-            record = self._load_record(self.step)
+        self._record, self._storage, self._chunks, self._steps, self._manifests = None, {}, {}, {}, {}
+        if self.requested_step is not None:
+            record = self._load_record(self.requested_step)
         else:
             record = self._newest_complete_record()
-            self.step = record.step
-        self._record = record
+        self.step, self._record = record.step, record
         metadata = decode_metadata(record)
         if metadata.storage_meta is None:
             metadata.storage_meta = StorageMeta()
