@@ -640,7 +640,10 @@ class Checkpointer:
         else:
             files = opened = open_data_files(path, manifest, register=self._pool.register_cuda)
         try:
-            load_into(state_dict, path, manifest, files, verify=verify, device=device)
+            load_into(
+                state_dict, path, manifest, files, verify=verify, device=device,
+                views=None if slot is None else slot.read_views(manifest),
+            )  # fmt: skip
         finally:
             for f in opened.values():
                 f.close()

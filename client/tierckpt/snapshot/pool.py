@@ -26,6 +26,7 @@ from tierckpt.errors import RamdiskFullError
 from tierckpt.format import Manifest, data_file_name, fsync_dir, iter_data_files, step_dir
 from tierckpt.snapshot.dtypes import torch_dtype
 from tierckpt.snapshot.layout import LayoutPlan
+from tierckpt.snapshot.restore import tensor_views
 from tierckpt.snapshot.shardfile import MappedFile
 
 __all__ = ["SPARE_DIR", "Slot", "SlotPool"]
@@ -43,6 +44,7 @@ class Slot:
         self.files = list(files)
         self._layout: LayoutPlan | None = None
         self._views: list[torch.Tensor] = []
+        self._read: tuple[Manifest, list[torch.Tensor]] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -74,7 +76,7 @@ class Slot:
         """
         if self._layout is plan:
             return self._views
-        self._views, self._layout = [], None  # release exports before any resize
+        self._views, self._layout, self._read = [], None, None  # release exports before any resize
         self._fit(plan)
         for i, f in enumerate(self.files):
             f.zero(plan.padding(i))
@@ -86,12 +88,18 @@ class Slot:
         self._views, self._layout = views, plan
         return views
 
+    def read_views(self, manifest: Manifest) -> list[torch.Tensor]:
+        """Typed views of ``manifest``'s tensors in these files (cached for the same manifest object)."""
+        if self._read is None or self._read[0] is not manifest:
+            self._read = (manifest, tensor_views(manifest, {f.path.name: f for f in self.files}))
+        return self._read[1]
+
     def register(self) -> None:
         for f in self.files:
             f.register()
 
     def close(self, *, unlink: bool = False) -> None:
-        self._views, self._layout = [], None
+        self._views, self._layout, self._read = [], None, None
         for f in self.files:
             f.close(unlink=unlink)
         self.files = []

@@ -196,12 +196,16 @@ def load_into(
     *,
     verify: bool = True,
     device: torch.device | str | None = None,
+    views: Sequence[torch.Tensor] | None = None,
 ) -> None:
-    """Fill ``dest`` in place from a committed step whose data files are mapped in ``files``."""
+    """Fill ``dest`` in place from a committed step whose data files are mapped in ``files``.
+
+    ``views`` (from ``tensor_views``, e.g. cached by the pool) saves building them again.
+    """
     if manifest.manifest_kind != "state_dict":
         raise FormatError(f"{step_path}: a {manifest.manifest_kind!r} step; load it through tierckpt.dcp")
     objects = read_objects(step_path, manifest)
-    views = tensor_views(manifest, files)
+    views = tensor_views(manifest, files) if views is None else views
     filler = _Filler(
         step_path,
         manifest.tensors,
