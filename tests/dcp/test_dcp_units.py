@@ -184,3 +184,30 @@ def test_a_reused_reader_without_step_follows_the_newest_checkpoint(ramdisk: Pat
             )
             dcp.load(got, storage_reader=reader, no_dist=True)
             assert reader.step == step and torch.equal(got["x"], torch.full((2,), float(step)))
+
+
+def test_a_second_save_while_one_runs_on_another_thread_is_refused(ramdisk: Path, job: str) -> None:
+    """Overlapping async saves through one writer would trample each other: the second is refused."""
+    import threading
+
+    from tierckpt.errors import SaveInProgressError
+
+    writer = RamdiskWriter(ramdisk, job, step=1)
+    release = threading.Event()
+
+    def in_flight() -> None:  # a save that set up and is still writing, like an async_save thread
+        writer.set_up_storage_writer(True)
+        release.wait(30)
+
+    t = threading.Thread(target=in_flight)
+    t.start()
+    try:
+        while writer._save is None:
+            t.join(0.01)
+        with pytest.raises(SaveInProgressError, match="still being saved"):
+            writer.reset(2)
+    finally:
+        release.set()
+        t.join()
+    writer.reset(2)  # once that thread is gone, the next save may start
+    writer.close()

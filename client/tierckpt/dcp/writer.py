@@ -26,6 +26,7 @@ import dataclasses
 import io
 import logging
 import os
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -38,6 +39,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from tierckpt import cuda, leases
+from tierckpt.errors import SaveInProgressError
 from tierckpt.format import (
     DCP_METADATA_NAME,
     FileEntry,
@@ -71,6 +73,8 @@ DCP_FORMAT_VERSION = 1
 """Version of the ``extra["dcp"]`` block of DCP manifests."""
 _DCP_VERSION = "1.0.0"
 """``Metadata.version`` we record (the DCP checkpoint format version our layout is equivalent to)."""
+_OVERLAP_GRACE = 1.0
+"""Seconds a new save waits for the previous one's thread to end before calling it an overlap."""
 _COPY_BATCH = 256 << 20
 """Resolve and copy items in batches of about this many bytes (DCP asks to resolve lazily)."""
 
@@ -107,6 +111,7 @@ class _Save:
     world_size: int
     is_coordinator: bool
     path: Path
+    owner: threading.Thread = dataclasses.field(default_factory=threading.current_thread)
     slot: Slot | None = None
     files: list[FileEntry] = dataclasses.field(default_factory=list)
     tensors: list[TensorEntry] = dataclasses.field(default_factory=list)
@@ -277,6 +282,7 @@ class RamdiskWriter(StorageWriter):
             assert save.slot is not None
             store.committed(save.step, save.slot, info.complete if fresh else None)
             log.info("rank %d committed DCP step %d at %s", save.rank, save.step, save.path)
+            self._save = None
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
@@ -389,8 +395,17 @@ class RamdiskWriter(StorageWriter):
         return self._stores[save.rank]
 
     def _abandon_unfinished(self) -> None:
-        """The coordinator's previous save never reached ``finish`` (another rank failed): remove it."""
-        prev, self._save = self._save, None
+        """Forget the previous save: refuse if it still runs on another thread; if it was the coordinator's
+        and never reached ``finish`` (another rank failed), remove its step."""
+        prev = self._save
+        if prev is not None and prev.owner is not threading.current_thread():
+            prev.owner.join(timeout=_OVERLAP_GRACE)
+            if prev.owner.is_alive():
+                raise SaveInProgressError(
+                    f"step {prev.step} is still being saved through this writer on thread {prev.owner.name}; "
+                    "wait for its async_save future before starting the next save"
+                )
+        self._save = None
         if prev is not None and prev.is_coordinator and prev.path.exists() and not _committed(prev.path):
             log.warning("removing DCP step %d of rank %d: its save did not finish", prev.step, prev.rank)
             if prev.slot is not None:
