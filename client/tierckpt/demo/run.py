@@ -24,11 +24,10 @@ import os
 import shutil
 import signal
 import socket
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +43,7 @@ from tierckpt.contract import (
     restore_status_name,
 )
 from tierckpt.demo import scenarios as sc
+from tierckpt.demo.launcher import Launcher, kill_process_group
 from tierckpt.demo.report import DemoConfig, DemoReport, RankResult, ScenarioResult, median
 from tierckpt.demo.training import TrainerEvent, parse_model_size, read_events
 from tierckpt.errors import FormatError, TierckptError
@@ -96,22 +96,25 @@ class DemoOptions:
 
 @dataclasses.dataclass
 class Trainers:
-    """The training processes of one segment, one per node."""
+    """The training processes of one segment, one per node, each forked by its node's launcher."""
 
-    procs: dict[int, subprocess.Popen[bytes]]
+    launchers: dict[int, Launcher]
+    pids: dict[int, int]
     events: dict[int, Path]
     logs: dict[int, Path]
+    launched_at: float = dataclasses.field(default_factory=time.time)
 
     def read(self) -> dict[int, list[TrainerEvent]]:
         return {r: read_events(p) for r, p in self.events.items()}
 
-    def kill(self) -> None:
-        for proc in self.procs.values():
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-        for proc in self.procs.values():
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=10)
+    def kill(self, timeout: float = 30.0) -> None:
+        """SIGKILL every process (a crash, not a shutdown) and wait until each is gone."""
+        for pid in self.pids.values():
+            kill_process_group(pid)
+        deadline = time.monotonic() + timeout
+        for rank, pid in self.pids.items():
+            while self.launchers[rank].status(pid) is None and time.monotonic() < deadline:
+                time.sleep(0.02)
 
     def failure(self) -> str | None:
         """Why the segment cannot go on: a rank exited with an error (or reported one)."""
@@ -119,8 +122,8 @@ class Trainers:
             for ev in events:
                 if ev.event == "error":
                     return f"rank {rank} failed: {ev.message}\n{_tail(self.logs[rank])}"
-        for rank, proc in self.procs.items():
-            code = proc.poll()
+        for rank, pid in self.pids.items():
+            code = self.launchers[rank].status(pid)
             if code not in (None, 0):
                 return f"rank {rank} exited with status {code}:\n{_tail(self.logs[rank])}"
         return None
@@ -159,6 +162,8 @@ class Demo:
         self.timings: dict[str, float] = {}
         self.trainers: Trainers | None = None
         self.lost: tuple[str, ...] = ()
+        self.launchers: dict[int, Launcher] = {}
+        self._launchers_ready = False
         self.progress = Progress(
             TextColumn("{task.description}"),
             BarColumn(),
@@ -168,11 +173,12 @@ class Demo:
             transient=True,
         )
         self._task = self.progress.add_task("starting", total=None)
+        self._t0 = time.monotonic()
 
     # ---------------------------------------------------------------- top level
 
     def run(self) -> DemoReport:
-        started = time.monotonic()
+        started = self._t0 = time.monotonic()
         error = ""
         try:
             with self.progress, _sigterm_as_interrupt():
@@ -213,7 +219,7 @@ class Demo:
         )
 
     def _say(self, text: str) -> None:
-        self.console.print(text, highlight=False)
+        self.console.print(f"[dim]{time.monotonic() - self._t0:6.1f}s[/] {text}", highlight=False)
 
     def _phase(self, text: str, total: int | None = None, completed: int = 0) -> None:
         self.progress.update(self._task, description=text, total=total, completed=completed)
@@ -259,6 +265,7 @@ class Demo:
                 "INFO",
             ],
         )
+        self._start_launchers()
         self.assignment = self._assign_peers()
         self.timings["setup_s"] = time.monotonic() - t0
         mode = "network namespaces + tmpfs" if self.cluster.netns else "loopback ports + directories"
@@ -292,6 +299,8 @@ class Demo:
     def _teardown(self, *, keep: bool) -> None:
         if self.trainers is not None:
             self.trainers.kill()
+        for launcher in self.launchers.values():
+            launcher.close()
         if self.cluster is not None:
             if keep:
                 for node in self.cluster.nodes:
@@ -308,6 +317,7 @@ class Demo:
         plan_at = self._publish_plan(None)
         before: dict[int, list[TrainerEvent]] = {}
         for i, segment in enumerate(self.segments):
+            self._wait_launchers()
             self.trainers = self._launch(i, segment)
             events = self._wait_segment(i, segment)
             if i > 0:
@@ -342,20 +352,15 @@ class Demo:
 
     def _launch(self, index: int, segment: sc.Segment) -> Trainers:
         nodes = self.cluster.nodes
-        master = nodes[0]
         port = 29500 + index if self.cluster.netns else _free_port()
         seg_dir = self.workdir / f"segment-{index}"
         seg_dir.mkdir()
-        trainers = Trainers({}, {}, {})
+        trainers = Trainers(self.launchers, {}, {}, {})
         for node in nodes:
             rank = node.index
-            env = {**os.environ, **self._trainer_env(node, rank, master.ip, port)}
             trainers.events[rank] = seg_dir / f"events-rank-{rank:05d}.jsonl"
             trainers.logs[rank] = seg_dir / f"rank-{rank:05d}.log"
-            cmd = [
-                sys.executable,
-                "-m",
-                "tierckpt.demo.training",
+            argv = [
                 "--events",
                 str(trainers.events[rank]),
                 "--model-size",
@@ -368,17 +373,51 @@ class Demo:
                 str(self.o.checkpoint_every),
             ]
             if segment.scenario is not None:
-                cmd.append("--hold")
-            with open(trainers.logs[rank], "wb") as logf:
-                trainers.procs[rank] = node.popen_in_node(
-                    cmd,
-                    env=env,
-                    stdin=subprocess.DEVNULL,
-                    stdout=logf,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
+                argv.append("--hold")
+            env = {**os.environ, **self._trainer_env(node, rank, nodes[0].ip, port)}
+            env["TIERCKPT_DEMO_LAUNCHED_AT"] = repr(time.time())
+            trainers.pids[rank] = self.launchers[rank].launch(argv, env, str(trainers.logs[rank]))
         return trainers
+
+    def _start_launchers(self) -> None:
+        """One launcher per node, inside its namespace; they import torch while the cluster settles."""
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+        prefix = self._node_files() if self.cluster.netns else []
+        for node in self.cluster.nodes:
+            self.launchers[node.index] = Launcher(partial(node.popen_in_node, env=env), prefix)
+
+    def _node_files(self) -> list[str]:
+        """A command prefix giving the training processes the nodes' own /etc/hosts and resolv.conf.
+
+        Inside a namespace the host's DNS server is unreachable, and every reverse lookup that
+        torch.distributed makes of a peer address would wait 10 s for it. Like a pod, each node gets
+        an /etc/hosts naming every node, and a resolver that fails at once; in a private mount
+        namespace, so the host's files are untouched.
+        """
+        hosts = self.workdir / "hosts"
+        hosts.write_text("127.0.0.1 localhost\n" + "".join(f"{n.ip} {n.name}\n" for n in self.cluster.nodes))
+        resolv = self.workdir / "resolv.conf"
+        resolv.write_text("nameserver 127.0.0.1\noptions timeout:1 attempts:1\n")
+        script = 'mount --bind "$1" /etc/hosts && mount --bind "$2" /etc/resolv.conf && shift 2 && exec "$@"'
+        return [
+            "unshare",
+            "--mount",
+            "--propagation",
+            "slave",
+            "sh",
+            "-c",
+            script,
+            "node-files",
+            str(hosts),
+            str(resolv),
+        ]
+
+    def _wait_launchers(self) -> None:
+        if not self._launchers_ready:
+            self._phase("starting the training launchers (importing torch once per node)")
+            for launcher in self.launchers.values():
+                launcher.wait_ready(self.o.timeout)
+            self._launchers_ready = True
 
     def _trainer_env(self, node: Any, rank: int, master_ip: str, port: int) -> dict[str, str]:
         return {
@@ -419,9 +458,12 @@ class Demo:
 
         events = self._wait(reached, what)
         first = state.get("first", segment.until)
+        up = max(e.time for evs in events.values() for e in evs if e.event == "start")
+        end = max(e.time for evs in events.values() for e in evs)
         self._say(
             f"[green]✔[/] segment {index + 1}: trained steps {first}-{segment.until}, "
-            f"{sum(e.event == 'saved' for e in events[0])} checkpoint(s)"
+            f"{sum(e.event == 'saved' for e in events[0])} checkpoint(s) "
+            f"[dim](processes up in {up - self.trainers.launched_at:.1f} s, then {end - up:.1f} s)[/]"
         )
         return events
 

@@ -313,8 +313,12 @@ def run(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
+    log.info(
+        "joining the process group at %s:%s", os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    )
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.init_timeout))
     rank = dist.get_rank()
+    log.info("rank %d of %d joined", rank, dist.get_world_size())
     events = EventLog(args.events, rank)
     events.emit("start", message=f"pid {os.getpid()}")
     net, opt, state = build_state(parse_model_size(args.model_size), args.seed)
