@@ -6,7 +6,9 @@ from pathlib import Path
 
 import dcp_scenarios as sc
 import pytest
+import torch
 from dcp_dist import run_ranks
+from tierckpt.dcp import full_state_dict
 from tierckpt.format import committed_steps, rank_dir, read_manifest, step_dir
 
 
@@ -45,3 +47,5 @@ def test_fsdp2_state_reshards_on_load(
     manifest = read_manifest(step_dir(rank_dir(ramdisk, job, saved_at - 1), 50))
     assert manifest.world_size == saved_at and manifest.manifest_kind == "dcp"
     run_ranks(loaded_at, sc.load_sharded, str(ramdisk), job, 50, ref)
+    whole = full_state_dict(ramdisk, job, 50)  # one process, no model: every chunk of every rank
+    sc.assert_same(whole, torch.load(ref, weights_only=False))
