@@ -375,7 +375,6 @@ class Demo:
             if segment.scenario is not None:
                 argv.append("--hold")
             env = {**os.environ, **self._trainer_env(node, rank, nodes[0].ip, port)}
-            env["TIERCKPT_DEMO_LAUNCHED_AT"] = repr(time.time())
             trainers.pids[rank] = self.launchers[rank].launch(argv, env, str(trainers.logs[rank]))
         return trainers
 
