@@ -67,6 +67,49 @@ def test_waits_until_the_operator_assigns_a_rank(tmp_path: Path) -> None:
     assert "waiting for tierckpt.io/node-rank" in result.stderr
 
 
+def test_attempt_waits_for_a_rank_of_that_restart_attempt(tmp_path: Path) -> None:
+    _write_podinfo(
+        tmp_path,
+        **{
+            Annotations.NODE_RANK: "0",
+            Annotations.ASSIGNMENT_GENERATION: "1",
+            Annotations.COORDINATOR: "train-0.train",
+        },
+    )
+    stale = cli("node-rank", "--attempt", "2", "--podinfo-dir", str(tmp_path))
+    assert_clean_error(stale, 1, "for attempt 2")
+
+    def assign() -> None:
+        time.sleep(0.3)
+        _write_podinfo(
+            tmp_path,
+            **{
+                Annotations.NODE_RANK: "5",
+                Annotations.ASSIGNMENT_GENERATION: "2",
+                Annotations.COORDINATOR: "train-3.train",
+            },
+        )
+
+    thread = threading.Thread(target=assign)
+    thread.start()
+    try:
+        result = cli(
+            "node-rank",
+            "--wait",
+            "--attempt",
+            "2",
+            "--env",
+            "--interval",
+            "0.05",
+            "--podinfo-dir",
+            str(tmp_path),
+        )
+    finally:
+        thread.join()
+    assert result.code == 0, result.output
+    assert "export NODE_RANK=5" in result.stdout and "export MASTER_ADDR=train-3.train" in result.stdout
+
+
 def test_without_wait_an_unassigned_pod_fails_at_once(tmp_path: Path) -> None:
     (tmp_path / "annotations").write_text("")
     assert_clean_error(cli("node-rank", "--podinfo-dir", str(tmp_path)), 1, "use --wait")

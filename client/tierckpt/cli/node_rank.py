@@ -31,6 +31,8 @@ class NodeRank:
     num_nodes: int | None
     generation: int | None
     job: str | None
+    coordinator: str | None = None
+    """The rank-0 pod's address (torchrun ``--master-addr``)."""
 
 
 def _int_or_none(annotations: dict[str, str], key: str) -> int | None:
@@ -46,27 +48,30 @@ def _int_or_none(annotations: dict[str, str], key: str) -> int | None:
     return out
 
 
-def parse_node_rank(annotations: dict[str, str]) -> NodeRank | None:
-    """The node rank in a pod's annotations, or None if the operator has not assigned one yet."""
+def parse_node_rank(annotations: dict[str, str], attempt: int | None = None) -> NodeRank | None:
+    """The node rank in a pod's annotations, or None if the operator has not assigned one yet (or,
+    with ``attempt``, has not assigned one for that JobSet restart attempt yet)."""
     rank = _int_or_none(annotations, Annotations.NODE_RANK)
     if rank is None:
         return None
     num = _int_or_none(annotations, Annotations.NUM_NODES)
     if num is not None and rank >= num:
         fail(f"pod annotation {Annotations.NODE_RANK}={rank} is not below {Annotations.NUM_NODES}={num}")
+    generation = _int_or_none(annotations, Annotations.ASSIGNMENT_GENERATION)
+    if attempt is not None and generation != attempt:
+        return None
     return NodeRank(
-        rank,
-        num,
-        _int_or_none(annotations, Annotations.ASSIGNMENT_GENERATION),
-        annotations.get(Annotations.JOB_ID),
+        rank, num, generation, annotations.get(Annotations.JOB_ID), annotations.get(Annotations.COORDINATOR)
     )
 
 
-def wait_node_rank(podinfo_dir: Path, *, timeout: float | None, interval: float = 0.5) -> NodeRank | None:
+def wait_node_rank(
+    podinfo_dir: Path, *, timeout: float | None, interval: float = 0.5, attempt: int | None = None
+) -> NodeRank | None:
     """Poll the downward-API file until a rank appears (or ``timeout`` seconds pass; None = forever)."""
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
-        found = parse_node_rank(read_podinfo(podinfo_dir))
+        found = parse_node_rank(read_podinfo(podinfo_dir), attempt)
         if found is not None or (deadline is not None and time.monotonic() >= deadline):
             return found
         time.sleep(interval)
@@ -80,6 +85,8 @@ def _render_env(nr: NodeRank) -> str:
         pairs["TIERCKPT_ASSIGNMENT_GENERATION"] = nr.generation
     if nr.job is not None:
         pairs[Env.JOB] = nr.job  # type: ignore[assignment]
+    if nr.coordinator:
+        pairs["MASTER_ADDR"] = nr.coordinator  # type: ignore[assignment]
     return "\n".join(f"export {k}={shlex.quote(str(v))}" for k, v in pairs.items())
 
 
@@ -95,7 +102,12 @@ def node_rank_command(
         show_envvar=True,
         help="The downward-API volume holding the pod's 'annotations' file.",
     ),
-    env: bool = typer.Option(False, "--env", help="Print shell 'export' lines (NODE_RANK, NNODES, ...)."),
+    env: bool = typer.Option(
+        False, "--env", help="Print shell 'export' lines (NODE_RANK, NNODES, MASTER_ADDR, ...)."
+    ),
+    attempt: int = typer.Option(
+        None, "--attempt", min=0, help="Only accept a rank assigned for this JobSet restart attempt."
+    ),
     interval: float = typer.Option(0.5, "--interval", help="Seconds between polls.", min=0.01, hidden=True),
 ) -> None:
     """Print this pod's node rank, assigned by the tierckpt operator (for launch scripts)."""
@@ -106,11 +118,12 @@ def node_rank_command(
             fail(f"{podinfo_dir}: not a directory (is the downward-API volume mounted?)", EXIT_USAGE)
         if wait:
             err_console.print(f"waiting for {Annotations.NODE_RANK} in {podinfo_dir}/annotations")
-        found = wait_node_rank(podinfo_dir, timeout=(timeout or None) if wait else 0.0, interval=interval)
+        limit = (timeout or None) if wait else 0.0
+        found = wait_node_rank(podinfo_dir, timeout=limit, interval=interval, attempt=attempt)
         if found is None:
-            fail(
-                f"no {Annotations.NODE_RANK} annotation in {podinfo_dir}/annotations"
-                + (f" after {timeout:g}s" if wait else " (use --wait to wait for the operator)"),
-                EXIT_FAILED,
+            what = f"no {Annotations.NODE_RANK} annotation" + (
+                "" if attempt is None else f" for attempt {attempt}"
             )
+            why = f" after {timeout:g}s" if wait else " (use --wait to wait for the operator)"
+            fail(f"{what} in {podinfo_dir}/annotations{why}", EXIT_FAILED)
         out_console.print(_render_env(found) if env else str(found.rank), markup=False)
