@@ -6,6 +6,7 @@ The daemon talks to it only through ``BackupPort`` and builds it only when a buc
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -15,7 +16,7 @@ from prometheus_client import CollectorRegistry
 
 from tierckpt_replicator.settings import Settings
 
-__all__ = ["BackupPort", "load_backup_service"]
+__all__ = ["BackupPort", "bucket_world_sizes", "load_backup_service"]
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,19 @@ class BackupPort(Protocol):
     def status(self, job: str) -> Any: ...
 
     async def close(self) -> None: ...
+
+
+async def bucket_world_sizes(backup: BackupPort, job: str) -> dict[int, int]:
+    """Step -> world size of each step complete in the bucket (0 where the service cannot say).
+
+    The world size comes from each step's completion object, read through the service's catalog; it
+    lets a cluster that lost every in-memory copy still compute which ranks each node restores.
+    """
+    catalog = getattr(backup, "catalog", None)
+    if catalog is not None and hasattr(catalog, "complete_steps"):
+        done = await asyncio.to_thread(catalog.complete_steps, job)
+        return {int(step): int(getattr(info, "world_size", 0)) for step, info in done.items()}
+    return dict.fromkeys(await backup.complete_steps(job), 0)
 
 
 def load_backup_service(settings: Settings, registry: CollectorRegistry) -> BackupPort | None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import shutil
@@ -28,7 +29,7 @@ from tierckpt.format import discard_step, job_dir, rank_dir, ranks_in, replica_r
 import tierckpt_replicator
 from tierckpt_replicator.app import create_app
 from tierckpt_replicator.assignments import AssignmentStore, load_static
-from tierckpt_replicator.backup_hook import BackupPort, load_backup_service
+from tierckpt_replicator.backup_hook import BackupPort, bucket_world_sizes, load_backup_service
 from tierckpt_replicator.inventory import InventoryScanner, list_jobs
 from tierckpt_replicator.metrics import Metrics
 from tierckpt_replicator.peer_client import PeerClient
@@ -121,7 +122,7 @@ class Daemon:
             own_inventory=self.inventory,
             backup=backup,
         )
-        self._gcs_cache: dict[str, tuple[float, tuple[int, ...]]] = {}
+        self._gcs_cache: dict[str, tuple[float, dict[int, int]]] = {}
         self._loops: list[asyncio.Task[None]] = []
         self.app = create_app(self)
 
@@ -225,19 +226,27 @@ class Daemon:
     # ------------------------------------------------------------------ Controls (the API calls these)
 
     async def inventory(self, job: str) -> NodeInventory:
-        return self.scanner.inventory(job, gcs=await self._gcs_steps(job))
+        bucket = await self._bucket_steps(job)
+        inv = self.scanner.inventory(job, gcs=tuple(bucket))
+        # a step known only from the bucket still needs its world size, or nobody knows its ranks
+        world_sizes = {**{s: ws for s, ws in bucket.items() if ws > 0}, **inv.world_sizes}
+        return dataclasses.replace(inv, world_sizes=world_sizes)
 
     async def _gcs_steps(self, job: str) -> tuple[int, ...]:
+        return tuple(sorted(await self._bucket_steps(job)))
+
+    async def _bucket_steps(self, job: str) -> dict[int, int]:
+        """Step -> world size of every step complete in the bucket (cached a few seconds)."""
         if self.backup is None:
-            return ()
+            return {}
         cached = self._gcs_cache.get(job)
         if cached and time.monotonic() - cached[0] < _GCS_CACHE_SECONDS:
             return cached[1]
         try:
-            steps = tuple(await self.backup.complete_steps(job))
+            steps = await bucket_world_sizes(self.backup, job)
         except Exception as exc:  # the bucket being unreachable makes its steps unknown, not fatal
             log.warning("job %s: cannot list complete steps in the bucket: %s", job, exc)
-            return cached[1] if cached else ()
+            return cached[1] if cached else {}
         self._gcs_cache[job] = (time.monotonic(), steps)
         return steps
 

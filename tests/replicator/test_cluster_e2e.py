@@ -55,7 +55,12 @@ def lose(node) -> None:
 
 
 def backup_everywhere(cluster, job: str, step: int) -> None:
-    """POST /backup on every node at once, then wait until the bucket reports the step complete."""
+    """POST /backup on every node at once, then wait until the bucket reports the step complete.
+
+    The backup service spreads a step's uploads over every node holding a copy (primary or replica),
+    so the replicas are awaited first, as an operator would after a save."""
+    for rank in range(cluster.size * cluster.procs_per_node):
+        wait_replicated(cluster, job, rank, step)
     threads = [
         threading.Thread(target=n.request, args=("POST", f"/v1/jobs/{job}/backup")) for n in cluster.nodes
     ]
@@ -123,6 +128,27 @@ def test_pair_lost_is_restored_from_the_bucket(cluster3):
     assert st_b.source in (Tier.PEER, Tier.GCS)
     assert step_files(step_dir(rank_dir(a.root, job, 0), 30)) == step_files(sources[0])
     assert step_files(step_dir(rank_dir(b.root, job, rank_b), 30)) == step_files(sources[rank_b])
+
+
+def test_whole_cluster_lost_restores_from_the_bucket(cluster3):
+    """No node holds anything any more: the plan, its world size and each node's ranks come from the
+    bucket alone (a new cluster after a zone outage)."""
+    job = new_job("zone")
+    cluster3.assign(job)
+    sources = commit_everywhere(cluster3, job, 35)
+    backup_everywhere(cluster3, job, 35)
+    for node in cluster3.nodes:
+        lose(node)
+    for node in cluster3.nodes:
+        node.start_replicator(wait=False)
+    for node in cluster3.nodes:
+        node.wait_ready()
+    cluster3.assign(job, generation=2)
+    for node in cluster3.nodes:
+        st = wait_restored(node, job, node.index)
+        assert (st.state, st.step, st.source) == (RestoreState.READY, 35, Tier.GCS)
+        staged = step_dir(rank_dir(node.root, job, node.index), 35)
+        assert step_files(staged) == step_files(sources[node.index])
 
 
 def test_corrupt_replica_is_detected_and_fetched_again(cluster3):
