@@ -1,0 +1,3 @@
+"""Integrations with training frameworks; each imports its framework only when used."""
+
+__all__: list[str] = []
