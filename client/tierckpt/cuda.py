@@ -4,7 +4,7 @@
   ``cudaHostRegister``, so device-to-host copies DMA straight into the ramdisk at pinned speed.
 * ``copy_to_host``: issue ``dst.copy_(src, non_blocking=True)`` for every CUDA source on a side
   stream of its device (after that stream waits for the device's current stream), and return a
-  ``CopyTicket`` of one event per device.
+  ``CopyTicket`` of one event per device. ``copy_to_device`` is the way back, for restore.
 * ``CopyTicket``: wait on the CPU (``synchronize``) or make a stream wait on the GPU (``block_stream``),
   which is what the overlap mode's optimizer hook does: training continues and only the parameter
   update is ordered after the snapshot copy.
@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["CopyTicket", "available", "copy_to_host", "is_cuda", "register", "unregister"]
+__all__ = ["CopyTicket", "available", "copy_to_device", "copy_to_host", "is_cuda", "register", "unregister"]
 
 log = logging.getLogger(__name__)
 
@@ -115,3 +115,16 @@ def copy_to_host(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> 
                 event.record(stream)
         events.append((device, event))
     return CopyTicket(events)
+
+
+def copy_to_device(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
+    """Copy host ``srcs`` (pinned: asynchronously) into CUDA ``dsts`` on each device's current stream,
+    then wait for them. Used by restore, from the registered mapping of a data file."""
+    by_device: dict[torch.device, list[int]] = {}
+    for i, dst in enumerate(dsts):
+        by_device.setdefault(dst.device, []).append(i)
+    for device, indices in by_device.items():
+        with torch.cuda.device(device):
+            _copy_all([dsts[i] for i in indices], [srcs[i] for i in indices])
+    for device in by_device:
+        torch.cuda.current_stream(device).synchronize()

@@ -86,11 +86,11 @@ def read_objects(step_path: Path, manifest: Manifest) -> list[Any]:
 
 
 class _Filler:
-    """Supplies tensor ``i`` for ``restore_into`` and moves its bytes in.
+    """Supplies tensor ``i`` for ``restore_into``; ``finish`` moves the bytes in.
 
-    CUDA destinations get their host-to-device copy queued at once (checksummed concurrently); CPU
-    destinations are collected and, in ``finish``, checksummed then copied in one parallel batch, so a
-    corrupt CPU step leaves the destination untouched.
+    CUDA destinations: one batch of host-to-device copies from the mapping, checksummed on threads
+    concurrently (started as soon as each tensor is seen). CPU destinations: checksummed, then copied
+    in one parallel batch, so a corrupt step leaves their bytes untouched.
     """
 
     def __init__(
@@ -107,9 +107,9 @@ class _Filler:
         self.views = views
         self.verify = verify
         self.device = device
-        self.devices: set[torch.device] = set()
         self.pending: list[tuple[int, concurrent.futures.Future[int]]] = []
         self.cpu: list[tuple[int, torch.Tensor]] = []
+        self.gpu: list[tuple[int, torch.Tensor]] = []
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
 
     def check(self, i: int, crc: int) -> None:
@@ -140,16 +140,12 @@ class _Filler:
         if not cuda.is_cuda(target):
             self.cpu.append((i, target))
             return target
-        src = self.views[i]
-        if self.verify:
+        if self.verify:  # checksummed on threads while the DMA runs
             if self._pool is None:
                 self._pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="tierckpt-verify")
-            self.pending.append(
-                (i, self._pool.submit(crc32c_address, src.data_ptr(), self.entries[i].length))
-            )
-        with torch.no_grad():
-            target.copy_(src, non_blocking=True)
-        self.devices.add(target.device)
+            address = self.views[i].data_ptr()
+            self.pending.append((i, self._pool.submit(crc32c_address, address, self.entries[i].length)))
+        self.gpu.append((i, target))
         return target
 
     def array(self, i: int, existing: Any) -> np.ndarray:
@@ -170,12 +166,13 @@ class _Filler:
         return target.numpy()
 
     def finish(self, *, check: bool = True) -> None:
-        """Wait for the GPU copies and their checksums; checksum then copy the CPU ones."""
+        """Copy to the GPU and wait (checksums run meanwhile); checksum then copy the CPU tensors."""
         try:
-            for device in self.devices:
-                torch.cuda.current_stream(device).synchronize()
             if not check:
                 return
+            if self.gpu:
+                with torch.no_grad():
+                    cuda.copy_to_device([t for _, t in self.gpu], [self.views[i] for i, _ in self.gpu])
             for i, future in self.pending:
                 self.check(i, future.result())
             if self.verify and self.cpu:
