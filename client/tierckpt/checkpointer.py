@@ -624,7 +624,7 @@ class Checkpointer:
                 "step %d was saved with world size %d, the job now has %d; loading rank %d's shard as is",
                 step, manifest.world_size, s.world_size, s.rank,
             )  # fmt: skip
-        if cuda.available() and torch.cuda.is_initialized() and not self._pool.register_cuda:
+        if cuda.in_use() and not self._pool.register_cuda:
             self._pool.register_cuda = True
             self._pool.register_all()
         opened: dict[str, MappedFile] = {}

@@ -19,7 +19,16 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["CopyTicket", "available", "copy_to_device", "copy_to_host", "is_cuda", "register", "unregister"]
+__all__ = [
+    "CopyTicket",
+    "available",
+    "copy_to_device",
+    "copy_to_host",
+    "in_use",
+    "is_cuda",
+    "register",
+    "unregister",
+]
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +39,11 @@ _side_streams: dict[int, torch.cuda.Stream] = {}
 
 def available() -> bool:
     return torch.cuda.is_available()
+
+
+def in_use() -> bool:
+    """True once this process has initialised CUDA (its mappings are then worth pinning)."""
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
 
 
 def is_cuda(tensor: torch.Tensor) -> bool:
