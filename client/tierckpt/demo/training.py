@@ -55,8 +55,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-D_IN, D_OUT, DEPTH, BATCH = 32, 8, 3, 32
-LR = 1e-3
+D_IN, D_OUT, DEPTH, BATCH = 32, 8, 3, 64
+LR = 3e-3
 
 MODEL_PRESETS = {"tiny": 20_000, "small": 1_000_000, "medium": 10_000_000, "large": 100_000_000}
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
