@@ -3,9 +3,10 @@
 It orchestrates and touches no bytes itself: ``snapshot.flatten`` turns the state into a tree and
 tensors, ``snapshot.layout`` places them, ``snapshot.pool`` hands out pre-faulted (and CUDA-pinned)
 data files, ``snapshot.copy`` fills them, and a background thread checksums and commits
-(``snapshot.commit``), applies retention (``retention``, ``leases``) and recycles the retired step's
-files for the next save. Loading goes the other way through ``snapshot.restore``, after the ranks
-agreed on a step (``snapshot.agree``) and any replicator finished staging it (``snapshot.staging``).
+(``snapshot.commit``), then applies retention and recycles the retired step's files for the next
+save (``snapshot.rankdir``). Loading goes the other way (``snapshot.loader``, ``snapshot.restore``),
+after any replicator finished staging (``snapshot.staging``) and the ranks agreed on a step
+(``snapshot.agree``).
 
 API and semantics: docs/client.md. On-disk format: docs/format.md.
 """
@@ -17,14 +18,12 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import errno
-import fcntl
 import logging
 import os
 import pickle
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,25 +36,10 @@ from tierckpt.errors import (
     MissingCheckpointError,
     RamdiskFullError,
     SaveInProgressError,
-    TierckptError,
 )
-from tierckpt.format import (
-    COMMIT_NAME,
-    MANIFEST_NAME,
-    CommitMarker,
-    Manifest,
-    discard_step,
-    fsync_dir,
-    rank_dir,
-    read_commit,
-    read_manifest,
-    step_dir,
-    step_dirs,
-)
-from tierckpt.integrity import crc32c
-from tierckpt.retention import plan_retention
+from tierckpt.format import CommitMarker, discard_step, rank_dir, step_dir
 from tierckpt.settings import BusyPolicy, Settings, resolve
-from tierckpt.snapshot import agree, staging
+from tierckpt.snapshot import agree, loader, rankdir
 from tierckpt.snapshot.commit import StepIdentity, commit_files
 from tierckpt.snapshot.copy import copy_into
 from tierckpt.snapshot.dtypes import dtype_name
@@ -63,44 +47,13 @@ from tierckpt.snapshot.flatten import FlatState, flatten
 from tierckpt.snapshot.handle import SaveHandle
 from tierckpt.snapshot.layout import LayoutPlan, TensorSpec, plan_layout
 from tierckpt.snapshot.pool import Slot, SlotPool
-from tierckpt.snapshot.restore import load_into, open_data_files
-from tierckpt.snapshot.shardfile import MappedFile
+from tierckpt.snapshot.rankdir import WRITER_LOCK
 
-__all__ = ["Checkpointer", "StepScan", "scan_steps"]
+__all__ = ["WRITER_LOCK", "Checkpointer"]
 
 log = logging.getLogger(__name__)
 
-WRITER_LOCK = ".writer.lock"
 _PLAN_CACHE = 4
-
-
-@dataclasses.dataclass(frozen=True)
-class StepScan:
-    """The step directories of a rank, by state."""
-
-    committed: dict[int, CommitMarker]
-    corrupt: tuple[int, ...]
-    """Steps whose COMMIT exists but does not verify."""
-    uncommitted: tuple[int, ...]
-
-
-def scan_steps(rank_path: Path) -> StepScan:
-    committed, corrupt, uncommitted = {}, [], []
-    for step, path in step_dirs(rank_path).items():
-        try:
-            marker = read_commit(path)
-        except FormatError as exc:
-            log.error("step %d in %s has a corrupt commit marker: %s", step, rank_path, exc)
-            corrupt.append(step)
-            continue
-        if marker is None:
-            uncommitted.append(step)
-        elif marker.step != step:
-            log.error("%s holds the commit marker of step %d; ignoring it", path, marker.step)
-            corrupt.append(step)
-        else:
-            committed[step] = marker
-    return StepScan(committed, tuple(sorted(corrupt)), tuple(sorted(uncommitted)))
 
 
 @dataclasses.dataclass
@@ -157,18 +110,18 @@ class Checkpointer:
         s = self.settings
         self.rank_path = rank_dir(s.root, s.job, s.rank)
         self.rank_path.mkdir(parents=True, exist_ok=True)
-        self._lock_fd = _lock_writer(self.rank_path, s.writer_lock_timeout)
+        self._lock_fd = rankdir.lock_writer(self.rank_path, s.writer_lock_timeout)
         self._closed = False
         self._pool = SlotPool(self.rank_path, target=s.keep + 1)
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tierckpt-commit")
         self._inflight: _SaveJob | None = None
         self._plans: collections.OrderedDict[tuple[Any, ...], LayoutPlan] = collections.OrderedDict()
-        self._manifests: collections.OrderedDict[int, tuple[int, int, Manifest]] = collections.OrderedDict()
-        self._manifests_lock = threading.Lock()
+        self._manifests = loader.ManifestCache(capacity=s.keep + 2)
+        self._loader = loader.StepLoader(s, self._pool, self._manifests)
         self._optimizers: weakref.WeakKeyDictionary[torch.optim.Optimizer, Any] = weakref.WeakKeyDictionary()
         self._warned_overlap = False
         try:
-            self._startup_cleanup()
+            rankdir.clean_up_after_crash(self.rank_path, s.keep, self._pool)
         except BaseException:
             self._release()
             raise
@@ -212,40 +165,11 @@ class Checkpointer:
         if self._closed:
             raise RuntimeError("this Checkpointer is closed")
 
-    def _startup_cleanup(self) -> None:
-        """Remove what a crashed writer left (uncommitted steps), apply retention, adopt spares."""
-        leases.purge_expired(self.rank_path)
-        with leases.lock(self.rank_path):
-            scan = scan_steps(self.rank_path)
-            plan = plan_retention(
-                scan.committed,
-                keep=self.settings.keep,
-                leased=leases.leased_steps(self.rank_path),
-                uncommitted=scan.uncommitted,
-            )
-            self._uncommit(plan.retire)
-        for step in plan.discard:
-            log.warning(
-                "removing step %d of %s: never committed (left by a crashed save)", step, self.rank_path
-            )
-            discard_step(step_dir(self.rank_path, step))
-        self._pool.adopt_spares(committed_count=len(plan.kept) + len(plan.held))
-        for step in plan.retire:
-            self._pool.recycle(step, step_dir(self.rank_path, step))
-
-    def _uncommit(self, steps: Sequence[int]) -> None:
-        """Remove the COMMIT of each step (caller holds the lease lock): they stop existing at once."""
-        for step in steps:
-            path = step_dir(self.rank_path, step)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path / COMMIT_NAME)
-                fsync_dir(path)
-
     # ------------------------------------------------------------------------------- queries
 
     def committed_steps(self) -> list[int]:
         """This rank's committed steps on the ramdisk, oldest first."""
-        return sorted(scan_steps(self.rank_path).committed)
+        return sorted(rankdir.scan_steps(self.rank_path).committed)
 
     def latest_step(self) -> int | None:
         """This rank's newest committed step (no collective; ``load`` is what agrees across ranks)."""
@@ -331,22 +255,11 @@ class Checkpointer:
 
     def _make_room(self, step: int) -> SaveHandle | None:
         """Saving a step that already exists replaces it, unless a reader holds a lease on it."""
-        path = step_dir(self.rank_path, step)
-        if not path.exists():
+        reason = rankdir.make_room(self.rank_path, step, self._pool)
+        if reason is None:
             return None
-        with leases.lock(self.rank_path):
-            if step in leases.leased_steps(self.rank_path):
-                reason = f"step {step} already exists and is leased by a reader"
-                log.warning("skipped the save of step %d: %s", step, reason)
-                return SaveHandle.skipped_save(step, reason)
-            was_committed = (path / COMMIT_NAME).exists()
-            self._uncommit([step])
-        if was_committed:
-            log.info("replacing committed step %d", step)
-            self._pool.recycle(step, path)
-        else:
-            discard_step(path)
-        return None
+        log.warning("skipped the save of step %d: %s", step, reason)
+        return SaveHandle.skipped_save(step, reason)
 
     def _protected(self) -> set[int]:
         """Storages that only a registered optimizer's step mutates (overlap mode defers them)."""
@@ -411,10 +324,10 @@ class Checkpointer:
                 workers=s.crc_workers,
             )
             marker = committed.marker
-            self._remember_manifest(committed.manifest, marker)
+            self._manifests.remember(committed.manifest, marker)
             job.flat = dataclasses.replace(job.flat, tensors=())  # release the sources
             self._pool.committed(job.step, job.slot)
-            self._apply_retention()
+            rankdir.apply_retention(self.rank_path, self.settings.keep, self._pool)
         except BaseException as exc:
             job.copied.set()
             self._fail(job, exc)
@@ -444,23 +357,6 @@ class Checkpointer:
         with contextlib.suppress(Exception):
             discard_step(job.path)
         job.handle._set_failed(exc)
-
-    def _apply_retention(self) -> None:
-        with leases.lock(self.rank_path):
-            scan = scan_steps(self.rank_path)
-            plan = plan_retention(
-                scan.committed, keep=self.settings.keep, leased=leases.leased_steps(self.rank_path)
-            )
-            self._uncommit(plan.retire)
-        newest = max(scan.committed, default=-1)
-        for step in plan.retire:
-            log.debug("retiring step %d", step)
-            self._pool.recycle(step, step_dir(self.rank_path, step))
-        for step in scan.corrupt:
-            if step < newest:
-                log.warning("removing step %d: its commit marker is corrupt", step)
-                discard_step(step_dir(self.rank_path, step))
-        self._pool.trim()
 
     def wait(self, timeout: float | None = None) -> CommitMarker | None:
         """Wait for the save in flight (if any) to commit; returns its marker or raises its error."""
@@ -517,7 +413,7 @@ class Checkpointer:
         self._check_open()
         with contextlib.suppress(Exception):
             self.wait()
-        candidates = self._candidates(step, fallback=fallback)
+        candidates = loader.candidates(self.settings, self.rank_path, step, fallback=fallback)
         if not candidates:
             if allow_missing:
                 log.info("no checkpoint to load for rank %d; starting fresh", self.settings.rank)
@@ -543,128 +439,14 @@ class Checkpointer:
             f"no committed step could be loaded; the oldest tried failed: {last}"
         ) from last
 
-    def _candidates(self, step: int | None, *, fallback: bool) -> list[int]:
-        """Steps to try, newest first, the same list on every rank."""
-        s = self.settings
-        status = staging.wait_for_restore(
-            s.root, s.job, s.rank, expect_replicator=bool(s.replicator_url), stall_timeout=s.restore_wait
-        )
-        scan = scan_steps(self.rank_path)
-        present = sorted({*scan.committed, *scan.corrupt})
-        newest_at = max((m.committed_at for m in scan.committed.values()), default=None)
-        target = staging.restore_target(status, newest_at) if step is None else step
-        gathered = agree.all_gather((present, target))
-        common = agree.common_steps([p for p, _ in gathered])
-        targets = {t for _, t in gathered}
-        if len(targets) == 1 and (only := next(iter(targets))) != staging.USE_LOCAL:
-            if only is None:
-                return []  # the job-wide restore plan says: start fresh
-            if only not in common and not fallback:
-                raise MissingCheckpointError(
-                    f"step {only} is not committed on every rank (ranks hold {common})"
-                )
-            return [t for t in common if t <= only]
-        return common
-
     def _try_load(
         self, state_dict: dict[Any, Any], step: int, *, verify: bool, device: torch.device | str | None
     ) -> BaseException | None:
         path = step_dir(self.rank_path, step)
         try:
             with leases.hold(self.rank_path, step, f"client-{os.getpid()}", ttl=self.settings.lease_ttl):
-                self._load_step(state_dict, step, path, verify=verify, device=device)
+                self._loader.load(state_dict, step, path, verify=verify, device=device)
         except (FormatError, MissingCheckpointError) as exc:
             log.error("could not load step %d: %s", step, exc)
             return exc
         return None
-
-    def _remember_manifest(self, manifest: Manifest, marker: CommitMarker) -> None:
-        with self._manifests_lock:
-            self._manifests[manifest.step] = (marker.manifest_size, marker.manifest_crc32c, manifest)
-            self._manifests.move_to_end(manifest.step)
-            while len(self._manifests) > self.settings.keep + 2:
-                self._manifests.popitem(last=False)
-
-    def _read_manifest(self, path: Path, step: int) -> Manifest:
-        """``format.read_manifest``, without decoding again a manifest this process already holds."""
-        with self._manifests_lock:
-            cached = self._manifests.get(step)
-        marker = read_commit(path)
-        if cached is None or marker is None or (marker.manifest_size, marker.manifest_crc32c) != cached[:2]:
-            manifest = read_manifest(path)
-            if marker is not None:
-                self._remember_manifest(manifest, marker)
-            return manifest
-        try:
-            body = (path / MANIFEST_NAME).read_bytes()
-        except FileNotFoundError as exc:
-            raise FormatError(f"{path}: committed but {MANIFEST_NAME} is missing") from exc
-        if len(body) != marker.manifest_size or crc32c(body) != marker.manifest_crc32c:
-            raise FormatError(f"{path / MANIFEST_NAME}: does not match its commit marker (corrupt)")
-        return cached[2]
-
-    def _load_step(
-        self,
-        state_dict: dict[Any, Any],
-        step: int,
-        path: Path,
-        *,
-        verify: bool,
-        device: torch.device | str | None,
-    ) -> None:
-        manifest = self._read_manifest(path, step)
-        s = self.settings
-        if (manifest.job, manifest.rank, manifest.step) != (s.job, s.rank, step):
-            raise FormatError(
-                f"{path}: manifest is job {manifest.job} rank {manifest.rank} step {manifest.step}, "
-                f"expected job {s.job} rank {s.rank} step {step}"
-            )
-        if manifest.world_size != s.world_size:
-            log.warning(
-                "step %d was saved with world size %d, the job now has %d; loading rank %d's shard as is",
-                step, manifest.world_size, s.world_size, s.rank,
-            )  # fmt: skip
-        if cuda.in_use() and not self._pool.register_cuda:
-            self._pool.register_cuda = True
-            self._pool.register_all()
-        opened: dict[str, MappedFile] = {}
-        slot = self._pool.slot_of(step) or self._pool.adopt_step(step, path, manifest)
-        if slot is not None:
-            files = {f.path.name: f for f in slot.files}
-            for entry in manifest.files:
-                f = files.get(entry.name)
-                if f is not None and f.disk_size() != entry.size:  # reading past a truncation would SIGBUS
-                    raise CorruptShardError(
-                        f"{f.path}: {f.disk_size()} bytes, manifest says {entry.size}", path=str(f.path)
-                    )
-        else:
-            files = opened = open_data_files(path, manifest, register=self._pool.register_cuda)
-        try:
-            load_into(
-                state_dict, path, manifest, files, verify=verify, device=device,
-                views=None if slot is None else slot.read_views(manifest),
-            )  # fmt: skip
-        finally:
-            for f in opened.values():
-                f.close()
-
-
-def _lock_writer(rank_path: Path, timeout: float, sleep: Callable[[float], None] = time.sleep) -> int:
-    """Take ``<rank dir>/.writer.lock`` exclusively, waiting up to ``timeout`` for a previous writer."""
-    fd = os.open(rank_path / WRITER_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            break
-        except BlockingIOError:
-            if time.monotonic() >= deadline:
-                os.close(fd)
-                raise TierckptError(
-                    f"another process still writes {rank_path} (it holds {WRITER_LOCK}); "
-                    "one Checkpointer per rank"
-                ) from None
-            sleep(0.1)
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    return fd

@@ -1,0 +1,145 @@
+"""Loading one rank's step for ``Checkpointer.load``: which steps to try, and reading one of them.
+
+``candidates`` waits for the replicator's staging (``staging``), then agrees with the other ranks
+(``agree``) on the steps every rank holds, newest first. ``StepLoader.load`` reads one step into the
+caller's state dict through the slot pool's mappings (so the pages are shared with later saves and
+pinned for CUDA), reusing manifests this process already decoded.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tierckpt import cuda
+from tierckpt.errors import CorruptShardError, FormatError, MissingCheckpointError
+from tierckpt.format import MANIFEST_NAME, CommitMarker, Manifest, read_commit, read_manifest
+from tierckpt.integrity import crc32c
+from tierckpt.settings import Settings
+from tierckpt.snapshot import agree, staging
+from tierckpt.snapshot.pool import SlotPool
+from tierckpt.snapshot.rankdir import scan_steps
+from tierckpt.snapshot.restore import load_into, open_data_files
+from tierckpt.snapshot.shardfile import MappedFile
+
+__all__ = ["ManifestCache", "StepLoader", "candidates"]
+
+log = logging.getLogger(__name__)
+
+
+def candidates(settings: Settings, rank_path: Path, step: int | None, *, fallback: bool) -> list[int]:
+    """Steps to try, newest first: the same list on every rank (a collective when distributed)."""
+    s = settings
+    status = staging.wait_for_restore(
+        s.root, s.job, s.rank, expect_replicator=bool(s.replicator_url), stall_timeout=s.restore_wait
+    )
+    scan = scan_steps(rank_path)
+    present = sorted({*scan.committed, *scan.corrupt})
+    newest_at = max((m.committed_at for m in scan.committed.values()), default=None)
+    target = staging.restore_target(status, newest_at) if step is None else step
+    gathered = agree.all_gather((present, target))
+    common = agree.common_steps([p for p, _ in gathered])
+    targets = {t for _, t in gathered}
+    if len(targets) == 1 and (only := next(iter(targets))) != staging.USE_LOCAL:
+        if only is None:
+            return []  # the job-wide restore plan says: start fresh
+        if only not in common and not fallback:
+            raise MissingCheckpointError(f"step {only} is not committed on every rank (ranks hold {common})")
+        return [t for t in common if t <= only]
+    return common
+
+
+class ManifestCache:
+    """Decoded manifests of recent steps, keyed by the size and crc32c their COMMIT records."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._items: collections.OrderedDict[int, tuple[int, int, Manifest]] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def remember(self, manifest: Manifest, marker: CommitMarker) -> None:
+        with self._lock:
+            self._items[manifest.step] = (marker.manifest_size, marker.manifest_crc32c, manifest)
+            self._items.move_to_end(manifest.step)
+            while len(self._items) > self.capacity:
+                self._items.popitem(last=False)
+
+    def read(self, path: Path, step: int) -> Manifest:
+        """``format.read_manifest``, without decoding again a manifest whose bytes are known."""
+        with self._lock:
+            cached = self._items.get(step)
+        marker = read_commit(path)
+        if cached is None or marker is None or (marker.manifest_size, marker.manifest_crc32c) != cached[:2]:
+            manifest = read_manifest(path)
+            if marker is not None:
+                self.remember(manifest, marker)
+            return manifest
+        try:
+            body = (path / MANIFEST_NAME).read_bytes()
+        except FileNotFoundError as exc:
+            raise FormatError(f"{path}: committed but {MANIFEST_NAME} is missing") from exc
+        if len(body) != marker.manifest_size or crc32c(body) != marker.manifest_crc32c:
+            raise FormatError(f"{path / MANIFEST_NAME}: does not match its commit marker (corrupt)")
+        return cached[2]
+
+
+class StepLoader:
+    """Reads committed steps of one rank into state dicts."""
+
+    def __init__(self, settings: Settings, pool: SlotPool, manifests: ManifestCache) -> None:
+        self.settings = settings
+        self.pool = pool
+        self.manifests = manifests
+
+    def _check_identity(self, path: Path, step: int, manifest: Manifest) -> None:
+        s = self.settings
+        if (manifest.job, manifest.rank, manifest.step) != (s.job, s.rank, step):
+            raise FormatError(
+                f"{path}: manifest is job {manifest.job} rank {manifest.rank} step {manifest.step}, "
+                f"expected job {s.job} rank {s.rank} step {step}"
+            )
+        if manifest.world_size != s.world_size:
+            log.warning(
+                "step %d was saved with world size %d, the job now has %d; loading rank %d's shard as is",
+                step, manifest.world_size, s.world_size, s.rank,
+            )  # fmt: skip
+
+    def load(
+        self,
+        state_dict: dict[Any, Any],
+        step: int,
+        path: Path,
+        *,
+        verify: bool,
+        device: torch.device | str | None,
+    ) -> None:
+        manifest = self.manifests.read(path, step)
+        self._check_identity(path, step, manifest)
+        if cuda.in_use() and not self.pool.register_cuda:
+            self.pool.register_cuda = True
+            self.pool.register_all()
+        opened: dict[str, MappedFile] = {}
+        slot = self.pool.slot_of(step) or self.pool.adopt_step(step, path, manifest)
+        if slot is not None:
+            files = {f.path.name: f for f in slot.files}
+            for entry in manifest.files:
+                f = files.get(entry.name)
+                if f is not None and f.disk_size() != entry.size:  # reading past a truncation would SIGBUS
+                    raise CorruptShardError(
+                        f"{f.path}: {f.disk_size()} bytes, manifest says {entry.size}", path=str(f.path)
+                    )
+        else:
+            files = opened = open_data_files(path, manifest, register=self.pool.register_cuda)
+        try:
+            load_into(
+                state_dict, path, manifest, files, verify=verify, device=device,
+                views=None if slot is None else slot.read_views(manifest),
+            )  # fmt: skip
+        finally:
+            for f in opened.values():
+                f.close()

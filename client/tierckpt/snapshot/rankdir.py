@@ -1,0 +1,162 @@
+"""One rank directory as its single writer sees it: step states, the writer lock, crash cleanup, retention.
+
+The writer (a ``Checkpointer``) holds ``<rank dir>/.writer.lock`` for its lifetime, which is what
+makes it safe to delete uncommitted step directories: no one else is writing them. Retention
+decisions are pure (``tierckpt.retention``); this module does the I/O, removing COMMIT markers
+under the lease lock (``tierckpt.leases``) and recycling the retired steps' data files through the
+slot pool.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import logging
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from tierckpt import leases
+from tierckpt.errors import FormatError, TierckptError
+from tierckpt.format import (
+    COMMIT_NAME,
+    CommitMarker,
+    discard_step,
+    fsync_dir,
+    read_commit,
+    step_dir,
+    step_dirs,
+)
+from tierckpt.retention import plan_retention
+from tierckpt.snapshot.pool import SlotPool
+
+__all__ = [
+    "WRITER_LOCK",
+    "StepScan",
+    "apply_retention",
+    "clean_up_after_crash",
+    "lock_writer",
+    "make_room",
+    "scan_steps",
+    "uncommit",
+]
+
+log = logging.getLogger(__name__)
+
+WRITER_LOCK = ".writer.lock"
+
+
+@dataclasses.dataclass(frozen=True)
+class StepScan:
+    """The step directories of a rank, by state."""
+
+    committed: dict[int, CommitMarker]
+    corrupt: tuple[int, ...]
+    """Steps whose COMMIT exists but does not verify."""
+    uncommitted: tuple[int, ...]
+
+
+def scan_steps(rank_path: Path) -> StepScan:
+    committed, corrupt, uncommitted = {}, [], []
+    for step, path in step_dirs(rank_path).items():
+        try:
+            marker = read_commit(path)
+        except FormatError as exc:
+            log.error("step %d in %s has a corrupt commit marker: %s", step, rank_path, exc)
+            corrupt.append(step)
+            continue
+        if marker is None:
+            uncommitted.append(step)
+        elif marker.step != step:
+            log.error("%s holds the commit marker of step %d; ignoring it", path, marker.step)
+            corrupt.append(step)
+        else:
+            committed[step] = marker
+    return StepScan(committed, tuple(sorted(corrupt)), tuple(sorted(uncommitted)))
+
+
+def lock_writer(rank_path: Path, timeout: float) -> int:
+    """Take ``<rank dir>/.writer.lock`` exclusively, waiting up to ``timeout`` for a previous writer.
+
+    Returns the file descriptor; closing it releases the lock (so does the process dying).
+    """
+    fd = os.open(rank_path / WRITER_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                os.close(fd)
+                raise TierckptError(
+                    f"another process still writes {rank_path} (it holds {WRITER_LOCK}); "
+                    "one Checkpointer per rank"
+                ) from None
+            time.sleep(0.1)
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def uncommit(rank_path: Path, steps: Sequence[int]) -> None:
+    """Remove the COMMIT of each step (caller holds the lease lock): they stop existing at once."""
+    for step in steps:
+        path = step_dir(rank_path, step)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path / COMMIT_NAME)
+            fsync_dir(path)
+
+
+def clean_up_after_crash(rank_path: Path, keep: int, pool: SlotPool) -> None:
+    """At writer start: remove uncommitted steps, apply retention, adopt spare data files."""
+    leases.purge_expired(rank_path)
+    with leases.lock(rank_path):
+        scan = scan_steps(rank_path)
+        plan = plan_retention(
+            scan.committed, keep=keep, leased=leases.leased_steps(rank_path), uncommitted=scan.uncommitted
+        )
+        uncommit(rank_path, plan.retire)
+    for step in plan.discard:
+        log.warning("removing step %d of %s: never committed (left by a crashed save)", step, rank_path)
+        discard_step(step_dir(rank_path, step))
+    pool.adopt_spares(committed_count=len(plan.kept) + len(plan.held))
+    for step in plan.retire:
+        pool.recycle(step, step_dir(rank_path, step))
+
+
+def apply_retention(rank_path: Path, keep: int, pool: SlotPool) -> None:
+    """After a commit: retire what the policy lets go (recycling its files), drop older corrupt steps."""
+    with leases.lock(rank_path):
+        scan = scan_steps(rank_path)
+        plan = plan_retention(scan.committed, keep=keep, leased=leases.leased_steps(rank_path))
+        uncommit(rank_path, plan.retire)
+    newest = max(scan.committed, default=-1)
+    for step in plan.retire:
+        log.debug("retiring step %d", step)
+        pool.recycle(step, step_dir(rank_path, step))
+    for step in scan.corrupt:
+        if step < newest:
+            log.warning("removing step %d: its commit marker is corrupt", step)
+            discard_step(step_dir(rank_path, step))
+    pool.trim()
+
+
+def make_room(rank_path: Path, step: int, pool: SlotPool) -> str | None:
+    """Before saving ``step`` again: retire the existing one. Returns why not, if a reader leases it."""
+    path = step_dir(rank_path, step)
+    if not path.exists():
+        return None
+    with leases.lock(rank_path):
+        if step in leases.leased_steps(rank_path):
+            return f"step {step} already exists and is leased by a reader"
+        was_committed = (path / COMMIT_NAME).exists()
+        uncommit(rank_path, [step])
+    if was_committed:
+        log.info("replacing committed step %d", step)
+        pool.recycle(step, path)
+    else:
+        discard_step(path)
+    return None
