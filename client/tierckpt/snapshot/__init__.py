@@ -11,6 +11,8 @@ Building blocks, in the order a save uses them:
 * ``commit``           ``commit_files``: checksums, sync, objects.pkl, manifest, COMMIT
 * ``handle``           ``SaveHandle``: snapshot-done and committed signals
 * ``restore``          ``open_data_files``, ``tensor_views``, ``read_objects``, ``load_into``
+* ``rankdir``          a rank directory's writer side: step scan, writer lock, crash cleanup, retention
+* ``loader``           ``Checkpointer.load``'s steps: candidate steps, manifest cache, reading one step
 * ``agree``            cross-rank step agreement at load time
 * ``staging``          waiting for the replicator's restore status
 
