@@ -220,3 +220,16 @@ def test_demo_command_rejects_bad_options_cleanly() -> None:
         result = CliRunner().invoke(app, ["demo", *args], catch_exceptions=False)
         assert result.exit_code == 2, (args, result.output)
         assert needle in result.stderr and "Traceback" not in result.output
+
+
+def test_rank_ranges_and_tier_groups() -> None:
+    from tierckpt.demo.report import rank_ranges, tier_groups
+
+    assert rank_ranges([7, 0, 2, 3, 4]) == "0 2-4 7"
+    assert rank_ranges([1, 2, 3, 9, 10, 12]) == "1-3 9-10 12"
+    ranks = [_rank(0, tier="gcs"), _rank(1, tier="peer"), _rank(2), _rank(3)]
+    assert [(t, [r.rank for r in rs]) for t, rs in tier_groups(ranks)] == [
+        ("local", [2, 3]),
+        ("peer", [1]),
+        ("gcs", [0]),
+    ]

@@ -23,8 +23,10 @@ __all__ = [
     "RankResult",
     "ScenarioResult",
     "median",
+    "rank_ranges",
     "render_report",
     "sparkline",
+    "tier_groups",
 ]
 
 
@@ -151,18 +153,36 @@ def sparkline(values: list[float], width: int = 48) -> str:
     return "".join(_BLOCKS[min(len(_BLOCKS) - 1, int((v - lo) / span * len(_BLOCKS)))] for v in values)
 
 
-def _tiers(s: ScenarioResult) -> Text:
-    """Ranks grouped by the tier they restored from, e.g. ``local 0 2 3`` / ``peer 1``."""
+def rank_ranges(ranks: list[int]) -> str:
+    """``[0, 2, 3, 4, 7]`` -> ``"0 2-4 7"``."""
+    out: list[str] = []
+    for r in sorted(ranks):
+        if out and out[-1].split("-")[-1] == str(r - 1):
+            out[-1] = f"{out[-1].split('-')[0]}-{r}"
+        else:
+            out.append(str(r))
+    return " ".join(out)
+
+
+def tier_groups(ranks: tuple[RankResult, ...] | list[RankResult]) -> list[tuple[str, list[RankResult]]]:
+    """Ranks grouped by the tier they restored from, fastest tier first."""
     by_tier: dict[str, list[RankResult]] = {}
-    for r in s.ranks:
+    for r in ranks:
         by_tier.setdefault(r.tier, []).append(r)
+    return [(t, by_tier[t]) for t in sorted(by_tier, key=lambda t: _TIER_ORDER.get(t, 9))]
+
+
+def _tiers(s: ScenarioResult) -> Text:
+    """e.g. ``local 0 2-3`` / ``peer 1``; a rank that came from the wrong tier is listed in red."""
     text = Text()
-    for tier in sorted(by_tier, key=lambda t: _TIER_ORDER.get(t, 9)):
+    for tier, ranks in tier_groups(s.ranks):
         if text:
             text.append("\n")
-        text.append(f"{tier:<5}", style=_TIER_STYLE.get(tier, "white"))
-        for r in by_tier[tier]:
-            text.append(f" {r.rank}", style="bold red" if r.tier != r.expected_tier else "")
+        text.append(f"{tier:<5} ", style=_TIER_STYLE.get(tier, "white"))
+        text.append(rank_ranges([r.rank for r in ranks if r.tier == r.expected_tier]))
+        wrong = [r.rank for r in ranks if r.tier != r.expected_tier]
+        if wrong:
+            text.append(" " + rank_ranges(wrong), style="bold red")
     return text
 
 

@@ -44,7 +44,15 @@ from tierckpt.contract import (
 )
 from tierckpt.demo import scenarios as sc
 from tierckpt.demo.launcher import Launcher, kill_process_group
-from tierckpt.demo.report import DemoConfig, DemoReport, RankResult, ScenarioResult, median
+from tierckpt.demo.report import (
+    DemoConfig,
+    DemoReport,
+    RankResult,
+    ScenarioResult,
+    median,
+    rank_ranges,
+    tier_groups,
+)
 from tierckpt.demo.training import TrainerEvent, parse_model_size, read_events
 from tierckpt.errors import FormatError, TierckptError
 from tierckpt.placement import plan_node_peers
@@ -272,7 +280,7 @@ class Demo:
         peers = ", ".join(f"{n}→{'+'.join(p)}" for n, p in self.assignment.peers.items())
         self._say(
             f"[green]✔[/] cluster up in {self.timings['setup_s']:.1f} s: {self.o.nodes} nodes ({mode}), "
-            f"peers {peers}; workdir {self.workdir}"
+            f"peers {peers}" + (f"; workdir {self.workdir}" if self.o.keep_workdir else "")
         )
         self._say(
             f"  model: {self.shape.params:,} parameters, {self.shape.state_bytes / _MiB:.1f} MiB "
@@ -632,7 +640,7 @@ class Demo:
             checks=tuple(checks),
         )
         self.results.append(result)
-        tiers = " ".join(f"{r.rank}:{r.tier}" for r in ranks)
+        tiers = ", ".join(f"{t} {rank_ranges([r.rank for r in rs])}" for t, rs in tier_groups(ranks))
         head = f"{result.name}: restored step {result.restored_step} ({tiers}) in {result.restore_s:.2f} s"
         if result.ok:
             self._say(f"[green]✔[/] {head}; state bit-exact, {compared} replayed losses identical")
