@@ -12,6 +12,7 @@ from client_helpers import assert_same, training_state
 from tierckpt import Checkpointer, MissingCheckpointError, SaveHandle, TierckptError
 from tierckpt.format import CommitMarker, read_manifest, step_dir
 from tierckpt.snapshot.pool import SPARE_DIR
+from tierckpt.verify import verify_step
 
 
 def data_inode(ck: Checkpointer, step: int) -> int:
@@ -192,3 +193,16 @@ def test_meta_tensors_in_the_destination_are_materialised(root, job):
         ck.load(dest)
     assert dest["w"].device.type == "cpu" and torch.equal(dest["w"], torch.arange(4.0))
     assert dest["a"].tolist() == [0, 1, 2]
+
+
+def test_steps_split_over_several_data_files_round_trip_and_recycle(root, job):
+    state = {f"t{i}": torch.full((50_000,), float(i)) for i in range(6)}  # 200 kB each
+    with Checkpointer(root=root, job=job, keep=1, max_file_bytes=450_000) as ck:
+        for step in range(1, 5):
+            ck.save(step, state, blocking=True)
+        manifest = read_manifest(step_dir(ck.rank_path, 4))
+        assert [f.name for f in manifest.files] == [f"data-0000{i}.bin" for i in range(3)]
+        verify_step(step_dir(ck.rank_path, 4))
+        dest = {}
+        ck.load(dest)
+    assert_same(state, dest)
