@@ -76,10 +76,11 @@ def test_a_new_process_loads_through_a_registered_mapping_and_verifies(root, job
         assert_same(state, dest)
         assert all(f.registered for f in ck._pool.slot_of(2).files)
         entry = next(t for t in read_manifest(step_dir(ck.rank_path, 2)).tensors if t.key == "bf16")
-        path = step_dir(ck.rank_path, 2) / entry.file
-        data = bytearray(path.read_bytes())
-        data[entry.offset + 3] ^= 0x10
-        path.write_bytes(bytes(data))
+        with open(step_dir(ck.rank_path, 2) / entry.file, "r+b") as f:  # bit rot in place
+            f.seek(entry.offset + 3)
+            byte = f.read(1)[0]
+            f.seek(entry.offset + 3)
+            f.write(bytes([byte ^ 0x10]))
         with pytest.raises(CorruptShardError) as info:
             ck.load(dest)
         assert info.value.key == "bf16"

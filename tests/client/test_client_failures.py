@@ -42,9 +42,12 @@ def two_steps(root, job):
 
 
 def flip(path: Path, offset: int, mask: int = 0x40) -> None:
-    data = bytearray(path.read_bytes())
-    data[offset] ^= mask
-    path.write_bytes(bytes(data))
+    """Flip bits of one byte in place (as bit rot would: no truncation, same inode and pages)."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([byte ^ mask]))
 
 
 def tensor_entry(ck: Checkpointer, step: int, key: str):
