@@ -85,6 +85,7 @@ def _check_report(report: DemoReport, network: str) -> None:
     assert "gcs" in {r.tier for r in gcs.ranks if r.lost}
     assert {r.tier for r in gcs.ranks if not r.lost} == {"local"}
     assert sorted(report.losses) == list(range(1, report.config.steps + 1))
+    assert [(c.name, c.ok) for c in report.checks] == [("curve", True), ("in-sync", True)]
 
 
 @pytest.mark.root

@@ -109,6 +109,18 @@ def test_checks_catch_every_kind_of_wrong_recovery() -> None:
     assert not checks["loss"].ok and "no replayed step" in checks["loss"].detail
 
 
+def test_run_checks() -> None:
+    good = sc.check_run(steps=3, losses={1: 0.5, 2: 0.4, 3: 0.3}, final_models={0: "x", 1: "x"}, world_size=2)
+    assert [(c.name, c.ok) for c in good] == [("curve", True), ("in-sync", True)]
+    bad = {
+        c.name: c for c in sc.check_run(steps=3, losses={1: 0.5}, final_models={0: "x", 1: "y"}, world_size=2)
+    }
+    assert not bad["curve"].ok and "[2, 3]" in bad["curve"].detail
+    assert not bad["in-sync"].ok and "2 different models" in bad["in-sync"].detail
+    missing = sc.check_run(steps=1, losses={1: 0.5}, final_models={0: "x"}, world_size=2)
+    assert not missing[1].ok
+
+
 def test_reference_keeps_the_first_value() -> None:
     ref = sc.Reference()
     ref.record({1: 0.5}, {(0, 5): "x"})

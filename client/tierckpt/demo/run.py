@@ -45,6 +45,7 @@ from tierckpt.contract import (
 from tierckpt.demo import scenarios as sc
 from tierckpt.demo.launcher import Launcher, kill_process_group
 from tierckpt.demo.report import (
+    Check,
     DemoConfig,
     DemoReport,
     RankResult,
@@ -170,6 +171,7 @@ class Demo:
         self.timings: dict[str, float] = {}
         self.trainers: Trainers | None = None
         self.lost: tuple[str, ...] = ()
+        self.run_checks: list[Check] = []
         self.launchers: dict[int, Launcher] = {}
         self._launchers_ready = False
         self.progress = Progress(
@@ -215,13 +217,21 @@ class Demo:
             peers=dict(self.assignment.peers) if self.assignment else {n: () for n in names},
         )
         ran_all = len(self.results) == len(self.o.scenarios)
-        ok = not error and ran_all and all(s.ok for s in self.results)
+        checks = self.run_checks
+        ok = (
+            not error
+            and ran_all
+            and all(s.ok for s in self.results)
+            and bool(checks)
+            and all(c.ok for c in checks)
+        )
         return DemoReport(
             ok=ok,
             config=config,
             scenarios=tuple(self.results),
             losses=dict(self.reference.losses),
             timings=self.timings,
+            checks=tuple(checks),
             workdir=str(self.workdir) if self.o.keep_workdir else "",
             error=error or ("" if ran_all else "not every scenario ran"),
         )
@@ -333,6 +343,7 @@ class Demo:
             self._record(events)
             before = events
             if segment.scenario is None:
+                self._finish(events)
                 break
             self._prepare_failure(segment)
             self.trainers.kill()
@@ -345,6 +356,14 @@ class Demo:
             self.lost = lost
             plan_at = self._publish_plan(segment.expected_restore)
         self.timings["training_s"] = time.monotonic() - t0
+
+    def _finish(self, events: dict[int, list[TrainerEvent]]) -> None:
+        finals = {r: e.sha256 for r, evs in events.items() for e in evs if e.event == "done"}
+        self.run_checks = sc.check_run(
+            steps=self.o.steps, losses=self.reference.losses, final_models=finals, world_size=self.o.nodes
+        )
+        for c in self.run_checks:
+            self._say(f"{'[green]✔[/]' if c.ok else '[red]✘[/]'} {c.name}: {c.detail}")
 
     def _record(self, events: dict[int, list[TrainerEvent]]) -> None:
         losses = {e.step: e.loss for e in events.get(0, []) if e.event == "step" and e.loss is not None}
@@ -389,7 +408,7 @@ class Demo:
     def _start_launchers(self) -> None:
         """One launcher per node, inside its namespace; they import torch while the cluster settles."""
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-        prefix = self._node_files() if self.cluster.netns else []
+        prefix = self._node_files() if self.cluster.netns and shutil.which("unshare") else []
         for node in self.cluster.nodes:
             self.launchers[node.index] = Launcher(partial(node.popen_in_node, env=env), prefix)
 

@@ -30,6 +30,7 @@ __all__ = [
     "Scenario",
     "Segment",
     "check_recovery",
+    "check_run",
     "expected_tiers",
     "lost_nodes",
     "plan_segments",
@@ -231,3 +232,25 @@ def check_recovery(
     """Every check of one recovery, and how many replayed steps were compared."""
     loss, compared = _loss_check(reference.losses, replayed)
     return [_step_check(expected_step, ranks), _tier_check(ranks), _state_check(ranks), loss], compared
+
+
+def check_run(
+    *, steps: int, losses: Mapping[int, float], final_models: Mapping[int, str], world_size: int
+) -> list[Check]:
+    """Run-wide checks: every step was trained, and every rank ended with the same model (data parallel)."""
+    missing = sorted(set(range(1, steps + 1)) - set(losses))
+    curve = Check(
+        "curve",
+        not missing,
+        f"losses of steps 1-{steps}"
+        if not missing
+        else f"no loss for steps {missing[:10]}{'...' if len(missing) > 10 else ''}",
+    )
+    digests = set(final_models.values())
+    in_sync = len(final_models) == world_size and len(digests) == 1
+    detail = (
+        "every rank ended with the same model weights"
+        if in_sync
+        else (f"{len(final_models)} of {world_size} ranks finished, with {len(digests)} different models")
+    )
+    return [curve, Check("in-sync", in_sync, detail)]

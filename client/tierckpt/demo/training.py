@@ -339,7 +339,7 @@ def run(args: argparse.Namespace) -> None:
         signal.pause()  # the orchestrator kills us: a crash at a known point
     ckpt.close()
     dist.barrier()
-    events.emit("done", step=args.until)
+    events.emit("done", step=args.until, sha256=state_sha256(state["model"]))
     dist.destroy_process_group()
 
 
