@@ -23,7 +23,7 @@ import torch
 from tierckpt import cuda
 from tierckpt.errors import CorruptShardError, FormatError
 from tierckpt.format import OBJECTS_NAME, Manifest, TensorEntry, iter_data_files
-from tierckpt.integrity import crc32c, crc32c_address
+from tierckpt.integrity import crc32c
 from tierckpt.snapshot.copy import copy_cpu, region_crcs
 from tierckpt.snapshot.dtypes import numpy_dtype, torch_dtype
 from tierckpt.snapshot.flatten import restore_into
@@ -88,9 +88,9 @@ def read_objects(step_path: Path, manifest: Manifest) -> list[Any]:
 class _Filler:
     """Supplies tensor ``i`` for ``restore_into``; ``finish`` moves the bytes in.
 
-    CUDA destinations: one batch of host-to-device copies from the mapping, checksummed on threads
-    concurrently (started as soon as each tensor is seen). CPU destinations: checksummed, then copied
-    in one parallel batch, so a corrupt step leaves their bytes untouched.
+    CUDA destinations: one batch of host-to-device copies from the mapping, while the same regions
+    are checksummed on threads (``region_crcs``). CPU destinations: checksummed, then copied in one
+    parallel batch, so a corrupt step leaves their bytes untouched.
     """
 
     def __init__(
@@ -107,21 +107,20 @@ class _Filler:
         self.views = views
         self.verify = verify
         self.device = device
-        self.pending: list[tuple[int, concurrent.futures.Future[int]]] = []
         self.cpu: list[tuple[int, torch.Tensor]] = []
         self.gpu: list[tuple[int, torch.Tensor]] = []
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
 
-    def check(self, i: int, crc: int) -> None:
-        entry = self.entries[i]
-        if crc != entry.crc32c:
-            path = self.step_path / entry.file
-            raise CorruptShardError(
-                f"{path}: tensor {entry.key!r} at [{entry.offset}, {entry.offset + entry.length}) has crc32c "
-                f"{crc:08x}, manifest says {entry.crc32c:08x}",
-                path=str(path),
-                key=entry.key,
-            )
+    def check(self, indices: Sequence[int], crcs: Sequence[int]) -> None:
+        for i, crc in zip(indices, crcs, strict=True):
+            entry = self.entries[i]
+            if crc != entry.crc32c:
+                path = self.step_path / entry.file
+                raise CorruptShardError(
+                    f"{path}: tensor {entry.key!r} at [{entry.offset}, {entry.offset + entry.length}) has "
+                    f"crc32c {crc:08x}, manifest says {entry.crc32c:08x}",
+                    path=str(path),
+                    key=entry.key,
+                )
 
     def _target(self, i: int, existing: torch.Tensor | None) -> torch.Tensor:
         src = self.views[i]
@@ -137,15 +136,7 @@ class _Filler:
 
     def __call__(self, i: int, existing: torch.Tensor | None) -> torch.Tensor:
         target = self._target(i, existing)
-        if not cuda.is_cuda(target):
-            self.cpu.append((i, target))
-            return target
-        if self.verify:  # checksummed on threads while the DMA runs
-            if self._pool is None:
-                self._pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="tierckpt-verify")
-            address = self.views[i].data_ptr()
-            self.pending.append((i, self._pool.submit(crc32c_address, address, self.entries[i].length)))
-        self.gpu.append((i, target))
+        (self.gpu if cuda.is_cuda(target) else self.cpu).append((i, target))
         return target
 
     def array(self, i: int, existing: Any) -> np.ndarray:
@@ -165,24 +156,24 @@ class _Filler:
         self.cpu.append((i, target))
         return target.numpy()
 
-    def finish(self, *, check: bool = True) -> None:
-        """Copy to the GPU and wait (checksums run meanwhile); checksum then copy the CPU tensors."""
-        try:
-            if not check:
-                return
-            if self.gpu:
+    def _crcs(self, indices: Sequence[int]) -> list[int]:
+        return region_crcs([(self.views[i].data_ptr(), self.entries[i].length) for i in indices])
+
+    def finish(self) -> None:
+        """Copy to the GPU while checksumming; checksum then copy the CPU tensors."""
+        if self.gpu:
+            indices = [i for i, _ in self.gpu]
+            with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tierckpt-verify") as pool:
+                crcs = pool.submit(self._crcs, indices) if self.verify else None
                 with torch.no_grad():
-                    cuda.copy_to_device([t for _, t in self.gpu], [self.views[i] for i, _ in self.gpu])
-            for i, future in self.pending:
-                self.check(i, future.result())
-            if self.verify and self.cpu:
-                regions = [(self.views[i].data_ptr(), self.entries[i].length) for i, _ in self.cpu]
-                for (i, _), crc in zip(self.cpu, region_crcs(regions), strict=True):
-                    self.check(i, crc)
-            copy_cpu([t for _, t in self.cpu], [self.views[i] for i, _ in self.cpu])
-        finally:
-            if self._pool is not None:
-                self._pool.shutdown(wait=True, cancel_futures=True)
+                    cuda.copy_to_device([t for _, t in self.gpu], [self.views[i] for i in indices])
+                if crcs is not None:
+                    self.check(indices, crcs.result())
+        if self.cpu:
+            indices = [i for i, _ in self.cpu]
+            if self.verify:
+                self.check(indices, self._crcs(indices))
+            copy_cpu([t for _, t in self.cpu], [self.views[i] for i in indices])
 
 
 def load_into(
@@ -210,11 +201,7 @@ def load_into(
         verify=verify,
         device=None if device is None else torch.device(device),
     )
-    try:
-        restore_into(
-            dest, manifest.tree, fill=filler, fill_array=filler.array, n_tensors=len(views), objects=objects
-        )
-    except BaseException:
-        filler.finish(check=False)
-        raise
+    restore_into(
+        dest, manifest.tree, fill=filler, fill_array=filler.array, n_tensors=len(views), objects=objects
+    )
     filler.finish()
