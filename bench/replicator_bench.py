@@ -123,7 +123,7 @@ s.close()
 
 
 def raw_tcp(a: Node, b: Node, size: int, *, into_ramdisk: bool = False) -> float:
-    """Bytes per second of plain Python TCP from A to B (best of 3): discarded on arrival, or written
+    """Bytes per second of plain Python TCP from A to B: discarded on arrival, or written
     into B's ramdisk (``pwrite`` of each received block, no verification)."""
     best = 0.0
     dest = [str(b.root / ".bench-raw")] if into_ramdisk else []
@@ -325,39 +325,57 @@ def _tree(pid: int) -> list[int]:
 
 
 def training_slowdown(
-    cluster: LocalCluster, size: int, blob: bytes, *, seconds: float, interval: float, pin: bool
+    cluster: LocalCluster,
+    size: int,
+    blob: bytes,
+    *,
+    seconds: float,
+    interval: float,
+    pin: bool,
+    rounds: int = 3,
 ) -> dict[str, Any]:
-    """Median training step time idle vs while A replicates a new step every ``interval`` seconds."""
+    """Median training step time in idle windows vs replicating windows (a new step every ``interval``
+    s), interleaved ``rounds`` times in one training process so drifts of the machine's load hit both."""
     a = cluster.nodes[0]
-    job = cluster.job
     ncpu = os.cpu_count() or 1
     threads = 1 if pin else ncpu
     reps = [p for n in cluster.nodes if n.proc for p in _tree(n.proc.pid)]
     if pin and ncpu > 1:
         _pin(reps, set(range(1, ncpu)))
-    phases: dict[str, list[float]] = {}
-    sent = 0
-    for phase in ("idle", "replicating"):
-        loader = _Load(a, job, size, blob, interval) if phase == "replicating" else None  # writes data now
-        train = a.popen_in_node(
-            [sys.executable, "-c", _TRAIN, str(threads), str(seconds)], stdout=subprocess.PIPE, text=True
-        )
-        if pin:
-            _pin([train.pid], {0})
-        assert train.stdout is not None and train.stdout.readline().strip() == "ready"
-        if loader is not None:
-            loader.start()
-        samples = json.loads(train.stdout.readline())
-        train.wait()
-        if loader is not None:
-            loader.stop.set()
-            loader.join()
-            if loader.error is not None:
-                raise loader.error
-            sent = loader.count
-        phases[phase] = [d for _, d in samples]
+    window = seconds / 2
+    total = window * 2 * rounds
+    loader = _Load(a, cluster.job, size, blob, interval)  # writes its one data file now, before timing
+    train = a.popen_in_node(
+        [sys.executable, "-c", _TRAIN, str(threads), str(total)], stdout=subprocess.PIPE, text=True
+    )
+    if pin:
+        _pin([train.pid], {0})
+    assert train.stdout is not None and train.stdout.readline().strip() == "ready"
+    start = time.perf_counter()
+    loader.start()
+    windows: list[tuple[float, float, str]] = []
+    for r in range(rounds):
+        for phase in ("idle", "replicating"):
+            t0 = start + (2 * r + (phase == "replicating")) * window
+            if phase == "replicating":
+                loader.active.set()
+            time.sleep(max(0.0, t0 + window - time.perf_counter()))
+            loader.active.clear()
+            windows.append((t0, t0 + window, phase))
+    samples = json.loads(train.stdout.readline())
+    train.wait()
+    loader.stop.set()
+    loader.active.set()
+    loader.join()
+    if loader.error is not None:
+        raise loader.error
     if pin and ncpu > 1:
         _pin(reps, set(range(ncpu)))
+    phases: dict[str, list[float]] = {"idle": [], "replicating": []}
+    for t, d in samples:  # steps wholly inside a window (the load stops within ~0.1 s of its end)
+        for lo, hi, phase in windows:
+            if lo + 0.2 <= t and t + d <= hi:
+                phases[phase].append(d)
     idle, busy = statistics.median(phases["idle"]), statistics.median(phases["replicating"])
     return {
         "threads": threads,
@@ -365,12 +383,14 @@ def training_slowdown(
         "idle_step_ms": idle * 1e3,
         "replicating_step_ms": busy * 1e3,
         "slowdown_pct": (busy / idle - 1) * 100,
-        "steps_replicated": sent,
+        "steps_replicated": loader.count,
+        "samples": {k: len(v) for k, v in phases.items()},
     }
 
 
 class _Load(threading.Thread):
-    """Commit a new step in A's rank dir every ``interval`` s; the replicator sends each one.
+    """While ``active`` is set, commit a new step in A's rank dir every ``interval`` s (the replicator
+    sends each one).
 
     The steps share one data file (hard links) and only their manifest and COMMIT are written, so the
     load is replication alone: none of the CPU time goes into producing the steps."""
@@ -379,7 +399,7 @@ class _Load(threading.Thread):
         super().__init__(daemon=True)
         self.parent = rank_dir(a.root, job, 0)
         self.job, self.size, self.interval = job, size, interval
-        self.stop = threading.Event()
+        self.stop, self.active = threading.Event(), threading.Event()
         self.count = 0
         self.error: BaseException | None = None
         self.first = 1_000_000 + int(time.time()) % 100_000 * 10
@@ -394,7 +414,10 @@ class _Load(threading.Thread):
 
     def _run(self) -> None:
         step = self.first + 1
-        while not self.stop.is_set():
+        while True:
+            self.active.wait()
+            if self.stop.is_set():
+                return
             t0 = time.perf_counter()
             staged = self.parent / ".bench" / f"s{step}"
             staged.mkdir()
@@ -419,8 +442,15 @@ def main(argv: list[str] | None = None) -> int:
         epilog=textwrap.dedent(__doc__.split("\n\n", 1)[1]),
     )
     p.add_argument("--size-mib", type=int, default=256, help="bytes of one rank's step (MiB) [256]")
-    p.add_argument("--repeat", type=int, default=3, help="repetitions of the transfer measurements [3]")
-    p.add_argument("--train-seconds", type=float, default=8.0, help="training time per phase [8]")
+    p.add_argument(
+        "--repeat", type=int, default=5, help="rounds of the transfer measurements (best kept) [5]"
+    )
+    p.add_argument(
+        "--train-seconds",
+        type=float,
+        default=8.0,
+        help="seconds of one idle + one replicating window; 3 rounds are interleaved [8]",
+    )
     p.add_argument(
         "--interval", type=float, default=1.0, help="seconds between replicated steps while training [1]"
     )
@@ -460,15 +490,20 @@ def main(argv: list[str] | None = None) -> int:
     ) as cluster:
         a, b = cluster.nodes[0], cluster.nodes[1]
         _renice(cluster, 0)  # transfers at the baseline's priority; the training phase restores nice 10
-        raw = raw_tcp(a, b, size)
-        raw_tmpfs = raw_tcp(a, b, size, into_ramdisk=True)
-        rates = data_path(cluster, size, blob, args.repeat)
+        raws, raws_tmpfs, rates = [], [], []
+        for _ in range(args.repeat):  # interleaved, so a drift of the machine's load hits all three
+            raws.append(raw_tcp(a, b, size))
+            raws_tmpfs.append(raw_tcp(a, b, size, into_ramdisk=True))
+            rates += data_path(cluster, size, blob, 1)
+        raw, raw_tmpfs = max(raws), max(raws_tmpfs)
         e2e = end_to_end(cluster, size, blob, args.repeat)
         result["raw_tcp_gbps"] = raw / 1e9
         result["raw_tcp_into_ramdisk_gbps"] = raw_tmpfs / 1e9
         result["data_path_over_raw_tcp_into_ramdisk"] = max(rates) / raw_tmpfs
         result["data_path_gbps"] = max(rates) / 1e9
         result["data_path_gbps_all"] = [r / 1e9 for r in rates]
+        result["raw_tcp_gbps_all"] = [r / 1e9 for r in raws]
+        result["raw_tcp_into_ramdisk_gbps_all"] = [r / 1e9 for r in raws_tmpfs]
         result["data_path_over_raw_tcp"] = max(rates) / raw
         result["end_to_end_seconds"] = min(e2e)
         result["end_to_end_gbps"] = size / min(e2e) / 1e9

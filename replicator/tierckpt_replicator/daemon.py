@@ -69,6 +69,7 @@ def worker_config(settings: Settings) -> WorkerConfig:
         reserve_bytes=settings.reserve_bytes,
         replica_keep=settings.replica_keep,
         nice=settings.worker_nice,
+        idle_class=settings.worker_idle,
         log_level=settings.log_level,
         send_method="sendfile" if settings.send_method == "sendfile" else "mmap",
     )

@@ -125,6 +125,13 @@ class Settings:
         default=10,
         metadata=_opt("Niceness of the replication worker process (it never competes with training)."),
     )
+    worker_idle: bool = dataclasses.field(
+        default=False,
+        metadata=_opt(
+            "Run the worker under SCHED_IDLE: it only gets CPU nobody else wants (strictest "
+            "deference to training; replication may stall while every core is busy)."
+        ),
+    )
     # --- restore
     restore_on_start: bool = dataclasses.field(
         default=True, metadata=_opt("Stage this node's ranks for restore when the daemon starts.")

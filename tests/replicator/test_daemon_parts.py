@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import subprocess
 import sys
 import time
@@ -168,3 +169,25 @@ def test_docs_describe_every_option():
     doc = (Path(__file__).resolve().parents[2] / "docs" / "replicator.md").read_text()
     for f in dataclasses.fields(Settings):
         assert f"`--{f.name.replace('_', '-')}" in doc, f.name
+
+
+async def test_worker_runs_at_lower_priority(tmp_path: Path):
+    token = tmp_path / "token"
+    token.write_text("tok\n")
+    settings = Settings(
+        node_name="n",
+        root=tmp_path,
+        token_file=token,
+        advertise_host="127.0.0.1",
+        listen_host="127.0.0.1",
+        worker_nice=7,
+        worker_idle=True,
+    )
+    sup = WorkerSupervisor(dataclasses.replace(worker_config(settings), data_port=0))
+    await sup.start()
+    try:
+        assert sup.pid is not None
+        assert os.getpriority(os.PRIO_PROCESS, sup.pid) == os.getpriority(os.PRIO_PROCESS, 0) + 7
+        assert os.sched_getscheduler(sup.pid) == os.SCHED_IDLE
+    finally:
+        await sup.stop()

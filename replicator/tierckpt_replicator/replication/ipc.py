@@ -70,6 +70,7 @@ class WorkerConfig(Message):
     reserve_bytes: int = 64 << 20
     replica_keep: int = 2
     nice: int = 10
+    idle_class: bool = False
     log_level: str = "INFO"
     send_method: Literal["mmap", "sendfile"] = "mmap"
 

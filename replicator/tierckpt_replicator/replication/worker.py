@@ -46,10 +46,16 @@ _SYS_IOPRIO_SET = {"x86_64": 251, "aarch64": 30}
 _PROGRESS_EVERY = 0.25
 
 
-def lower_priority(nice: int) -> None:
-    """nice(``nice``) and best-effort I/O class at its lowest level (ionice -c2 -n7)."""
+def lower_priority(nice: int, idle_class: bool = False) -> None:
+    """nice(``nice``), best-effort I/O class at its lowest level (ionice -c2 -n7), and optionally the
+    SCHED_IDLE CPU class. Called before any other thread starts: every thread inherits it."""
     if nice > 0:
         os.nice(nice)
+    if idle_class and hasattr(os, "SCHED_IDLE"):
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        except OSError as exc:  # pragma: no cover - refused by a seccomp profile, say
+            log.warning("cannot switch to SCHED_IDLE: %s", exc)
     nr = _SYS_IOPRIO_SET.get(os.uname().machine)
     if nr is None:
         return
@@ -158,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s [worker] %(name)s: %(message)s",
     )
-    lower_priority(config.nice)
+    lower_priority(config.nice, config.idle_class)
     ctx = DataContext.from_config(config, emit=chan.send)
     removed = remove_stale_incoming(Path(config.root))
     if removed:
