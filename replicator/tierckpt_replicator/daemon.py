@@ -410,6 +410,7 @@ async def serve(settings: Settings) -> None:
             access_log=False,
             log_level=settings.log_level.lower(),
             timeout_graceful_shutdown=5,
+            limit_concurrency=128,
         )
     )
     stop = asyncio.Event()

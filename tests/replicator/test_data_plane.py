@@ -344,3 +344,17 @@ class LocalWait:
         while not predicate():
             assert time.monotonic() < deadline, "condition not met in time"
             time.sleep(0.01)
+
+
+def test_idle_connections_are_bounded(make_peer):
+    b = make_peer("b", max_incoming=1)
+    idle = [socket.create_connection(("127.0.0.1", b.server.port), timeout=5) for _ in range(12)]
+    try:
+        LocalWait.until(lambda: b.server._connections._value == 0)
+        extra = socket.create_connection(("127.0.0.1", b.server.port), timeout=5)
+        with extra:
+            assert extra.recv(1) == b""  # closed at once: an idle crowd cannot exhaust the node
+    finally:
+        for s in idle:
+            s.close()
+    LocalWait.until(lambda: b.server._connections._value == 12)  # and the slots come back

@@ -70,6 +70,7 @@ class DataServer:
     def __init__(self, ctx: DataContext) -> None:
         self.ctx = ctx
         self._slots = threading.BoundedSemaphore(ctx.config.max_incoming)
+        self._connections = threading.BoundedSemaphore(4 * ctx.config.max_incoming + 8)
         self._claims: set[tuple[str, int, int]] = set()
         self._claims_lock = threading.Lock()
         self._listener: socket.socket | None = None
@@ -108,7 +109,19 @@ class DataServer:
                     return
                 time.sleep(0.05)
                 continue
-            threading.Thread(target=self._serve, args=(conn, addr), name="data-conn", daemon=True).start()
+            if not self._connections.acquire(blocking=False):  # idle or hostile connections: bounded
+                log.warning("data %s: too many open connections; closing this one", addr[0])
+                conn.close()
+                continue
+            threading.Thread(
+                target=self._serve_counted, args=(conn, addr), name="data-conn", daemon=True
+            ).start()
+
+    def _serve_counted(self, conn: socket.socket, addr: tuple[str, int]) -> None:
+        try:
+            self._serve(conn, addr)
+        finally:
+            self._connections.release()
 
     # ------------------------------------------------------------------ one connection
 
