@@ -96,40 +96,40 @@ async def run(
 async def _elected(runtime: Runtime, stop: asyncio.Event, ready: asyncio.Event) -> int:
     s = runtime.settings
     kube = Kube(await asyncio.to_thread(api_client, s.server, s.kubeconfig))
-    elector = LeaseElector(
-        kube, s.namespace, s.lease_name, s.pod_name or socket.gethostname(), s.lease_duration
-    )
-    standby_stop = asyncio.Event()
-    standby = asyncio.create_task(_kopf(runtime, "webhook", standby_stop, ready))
-    acquire = asyncio.create_task(elector.acquire())
-    stopping = asyncio.create_task(stop.wait())
-    await asyncio.wait({acquire, stopping, standby}, return_when=asyncio.FIRST_COMPLETED)
-    standby_stop.set()
-    await asyncio.gather(standby, return_exceptions=True)
-    if not acquire.done():
-        acquire.cancel()
-        stopping.cancel()
-        kube.close()
-        return 0
-    lost = asyncio.Event()
-    holding = asyncio.create_task(elector.hold(lost))
-    leader_stop = asyncio.Event()
-    relay = asyncio.create_task(_first(stop, lost, leader_stop))
-    ready.clear()
+    identity = s.pod_name or socket.gethostname()
+    elector = LeaseElector(kube, s.namespace, s.lease_name, identity, s.lease_duration)
+    acquired, lost, standby_stop, leader_stop = (asyncio.Event() for _ in range(4))
+    # Every helper task exists before kopf starts: kopf cancels tasks created after its start.
+    electing = asyncio.create_task(elector.run(acquired, lost))
+    relays = [
+        asyncio.create_task(_first((stop, acquired), standby_stop)),
+        asyncio.create_task(_first((stop, lost), leader_stop)),
+    ]
     try:
+        await _kopf(runtime, "webhook", standby_stop, ready)
+        if stop.is_set() or lost.is_set():
+            return 1 if lost.is_set() and not stop.is_set() else 0
+        ready.clear()
         await _kopf(runtime, "leader", leader_stop, ready)
+        return 1 if lost.is_set() and not stop.is_set() else 0
     finally:
-        for task in (holding, relay, stopping):
+        electing.cancel()
+        for task in relays:
             task.cancel()
+        await asyncio.gather(electing, *relays, return_exceptions=True)
+        if acquired.is_set() and not lost.is_set():
+            await elector.release()
         kube.close()
-    return 1 if lost.is_set() and not stop.is_set() else 0
 
 
-async def _first(a: asyncio.Event, b: asyncio.Event, then: asyncio.Event) -> None:
-    waits = [asyncio.create_task(a.wait()), asyncio.create_task(b.wait())]
-    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-    for w in waits:
-        w.cancel()
+async def _first(events: tuple[asyncio.Event, ...], then: asyncio.Event) -> None:
+    """Set ``then`` as soon as any of ``events`` is set.
+
+    Polls instead of waiting in sub-tasks: kopf cancels every task created after it started when it
+    stops, and a cancelled sub-task would look like a set event.
+    """
+    while not any(e.is_set() for e in events):
+        await asyncio.sleep(0.1)
     then.set()
 
 

@@ -197,3 +197,17 @@ class Kube:
             if exc.status == 409:
                 return False
             raise
+
+    async def release_lease(self, namespace: str, name: str, holder: str) -> None:
+        """Give the Lease up (clean shutdown), so a standby takes over without waiting for expiry."""
+        try:
+            lease = await self._call(self.leases.read_namespaced_lease, name, namespace)
+            if lease.spec is None or lease.spec.holder_identity != holder:
+                return
+            patch = {
+                "metadata": {"resourceVersion": lease.metadata.resource_version},
+                "spec": {"holderIdentity": ""},
+            }
+            await self._call(self.leases.patch_namespaced_lease, name, namespace, patch)
+        except ApiException as exc:
+            log.warning("could not release lease %s/%s: %s", namespace, name, exc.reason)

@@ -48,3 +48,12 @@ class LeaseElector:
                 log.error("lost the lease %s/%s", self.namespace, self.name)
                 lost.set()
                 return
+
+    async def run(self, acquired: asyncio.Event, lost: asyncio.Event) -> None:
+        """Acquire, set ``acquired``, renew from then on without a gap; set ``lost`` if renewal fails."""
+        await self.acquire()
+        acquired.set()
+        await self.hold(lost)
+
+    async def release(self) -> None:
+        await self.kube.release_lease(self.namespace, self.name, self.identity)

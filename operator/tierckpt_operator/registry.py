@@ -90,6 +90,9 @@ def _configure_kopf(kopf_settings: kopf.OperatorSettings, settings: Settings) ->
         prefix="tierckpt.io", key="last-handled-configuration"
     )
     kopf_settings.posting.level = logging.WARNING
+    # Retry API errors quickly at first (the default starts at 1 s, then 1, 2, 3 s): it also shortens a
+    # shutdown that catches discovery requests in flight, i.e. a standby's promotion to leader.
+    kopf_settings.networking.error_backoffs = (0.1, 0.5, 1, 2, 3, 5, 8, 13, 21)
     if settings.pod_selector:
         kopf_settings.watching.label_selectors["v1", "pods"] = settings.pod_selector
     if settings.webhook_enabled:

@@ -15,6 +15,7 @@ import asyncio
 import base64
 import contextlib
 import copy
+import dataclasses
 import datetime
 import functools
 import json
@@ -22,6 +23,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -34,6 +36,9 @@ import jsonpatch
 import kmock
 import pytest
 import yaml
+from tierckpt_operator.__main__ import run
+from tierckpt_operator.runtime import Runtime
+from tierckpt_operator.settings import Settings
 
 T = TypeVar("T")
 
@@ -66,6 +71,15 @@ CKJOBS = "/apis/tierckpt.io/v1alpha1/namespaces/{ns}/checkpointjobs"
 PODS = "/api/v1/namespaces/{ns}/pods"
 
 
+async def port_open(port: int) -> bool:
+    try:
+        _, writer = await asyncio.open_connection("127.0.0.1", port)
+    except OSError:
+        return False
+    writer.close()
+    return True
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -84,7 +98,7 @@ async def eventually(check: Callable[[], Awaitable[T] | T], timeout: float = 20.
             if value:
                 return value
             last = value
-        except (AssertionError, KeyError, LookupError) as exc:
+        except (AssertionError, KeyError, LookupError, httpx.TransportError) as exc:
             last = exc
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what or check}: last {last!r}")
@@ -541,3 +555,119 @@ class Cluster:
         for pod in self.pods(namespace, name):
             await self.delete(f"{PODS.format(ns=namespace)}/{pod['metadata']['name']}")
         return attempt
+
+
+# ------------------------------------------------------------------------------------ the operator
+
+
+class OperatorThread:
+    """The operator in its own thread and event loop, as in production a process of its own.
+
+    kopf cancels every task created after it started when it stops; in the test's loop that would
+    include pytest's own fixture tasks, hence the thread (kopf's ``KopfRunner`` does the same).
+    """
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.runtime: Runtime | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.stop_event: asyncio.Event | None = None
+        self.exit_code: int | None = None
+        self.error: BaseException | None = None
+        self._started = threading.Event()
+        self.thread = threading.Thread(target=self._main, name="operator", daemon=True)
+
+    def _main(self) -> None:
+        loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)
+        self.loop, self.stop_event = loop, asyncio.Event()
+        self.runtime = Runtime(self.settings)
+        self._started.set()
+        try:
+            self.exit_code = loop.run_until_complete(
+                run(self.settings, self.stop_event, signals=False, runtime=self.runtime)
+            )
+        except BaseException as exc:  # reported by the test through .error
+            self.error = exc
+        finally:
+            loop.close()
+
+    def start(self) -> None:
+        self.thread.start()
+        self._started.wait(10)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Blocking: call it through ``asyncio.to_thread`` from a test whose loop serves the API."""
+        if self.loop is not None and self.stop_event is not None and self.thread.is_alive():
+            self.loop.call_soon_threadsafe(self.stop_event.set)
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), "the operator did not stop"
+
+
+@dataclasses.dataclass
+class Env:
+    kube: Any
+    cluster: Cluster
+    replicators: Replicators
+    settings: Settings
+    operator: OperatorThread | None = None
+
+    async def add_nodes(self, *spec: tuple[str, str]) -> list[Node]:
+        nodes = [await self.replicators.start(name, zone) for name, zone in spec]
+        await self.replicators.wait_ready(*(n.name for n in nodes))
+        for node in nodes:
+            await self.cluster.add_node(node)
+        return nodes
+
+    async def start_operator(self) -> None:
+        self.operator = OperatorThread(self.settings)
+        self.operator.start()
+        await eventually(self._webhook_up, 20, "operator webhook listening")
+
+    async def _webhook_up(self) -> bool:
+        assert self.operator is not None
+        if not self.operator.thread.is_alive():
+            raise RuntimeError(f"operator exited: {self.operator.exit_code} {self.operator.error!r}")
+        try:
+            _, writer = await asyncio.open_connection("127.0.0.1", self.settings.webhook_port)
+        except OSError:
+            return False
+        writer.close()
+        return True
+
+    def lease_holder(self, name: str = "tierckpt-operator") -> str | None:
+        key = (kmock.resource("coordination.k8s.io/v1/leases"), self.settings.namespace, name)
+        if key not in self.kube.objects or self.kube.objects[key].deleted:
+            return None
+        return self.kube.objects[key].raw.get("spec", {}).get("holderIdentity")
+
+    async def stop_operator(self) -> None:
+        if self.operator is not None:
+            await asyncio.to_thread(self.operator.stop)
+            error, self.operator = self.operator.error, None
+            if error is not None:
+                raise error
+
+
+def operator_settings(kube: Any, tmp: Path, tls: Path, **overrides: object) -> Settings:
+    tmp.mkdir(parents=True, exist_ok=True)
+    token = tmp / "token"
+    token.write_text(TOKEN)
+    values: dict[str, object] = dict(
+        server=str(kube.url).rstrip("/"),
+        namespace=SYSTEM_NS,
+        token_file=str(token),
+        webhook_port=free_port(),
+        webhook_addr="127.0.0.1",
+        webhook_cert_dir=str(tls),
+        metrics_port=0,
+        debounce=0.05,
+        resync_interval=2.0,
+        refresh_interval=1.0,
+        restore_grace=3.0,
+        config_status_interval=0.5,
+        http_timeout=2.0,
+        http_retries=2,
+    )
+    values.update(overrides)
+    return Settings(**values)  # type: ignore[arg-type]
