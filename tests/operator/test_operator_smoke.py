@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import kubernetes
@@ -114,6 +115,11 @@ def test_console_script_against_standalone_emulator(emulator, tmp_path):
             return got if all(got.values()) else None
 
         assert _wait(ranks, what="rank annotations") == {"node-0": "0", "node-1": "1"}
+        probes = f"http://127.0.0.1:{env['TIERCKPT_OPERATOR_METRICS_PORT']}"
+        assert urllib.request.urlopen(f"{probes}/healthz", timeout=5).status == 200
+        assert urllib.request.urlopen(f"{probes}/readyz", timeout=5).status == 200
+        metrics = urllib.request.urlopen(f"{probes}/metrics", timeout=5).read().decode()
+        assert "tierckpt_operator_rank_assignments_total 1.0" in metrics
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
     finally:
