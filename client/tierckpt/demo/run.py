@@ -66,6 +66,19 @@ log = logging.getLogger(__name__)
 JOB = "tierckpt-demo"
 BUCKET_PREFIX = "tierckpt"
 _MiB = 1 << 20
+_GiB = 1 << 30
+_PROCESS_BYTES = 600 * _MiB
+"""A node's processes: the launcher (torch imported), the training process, the replicator and its worker."""
+
+
+def _available_memory() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 class DemoError(TierckptError):
@@ -96,8 +109,20 @@ class DemoOptions:
             raise ValueError("the peer and gcs scenarios need at least 2 nodes")
         if self.checkpoint_every < 2:
             raise ValueError("--checkpoint-every must be at least 2 (a recovery must replay some steps)")
-        parse_model_size(self.model_size)
+        shape = parse_model_size(self.model_size)
         sc.plan_segments(self.steps, self.checkpoint_every, self.scenarios)
+        need, have = self.memory_needed(shape.state_bytes), _available_memory()
+        if have is not None and need > have:
+            raise ValueError(
+                f"{self.nodes} nodes with --model-size {self.model_size} need about {need / _GiB:.1f} GiB of "
+                f"memory and {have / _GiB:.1f} GiB is available: use a smaller --model-size or fewer --nodes"
+            )
+
+    def memory_needed(self, state_bytes: int) -> int:
+        """A rough upper bound: per node the client's slots (keep + 1), K replicas kept twice, staging,
+        the training process (weights, grads, Adam) and the bucket's copies; plus the processes."""
+        per_node = state_bytes * (3 + 2 * self.replicas + 1 + 2 + 3) + _PROCESS_BYTES
+        return self.nodes * per_node + _GiB
 
 
 # ------------------------------------------------------------------------------------- trainers

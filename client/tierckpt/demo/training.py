@@ -57,6 +57,8 @@ log = logging.getLogger(__name__)
 
 D_IN, D_OUT, DEPTH, BATCH = 32, 8, 3, 64
 LR = 3e-3
+WARMUP = 10
+"""Steps of linear learning-rate warm-up (Adam on wide layers overshoots without it)."""
 
 MODEL_PRESETS = {"tiny": 20_000, "small": 1_000_000, "medium": 10_000_000, "large": 100_000_000}
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
@@ -188,6 +190,8 @@ def train_step(net: Net, opt: torch.optim.Adam, stats: torch.Tensor, *, seed: in
         n = p.numel()
         p.grad.copy_(flat[offset : offset + n].view_as(p))
         offset += n
+    for group in opt.param_groups:  # a pure function of the step: nothing to restore
+        group["lr"] = LR * min(1.0, step / WARMUP)
     opt.step()
     local = loss.detach()
     stats[0] += 1
