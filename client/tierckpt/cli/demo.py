@@ -54,7 +54,9 @@ def demo_command(
     replicas: int = typer.Option(
         1, "--replicas", min=1, help="Peers holding each node's replicas.", hidden=True
     ),
-    loopback: bool = typer.Option(False, "--loopback", help="Loopback ports even as root.", hidden=True),
+    loopback: bool = typer.Option(
+        False, "--loopback", help="Nodes on loopback ports with plain directories, even as root."
+    ),
     timeout: float = typer.Option(
         300.0, "--timeout", min=5.0, help="Longest wait for one phase [s].", hidden=True
     ),
