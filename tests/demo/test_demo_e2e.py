@@ -127,3 +127,20 @@ def test_ctrl_c_cleans_up_everything() -> None:
     while _leftovers(proc.pid) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert _leftovers(proc.pid) == []
+
+
+def test_a_wrong_restore_fails_the_demo() -> None:
+    """Negative control: rank 0 flips one bit of its state after the first restore; the demo must say so
+    (the state check names the rank) and exit 1."""
+    result, pid = _run_demo(*SMALL, "--loopback", "--scenarios", "local", "--flip-restored-bit", "--json")
+    assert result.returncode == 1, result.stderr[-3000:]
+    report = DemoReport.from_bytes(result.stdout)
+    assert not report.ok and not report.error
+    (local,) = report.scenarios
+    failed = {c.name: c for c in local.checks if not c.ok}
+    assert (
+        "state" in failed and "rank 0:" in failed["state"].detail and "rank 1" not in failed["state"].detail
+    )
+    assert [r.rank for r in local.ranks if r.state_sha256 != r.reference_sha256] == [0]
+    assert "SOME CHECKS FAILED" in result.stderr and "Traceback" not in result.stderr
+    assert _leftovers(pid) == []

@@ -57,6 +57,12 @@ def demo_command(
     loopback: bool = typer.Option(
         False, "--loopback", help="Nodes on loopback ports with plain directories, even as root."
     ),
+    flip_bit: bool = typer.Option(
+        False,
+        "--flip-restored-bit",
+        hidden=True,
+        help="Negative control: flip a bit of rank 0's state after the first restore; checks must fail.",
+    ),
     timeout: float = typer.Option(
         300.0, "--timeout", min=5.0, help="Longest wait for one phase [s].", hidden=True
     ),
@@ -77,6 +83,7 @@ def demo_command(
             replicas=replicas,
             netns=False if loopback else None,
             timeout=timeout,
+            flip_bit=flip_bit,
         )
         try:
             options.validate()

@@ -101,6 +101,8 @@ class DemoOptions:
     """Network namespaces (None: when running as root)."""
     timeout: float = 300.0
     """Longest wait for any one phase, in seconds."""
+    flip_bit: bool = False
+    """Negative control: rank 0 flips one bit of its state after the first restore; checks must fail."""
 
     def validate(self) -> None:
         if self.nodes < 1:
@@ -426,6 +428,8 @@ class Demo:
             ]
             if segment.scenario is not None:
                 argv.append("--hold")
+            if self.o.flip_bit and index == 1 and rank == 0:
+                argv.append("--flip-restored-bit")
             env = {**os.environ, **self._trainer_env(node, rank, nodes[0].ip, port)}
             trainers.pids[rank] = self.launchers[rank].launch(argv, env, str(trainers.logs[rank]))
         return trainers

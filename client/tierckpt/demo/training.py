@@ -271,6 +271,11 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="after --until, wait for the last save to be durable and sleep until killed",
     )
     p.add_argument("--init-timeout", type=float, default=120.0)
+    p.add_argument(
+        "--flip-restored-bit",
+        action="store_true",
+        help="flip one bit of the restored weights (a negative control: the demo's checks must fail)",
+    )
     return p.parse_args(argv)
 
 
@@ -294,9 +299,17 @@ def describe_restore(ckpt: Any, step: int | None) -> tuple[str, int, float]:
     return "local", nbytes, 0.0
 
 
-def _restore(ckpt: Any, state: dict[str, Any], events: EventLog) -> int:
+def _flip_one_bit(state: dict[str, Any]) -> None:
+    weight = next(t for _, t in _tensors(state["model"]) if t.is_floating_point() and t.numel())
+    weight.view(-1)[:1].view(torch.int32).bitwise_xor_(1)
+    log.warning("flipped the lowest bit of one restored weight (--flip-restored-bit)")
+
+
+def _restore(ckpt: Any, state: dict[str, Any], events: EventLog, *, flip: bool = False) -> int:
     began = time.time()
     step = ckpt.load(state, allow_missing=True)
+    if flip and step is not None:
+        _flip_one_bit(state)
     tier, nbytes, staged_at = describe_restore(ckpt, step)
     # Time in load() once the replicator had staged the step: the load itself (verify + copy).
     load_s = time.time() - max(began, staged_at)
@@ -327,7 +340,7 @@ def run(args: argparse.Namespace) -> None:
     events.emit("start", message=f"pid {os.getpid()}")
     net, opt, state = build_state(parse_model_size(args.model_size), args.seed)
     ckpt = tierckpt.Checkpointer()
-    start = _restore(ckpt, state, events)
+    start = _restore(ckpt, state, events, flip=args.flip_restored_bit)
     for step in range(start + 1, args.until + 1):
         loss = train_step(net, opt, state["rank_stats"], seed=args.seed, step=step)
         events.emit("step", step=step, loss=loss)
