@@ -245,3 +245,19 @@ def test_rank_ranges_and_tier_groups() -> None:
         ("peer", [1]),
         ("gcs", [0]),
     ]
+
+
+def test_quickstart_documents_every_report_field() -> None:
+    """docs/quickstart.md, "The JSON report", names every field of the report's messages."""
+    import dataclasses
+    import re
+    from pathlib import Path
+
+    from tierckpt.demo import report
+
+    text = Path(__file__).resolve().parents[2].joinpath("docs", "quickstart.md").read_text()
+    section = text[text.index("### The JSON report") : text.index("## 2. Change your training script")]
+    documented = set(re.findall(r"`([a-z_0-9]+)(?:\[\])?`", section))
+    for cls in (report.DemoReport, report.DemoConfig, report.ScenarioResult, report.RankResult, report.Check):
+        missing = {f.name for f in dataclasses.fields(cls)} - documented
+        assert not missing, f"{cls.__name__}: {sorted(missing)} not documented"
