@@ -8,6 +8,7 @@ clean errors (exit code, one ``error:`` line, no traceback) for missing or unusa
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import time
@@ -62,6 +63,20 @@ def test_ls_accepts_job_rank_replica_and_step_directories(ramdisk: Path) -> None
     assert [(s["copy"], s["rank"], s["step"], s["state"]) for s in rep] == [("replica", 1, 30, "committed")]
     one = cli("ls", str(src), "--json").json()["steps"]
     assert [(s["rank"], s["step"]) for s in one] == [(1, 30)]
+
+
+def test_ls_names_the_holders_of_leases(ramdisk: Path) -> None:
+    rank0 = ramdisk / JOB / "rank-00000"
+    leases.acquire(rank0, 20, "replicator-node-1", ttl=300)
+    leases.acquire(rank0, 20, "client-42", ttl=300)
+    expired = leases.acquire(rank0, 30, "gone", ttl=300)
+    (rank0 / "leases" / f"{30:012d}.gone.json").write_bytes(
+        dataclasses.replace(expired, expires_at=time.time() - 1).to_bytes()
+    )
+    steps = {s["step"]: s for s in cli("ls", str(rank0), "--json").json()["steps"]}
+    assert steps[20]["leases"] == ["client-42", "replicator-node-1"]
+    assert steps[30]["leases"] == [] and steps[10]["leases"] == []
+    assert "client-42" in cli("ls", str(rank0)).stdout
 
 
 def test_ls_job_filter_and_empty_directory(ramdisk: Path, tmp_path: Path) -> None:

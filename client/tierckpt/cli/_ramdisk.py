@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 from tierckpt import format as fmt
+from tierckpt import leases
 from tierckpt.cli._common import EXIT_USAGE, fail
 from tierckpt.errors import FormatError
 
@@ -42,6 +43,8 @@ class StepRecord:
     """When the step was committed (or last modified, if it is not)."""
     path: str
     detail: str = ""
+    leases: tuple[str, ...] = ()
+    """Holders of unexpired leases on the step (readers retention must wait for)."""
 
 
 def _dir_bytes(path: Path) -> int:
@@ -144,9 +147,16 @@ def scan_path(path: str | os.PathLike[str]) -> list[StepRecord]:
     path = _checked_dir(path)
     step = fmt.parse_step_name(path.name)
     if step is not None and (rd := _as_rank_dir(path.parent)) is not None:
-        return [step_record(rd, step, path)]
-    return [
-        step_record(rd, s, p)
-        for rd in find_rank_dirs(path)
-        for s, p in sorted(fmt.step_dirs(rd.path).items())
-    ]
+        return [r for r in _rank_records(rd) if r.step == step]
+    return [rec for rd in find_rank_dirs(path) for rec in _rank_records(rd)]
+
+
+def _rank_records(rd: RankDir) -> list[StepRecord]:
+    held: dict[int, list[str]] = {}
+    for lease in leases.active(rd.path):
+        held.setdefault(lease.step, []).append(lease.holder)
+    out = []
+    for s, p in sorted(fmt.step_dirs(rd.path).items()):
+        rec = step_record(rd, s, p)
+        out.append(dataclasses.replace(rec, leases=tuple(sorted(held[s]))) if s in held else rec)
+    return out
