@@ -41,14 +41,12 @@ def _state(state: str, detail: str) -> str:
 
 def ramdisk_table(records: list[StepRecord], title: str) -> Table:
     table = Table(title=title, title_justify="left", header_style="bold")
-    for col in ("job", "rank", "copy", "step", "state", "size", "age"):
+    for col in ("job", "rank", "copy", "step", "state", "size", "age", "leased by"):
         table.add_column(col, justify="right" if col in ("rank", "step", "size", "age") else "left")
     now = time.time()
     for r in sorted(records, key=lambda r: (r.job, r.copy != "primary", r.rank, r.step)):
-        age = format_age(r.age_at, now)
-        table.add_row(
-            r.job, str(r.rank), r.copy, str(r.step), _state(r.state, r.detail), format_bytes(r.bytes), age
-        )
+        age, state, held = format_age(r.age_at, now), _state(r.state, r.detail), ", ".join(r.leases)
+        table.add_row(r.job, str(r.rank), r.copy, str(r.step), state, format_bytes(r.bytes), age, held)
     return table
 
 
