@@ -106,6 +106,15 @@ def test_verify_intact_steps(ramdisk: Path) -> None:
     doc = result.json()
     assert doc["ok"] is True
     assert [v["verdict"] for v in doc["steps"]] == ["ok"] * 6
+    assert [(c["step"], c["ranks"], c["world_size"], c["complete"]) for c in doc["coverage"]] == [
+        (s, [0, 1], 2, True) for s in (10, 20, 30)
+    ]
+    one_rank = cli("verify", str(ramdisk / JOB / "rank-00001"), "--json").json()["coverage"]
+    assert {(c["step"], c["complete"]) for c in one_rank} == {(10, False), (20, False), (30, False)}
+    assert (
+        "step 30: ranks 0-1 of 2 verified; complete here"
+        in cli("verify", str(ramdisk), env={"COLUMNS": "200"}).stdout
+    )
 
 
 def test_verify_names_the_damaged_tensor_after_a_bit_flip(ramdisk: Path) -> None:
@@ -121,6 +130,8 @@ def test_verify_names_the_damaged_tensor_after_a_bit_flip(ramdisk: Path) -> None
     bad = [v for v in result.json()["steps"] if v["verdict"] != "ok"]
     assert [(v["rank"], v["step"], v["verdict"]) for v in bad] == [(1, 20, "corrupt")]
     assert "'w'" in bad[0]["problems"][0] and "crc32c" in bad[0]["problems"][0]
+    step20 = next(c for c in result.json()["coverage"] if c["step"] == 20)
+    assert (step20["ranks"], step20["complete"]) == ([0], False)
     table = cli("verify", str(ramdisk))
     assert table.code == 1 and "corrupt" in table.stdout and "1 corrupt step(s)" in table.stderr
 

@@ -24,8 +24,9 @@ from tierckpt.cli._common import (
     progress_bar,
 )
 from tierckpt.cli._ramdisk import StepRecord, scan_path
+from tierckpt.format import read_manifest
 
-__all__ = ["StepVerdict", "verify_command", "verify_records"]
+__all__ = ["StepCoverage", "StepVerdict", "coverage", "verify_command", "verify_records"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +40,32 @@ class StepVerdict:
     bytes: int
     problems: tuple[str, ...]
     path: str
+    world_size: int = 0
+    """Ranks the step was saved with (from its manifest; 0 when unreadable)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCoverage:
+    """Which ranks of one step verified under the path: all of them makes the step complete here."""
+
+    job: str
+    step: int
+    world_size: int
+    ranks: tuple[int, ...]
+    complete: bool
+
+
+def coverage(verdicts: list[StepVerdict]) -> list[StepCoverage]:
+    """Per job and step: the ranks whose copy (primary or replica) verified, against the world size."""
+    groups: dict[tuple[str, int], list[StepVerdict]] = {}
+    for v in verdicts:
+        groups.setdefault((v.job, v.step), []).append(v)
+    out = []
+    for (job, step), vs in sorted(groups.items()):
+        world = max(v.world_size for v in vs)
+        ranks = tuple(sorted({v.rank for v in vs if v.verdict == "ok"}))
+        out.append(StepCoverage(job, step, world, ranks, world > 0 and ranks == tuple(range(world))))
+    return out
 
 
 def _verify_one(record: StepRecord) -> StepVerdict:
@@ -50,7 +77,10 @@ def _verify_one(record: StepRecord) -> StepVerdict:
     if record.state == "corrupt":
         return StepVerdict(*base, "corrupt", record.bytes, (record.detail,), record.path)
     problems = tuple(str(p) for p in step_problems(record.path))
-    return StepVerdict(*base, "corrupt" if problems else "ok", record.bytes, problems, record.path)
+    if problems:
+        return StepVerdict(*base, "corrupt", record.bytes, problems, record.path)
+    world = read_manifest(record.path).world_size
+    return StepVerdict(*base, "ok", record.bytes, (), record.path, world)
 
 
 def verify_records(records: list[StepRecord]) -> list[StepVerdict]:
@@ -89,6 +119,19 @@ def _print_problems(verdicts: list[StepVerdict]) -> None:
             )
 
 
+def _print_coverage(steps: list[StepCoverage]) -> None:
+    from tierckpt.demo.report import rank_ranges
+
+    for c in steps:
+        if not c.world_size:
+            continue
+        here = f"ranks {rank_ranges(list(c.ranks))}" if c.ranks else "no rank"
+        note = (
+            "[green]complete here[/]" if c.complete else "the other ranks live on other nodes or are damaged"
+        )
+        out_console.print(f"{c.job} step {c.step}: {here} of {c.world_size} verified; {note}")
+
+
 def verify_command(
     path: str = typer.Argument(..., help="A ramdisk root, job, rank or step directory."),
     job: str = typer.Option(None, "--job", "-j", help="Only this job."),
@@ -111,6 +154,7 @@ def verify_command(
                     "ok": not bad,
                     "seconds": seconds,
                     "steps": [dataclasses.asdict(v) for v in verdicts],
+                    "coverage": [dataclasses.asdict(c) for c in coverage(verdicts)],
                 }
             )
         elif not verdicts:
@@ -118,6 +162,7 @@ def verify_command(
         else:
             out_console.print(_table(verdicts, title=f"verify {path}"))
             _print_problems(verdicts)
+            _print_coverage(coverage(verdicts))
             ok = sum(v.verdict == "ok" for v in verdicts)
             checked = sum(v.bytes for v in verdicts if v.verdict != "incomplete")
             out_console.print(
