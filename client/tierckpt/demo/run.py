@@ -16,7 +16,6 @@ What runs (everything is torn down at the end, on errors and on Ctrl-C):
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import dataclasses
 import logging
@@ -35,14 +34,10 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from tierckpt.contract import (
-    NodeInventory,
     PeerAssignment,
-    PeerNode,
-    RestoreStatus,
-    read_control,
-    restore_status_name,
 )
 from tierckpt.demo import scenarios as sc
+from tierckpt.demo.control import LocalControl
 from tierckpt.demo.launcher import Launcher, kill_process_group
 from tierckpt.demo.report import (
     Check,
@@ -55,16 +50,13 @@ from tierckpt.demo.report import (
     tier_groups,
 )
 from tierckpt.demo.training import TrainerEvent, parse_model_size, read_events
-from tierckpt.errors import FormatError, TierckptError
-from tierckpt.placement import plan_node_peers
-from tierckpt.restore_choice import choose_restore
+from tierckpt.errors import TierckptError
 
 __all__ = ["DemoError", "DemoOptions", "run_demo"]
 
 log = logging.getLogger(__name__)
 
 JOB = "tierckpt-demo"
-BUCKET_PREFIX = "tierckpt"
 _MiB = 1 << 20
 _GiB = 1 << 30
 _PROCESS_BYTES = 600 * _MiB
@@ -193,6 +185,7 @@ class Demo:
         self.workdir = Path(tempfile.mkdtemp(prefix="tierckpt-demo-"))
         self.cluster: Any = None
         self.assignment: PeerAssignment | None = None
+        self.control: Any = None
         self.reference = sc.Reference()
         self.results: list[ScenarioResult] = []
         self.timings: dict[str, float] = {}
@@ -221,7 +214,7 @@ class Demo:
             with self.progress, _sigterm_as_interrupt():
                 self._setup()
                 self._timeline()
-        except (DemoError, TimeoutError, RuntimeError, OSError) as exc:
+        except (TierckptError, TimeoutError, RuntimeError, OSError) as exc:
             error = str(exc)
             log.debug("demo stopped", exc_info=True)
         finally:
@@ -311,7 +304,8 @@ class Demo:
             ],
         )
         self._start_launchers()
-        self.assignment = self._assign_peers()
+        self.control = LocalControl(self.cluster, JOB, wait=self._wait)
+        self.assignment = self.control.assign_peers(self.o.replicas)
         self.timings["setup_s"] = time.monotonic() - t0
         mode = "network namespaces + tmpfs" if self.cluster.netns else "loopback ports + directories"
         peers = ", ".join(f"{n}→{'+'.join(p)}" for n, p in self.assignment.peers.items())
@@ -323,23 +317,6 @@ class Demo:
             f"  model: {self.shape.params:,} parameters, {self.shape.state_bytes / _MiB:.1f} MiB "
             f"per rank per checkpoint, checkpoint every {every} steps"
         )
-
-    def _assign_peers(self) -> PeerAssignment:
-        """Peers from ``tierckpt.placement`` (as the operator plans them), sent to every replicator."""
-        nodes = self.cluster.nodes
-        plan = plan_node_peers({n.name: n.domain for n in nodes}, self.o.replicas)
-        assignment = PeerAssignment(
-            job=JOB,
-            generation=2,
-            nodes={n.name: PeerNode(name=n.name, endpoint=n.peer_endpoint, domain=n.domain) for n in nodes},
-            peers=plan,
-            node_ranks={n.name: n.index for n in nodes},
-            procs_per_node=1,
-        )
-        self.cluster.peers_file.write_bytes(assignment.to_bytes())  # what a restarted replicator reads
-        for node in nodes:
-            self._put(node, f"/v1/jobs/{JOB}/peers", assignment.to_bytes(), ok=(200,))
-        return assignment
 
     def _teardown(self, *, keep: bool) -> None:
         if self.trainers is not None:
@@ -542,7 +519,7 @@ class Demo:
         if scenario.needs_replication:
             self._phase(f"waiting for step {step} to reach every peer")
             t0 = time.monotonic()
-            self._wait(lambda: self._replicated(step), f"replication of step {step} to the peers")
+            self._wait(lambda: self.control.replicated(step), f"replication of step {step} to the peers")
             self._say(
                 f"[green]✔[/] step {step} replicated to every peer ({time.monotonic() - t0:.1f} s after "
                 "the processes were held)"
@@ -550,11 +527,9 @@ class Demo:
         if scenario.needs_backup:
             self._phase(f"backing up step {step} to GCS")
             t0 = time.monotonic()
-            self._backup(step)
-            self._say(
-                f"[green]✔[/] step {step} complete in gs://{self.cluster.bucket}/{BUCKET_PREFIX} "
-                f"({time.monotonic() - t0:.1f} s)"
-            )
+            url = self.control.backup(step, self.o.timeout)
+            took = time.monotonic() - t0
+            self._say(f"[green]✔[/] step {step} complete in the bucket ({took:.1f} s): {url}")
 
     def _break(self, scenario: str) -> tuple[str, ...]:
         """Inject the failure; returns the wiped nodes (already replaced by fresh, empty ones)."""
@@ -569,81 +544,13 @@ class Demo:
             self.cluster.node(name).start_replicator()
         return lost
 
-    # ---------------------------------------------------------------- operator duties
-
-    def _inventories(self) -> list[NodeInventory]:
-        out = []
-        for node in self.cluster.nodes:
-            status, body = node.request("GET", f"/v1/jobs/{JOB}/inventory")
-            if status != 200:
-                raise DemoError(f"{node.name}: inventory: HTTP {status}: {body[:200]!r}")
-            out.append(NodeInventory.from_bytes(body))
-        return out
-
-    def _replicated(self, step: int) -> bool:
-        assert self.assignment is not None
-        inv = {i.node: i for i in self._inventories()}
-        for node in self.cluster.nodes:
-            for peer in self.assignment.peers.get(node.name, ()):
-                holding = inv[peer].ranks.get(node.index)
-                if holding is None or step not in holding.replica:
-                    return False
-        return True
-
-    def _backup(self, step: int) -> None:
-        """Ask every node to back up its share of the newest step now; wait for the step to be complete."""
-        from tierckpt.bucket_layout import BucketLayout
-
-        def one(node: Any) -> None:
-            self._put(node, f"/v1/jobs/{JOB}/backup", None, method="POST", ok=(200,), timeout=self.o.timeout)
-
-        with concurrent.futures.ThreadPoolExecutor(len(self.cluster.nodes)) as pool:
-            list(pool.map(one, self.cluster.nodes))
-        bucket = self.cluster.gcs.client().bucket(self.cluster.bucket)
-        key = BucketLayout(BUCKET_PREFIX).complete_key(JOB, step)
-        self._wait(lambda: bucket.blob(key).exists(), f"gs://{self.cluster.bucket}/{key}", interval=0.25)
-
     def _publish_plan(self, expected: int | None) -> float:
-        """Compute the restore plan from every node's inventory and send it to all (staging starts)."""
-        self._phase(
-            "publishing the restore plan" if expected is not None else "publishing a fresh-start plan"
-        )
-        assert self.assignment is not None
-        at = time.time()
-        plan = choose_restore(
-            self._inventories(), self.o.nodes, job=JOB, generation=self.assignment.generation, decided_at=at
-        )
+        """The operator's part after a failure: publish the restore plan; it must pick ``expected``."""
+        self._phase("publishing a restore plan" if expected is not None else "publishing a fresh-start plan")
+        plan, at = self.control.publish_plan(self.o.nodes)
         if plan.step != expected:
             raise DemoError(f"the restore plan chose step {plan.step}, expected {expected} ({plan.sources})")
-        for node in self.cluster.nodes:
-            self._put(node, f"/v1/jobs/{JOB}/restore-plan", plan.to_bytes(), ok=(200, 202))
-        self._wait(lambda: self._staging_started(at), "the replicators to start staging")
         return at
-
-    def _staging_started(self, since: float) -> bool:
-        for node in self.cluster.nodes:
-            try:
-                st = read_control(node.root, JOB, restore_status_name(node.index), RestoreStatus)
-            except FormatError:
-                return False
-            if not isinstance(st, RestoreStatus) or st.updated_at < since:
-                return False
-        return True
-
-    def _put(
-        self,
-        node: Any,
-        path: str,
-        body: bytes | None,
-        *,
-        method: str = "PUT",
-        ok: tuple[int, ...],
-        timeout: float = 10.0,
-    ) -> bytes:
-        status, data = node.request(method, path, body, timeout=timeout)
-        if status not in ok:
-            raise DemoError(f"{node.name}: {method} {path}: HTTP {status}: {data[:300]!r}")
-        return data
 
     # ---------------------------------------------------------------- checks
 
