@@ -46,6 +46,7 @@ from tierckpt.snapshot.dtypes import dtype_name
 from tierckpt.snapshot.flatten import FlatState, flatten
 from tierckpt.snapshot.handle import SaveHandle
 from tierckpt.snapshot.layout import LayoutPlan, TensorSpec, plan_layout
+from tierckpt.snapshot.packing import SavePacker, pack_groups
 from tierckpt.snapshot.pool import Slot, SlotPool
 from tierckpt.snapshot.rankdir import WRITER_LOCK
 
@@ -70,6 +71,8 @@ class _SaveJob:
     deferred_cpu: list[int]
     """Indices of CPU tensors the commit thread copies (overlap mode)."""
     tickets: list[cuda.CopyTicket]
+    protected: set[int] = dataclasses.field(default_factory=set)
+    """Storages that only a registered optimizer's step mutates (overlap mode copies them later)."""
     deferred_ticket: cuda.CopyTicket | None = None
     copied: threading.Event = dataclasses.field(default_factory=threading.Event)
     """Set once every tensor's bytes are in the mapping (or the save failed)."""
@@ -118,6 +121,8 @@ class Checkpointer:
         self._plans: collections.OrderedDict[tuple[Any, ...], LayoutPlan] = collections.OrderedDict()
         self._manifests = loader.ManifestCache(capacity=s.keep + 2)
         self._loader = loader.StepLoader(s, self._pool, self._manifests)
+        self._packer = SavePacker()
+        self._registering: concurrent.futures.Future[None] | None = None
         self._optimizers: weakref.WeakKeyDictionary[torch.optim.Optimizer, Any] = weakref.WeakKeyDictionary()
         self._warned_overlap = False
         try:
@@ -157,6 +162,8 @@ class Checkpointer:
             handle.remove()
         self._optimizers.clear()
         self._pool.close()
+        self._packer.close()
+        self._loader.staging.clear()
         if self._lock_fd >= 0:
             os.close(self._lock_fd)
             self._lock_fd = -1
@@ -192,7 +199,8 @@ class Checkpointer:
         if refused is not None:
             return refused
         flat = flatten(state_dict)
-        plan = self._plan(flat)
+        protected = self._protected() if self.settings.overlap else set()
+        plan = self._plan(flat, protected)
         refused = self._make_room(step)
         if refused is not None:
             return refused
@@ -206,7 +214,7 @@ class Checkpointer:
         except BaseException:
             discard_step(path)
             raise
-        job = _SaveJob(step, path, slot, plan, flat, objects, SaveHandle(step), [], [])
+        job = _SaveJob(step, path, slot, plan, flat, objects, SaveHandle(step), [], [], protected)
         try:
             self._start_copies(job)
         except BaseException:
@@ -236,16 +244,25 @@ class Checkpointer:
             job.handle.wait()
         return None
 
-    def _plan(self, flat: FlatState) -> LayoutPlan:
-        """The layout for this state; the same plan object for the same keys, dtypes and shapes."""
-        signature = (flat.keys, tuple(t.dtype for t in flat.tensors), tuple(t.shape for t in flat.tensors))
+    def _plan(self, flat: FlatState, protected: set[int] | frozenset[int] = frozenset()) -> LayoutPlan:
+        """The layout for this state; the same plan object for the same keys, dtypes, shapes, devices
+        (and, in overlap mode, the same optimizer-owned tensors)."""
+        s = self.settings
+        tensors = flat.tensors
+        later = (
+            [t.untyped_storage().data_ptr() in protected for t in tensors]
+            if protected
+            else [False] * len(tensors)
+        )
+        groups = pack_groups(tensors, later, max_bytes=s.pack_bytes, limit=s.pack_limit)
+        signature = (flat.keys, tuple((t.dtype, t.shape) for t in tensors), groups)
         plan = self._plans.get(signature)
         if plan is None:
             specs = []
-            for key, t in zip(flat.keys, flat.tensors, strict=True):
+            for key, t, group in zip(flat.keys, tensors, groups, strict=True):
                 name = dtype_name(t.dtype)
                 assert name is not None  # flatten only keeps storable dtypes
-                specs.append(TensorSpec(key, name, tuple(t.shape)))
+                specs.append(TensorSpec(key, name, tuple(t.shape), group))
             plan = plan_layout(specs, max_file_bytes=self.settings.max_file_bytes)
             self._plans[signature] = plan
             while len(self._plans) > _PLAN_CACHE:
@@ -276,23 +293,27 @@ class Checkpointer:
     def _start_copies(self, job: _SaveJob) -> None:
         views = job.slot.views(job.plan)
         tensors = job.flat.tensors
-        now = list(range(len(tensors)))
-        later: list[int] = []
+        packed = self._packer.packed(job.plan)
+        direct = [i for i in range(len(tensors)) if i not in packed] if packed else range(len(tensors))
+        now, later = list(direct), []
         if self.settings.overlap:
-            protected = self._protected()
+            protected = job.protected
             if not protected and not self._warned_overlap:
                 log.warning("overlap=True but no optimizer is registered: saves wait for every copy")
                 self._warned_overlap = True
             later = [i for i in now if tensors[i].untyped_storage().data_ptr() in protected]
             now = [i for i in now if tensors[i].untyped_storage().data_ptr() not in protected]
-        ticket = copy_into([views[i] for i in now], [tensors[i] for i in now])
+        files = job.slot.files
+        packs = self._packer.copies(job.plan, files, tensors, later=False) if packed else []
+        ticket = copy_into([views[i] for i in now], [tensors[i] for i in now], packed=packs)
         if ticket is not None:
             ticket.synchronize()
         gpu_later = [i for i in later if cuda.is_cuda(tensors[i])]
         job.deferred_cpu = [i for i in later if not cuda.is_cuda(tensors[i])]
-        if gpu_later:
+        packs = self._packer.copies(job.plan, files, tensors, later=True) if packed else []
+        if gpu_later or packs:
             job.deferred_ticket = cuda.copy_to_host(
-                [views[i] for i in gpu_later], [tensors[i] for i in gpu_later]
+                [views[i] for i in gpu_later], [tensors[i] for i in gpu_later], packs
             )
             job.tickets.append(job.deferred_ticket)
         if not job.deferred_cpu and job.deferred_ticket is None:
@@ -363,6 +384,17 @@ class Checkpointer:
         job = self._inflight
         return None if job is None else job.handle.wait(timeout)
 
+    @property
+    def last_load_timings(self) -> dict[str, float]:
+        """Phases of the last ``load`` on this rank, in seconds (``manifest_s``, ``map_s``, ``tree_s``,
+        ``h2d_s``, ``verify_wait_s``, ``copy_s``, ``total_s``): what a slow restore spent its time on."""
+        return dict(self._loader.last_timings)
+
+    @property
+    def device_staging_bytes(self) -> int:
+        """Device memory held for packed copies of small CUDA tensors (save and restore staging)."""
+        return self._packer.device_bytes + self._loader.staging.device_bytes
+
     def prepare(self, state_dict: dict[Any, Any]) -> None:
         """Pre-fault (and pin) all ``keep + 1`` slots for this state's layout now, off the save path."""
         self._check_open()
@@ -370,7 +402,8 @@ class Checkpointer:
         if any(cuda.is_cuda(t) for t in flat.tensors):
             self._pool.register_cuda = True
             self._pool.register_all()
-        self._executor.submit(self._pool.fill_spares, self._plan(flat)).result()
+        protected = self._protected() if self.settings.overlap else set()
+        self._executor.submit(self._pool.fill_spares, self._plan(flat, protected)).result()
 
     # ------------------------------------------------------------------------------- overlap
 
@@ -446,6 +479,8 @@ class Checkpointer:
         try:
             with leases.hold(self.rank_path, step, f"client-{os.getpid()}", ttl=self.settings.lease_ttl):
                 self._loader.load(state_dict, step, path, verify=verify, device=device)
+            if self._pool.register_cuda and (self._registering is None or self._registering.done()):
+                self._registering = self._executor.submit(self._pool.register_all)  # pin for later saves
         except (FormatError, MissingCheckpointError) as exc:
             log.error("could not load step %d: %s", step, exc)
             return exc

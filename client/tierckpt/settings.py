@@ -58,7 +58,14 @@ class Settings:
     max_file_bytes: int | None = None
     """Start a new data file past this size (None: one data file per step)."""
     crc_workers: int | None = None
-    """Threads that checksum large tensors (None: half the CPUs, at most 8)."""
+    """Threads that checksum a save in the background (None: half the CPUs, at most 8). Restore
+    verification always uses every CPU (training is waiting for it)."""
+    pack_bytes: int = 1 << 20
+    """CUDA tensors up to this size are packed: gathered on the device into a staging buffer laid out
+    like their file region and copied as one DMA (0 disables packing)."""
+    pack_limit: int = 256 << 20
+    """Most device memory one device's packing staging buffer may take; a state whose small tensors
+    need more is copied tensor by tensor."""
     lease_ttl: float = 60.0
     """Seconds a lease taken by ``load`` lasts (renewed while loading)."""
     writer_lock_timeout: float = 60.0

@@ -8,6 +8,7 @@ A crash anywhere before the COMMIT rename leaves a step directory that readers i
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -51,7 +52,7 @@ def checksum_slot(
 ) -> tuple[list[int], list[FileEntry]]:
     """Per-tensor crc32c and per-file entries (size, crc) of data files filled according to ``plan``."""
     regions = [(files[p.file].address + p.offset, p.length) for p in plan.placements]
-    tensor_crcs = region_crcs(regions, workers=workers)
+    tensor_crcs = region_crcs(regions, workers=workers or min(8, max(1, (os.cpu_count() or 2) // 2)))
     entries = []
     for i, (fp, f) in enumerate(zip(plan.files, files, strict=True)):
         parts = sorted(

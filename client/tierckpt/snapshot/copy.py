@@ -8,7 +8,7 @@ memcpy speed even when the node's cores are oversubscribed, where one OpenMP for
 (what ``copy_`` does for each large tensor) costs several times the copy itself.
 
 ``region_crcs`` and ``file_crc`` run in the background, reading the mapped memory in place
-(``integrity.crc32c_address``: no copy, GIL released), large regions split across threads.
+(``integrity.crc32c_address``: no copy, GIL released), on the checksum pool (``checksum``).
 """
 
 from __future__ import annotations
@@ -23,11 +23,10 @@ import torch
 
 from tierckpt import cuda
 from tierckpt.integrity import crc32c_address, crc32c_combine
+from tierckpt.snapshot.checksum import region_crcs
 
-__all__ = ["CHUNK", "copy_cpu", "copy_into", "file_crc", "region_crcs", "write_tensors"]
+__all__ = ["copy_cpu", "copy_into", "file_crc", "memmove", "region_crcs", "write_tensors"]
 
-CHUNK = 64 << 20
-"""Regions larger than this are checksummed in chunks on several threads, then combined."""
 _DIRECT = 1 << 20
 """In ``file_crc``, regions below this size are re-read rather than combined (cheaper)."""
 _MEMMOVE_MIN = 1 << 20
@@ -79,6 +78,20 @@ def _drain(pieces: Iterator[tuple[int, int, int]], lock: threading.Lock) -> None
         ctypes.memmove(*piece)
 
 
+def memmove(dst: int, src: int, nbytes: int) -> None:
+    """Copy ``nbytes`` of raw memory in pieces spread over the copy threads (GIL released)."""
+    workers = _copy_workers()
+    step = max(_PIECE_MIN, -(-nbytes // workers))
+    queue, lock = (
+        iter([(dst + o, src + o, min(step, nbytes - o)) for o in range(0, nbytes, step)]),
+        threading.Lock(),
+    )
+    futures = [_pool().submit(_drain, queue, lock) for _ in range(min(workers, -(-nbytes // step)) - 1)]
+    _drain(queue, lock)
+    for f in futures:
+        f.result()
+
+
 def copy_cpu(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
     """``dst.copy_(src)`` for CPU pairs of equal shape and dtype, as fast as memory allows.
 
@@ -111,9 +124,15 @@ def copy_cpu(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None
         f.result()
 
 
-def copy_into(views: Sequence[torch.Tensor], tensors: Sequence[torch.Tensor]) -> cuda.CopyTicket | None:
-    """Copy ``tensors[i]`` into ``views[i]``. CPU copies are done on return; CUDA copies are queued
-    on side streams and complete with the returned ticket (None when no tensor is on a GPU)."""
+def copy_into(
+    views: Sequence[torch.Tensor],
+    tensors: Sequence[torch.Tensor],
+    *,
+    packed: Sequence[cuda.PackedCopy] = (),
+) -> cuda.CopyTicket | None:
+    """Copy ``tensors[i]`` into ``views[i]``. CPU copies are done on return; CUDA copies (and the
+    ``packed`` runs of small CUDA tensors) are queued on side streams and complete with the
+    returned ticket (None when no tensor is on a GPU)."""
     cpu_dst, cpu_src, gpu_dst, gpu_src = [], [], [], []
     for dst, src in zip(views, tensors, strict=True):
         if src.numel() == 0:
@@ -125,35 +144,10 @@ def copy_into(views: Sequence[torch.Tensor], tensors: Sequence[torch.Tensor]) ->
             cpu_dst.append(dst)
             cpu_src.append(src)
     with torch.no_grad():
-        ticket = cuda.copy_to_host(gpu_dst, gpu_src) if gpu_src else None
+        ticket = cuda.copy_to_host(gpu_dst, gpu_src, packed) if gpu_src or packed else None
     if cpu_src:
         copy_cpu(cpu_dst, cpu_src)
     return ticket
-
-
-def region_crcs(regions: Sequence[tuple[int, int]], *, workers: int | None = None) -> list[int]:
-    """crc32c of each ``(address, length)`` memory region.
-
-    Regions over ``CHUNK`` bytes are split and checksummed on up to ``workers`` threads, then
-    combined; the rest are done on the calling thread.
-    """
-    workers = workers or min(8, max(1, (os.cpu_count() or 2) // 2))
-    out = [0] * len(regions)
-    big = [i for i, (_, n) in enumerate(regions) if n > CHUNK]
-    if workers == 1 or not big:
-        return [crc32c_address(a, n) for a, n in regions]
-    pieces = [
-        (i, start, min(CHUNK, regions[i][1] - start)) for i in big for start in range(0, regions[i][1], CHUNK)
-    ]
-    with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="tierckpt-crc") as pool:
-        futures = [pool.submit(crc32c_address, regions[i][0] + start, n) for i, start, n in pieces]
-        big_set = set(big)
-        for i, (address, length) in enumerate(regions):
-            if i not in big_set:
-                out[i] = crc32c_address(address, length)
-        for (i, _, n), future in zip(pieces, futures, strict=True):
-            out[i] = crc32c_combine(out[i], future.result(), n)
-    return out
 
 
 def file_crc(address: int, size: int, regions: Sequence[tuple[int, int, int]]) -> int:

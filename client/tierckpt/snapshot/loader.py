@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from tierckpt.snapshot.pool import SlotPool
 from tierckpt.snapshot.rankdir import scan_steps
 from tierckpt.snapshot.restore import load_into, open_data_files
 from tierckpt.snapshot.shardfile import MappedFile
+from tierckpt.snapshot.upload import RestoreStaging
 
 __all__ = ["ManifestCache", "StepLoader", "candidates"]
 
@@ -95,6 +97,9 @@ class StepLoader:
         self.settings = settings
         self.pool = pool
         self.manifests = manifests
+        self.staging = RestoreStaging()
+        self.last_timings: dict[str, float] = {}
+        """Phases of the last load in seconds: manifest, map, tree, h2d, verify_wait, copy, total."""
 
     def _check_identity(self, path: Path, step: int, manifest: Manifest) -> None:
         s = self.settings
@@ -118,13 +123,15 @@ class StepLoader:
         verify: bool,
         device: torch.device | str | None,
     ) -> None:
+        start = time.perf_counter()
+        timings = self.last_timings = {}
         manifest = self.manifests.read(path, step)
         self._check_identity(path, step, manifest)
-        if cuda.in_use() and not self.pool.register_cuda:
-            self.pool.register_cuda = True
-            self.pool.register_all()
+        timings["manifest_s"] = time.perf_counter() - start
+        if cuda.in_use():
+            self.pool.register_cuda = True  # pinned later, off the restore path (Checkpointer.load)
         opened: dict[str, MappedFile] = {}
-        slot = self.pool.slot_of(step) or self.pool.adopt_step(step, path, manifest)
+        slot = self.pool.slot_of(step) or self.pool.adopt_step(step, path, manifest, register=False)
         if slot is not None:
             files = {f.path.name: f for f in slot.files}
             for entry in manifest.files:
@@ -134,12 +141,16 @@ class StepLoader:
                         f"{f.path}: {f.disk_size()} bytes, manifest says {entry.size}", path=str(f.path)
                     )
         else:
-            files = opened = open_data_files(path, manifest, register=self.pool.register_cuda)
+            files = opened = open_data_files(path, manifest, populate=not self.pool.register_cuda)
+        timings["map_s"] = time.perf_counter() - start - timings["manifest_s"]
+        s = self.settings
         try:
             load_into(
                 state_dict, path, manifest, files, verify=verify, device=device,
-                views=None if slot is None else slot.read_views(manifest),
+                views=None if slot is None else slot.read_views(manifest), staging=self.staging,
+                pack_bytes=s.pack_bytes, pack_limit=s.pack_limit, timings=timings,
             )  # fmt: skip
+            timings["total_s"] = time.perf_counter() - start
         finally:
             for f in opened.values():
                 f.close()

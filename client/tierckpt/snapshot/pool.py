@@ -146,14 +146,21 @@ class SlotPool:
         with self._cond:
             return self._by_step.get(step)
 
-    def adopt_step(self, step: int, path: Path, manifest: Manifest) -> Slot | None:
-        """Map a committed step's data files (read-write when permitted) and track them as its slot."""
+    def adopt_step(
+        self, step: int, path: Path, manifest: Manifest, *, register: bool | None = None
+    ) -> Slot | None:
+        """Map a committed step's data files (read-write when permitted) and track them as its slot.
+
+        ``register`` (default: ``register_cuda``) pins them now; a load passes False (it reads an
+        unpinned mapping through bounce buffers) and leaves the pinning to ``register_all`` later.
+        """
         with self._cond:
             if step in self._by_step:
                 return self._by_step[step]
+        register = self.register_cuda if register is None else register
         files = []
         try:
-            for entry in iter_data_files(manifest):  # registering faults the pages in anyway
+            for entry in iter_data_files(manifest):  # CUDA users fault pages by copying (or pinning)
                 files.append(MappedFile.open(path / entry.name, populate=not self.register_cuda))
         except BaseException:
             for f in files:
@@ -166,7 +173,7 @@ class SlotPool:
                 f.close()
             return None
         slot = Slot(path, files)
-        if self.register_cuda:
+        if register:
             slot.register()
         with self._cond:
             self._by_step[step] = slot
@@ -306,6 +313,7 @@ class SlotPool:
             shutil.rmtree(directory, ignore_errors=True)
 
     def register_all(self) -> None:
+        """Pin every slot's files (those already pinned cost nothing); safe on a background thread."""
         with self._cond:
             slots = [*self._by_step.values(), *self._spares]
         for slot in slots:

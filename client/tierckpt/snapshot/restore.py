@@ -2,17 +2,20 @@
 
 Tensor bytes are copied once, straight from the mapped data file into the destination tensor: on
 CPU one parallel batch of copies from the mapping (``copy.copy_cpu``), on CUDA a ``non_blocking``
-host-to-device copy from the mapping (pinned when the pool registered it). With ``verify``, CPU
-tensors are all checksummed before any byte is copied (a corrupt step leaves their bytes alone) and
-CUDA tensors concurrently with their DMA; a mismatch raises ``CorruptShardError`` naming the tensor
-and the file.
+host-to-device path (``upload``: packed small tensors, direct DMAs from a pinned mapping, pinned
+bounce buffers from an unpinned one). With ``verify``, every data file's crc32c is computed on all
+CPUs (``checksum.start_file_crcs``), started *before* the GPU copies so it overlaps them, and
+compared with the manifest's file crc; only on a mismatch are per-tensor crcs computed, to name the
+damaged tensor (or the padding) in ``CorruptShardError``. CPU destinations are copied only after
+the check, so a corrupt step leaves their bytes alone.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
+import contextlib
 import logging
 import pickle
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -22,26 +25,35 @@ import torch
 
 from tierckpt import cuda
 from tierckpt.errors import CorruptShardError, FormatError
-from tierckpt.format import OBJECTS_NAME, Manifest, TensorEntry, iter_data_files
+from tierckpt.format import OBJECTS_NAME, FileEntry, Manifest, TensorEntry, iter_data_files
 from tierckpt.integrity import crc32c
-from tierckpt.snapshot.copy import copy_cpu, region_crcs
+from tierckpt.snapshot.checksum import PendingCrcs, region_crcs, start_file_crcs
+from tierckpt.snapshot.copy import copy_cpu, memmove
 from tierckpt.snapshot.dtypes import numpy_dtype, torch_dtype
 from tierckpt.snapshot.flatten import restore_into
 from tierckpt.snapshot.shardfile import MappedFile
+from tierckpt.snapshot.upload import RestoreStaging, to_device
 
 __all__ = ["load_into", "open_data_files", "read_objects", "tensor_views"]
 
 log = logging.getLogger(__name__)
 
 
-def open_data_files(step_path: Path, manifest: Manifest, *, register: bool = False) -> dict[str, MappedFile]:
-    """Map a step's data files read-only, checking their sizes against the manifest."""
+def open_data_files(
+    step_path: Path, manifest: Manifest, *, register: bool = False, populate: bool | None = None
+) -> dict[str, MappedFile]:
+    """Map a step's data files read-only, checking their sizes against the manifest.
+
+    ``populate`` (default: unless ``register``) faults the pages in up front.
+    """
     out: dict[str, MappedFile] = {}
     try:
         for entry in iter_data_files(manifest):
             path = step_path / entry.name
             try:
-                f = MappedFile.open(path, writable=False, populate=not register)
+                f = MappedFile.open(
+                    path, writable=False, populate=not register if populate is None else populate
+                )
             except FileNotFoundError as exc:
                 raise CorruptShardError(f"{path}: missing", path=str(path)) from exc
             out[entry.name] = f
@@ -88,22 +100,36 @@ def read_objects(step_path: Path, manifest: Manifest) -> list[Any]:
 class _Filler:
     """Supplies tensor ``i`` for ``restore_into``; ``finish`` moves the bytes in.
 
-    CUDA destinations: one batch of host-to-device copies from the mapping, while the same regions
-    are checksummed on threads (``region_crcs``). CPU destinations: checksummed, then copied in one
-    parallel batch, so a corrupt step leaves their bytes untouched.
+    CUDA destinations: host-to-device copies (``upload.to_device``) while the files are checksummed
+    on the checksum pool. CPU destinations: copied in one parallel batch once the check passed, so a
+    corrupt step leaves their bytes untouched.
     """
 
     def __init__(
         self,
         step_path: Path,
-        entries: Sequence[TensorEntry],
+        manifest: Manifest,
+        files: dict[str, MappedFile],
         views: Sequence[torch.Tensor],
         *,
         verify: bool,
         device: torch.device | None,
+        staging: RestoreStaging,
+        pack_bytes: int,
+        pack_limit: int,
+        timings: dict[str, float],
     ) -> None:
         self.step_path = step_path
-        self.entries = entries
+        self.manifest = manifest
+        self.entries: Sequence[TensorEntry] = manifest.tensors
+        self.files = files
+        self.staging = staging
+        self.pack_bytes, self.pack_limit = pack_bytes, pack_limit
+        self.timings = timings
+        self.data_files: list[tuple[FileEntry, MappedFile]] = []
+        self.early: set[torch.device] = set()
+        """Devices with DMAs issued during the tree walk (large tensors from pinned mappings)."""
+        self.pending: PendingCrcs | None = None
         self.views = views
         self.verify = verify
         self.device = device
@@ -136,7 +162,16 @@ class _Filler:
 
     def __call__(self, i: int, existing: torch.Tensor | None) -> torch.Tensor:
         target = self._target(i, existing)
-        (self.gpu if cuda.is_cuda(target) else self.cpu).append((i, target))
+        if not cuda.is_cuda(target):
+            self.cpu.append((i, target))
+            return target
+        entry = self.entries[i]
+        if entry.length > self.pack_bytes and self.files[entry.file].registered:
+            with torch.no_grad():  # a large tensor from a pinned mapping: start its DMA while walking on
+                target.copy_(self.views[i], non_blocking=True)
+            self.early.add(target.device)
+        else:
+            self.gpu.append((i, target))
         return target
 
     def array(self, i: int, existing: Any) -> np.ndarray:
@@ -156,24 +191,54 @@ class _Filler:
         self.cpu.append((i, target))
         return target.numpy()
 
-    def _crcs(self, indices: Sequence[int]) -> list[int]:
-        return region_crcs([(self.views[i].data_ptr(), self.entries[i].length) for i in indices])
+    def start_verify(self) -> None:
+        """Start checksumming every data file on all CPUs (the fast path: one crc per file)."""
+        if self.verify:
+            self.data_files = [(e, self.files[e.name]) for e in iter_data_files(self.manifest)]
+            self.pending = start_file_crcs(
+                [(f.address, f.size) if f.size else (0, 0) for _, f in self.data_files]
+            )
+
+    def abandon(self) -> None:
+        """After an error: let in-flight DMAs and checksums finish (they read mappings about to close)."""
+        if self.pending is not None:
+            self.pending.abandon()
+        with contextlib.suppress(Exception):
+            cuda.synchronize(self.early)
+
+    def _check(self, pending: PendingCrcs) -> None:
+        """Compare file crcs with the manifest; on a mismatch, find the tensor (or padding) to blame."""
+        for (entry, _), crc in zip(self.data_files, pending.result(), strict=True):
+            if crc == entry.crc32c:
+                continue
+            indices = [i for i, t in enumerate(self.entries) if t.file == entry.name]
+            self.check(
+                indices, region_crcs([(self.views[i].data_ptr(), self.entries[i].length) for i in indices])
+            )
+            path = self.step_path / entry.name
+            raise CorruptShardError(
+                f"{path}: padding or unused bytes differ "
+                f"(file crc32c {crc:08x}, manifest says {entry.crc32c:08x})",
+                path=str(path),
+            )
 
     def finish(self) -> None:
-        """Copy to the GPU while checksumming; checksum then copy the CPU tensors."""
+        """Copy the rest to the GPU (checksums running meanwhile), check; then copy the CPU tensors."""
+        t = self.timings
+        start = time.perf_counter()
         if self.gpu:
-            indices = [i for i, _ in self.gpu]
-            with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tierckpt-verify") as pool:
-                crcs = pool.submit(self._crcs, indices) if self.verify else None
-                with torch.no_grad():
-                    cuda.copy_to_device([t for _, t in self.gpu], [self.views[i] for i in indices])
-                if crcs is not None:
-                    self.check(indices, crcs.result())
+            to_device(
+                self.manifest, self.files, self.views, self.gpu, staging=self.staging,
+                pack_bytes=self.pack_bytes, pack_limit=self.pack_limit, memcpy=memmove,
+            )  # fmt: skip
+        cuda.synchronize(self.early)
+        t["h2d_s"] = time.perf_counter() - start
+        if self.pending is not None:
+            self._check(self.pending)
+        t["verify_wait_s"] = time.perf_counter() - start - t["h2d_s"]
         if self.cpu:
-            indices = [i for i, _ in self.cpu]
-            if self.verify:
-                self.check(indices, self._crcs(indices))
-            copy_cpu([t for _, t in self.cpu], [self.views[i] for i in indices])
+            copy_cpu([t for _, t in self.cpu], [self.views[i] for i, _ in self.cpu])
+        t["copy_s"] = time.perf_counter() - start
 
 
 def load_into(
@@ -185,23 +250,43 @@ def load_into(
     verify: bool = True,
     device: torch.device | str | None = None,
     views: Sequence[torch.Tensor] | None = None,
+    staging: RestoreStaging | None = None,
+    pack_bytes: int = 1 << 20,
+    pack_limit: int = 256 << 20,
+    timings: dict[str, float] | None = None,
 ) -> None:
     """Fill ``dest`` in place from a committed step whose data files are mapped in ``files``.
 
-    ``views`` (from ``tensor_views``, e.g. cached by the pool) saves building them again.
+    ``views`` (from ``tensor_views``, e.g. cached by the pool) saves building them again;
+    ``staging`` (kept by the caller) keeps the device staging of packed small tensors between
+    loads. ``timings`` receives the phases in seconds (``tree_s``, ``h2d_s``, ``verify_wait_s``,
+    ``copy_s``).
     """
     if manifest.manifest_kind != "state_dict":
         raise FormatError(f"{step_path}: a {manifest.manifest_kind!r} step; load it through tierckpt.dcp")
     objects = read_objects(step_path, manifest)
     views = tensor_views(manifest, files) if views is None else views
+    timings = {} if timings is None else timings
     filler = _Filler(
         step_path,
-        manifest.tensors,
+        manifest,
+        files,
         views,
         verify=verify,
         device=None if device is None else torch.device(device),
+        staging=staging or RestoreStaging(),
+        pack_bytes=pack_bytes,
+        pack_limit=pack_limit,
+        timings=timings,
     )
-    restore_into(
-        dest, manifest.tree, fill=filler, fill_array=filler.array, n_tensors=len(views), objects=objects
-    )
-    filler.finish()
+    start = time.perf_counter()
+    filler.start_verify()  # the checksums run during the tree walk and the copies
+    try:
+        restore_into(
+            dest, manifest.tree, fill=filler, fill_array=filler.array, n_tensors=len(views), objects=objects
+        )
+        timings["tree_s"] = time.perf_counter() - start
+        filler.finish()
+    except BaseException:
+        filler.abandon()
+        raise

@@ -14,6 +14,7 @@ import errno
 import logging
 import mmap
 import os
+import threading
 import warnings
 from pathlib import Path
 
@@ -76,6 +77,7 @@ class MappedFile:
         self.size = size
         self.writable = writable
         self.registered = False
+        self._register_lock = threading.Lock()  # registration may run on a background thread
         self._fd = fd
         self._mm: mmap.mmap | None = None
         self._buffer: torch.Tensor | None = None
@@ -158,14 +160,16 @@ class MappedFile:
 
     def register(self) -> bool:
         """Pin the mapping for CUDA DMA (once); False when CUDA is unavailable or refuses."""
-        if not self.registered and self.size:
-            self.registered = cuda.register(self.address, self.size, read_only=not self.writable)
-        return self.registered
+        with self._register_lock:
+            if not self.registered and self.size:
+                self.registered = cuda.register(self.address, self.size, read_only=not self.writable)
+            return self.registered
 
     def _unregister(self) -> None:
-        if self.registered:
-            cuda.unregister(self.address)
-            self.registered = False
+        with self._register_lock:
+            if self.registered:
+                cuda.unregister(self.address)
+                self.registered = False
 
     def _drop_views(self) -> None:
         self._buffer = None
