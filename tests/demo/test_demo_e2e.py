@@ -106,7 +106,7 @@ def test_demo_on_loopback_ports() -> None:
 
 
 @pytest.mark.root
-def test_ctrl_c_cleans_up_everything() -> None:
+def test_ctrl_c_twice_cleans_up_everything() -> None:
     proc = subprocess.Popen(
         [TIERCKPT, "demo", *SMALL], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
@@ -120,6 +120,8 @@ def test_ctrl_c_cleans_up_everything() -> None:
     assert any("segment 1:" in line for line in seen), "".join(seen)[-3000:]
     assert _leftovers(proc.pid), "the cluster should be running now"
     proc.send_signal(signal.SIGINT)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)  # an impatient second Ctrl-C must not cut the cleanup short
     rest, _ = proc.communicate(timeout=60)
     assert proc.returncode == 130, rest[-3000:]
     assert "interrupted" in rest and "Traceback" not in rest

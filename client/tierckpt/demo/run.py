@@ -319,6 +319,11 @@ class Demo:
         )
 
     def _teardown(self, *, keep: bool) -> None:
+        """Stop and remove everything the run started; a second Ctrl-C does not cut this short."""
+        with _signals_ignored():
+            self._cleanup(keep=keep)
+
+    def _cleanup(self, *, keep: bool) -> None:
         if self.trainers is not None:
             self.trainers.kill()
         for launcher in self.launchers.values():
@@ -643,6 +648,21 @@ def _sigterm_as_interrupt() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, old)
+
+
+@contextlib.contextmanager
+def _signals_ignored() -> Iterator[None]:
+    """Ignore SIGINT and SIGTERM for the block (in the main thread; elsewhere, do nothing)."""
+    try:
+        old = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    except ValueError:
+        yield
+        return
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
 
 
 def run_demo(options: DemoOptions, console: Console) -> DemoReport:
