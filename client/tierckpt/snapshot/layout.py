@@ -66,11 +66,10 @@ class LayoutPlan:
     def padding(self, file: int) -> list[tuple[int, int]]:
         """The zero-filled ``(offset, length)`` gaps of one file, in order (for its crc)."""
         gaps, end = [], 0
-        for p in self.placements:
-            if p.file == file:
-                if p.offset > end:
-                    gaps.append((end, p.offset - end))
-                end = p.offset + p.length
+        for p in sorted((p for p in self.placements if p.file == file), key=lambda p: p.offset):
+            if p.offset > end:
+                gaps.append((end, p.offset - end))
+            end = max(end, p.offset + p.length)
         if self.files[file].size > end:
             gaps.append((end, self.files[file].size - end))
         return gaps
