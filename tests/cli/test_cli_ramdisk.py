@@ -245,3 +245,19 @@ def test_console_script_errors_never_show_a_traceback(tmp_path: Path, ramdisk: P
     assert bad_option.code == 2 and "Traceback" not in bad_option.output and "--keep" in bad_option.stderr
     usage = cli_process("ls")
     assert usage.code == 2 and "Traceback" not in usage.output and "Missing argument" in usage.stderr
+
+
+def test_a_missing_optional_dependency_is_a_clean_error(tmp_path: Path) -> None:
+    """Without google-cloud-storage (an optional extra) ``ls gs://`` says what to install."""
+    blocker = tmp_path / "block"
+    blocker.mkdir()
+    (blocker / "sitecustomize.py").write_text(
+        "import sys\n"
+        "class _Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'google.cloud' or name.startswith('google.cloud.'):\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+        "sys.meta_path.insert(0, _Block())\n"
+    )
+    result = cli_process("ls", "gs://bucket/prefix", env={"PYTHONPATH": str(blocker)})
+    assert_clean_error(result, 2, "pip install 'tierckpt[replicator]'")

@@ -18,6 +18,7 @@ from typing import Any, NoReturn
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
 from tierckpt.errors import TierckptError
@@ -78,12 +79,29 @@ def cli_errors() -> Iterator[None]:
         _report(f"{exc.strerror or exc}{f': {exc.filename}' if exc.filename else ''}", EXIT_FAILED)
     except KeyboardInterrupt:
         _report("interrupted", 130)
+    except ImportError as exc:
+        _report(_missing_dependency(exc), EXIT_USAGE)
+
+
+_EXTRAS = {
+    "google": "replicator",
+    "kubernetes": "operator",
+    "fake_gcs_server": "demo",
+    "fastapi": "replicator",
+}
+
+
+def _missing_dependency(exc: ImportError) -> str:
+    top = (exc.name or "").split(".")[0]
+    extra = _EXTRAS.get(top)
+    hint = f"pip install 'tierckpt[{extra}]'" if extra else "pip install 'tierckpt[all]'"
+    return f"this command needs {exc.name or 'a package that is not installed'} ({hint})"
 
 
 def _report(message: str, code: int) -> NoReturn:
     if os.environ.get("TIERCKPT_DEBUG"):
         log.exception("command failed")
-    err_console.print(f"[bold red]error:[/] {message}", markup=True, highlight=False)
+    err_console.print(f"[bold red]error:[/] {escape(message)}", markup=True, highlight=False)
     raise typer.Exit(code)
 
 

@@ -191,7 +191,7 @@ def gc_command(
             )
             return
         if not results:
-            out_console.print(f"no rank directory found under {path}")
+            out_console.print(f"no rank directory found under {path}", markup=False)
             return
         out_console.print(_table(results, title=f"gc {path}" + (" (dry run)" if dry_run else "")))
         verb = "would free" if dry_run else "freed"

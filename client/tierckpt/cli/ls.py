@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from tierckpt.cli._common import cli_errors, format_age, format_bytes, out_console, print_json
@@ -36,7 +37,7 @@ _STATE_STYLE = {
 
 def _state(state: str, detail: str) -> str:
     text = f"[{_STATE_STYLE.get(state, 'white')}]{state}[/]"
-    return f"{text} ({detail})" if detail else text
+    return f"{text} ({escape(detail)})" if detail else text
 
 
 def ramdisk_table(records: list[StepRecord], title: str) -> Table:
@@ -103,7 +104,7 @@ def _show(
     if as_json:
         print_json({"location": location, "steps": [dataclasses.asdict(r) for r in rows]})
     elif not rows:
-        out_console.print(f"nothing found at {location}" + (f" for job {job}" if job else ""))
+        out_console.print(f"nothing found at {location}" + (f" for job {job}" if job else ""), markup=False)
     else:
         out_console.print(table())
         out_console.print(_summary(rows, good))

@@ -117,7 +117,9 @@ def node_rank_command(
         if not podinfo_dir.is_dir():
             fail(f"{podinfo_dir}: not a directory (is the downward-API volume mounted?)", EXIT_USAGE)
         if wait:
-            err_console.print(f"waiting for {Annotations.NODE_RANK} in {podinfo_dir}/annotations")
+            err_console.print(
+                f"waiting for {Annotations.NODE_RANK} in {podinfo_dir}/annotations", markup=False
+            )
         limit = (timeout or None) if wait else 0.0
         found = wait_node_rank(podinfo_dir, timeout=limit, interval=interval, attempt=attempt)
         if found is None:

@@ -13,7 +13,9 @@ import os
 from typing import Any
 
 import typer
+from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from tierckpt.cli._common import EXIT_FAILED, EXIT_USAGE, CliError, cli_errors, fail, out_console, print_json
 
@@ -94,24 +96,24 @@ def _list_table(items: list[dict[str, Any]]) -> Table:
 
 
 def _print_summary(meta: dict[str, Any], spec: dict[str, Any], st: dict[str, Any]) -> None:
-    name = f"{meta.get('namespace')}/{meta.get('name')}"
+    name = escape(f"{meta.get('namespace')}/{meta.get('name')}")
     attempt = _step(st.get("assignmentGeneration"))
-    phase = st.get("phase", "?")
-    out_console.print(
-        f"[bold]{name}[/]  job id {spec.get('jobId', '?')}  phase [bold]{phase}[/]  attempt {attempt}"
-    )
+    phase, job_id = escape(str(st.get("phase", "?"))), escape(str(spec.get("jobId", "?")))
+    out_console.print(f"[bold]{name}[/]  job id {job_id}  phase [bold]{phase}[/]  attempt {attempt}")
     local, replicated, backed = (
         _step(st.get(k)) for k in ("latestLocalStep", "latestReplicatedStep", "latestBackedUpStep")
     )
     seen = f"{st.get('inventoryNodes', '?')} replicators at {st.get('inventoryTime', '?')}"
-    out_console.print(f"steps: local {local}, replicated {replicated}, backed up {backed}  (from {seen})")
+    out_console.print(
+        f"steps: local {local}, replicated {replicated}, backed up {backed}  (from {seen})", markup=False
+    )
     restore = st.get("restore") or {}
     if restore:
         sources = ", ".join(
             f"{tier}: ranks {ranks}" for tier, ranks in (restore.get("sources") or {}).items()
         )
         what = "fresh start" if restore.get("freshStart") else f"step {_step(restore.get('step'))}"
-        out_console.print(f"restore: {what}" + (f" ({sources})" if sources else ""))
+        out_console.print(f"restore: {what}" + (f" ({sources})" if sources else ""), markup=False)
 
 
 def _print_job(obj: dict[str, Any]) -> None:
@@ -134,7 +136,9 @@ def _print_job(obj: dict[str, Any]) -> None:
         for c in conditions:
             style = {"True": "green", "False": "red"}.get(c.get("status", ""), "yellow")
             status = f"[{style}]{c.get('status', '')}[/]"
-            table.add_row(c.get("type", ""), status, c.get("reason", ""), c.get("message", ""))
+            table.add_row(
+                Text(c.get("type", "")), status, Text(c.get("reason", "")), Text(c.get("message", ""))
+            )
         out_console.print(table)
 
 

@@ -12,6 +12,7 @@ import dataclasses
 import time
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from tierckpt.cli._common import (
@@ -115,7 +116,8 @@ def _print_problems(verdicts: list[StepVerdict]) -> None:
     for v in verdicts:
         for problem in v.problems:
             out_console.print(
-                f"[red]✘[/] {v.job} rank {v.rank} ({v.copy}) step {v.step}: {problem}", soft_wrap=True
+                f"[red]✘[/] {escape(v.job)} rank {v.rank} ({v.copy}) step {v.step}: {escape(problem)}",
+                soft_wrap=True,
             )
 
 
@@ -129,7 +131,7 @@ def _print_coverage(steps: list[StepCoverage]) -> None:
         note = (
             "[green]complete here[/]" if c.complete else "the other ranks live on other nodes or are damaged"
         )
-        out_console.print(f"{c.job} step {c.step}: {here} of {c.world_size} verified; {note}")
+        out_console.print(f"{escape(c.job)} step {c.step}: {here} of {c.world_size} verified; {note}")
 
 
 def verify_command(
@@ -158,7 +160,7 @@ def verify_command(
                 }
             )
         elif not verdicts:
-            out_console.print(f"no step found under {path}")
+            out_console.print(f"no step found under {path}", markup=False)
         else:
             out_console.print(_table(verdicts, title=f"verify {path}"))
             _print_problems(verdicts)
