@@ -73,7 +73,8 @@ def test_a_new_process_loads_through_a_registered_mapping_and_verifies(root, job
     with Checkpointer(root=root, job=job, keep=3) as ck:  # nothing of step 2 is mapped yet
         dest, _, _ = cuda_state(1)
         assert ck.load(dest) == 2
-        assert_same(state, dest)
+        assert_same(state, dest)  # read through the pinned bounce buffers (nothing registered yet)
+        ck._registering.result()  # then pinned in the background, for later saves and loads
         assert all(f.registered for f in ck._pool.slot_of(2).files)
         entry = next(t for t in read_manifest(step_dir(ck.rank_path, 2)).tensors if t.key == "bf16")
         with open(step_dir(ck.rank_path, 2) / entry.file, "r+b") as f:  # bit rot in place
@@ -105,3 +106,61 @@ def test_overlap_mode_orders_the_optimizer_step_after_the_copy(root, job):
     for key, value in expected.items():
         assert torch.equal(dest["model"][key], value.cpu()), key
     assert not torch.equal(model[0].weight.cpu(), expected["0.weight"].cpu())
+
+
+def many_small_state() -> dict:
+    torch.manual_seed(3)
+    small = {f"s{i}": torch.randn(i % 97 + 1, device="cuda") for i in range(600)}
+    small |= {f"h{i}": torch.randn(5, i % 13 + 1, device="cuda").half() for i in range(200)}
+    small["strided"] = torch.randn(40, 30, device="cuda").t()
+    small["scalar"] = torch.tensor(7, device="cuda")
+    return {"small": small, "big": torch.randn(3 << 20, device="cuda"), "cpu": torch.randn(100)}
+
+
+def test_packed_small_tensors_round_trip_bit_exact_and_reuse_their_staging(root, job):
+    state = many_small_state()
+    with Checkpointer(root=root, job=job) as ck:
+        ck.save(1, state, blocking=True)
+        staged = ck.device_staging_bytes
+        assert 0 < staged < 8 << 20  # the small tensors' region only
+        for step in range(2, 5):
+            ck.save(step, state, blocking=True)
+        assert ck.device_staging_bytes == staged  # reused, nothing new
+        dest = {
+            "small": {k: torch.zeros_like(v) for k, v in state["small"].items()},
+            "big": torch.zeros_like(state["big"]),
+        }
+        assert ck.load(dest) == 4
+        assert_same(state, dest)
+        assert ck.last_load_timings["total_s"] > 0
+    with Checkpointer(root=root, job=job) as ck:  # cold: through bounce buffers
+        dest = {
+            "small": {k: torch.zeros_like(v) for k, v in state["small"].items()},
+            "big": torch.zeros_like(state["big"]),
+        }
+        assert ck.load(dest) == 4
+        assert_same(state, dest)
+
+
+@pytest.mark.parametrize("which", ["small/s123", "big"])
+def test_a_corrupt_byte_on_the_gpu_restore_path_names_the_tensor(root, job, which):
+    state = many_small_state()
+    with Checkpointer(root=root, job=job) as ck:
+        ck.save(1, state, blocking=True)
+        ck.save(2, state, blocking=True)
+        dest = {
+            "small": {k: torch.zeros_like(v) for k, v in state["small"].items()},
+            "big": torch.zeros_like(state["big"]),
+        }
+        assert ck.load(dest) == 2  # warm: mapped and pinned
+        entry = next(t for t in read_manifest(step_dir(ck.rank_path, 2)).tensors if t.key == which)
+        with open(step_dir(ck.rank_path, 2) / entry.file, "r+b") as f:  # bit rot in place
+            f.seek(entry.offset + entry.length - 1)
+            byte = f.read(1)[0]
+            f.seek(entry.offset + entry.length - 1)
+            f.write(bytes([byte ^ 0x01]))
+        with pytest.raises(CorruptShardError) as info:
+            ck.load(dest)
+        assert info.value.key == which
+        assert ck.load(dest, fallback=True) == 1
+        assert_same(state, dest)
