@@ -88,7 +88,9 @@ def decode(cls: type[T], data: Any) -> T:
     if kind != cls.KIND:
         raise FormatError(f"expected a {cls.KIND!r} message, got kind {kind!r}")
     if not isinstance(version, int) or version < 1 or version > cls.VERSION:
-        raise FormatError(f"{cls.KIND}: unsupported version {version!r} (this build reads up to {cls.VERSION})")
+        raise FormatError(
+            f"{cls.KIND}: unsupported version {version!r} (this build reads up to {cls.VERSION})"
+        )
     return _build(cls, data, cls.KIND)
 
 
@@ -114,7 +116,7 @@ def _build(cls: type, data: Any, where: str) -> Any:
         raise FormatError(f"{where}: {exc}") from exc
 
 
-def _coerce(tp: Any, value: Any, where: str) -> Any:  # noqa: C901 - one branch per JSON shape
+def _coerce(tp: Any, value: Any, where: str) -> Any:
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
     if tp is Any:
@@ -145,7 +147,8 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:  # noqa: C901 - one branch 
         if origin is tuple:
             if len(value) != len(args):
                 raise FormatError(f"{where}: expected {len(args)} items")
-            return tuple(_coerce(a, v, f"{where}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
+            pairs = enumerate(zip(args, value, strict=True))
+            return tuple(_coerce(a, v, f"{where}[{i}]") for i, (a, v) in pairs)
         return [_coerce(args[0], v, f"{where}[{i}]") for i, v in enumerate(value)]
     if origin is dict:
         if not isinstance(value, dict):
