@@ -29,7 +29,7 @@ from typing import Any, Literal
 from tierckpt._codec import Message
 from tierckpt.errors import FormatError
 
-__all__ = ["LaunchRequest", "Launcher", "LauncherEvent", "main"]
+__all__ = ["LaunchRequest", "Launcher", "LauncherEvent", "kill_process_group", "main"]
 
 _PR_SET_PDEATHSIG = 1
 

@@ -49,8 +49,10 @@ __all__ = [
     "describe_restore",
     "main",
     "parse_model_size",
+    "read_events",
     "shape_for_params",
     "state_sha256",
+    "train_step",
 ]
 
 log = logging.getLogger(__name__)
