@@ -82,6 +82,7 @@ def load_backup_service(settings: Settings, registry: CollectorRegistry) -> Back
         keep_last=settings.backup_keep_last,
         keep_every=settings.backup_keep_every,
         parallelism=settings.backup_parallelism,
+        takeover_after=settings.backup_takeover_after,
     )
     log.info("GCS backup to gs://%s/%s enabled", settings.gcs_bucket, settings.gcs_prefix)
     return backup.build(node=settings.node_name, root=settings.root, metrics=BackupMetrics(registry))

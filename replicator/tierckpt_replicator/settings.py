@@ -186,6 +186,14 @@ class Settings:
     backup_parallelism: int = dataclasses.field(
         default=8, metadata=_opt("Object uploads/downloads in flight at once on this node.")
     )
+    backup_takeover_after: float = dataclasses.field(
+        default=120.0,
+        metadata=_opt(
+            "Seconds after a backup began before this node also uploads ranks assigned to another "
+            "holder that are still missing (that holder may be gone, or hold no copy).",
+            unit="s",
+        ),
+    )
     backup_poll_interval: float = dataclasses.field(
         default=30.0,
         metadata=_opt(

@@ -15,7 +15,7 @@ import threading
 import pytest
 from fixtures.cluster import cluster3, commit_everywhere, committed, new_job, replica_path, wait_restored
 from fixtures.steps import step_files, write_step
-from tierckpt.contract import NodeInventory, RestoreState, Tier
+from tierckpt.contract import NodeInventory, RestorePlan, RestoreState, Tier
 from tierckpt.format import committed_steps, control_dir, rank_dir, replica_rank_dir, step_dir
 from tierckpt_replicator.replication.wire import DataReply, DataRequest, Status, recv_frame, send_frame
 
@@ -44,8 +44,9 @@ def wait_replicated(cluster, job: str, rank: int, step: int, timeout: float = 30
     failed recently (then it is in backoff for a few seconds)."""
     return cluster.wait_for(
         lambda: next((n for n in cluster.nodes if committed(replica_path(n, job, rank, step))), None),
-        timeout=timeout, what=f"a replica of rank {rank} step {step}",
-    )  # fmt: skip
+        timeout=timeout,
+        what=f"a replica of rank {rank} step {step}",
+    )
 
 
 def lose(node) -> None:
@@ -165,11 +166,24 @@ def test_corrupt_replica_is_detected_and_fetched_again(cluster3):
     data.write_bytes(raw)
     lose(a)
     a.start_replicator()
-    cluster3.assign(job, generation=2)
+    # the operator's plan names b as rank 0's holder (so b is tried even if it answers slowly)
+    plan = RestorePlan(
+        job=job,
+        step=40,
+        world_size=3,
+        sources={0: Tier.REPLICA, 1: Tier.LOCAL, 2: Tier.LOCAL},
+        holders={0: (b.name,), 1: ("node-1",), 2: ("node-2",)},
+        generation=2,
+    )
+    assert a.request("PUT", f"/v1/jobs/{job}/restore-plan", plan.to_bytes())[0] == 202
+    cluster3.assign(job, generation=2)  # a learns its node rank and stages with the published plan
     st = wait_restored(a, job, 0)
     assert (st.state, st.source) == (RestoreState.READY, Tier.GCS)  # b's copy failed its crc32c
     assert step_files(step_dir(rank_dir(a.root, job, 0), 40)) == step_files(sources[0])
-    cluster3.wait_for(lambda: not committed(rep), what="the corrupt replica dropped by its holder")
+    try:
+        cluster3.wait_for(lambda: not committed(rep), what="the corrupt replica dropped by its holder")
+    except TimeoutError:
+        raise TimeoutError(f"{st}\n" + "\n".join(n.log_text()[-3000:] for n in cluster3.nodes)) from None
     # a holds rank 0 again and replicates it: an intact replica comes back
     holder = wait_replicated(cluster3, job, 0, 40)
     assert step_files(replica_path(holder, job, 0, 40)) == step_files(sources[0])

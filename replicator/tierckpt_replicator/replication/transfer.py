@@ -9,7 +9,6 @@ raise for the failures a network or a peer can cause.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import socket
 import time
@@ -242,13 +241,22 @@ def _download(
     return total
 
 
-def report_corrupt(ctx: DataContext, job: str, rank: int, step: int, source: FetchSource) -> None:
-    """Tell the holder its copy failed verification (best effort)."""
+def report_corrupt(
+    ctx: DataContext, job: str, rank: int, step: int, source: FetchSource, tries: int = 3
+) -> bool:
+    """Tell the holder its copy failed verification (a few quick tries; True once it answered)."""
     peer = PeerAddress(source.node, source.host, source.port)
-    with contextlib.suppress(OSError, ProtocolError), connect(ctx, peer) as sock:
-        req = DataRequest(
-            op="corrupt", token=ctx.tokens.text(), job=job, rank=rank, step=step, node=ctx.config.node
-        )
-        send_frame(sock, req)
-        reply = recv_frame(sock, DataReply)
-        log.info("reported corrupt copy to %s: %s", source.node, reply.message)
+    req = DataRequest(
+        op="corrupt", token=ctx.tokens.text(), job=job, rank=rank, step=step, node=ctx.config.node
+    )
+    for attempt in range(tries):
+        try:
+            with connect(ctx, peer) as sock:
+                send_frame(sock, req)
+                reply = recv_frame(sock, DataReply)
+            log.info("reported corrupt copy to %s: %s", source.node, reply.message)
+            return True
+        except (OSError, ProtocolError) as exc:
+            log.warning("could not report the corrupt copy to %s (try %d): %s", source.node, attempt + 1, exc)
+            time.sleep(0.2 * (attempt + 1))
+    return False
