@@ -211,6 +211,8 @@ def test_gc_leaves_a_live_writer_alone(tmp_path: Path) -> None:
         assert _committed(root / JOB / "rank-00000") == [1, 2, 3]
     rank = cli("gc", str(root), "--keep", "1", "--json").json()["ranks"][0]
     assert rank["removed"] == [1, 2] and not rank["skipped"]
+    assert rank["spare_bytes"] > 0  # the slot pool's spare files, left for a next writer, are reclaimed
+    assert not (root / JOB / "rank-00000" / ".spare").exists()
 
 
 def test_gc_removes_stale_leftovers_only(ramdisk: Path) -> None:

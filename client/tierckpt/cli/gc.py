@@ -54,8 +54,11 @@ class RankGc:
     removed: tuple[int, ...]
     """Committed steps retired, then uncommitted leftovers."""
     freed_bytes: int
+    """The removed steps' bytes plus ``spare_bytes``."""
     skipped: str = ""
     """Why the directory was left alone, if it was."""
+    spare_bytes: int = 0
+    """Spare data files a finished Checkpointer kept for its next save (freed too)."""
 
 
 def _writer_alive(rank_path: Path) -> bool:
@@ -129,9 +132,8 @@ def gc_rank(rd: RankDir, *, keep: int, stale_after: float, dry_run: bool, now: f
     if spare and not dry_run:
         shutil.rmtree(rd.path / _client_names()[1], ignore_errors=True)
     removed = (*plan.retire, *plan.discard)
-    return RankGc(
-        rd.job, rd.rank, rd.copy, plan.kept, plan.held, removed, sum(sizes[s] for s in removed) + spare
-    )
+    freed = sum(sizes[s] for s in removed) + spare
+    return RankGc(rd.job, rd.rank, rd.copy, plan.kept, plan.held, removed, freed, spare_bytes=spare)
 
 
 def _steps(steps: tuple[int, ...]) -> str:
@@ -151,7 +153,7 @@ def _table(results: list[RankGc], title: str) -> Table:
             _steps(r.held),
             _steps(r.removed),
             format_bytes(r.freed_bytes),
-            r.skipped,
+            r.skipped or (f"incl. {format_bytes(r.spare_bytes)} of spare slots" if r.spare_bytes else ""),
         )
     return table
 
