@@ -191,3 +191,52 @@ async def test_worker_runs_at_lower_priority(tmp_path: Path):
         assert os.sched_getscheduler(sup.pid) == os.SCHED_IDLE
     finally:
         await sup.stop()
+
+
+async def test_restore_plan_asks_again_before_believing_nothing_is_restorable(tmp_path: Path):
+    import httpx
+    from tierckpt.contract import NodeInventory, RankHoldings
+    from tierckpt_replicator.peer_client import PeerClient
+    from tierckpt_replicator.restore.gather import compute_plan
+
+    token = tmp_path / "token"
+    token.write_text("tok\n")
+    assignment = PeerAssignment(
+        job="j",
+        generation=1,
+        peers={},
+        nodes={"a": PeerNode("a", "http://a:1"), "b": PeerNode("b", "http://b:1")},
+    )
+    held = NodeInventory(
+        job="j",
+        node="b",
+        endpoint="http://b:1",
+        updated_at=0.0,
+        ranks={0: RankHoldings(local=(5,)), 1: RankHoldings(replica=(5,))},
+        world_sizes={5: 2},
+    )
+    calls = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        calls.append(request.url.path)
+        if len(calls) < 3:  # b is slow to come back
+            return httpx.Response(503)
+        return httpx.Response(200, content=held.to_bytes())
+
+    peers = PeerClient(TokenFile(token), timeout=1.0, transport=httpx.MockTransport(answer))
+
+    async def own() -> NodeInventory:
+        return NodeInventory(job="j", node="a", endpoint="http://a:1", updated_at=0.0, ranks={})
+
+    try:
+        plan = await compute_plan("j", own, assignment, peers, attempts=5, backoff=0.01)
+        assert plan.step == 5 and len(calls) == 3  # asked again instead of starting the job afresh
+        calls.clear()
+        never = PeerClient(
+            TokenFile(token), timeout=1.0, transport=httpx.MockTransport(lambda r: httpx.Response(503))
+        )
+        plan = await compute_plan("j", own, assignment, never, attempts=3, backoff=0.01)
+        assert plan.step is None  # after the attempts, what is known is all there is
+        await never.close()
+    finally:
+        await peers.close()

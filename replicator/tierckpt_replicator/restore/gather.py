@@ -46,15 +46,38 @@ async def compute_plan(
     own: Callable[[], Awaitable[NodeInventory]],
     assignment: PeerAssignment | None,
     peers: PeerClient,
+    *,
+    attempts: int = 1,
+    backoff: float = 1.0,
 ) -> RestorePlan:
-    """The plan every replicator computes identically from the same inventories."""
-    inventories = await gather_inventories(await own(), assignment, peers)
-    plan = choose_restore(inventories, job=job, generation=assignment.generation if assignment else 0)
-    log.info(
-        "restore %s: step %s from %d inventories (%s)",
-        job,
-        plan.step,
-        len(inventories),
-        ", ".join(sorted(i.node for i in inventories)),
-    )
-    return plan
+    """The plan every replicator computes identically from the same inventories.
+
+    A "nothing to restore" answer while some nodes did not answer could throw a job's progress away
+    (they may hold the only copies), so that case is asked again, up to ``attempts`` times with
+    growing pauses, before it is believed. Any other plan is safe to act on at once: every rank can
+    restore its step.
+    """
+    expected = len(assignment.nodes) if assignment is not None else 1
+    for attempt in range(1, attempts + 1):
+        inventories = await gather_inventories(await own(), assignment, peers)
+        plan = choose_restore(inventories, job=job, generation=assignment.generation if assignment else 0)
+        known = ", ".join(sorted(i.node for i in inventories))
+        if plan.step is not None or len(inventories) >= expected or attempt == attempts:
+            log.info(
+                "restore %s: step %s from %d of %d inventories (%s)",
+                job,
+                plan.step,
+                len(inventories),
+                expected,
+                known,
+            )
+            return plan
+        log.warning(
+            "restore %s: nothing restorable among the %d of %d nodes that answered (%s); asking again",
+            job,
+            len(inventories),
+            expected,
+            known,
+        )
+        await asyncio.sleep(backoff * 2 ** (attempt - 1))
+    raise AssertionError("unreachable")  # pragma: no cover

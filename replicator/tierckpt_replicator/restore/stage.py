@@ -150,7 +150,11 @@ class Stager:
             assignment = self.assignments.get(job)
             if plan is None:
                 plan = published_plan(self.settings.root, job, assignment) or await compute_plan(
-                    job, lambda: self.own_inventory(job), assignment, self.peers
+                    job,
+                    lambda: self.own_inventory(job),
+                    assignment,
+                    self.peers,
+                    attempts=self.settings.restore_attempts,
                 )
             self.plans[job] = plan
             ranks = self._ranks(job, plan, assignment)
