@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tierckpt.contract import Csi
+from tierckpt.options import env_name, field_type, merge_settings
 
 __all__ = ["ENV_PREFIX", "Settings", "build_parser", "parse_settings"]
 
@@ -172,16 +173,8 @@ class Settings:
         return out
 
 
-def _field_type(f: dataclasses.Field[Any]) -> type:
-    if isinstance(f.default, bool):
-        return bool
-    if isinstance(f.default, (int, float)):
-        return type(f.default)
-    return str
-
-
 def _env(name: str) -> str:
-    return ENV_PREFIX + name.upper()
+    return env_name(ENV_PREFIX, name)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -191,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
         f"Every option may also be set as {ENV_PREFIX}<OPTION> (upper case, underscores); a flag wins.",
     )
     for f in dataclasses.fields(Settings):
-        kind, meta = _field_type(f), f.metadata
+        kind, meta = field_type(f), f.metadata
         unit = f" [{meta['unit']}]" if meta["unit"] else ""
         text = f"{meta['help']}{unit} (env {_env(f.name)}; default: {f.default!r})"
         flag = "--" + f.name.replace("_", "-")
@@ -202,28 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _from_env(f: dataclasses.Field[Any], raw: str) -> Any:
-    kind = _field_type(f)
-    if kind is bool:
-        if raw.strip().lower() in ("1", "true", "yes", "on"):
-            return True
-        if raw.strip().lower() in ("0", "false", "no", "off", ""):
-            return False
-        raise ValueError(f"{_env(f.name)}={raw!r} is not a boolean")
-    try:
-        return kind(raw)
-    except ValueError as exc:
-        raise ValueError(f"{_env(f.name)}={raw!r}: {exc}") from exc
-
-
 def parse_settings(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> Settings:
     """Flags, then ``TIERCKPT_OPERATOR_*`` environment variables, then defaults."""
     environ = os.environ if environ is None else environ
     args = vars(build_parser().parse_args(argv))
-    values: dict[str, Any] = {}
-    for f in dataclasses.fields(Settings):
-        if args.get(f.name) is not None:
-            values[f.name] = args[f.name]
-        elif _env(f.name) in environ:
-            values[f.name] = _from_env(f, environ[_env(f.name)])
-    return Settings(**values)
+    return merge_settings(Settings, args, environ, prefix=ENV_PREFIX)

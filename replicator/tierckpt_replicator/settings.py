@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from tierckpt.format import check_holder
+from tierckpt.options import env_name, field_type, merge_settings
 
 __all__ = ["ENV_PREFIX", "Settings", "build_parser", "parse_settings"]
 
@@ -270,16 +271,7 @@ def _flag(name: str) -> str:
 
 
 def _env(name: str) -> str:
-    return ENV_PREFIX + name.upper()
-
-
-def _field_type(f: dataclasses.Field[Any]) -> type:
-    default = f.default
-    if isinstance(default, bool):
-        return bool
-    if isinstance(default, (int, float)):
-        return type(default)
-    return Path if "Path" in str(f.type) else str
+    return env_name(ENV_PREFIX, name)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -290,7 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
         "underscores); a flag wins over the environment.",
     )
     for f in dataclasses.fields(Settings):
-        meta, kind = f.metadata, _field_type(f)
+        meta, kind = f.metadata, field_type(f)
         unit = f" [{meta['unit']}]" if meta["unit"] else ""
         help_text = f"{meta['help']}{unit} (env {_env(f.name)})"
         names = [_flag(f.name)] + ([meta["short"]] if meta["short"] else [])
@@ -320,28 +312,8 @@ def _shown(default: Any) -> str:
     return "(empty)" if default == "" else str(default)
 
 
-def _from_env(f: dataclasses.Field[Any], raw: str) -> Any:
-    kind = _field_type(f)
-    if kind is bool:
-        if raw.lower() in ("1", "true", "yes", "on"):
-            return True
-        if raw.lower() in ("0", "false", "no", "off", ""):
-            return False
-        raise ValueError(f"{_env(f.name)}={raw!r} is not a boolean")
-    try:
-        return kind(raw)
-    except ValueError as exc:
-        raise ValueError(f"{_env(f.name)}={raw!r}: {exc}") from exc
-
-
 def parse_settings(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> Settings:
     """Flags, then ``TIERCKPT_REPLICATOR_*`` environment variables, then defaults."""
     environ = os.environ if environ is None else environ
     args = vars(build_parser().parse_args(argv))
-    values: dict[str, Any] = {}
-    for f in dataclasses.fields(Settings):
-        if args.get(f.name) is not None:
-            values[f.name] = args[f.name]
-        elif _env(f.name) in environ:
-            values[f.name] = _from_env(f, environ[_env(f.name)])
-    return Settings(**values)
+    return merge_settings(Settings, args, environ, prefix=ENV_PREFIX)
