@@ -12,24 +12,21 @@ never the step being written. A failed save therefore never costs the last compl
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 from collections.abc import Collection, Iterable
 from pathlib import Path
 
 from tierckpt import leases
 from tierckpt.format import (
-    COMMIT_NAME,
     committed_steps,
     discard_step,
-    fsync_dir,
     read_commit,
     step_dir,
     step_dirs,
 )
 from tierckpt.snapshot.layout import LayoutPlan
 from tierckpt.snapshot.pool import Slot, SlotPool
+from tierckpt.snapshot.rankdir import uncommit
 
 __all__ = ["RankStore", "plan_dcp_retention"]
 
@@ -80,11 +77,7 @@ class RankStore:
             retire = plan_dcp_retention(
                 committed_steps(self.rank_path), complete, keep=self.keep, leased=held
             )
-            for step in retire:
-                path = step_dir(self.rank_path, step)
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path / COMMIT_NAME)
-                    fsync_dir(path)
+            uncommit(self.rank_path, retire)
         for step in retire:
             log.debug("retiring DCP step %d of %s", step, self.rank_path)
             self.pool.recycle(step, step_dir(self.rank_path, step))
