@@ -9,7 +9,7 @@ It defines, in one place:
   (``read_podinfo``). Stale pods never receive a rank, so they never see one;
 * the control files in ``<root>/<job>/control/`` and their typed messages: the peer assignment
   (``PeerAssignment``), the job's restore plan (``RestorePlan``), per-rank restore progress
-  (``RestoreStatus``);
+  (``RestoreStatus``), the job's backup and replication policy (``JobPolicy``);
 * the inventory a replicator reports (``NodeInventory``), from which anyone can compute the same
   restore step with ``tierckpt.restore_choice``.
 
@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from tierckpt._codec import Message
+from tierckpt.bucket_layout import BucketLayout
 from tierckpt.errors import ContractError, FormatError
 from tierckpt.format import control_dir, write_atomic
 
@@ -33,6 +34,7 @@ __all__ = [
     "Annotations",
     "Csi",
     "Env",
+    "JobPolicy",
     "Labels",
     "NodeInventory",
     "PeerAssignment",
@@ -317,6 +319,58 @@ class RestoreStatus(Message):
     bytes_total: int
     updated_at: float
     message: str = ""
+
+
+_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]$")
+
+
+@dataclasses.dataclass(frozen=True)
+class JobPolicy(Message):
+    """``control/policy.json``: the job's backup and replication policy, from its CheckpointConfiguration.
+
+    Sent by the operator with ``PUT /v1/jobs/{job}/policy`` to every replicator of the job (alongside
+    the peers) and again whenever the configuration changes; ``generation`` increases with every
+    change and replicators ignore older ones. A replicator backs the job up with it instead of its own
+    node flags (``--gcs-bucket``, ``--gcs-prefix``, ``--backup-interval*``, ``--backup-keep-*``); the
+    bucket is reached with the node's own GCS credentials and endpoint.
+    """
+
+    KIND = "tierckpt.job-policy"
+    VERSION = CONTRACT_VERSION
+    FILE: ClassVar[str] = "policy.json"
+
+    job: str
+    generation: int
+    bucket: str = ""
+    """GCS bucket of the job's backups; "" leaves the node's ``--gcs-bucket`` in force."""
+    prefix: str = "tierckpt"
+    """Object prefix inside the bucket."""
+    backup_interval_steps: int = 0
+    """Back up once this many steps passed since the newest complete backup (0: not by steps)."""
+    backup_interval_minutes: float = 30.0
+    """Back up once this many minutes passed since the newest complete backup (0: not by time)."""
+    keep_last: int = 3
+    """Newest complete backups kept."""
+    keep_every: int = 0
+    """Also keep the oldest complete backup of every window of this many steps (0: off)."""
+    replication_factor: int = 1
+    """Peers each node sends its ranks' shards to."""
+    delete_backups_on_deletion: bool = False
+    """Whether the job's backups are deleted with the job."""
+    config: str = ""
+    """The CheckpointConfiguration it came from (informational)."""
+
+    def __post_init__(self) -> None:
+        if self.bucket and not _BUCKET_RE.match(self.bucket):
+            raise FormatError(f"job policy: {self.bucket!r} is not a valid bucket name")
+        BucketLayout(self.prefix)  # raises FormatError for an unsafe prefix
+        if self.keep_last < 1:
+            raise FormatError("job policy: keep_last must be at least 1")
+        for name in ("generation", "backup_interval_steps", "backup_interval_minutes", "keep_every"):
+            if getattr(self, name) < 0:
+                raise FormatError(f"job policy: {name} must not be negative")
+        if not 0 <= self.replication_factor <= 8:
+            raise FormatError("job policy: replication_factor must be in [0, 8]")
 
 
 def restore_status_name(rank: int) -> str:

@@ -22,7 +22,14 @@ from pathlib import Path
 
 import httpx
 import uvicorn
-from tierckpt.contract import NodeInventory, PeerAssignment, RestorePlan, read_control, write_control
+from tierckpt.contract import (
+    JobPolicy,
+    NodeInventory,
+    PeerAssignment,
+    RestorePlan,
+    read_control,
+    write_control,
+)
 from tierckpt.errors import FormatError
 from tierckpt.format import discard_step, job_dir, rank_dir, ranks_in, replica_rank_dir, step_dirs
 
@@ -33,6 +40,7 @@ from tierckpt_replicator.backup_hook import BackupPort, bucket_world_sizes, load
 from tierckpt_replicator.inventory import InventoryScanner, list_jobs
 from tierckpt_replicator.metrics import Metrics
 from tierckpt_replicator.peer_client import PeerClient
+from tierckpt_replicator.policies import PolicyStore
 from tierckpt_replicator.replication.ipc import DataEvent, WorkerConfig
 from tierckpt_replicator.replication.manager import ReplicationManager
 from tierckpt_replicator.replication.replicas import free_bytes
@@ -95,6 +103,7 @@ class Daemon:
         self.backup = backup
         static = load_static(settings.peers_file) if settings.peers_file else None
         self.assignments = AssignmentStore(settings.root, static)
+        self.policies = PolicyStore(settings.root)
         self.scanner = InventoryScanner(
             settings.root, node=settings.node_name, endpoint=settings.api_endpoint, domain=settings.domain
         )
@@ -169,6 +178,8 @@ class Daemon:
             try:
                 step = await backup.backup_now(job, all_local=True)
                 log.info("preemption: job %s backed up at step %s", job, step)
+            except LookupError as exc:  # neither the node nor the job's policy names a bucket
+                log.info("preemption: job %s not backed up: %s", job, exc)
             except Exception as exc:
                 log.error("preemption: backup of job %s failed: %s", job, exc)
 
@@ -281,12 +292,19 @@ class Daemon:
         self.stager.start(plan.job, plan)
         return True, plan
 
+    async def put_policy(self, policy: JobPolicy) -> tuple[bool, JobPolicy]:
+        """Store the job's policy (newer generation only); backups follow it from the next step on."""
+        return self.policies.put(policy)
+
     async def backup_now(self, job: str) -> int | None:
         if self.backup is None:
             self.metrics.backups.labels("unconfigured").inc()
             raise LookupError("GCS backup is not configured on this node (--gcs-bucket)")
         try:
             step = await self.backup.backup_now(job)
+        except LookupError:
+            self.metrics.backups.labels("unconfigured").inc()
+            raise
         except Exception:
             self.metrics.backups.labels("failed").inc()
             raise
@@ -299,18 +317,20 @@ class Daemon:
 
     async def purge(self, job: str, *, bucket: bool = False) -> bool:
         self.stager.forget(job)
-        self.replication.forget(job)
-        self.assignments.forget(job)
-        self.scanner.forget(job)
-        if bucket and self.backup is not None:
+        if bucket and self.backup is not None:  # first: the job's policy on disk names its bucket
             await self.backup.purge_job(job)
             log.info("job %s: purged its backups from the bucket", job)
         path = job_dir(self.settings.root, job)
-        if not path.exists():
-            return False
-        await asyncio.to_thread(remove_job_tree, self.settings.root, job)
-        log.info("job %s: purged from this node's ramdisk", job)
-        return True
+        existed = path.exists()
+        if existed:
+            await asyncio.to_thread(remove_job_tree, self.settings.root, job)
+            log.info("job %s: purged from this node's ramdisk", job)
+        # forgotten once the steps are gone, so no loop sees them as new (and backs them up) meanwhile
+        self.replication.forget(job)
+        self.assignments.forget(job)
+        self.policies.forget(job)
+        self.scanner.forget(job)
+        return existed
 
     async def status(self) -> NodeStatus:
         jobs = []

@@ -11,6 +11,7 @@ import httpx
 import pytest
 from fixtures.steps import write_step
 from tierckpt.contract import (
+    JobPolicy,
     NodeInventory,
     PeerAssignment,
     PeerNode,
@@ -64,6 +65,7 @@ ROUTES = [
     ("GET", f"/v1/jobs/{JOB}/inventory"),
     ("PUT", f"/v1/jobs/{JOB}/peers"),
     ("PUT", f"/v1/jobs/{JOB}/restore-plan"),
+    ("PUT", f"/v1/jobs/{JOB}/policy"),
     ("POST", f"/v1/jobs/{JOB}/backup"),
     ("POST", f"/v1/jobs/{JOB}/restore"),
     ("DELETE", f"/v1/jobs/{JOB}"),
@@ -238,3 +240,68 @@ async def test_status_describes_the_node(api):
     assert status.node == "node-a" and not status.healthy and status.problems
     (job,) = status.jobs
     assert job.job == JOB and job.local == {0: (7,)} and job.local_bytes == 4096 and job.generation == -1
+
+
+def policy(generation: int = 1, job: str = JOB, **fields: object) -> JobPolicy:
+    values: dict[str, object] = {
+        "bucket": "ckpt-bucket", "prefix": "team/a", "backup_interval_steps": 100,
+        "keep_last": 2, "keep_every": 1000, "replication_factor": 2, **fields,
+    }  # fmt: skip
+    return JobPolicy(job=job, generation=generation, **values)  # type: ignore[arg-type]
+
+
+async def test_policy_is_stored_newer_generation_wins(api):
+    client, daemon = api
+    url = f"/v1/jobs/{JOB}/policy"
+    path = control_dir(daemon.settings.root, JOB) / JobPolicy.FILE
+    resp = await client.put(url, headers=AUTH, content=policy(5).to_bytes())
+    assert resp.status_code == 200 and JobPolicy.from_bytes(resp.content) == policy(5)
+    assert JobPolicy.from_bytes(path.read_bytes()) == policy(5)
+    assert (await client.put(url, headers=AUTH, content=policy(5).to_bytes())).status_code == 200  # a retry
+    for older in (policy(5, keep_last=9), policy(4, bucket="other-bucket")):
+        resp = await client.put(url, headers=AUTH, content=older.to_bytes())
+        assert resp.status_code == 409, resp.text
+    assert JobPolicy.from_bytes(path.read_bytes()) == policy(5)
+    assert daemon.policies.get(JOB) == policy(5)
+    resp = await client.put(url, headers=AUTH, content=policy(6, bucket="bucket-2").to_bytes())
+    assert resp.status_code == 200
+    assert daemon.policies.get(JOB) == policy(6, bucket="bucket-2")
+    assert sorted(p.name for p in path.parent.iterdir()) == [JobPolicy.FILE]  # no temporary left behind
+    await client.delete(f"/v1/jobs/{JOB}", headers=AUTH)
+    assert daemon.policies.get(JOB) is None
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"",
+        b"{",
+        b'{"kind": "tierckpt.job-policy", "version": 1, "job": "team_train_1234abcd"}',
+        assignment().to_bytes(),
+        policy(job="another_job").to_bytes(),
+        policy().to_bytes().replace(b'"generation":1', b'"generation":"7"'),
+        policy().to_bytes().replace(b'"keep_last":2', b'"keep_last":0'),
+        policy().to_bytes().replace(b'"keep_every":1000', b'"keep_every":-1'),
+        policy().to_bytes().replace(b'"backup_interval_steps":100', b'"backup_interval_steps":true'),
+        policy().to_bytes().replace(b'"prefix":"team/a"', b'"prefix":"../escape"'),
+        policy().to_bytes().replace(b'"bucket":"ckpt-bucket"', b'"bucket":"Not A Bucket"'),
+        policy().to_bytes().replace(b'"replication_factor":2', b'"replication_factor":99'),
+        policy().to_bytes().replace(b'"version":1', b'"version":2'),
+    ],
+)
+async def test_malformed_policies_change_nothing(api, body):
+    client, daemon = api
+    await client.put(f"/v1/jobs/{JOB}/policy", headers=AUTH, content=policy(3).to_bytes())
+    path = control_dir(daemon.settings.root, JOB) / JobPolicy.FILE
+    before = path.read_bytes()
+    resp = await client.put(f"/v1/jobs/{JOB}/policy", headers=AUTH, content=body)
+    assert resp.status_code == 400, resp.text
+    assert path.read_bytes() == before
+
+
+async def test_policy_bodies_are_bounded(api):
+    client, daemon = api
+    huge = policy().to_bytes()[:-1] + b',"config":"' + b"x" * (128 << 10) + b'"}'
+    resp = await client.put(f"/v1/jobs/{JOB}/policy", headers=AUTH, content=huge)
+    assert resp.status_code == 413
+    assert not (daemon.settings.root / JOB).exists()

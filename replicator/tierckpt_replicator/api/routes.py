@@ -11,7 +11,7 @@ from typing import Protocol
 from fastapi import APIRouter, FastAPI, HTTPException, Request, Response
 from fastapi.responses import JSONResponse
 from tierckpt._codec import Message
-from tierckpt.contract import NodeInventory, PeerAssignment, RestorePlan
+from tierckpt.contract import JobPolicy, NodeInventory, PeerAssignment, RestorePlan
 from tierckpt.errors import RetryableError, TierckptError
 
 from tierckpt_replicator.api.auth import check_job, read_message, require_token
@@ -33,6 +33,7 @@ class Controls(Protocol):
     async def inventory(self, job: str) -> NodeInventory: ...
     async def put_peers(self, assignment: PeerAssignment) -> tuple[bool, PeerAssignment]: ...
     async def put_plan(self, plan: RestorePlan) -> tuple[bool, RestorePlan]: ...
+    async def put_policy(self, policy: JobPolicy) -> tuple[bool, JobPolicy]: ...
     async def backup_now(self, job: str) -> int | None: ...
     async def restore(self, job: str) -> None: ...
     async def purge(self, job: str, *, bucket: bool = False) -> bool: ...
@@ -80,6 +81,15 @@ def _v1_routes(c: Controls) -> APIRouter:
         if not stored:
             raise HTTPException(409, f"generation {plan.generation} is older than {current.generation}")
         return _message(current, 202)
+
+    @v1.put("/jobs/{job}/policy")
+    async def put_policy(job: str, request: Request) -> Response:
+        job = guard(request, job)
+        policy = await read_message(request, JobPolicy, limit=limit, job=job)
+        stored, current = await c.put_policy(policy)
+        if not stored:
+            raise HTTPException(409, f"generation {policy.generation} is not newer than {current.generation}")
+        return _message(current)
 
     @v1.post("/jobs/{job}/backup")
     async def post_backup(job: str, request: Request) -> JSONResponse:

@@ -1,0 +1,158 @@
+"""A job's policy (``PUT /v1/jobs/{job}/policy``) drives its backups: a real ``tierckpt-replicator``
+process with its own ``--gcs-bucket``, a real fake-gcs-server, steps committed on the ramdisk. The
+job's steps go to the policy's bucket and prefix on the policy's step interval, retention follows the
+policy, an edited policy moves the next backup, and ``DELETE ?bucket=true`` empties the policy's bucket.
+Plus the pure rule that merges a policy into the node's settings."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from fixtures.steps import write_step
+from tierckpt.bucket_layout import BucketLayout
+from tierckpt.contract import JobPolicy, NodeInventory
+from tierckpt.demo.fakegcs import FakeGcsServer, free_port
+from tierckpt_replicator.backup.settings import BackupSettings
+from tierckpt_replicator.backup_hook import effective_settings
+
+pytestmark = [pytest.mark.e2e]
+
+TOKEN = "policy-test-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+NODE_BUCKET, POLICY_BUCKET = "node-bucket", "policy-bucket"
+
+
+def test_a_policy_overrides_the_node_flags():
+    node = BackupSettings(bucket="node-bucket", prefix="n", interval_seconds=600, keep_last=5, parallelism=3)
+    assert effective_settings(node, None) is node
+    assert effective_settings(BackupSettings(), None) is None  # no bucket anywhere: no backups
+    p = JobPolicy(job="j", generation=1, bucket="job-bucket", prefix="p/q", backup_interval_steps=50,
+                  backup_interval_minutes=2, keep_last=2, keep_every=1000)  # fmt: skip
+    got = effective_settings(node, p)
+    assert got is not None
+    assert (got.bucket, got.prefix) == ("job-bucket", "p/q")
+    assert (got.interval_steps, got.interval_seconds) == (50, 120.0)
+    assert (got.keep_last, got.keep_every) == (2, 1000)
+    assert got.parallelism == 3  # node-level tuning stays
+    schedule_only = effective_settings(node, JobPolicy(job="j", generation=1, backup_interval_steps=7))
+    assert schedule_only is not None and (schedule_only.bucket, schedule_only.prefix) == ("node-bucket", "n")
+    assert effective_settings(BackupSettings(), JobPolicy(job="j", generation=1)) is None
+
+
+@pytest.fixture(scope="module")
+def gcs() -> Iterator[FakeGcsServer]:
+    with FakeGcsServer() as server:
+        server.create_bucket(NODE_BUCKET)
+        server.create_bucket(POLICY_BUCKET)
+        yield server
+
+
+@pytest.fixture
+def replicator(tmp_path: Path, gcs: FakeGcsServer) -> Iterator[tuple[str, Path]]:
+    """One replicator process backing up to ``NODE_BUCKET`` on demand only (its own flags)."""
+    token = tmp_path / "token"
+    token.write_text(TOKEN)
+    root = tmp_path / "ramdisk"
+    root.mkdir()
+    api_port = free_port()
+    exe = Path(sys.executable).with_name("tierckpt-replicator")
+    args = [
+        str(exe), "--node-name", "n0", "--root", str(root), "--token-file", str(token),
+        "--listen-host", "127.0.0.1", "--advertise-host", "127.0.0.1",
+        "--api-port", str(api_port), "--data-port", str(free_port()),
+        "--gcs-bucket", NODE_BUCKET, "--gcs-endpoint", gcs.url,
+        "--backup-interval", "0", "--backup-interval-steps", "0", "--backup-poll-interval", "1",
+        "--poll-interval", "0.2", "--log-level", "INFO",
+    ]  # fmt: skip
+    log = tmp_path / "replicator.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{api_port}"
+        deadline = time.monotonic() + 30
+        while True:
+            assert proc.poll() is None, log.read_text()[-3000:]
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
+                    break
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.1)
+        yield url, root
+    finally:
+        os.killpg(proc.pid, 15)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait(5)
+
+
+def complete_steps(gcs: FakeGcsServer, bucket: str, prefix: str, job: str) -> list[int]:
+    layout = BucketLayout(prefix)
+    names = [b.name for b in gcs.client().list_blobs(bucket, prefix=layout.complete_dir(job))]
+    return sorted(int(Path(n).stem) for n in names)
+
+
+def keys(gcs: FakeGcsServer, bucket: str) -> list[str]:
+    return [b.name for b in gcs.client().list_blobs(bucket)]
+
+
+async def until(fn, what: str, timeout: float = 20.0):
+    deadline = time.monotonic() + timeout
+    while not (got := await asyncio.to_thread(fn)):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.2)
+    return got
+
+
+async def test_job_backs_up_to_its_policy_bucket_on_its_interval(replicator, gcs):
+    url, root = replicator
+    job = f"policy_{os.getpid()}"
+    policy = JobPolicy(
+        job=job, generation=1, bucket=POLICY_BUCKET, prefix="pol/team",
+        backup_interval_steps=20, backup_interval_minutes=0, keep_last=2, config="fast",
+    )  # fmt: skip
+    async with httpx.AsyncClient(base_url=url, headers=AUTH, timeout=10) as api:
+        resp = await api.put(f"/v1/jobs/{job}/policy", content=policy.to_bytes())
+        assert resp.status_code == 200, resp.text
+
+        def done(expected: list[int]):
+            return lambda: complete_steps(gcs, POLICY_BUCKET, "pol/team", job) == expected
+
+        # 10: the first backup; 20: only 10 steps later (not due); 30: due; 40: not; 50: due.
+        # Retention keeps the newest two. A wrongly backed-up 20 or 40 would show up (and stop 30/50).
+        write_step(root, job, 0, 10, sizes=(8192, 300))
+        await until(done([10]), "step 10 in the policy bucket")
+        for step in (20, 30):
+            write_step(root, job, 0, step, sizes=(8192, 300))
+        await until(done([10, 30]), "step 30 in the policy bucket")
+        for step in (40, 50):
+            write_step(root, job, 0, step, sizes=(8192, 300))
+        await until(done([30, 50]), "step 50 backed up and step 10 retired")
+        assert keys(gcs, NODE_BUCKET) == []  # the node's own bucket is not used for this job
+        assert all(k.startswith("pol/team/") for k in keys(gcs, POLICY_BUCKET))
+        inv = NodeInventory.from_bytes((await api.get(f"/v1/jobs/{job}/inventory")).content)
+        assert inv.gcs == (30, 50) and inv.world_sizes[30] == 1  # read back from the policy's bucket
+
+        # the configuration is edited: a new prefix and every 5 steps; the next step goes there
+        edited = JobPolicy(job=job, generation=2, bucket=POLICY_BUCKET, prefix="pol/edited",
+                           backup_interval_steps=5, backup_interval_minutes=0, keep_last=2)  # fmt: skip
+        assert (await api.put(f"/v1/jobs/{job}/policy", content=edited.to_bytes())).status_code == 200
+        write_step(root, job, 0, 60, sizes=(8192, 300))
+        await until(lambda: complete_steps(gcs, POLICY_BUCKET, "pol/edited", job) == [60], "step 60 moved")
+        assert complete_steps(gcs, POLICY_BUCKET, "pol/team", job) == [30, 50]  # old backups stay
+
+        # the job is deleted with its backups: the policy's bucket loses them, nothing else does
+        resp = await api.delete(f"/v1/jobs/{job}", params={"bucket": "true"})
+        assert resp.json() == {"job": job, "purged": True, "bucket": True}
+        assert complete_steps(gcs, POLICY_BUCKET, "pol/edited", job) == []
+        assert [k for k in keys(gcs, POLICY_BUCKET) if k.startswith("pol/edited/")] == []
