@@ -4,7 +4,8 @@
 restarted operator carries on: the assignment generation (the JobSet restart attempt), the node,
 failure domain and pod of every node rank, and the peer plan. ``decide_assignment`` and
 ``decide_peers`` turn the current pods and nodes into the next state plus the writes it needs;
-``peer_assignment`` builds the ``PeerAssignment`` each replicator receives.
+``peer_assignment`` builds the ``PeerAssignment`` each replicator receives, ``job_policy`` the
+``JobPolicy`` (backup bucket, schedule, retention) its CheckpointConfiguration gives the job.
 """
 
 from __future__ import annotations
@@ -13,18 +14,20 @@ import dataclasses
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from tierckpt.contract import Annotations, PeerAssignment, PeerNode
+from tierckpt.contract import Annotations, JobPolicy, PeerAssignment, PeerNode
 from tierckpt.errors import ContractError
 from tierckpt.placement import Placement, RankAssignment, assign_ranks, current_members, plan_peers
 
 from tierckpt_operator.jobsets import JobSetInfo
 from tierckpt_operator.pods import WorkerPod
+from tierckpt_operator.resources import ConfigSpec
 
 __all__ = [
     "AssignmentDecision",
     "JobState",
     "decide_assignment",
     "decide_peers",
+    "job_policy",
     "peer_assignment",
     "peer_views",
 ]
@@ -161,6 +164,23 @@ def decide_peers(state: JobState, k: int) -> tuple[tuple[int, ...], ...]:
     """The peer plan for the state's ranks, keeping the previous plan's still-valid edges."""
     previous = state.peers if len(state.peers) == len(state.domains) else ()
     return plan_peers(state.domains, k, previous)
+
+
+def job_policy(job: str, spec: ConfigSpec, generation: int = 0) -> JobPolicy:
+    """The policy the replicators of ``job`` follow, from its CheckpointConfiguration."""
+    return JobPolicy(
+        job=job,
+        generation=generation,
+        bucket=spec.bucket,
+        prefix=spec.prefix,
+        backup_interval_steps=spec.backup.interval_steps,
+        backup_interval_minutes=float(spec.backup.interval_minutes),
+        keep_last=spec.backup.retention.keep_last,
+        keep_every=spec.backup.retention.keep_every,
+        replication_factor=spec.replication_factor,
+        delete_backups_on_deletion=spec.delete_backups,
+        config=spec.name,
+    )
 
 
 def peer_assignment(job: str, state: JobState, endpoints: Mapping[str, str]) -> PeerAssignment:

@@ -1,4 +1,4 @@
-"""One job's control loop: assign ranks, publish peers, publish the restore plan, report status.
+"""One job's control loop: assign ranks, publish peers and policy, publish the restore plan, report status.
 
 ``JobController.reconcile`` is level-triggered and idempotent: it reads the cluster from the indices,
 decides with the pure planners, performs only the writes that differ from what is already there,
@@ -17,7 +17,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from tierckpt.contract import NodeInventory, PeerAssignment, RestorePlan
+from tierckpt.contract import JobPolicy, NodeInventory, PeerAssignment, RestorePlan
 from tierckpt.placement import peer_churn
 
 from tierckpt_operator import resources
@@ -28,6 +28,7 @@ from tierckpt_operator.planning import (
     JobState,
     decide_assignment,
     decide_peers,
+    job_policy,
     peer_assignment,
     peer_views,
 )
@@ -102,6 +103,9 @@ class JobController:
         self.peer_digest: str | None = None
         self.delivered: dict[str, str] = {}
         """Node -> digest of the peer assignment it accepted."""
+        self.policy: JobPolicy | None = None
+        self.policy_delivered: dict[str, int] = {}
+        """Node -> generation of the policy it accepted."""
         self.assigned_at = 0.0
         self.restore: _Restore | None = None
         self.job_id = ""
@@ -163,6 +167,7 @@ class JobController:
             return
         await self._deliver_ranks(decision)
         await self._publish_peers(info, cfg, cluster)
+        await self._publish_policy(info, cfg, cluster)
         await self._publish_restore(info, cluster)
         await self._report_running(info, cfg)
 
@@ -308,6 +313,43 @@ class JobController:
         if failures:
             self._event_once(
                 "peers", "Warning", "PeersNotDelivered", f"{len(failures)} node(s): {failures[0]}"
+            )
+            self._retry_later()
+
+    # ------------------------------------------------------------------------------ policy
+
+    async def _publish_policy(self, info: JobSetInfo, cfg: ConfigRecord, cluster: Cluster) -> None:
+        """Send the configuration's backup policy to every replicator of the job that lacks it."""
+        assert cfg.spec is not None and self.state is not None and self.rt.replicators is not None
+        wanted = job_policy(info.job_id, cfg.spec)
+        if self.policy is None or dataclasses.replace(self.policy, generation=0) != wanted:
+            # milliseconds, like the peers: newer than what an earlier operator sent, and growing
+            previous = self.policy.generation if self.policy is not None else 0
+            self.policy = dataclasses.replace(wanted, generation=max(previous + 1, int(time.time() * 1000)))
+            log.info("%s/%s: policy generation %d from configuration %s", *self.key,
+                     self.policy.generation, cfg.name)  # fmt: skip
+        policy = self.policy
+        todo = {
+            node: rep.endpoint
+            for node in sorted(set(self.state.nodes))
+            if (rep := cluster.replicator(node)) is not None
+            and rep.ready
+            and self.policy_delivered.get(node) != policy.generation
+        }
+        results = await _gather(self.rt.replicators.put_policy(ep, policy) for ep in todo.values())
+        failures = []
+        for node, result in zip(todo, results, strict=True):
+            if isinstance(result, BaseException):
+                failures.append(f"{node}: {result}")
+                self.rt.metrics.replicator_calls.labels("put_policy", "error").inc()
+                if isinstance(result, ReplicatorError) and result.status == 409:
+                    self.policy = None  # it holds a newer generation: send a fresh one next round
+            else:
+                self.policy_delivered[node] = policy.generation
+                self.rt.metrics.replicator_calls.labels("put_policy", "ok").inc()
+        if failures:
+            self._event_once(
+                "policy", "Warning", "PolicyNotDelivered", f"{len(failures)} node(s): {failures[0]}"
             )
             self._retry_later()
 

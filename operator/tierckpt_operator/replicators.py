@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from tierckpt.contract import NodeInventory, PeerAssignment, RestorePlan
+from tierckpt.contract import JobPolicy, NodeInventory, PeerAssignment, RestorePlan
 from tierckpt.errors import ContractError, FormatError, RetryableError
 
 __all__ = ["ReplicatorClient", "ReplicatorError", "TokenFile"]
@@ -92,6 +92,9 @@ class ReplicatorClient:
         await self._request(
             "PUT", endpoint, f"/v1/jobs/{_seg(assignment.job)}/peers", body=assignment.to_bytes()
         )
+
+    async def put_policy(self, endpoint: str, policy: JobPolicy) -> None:
+        await self._request("PUT", endpoint, f"/v1/jobs/{_seg(policy.job)}/policy", body=policy.to_bytes())
 
     async def put_restore_plan(self, endpoint: str, plan: RestorePlan) -> None:
         await self._request("PUT", endpoint, f"/v1/jobs/{_seg(plan.job)}/restore-plan", body=plan.to_bytes())

@@ -12,7 +12,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from tierckpt.errors import ContractError
+from tierckpt.bucket_layout import BucketLayout
+from tierckpt.errors import ContractError, FormatError
 
 __all__ = [
     "CONFIGS",
@@ -36,7 +37,7 @@ JOBSET_VERSION = "v1alpha2"
 JOBSETS = "jobsets"
 
 _QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$")
-_BUCKET = re.compile(r"^[a-z0-9][a-z0-9._-]*[a-z0-9]$")
+_BUCKET = re.compile(r"^[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +87,11 @@ class ConfigSpec:
         bucket = gcs.get("bucket")
         if not isinstance(bucket, str) or not _BUCKET.match(bucket):
             raise ContractError(f"spec.gcs.bucket {bucket!r} is not a valid bucket name")
+        prefix = _str(gcs, "prefix", cls.prefix)
+        try:
+            BucketLayout(prefix)
+        except FormatError as exc:
+            raise ContractError(f"spec.gcs.prefix: {exc}") from exc
         size = ramdisk.get("size", cls.ramdisk_size)
         if not isinstance(size, str) or not _QUANTITY.match(size):
             raise ContractError(f"spec.ramdisk.size {size!r} is not a quantity such as 64Gi")
@@ -101,7 +107,7 @@ class ConfigSpec:
         return cls(
             name=str(meta.get("name", "")),
             bucket=bucket,
-            prefix=_str(gcs, "prefix", cls.prefix),
+            prefix=prefix,
             ramdisk_size=size,
             mount_root=mount_root.rstrip("/") or "/",
             node_selector=tuple(sorted(selector.items())),

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import kmock
@@ -23,6 +23,7 @@ from operator_harness import (
     make_tls,
     operator_settings,
 )
+from tierckpt.demo.fakegcs import FakeGcsServer
 
 
 @pytest.fixture
@@ -44,14 +45,24 @@ async def kube_with_crds(kube: KubeEmulator) -> KubeEmulator:
 
 
 @pytest.fixture(scope="session")
+def gcs() -> Iterator[FakeGcsServer]:
+    """A fake-gcs-server holding the harness configuration's bucket (``ckpt-bucket``)."""
+    with FakeGcsServer() as server:
+        server.create_bucket("ckpt-bucket")
+        yield server
+
+
+@pytest.fixture(scope="session")
 def webhook_tls(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tls(tmp_path_factory.mktemp("webhook-tls"))
 
 
 @pytest.fixture
-async def env(kube_with_crds: KubeEmulator, tmp_path: Path, webhook_tls: Path) -> AsyncIterator[Env]:
+async def env(
+    kube_with_crds: KubeEmulator, tmp_path: Path, webhook_tls: Path, gcs: FakeGcsServer
+) -> AsyncIterator[Env]:
     settings = operator_settings(kube_with_crds, tmp_path, webhook_tls)
-    replicators = Replicators(tmp_path / "nodes", Path(settings.token_file))
+    replicators = Replicators(tmp_path / "nodes", Path(settings.token_file), gcs.url)
     apiserver = Apiserver(
         kube_with_crds, f"https://127.0.0.1:{settings.webhook_port}", webhook_tls / "ca.crt"
     )

@@ -177,10 +177,11 @@ class Node:
 
 
 class Replicators:
-    """Real replicator daemons, one per emulated node, on loopback ports."""
+    """Real replicator daemons, one per emulated node, on loopback ports; ``gcs_url``: the GCS endpoint
+    (a fake-gcs-server) they reach the buckets of the jobs' policies through."""
 
-    def __init__(self, base: Path, token_file: Path) -> None:
-        self.base, self.token_file = base, token_file
+    def __init__(self, base: Path, token_file: Path, gcs_url: str = "") -> None:
+        self.base, self.token_file, self.gcs_url = base, token_file, gcs_url
         self.nodes: dict[str, Node] = {}
 
     async def start(self, name: str, zone: str) -> Node:
@@ -215,6 +216,8 @@ class Replicators:
             "--log-level",
             "INFO",
         ]
+        if self.gcs_url:
+            args += ["--gcs-endpoint", self.gcs_url, "--backup-poll-interval", "2"]
         with open(node.log, "wb") as out:
             node.proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         self.nodes[name] = node

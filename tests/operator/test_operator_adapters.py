@@ -12,7 +12,7 @@ import json
 
 import pytest
 from aiohttp import web
-from tierckpt.contract import NodeInventory, PeerAssignment, PeerNode, RankHoldings
+from tierckpt.contract import JobPolicy, NodeInventory, PeerAssignment, PeerNode, RankHoldings
 from tierckpt.errors import ContractError
 from tierckpt_operator.cleanup import purge_job
 from tierckpt_operator.cluster import Cluster
@@ -85,12 +85,15 @@ async def test_calls_are_authorized_and_typed():
             )
             await client.put_peers(endpoint, peers)
             await client.purge(endpoint, "ns_j_01234567", backups=True)
+            policy = JobPolicy(job="ns_j_01234567", generation=7, bucket="ckpt-bucket", keep_last=2)
+            await client.put_policy(endpoint, policy)
         finally:
             await client.aclose()
-    (m1, p1, _, _), (m2, p2, _, b2), (m3, p3, q3, _) = server.requests
+    (m1, p1, _, _), (m2, p2, _, b2), (m3, p3, q3, _), (m4, p4, _, b4) = server.requests
     assert (m1, p1) == ("GET", "/v1/jobs/ns_j_01234567/inventory")  # ?data= is not part of the API URL
     assert (m2, p2) == ("PUT", "/v1/jobs/ns_j_01234567/peers") and PeerAssignment.from_bytes(b2) == peers
     assert (m3, p3, q3) == ("DELETE", "/v1/jobs/ns_j_01234567", {"bucket": "true"})
+    assert (m4, p4) == ("PUT", "/v1/jobs/ns_j_01234567/policy") and JobPolicy.from_bytes(b4) == policy
 
 
 async def test_retries_transient_failures_only():

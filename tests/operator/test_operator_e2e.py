@@ -5,7 +5,8 @@ and the scheduler do it.
 
 Covered: first start; a restart on the same nodes (ranks stay, restore from local copies); one node
 replaced (its rank moves to the replacement, restored from the peer replica); a whole failure domain
-lost; JobSet deletion purging every node.
+lost; a configuration edit (peers re-planned, the backup policy re-sent); JobSet deletion purging
+every node.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from fixtures.steps import write_step
 from operator_harness import eventually, jobset_body
 from tierckpt.contract import (
     Annotations,
+    JobPolicy,
     PeerAssignment,
     RestorePlan,
     RestoreState,
@@ -81,10 +83,36 @@ async def save_everywhere(env, job, ranks, step, world):
     await eventually(lambda: status(env.cluster).get("latestReplicatedStep") == step, 40, "replicated step")
 
 
+def policies(env, job, names):
+    """The policy each named node's replicator stored (None where it has none yet)."""
+    return {n: read_control(env.replicators.nodes[n].root, job, JobPolicy.FILE, JobPolicy) for n in names}
+
+
+def policy_matches(policy, spec):
+    """Whether a stored JobPolicy says what the CheckpointConfiguration spec says."""
+    backup, retention = spec.get("backup", {}), spec.get("backup", {}).get("retention", {})
+    return policy is not None and (
+        policy.bucket, policy.prefix, policy.backup_interval_steps, policy.backup_interval_minutes,
+        policy.keep_last, policy.keep_every, policy.replication_factor, policy.delete_backups_on_deletion,
+    ) == (
+        spec["gcs"]["bucket"], spec["gcs"].get("prefix", "tierckpt"), backup.get("intervalSteps", 0),
+        backup.get("intervalMinutes", 30), retention.get("keepLast", 3), retention.get("keepEvery", 0),
+        spec["replication"]["factor"], spec.get("deleteBackupsOnJobSetDeletion", False),
+    )  # fmt: skip
+
+
+def policies_as_configured(env, job, names):
+    """Each named node's stored policy, once all of them say what the configuration says (else None)."""
+    spec = env.cluster.obj("tierckpt.io/v1alpha1/checkpointconfigurations", None, "default")["spec"]
+    got = policies(env, job, names)
+    return got if all(policy_matches(p, spec) for p in got.values()) else None
+
+
 async def start_job(env, zones=ZONES, factor=1):
     nodes = await env.add_nodes(*zones)
     await env.cluster.config(
-        replication={"factor": factor, "failureDomainLabel": "topology.kubernetes.io/zone"}
+        replication={"factor": factor, "failureDomainLabel": "topology.kubernetes.io/zone"},
+        backup={"intervalSteps": 100, "retention": {"keepLast": 2}},
     )
     await env.start_operator()
     js = await env.cluster.create_jobset(NS, jobset_body(NAME, [("workers", 3, 2)]))
@@ -116,6 +144,10 @@ async def test_first_start_restart_and_node_replacement(env):
         assert assignment.node_ranks == {n.name: i for i, n in enumerate(nodes)}
         assert assignment.peers[node.name] == tuple(st["nodes"][p] for p in st["peers"][first[node.name]])
         assert read_control(node.root, job, RestorePlan.FILE, RestorePlan).step is None
+    stored = await eventually(
+        lambda: policies_as_configured(env, job, first), 20, "every replicator stored the policy"
+    )
+    assert {(p.generation, p.config) for p in stored.values()} == {(stored["n0"].generation, "default")}
     assert {e["reason"] for e in env.cluster.events()} >= {
         "CheckpointingEnabled",
         "RanksAssigned",
@@ -154,6 +186,7 @@ async def test_first_start_restart_and_node_replacement(env):
     plan2 = await restore_plan(env, attempt)
     assert plan2["step"] == STEP and parse_ranges(plan2["sources"]["replica"]) == [first["n2"]]
     assert status(env.cluster)["peers"] == st["peers"]  # same domain: the peer plan is unchanged
+    assert policies_as_configured(env, job, ["n6"])  # the replacement got the policy too
     rank = first["n2"]
     staged = await eventually(
         lambda: (
@@ -202,10 +235,23 @@ async def test_whole_failure_domain_lost(env):
     assert after["peers"] == before["peers"]  # their peers still sit in other domains: nothing moves
     assert sorted(set(after["domains"])) == ["a", "c", "d"]
 
-    # editing the configuration re-plans the running job: two peers per node from now on
+    before_edit = policies(env, job, ranks)
+    # editing the configuration re-plans the running job: two peers per node from now on, and the
+    # new backup policy reaches every replicator
     await env.cluster.patch(
         "/apis/tierckpt.io/v1alpha1/checkpointconfigurations/default",
-        {"spec": {"replication": {"factor": 2}}},
+        {
+            "spec": {
+                "replication": {"factor": 2},
+                "gcs": {"bucket": "ckpt-bucket", "prefix": "edited/prefix"},
+                "backup": {
+                    "intervalSteps": 0,
+                    "intervalMinutes": 5,
+                    "retention": {"keepLast": 4, "keepEvery": 1000},
+                },
+                "deleteBackupsOnJobSetDeletion": True,
+            }
+        },
     )
     wider = await eventually(
         lambda: (s := status(env.cluster)) and all(len(p) == 2 for p in s["peers"]) and s,
@@ -224,3 +270,10 @@ async def test_whole_failure_domain_lost(env):
         "replicators got the new peers",
     )
     assert env.cluster.events("Replanning")
+    spec = env.cluster.obj("tierckpt.io/v1alpha1/checkpointconfigurations", None, "default")["spec"]
+    assert spec["gcs"]["prefix"] == "edited/prefix" and spec["replication"]["factor"] == 2
+    after_edit = await eventually(
+        lambda: policies_as_configured(env, job, ranks), 20, "every replicator stored the edited policy"
+    )
+    for name, policy in after_edit.items():
+        assert policy.generation > before_edit[name].generation

@@ -12,11 +12,26 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from operator_harness import CRD_DIR, load_crds
-from tierckpt.contract import Annotations, NodeInventory, PeerAssignment, RankHoldings, RestorePlan, Tier
+from tierckpt.contract import (
+    Annotations,
+    JobPolicy,
+    NodeInventory,
+    PeerAssignment,
+    RankHoldings,
+    RestorePlan,
+    Tier,
+)
 from tierckpt.errors import ContractError
 from tierckpt_operator.injection import Injection, inject, label_pod_templates, preferred_node
 from tierckpt_operator.jobsets import opt_in_value, parse_jobset
-from tierckpt_operator.planning import JobState, decide_assignment, decide_peers, peer_assignment, peer_views
+from tierckpt_operator.planning import (
+    JobState,
+    decide_assignment,
+    decide_peers,
+    job_policy,
+    peer_assignment,
+    peer_views,
+)
 from tierckpt_operator.pods import WorkerPod, replicator_of, worker_of
 from tierckpt_operator.reconcile import checkpoint_job_body
 from tierckpt_operator.resources import BackupPolicy, ConfigSpec, Retention
@@ -62,6 +77,8 @@ def test_config_defaults_equal_the_crd_defaults():
     [
         ({}, "bucket"),
         ({"gcs": {"bucket": "Bad_Bucket"}}, "bucket"),
+        ({"gcs": {"bucket": "ab"}}, "bucket"),
+        ({"gcs": {"bucket": "ok-b", "prefix": "a/../b"}}, "prefix"),
         ({"gcs": {"bucket": "ok-b"}, "ramdisk": {"size": "lots"}}, "size"),
         ({"gcs": {"bucket": "ok-b"}, "ramdisk": {"mountRoot": "rel/path"}}, "mountRoot"),
         ({"gcs": {"bucket": "ok-b"}, "replication": {"factor": 9}}, "factor"),
@@ -87,6 +104,34 @@ def test_config_selects_nodes_and_domains():
     )
     assert cfg.selects({"pool": "gpu", "x": "y"}) and not cfg.selects({"pool": "cpu"})
     assert cfg.domain_of({"rack": "r7"}) == "r7" and cfg.domain_of({}) == ""
+
+
+def test_job_policy_carries_the_configuration():
+    spec = ConfigSpec.from_body(
+        {
+            "metadata": {"name": "fast", "generation": 4},
+            "spec": {
+                "gcs": {"bucket": "ckpt-b", "prefix": "team/x"},
+                "backup": {
+                    "intervalSteps": 500,
+                    "intervalMinutes": 0,
+                    "retention": {"keepLast": 2, "keepEvery": 10},
+                },
+                "replication": {"factor": 3},
+                "deleteBackupsOnJobSetDeletion": True,
+            },
+        }
+    )
+    policy = job_policy("ns_js_01234567", spec, generation=9)
+    assert policy == JobPolicy(
+        job="ns_js_01234567", generation=9, bucket="ckpt-b", prefix="team/x", backup_interval_steps=500,
+        backup_interval_minutes=0.0, keep_last=2, keep_every=10, replication_factor=3,
+        delete_backups_on_deletion=True, config="fast",
+    )  # fmt: skip
+    assert JobPolicy.from_bytes(policy.to_bytes()) == policy
+    plain = ConfigSpec.from_body({"metadata": {"name": "d"}, "spec": {"gcs": {"bucket": "bkt"}}})
+    defaults = job_policy("j", plain)
+    assert (defaults.backup_interval_minutes, defaults.keep_last, defaults.prefix) == (30.0, 3, "tierckpt")
 
 
 @pytest.mark.parametrize("version", ["1.29.0", "1.37.0"])
