@@ -166,8 +166,8 @@ class JobController:
             await self._waiting(decision)
             return
         await self._deliver_ranks(decision)
+        await self._publish_policy(info, cfg, cluster)  # first: a new node's staging may need its bucket
         await self._publish_peers(info, cfg, cluster)
-        await self._publish_policy(info, cfg, cluster)
         await self._publish_restore(info, cluster)
         await self._report_running(info, cfg)
 
