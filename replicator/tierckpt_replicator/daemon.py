@@ -301,7 +301,7 @@ class Daemon:
             self.metrics.backups.labels("unconfigured").inc()
             raise LookupError("GCS backup is not configured on this node (--gcs-bucket)")
         try:
-            step = await self.backup.backup_now(job)
+            step = await self.backup.backup_now(job, holders=self._placements(job))
         except LookupError:
             self.metrics.backups.labels("unconfigured").inc()
             raise
@@ -311,6 +311,20 @@ class Daemon:
         self.metrics.backups.labels("ok").inc()
         self._gcs_cache.pop(job, None)
         return step
+
+    def _placements(self, job: str) -> dict[int, tuple[str, ...]]:
+        """Where the copies of this node's primaries are, for the newest step they all share: here,
+        and on the peers that confirmed a replica (which may not be the ones ``peers.json`` names)."""
+        holdings = self.scanner.holdings(job)
+        shared = [set(h.local) for h in holdings.ranks.values() if h.local]
+        if not shared or not (common := set.intersection(*shared)):
+            return {}
+        step, here = max(common), self.settings.node_name
+        return {
+            r: (here, *sorted(self.replication.confirmed.get((job, r, step), ())))
+            for r, s in holdings.newest_local().items()
+            if s == step
+        }
 
     async def restore(self, job: str) -> None:
         self.stager.start(job)

@@ -15,8 +15,10 @@ import threading
 import pytest
 from fixtures.cluster import cluster3, commit_everywhere, committed, new_job, replica_path, wait_restored
 from fixtures.steps import step_files, write_step
+from tierckpt.bucket_layout import BucketLayout
 from tierckpt.contract import NodeInventory, RestorePlan, RestoreState, Tier
 from tierckpt.format import committed_steps, control_dir, rank_dir, replica_rank_dir, step_dir
+from tierckpt_replicator.backup.gcs import GcsSettings, GcsStore
 from tierckpt_replicator.replication.wire import DataReply, DataRequest, Status, recv_frame, send_frame
 
 pytestmark = [pytest.mark.root, pytest.mark.e2e, pytest.mark.slow]
@@ -49,32 +51,48 @@ def wait_replicated(cluster, job: str, rank: int, step: int, timeout: float = 30
     )
 
 
+def intact_or_gone(path, source) -> bool:
+    """No committed copy at ``path``, or one equal to ``source`` byte for byte (never the corrupt one)."""
+    try:
+        return not committed(path) or step_files(path) == step_files(source)
+    except FileNotFoundError:  # being dropped or committed right now
+        return False
+
+
 def lose(node) -> None:
     """The node is gone: its replicator and worker killed, its ramdisk empty."""
     node.kill_replicator()
     node.wipe_ramdisk()
 
 
+def bucket_complete(cluster, job: str, step: int) -> bool:
+    """The step's completion object is in the bucket (read directly, past every node's cache)."""
+    store = GcsStore(GcsSettings(bucket=cluster.bucket, endpoint=cluster.gcs.url))
+    return store.stat(BucketLayout("tierckpt").complete_key(job, step)) is not None
+
+
 def backup_everywhere(cluster, job: str, step: int) -> None:
-    """POST /backup on every node at once, then wait until the bucket reports the step complete.
+    """POST /backup on every node at once; once all answered, the step is complete in the bucket.
 
     The backup service spreads a step's uploads over every node holding a copy (primary or replica),
-    so the replicas are awaited first, as an operator would after a save."""
+    so the replicas are awaited first, as an operator would after a save. Each node's answer comes
+    once its share is uploaded and it tried to complete the step, so the last one to finish completed
+    it: no waiting on a takeover timer or a cache."""
     for rank in range(cluster.size * cluster.procs_per_node):
         wait_replicated(cluster, job, rank, step)
-    threads = [
-        threading.Thread(target=n.request, args=("POST", f"/v1/jobs/{job}/backup")) for n in cluster.nodes
-    ]
+    answers: dict[str, tuple[int, bytes]] = {}
+
+    def post(node) -> None:
+        answers[node.name] = node.request("POST", f"/v1/jobs/{job}/backup", timeout=60)
+
+    threads = [threading.Thread(target=post, args=(n,)) for n in cluster.nodes]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-
-    def complete() -> bool:
-        _, body = cluster.nodes[0].request("GET", f"/v1/jobs/{job}/inventory")
-        return step in NodeInventory.from_bytes(body).gcs
-
-    cluster.wait_for(complete, timeout=60, interval=0.5, what=f"step {step} complete in the bucket")
+    assert {n: a[0] for n, a in answers.items()} == dict.fromkeys(answers, 200), answers
+    assert all(json.loads(a[1])["step"] == step for a in answers.values()), answers
+    assert bucket_complete(cluster, job, step)
 
 
 def test_committed_step_is_replicated_bit_exact(cluster3):
@@ -131,6 +149,27 @@ def test_pair_lost_is_restored_from_the_bucket(cluster3):
     assert step_files(step_dir(rank_dir(b.root, job, rank_b), 30)) == step_files(sources[rank_b])
 
 
+def test_replicas_on_fallback_peers_are_backed_up_at_once(cluster3):
+    """Every rank's assigned peer refuses it, so each replica goes to the other node (the ring
+    reversed). The upload split still follows peers.json, but the primaries know where their replicas
+    went: an on-demand backup completes the step at once, with no rank left to a takeover timer."""
+    job = new_job("fallback")
+    cluster3.assign(job)
+    nodes = cluster3.nodes
+    for i, node in enumerate(nodes):
+        nodes[(i + 1) % 3].drop_port(nodes[(i + 1) % 3].data_port, source=node)
+    try:
+        commit_everywhere(cluster3, job, 33)
+        for i in range(3):
+            wait_replica(cluster3, nodes[(i + 2) % 3], job, i, 33)
+    finally:
+        for node in nodes:
+            node.clear_drops()
+    backup_everywhere(cluster3, job, 33)
+    for node in nodes:
+        assert f"step 33 of {job}: taking over" not in node.log_text()
+
+
 def test_whole_cluster_lost_restores_from_the_bucket(cluster3):
     """No node holds anything any more: the plan, its world size and each node's ranks come from the
     bucket alone (a new cluster after a zone outage)."""
@@ -180,11 +219,12 @@ def test_corrupt_replica_is_detected_and_fetched_again(cluster3):
     st = wait_restored(a, job, 0)
     assert (st.state, st.source) == (RestoreState.READY, Tier.GCS)  # b's copy failed its crc32c
     assert step_files(step_dir(rank_dir(a.root, job, 0), 40)) == step_files(sources[0])
-    try:
-        cluster3.wait_for(lambda: not committed(rep), what="the corrupt replica dropped by its holder")
-    except TimeoutError:
-        raise TimeoutError(f"{st}\n" + "\n".join(n.log_text()[-3000:] for n in cluster3.nodes)) from None
-    # a holds rank 0 again and replicates it: an intact replica comes back
+    # b drops its corrupt copy; a holds rank 0 again and replicates it, so an intact replica comes back,
+    # possibly to b within a few milliseconds of the drop (a put of a step b still held would be 208
+    # "already held", so intact bytes at b's path prove the corrupt copy was dropped)
+    dropped = f"{job} rank 0 step 40 reported corrupt by node-0: replica dropped"
+    cluster3.wait_for(lambda: dropped in b.log_text() and intact_or_gone(rep, sources[0]),
+                      what="the corrupt replica dropped by its holder")  # fmt: skip
     holder = wait_replicated(cluster3, job, 0, 40)
     assert step_files(replica_path(holder, job, 0, 40)) == step_files(sources[0])
 

@@ -240,3 +240,55 @@ async def test_restore_plan_asks_again_before_believing_nothing_is_restorable(tm
         await never.close()
     finally:
         await peers.close()
+
+
+async def test_reconcile_asks_every_peer_at_once_and_never_holds_up_a_pass(tmp_path: Path):
+    """A peer that does not answer costs a reconcile one timeout, not one per job, and the sends of
+    the replication pass that started it go on meanwhile."""
+    import httpx
+    from tierckpt.contract import NodeInventory
+    from tierckpt_replicator.inventory import InventoryScanner
+    from tierckpt_replicator.metrics import Metrics
+    from tierckpt_replicator.peer_client import PeerClient
+    from tierckpt_replicator.replication.manager import ReplicationManager
+
+    token = tmp_path / "token"
+    token.write_text("tok\n")
+    root = tmp_path / "root"
+    store = AssignmentStore(root)
+    jobs = [f"j{i}" for i in range(3)]
+    for job in jobs:
+        nodes = {n: PeerNode(n, f"http://{n}:1") for n in ("a", "b")}
+        store.put(PeerAssignment(job=job, generation=1, nodes=nodes, peers={"a": ("b",)}))
+        write_step(root, job, 0, 5)  # a's rank 0, replicated to b (as far as a knows)
+    asked: list[str] = []
+    all_asked, release = asyncio.Event(), asyncio.Event()
+
+    async def answer(request: httpx.Request) -> httpx.Response:
+        job = request.url.path.split("/")[3]
+        asked.append(job)
+        if len(asked) == len(jobs):
+            all_asked.set()
+        await release.wait()  # b hangs until every job's question is in flight
+        empty = NodeInventory(job=job, node="b", endpoint="http://b:1", updated_at=0.0, ranks={})
+        return httpx.Response(200, content=empty.to_bytes())
+
+    peers = PeerClient(TokenFile(token), timeout=30.0, transport=httpx.MockTransport(answer))
+    mgr = ReplicationManager(
+        node="a", k=1, scanner=InventoryScanner(root, node="a", endpoint="http://a:1"), assignments=store,
+        supervisor=None, peers=peers, metrics=Metrics(), reconcile_interval=0.0,  # type: ignore[arg-type]
+    )  # fmt: skip
+    mgr.confirmed = {(job, 0, 5): {"b"} for job in jobs}
+    try:
+        await asyncio.wait_for(mgr.run_pass(), 10)  # returns while b has not answered
+        await asyncio.wait_for(all_asked.wait(), 10)  # every job asked at once
+        assert sorted(asked) == jobs and mgr.confirmed == {(job, 0, 5): {"b"} for job in jobs}
+        await asyncio.wait_for(mgr.run_pass(), 10)  # a pass while the reconcile still waits
+        assert len(asked) == len(jobs)  # ... starts no second reconcile
+        release.set()
+        await asyncio.wait_for(mgr._reconciling, 10)  # type: ignore[arg-type]
+        assert all(not nodes for nodes in mgr.confirmed.values())  # b lost them all: send again
+    finally:
+        release.set()
+        await mgr.close()
+        await peers.close()

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import ipaddress
 import json
 import logging
 import os
@@ -274,13 +275,15 @@ class Node:
         self._need_netns("unlimit_rate")
         _run(["tc", "qdisc", "del", "dev", self.veth, "root"], check=False)
 
-    def drop_port(self, port: int) -> None:
-        """Silently drop incoming TCP to ``port`` inside the node (nft): connects time out."""
+    def drop_port(self, port: int, *, source: Node | None = None) -> None:
+        """Silently drop incoming TCP to ``port`` inside the node (nft), from every node or only from
+        ``source``: connects time out. Rules add up until ``clear_drops()``."""
         self._need_netns("drop_port")
+        match = f"ip saddr {ipaddress.ip_address(source.ip)} " if source is not None else ""
         script = (
             "add table inet tierckpt\n"
             "add chain inet tierckpt input { type filter hook input priority 0; policy accept; }\n"
-            f"add rule inet tierckpt input tcp dport {int(port)} drop\n"
+            f"add rule inet tierckpt input {match}tcp dport {int(port)} drop\n"
         )
         proc = self.run_in_node(["nft", "-f", "-"], input=script)
         if proc.returncode != 0:

@@ -184,11 +184,16 @@ class BackupService:
         """Back up the newest step committed locally (on demand: API call, SIGTERM). Returns that step
         once this node's share of it is in the bucket (or it was already complete there), None if the
         node holds no committed step of ``job``. Raises if the upload fails. ``all_local``: upload every
-        rank this node holds, not only its share (for a node about to disappear)."""
+        rank this node holds, not only its share (for a node about to disappear). ``holders``: where
+        the caller knows the step's copies are (rank -> nodes, primary first; the daemon reports its
+        primaries and the peers that confirmed their replicas): a rank whose assigned uploader is not
+        among them is uploaded by its primary now, not after ``takeover_after`` (a replica may have
+        gone to another node than ``peers.json`` names)."""
         if holders:
             self._remember_holders(job, holders)
+        placed = {int(r): tuple(h) for r, h in (holders or {}).items()}
         async with self._lock(job):
-            return await self._run(self._backup_now, job, all_local)
+            return await self._run(self._backup_now, job, all_local, placed)
 
     async def poll(self, job: str) -> None:
         """Periodic housekeeping: join started backups, take over orphaned ranks, complete, retain."""
@@ -263,8 +268,9 @@ class BackupService:
     # ------------------------------------------------------------------------------------ passes (blocking)
 
     def _pass(
-        self, job: str, step: int | None, ranks_here: tuple[int, ...], on_demand: bool, all_local: bool
-    ) -> None:
+        self, job: str, step: int | None, ranks_here: tuple[int, ...], on_demand: bool, all_local: bool,
+        placed: Mapping[int, tuple[str, ...]] | None = None,
+    ) -> None:  # fmt: skip
         try:
             view = self.catalog.view(job)
             now = self.clock()
@@ -284,8 +290,10 @@ class BackupService:
                     targets[s] = "joining a backup in progress"
             completed = False
             for s in sorted(targets):
-                hint = ranks_here if s == step else ()
-                completed |= self._backup_step(job, s, targets[s], view.in_progress.get(s), hint, all_local)
+                hint, known = (ranks_here, placed) if s == step else ((), None)
+                completed |= self._backup_step(
+                    job, s, targets[s], view.in_progress.get(s), hint, all_local, known
+                )
             if completed or step is None:
                 self._maintain(job)
             else:
@@ -299,25 +307,28 @@ class BackupService:
                 log.exception("backup of %s failed unexpectedly", job)
             raise
 
-    def _backup_now(self, job: str, all_local: bool) -> int | None:
+    def _backup_now(self, job: str, all_local: bool, placed: Mapping[int, tuple[str, ...]]) -> int | None:
         step = self._newest_local(job)
         if step is None:
             log.info("backup of %s requested, but this node holds no committed step of it", job)
             return None
-        self._pass(job, step, (), True, all_local)
+        self._pass(job, step, (), True, all_local, placed)
         return step
 
     def _backup_step(
-        self, job: str, step: int, reason: str, started_at: float | None, hint: Iterable[int], all_local: bool
-    ) -> bool:
+        self, job: str, step: int, reason: str, started_at: float | None, hint: Iterable[int],
+        all_local: bool, placed: Mapping[int, tuple[str, ...]] | None = None,
+    ) -> bool:  # fmt: skip
         """Upload this node's share of ``step``; True if the step is complete in the bucket afterwards."""
         local = self._local_copies(job, step, hint)
         if not local:
             return False
         world_size = read_manifest(next(iter(local.values()))).world_size
-        mine = self._my_share(job, step, world_size, local, started_at, all_local)
-        if mine:
+        mine = self._my_share(job, step, world_size, local, started_at, all_local, placed)
+        if mine or started_at is None:  # also with no share here: a started backup is visible, so
+            # its missing ranks are taken over even if no rank's assigned uploader holds a copy
             self.catalog.mark_started(job, step, world_size, reason)
+        if mine:
             log.info("backing up step %d of %s (%s): ranks %s of %d", step, job, reason, mine, world_size)
             started = time.monotonic()
             with _leases({r: local[r] for r in mine}, self._holder, self.lease_ttl) as held:
@@ -332,17 +343,23 @@ class BackupService:
 
     def _my_share(
         self, job: str, step: int, world_size: int, local: Mapping[int, Path], started_at: float | None,
-        all_local: bool,
+        all_local: bool, placed: Mapping[int, tuple[str, ...]] | None = None,
     ) -> list[int]:  # fmt: skip
-        """The ranks this node uploads: its share of the spread over all holders, plus orphans."""
+        """The ranks this node uploads: its share of the spread over all holders, the ranks it is the
+        primary of whose assigned uploader holds no copy (``placed``), plus orphans."""
         if all_local:
             return sorted(local)
         holders = self._holders_of(job, world_size)
-        for r in local:
-            if self.node not in holders.get(r, ()):
-                holders[r] = (*holders.get(r, ()), self.node)
+        for r in local:  # only where no holder is known: every node must compute the same split
+            holders.setdefault(r, (self.node,))
         owner = _assign(job, step, tuple(sorted((r, tuple(sorted(h))) for r, h in holders.items())))
         mine = {r for r in local if owner.get(r) == self.node}
+        unheld = {r for r, h in (placed or {}).items() if r in local and h[:1] == (self.node,)
+                  and owner.get(r) not in h}  # fmt: skip
+        if unheld - mine:
+            log.info("step %d of %s: uploading ranks %s here, their assigned uploaders hold no copy",
+                     step, job, sorted(unheld - mine))  # fmt: skip
+            mine |= unheld
         if started_at is not None and self.clock() - started_at >= self.takeover_after:
             committed = self.catalog.rank_commits(job, step)
             orphans = {r for r in local if r not in committed} - mine

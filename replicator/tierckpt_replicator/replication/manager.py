@@ -5,8 +5,10 @@ the newest committed step of each local rank and, if fewer than K peers are know
 (``plan.plan_sends``; the worker tries candidates in order until K succeed). Failures back off
 exponentially per step (and a failing peer moves to the end of the candidate list for a while).
 Every ``reconcile_interval`` the peers' inventories are checked, so a replica a peer lost (node wiped,
-replica found corrupt) is sent again. Only the newest step of a rank is ever sent: an older one that
-is still in flight when a newer one commits finishes, and the newer one follows.
+replica found corrupt) is sent again. That check runs in the background, every peer and job at once:
+a peer that does not answer costs it one ``inventory_timeout``, and never holds up the sends of a
+pass. Only the newest step of a rank is ever sent: an older one that is still in flight when a newer
+one commits finishes, and the newer one follows.
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ log = logging.getLogger(__name__)
 
 OnCommitted = Callable[[str, int, tuple[int, ...]], Awaitable[None]]
 Key = tuple[str, int, int]
+
+_RECONCILE_PARALLEL = 16
+"""Peer inventories asked at once while reconciling."""
 
 
 class _Backoff:
@@ -88,8 +93,11 @@ class ReplicationManager:
         self._notified: dict[str, int] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._last_reconcile = time.monotonic()
+        self._reconciling: asyncio.Task[None] | None = None
 
     async def close(self) -> None:
+        if self._reconciling is not None:
+            self._tasks.add(self._reconciling)
         for t in list(self._tasks):
             t.cancel()
         for t in list(self._tasks):
@@ -107,15 +115,23 @@ class ReplicationManager:
         return max(lags, default=0.0)
 
     async def run_pass(self) -> None:
-        """One pass over every job (never raises for a single job's trouble)."""
+        """One pass over every job (never raises for a single job's trouble). Starts a reconcile in
+        the background when one is due and none is running."""
         for job in list_jobs(self.scanner.root):
             try:
                 await self._pass_job(job)
             except ContractError as exc:
                 log.error("job %s: cannot replicate: %s", job, exc)
-        if time.monotonic() - self._last_reconcile >= self.reconcile_interval:
+        idle = self._reconciling is None or self._reconciling.done()
+        if idle and time.monotonic() - self._last_reconcile >= self.reconcile_interval:
             self._last_reconcile = time.monotonic()
+            self._reconciling = asyncio.create_task(self._reconcile_logged(), name="reconcile")
+
+    async def _reconcile_logged(self) -> None:
+        try:
             await self.reconcile()
+        except Exception:
+            log.exception("reconcile failed; trying again in %.0fs", self.reconcile_interval)
 
     async def _pass_job(self, job: str) -> None:
         holdings = self.scanner.holdings(job)
@@ -223,25 +239,32 @@ class ReplicationManager:
             log.exception("job %s: the backup service failed on step %d", job, step)
 
     async def reconcile(self) -> None:
-        """Drop confirmations that peers no longer back up (their inventories lack the step)."""
+        """Drop confirmations that peers no longer back up (their inventories lack the step). Every
+        (job, peer) inventory is asked at once (at most ``_RECONCILE_PARALLEL`` in flight), so peers
+        that do not answer cost one timeout in all, not one each."""
         by_peer: dict[tuple[str, str], list[Key]] = {}
         for key, nodes in self.confirmed.items():
             for n in nodes:
                 by_peer.setdefault((key[0], n), []).append(key)
-        for (job, name), keys in by_peer.items():
+        limit = asyncio.Semaphore(_RECONCILE_PARALLEL)
+
+        async def check(job: str, name: str, keys: list[Key]) -> None:
             assignment = self.assignments.get(job)
             if assignment is None or name not in assignment.nodes:
-                continue
+                return
             try:
-                inv = await self.peers.inventory(name, assignment.nodes[name], job)
+                async with limit:
+                    inv = await self.peers.inventory(name, assignment.nodes[name], job)
             except RetryableError as exc:
                 log.info("reconcile: %s", exc)
-                continue
+                return
             for key in keys:
                 h = inv.ranks.get(key[1])
                 if h is None or (key[2] not in h.replica and key[2] not in h.local):
                     log.warning("%s no longer holds %s rank %d step %d; sending it again", name, *key)
                     self.confirmed.get(key, set()).discard(name)
+
+        await asyncio.gather(*(check(job, name, keys) for (job, name), keys in by_peer.items()))
         if by_peer:
             self.kick()
 
