@@ -10,12 +10,12 @@ from typing import Any
 import helm_python as helm
 import kubernetes_validate
 import yaml
+from shared_data import JOBSET_CRD
 
 __all__ = ["CHART", "JOBSET_CRD", "NAMESPACE", "RELEASE", "REPO", "Rendered", "k8s_errors", "render"]
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "tierckpt"
-JOBSET_CRD = REPO.parent / "shared" / "k8s" / "jobset.x-k8s.io_jobsets.yaml"
 NAMESPACE = "tierckpt-system"
 RELEASE = "tierckpt"
 KUBE_VERSIONS = ("1.29.0", kubernetes_validate.utils.latest_version())

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from chart_render import CHART, JOBSET_CRD, KUBE_VERSIONS, REPO
+from chart_render import CHART, KUBE_VERSIONS, REPO
 from crd_schema import validator_for
+from shared_data import require_jobset_crd
 from tierckpt.contract import Annotations
 
 DEPLOY = REPO / "deploy"
@@ -56,10 +57,9 @@ def _examples(name: str) -> list[dict]:
     return [d for d in yaml.safe_load_all((DEPLOY / "examples" / name).read_text()) if d]
 
 
-@pytest.mark.skipif(not JOBSET_CRD.exists(), reason=f"the JobSet CRD is not at {JOBSET_CRD}")
 def test_example_jobset_is_valid_and_opted_in() -> None:
     config_map, jobset = _examples("jobset.yaml")
-    strict = validator_for(JOBSET_CRD, True)
+    strict = validator_for(require_jobset_crd(), True)
     assert strict.errors(jobset) == []
     assert jobset["metadata"]["annotations"][Annotations.ENABLED] == "true"
     assert jobset["metadata"]["annotations"][Annotations.CONFIG] == "default"

@@ -34,8 +34,8 @@ from typing import Any, TypeVar
 import httpx
 import jsonpatch
 import kmock
-import pytest
 import yaml
+from shared_data import JOBSET_CRD, require_jobset_crd
 from tierckpt_operator.__main__ import run
 from tierckpt_operator.runtime import Runtime
 from tierckpt_operator.settings import Settings
@@ -44,7 +44,6 @@ T = TypeVar("T")
 
 REPO = Path(__file__).resolve().parents[2]
 CRD_DIR = REPO / "charts" / "tierckpt" / "crds"
-JOBSET_CRD = REPO.parent / "shared" / "k8s" / "jobset.x-k8s.io_jobsets.yaml"
 _YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
@@ -56,8 +55,7 @@ def _crd_documents() -> tuple[str, ...]:
 
 def load_crds() -> list[dict]:
     """Our CRDs (from the chart) and the JobSet CRD (from ../shared/k8s, never copied)."""
-    if not JOBSET_CRD.exists():
-        pytest.skip(f"the JobSet CRD is not at {JOBSET_CRD}")
+    require_jobset_crd()
     return [json.loads(doc) for doc in _crd_documents()]
 
 
