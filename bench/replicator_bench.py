@@ -4,9 +4,14 @@ Measured in the same run, between the same network namespaces (root) or over loo
 
 * **raw TCP**: a Python sender ``sendall``-ing from memory to a receiver ``recv_into``-ing a reused
   buffer, node A -> node B: the link's speed as Python can drive it (the baseline);
-* **data path**: one rank's step pushed from A's tmpfs to B's running replicator (``sendfile`` out,
-  ``recv_into`` a mapped file with crc32c on a second thread, verified, committed): GB/s and the ratio
-  to raw TCP (target >= 0.8);
+* **data path**: one rank's step pushed from A's tmpfs to B's running replicator (a read-only mapping
+  ``sendall``-ed, or ``sendfile``: both sender methods; B preallocates, receives into a ring of
+  buffers, crc32c in cache, ``pwrite`` into place, verifies, commits): GB/s and the ratio to raw TCP
+  (target >= 0.8) and to raw TCP into the ramdisk;
+* **receiver variants** (``--receivers``): the replicator's receive loop against two alternatives,
+  each into a preallocated file in B's ramdisk with its crc32c: ``recv_into`` straight into a shared
+  mapping of the file (one copy; crc right behind on a second thread) and ``splice`` socket -> pipe ->
+  file (no user-space copy; crc through a mapping);
 * **end to end**: a step committed in A's ramdisk until its replica is committed on B (adds the
   inotify wake-up and scheduling);
 * **restore**: node A lost, time until its rank is staged back from its peer, versus from the bucket
@@ -15,8 +20,12 @@ Measured in the same run, between the same network namespaces (root) or over loo
   (a new step every ``--interval`` s), unpinned (everything shares the cores) and pinned (training
   on core 0, replicators on the others).
 
+Every transfer path is measured once per round and rounds are interleaved, so a drift of the
+machine's load hits all of them; figures are medians over rounds.
+
 Run as root from the repository root: ``.venv/bin/python bench/replicator_bench.py [--size-mib 256]
-[--json]``. Needs about 4x ``--size-mib`` of RAM for the ramdisks plus 3x for the bucket emulator.
+[--receivers] [--json]``. Needs about 4x ``--size-mib`` of RAM for the ramdisks plus 3x for the
+bucket emulator.
 """
 
 from __future__ import annotations
@@ -54,6 +63,7 @@ from tierckpt.integrity import crc32c
 
 MiB = 1 << 20
 RAW_PORT = 9555
+RECEIVERS = ("replicator", "mmap", "splice")
 
 
 # ------------------------------------------------------------------------------------------ steps
@@ -124,22 +134,18 @@ s.close()
 
 def raw_tcp(a: Node, b: Node, size: int, *, into_ramdisk: bool = False) -> float:
     """Bytes per second of plain Python TCP from A to B: discarded on arrival, or written
-    into B's ramdisk (``pwrite`` of each received block, no verification)."""
-    best = 0.0
+    into B's ramdisk (``pwrite`` of each received block, no verification). Timed from the first
+    byte to the last (no connection set-up, no preallocation)."""
     dest = [str(b.root / ".bench-raw")] if into_ramdisk else []
-    for _ in range(3):
-        rx = b.popen_in_node(
-            [sys.executable, "-c", _RECEIVER, str(size), str(RAW_PORT), *dest],
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        assert rx.stdout is not None
-        assert rx.stdout.readline().strip() == "ready"
-        a.run_in_node([sys.executable, "-c", _SENDER, str(size), b.ip, str(RAW_PORT)], check=True)
-        got, seconds = rx.stdout.readline().split()
-        rx.wait()
-        best = max(best, int(got) / float(seconds))
-    return best
+    rx = b.popen_in_node(
+        [sys.executable, "-c", _RECEIVER, str(size), str(RAW_PORT), *dest], stdout=subprocess.PIPE, text=True
+    )
+    assert rx.stdout is not None
+    assert rx.stdout.readline().strip() == "ready"
+    a.run_in_node([sys.executable, "-c", _SENDER, str(size), b.ip, str(RAW_PORT)], check=True)
+    got, seconds = rx.stdout.readline().split()
+    rx.wait()
+    return int(got) / float(seconds)
 
 
 # ------------------------------------------------------------------------------------------ data path
@@ -149,9 +155,9 @@ import json, sys, time
 from tierckpt_replicator.replication.context import DataContext
 from tierckpt_replicator.replication.ipc import PeerAddress, WorkerConfig
 from tierckpt_replicator.replication.transfer import push_step
-root, token, job, host, port, steps = sys.argv[1:7]
+root, token, job, host, port, steps, method = sys.argv[1:8]
 cfg = WorkerConfig(node="bench", root=root, token_file=token, listen_host="127.0.0.1", data_port=0,
-                   holder="bench", transfer_timeout=60.0)
+                   holder="bench", transfer_timeout=60.0, send_method=method)
 ctx = DataContext.from_config(cfg)
 out = []
 for step in json.loads(steps):
@@ -161,8 +167,11 @@ print(json.dumps(out))
 """
 
 
-def data_path(cluster: LocalCluster, size: int, blob: bytes, repeat: int) -> list[float]:
-    """Bytes per second of push_step A -> B (B's real replicator receives), one per repetition."""
+def data_path(
+    cluster: LocalCluster, size: int, blob: bytes, repeat: int, method: str = "mmap"
+) -> list[float]:
+    """Bytes per second of push_step A -> B (B's real replicator receives), one per repetition. Timed
+    in full: lease, header, B's preallocation, the bytes, verification and the commit."""
     a, b = cluster.nodes[0], cluster.nodes[1]
     job = "bench_datapath"  # never assigned: A's own replicator leaves it alone
     steps = list(range(1, repeat + 1))
@@ -179,6 +188,7 @@ def data_path(cluster: LocalCluster, size: int, blob: bytes, repeat: int) -> lis
             b.ip,
             str(b.data_port),
             json.dumps(steps),
+            method,
         ],
         check=True,
     )
@@ -190,6 +200,85 @@ def data_path(cluster: LocalCluster, size: int, blob: bytes, repeat: int) -> lis
         for p in (step_dir(rank_dir(a.root, job, 0), s), step_dir(replica_rank_dir(b.root, job, 0), s)):
             subprocess.run(["rm", "-rf", str(p)], check=True)
     return rates
+
+
+# ------------------------------------------------------------------------------------------ receivers
+
+_RX_VARIANT = """
+import ctypes, mmap, os, queue, socket, sys, threading, time
+from pathlib import Path
+from tierckpt.integrity import crc32c_address
+from tierckpt_replicator.replication.stream import CHUNK, _Ring, create_preallocated, receive_file
+mode, size, port, dest = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4])
+_Ring.take().give_back()  # the worker keeps its buffers between transfers
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("0.0.0.0", port)); s.listen(1); print("ready", flush=True)
+c, _ = s.accept(); c.settimeout(60); t0 = time.perf_counter()
+create_preallocated(dest, size)
+
+def behind(base):  # a thread computing the crc32c of each range right after it was written
+    ends, state = queue.SimpleQueue(), {"crc": 0, "done": 0}
+    def run():
+        while (end := ends.get()) is not None:
+            state["crc"] = crc32c_address(base + state["done"], end - state["done"], state["crc"])
+            state["done"] = end
+    t = threading.Thread(target=run); t.start()
+    return ends, t, state
+
+if mode == "replicator":
+    crc = receive_file(c, dest, size)
+else:
+    fd = os.open(dest, os.O_RDWR); mm = mmap.mmap(fd, size); head = ctypes.c_char.from_buffer(mm)
+    ends, t, state = behind(ctypes.addressof(head)); done = 0
+    if mode == "mmap":
+        view = memoryview(mm)
+        while done < size:
+            end = min(done + CHUNK, size)
+            while done < end:
+                k = c.recv_into(view[done:end])
+                assert k, "closed"
+                done += k
+            ends.put(done)
+        view.release()
+    else:
+        r, w = os.pipe(); c.settimeout(None); mark = 0
+        while done < size:
+            n = os.splice(c.fileno(), w, min(1 << 16, size - done))
+            assert n, "closed"
+            while n:
+                k = os.splice(r, fd, n, offset_dst=done); done += k; n -= k
+            if done - mark >= CHUNK or done == size:
+                ends.put(done); mark = done
+    ends.put(None); t.join(); crc = state["crc"]; del head; mm.close(); os.fsync(fd); os.close(fd)
+print(size / (time.perf_counter() - t0), crc, flush=True)
+dest.unlink()
+"""
+
+_TX_FILE = """
+import socket, sys
+from pathlib import Path
+from tierckpt_replicator.replication.stream import send_file
+path, host, port, method = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4]
+with socket.create_connection((host, port)) as s:
+    send_file(s, path, path.stat().st_size, method=method)
+"""
+
+
+def receiver_variant(a: Node, b: Node, src: Path, want_crc: int, mode: str) -> float:
+    """Bytes per second of one receive loop (``replicator``, ``mmap`` or ``splice``) from A's ramdisk
+    file into a preallocated file in B's ramdisk, its crc32c checked; timed from the connection on."""
+    size = src.stat().st_size
+    rx = b.popen_in_node(
+        [sys.executable, "-c", _RX_VARIANT, mode, str(size), str(RAW_PORT), str(b.root / ".bench-rx")],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert rx.stdout is not None and rx.stdout.readline().strip() == "ready"
+    a.run_in_node([sys.executable, "-c", _TX_FILE, str(src), b.ip, str(RAW_PORT), "mmap"], check=True)
+    rate, crc = rx.stdout.readline().split()
+    rx.wait()
+    assert int(crc) == want_crc, f"{mode}: crc32c {int(crc):08x}, want {want_crc:08x}"
+    return float(rate)
 
 
 # ------------------------------------------------------------------------------------------ end to end
@@ -443,7 +532,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--size-mib", type=int, default=256, help="bytes of one rank's step (MiB) [256]")
     p.add_argument(
-        "--repeat", type=int, default=5, help="rounds of the transfer measurements (best kept) [5]"
+        "--repeat", type=int, default=5, help="interleaved rounds of the transfer measurements (medians) [5]"
     )
     p.add_argument(
         "--train-seconds",
@@ -453,6 +542,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--interval", type=float, default=1.0, help="seconds between replicated steps while training [1]"
+    )
+    p.add_argument(
+        "--receivers", action="store_true", help="also compare receive loops (replicator, mmap, splice)"
+    )
+    p.add_argument(
+        "--send-method",
+        choices=("mmap", "sendfile"),
+        default="sendfile",
+        help="the replicators' --send-method (end to end, training, restore) [sendfile]",
     )
     p.add_argument("--skip-restore", action="store_true", help="skip the restore measurement")
     p.add_argument("--skip-training", action="store_true", help="skip the training slowdown measurement")
@@ -469,6 +567,7 @@ def main(argv: list[str] | None = None) -> int:
             "netns": has_netns(),
         },
         "size_bytes": size,
+        "send_method": args.send_method,
     }
     args_rep = [
         "--poll-interval",
@@ -479,6 +578,8 @@ def main(argv: list[str] | None = None) -> int:
         "WARNING",
         "--transfer-timeout",
         "60",
+        "--send-method",
+        args.send_method,
     ]
     with LocalCluster(
         nodes=3,
@@ -490,11 +591,19 @@ def main(argv: list[str] | None = None) -> int:
     ) as cluster:
         a, b = cluster.nodes[0], cluster.nodes[1]
         _renice(cluster, 0)  # transfers at the baseline's priority; the training phase restores nice 10
-        raws, raws_tmpfs, rates = [], [], []
-        for _ in range(args.repeat):  # interleaved, so a drift of the machine's load hits all three
+        other = "mmap" if args.send_method == "sendfile" else "sendfile"
+        raws, raws_tmpfs, rates, rates_other = [], [], [], []
+        receivers: dict[str, list[float]] = {m: [] for m in RECEIVERS} if args.receivers else {}
+        src = make_step(a.root / ".bench-src", "bench_rx", 0, 1, size, 1, blob) / "data-00000.bin"
+        src_crc = read_manifest(src.parent).files[0].crc32c
+        for _ in range(args.repeat):  # interleaved, so a drift of the machine's load hits every path
             raws.append(raw_tcp(a, b, size))
             raws_tmpfs.append(raw_tcp(a, b, size, into_ramdisk=True))
-            rates += data_path(cluster, size, blob, 1)
+            rates += data_path(cluster, size, blob, 1, method=args.send_method)
+            rates_other += data_path(cluster, size, blob, 1, method=other)
+            for mode, out in receivers.items():
+                out.append(receiver_variant(a, b, src, src_crc, mode))
+        subprocess.run(["rm", "-rf", str(src.parent.parent)], check=True)
         e2e = end_to_end(cluster, size, blob, args.repeat)
         med = statistics.median
         result["raw_tcp_gbps"] = med(raws) / 1e9
@@ -502,10 +611,17 @@ def main(argv: list[str] | None = None) -> int:
         result["data_path_gbps"] = med(rates) / 1e9
         result["data_path_over_raw_tcp"] = med(rates) / med(raws)
         result["data_path_over_raw_tcp_into_ramdisk"] = med(rates) / med(raws_tmpfs)
+        result["data_path_by_send_method_gbps"] = {
+            args.send_method: med(rates) / 1e9,
+            other: med(rates_other) / 1e9,
+        }
+        result["receivers_gbps"] = {m: med(v) / 1e9 for m, v in receivers.items()}
         result["rounds_gbps"] = {
             "raw_tcp": [r / 1e9 for r in raws],
             "raw_tcp_into_ramdisk": [r / 1e9 for r in raws_tmpfs],
             "data_path": [r / 1e9 for r in rates],
+            f"data_path_{other}": [r / 1e9 for r in rates_other],
+            **{f"receiver_{m}": [r / 1e9 for r in v] for m, v in receivers.items()},
         }
         result["end_to_end_seconds"] = med(e2e)
         result["end_to_end_gbps"] = size / med(e2e) / 1e9
@@ -527,16 +643,19 @@ def main(argv: list[str] | None = None) -> int:
 def _print_table(r: dict[str, Any]) -> None:
     m = r["machine"]
     print(f"machine: {m['cpus']} cpus, kernel {m['kernel']}, python {m['python']}, netns={m['netns']}")
-    print(
-        f"step size: {r['size_bytes'] / MiB:.0f} MiB (one rank); transfers: medians of interleaved rounds"
-    )
+    print(f"step size: {r['size_bytes'] / MiB:.0f} MiB (one rank); transfers: medians of interleaved rounds")
     print(f"raw TCP A->B (discarded)         {r['raw_tcp_gbps']:.2f} GB/s")
     print(f"raw TCP A->B into B's ramdisk    {r['raw_tcp_into_ramdisk_gbps']:.2f} GB/s")
     ratio, ratio_ram = r["data_path_over_raw_tcp"], r["data_path_over_raw_tcp_into_ramdisk"]
     print(
-        f"replication data path A->B       {r['data_path_gbps']:.2f} GB/s  = {ratio:.2f}x raw TCP, "
-        f"{ratio_ram:.2f}x raw TCP into the ramdisk"
+        f"replication data path A->B       {r['data_path_gbps']:.2f} GB/s  ({r['send_method']}) "
+        f"= {ratio:.2f}x raw TCP, {ratio_ram:.2f}x raw TCP into the ramdisk"
     )
+    for method, gbps in r["data_path_by_send_method_gbps"].items():
+        if method != r["send_method"]:
+            print(f"  ... sending with {method}{' ' * (14 - len(method))} {gbps:.2f} GB/s")
+    for mode, gbps in r.get("receivers_gbps", {}).items():
+        print(f"receive loop '{mode}'{' ' * (12 - len(mode))} {gbps:.2f} GB/s  (file in B's ramdisk, crc32c)")
     print(
         f"commit on A -> replica on B      {r['end_to_end_seconds']:.3f} s  ({r['end_to_end_gbps']:.2f} GB/s)"
     )

@@ -60,8 +60,7 @@ def make_peer(tmp_path: Path) -> Iterator:
             listen_host="127.0.0.1",
             data_port=0,
             holder=f"replicator-{name}",
-            transfer_timeout=5.0,
-            **overrides,
+            **{"transfer_timeout": 5.0, **overrides},
         )
         events: list = []
         ctx = DataContext.from_config(cfg, emit=events.append)
@@ -83,8 +82,9 @@ def replica(peer: Peer, rank: int, step: int) -> Path:
     return step_dir(replica_rank_dir(peer.root, JOB, rank), step)
 
 
-def test_put_is_bit_exact_and_idempotent(make_peer):
-    a, b = make_peer("a"), make_peer("b")
+@pytest.mark.parametrize("method", ["sendfile", "mmap"])
+def test_put_is_bit_exact_and_idempotent(make_peer, method):
+    a, b = make_peer("a", send_method=method), make_peer("b")
     src = write_step(a.root, JOB, 3, 100, sizes=(3 << 20, 17, 5 << 20), files=2)
     out = push_step(a.ctx, JOB, 3, 100, b.address)
     assert out.status == "ok" and out.bytes == sum(p.stat().st_size for p in src.glob("data-*"))
@@ -298,6 +298,23 @@ def test_connection_dropped_mid_stream_leaves_nothing(make_peer):
     assert b.events[-1].status == Status.ABORTED
     assert committed_steps(replica_rank_dir(b.root, JOB, 0)) == [] and no_leftovers(b.root)
     assert push_step(a.ctx, JOB, 0, 2, b.address).status == "ok"  # a later attempt succeeds
+
+
+def test_a_sender_that_stalls_mid_stream_is_dropped_after_the_transfer_timeout(make_peer):
+    a, b = make_peer("a"), make_peer("b", transfer_timeout=1.0)
+    src = write_step(a.root, JOB, 0, 3, sizes=(8 << 20,))
+    commit, manifest = (src / "COMMIT").read_bytes(), (src / "manifest.json").read_bytes()
+    req = DataRequest(
+        op="put", token=TOKEN, job=JOB, rank=0, step=3, commit_size=len(commit), manifest_size=len(manifest)
+    )
+    with socket.create_connection(("127.0.0.1", b.server.port), timeout=5) as s:
+        send_frame(s, req, commit + manifest)
+        assert recv_frame(s, DataReply).status == Status.CONTINUE
+        s.sendall((src / "data-00000.bin").read_bytes()[: 5 << 20])  # then nothing, connection open
+        LocalWait.until(lambda: b.events)
+        assert b.events[-1].status == Status.ABORTED
+        assert s.recv(1) == b""  # the receiver hung up
+    assert committed_steps(replica_rank_dir(b.root, JOB, 0)) == [] and no_leftovers(b.root)
 
 
 def test_busy_receiver_says_so(make_peer):

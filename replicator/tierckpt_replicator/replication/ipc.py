@@ -72,7 +72,7 @@ class WorkerConfig(Message):
     nice: int = 10
     idle_class: bool = False
     log_level: str = "INFO"
-    send_method: Literal["mmap", "sendfile"] = "mmap"
+    send_method: Literal["mmap", "sendfile"] = "sendfile"
 
 
 @dataclasses.dataclass(frozen=True)
