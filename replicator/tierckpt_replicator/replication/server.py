@@ -56,6 +56,8 @@ __all__ = ["DataServer"]
 log = logging.getLogger(__name__)
 
 _MAX_INDEX = 1 << 62
+_LINGER_SECONDS = 1.0
+_LINGER_BYTES = 4 << 20
 
 
 class _Reject(Exception):
@@ -147,7 +149,7 @@ class DataServer:
         finally:
             if slot:
                 self._slots.release()
-            conn.close()
+            _close_gently(conn)
 
     def _check(self, req: DataRequest, slot: bool) -> None:
         if not req.token:
@@ -307,6 +309,25 @@ class DataServer:
                 message = "replica verified intact"
         self._event(req, Status.OK, message=message)
         self._reply(conn, DataReply(status=Status.OK, message=message))
+
+
+def _close_gently(conn: socket.socket) -> None:
+    """Close after the peer has read our last reply. A refused request may leave bytes the peer
+    already sent unread (a payload after a refused header, garbage); closing over them makes the
+    kernel answer with a reset, which can destroy the reply before the peer reads it. So: end our
+    side, drain what the peer still sends (at most ``_LINGER_BYTES`` within ``_LINGER_SECONDS``),
+    then close."""
+    deadline = time.monotonic() + _LINGER_SECONDS
+    drained = 0
+    with contextlib.suppress(OSError):
+        conn.shutdown(socket.SHUT_WR)
+        while drained < _LINGER_BYTES and (left := deadline - time.monotonic()) > 0:
+            conn.settimeout(left)
+            chunk = conn.recv(1 << 16)
+            if not chunk:
+                break
+            drained += len(chunk)
+    conn.close()
 
 
 def _receive_all(conn: socket.socket, writer: StepWriter) -> None:
