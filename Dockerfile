@@ -21,10 +21,13 @@ COPY constraints.txt pyproject.toml README.md ./
 # torch first, from the chosen index, at the version constraints.txt pins (2.13.0 matches 2.13.0+cpu).
 RUN pip install -c constraints.txt --index-url "$TORCH_INDEX_URL" --extra-index-url https://pypi.org/simple torch
 COPY client client
+COPY cli cli
+COPY demo demo
 COPY replicator replicator
+COPY csi csi
 COPY operator operator
-RUN pip install -c constraints.txt ".[replicator,operator]" \
- && python -c "import tierckpt, tierckpt_replicator.csi.service, tierckpt_operator" \
+RUN pip install -c constraints.txt ".[replicator,csi,operator]" \
+ && python -c "import tierckpt, tierckpt_cli.app, tierckpt_replicator.daemon, tierckpt_csi.service, tierckpt_operator" \
  && find /opt/tierckpt -name '__pycache__' -prune -exec rm -rf {} +
 
 FROM ${BASE}

@@ -57,7 +57,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 def _write_step(root: Path, job: str, ranks: int, files: int, total: int) -> Path:
     """Commit a step of ``ranks`` ranks with random data files; also write the same bytes as one file."""
-    from tierckpt.format import (
+    from tierckpt.protocol.format import (
         FileEntry,
         Manifest,
         TensorEntry,
@@ -66,7 +66,7 @@ def _write_step(root: Path, job: str, ranks: int, files: int, total: int) -> Pat
         rank_dir,
         step_dir,
     )
-    from tierckpt.integrity import crc32c
+    from tierckpt.protocol.integrity import crc32c
 
     per_file = max(1, total // (ranks * files)) // 4096 * 4096
     flat = root.parent / "baseline.bin"
@@ -106,8 +106,8 @@ def _run(args: argparse.Namespace, endpoint: str, bucket: str, work: Path) -> di
     from google.auth.credentials import AnonymousCredentials
     from google.cloud import storage
     from prometheus_client import CollectorRegistry
-    from tierckpt.bucket_layout import BucketLayout
-    from tierckpt.format import rank_dir
+    from tierckpt.protocol.bucket_layout import BucketLayout
+    from tierckpt.protocol.format import rank_dir
     from tierckpt_replicator.backup import BackupPolicy, BackupService
     from tierckpt_replicator.backup.gcs import GcsSettings, GcsStore
     from tierckpt_replicator.backup.metrics import BackupMetrics
@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.endpoint or args.real:
             result = _run(args, args.endpoint, args.bucket, Path(tmp))
         else:
-            from tierckpt.demo.fakegcs import FakeGcsServer
+            from tierckpt_demo.fakegcs import FakeGcsServer
 
             with FakeGcsServer(log_level="error") as gcs:
                 bucket = args.bucket or "tierckpt-bench"

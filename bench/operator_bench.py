@@ -3,7 +3,7 @@
 The requirement is under one second per planning round for 10,000 nodes. Every figure is the median of
 ``--repeat`` runs, measured on this machine in this run, for:
 
-* ``tierckpt.placement.assign_ranks``: first start; every pod restarted on the same nodes in another
+* ``tierckpt.planning.placement.assign_ranks``: first start; every pod restarted on the same nodes in another
   order (all ranks sticky); 1% of the nodes replaced inside their failure domain; a whole failure
   domain replaced by new nodes in a new domain;
 * ``plan_peers``: a fresh plan, the re-plan after those replacements (previous plan kept), and a
@@ -35,7 +35,7 @@ from typing import Any
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1] / d) for d in ("client", "operator")]
 
-from tierckpt.placement import (  # noqa: E402
+from tierckpt.planning.placement import (  # noqa: E402
     JobShape,
     Member,
     Placement,

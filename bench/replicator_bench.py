@@ -1,4 +1,4 @@
-"""Benchmark the replicator on a real multi-node cluster on this machine (``tierckpt.demo.cluster``).
+"""Benchmark the replicator on a real multi-node cluster on this machine (``tierckpt_demo.cluster``).
 
 Measured in the same run, between the same network namespaces (root) or over loopback (otherwise):
 
@@ -47,9 +47,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tierckpt.contract import RestoreState, RestoreStatus, read_control, restore_status_name
-from tierckpt.demo.cluster import LocalCluster, Node, has_netns
-from tierckpt.format import (
+from tierckpt.protocol.control import RestoreState, RestoreStatus, read_control, restore_status_name
+from tierckpt.protocol.format import (
     FileEntry,
     Manifest,
     TensorEntry,
@@ -59,7 +58,8 @@ from tierckpt.format import (
     replica_rank_dir,
     step_dir,
 )
-from tierckpt.integrity import crc32c
+from tierckpt.protocol.integrity import crc32c
+from tierckpt_demo.cluster import LocalCluster, Node, has_netns
 
 MiB = 1 << 20
 RAW_PORT = 9555
@@ -207,7 +207,7 @@ def data_path(
 _RX_VARIANT = """
 import ctypes, mmap, os, queue, socket, sys, threading, time
 from pathlib import Path
-from tierckpt.integrity import crc32c_address
+from tierckpt.protocol.integrity import crc32c_address
 from tierckpt_replicator.replication.stream import CHUNK, _Ring, create_preallocated, receive_file
 mode, size, port, dest = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4])
 _Ring.take().give_back()  # the worker keeps its buffers between transfers

@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
-# Regenerate the CSI spec's Python stubs (replicator/tierckpt_replicator/csi/_proto/csi_pb2*.py) from the
+# Regenerate the CSI spec's Python stubs (csi/tierckpt_csi/_proto/csi_pb2*.py) from the
 # vendored csi.proto with grpc_tools.protoc. The proto is the Container Storage Interface spec v1.12.0
 # (github.com/container-storage-interface/spec, tag v1.12.0, commit e6fc13ea4d52; Apache-2.0), kept
 # unmodified apart from the provenance header. To move to a newer spec release, replace the body of
 # csi.proto below the header with the release's csi.proto and rerun this script.
 #
 # protoc runs on a copy of the proto placed at its package path, so the generated *_pb2_grpc module imports
-# its messages as tierckpt_replicator.csi._proto.csi_pb2 (an importable, absolute name). The wire format
+# its messages as tierckpt_csi._proto.csi_pb2 (an importable, absolute name). The wire format
 # is fixed by the proto package (csi.v1) and field numbers only.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-.venv/bin/python}"
-OUT=replicator/tierckpt_replicator/csi/_proto
-PKG=tierckpt_replicator/csi/_proto
+OUT=csi/tierckpt_csi/_proto
+PKG=tierckpt_csi/_proto
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 mkdir -p "$work/src/$PKG" "$work/out"

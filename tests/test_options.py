@@ -1,4 +1,5 @@
-"""tierckpt.options: flags win over environment variables, which win over defaults; bad values are named."""
+"""tierckpt.protocol.options: flags win over environment variables, which win over defaults; bad values
+are named."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import dataclasses
 from pathlib import Path
 
 import pytest
-from tierckpt.options import merge_settings
+from tierckpt.protocol.options import merge_settings
 
 
 @dataclasses.dataclass(frozen=True)

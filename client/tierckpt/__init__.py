@@ -1,9 +1,9 @@
 """tierckpt: multi-tier checkpointing for PyTorch (node RAM disk, peer nodes, GCS).
 
-The client library. It depends on nothing in ``tierckpt_replicator`` or ``tierckpt_operator``;
-those depend on it.
+The training library: what a training pod needs. It imports no daemon, tool or service framework;
+the daemons import only its kernel (``tierckpt.protocol`` and ``tierckpt.planning``).
 
-``Checkpointer`` and ``SaveHandle`` are imported on first use, so that ``import tierckpt.format``
+``Checkpointer`` and ``SaveHandle`` are imported on first use, so that importing the kernel
 (the replicator, the CLI) does not import torch.
 """
 
@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from tierckpt.errors import (
+from tierckpt.protocol import __version__
+from tierckpt.protocol.errors import (
     ContractError,
     CorruptShardError,
     FormatError,
@@ -25,8 +26,6 @@ from tierckpt.errors import (
 if TYPE_CHECKING:
     from tierckpt.checkpointer import Checkpointer
     from tierckpt.snapshot.handle import SaveHandle
-
-__version__ = "0.1.0"
 
 __all__ = [
     "Checkpointer",

@@ -29,15 +29,16 @@ from typing import Any
 
 import torch
 
-from tierckpt import cuda, leases
-from tierckpt.errors import (
+from tierckpt import cuda
+from tierckpt.protocol import leases
+from tierckpt.protocol.errors import (
     CorruptShardError,
     FormatError,
     MissingCheckpointError,
     RamdiskFullError,
     SaveInProgressError,
 )
-from tierckpt.format import CommitMarker, discard_step, rank_dir, step_dir
+from tierckpt.protocol.format import CommitMarker, discard_step, rank_dir, step_dir
 from tierckpt.settings import BusyPolicy, Settings, resolve
 from tierckpt.snapshot import agree, loader, rankdir
 from tierckpt.snapshot.commit import StepIdentity, commit_files

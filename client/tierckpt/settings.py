@@ -21,9 +21,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal
 
-from tierckpt.contract import Env
-from tierckpt.errors import ContractError
-from tierckpt.format import check_job_id
+from tierckpt.protocol.contract import Env
+from tierckpt.protocol.errors import ContractError
+from tierckpt.protocol.format import check_job_id
 
 __all__ = ["DEFAULT_JOB", "BusyPolicy", "Settings", "resolve"]
 

@@ -12,15 +12,15 @@ import dataclasses
 import os
 from pathlib import Path
 
-from tierckpt.errors import CorruptShardError, FormatError
-from tierckpt.format import (
+from tierckpt.protocol.errors import CorruptShardError, FormatError
+from tierckpt.protocol.format import (
     FileEntry,
     Manifest,
     parse_step_name,
     read_commit,
     read_manifest,
 )
-from tierckpt.integrity import crc32c_address
+from tierckpt.protocol.integrity import crc32c_address
 from tierckpt.snapshot.copy import region_crcs
 from tierckpt.snapshot.shardfile import MappedFile
 

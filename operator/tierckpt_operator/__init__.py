@@ -8,7 +8,7 @@ Layers (imports point down):
 * ``kube`` (Kubernetes API beyond kopf) and ``replicators`` (replicator HTTP API): the only adapters.
 * ``cluster``, ``planning``, ``injection``, ``status``, ``jobsets``, ``pods``, ``resources``: pure.
 
-The pure placement algorithms live in ``tierckpt.placement`` (shared with the demo).
+The pure placement algorithms live in ``tierckpt.planning.placement`` (shared with the demo).
 """
 
 __all__: list[str] = []

@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import kopf
-from tierckpt.errors import ContractError
+from tierckpt.protocol.errors import ContractError
 
 from tierckpt_operator.cluster import Cluster, JobSetRecord
 from tierckpt_operator.injection import Injection, inject, label_pod_templates, preferred_node

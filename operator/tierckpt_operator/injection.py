@@ -8,8 +8,8 @@ Pod (on CREATE), ``inject(pod, Injection)``:
 * the ramdisk: an inline CSI volume (driver ``Csi.DRIVER``, attributes job id and reservation), or a
   hostPath ``<host root>/<job id>``; mounted in every container at ``<mountRoot>/<job id>``;
 * the downward-API volume with the pod's annotations at ``TIERCKPT_PODINFO_DIR`` (the node rank
-  arrives there, see ``tierckpt.contract.read_podinfo``);
-* the environment of ``tierckpt.contract.Env``: job id, root, podinfo dir, the node-local replicator
+  arrives there, see ``tierckpt.protocol.contract.read_podinfo``);
+* the environment of ``tierckpt.protocol.contract.Env``: job id, root, podinfo dir, the node-local replicator
   (``http://$(status.hostIP):<port>``), node, pod name and uid; variables the user set are kept;
 * the configuration's node selector and tolerations, so the pod runs where replicators run;
 * a *preferred* node affinity to the node that holds the rank this pod's indices map to.
@@ -23,7 +23,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from tierckpt.contract import Annotations, Csi, Env, Labels
+from tierckpt.protocol.contract import Annotations, Csi, Env, Labels
 
 __all__ = [
     "AFFINITY_WEIGHT",

@@ -13,9 +13,9 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from tierckpt.contract import Annotations, job_id_for
-from tierckpt.errors import ContractError
-from tierckpt.placement import JobShape, ReplicatedJob
+from tierckpt.planning.placement import JobShape, ReplicatedJob
+from tierckpt.protocol.contract import Annotations, job_id_for
+from tierckpt.protocol.errors import ContractError
 
 __all__ = ["JobSetInfo", "check_jobset", "opt_in_value", "parse_jobset"]
 

@@ -14,9 +14,10 @@ import dataclasses
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from tierckpt.contract import Annotations, JobPolicy, PeerAssignment, PeerNode
-from tierckpt.errors import ContractError
-from tierckpt.placement import Placement, RankAssignment, assign_ranks, current_members, plan_peers
+from tierckpt.planning.placement import Placement, RankAssignment, assign_ranks, current_members, plan_peers
+from tierckpt.protocol.contract import Annotations
+from tierckpt.protocol.control import JobPolicy, PeerAssignment, PeerNode
+from tierckpt.protocol.errors import ContractError
 
 from tierckpt_operator.jobsets import JobSetInfo
 from tierckpt_operator.pods import WorkerPod
@@ -120,7 +121,7 @@ def decide_assignment(
     """Assign node ranks once every pod of the current attempt is scheduled.
 
     Pods of older attempts are ignored; a rank delivered in this attempt is kept; otherwise ranks
-    stick to the nodes that hold them (``tierckpt.placement.assign_ranks``).
+    stick to the nodes that hold them (``tierckpt.planning.placement.assign_ranks``).
     """
     mine = [p for p in pods if p.job_key == info.key]
     workers = [w for p in mine if (w := p.as_worker(info.shape)) is not None]

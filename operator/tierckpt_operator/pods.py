@@ -10,9 +10,9 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from tierckpt.contract import Annotations, Labels
-from tierckpt.errors import ContractError
-from tierckpt.placement import JobShape, Worker
+from tierckpt.planning.placement import JobShape, Worker
+from tierckpt.protocol.contract import Annotations, Labels
+from tierckpt.protocol.errors import ContractError
 
 __all__ = ["ReplicatorPod", "WorkerPod", "replicator_of", "worker_of"]
 

@@ -17,8 +17,8 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from tierckpt.contract import JobPolicy, NodeInventory, PeerAssignment, RestorePlan
-from tierckpt.placement import peer_churn
+from tierckpt.planning.placement import peer_churn
+from tierckpt.protocol.control import JobPolicy, NodeInventory, PeerAssignment, RestorePlan
 
 from tierckpt_operator import resources
 from tierckpt_operator.cluster import CheckpointJobRecord, Cluster, ConfigRecord
@@ -547,6 +547,6 @@ async def _gather(calls: Iterable[Awaitable[T]]) -> list[T | BaseException]:
 
 
 def _choose_restore(invs: list[NodeInventory], **kwargs: Any) -> RestorePlan:
-    from tierckpt.restore_choice import choose_restore
+    from tierckpt.planning.restore import choose_restore
 
     return choose_restore(invs, **kwargs)

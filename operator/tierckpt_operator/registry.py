@@ -16,8 +16,8 @@ import logging
 from typing import Any
 
 import kopf
-from tierckpt.contract import Annotations, Labels, job_id_for
-from tierckpt.errors import ContractError
+from tierckpt.protocol.contract import Annotations, Labels, job_id_for
+from tierckpt.protocol.errors import ContractError
 
 from tierckpt_operator import admission, resources
 from tierckpt_operator.cleanup import purge_job

@@ -3,7 +3,7 @@
 Retry policy lives here once: connection errors, timeouts, 429 and 5xx are retried with exponential
 backoff; any other answer is final. Every request carries the bearer token, read fresh from the
 mounted Secret so rotation needs no restart. Wire bodies are the typed messages of
-``tierckpt.contract``; malformed answers raise ``ContractError``.
+``tierckpt.protocol.control``; malformed answers raise ``ContractError``.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from tierckpt.contract import JobPolicy, NodeInventory, PeerAssignment, RestorePlan
-from tierckpt.errors import ContractError, FormatError, RetryableError
+from tierckpt.protocol.control import JobPolicy, NodeInventory, PeerAssignment, RestorePlan
+from tierckpt.protocol.errors import ContractError, FormatError, RetryableError
 
 __all__ = ["ReplicatorClient", "ReplicatorError", "TokenFile"]
 

@@ -12,8 +12,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from tierckpt.bucket_layout import BucketLayout
-from tierckpt.errors import ContractError, FormatError
+from tierckpt.protocol.bucket_layout import BucketLayout
+from tierckpt.protocol.errors import ContractError, FormatError
 
 __all__ = [
     "CONFIGS",

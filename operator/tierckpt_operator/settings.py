@@ -13,8 +13,8 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from tierckpt.contract import Csi
-from tierckpt.options import env_name, field_type, merge_settings
+from tierckpt.protocol.contract import Csi
+from tierckpt.protocol.options import env_name, field_type, merge_settings
 
 __all__ = ["ENV_PREFIX", "Settings", "build_parser", "parse_settings"]
 

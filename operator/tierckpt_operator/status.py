@@ -13,7 +13,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from tierckpt.contract import NodeInventory, RestorePlan
+from tierckpt.protocol.control import NodeInventory, RestorePlan
 
 __all__ = [
     "CONDITION_TYPES",

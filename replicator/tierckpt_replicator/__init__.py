@@ -4,6 +4,6 @@ GCS, and stages them back for restore. Depends on ``tierckpt`` only (never on th
 Start it with ``tierckpt-replicator`` (``__main__``); ``daemon`` is the composition root.
 """
 
-from tierckpt import __version__
+from tierckpt.protocol import __version__
 
 __all__ = ["__version__"]

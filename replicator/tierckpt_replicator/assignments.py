@@ -14,9 +14,9 @@ import threading
 import urllib.parse
 from pathlib import Path
 
-from tierckpt.contract import PeerAssignment, PeerNode, read_control, write_control
-from tierckpt.errors import ContractError, FormatError
-from tierckpt.format import control_dir
+from tierckpt.protocol.control import PeerAssignment, PeerNode, read_control, write_control
+from tierckpt.protocol.errors import ContractError, FormatError
+from tierckpt.protocol.format import control_dir
 
 from tierckpt_replicator.replication.ipc import PeerAddress
 

@@ -22,16 +22,20 @@ from pathlib import Path
 
 import httpx
 import uvicorn
-from tierckpt.contract import (
+from tierckpt.planning.steps import newest_common_step
+from tierckpt.protocol.control import (
     JobPolicy,
+    JobStatus,
     NodeInventory,
+    NodeStatus,
     PeerAssignment,
     RestorePlan,
     read_control,
     write_control,
 )
-from tierckpt.errors import FormatError
-from tierckpt.format import discard_step, job_dir, rank_dir, ranks_in, replica_rank_dir, step_dirs
+from tierckpt.protocol.errors import FormatError
+from tierckpt.protocol.format import discard_step, job_dir, rank_dir, ranks_in, replica_rank_dir, step_dirs
+from tierckpt.protocol.tokens import TokenFile
 
 import tierckpt_replicator
 from tierckpt_replicator.app import create_app
@@ -46,10 +50,8 @@ from tierckpt_replicator.replication.manager import ReplicationManager
 from tierckpt_replicator.replication.replicas import free_bytes
 from tierckpt_replicator.replication.supervisor import WorkerSupervisor
 from tierckpt_replicator.replication.transfer import outcome_status
-from tierckpt_replicator.report import JobStatus, NodeStatus
 from tierckpt_replicator.restore.stage import Stager
 from tierckpt_replicator.settings import Settings
-from tierckpt_replicator.tokens import TokenFile
 from tierckpt_replicator.watch import CommitWatcher
 
 __all__ = ["Daemon", "serve", "worker_config"]
@@ -316,10 +318,10 @@ class Daemon:
         """Where the copies of this node's primaries are, for the newest step they all share: here,
         and on the peers that confirmed a replica (which may not be the ones ``peers.json`` names)."""
         holdings = self.scanner.holdings(job)
-        shared = [set(h.local) for h in holdings.ranks.values() if h.local]
-        if not shared or not (common := set.intersection(*shared)):
+        step = newest_common_step(h.local for h in holdings.ranks.values() if h.local)
+        if step is None:
             return {}
-        step, here = max(common), self.settings.node_name
+        here = self.settings.node_name
         return {
             r: (here, *sorted(self.replication.confirmed.get((job, r, step), ())))
             for r, s in holdings.newest_local().items()

@@ -13,9 +13,9 @@ import os
 import time
 from pathlib import Path
 
-from tierckpt.contract import NodeInventory, RankHoldings
-from tierckpt.errors import FormatError
-from tierckpt.format import (
+from tierckpt.protocol.control import NodeInventory, RankHoldings
+from tierckpt.protocol.errors import FormatError
+from tierckpt.protocol.format import (
     check_job_id,
     committed_steps,
     job_dir,

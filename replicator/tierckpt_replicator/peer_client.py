@@ -5,11 +5,11 @@ from __future__ import annotations
 import logging
 
 import httpx
-from tierckpt.contract import NodeInventory, PeerNode
-from tierckpt.errors import FormatError, RetryableError
+from tierckpt.protocol.control import NodeInventory, PeerNode
+from tierckpt.protocol.errors import FormatError, RetryableError
+from tierckpt.protocol.tokens import TokenFile
 
 from tierckpt_replicator.assignments import api_url
-from tierckpt_replicator.tokens import TokenFile
 
 __all__ = ["PeerClient"]
 

@@ -1,4 +1,5 @@
-"""Per-job policies: ``control/policy.json`` (``tierckpt.contract.JobPolicy``), newest generation wins.
+"""Per-job policies: ``control/policy.json`` (``tierckpt.protocol.control.JobPolicy``), newest generation
+wins.
 
 The operator sends one with ``PUT /v1/jobs/{job}/policy`` whenever a job's CheckpointConfiguration
 is first resolved or edited. The file is the only state: every reader (the API, the backup router)
@@ -12,9 +13,9 @@ import os
 import threading
 from pathlib import Path
 
-from tierckpt.contract import JobPolicy, read_control, write_control
-from tierckpt.errors import FormatError
-from tierckpt.format import control_dir
+from tierckpt.protocol.control import JobPolicy, read_control, write_control
+from tierckpt.protocol.errors import FormatError
+from tierckpt.protocol.format import control_dir
 
 __all__ = ["PolicyStore"]
 

@@ -15,8 +15,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from tierckpt.format import check_holder
-from tierckpt.options import env_name, field_type, merge_settings
+from tierckpt.protocol.format import check_holder
+from tierckpt.protocol.options import env_name, field_type, merge_settings
 
 __all__ = ["ENV_PREFIX", "Settings", "build_parser", "parse_settings"]
 

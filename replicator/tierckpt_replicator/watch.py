@@ -18,7 +18,7 @@ import os
 import struct
 from pathlib import Path
 
-from tierckpt.format import job_dir, rank_dir, ranks_in, read_commit, step_dirs
+from tierckpt.protocol.format import job_dir, rank_dir, ranks_in, read_commit, step_dirs
 
 from tierckpt_replicator.inventory import list_jobs
 

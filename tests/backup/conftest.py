@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 from fixtures.steps import write_step
 from prometheus_client import CollectorRegistry
-from tierckpt.bucket_layout import BucketLayout
-from tierckpt.contract import PeerAssignment, PeerNode, write_control
-from tierckpt.demo.fakegcs import FakeGcsServer, FaultProxy
-from tierckpt.format import replica_rank_dir, step_dir
+from tierckpt.protocol.bucket_layout import BucketLayout
+from tierckpt.protocol.control import PeerAssignment, PeerNode, write_control
+from tierckpt.protocol.format import replica_rank_dir, step_dir
+from tierckpt_demo.fakegcs import FakeGcsServer, FaultProxy
 from tierckpt_replicator.backup.gcs import GcsSettings, GcsStore, RetryPolicy
 from tierckpt_replicator.backup.metrics import BackupMetrics
 from tierckpt_replicator.backup.policy import BackupPolicy

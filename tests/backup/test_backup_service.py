@@ -19,10 +19,10 @@ import pytest
 from conftest import KiB, make_service, make_store, write_cluster_step, write_peers
 from fixtures.steps import step_files, write_step
 from prometheus_client import CollectorRegistry
-from tierckpt.bucket_layout import BucketLayout, RankBackup, StepBackup
-from tierckpt.demo.fakegcs import FakeGcsServer, FaultProxy, FaultRule
-from tierckpt.errors import CorruptShardError, MissingCheckpointError
-from tierckpt.format import rank_dir, read_manifest, step_dir
+from tierckpt.protocol.bucket_layout import BucketLayout, RankBackup, StepBackup
+from tierckpt.protocol.errors import CorruptShardError, MissingCheckpointError
+from tierckpt.protocol.format import rank_dir, read_manifest, step_dir
+from tierckpt_demo.fakegcs import FakeGcsServer, FaultProxy, FaultRule
 from tierckpt_replicator.backup.gcs import GcsStore, RetryPolicy
 from tierckpt_replicator.backup.metrics import BackupMetrics
 from tierckpt_replicator.backup.policy import BackupPolicy
@@ -293,7 +293,7 @@ async def test_a_killed_uploader_leaves_no_visible_step_and_a_rerun_finishes_it(
         import asyncio
         from pathlib import Path
         from prometheus_client import CollectorRegistry
-        from tierckpt.bucket_layout import BucketLayout
+        from tierckpt.protocol.bucket_layout import BucketLayout
         from tierckpt_replicator.backup import BackupPolicy, BackupService
         from tierckpt_replicator.backup.gcs import GcsSettings, GcsStore
         from tierckpt_replicator.backup.metrics import BackupMetrics
@@ -498,7 +498,7 @@ async def test_a_node_about_to_disappear_uploads_everything_it_holds(
 async def test_restore_into_a_full_ramdisk_fails_cleanly(
     gcs_server: FakeGcsServer, bucket: str, tmp_path: Path
 ) -> None:
-    from tierckpt.errors import RamdiskFullError
+    from tierckpt.protocol.errors import RamdiskFullError
 
     root = tmp_path / "n"
     write_step(root, JOB, 0, 8, sizes=(512 * KiB,))

@@ -1,11 +1,11 @@
-"""The bucket layout: every key is built and parsed by tierckpt.bucket_layout, jobs never collide."""
+"""The bucket layout: every key is built and parsed by tierckpt.protocol.bucket_layout, jobs never collide."""
 
 from __future__ import annotations
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tierckpt.bucket_layout import (
+from tierckpt.protocol.bucket_layout import (
     BucketLayout,
     RankRef,
     StepBackup,
@@ -14,8 +14,8 @@ from tierckpt.bucket_layout import (
     parse_gs_url,
     split_job_id,
 )
-from tierckpt.contract import job_id_for
-from tierckpt.errors import FormatError
+from tierckpt.protocol.contract import job_id_for
+from tierckpt.protocol.errors import FormatError
 
 dns = st.from_regex(r"\A[a-z0-9]([a-z0-9-]{0,20}[a-z0-9])?\Z")
 uid = st.from_regex(r"\A[a-f0-9]{8}[a-f0-9-]{0,20}\Z")

@@ -10,7 +10,7 @@ import uuid
 
 import pytest
 import requests
-from tierckpt.demo.fakegcs import (
+from tierckpt_demo.fakegcs import (
     FakeGcsServer,
     FaultProxy,
     FaultRule,

@@ -10,8 +10,8 @@ import pytest
 from conftest import FAST_RETRY, KiB, MiB, make_store
 from google.api_core import exceptions as api_exceptions
 from google.cloud.storage.exceptions import DataCorruption
-from tierckpt.demo.fakegcs import FakeGcsServer, FaultProxy, FaultRule
-from tierckpt.integrity import crc32c
+from tierckpt.protocol.integrity import crc32c
+from tierckpt_demo.fakegcs import FakeGcsServer, FaultProxy, FaultRule
 from tierckpt_replicator.backup.gcs import GcsSettings, GcsStore, RetryPolicy, crc32c_b64, crc32c_from_b64
 from tierckpt_replicator.backup.store import (
     ObjectNotFound,

@@ -90,7 +90,7 @@ def test_replicator_reads_every_variable_the_chart_sets(monkeypatch) -> None:
 
 
 def _command_envvars(name: str) -> set[str]:
-    from tierckpt_replicator.csi.cli import app
+    from tierckpt_csi.cli import app
 
     params = typer.main.get_command(app).commands[name].params
     return {v for p in params for v in ([p.envvar] if isinstance(p.envvar, str) else (p.envvar or []))}

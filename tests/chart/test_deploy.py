@@ -11,7 +11,7 @@ import yaml
 from chart_render import CHART, KUBE_VERSIONS, REPO
 from crd_schema import validator_for
 from shared_data import require_jobset_crd
-from tierckpt.contract import Annotations
+from tierckpt.protocol.contract import Annotations
 
 DEPLOY = REPO / "deploy"
 

@@ -15,7 +15,7 @@ import pytest
 from chart_render import NAMESPACE, REPO, Rendered, render
 from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import padding
-from tierckpt.contract import Annotations, Labels
+from tierckpt.protocol.contract import Annotations, Labels
 
 sys.path.insert(0, str(REPO / "tests"))  # the shared API emulator (tests/k8s_emulator.py)
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 from chart_render import render
-from tierckpt.contract import Csi
+from tierckpt.protocol.contract import Csi
 
 
 def _containers(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:

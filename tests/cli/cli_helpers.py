@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 from tierckpt.checkpointer import Checkpointer
-from tierckpt.cli.app import app
+from tierckpt_cli.app import app
 from typer.testing import CliRunner
 
 __all__ = ["JOB", "Result", "assert_clean_error", "cli", "cli_process", "save_steps"]

@@ -1,7 +1,7 @@
 """``tierckpt ls gs://...`` against the real fake-gcs-server, with backups made by the real backup service.
 
 The replicator's ``BackupService`` uploads client-format steps from a "node" ramdisk; the command
-lists them through ``tierckpt.bucket_layout`` and google-cloud-storage (``STORAGE_EMULATOR_HOST``).
+lists them through ``tierckpt.protocol.bucket_layout`` and google-cloud-storage (``STORAGE_EMULATOR_HOST``).
 Covers: complete and partial steps, a local job id and a Kubernetes one, the default prefix, the
 job filter, and clean errors for a missing bucket and an unreachable endpoint.
 """
@@ -17,9 +17,9 @@ import pytest
 from cli_helpers import assert_clean_error, cli
 from fixtures.steps import write_step
 from prometheus_client import CollectorRegistry
-from tierckpt.bucket_layout import BucketLayout
-from tierckpt.demo.fakegcs import FakeGcsServer
-from tierckpt.format import read_commit
+from tierckpt.protocol.bucket_layout import BucketLayout
+from tierckpt.protocol.format import read_commit
+from tierckpt_demo.fakegcs import FakeGcsServer
 from tierckpt_replicator.backup.gcs import GcsSettings, GcsStore
 from tierckpt_replicator.backup.metrics import BackupMetrics
 from tierckpt_replicator.backup.policy import BackupPolicy

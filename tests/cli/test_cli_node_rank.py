@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from cli_helpers import assert_clean_error, cli
-from tierckpt.contract import Annotations
+from tierckpt.protocol.contract import Annotations
 
 
 def _write_podinfo(d: Path, **annotations: str) -> None:

@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 
 from cli_helpers import JOB, assert_clean_error, cli, cli_process, save_steps
-from tierckpt import leases
 from tierckpt.checkpointer import Checkpointer
-from tierckpt.format import COMMIT_NAME, MANIFEST_NAME, read_commit, replica_rank_dir, step_dir
+from tierckpt.protocol import leases
+from tierckpt.protocol.format import COMMIT_NAME, MANIFEST_NAME, read_commit, replica_rank_dir, step_dir
 
 # ------------------------------------------------------------------------------------- ls
 

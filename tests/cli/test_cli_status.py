@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 from cli_helpers import assert_clean_error, cli
-from tierckpt.cli.status import CRD_GROUP, CRD_PLURAL, CRD_VERSION
+from tierckpt_cli.status import CRD_GROUP, CRD_PLURAL, CRD_VERSION
 
 REPO = Path(__file__).resolve().parents[2]
 CRD = REPO / "charts" / "tierckpt" / "crds" / "checkpointjobs.tierckpt.io.yaml"

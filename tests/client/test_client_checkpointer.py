@@ -10,7 +10,7 @@ import pytest
 import torch
 from client_helpers import assert_same, training_state
 from tierckpt import Checkpointer, MissingCheckpointError, SaveHandle, TierckptError
-from tierckpt.format import CommitMarker, read_manifest, step_dir
+from tierckpt.protocol.format import CommitMarker, read_manifest, step_dir
 from tierckpt.snapshot.pool import SPARE_DIR
 from tierckpt.verify import verify_step
 

@@ -6,8 +6,9 @@ import threading
 import time
 
 import torch
-from tierckpt import Checkpointer, MissingCheckpointError, leases
-from tierckpt.format import committed_steps, step_dir
+from tierckpt import Checkpointer, MissingCheckpointError
+from tierckpt.protocol import leases
+from tierckpt.protocol.format import committed_steps, step_dir
 from tierckpt.verify import verify_step
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from client_helpers import assert_same
 from tierckpt import Checkpointer, CorruptShardError
-from tierckpt.format import read_manifest, step_dir
+from tierckpt.protocol.format import read_manifest, step_dir
 
 pytestmark = pytest.mark.gpu
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from tierckpt import Checkpointer, CorruptShardError
-from tierckpt.format import discard_step, read_manifest, step_dir
+from tierckpt.protocol.format import discard_step, read_manifest, step_dir
 
 WORLD = 2
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from client_helpers import assert_same
 from tierckpt import Checkpointer, CorruptShardError, FormatError, RamdiskFullError
-from tierckpt.format import (
+from tierckpt.protocol.format import (
     COMMIT_NAME,
     MANIFEST_NAME,
     OBJECTS_NAME,

@@ -12,7 +12,7 @@ import torch
 from client_helpers import assert_same, training_state
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tierckpt.errors import FormatError
+from tierckpt.protocol.errors import FormatError
 from tierckpt.snapshot.flatten import flatten, restore_into
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from client_helpers import filled_state
 from tierckpt import Checkpointer
-from tierckpt.format import rank_dir, read_commit, step_dir, step_dirs
+from tierckpt.protocol.format import rank_dir, read_commit, step_dir, step_dirs
 from tierckpt.verify import verify_step
 
 ITERATIONS = 30

@@ -1,4 +1,4 @@
-"""The lease file protocol (tierckpt.leases) on a real directory."""
+"""The lease file protocol (tierckpt.protocol.leases) on a real directory."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import threading
 import time
 
 import pytest
-from tierckpt import leases
-from tierckpt.errors import MissingCheckpointError
-from tierckpt.format import Lease, Manifest, commit_step, lease_dir, rank_dir, step_dir
+from tierckpt.protocol import leases
+from tierckpt.protocol.errors import MissingCheckpointError
+from tierckpt.protocol.format import Lease, Manifest, commit_step, lease_dir, rank_dir, step_dir
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from tierckpt import cuda
-from tierckpt.integrity import crc32c
+from tierckpt.protocol.integrity import crc32c
 from tierckpt.snapshot import checksum
 from tierckpt.snapshot.layout import TensorSpec, packed_runs, plan_layout
 from tierckpt.snapshot.packing import LATER, SavePacker, pack_groups
@@ -138,7 +138,7 @@ def test_parallel_region_and_file_crcs_match_a_plain_crc(workers):
 
 
 def test_the_table_combiner_agrees_with_crc32c_combine():
-    from tierckpt.integrity import crc32c_combine
+    from tierckpt.protocol.integrity import crc32c_combine
 
     for length in (1, 256, 8 << 20, 12345):
         c = checksum.Combiner(length)

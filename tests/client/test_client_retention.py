@@ -1,9 +1,9 @@
-"""Retention planning (tierckpt.retention), pure."""
+"""Retention planning (tierckpt.planning.retention), pure."""
 
 from __future__ import annotations
 
 import pytest
-from tierckpt.retention import plan_retention
+from tierckpt.planning.retention import plan_retention
 
 
 def test_keeps_the_newest_n_and_retires_the_rest_oldest_first():

@@ -8,7 +8,7 @@ import pytest
 import tierckpt.checkpointer as checkpointer_module
 import torch
 from tierckpt import Checkpointer, SaveInProgressError
-from tierckpt.format import step_dirs
+from tierckpt.protocol.format import step_dirs
 
 
 @pytest.fixture

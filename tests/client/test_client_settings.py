@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from tierckpt.contract import Env
-from tierckpt.errors import ContractError, FormatError
+from tierckpt.protocol.contract import Env
+from tierckpt.protocol.errors import ContractError, FormatError
 from tierckpt.settings import resolve
 
 

@@ -13,8 +13,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
-from tierckpt.contract import Csi
-from tierckpt_replicator.csi._proto import csi_pb2, csi_pb2_grpc
+from tierckpt.protocol.contract import Csi
+from tierckpt_csi._proto import csi_pb2, csi_pb2_grpc
 
 MiB = 1 << 20
 _SINGLE_NODE_WRITER = csi_pb2.VolumeCapability.AccessMode.SINGLE_NODE_WRITER
@@ -38,7 +38,7 @@ class Node:
 
 def unmount_all_under(base: Path) -> None:
     """Detach every mount below ``base``, deepest first (bind mounts, then the tmpfs)."""
-    from tierckpt_replicator.csi.mounts import is_under, read_mountinfo, unmount
+    from tierckpt_csi.mounts import is_under, read_mountinfo, unmount
 
     root = os.path.realpath(base)
     for _ in range(100):
@@ -70,9 +70,9 @@ def connect(endpoint: str) -> Iterator[Client]:
 @contextlib.contextmanager
 def thread_plugin(node: Node, size: int = 64 * MiB, **settings) -> Iterator[Client]:
     """The plugin's real gRPC server in this process, on the node's unix socket."""
-    from tierckpt_replicator.csi.plugin import NodePlugin, PluginSettings
-    from tierckpt_replicator.csi.ramdisk import ensure_ramdisk
-    from tierckpt_replicator.csi.server import PluginServer
+    from tierckpt_csi.plugin import NodePlugin, PluginSettings
+    from tierckpt_csi.ramdisk import ensure_ramdisk
+    from tierckpt_csi.server import PluginServer
 
     disk = ensure_ramdisk(node.ramdisk, size, huge="never")
     server = PluginServer(NodePlugin(disk, PluginSettings(node_id="node-a", pods_dir=node.pods, **settings)),
@@ -86,11 +86,11 @@ def thread_plugin(node: Node, size: int = 64 * MiB, **settings) -> Iterator[Clie
 
 
 class PluginProcess:
-    """``python -m tierckpt_replicator.csi serve`` as a child process (the DaemonSet container)."""
+    """``python -m tierckpt_csi serve`` as a child process (the DaemonSet container)."""
 
     def __init__(self, node: Node, size: str = "64Mi", *extra: str) -> None:
         self.log = node.base / f"plugin-{uuid.uuid4().hex[:6]}.log"
-        cmd = [sys.executable, "-m", "tierckpt_replicator.csi", "serve", "--node-id", "node-a",
+        cmd = [sys.executable, "-m", "tierckpt_csi", "serve", "--node-id", "node-a",
                "--endpoint", node.endpoint, "--ramdisk", str(node.ramdisk), "--ramdisk-size", size,
                "--huge", "never", "--pods-dir", str(node.pods), "--health-address", "", *extra]
         with open(self.log, "wb") as out:
@@ -165,7 +165,7 @@ def unpublish_request(req: csi_pb2.NodePublishVolumeRequest) -> csi_pb2.NodeUnpu
 
 
 def mounts_at(path: str | Path) -> int:
-    from tierckpt_replicator.csi.mounts import read_mountinfo
+    from tierckpt_csi.mounts import read_mountinfo
 
     want = os.path.realpath(path)
     return sum(1 for m in read_mountinfo() if m.mount_point == want)

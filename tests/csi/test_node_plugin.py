@@ -11,9 +11,9 @@ import grpc
 import pytest
 import tierckpt
 from csi_helpers import MiB, Node, mounts_at, publish_request, thread_plugin, unpublish_request
-from tierckpt.contract import Csi
-from tierckpt_replicator.csi._proto import csi_pb2
-from tierckpt_replicator.csi.volumes import STATE_DIR_NAME
+from tierckpt.protocol.contract import Csi
+from tierckpt_csi._proto import csi_pb2
+from tierckpt_csi.volumes import STATE_DIR_NAME
 
 pytestmark = pytest.mark.root
 

@@ -8,10 +8,10 @@ import uuid
 
 import pytest
 from csi_helpers import MiB, Node, thread_plugin
-from tierckpt.contract import Csi, Env, job_id_for
-from tierckpt.format import rank_dir, read_manifest, step_dir
-from tierckpt_replicator.csi._proto import csi_pb2
-from tierckpt_replicator.csi.mounts import bind_mount
+from tierckpt.protocol.contract import Csi, Env, job_id_for
+from tierckpt.protocol.format import rank_dir, read_manifest, step_dir
+from tierckpt_csi._proto import csi_pb2
+from tierckpt_csi.mounts import bind_mount
 
 pytestmark = pytest.mark.root
 

@@ -12,9 +12,9 @@ import grpc
 import pytest
 from csi_helpers import MiB, Node, PluginProcess, connect, mounts_at, publish_request, unpublish_request
 from prometheus_client.parser import text_string_to_metric_families
-from tierckpt_replicator.csi._proto import csi_pb2
-from tierckpt_replicator.csi.mounts import bind_mount, unmount
-from tierckpt_replicator.csi.ramdisk import ensure_ramdisk
+from tierckpt_csi._proto import csi_pb2
+from tierckpt_csi.mounts import bind_mount, unmount
+from tierckpt_csi.ramdisk import ensure_ramdisk
 
 pytestmark = pytest.mark.root
 
@@ -103,7 +103,7 @@ def test_health_and_metrics_endpoints(node: Node, processes: list) -> None:
                for family in text_string_to_metric_families(text) for s in family.samples}
     assert samples[("tierckpt_csi_calls_total", (("code", "OK"), ("method", "GetPluginInfo")))] >= 1
     assert samples[("tierckpt_ramdisk_size_bytes", ())] == 16 * MiB
-    probe = [sys.executable, "-m", "tierckpt_replicator.csi", "probe", "--endpoint", node.endpoint]
+    probe = [sys.executable, "-m", "tierckpt_csi", "probe", "--endpoint", node.endpoint]
     ready = subprocess.run(probe, capture_output=True, text=True, timeout=30)
     assert ready.returncode == 0 and "ready" in ready.stdout
     proc.terminate()

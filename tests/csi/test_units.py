@@ -8,11 +8,11 @@ import grpc
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from tierckpt_replicator.csi.admission import JobUse, admit
-from tierckpt_replicator.csi.errors import CsiError
-from tierckpt_replicator.csi.mounts import parse_mountinfo
-from tierckpt_replicator.csi.quantity import format_bytes, parse_quantity
-from tierckpt_replicator.csi.requests import check_target
+from tierckpt_csi.admission import JobUse, admit
+from tierckpt_csi.errors import CsiError
+from tierckpt_csi.mounts import parse_mountinfo
+from tierckpt_csi.quantity import format_bytes, parse_quantity
+from tierckpt_csi.requests import check_target
 
 GiB = 1 << 30
 

@@ -14,10 +14,10 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from dcp_dist import run_ranks
-from tierckpt import leases
 from tierckpt.dcp import RamdiskReader, RamdiskWriter
-from tierckpt.errors import MissingCheckpointError, RamdiskFullError
-from tierckpt.format import DCP_METADATA_NAME, committed_steps, rank_dir, read_manifest, step_dir
+from tierckpt.protocol import leases
+from tierckpt.protocol.errors import MissingCheckpointError, RamdiskFullError
+from tierckpt.protocol.format import DCP_METADATA_NAME, committed_steps, rank_dir, read_manifest, step_dir
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.multiprocessing import ProcessExitedException
 

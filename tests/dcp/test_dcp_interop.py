@@ -8,8 +8,9 @@ from pathlib import Path
 
 import dcp_scenarios as sc
 from dcp_dist import run_ranks
-from tierckpt.contract import NodeInventory, RankHoldings, Tier
-from tierckpt.format import (
+from tierckpt.planning.restore import choose_restore
+from tierckpt.protocol.control import NodeInventory, RankHoldings, Tier
+from tierckpt.protocol.format import (
     DCP_METADATA_NAME,
     committed_steps,
     iter_data_files,
@@ -18,8 +19,7 @@ from tierckpt.format import (
     replica_rank_dir,
     step_dir,
 )
-from tierckpt.integrity import crc32c_file
-from tierckpt.restore_choice import choose_restore
+from tierckpt.protocol.integrity import crc32c_file
 from tierckpt.verify import verify_step
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from dcp_dist import run_ranks
 from tierckpt.dcp import full_state_dict
-from tierckpt.format import committed_steps, rank_dir, read_manifest, step_dir
+from tierckpt.protocol.format import committed_steps, rank_dir, read_manifest, step_dir
 
 
 def test_save_load_round_trip_is_bit_exact(ramdisk: Path, job: str) -> None:

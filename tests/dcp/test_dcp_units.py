@@ -14,8 +14,8 @@ from tierckpt.dcp import RamdiskReader, RamdiskWriter
 from tierckpt.dcp._paths import parse_step_id
 from tierckpt.dcp._store import plan_dcp_retention
 from tierckpt.dcp.metadata import DcpMetadata, ItemLocation, decode_metadata, encode_metadata
-from tierckpt.errors import ContractError, FormatError
-from tierckpt.format import committed_steps, rank_dir, step_dir
+from tierckpt.protocol.errors import ContractError, FormatError
+from tierckpt.protocol.format import committed_steps, rank_dir, step_dir
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -155,7 +155,7 @@ def test_repeated_saves_keep_n_checkpoints_and_reuse_pages(ramdisk: Path, job: s
 
 def test_steps_being_read_are_leased(ramdisk: Path, job: str) -> None:
     """While the reader copies a step's data, the step holds a lease (retention elsewhere keeps it)."""
-    from tierckpt import leases
+    from tierckpt.protocol import leases
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
     rank_path = rank_dir(ramdisk, job, 0)
@@ -190,7 +190,7 @@ def test_a_second_save_while_one_runs_on_another_thread_is_refused(ramdisk: Path
     """Overlapping async saves through one writer would trample each other: the second is refused."""
     import threading
 
-    from tierckpt.errors import SaveInProgressError
+    from tierckpt.protocol.errors import SaveInProgressError
 
     writer = RamdiskWriter(ramdisk, job, step=1)
     release = threading.Event()

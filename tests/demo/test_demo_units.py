@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tierckpt.cli.app import app
-from tierckpt.demo import run as demo_run
-from tierckpt.demo import scenarios as sc
-from tierckpt.demo.report import Check, DemoConfig, DemoReport, RankResult, ScenarioResult, render_report
-from tierckpt.demo.training import MODEL_PRESETS, build_state, parse_model_size, state_sha256
-from tierckpt.placement import plan_node_peers
+from tierckpt.planning.placement import plan_node_peers
+from tierckpt_cli.app import app
+from tierckpt_demo import run as demo_run
+from tierckpt_demo import scenarios as sc
+from tierckpt_demo.report import Check, DemoConfig, DemoReport, RankResult, ScenarioResult, render_report
+from tierckpt_demo.training import MODEL_PRESETS, build_state, parse_model_size, state_sha256
 from typer.testing import CliRunner
 
 # ------------------------------------------------------------------------------------- timeline
@@ -195,7 +195,7 @@ def test_report_round_trips_and_renders() -> None:
 
     report = _report(False)
     assert DemoReport.from_bytes(report.to_bytes()) == report
-    assert report.to_dict()["kind"] == "tierckpt.demo-report" and report.to_dict()["version"] == 1
+    assert report.to_dict()["kind"] == "tierckpt_demo-report" and report.to_dict()["version"] == 1
     console = Console(record=True, width=100)
     render_report(report, console)
     text = console.export_text()
@@ -235,7 +235,8 @@ def test_demo_command_rejects_bad_options_cleanly() -> None:
 
 
 def test_rank_ranges_and_tier_groups() -> None:
-    from tierckpt.demo.report import rank_ranges, tier_groups
+    from tierckpt.protocol.text import rank_ranges
+    from tierckpt_demo.report import tier_groups
 
     assert rank_ranges([7, 0, 2, 3, 4]) == "0 2-4 7"
     assert rank_ranges([1, 2, 3, 9, 10, 12]) == "1-3 9-10 12"
@@ -253,7 +254,7 @@ def test_quickstart_documents_every_report_field() -> None:
     import re
     from pathlib import Path
 
-    from tierckpt.demo import report
+    from tierckpt_demo import report
 
     text = Path(__file__).resolve().parents[2].joinpath("docs", "quickstart.md").read_text()
     section = text[text.index("### The JSON report") : text.index("## 2. Change your training script")]

@@ -23,7 +23,7 @@ from operator_harness import (
     make_tls,
     operator_settings,
 )
-from tierckpt.demo.fakegcs import FakeGcsServer
+from tierckpt_demo.fakegcs import FakeGcsServer
 
 
 @pytest.fixture

@@ -12,8 +12,8 @@ import json
 
 import pytest
 from aiohttp import web
-from tierckpt.contract import JobPolicy, NodeInventory, PeerAssignment, PeerNode, RankHoldings
-from tierckpt.errors import ContractError
+from tierckpt.protocol.control import JobPolicy, NodeInventory, PeerAssignment, PeerNode, RankHoldings
+from tierckpt.protocol.errors import ContractError
 from tierckpt_operator.cleanup import purge_job
 from tierckpt_operator.cluster import Cluster
 from tierckpt_operator.kube import Kube, api_client

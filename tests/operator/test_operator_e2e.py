@@ -16,8 +16,8 @@ import random
 import pytest
 from fixtures.steps import write_step
 from operator_harness import eventually, jobset_body
-from tierckpt.contract import (
-    Annotations,
+from tierckpt.protocol.contract import Annotations
+from tierckpt.protocol.control import (
     JobPolicy,
     PeerAssignment,
     RestorePlan,
@@ -27,7 +27,7 @@ from tierckpt.contract import (
     read_control,
     restore_status_name,
 )
-from tierckpt.format import committed_steps, job_dir, rank_dir
+from tierckpt.protocol.format import committed_steps, job_dir, rank_dir
 from tierckpt_operator.status import parse_ranges
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

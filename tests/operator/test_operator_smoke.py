@@ -16,7 +16,7 @@ from pathlib import Path
 import kubernetes
 import pytest
 from operator_harness import free_port, jobset_body, load_crds
-from tierckpt.contract import Annotations
+from tierckpt.protocol.contract import Annotations
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from operator_harness import CRD_DIR, load_crds
-from tierckpt.contract import (
-    Annotations,
+from tierckpt.protocol.contract import Annotations
+from tierckpt.protocol.control import (
     JobPolicy,
     NodeInventory,
     PeerAssignment,
@@ -21,7 +21,7 @@ from tierckpt.contract import (
     RestorePlan,
     Tier,
 )
-from tierckpt.errors import ContractError
+from tierckpt.protocol.errors import ContractError
 from tierckpt_operator.injection import Injection, inject, label_pod_templates, preferred_node
 from tierckpt_operator.jobsets import opt_in_value, parse_jobset
 from tierckpt_operator.planning import (

@@ -1,4 +1,4 @@
-"""Peer planning (tierckpt.placement.plan_peers): K peers, other domains whenever possible, distinct
+"""Peer planning (tierckpt.planning.placement.plan_peers): K peers, other domains whenever possible, distinct
 domains, balanced, deterministic, and minimal churn when a node is replaced."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from collections import Counter
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tierckpt.placement import peer_churn, plan_node_peers, plan_peers
+from tierckpt.planning.placement import peer_churn, plan_node_peers, plan_peers
 
 
 def _in_degree(plan, n):

@@ -1,4 +1,4 @@
-"""Node-rank assignment (tierckpt.placement): exactly once, sticky to nodes, same-domain replacement,
+"""Node-rank assignment (tierckpt.planning.placement): exactly once, sticky to nodes, same-domain replacement,
 stale pods excluded, initial ranks from JobSet indices."""
 
 from __future__ import annotations
@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tierckpt.errors import ContractError
-from tierckpt.placement import (
+from tierckpt.planning.placement import (
     JobShape,
     Member,
     Placement,
@@ -16,6 +15,7 @@ from tierckpt.placement import (
     assign_ranks,
     current_members,
 )
+from tierckpt.protocol.errors import ContractError
 
 # ------------------------------------------------------------------------------------ initial ranks
 

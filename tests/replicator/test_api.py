@@ -10,9 +10,10 @@ from pathlib import Path
 import httpx
 import pytest
 from fixtures.steps import write_step
-from tierckpt.contract import (
+from tierckpt.protocol.control import (
     JobPolicy,
     NodeInventory,
+    NodeStatus,
     PeerAssignment,
     PeerNode,
     RestorePlan,
@@ -22,9 +23,8 @@ from tierckpt.contract import (
     read_control,
     restore_status_name,
 )
-from tierckpt.format import control_dir
+from tierckpt.protocol.format import control_dir
 from tierckpt_replicator.daemon import Daemon
-from tierckpt_replicator.report import NodeStatus
 from tierckpt_replicator.settings import Settings
 
 TOKEN = "s3cr3t-token-value"

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 from fixtures.cluster import TEST_REPLICATOR_ARGS, commit_everywhere, committed, replica_path, wait_restored
 from fixtures.steps import step_files
-from tierckpt.contract import RestoreState, Tier
-from tierckpt.demo.cluster import LocalCluster
-from tierckpt.format import rank_dir, step_dir
+from tierckpt.protocol.control import RestoreState, Tier
+from tierckpt.protocol.format import rank_dir, step_dir
+from tierckpt_demo.cluster import LocalCluster
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tierckpt.contract import PeerAssignment, PeerNode
+from tierckpt.planning.steps import newest_common_step
+from tierckpt.protocol.control import PeerAssignment, PeerNode
 from tierckpt_replicator.replication.plan import candidate_targets, plan_sends
-from tierckpt_replicator.replication.retention import newest_common_step, replicas_to_drop
+from tierckpt_replicator.replication.retention import replicas_to_drop
 from tierckpt_replicator.replication.throttle import TokenBucket
 
 
@@ -55,7 +56,7 @@ def test_plan_sends_nothing_without_other_nodes():
 
 def test_retention_keeps_newest_and_the_newest_common_step():
     held = {0: [10, 20, 30, 40], 1: [10, 20]}  # rank 1's 30 and 40 have not arrived yet
-    assert newest_common_step(held) == 20
+    assert newest_common_step(held.values()) == 20
     assert replicas_to_drop(held, keep=1) == {0: [10, 30], 1: [10]}
     assert replicas_to_drop(held, keep=2) == {0: [10]}
 
@@ -75,7 +76,7 @@ def test_retention_never_drops_a_ranks_newest_replica(held, keep):
     for rank, steps in held.items():
         assert max(steps) not in drop.get(rank, [])
         assert len(set(steps)) - len(drop.get(rank, [])) >= min(keep, len(set(steps)))
-    common = newest_common_step(held)
+    common = newest_common_step(held.values())
     if common is not None:
         assert all(common not in d for d in drop.values())
 

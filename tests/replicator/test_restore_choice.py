@@ -7,9 +7,9 @@ import random
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tierckpt.contract import NodeInventory, RankHoldings, Tier
-from tierckpt.errors import ContractError
-from tierckpt.restore_choice import choose_restore, restorable_steps
+from tierckpt.planning.restore import choose_restore, restorable_steps
+from tierckpt.protocol.control import NodeInventory, RankHoldings, Tier
+from tierckpt.protocol.errors import ContractError
 
 JOB = "ns_train_abcdef12"
 

@@ -10,8 +10,8 @@ import os
 import re
 from pathlib import Path
 
-from tierckpt.errors import FormatError
-from tierckpt.format import rank_dir, read_commit, replica_rank_dir, step_dir
+from tierckpt.protocol.errors import FormatError
+from tierckpt.protocol.format import rank_dir, read_commit, replica_rank_dir, step_dir
 
 __all__ = ["find_rank_step", "parse_step_id", "require_step_id"]
 

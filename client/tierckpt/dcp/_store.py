@@ -16,8 +16,8 @@ import logging
 from collections.abc import Collection, Iterable
 from pathlib import Path
 
-from tierckpt import leases
-from tierckpt.format import (
+from tierckpt.protocol import leases
+from tierckpt.protocol.format import (
     committed_steps,
     discard_step,
     read_commit,

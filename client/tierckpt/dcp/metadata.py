@@ -32,9 +32,9 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from tierckpt._codec import Message
-from tierckpt.errors import FormatError
-from tierckpt.format import data_file_name
+from tierckpt.protocol.codec import Message
+from tierckpt.protocol.errors import FormatError
+from tierckpt.protocol.format import data_file_name
 from tierckpt.snapshot.dtypes import dtype_name, torch_dtype
 
 __all__ = [

@@ -33,9 +33,9 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from tierckpt import leases
-from tierckpt.errors import CorruptShardError, FormatError, MissingCheckpointError
-from tierckpt.format import (
+from tierckpt.protocol import leases
+from tierckpt.protocol.errors import CorruptShardError, FormatError, MissingCheckpointError
+from tierckpt.protocol.format import (
     DCP_METADATA_NAME,
     Manifest,
     committed_steps,
@@ -46,7 +46,7 @@ from tierckpt.format import (
     read_manifest,
     replica_rank_dir,
 )
-from tierckpt.integrity import crc32c, crc32c_address
+from tierckpt.protocol.integrity import crc32c, crc32c_address
 from tierckpt.settings import resolve
 from tierckpt.snapshot.shardfile import MappedFile
 

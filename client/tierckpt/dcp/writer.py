@@ -38,9 +38,10 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from tierckpt import cuda, leases
-from tierckpt.errors import SaveInProgressError
-from tierckpt.format import (
+from tierckpt import cuda
+from tierckpt.protocol import leases
+from tierckpt.protocol.errors import SaveInProgressError
+from tierckpt.protocol.format import (
     DCP_METADATA_NAME,
     FileEntry,
     Manifest,
@@ -53,7 +54,7 @@ from tierckpt.format import (
     step_dir,
     write_atomic,
 )
-from tierckpt.integrity import crc32c
+from tierckpt.protocol.integrity import crc32c
 from tierckpt.settings import resolve
 from tierckpt.snapshot.commit import checksum_slot
 from tierckpt.snapshot.copy import copy_into

@@ -8,10 +8,9 @@ together (or all raise).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["all_gather", "all_ok", "common_steps", "distributed", "newest_common"]
+__all__ = ["all_gather", "all_ok", "distributed"]
 
 
 def distributed() -> bool:
@@ -31,19 +30,6 @@ def all_gather(obj: Any) -> list[Any]:
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
-
-
-def common_steps(per_rank: Sequence[Sequence[int]]) -> list[int]:
-    """Steps every rank holds, newest first (pure)."""
-    if not per_rank:
-        return []
-    common = set(per_rank[0]).intersection(*map(set, per_rank[1:]))
-    return sorted(common, reverse=True)
-
-
-def newest_common(per_rank: Sequence[Sequence[int]]) -> int | None:
-    steps = common_steps(per_rank)
-    return steps[0] if steps else None
 
 
 def all_ok(ok: bool) -> tuple[bool, list[int]]:

@@ -18,7 +18,7 @@ import os
 import threading
 from collections.abc import Sequence
 
-from tierckpt.integrity import crc32c_address, crc32c_combine
+from tierckpt.protocol.integrity import crc32c_address, crc32c_combine
 
 __all__ = ["Combiner", "PendingCrcs", "chunk_bytes", "crc_pool", "region_crcs", "start_file_crcs"]
 

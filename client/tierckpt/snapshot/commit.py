@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tierckpt.format import (
+from tierckpt.protocol.format import (
     OBJECTS_NAME,
     CommitMarker,
     FileEntry,
@@ -24,7 +24,7 @@ from tierckpt.format import (
     commit_step,
     write_atomic,
 )
-from tierckpt.integrity import crc32c
+from tierckpt.protocol.integrity import crc32c
 from tierckpt.snapshot.copy import file_crc, region_crcs
 from tierckpt.snapshot.layout import LayoutPlan
 from tierckpt.snapshot.shardfile import MappedFile

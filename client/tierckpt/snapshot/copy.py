@@ -22,7 +22,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from tierckpt import cuda
-from tierckpt.integrity import crc32c_address, crc32c_combine
+from tierckpt.protocol.integrity import crc32c_address, crc32c_combine
 from tierckpt.snapshot.checksum import region_crcs
 
 __all__ = ["copy_cpu", "copy_into", "file_crc", "memmove", "region_crcs", "write_tensors"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from tierckpt.errors import FormatError
+from tierckpt.protocol.errors import FormatError
 
 __all__ = ["ITEMSIZE", "dtype_name", "itemsize", "numpy_dtype", "torch_dtype"]
 

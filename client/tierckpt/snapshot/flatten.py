@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tierckpt.errors import FormatError
+from tierckpt.protocol.errors import FormatError
 from tierckpt.snapshot.dtypes import dtype_name, numpy_dtype
 
 __all__ = ["ArrayFiller", "FlatState", "TensorFiller", "flatten", "restore_into", "storable_tensor"]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import concurrent.futures
 from collections.abc import Callable
 
-from tierckpt.format import CommitMarker
+from tierckpt.protocol.format import CommitMarker
 
 __all__ = ["SaveHandle"]
 

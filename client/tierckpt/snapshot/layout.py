@@ -17,7 +17,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
-from tierckpt.format import ALIGNMENT, align_up, data_file_name
+from tierckpt.protocol.format import ALIGNMENT, align_up, data_file_name
 from tierckpt.snapshot.dtypes import itemsize
 
 __all__ = ["FilePlan", "LayoutPlan", "PackedRun", "Placement", "TensorSpec", "packed_runs", "plan_layout"]

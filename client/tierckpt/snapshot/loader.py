@@ -18,9 +18,10 @@ from typing import Any
 import torch
 
 from tierckpt import cuda
-from tierckpt.errors import CorruptShardError, FormatError, MissingCheckpointError
-from tierckpt.format import MANIFEST_NAME, CommitMarker, Manifest, read_commit, read_manifest
-from tierckpt.integrity import crc32c
+from tierckpt.planning.steps import common_steps
+from tierckpt.protocol.errors import CorruptShardError, FormatError, MissingCheckpointError
+from tierckpt.protocol.format import MANIFEST_NAME, CommitMarker, Manifest, read_commit, read_manifest
+from tierckpt.protocol.integrity import crc32c
 from tierckpt.settings import Settings
 from tierckpt.snapshot import agree, staging
 from tierckpt.snapshot.pool import SlotPool
@@ -45,7 +46,7 @@ def candidates(settings: Settings, rank_path: Path, step: int | None, *, fallbac
     newest_at = max((m.committed_at for m in scan.committed.values()), default=None)
     target = staging.restore_target(status, newest_at) if step is None else step
     gathered = agree.all_gather((present, target))
-    common = agree.common_steps([p for p, _ in gathered])
+    common = common_steps(p for p, _ in gathered)
     targets = {t for _, t in gathered}
     if len(targets) == 1 and (only := next(iter(targets))) != staging.USE_LOCAL:
         if only is None:

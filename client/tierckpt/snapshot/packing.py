@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from tierckpt import cuda
-from tierckpt.format import ALIGNMENT, align_up
+from tierckpt.protocol.format import ALIGNMENT, align_up
 from tierckpt.snapshot.dtypes import torch_dtype
 from tierckpt.snapshot.layout import LayoutPlan, PackedRun, packed_runs
 from tierckpt.snapshot.shardfile import MappedFile

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from tierckpt.errors import RamdiskFullError
-from tierckpt.format import Manifest, data_file_name, fsync_dir, iter_data_files, step_dir
+from tierckpt.protocol.errors import RamdiskFullError
+from tierckpt.protocol.format import Manifest, data_file_name, fsync_dir, iter_data_files, step_dir
 from tierckpt.snapshot.dtypes import torch_dtype
 from tierckpt.snapshot.layout import LayoutPlan
 from tierckpt.snapshot.restore import tensor_views

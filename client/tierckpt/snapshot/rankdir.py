@@ -2,8 +2,8 @@
 
 The writer (a ``Checkpointer``) holds ``<rank dir>/.writer.lock`` for its lifetime, which is what
 makes it safe to delete uncommitted step directories: no one else is writing them. Retention
-decisions are pure (``tierckpt.retention``); this module does the I/O, removing COMMIT markers
-under the lease lock (``tierckpt.leases``) and recycling the retired steps' data files through the
+decisions are pure (``tierckpt.planning.retention``); this module does the I/O, removing COMMIT markers
+under the lease lock (``tierckpt.protocol.leases``) and recycling the retired steps' data files through the
 slot pool.
 """
 
@@ -18,9 +18,10 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from tierckpt import leases
-from tierckpt.errors import FormatError, TierckptError
-from tierckpt.format import (
+from tierckpt.planning.retention import plan_retention
+from tierckpt.protocol import leases
+from tierckpt.protocol.errors import FormatError, TierckptError
+from tierckpt.protocol.format import (
     COMMIT_NAME,
     CommitMarker,
     discard_step,
@@ -29,7 +30,6 @@ from tierckpt.format import (
     step_dir,
     step_dirs,
 )
-from tierckpt.retention import plan_retention
 from tierckpt.snapshot.pool import SlotPool
 
 __all__ = [

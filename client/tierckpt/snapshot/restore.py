@@ -24,9 +24,9 @@ import numpy as np
 import torch
 
 from tierckpt import cuda
-from tierckpt.errors import CorruptShardError, FormatError
-from tierckpt.format import OBJECTS_NAME, FileEntry, Manifest, TensorEntry, iter_data_files
-from tierckpt.integrity import crc32c
+from tierckpt.protocol.errors import CorruptShardError, FormatError
+from tierckpt.protocol.format import OBJECTS_NAME, FileEntry, Manifest, TensorEntry, iter_data_files
+from tierckpt.protocol.integrity import crc32c
 from tierckpt.snapshot.checksum import PendingCrcs, region_crcs, start_file_crcs
 from tierckpt.snapshot.copy import copy_cpu, memmove
 from tierckpt.snapshot.dtypes import numpy_dtype, torch_dtype

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from tierckpt import cuda
-from tierckpt.errors import RamdiskFullError
+from tierckpt.protocol.errors import RamdiskFullError
 
 __all__ = ["MappedFile", "allocate"]
 

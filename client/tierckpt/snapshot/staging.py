@@ -1,6 +1,6 @@
 """Waiting for the node's replicator to stage this rank's restore (``control/restore-rank-NNNNN.json``).
 
-The replicator writes a ``contract.RestoreStatus`` while it brings a step to this node's ramdisk.
+The replicator writes a ``control.RestoreStatus`` while it brings a step to this node's ramdisk.
 ``wait_for_restore`` waits while that file's ``updated_at`` keeps moving and returns once the state
 is ``ready`` or ``none``; ``failed`` raises. A status that stops moving for ``stall_timeout`` seconds
 is given up on (logged), and the client loads what the ramdisk holds. Without a status file and
@@ -17,8 +17,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from tierckpt.contract import RestoreState, RestoreStatus, read_control, restore_status_name
-from tierckpt.errors import RetryableError
+from tierckpt.protocol.control import RestoreState, RestoreStatus, read_control, restore_status_name
+from tierckpt.protocol.errors import RetryableError
 
 __all__ = ["USE_LOCAL", "restore_target", "wait_for_restore"]
 

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from tierckpt import cuda
-from tierckpt.format import Manifest
+from tierckpt.protocol.format import Manifest
 from tierckpt.snapshot.dtypes import torch_dtype
 from tierckpt.snapshot.shardfile import MappedFile
 

@@ -5,11 +5,10 @@ from __future__ import annotations
 from typing import TypeVar
 
 from fastapi import HTTPException, Request
-from tierckpt._codec import Message
-from tierckpt.errors import FormatError
-from tierckpt.format import check_job_id
-
-from tierckpt_replicator.tokens import TokenFile
+from tierckpt.protocol.codec import Message
+from tierckpt.protocol.errors import FormatError
+from tierckpt.protocol.format import check_job_id
+from tierckpt.protocol.tokens import TokenFile
 
 __all__ = ["check_job", "read_message", "require_token"]
 

@@ -10,15 +10,14 @@ from typing import Protocol
 
 from fastapi import APIRouter, FastAPI, HTTPException, Request, Response
 from fastapi.responses import JSONResponse
-from tierckpt._codec import Message
-from tierckpt.contract import JobPolicy, NodeInventory, PeerAssignment, RestorePlan
-from tierckpt.errors import RetryableError, TierckptError
+from tierckpt.protocol.codec import Message
+from tierckpt.protocol.control import JobPolicy, NodeInventory, NodeStatus, PeerAssignment, RestorePlan
+from tierckpt.protocol.errors import RetryableError, TierckptError
+from tierckpt.protocol.tokens import TokenFile
 
 from tierckpt_replicator.api.auth import check_job, read_message, require_token
 from tierckpt_replicator.metrics import CONTENT_TYPE, Metrics
-from tierckpt_replicator.report import NodeStatus
 from tierckpt_replicator.settings import Settings
-from tierckpt_replicator.tokens import TokenFile
 
 __all__ = ["Controls", "install_routes"]
 

@@ -23,9 +23,9 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 
-from tierckpt.bucket_layout import BucketLayout, RankBackup, RankRef, StepBackup, StepStarted
-from tierckpt.errors import CorruptShardError, FormatError, MissingCheckpointError
-from tierckpt.integrity import crc32c
+from tierckpt.protocol.bucket_layout import BucketLayout, RankBackup, RankRef, StepBackup, StepStarted
+from tierckpt.protocol.errors import CorruptShardError, FormatError, MissingCheckpointError
+from tierckpt.protocol.integrity import crc32c
 
 from tierckpt_replicator.backup.store import ObjectInfo, ObjectNotFound, ObjectStore, PreconditionFailed
 

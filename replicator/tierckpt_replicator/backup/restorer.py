@@ -17,10 +17,10 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from tierckpt.bucket_layout import BucketLayout
-from tierckpt.errors import CorruptShardError, MissingCheckpointError
-from tierckpt.format import COMMIT_NAME, MANIFEST_NAME, FileEntry, read_commit, step_dir
-from tierckpt.integrity import crc32c, crc32c_concat
+from tierckpt.protocol.bucket_layout import BucketLayout
+from tierckpt.protocol.errors import CorruptShardError, MissingCheckpointError
+from tierckpt.protocol.format import COMMIT_NAME, MANIFEST_NAME, FileEntry, read_commit, step_dir
+from tierckpt.protocol.integrity import crc32c, crc32c_concat
 
 from tierckpt_replicator.backup.catalog import SMALL_OBJECT_LIMIT, Catalog
 from tierckpt_replicator.backup.store import ObjectStore

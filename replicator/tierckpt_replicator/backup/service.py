@@ -34,11 +34,12 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-from tierckpt import leases
-from tierckpt.bucket_layout import BucketLayout
-from tierckpt.contract import PeerAssignment, read_control
-from tierckpt.errors import FormatError, MissingCheckpointError, TierckptError
-from tierckpt.format import (
+from tierckpt.planning.steps import newest_common_step
+from tierckpt.protocol import leases
+from tierckpt.protocol.bucket_layout import BucketLayout
+from tierckpt.protocol.control import PeerAssignment, read_control
+from tierckpt.protocol.errors import FormatError, MissingCheckpointError, TierckptError
+from tierckpt.protocol.format import (
     committed_steps,
     job_dir,
     parse_step_name,
@@ -418,10 +419,9 @@ class BackupService:
         primaries = [rank_dir(self.root, job, r) for r in ranks_in(jd)]
         replicas = [replica_rank_dir(self.root, job, r) for r in ranks_in(jd / "replicas")]
         for parents in (primaries, replicas):
-            sets = [set(committed_steps(p)) for p in parents]
-            common = set.intersection(*sets) if sets else set()
-            if common:
-                return max(common)
+            step = newest_common_step(committed_steps(p) for p in parents)
+            if step is not None:
+                return step
         return None
 
     # ------------------------------------------------------------------------------------ plumbing

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Protocol
 
-from tierckpt.errors import RetryableError, TierckptError
+from tierckpt.protocol.errors import RetryableError, TierckptError
 
 __all__ = [
     "ObjectInfo",
@@ -62,7 +62,7 @@ class ObjectInfo:
 
 
 class ObjectStore(Protocol):
-    """One bucket. Keys are full object names (built by ``tierckpt.bucket_layout``)."""
+    """One bucket. Keys are full object names (built by ``tierckpt.protocol.bucket_layout``)."""
 
     def upload_file(
         self, key: str, path: Path, *, offset: int = 0, length: int | None = None, crc32c: int | None = None

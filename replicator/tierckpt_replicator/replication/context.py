@@ -8,11 +8,11 @@ import socket
 from collections.abc import Callable
 from pathlib import Path
 
-from tierckpt._codec import Message
+from tierckpt.protocol.codec import Message
+from tierckpt.protocol.tokens import TokenFile
 
 from tierckpt_replicator.replication.ipc import PeerAddress, WorkerConfig
 from tierckpt_replicator.replication.throttle import TokenBucket
-from tierckpt_replicator.tokens import TokenFile
 
 __all__ = ["DataContext", "connect", "unique_holder"]
 

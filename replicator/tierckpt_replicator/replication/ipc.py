@@ -16,8 +16,8 @@ import socket
 import threading
 from typing import Literal
 
-from tierckpt._codec import Message, decode
-from tierckpt.errors import FormatError
+from tierckpt.protocol.codec import Message, decode
+from tierckpt.protocol.errors import FormatError
 
 __all__ = [
     "MESSAGES",

@@ -19,8 +19,9 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 
-from tierckpt.contract import PeerAssignment
-from tierckpt.errors import ContractError, RetryableError
+from tierckpt.planning.steps import newest_common_step
+from tierckpt.protocol.control import PeerAssignment
+from tierckpt.protocol.errors import ContractError, RetryableError
 
 from tierckpt_replicator.assignments import AssignmentStore, data_address
 from tierckpt_replicator.inventory import Holdings, InventoryScanner, list_jobs
@@ -222,11 +223,9 @@ class ReplicationManager:
         that every local rank has committed."""
         if self.on_committed is None:
             return
-        local = [set(h.local) for h in holdings.ranks.values() if h.local]
-        common = set.intersection(*local) if local else set()
-        if not common or self._notified.get(job, -1) >= max(common):
+        step = newest_common_step(h.local for h in holdings.ranks.values() if h.local)
+        if step is None or self._notified.get(job, -1) >= step:
             return
-        step = max(common)
         self._notified[job] = step
         ranks = tuple(sorted(r for r, h in holdings.ranks.items() if step in h.local))
         self._spawn(self._call_on_committed(job, step, ranks))

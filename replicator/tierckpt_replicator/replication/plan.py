@@ -14,7 +14,7 @@ import dataclasses
 import zlib
 from collections.abc import Collection, Mapping
 
-from tierckpt.contract import PeerAssignment
+from tierckpt.protocol.control import PeerAssignment
 
 __all__ = ["SendItem", "candidate_targets", "plan_sends"]
 

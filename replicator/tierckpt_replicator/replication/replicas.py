@@ -13,10 +13,10 @@ import logging
 import os
 from pathlib import Path
 
-from tierckpt import leases
-from tierckpt.contract import RestorePlan, read_control
-from tierckpt.errors import FormatError
-from tierckpt.format import (
+from tierckpt.protocol import leases
+from tierckpt.protocol.control import RestorePlan, read_control
+from tierckpt.protocol.errors import FormatError
+from tierckpt.protocol.format import (
     check_job_id,
     committed_steps,
     discard_step,

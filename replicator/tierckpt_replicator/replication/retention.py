@@ -14,18 +14,10 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
 
-from tierckpt.retention import plan_retention
+from tierckpt.planning.retention import plan_retention
+from tierckpt.planning.steps import newest_common_step
 
-__all__ = ["newest_common_step", "replicas_to_drop"]
-
-
-def newest_common_step(held: Mapping[int, Sequence[int]]) -> int | None:
-    """The newest step held for every rank in ``held`` (None if there is none)."""
-    sets = [set(steps) for steps in held.values()]
-    if not sets:
-        return None
-    common = set.intersection(*sets)
-    return max(common) if common else None
+__all__ = ["replicas_to_drop"]
 
 
 def replicas_to_drop(
@@ -37,11 +29,12 @@ def replicas_to_drop(
 ) -> dict[int, list[int]]:
     """Rank -> replica steps that may be deleted now, oldest first (ranks with nothing to drop omitted).
 
-    Per rank this is the client's own rule (``tierckpt.retention.plan_retention``: newest ``keep`` kept,
+    Per rank this is the client's own rule (``tierckpt.planning.retention.plan_retention``: newest ``keep``
+    kept,
     leased steps held), with the newest common step and the pinned steps held as if leased.
     """
     leased = leased or {}
-    common = newest_common_step(held)
+    common = newest_common_step(held.values())
     out: dict[int, list[int]] = {}
     for rank, steps in held.items():
         hold = set(pinned) | set(leased.get(rank, ())) | ({common} if common is not None else set())

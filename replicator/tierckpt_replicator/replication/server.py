@@ -18,9 +18,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from tierckpt import leases
-from tierckpt.errors import CorruptShardError, FormatError, MissingCheckpointError, RamdiskFullError
-from tierckpt.format import (
+from tierckpt.protocol import leases
+from tierckpt.protocol.errors import CorruptShardError, FormatError, MissingCheckpointError, RamdiskFullError
+from tierckpt.protocol.format import (
     COMMIT_NAME,
     MANIFEST_NAME,
     check_job_id,

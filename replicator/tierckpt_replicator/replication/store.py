@@ -20,8 +20,8 @@ import shutil
 import time
 from pathlib import Path
 
-from tierckpt.errors import CorruptShardError, FormatError
-from tierckpt.format import (
+from tierckpt.protocol.errors import CorruptShardError, FormatError
+from tierckpt.protocol.format import (
     COMMIT_NAME,
     MANIFEST_NAME,
     CommitMarker,
@@ -38,7 +38,7 @@ from tierckpt.format import (
     step_dir,
     write_atomic,
 )
-from tierckpt.integrity import crc32c, crc32c_file
+from tierckpt.protocol.integrity import crc32c, crc32c_file
 
 from tierckpt_replicator.replication.stream import create_preallocated
 

@@ -29,8 +29,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO, Literal
 
-from tierckpt.errors import FormatError, RamdiskFullError
-from tierckpt.integrity import crc32c_address
+from tierckpt.protocol.errors import FormatError, RamdiskFullError
+from tierckpt.protocol.integrity import crc32c_address
 
 from tierckpt_replicator.replication.throttle import TokenBucket
 from tierckpt_replicator.replication.wire import ProtocolError

@@ -16,8 +16,8 @@ import subprocess
 import sys
 from collections.abc import Callable
 
-from tierckpt._codec import Message
-from tierckpt.errors import FormatError, RetryableError
+from tierckpt.protocol.codec import Message
+from tierckpt.protocol.errors import FormatError, RetryableError
 
 from tierckpt_replicator.replication.ipc import (
     MAX_LINE,

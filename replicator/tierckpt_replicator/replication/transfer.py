@@ -15,9 +15,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from tierckpt import leases
-from tierckpt.errors import CorruptShardError, FormatError, MissingCheckpointError, RamdiskFullError
-from tierckpt.format import (
+from tierckpt.protocol import leases
+from tierckpt.protocol.errors import CorruptShardError, FormatError, MissingCheckpointError, RamdiskFullError
+from tierckpt.protocol.format import (
     COMMIT_NAME,
     MANIFEST_NAME,
     discard_step,

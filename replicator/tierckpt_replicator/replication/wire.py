@@ -24,8 +24,8 @@ import socket
 import struct
 from typing import ClassVar, Literal, TypeVar
 
-from tierckpt._codec import Message
-from tierckpt.errors import FormatError, RetryableError
+from tierckpt.protocol.codec import Message
+from tierckpt.protocol.errors import FormatError, RetryableError
 
 __all__ = [
     "MAGIC",

@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from tierckpt.errors import FormatError
+from tierckpt.protocol.errors import FormatError
 
 from tierckpt_replicator.replication.context import DataContext
 from tierckpt_replicator.replication.ipc import (

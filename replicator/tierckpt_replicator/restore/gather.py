@@ -11,9 +11,9 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
-from tierckpt.contract import NodeInventory, PeerAssignment, RestorePlan
-from tierckpt.errors import RetryableError
-from tierckpt.restore_choice import choose_restore
+from tierckpt.planning.restore import choose_restore
+from tierckpt.protocol.control import NodeInventory, PeerAssignment, RestorePlan
+from tierckpt.protocol.errors import RetryableError
 
 from tierckpt_replicator.peer_client import PeerClient
 

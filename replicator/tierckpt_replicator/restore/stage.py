@@ -24,7 +24,7 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from tierckpt.contract import (
+from tierckpt.protocol.control import (
     NodeInventory,
     PeerAssignment,
     RestorePlan,
@@ -34,8 +34,16 @@ from tierckpt.contract import (
     read_control,
     write_control,
 )
-from tierckpt.errors import FormatError, RetryableError, TierckptError
-from tierckpt.format import control_dir, job_dir, rank_dir, ranks_in, read_commit, replica_rank_dir, step_dir
+from tierckpt.protocol.errors import FormatError, RetryableError, TierckptError
+from tierckpt.protocol.format import (
+    control_dir,
+    job_dir,
+    rank_dir,
+    ranks_in,
+    read_commit,
+    replica_rank_dir,
+    step_dir,
+)
 
 from tierckpt_replicator.assignments import AssignmentStore, data_address
 from tierckpt_replicator.backup_hook import BackupPort

@@ -1,4 +1,4 @@
-"""Restore progress for the client: ``control/restore-rank-NNNNN.json`` (a ``contract.RestoreStatus``).
+"""Restore progress for the client: ``control/restore-rank-NNNNN.json`` (a ``control.RestoreStatus``).
 
 ``StatusReporter`` rewrites the file when the state changes, at most every ``min_interval`` seconds
 while bytes move, and every ``heartbeat`` seconds regardless (``updated_at`` keeps moving while a
@@ -14,7 +14,7 @@ import logging
 import time
 from pathlib import Path
 
-from tierckpt.contract import RestoreState, RestoreStatus, Tier, restore_status_name, write_control
+from tierckpt.protocol.control import RestoreState, RestoreStatus, Tier, restore_status_name, write_control
 
 __all__ = ["StatusReporter"]
 

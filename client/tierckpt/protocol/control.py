@@ -1,0 +1,315 @@
+"""THE control messages between operator, replicators and training pods (spec: docs/replicator.md).
+
+The control files in ``<root>/<job>/control/`` and the control API's bodies are these typed messages:
+the peer assignment (``PeerAssignment``), the job's restore plan (``RestorePlan``), per-rank restore
+progress (``RestoreStatus``), the job's backup and replication policy (``JobPolicy``), what a node
+holds (``NodeInventory``, from which anyone computes the same restore step with
+``tierckpt.planning.restore``) and a replicator's health (``NodeStatus``).
+
+Pure data and encoding, plus atomic reads and writes of the control files. No network.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+import re
+from pathlib import Path
+from typing import ClassVar
+
+from tierckpt.protocol.bucket_layout import BucketLayout
+from tierckpt.protocol.codec import Message
+from tierckpt.protocol.contract import CONTRACT_VERSION
+from tierckpt.protocol.errors import ContractError, FormatError
+from tierckpt.protocol.format import control_dir, write_atomic
+
+__all__ = [
+    "JobPolicy",
+    "JobStatus",
+    "NodeInventory",
+    "NodeStatus",
+    "PeerAssignment",
+    "PeerNode",
+    "RankHoldings",
+    "RestorePlan",
+    "RestoreState",
+    "RestoreStatus",
+    "Tier",
+    "read_control",
+    "restore_status_name",
+    "write_control",
+]
+
+class Tier(str, enum.Enum):
+    """Where a rank's step can be restored from, fastest first."""
+
+    LOCAL = "local"
+    """This node's own primary copy."""
+    REPLICA = "replica"
+    """A replica this node holds for the rank."""
+    PEER = "peer"
+    """Another node's primary or replica, fetched over the network."""
+    GCS = "gcs"
+
+    @property
+    def cost(self) -> int:
+        return _TIER_COST[self]
+
+
+_TIER_COST = {Tier.LOCAL: 0, Tier.REPLICA: 1, Tier.PEER: 2, Tier.GCS: 3}
+
+
+@dataclasses.dataclass(frozen=True)
+class PeerNode:
+    name: str
+    endpoint: str
+    """The node's replicator data endpoint, ``http://host:port``."""
+    domain: str = ""
+    """The node's failure domain (the configured label's value)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PeerAssignment(Message):
+    """``control/peers.json``: which nodes each node replicates to, and the node ranks.
+
+    Written by the operator (through the replicator's control API) or from static configuration in
+    local mode. ``generation`` increases with every change; replicators ignore older generations.
+    """
+
+    KIND = "tierckpt.peers"
+    VERSION = CONTRACT_VERSION
+    FILE: ClassVar[str] = "peers.json"
+
+    job: str
+    generation: int
+    nodes: dict[str, PeerNode]
+    peers: dict[str, tuple[str, ...]]
+    """Node name -> the names of the nodes it sends its ranks' shards to."""
+    node_ranks: dict[str, int] = dataclasses.field(default_factory=dict)
+    procs_per_node: int = 0
+    """Training processes per node (torchrun ``--nproc-per-node``); 0 = derive from the world size."""
+
+    def __post_init__(self) -> None:
+        for node, targets in self.peers.items():
+            unknown = [t for t in (node, *targets) if t not in self.nodes]
+            if unknown:
+                raise FormatError(f"peer assignment names unknown nodes {unknown}")
+
+    def process_ranks(self, node: str, world_size: int = 0) -> tuple[int, ...]:
+        """The process ranks that run on ``node``: torchrun's contiguous block of its node rank.
+
+        Node rank ``n`` with ``p`` processes per node holds ranks ``n*p .. n*p+p-1``. ``p`` is
+        ``procs_per_node``, else ``world_size // len(node_ranks)``; () if neither is known or ``node``
+        has no node rank. A replaced node learns its ranks this way before it holds any data.
+        """
+        n = self.node_ranks.get(node)
+        p = self.procs_per_node
+        if not p and world_size > 0 and self.node_ranks and world_size % len(self.node_ranks) == 0:
+            p = world_size // len(self.node_ranks)
+        if n is None or p <= 0:
+            return ()
+        ranks = range(n * p, (n + 1) * p)
+        return tuple(r for r in ranks if world_size <= 0 or r < world_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class RankHoldings:
+    """Committed steps of one rank held by one node."""
+
+    local: tuple[int, ...] = ()
+    replica: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeInventory(Message):
+    """What one node's replicator holds for a job. Served at ``GET /v1/jobs/{job}/inventory``."""
+
+    KIND = "tierckpt.inventory"
+    VERSION = CONTRACT_VERSION
+
+    job: str
+    node: str
+    endpoint: str
+    updated_at: float
+    ranks: dict[int, RankHoldings]
+    world_sizes: dict[int, int] = dataclasses.field(default_factory=dict)
+    """Step -> world size recorded in its manifests (steps of different world sizes never mix)."""
+    gcs: tuple[int, ...] = ()
+    """Steps this node knows to be complete in the bucket (complete manifest object present)."""
+    domain: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class RestorePlan(Message):
+    """``control/restore.json``: the step the whole job restores, and each rank's source tier.
+
+    ``step`` is None when no step is restorable by every rank (a fresh start). Computed by the pure
+    ``tierckpt.planning.restore.choose_restore`` from inventories, so any party gets the same answer.
+    """
+
+    KIND = "tierckpt.restore-plan"
+    VERSION = CONTRACT_VERSION
+    FILE: ClassVar[str] = "restore.json"
+
+    job: str
+    step: int | None
+    world_size: int
+    sources: dict[int, Tier]
+    """Rank -> fastest tier holding it."""
+    holders: dict[int, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    """Rank -> nodes holding a copy (primary or replica), fastest first."""
+    generation: int = 0
+    decided_at: float = 0.0
+
+
+class RestoreState(str, enum.Enum):
+    PENDING = "pending"
+    STAGING = "staging"
+    READY = "ready"
+    NONE = "none"
+    """Nothing to restore: start fresh."""
+    FAILED = "failed"
+
+
+@dataclasses.dataclass(frozen=True)
+class RestoreStatus(Message):
+    """``control/restore-rank-<rank:05d>.json``: written by the replicator while it stages a rank.
+
+    The client waits while ``updated_at`` keeps moving, not on a fixed timeout, and loads once
+    ``state`` is ``ready`` (or starts fresh on ``none``).
+    """
+
+    KIND = "tierckpt.restore-status"
+    VERSION = CONTRACT_VERSION
+
+    job: str
+    rank: int
+    state: RestoreState
+    step: int | None
+    source: Tier | None
+    bytes_done: int
+    bytes_total: int
+    updated_at: float
+    message: str = ""
+
+
+_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]$")
+
+
+@dataclasses.dataclass(frozen=True)
+class JobPolicy(Message):
+    """``control/policy.json``: the job's backup and replication policy, from its CheckpointConfiguration.
+
+    Sent by the operator with ``PUT /v1/jobs/{job}/policy`` to every replicator of the job (alongside
+    the peers) and again whenever the configuration changes; ``generation`` increases with every
+    change and replicators ignore older ones. A replicator backs the job up with it instead of its own
+    node flags (``--gcs-bucket``, ``--gcs-prefix``, ``--backup-interval*``, ``--backup-keep-*``); the
+    bucket is reached with the node's own GCS credentials and endpoint.
+    """
+
+    KIND = "tierckpt.job-policy"
+    VERSION = CONTRACT_VERSION
+    FILE: ClassVar[str] = "policy.json"
+
+    job: str
+    generation: int
+    bucket: str = ""
+    """GCS bucket of the job's backups; "" leaves the node's ``--gcs-bucket`` in force."""
+    prefix: str = "tierckpt"
+    """Object prefix inside the bucket."""
+    backup_interval_steps: int = 0
+    """Back up once this many steps passed since the newest complete backup (0: not by steps)."""
+    backup_interval_minutes: float = 30.0
+    """Back up once this many minutes passed since the newest complete backup (0: not by time)."""
+    keep_last: int = 3
+    """Newest complete backups kept."""
+    keep_every: int = 0
+    """Also keep the oldest complete backup of every window of this many steps (0: off)."""
+    replication_factor: int = 1
+    """Peers each node sends its ranks' shards to."""
+    delete_backups_on_deletion: bool = False
+    """Whether the job's backups are deleted with the job."""
+    config: str = ""
+    """The CheckpointConfiguration it came from (informational)."""
+
+    def __post_init__(self) -> None:
+        if self.bucket and not _BUCKET_RE.match(self.bucket):
+            raise FormatError(f"job policy: {self.bucket!r} is not a valid bucket name")
+        BucketLayout(self.prefix)  # raises FormatError for an unsafe prefix
+        if self.keep_last < 1:
+            raise FormatError("job policy: keep_last must be at least 1")
+        for name in ("generation", "backup_interval_steps", "backup_interval_minutes", "keep_every"):
+            if getattr(self, name) < 0:
+                raise FormatError(f"job policy: {name} must not be negative")
+        if not 0 <= self.replication_factor <= 8:
+            raise FormatError("job policy: replication_factor must be in [0, 8]")
+
+
+def restore_status_name(rank: int) -> str:
+    return f"restore-rank-{rank:05d}.json"
+
+
+def write_control(root: str | os.PathLike[str], job: str, name: str, msg: Message) -> Path:
+    """Atomically write a control file into ``<root>/<job>/control/``."""
+    if "/" in name or name.startswith("."):
+        raise ContractError(f"invalid control file name {name!r}")
+    d = control_dir(root, job)
+    d.mkdir(parents=True, exist_ok=True)
+    path = d / name
+    write_atomic(path, msg.to_bytes())
+    return path
+
+
+def read_control(root: str | os.PathLike[str], job: str, name: str, cls: type[Message]) -> Message | None:
+    """Read a control file, or None if absent. A malformed file raises ``FormatError``."""
+    try:
+        body = (control_dir(root, job) / name).read_bytes()
+    except FileNotFoundError:
+        return None
+    return cls.from_bytes(body)
+
+
+@dataclasses.dataclass(frozen=True)
+class JobStatus:
+    job: str
+    generation: int
+    """Generation of the peer assignment in force (-1: none)."""
+    node_rank: int | None
+    local: dict[int, tuple[int, ...]]
+    """Rank -> committed primary steps on this node."""
+    replicas: dict[int, tuple[int, ...]]
+    """Rank -> committed replica steps held for other nodes."""
+    replicated_to: dict[int, tuple[str, ...]]
+    """Rank -> peers known to hold its newest local step."""
+    backed_up: tuple[int, ...]
+    local_bytes: int
+    replica_bytes: int
+    lag_seconds: float
+    """Age of the oldest newest-local step still short of its K replicas (0: all replicated)."""
+    last_replication_at: float
+    restore_step: int | None
+    restore: dict[int, str]
+    """Rank -> restore state of the last staging run on this node."""
+    backup_error: str = ""
+    """The backup service's last error for this job ('' if the last attempt succeeded)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeStatus(Message):
+    KIND = "tierckpt.replicator-status"
+    VERSION = CONTRACT_VERSION
+
+    node: str
+    domain: str
+    endpoint: str
+    software_version: str
+    started_at: float
+    healthy: bool
+    problems: tuple[str, ...]
+    worker_up: bool
+    worker_restarts: int
+    replicas_k: int
+    ramdisk_free_bytes: int
+    ramdisk_total_bytes: int
+    jobs: tuple[JobStatus, ...]

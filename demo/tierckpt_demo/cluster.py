@@ -1,0 +1,597 @@
+"""A local multi-node cluster on one machine: real replicator processes, one ramdisk per node.
+
+As root, each node is a network namespace on a private bridge (veth pairs, a /24 of its own), with its
+own tmpfs mounted as its ramdisk and its own ``tierckpt-replicator`` process started through the
+console script; an optional fake-gcs-server listens on the bridge, reachable from every node. Without
+root, nodes are loopback ports and plain directories (no link faults then)::
+
+    with LocalCluster(nodes=3, job="demo", gcs=True) as cluster:
+        a, b, c = cluster.nodes
+        write a step under a.root ...          # the client's format
+        cluster.wait_for(lambda: ...)          # replicas appear under b.root/<job>/replicas/
+        a.kill_replicator(); a.wipe_ramdisk()  # node lost
+        a.restart_replicator()                 # a replaced node: stages its ranks back
+
+Every name is unique per run (the owner's pid is part of it), everything is torn down on exit, on
+exceptions and on Ctrl-C, and ``cleanup_stale()`` removes what a killed run left behind. The token
+is generated per cluster. Peers default to a ring (node i sends to the next ``k`` nodes).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ipaddress
+import json
+import logging
+import os
+import random
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from tierckpt.protocol.control import PeerAssignment, PeerNode
+
+__all__ = ["LocalCluster", "Node", "cleanup_stale", "has_netns"]
+
+log = logging.getLogger(__name__)
+
+API_PORT = 8470
+_PREFIX = "tck"
+_WORKDIR_PREFIX = "tierckpt-cluster-"
+
+
+def has_netns() -> bool:
+    """Namespaces, veth, bridges and tmpfs mounts are available (root with iproute2)."""
+    return os.geteuid() == 0 and shutil.which("ip") is not None
+
+
+def _run(cmd: Sequence[str], *, check: bool = True) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(list(cmd), capture_output=True, text=True)
+    if check and proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}): {proc.stderr.strip()}")
+    return proc
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _replicator_command() -> list[str]:
+    script = Path(sys.executable).parent / "tierckpt-replicator"
+    if script.exists():
+        return [str(script)]
+    found = shutil.which("tierckpt-replicator")
+    if found is None:
+        raise RuntimeError(
+            "the tierckpt-replicator console script is not installed (pip install 'tierckpt[replicator]')"
+        )
+    return [found]
+
+
+# ------------------------------------------------------------------------------------------ nodes
+
+
+class Node:
+    """One simulated node: its ramdisk, its replicator process and its network."""
+
+    def __init__(self, cluster: LocalCluster, index: int, *, ip: str, api_port: int, data_port: int) -> None:
+        self.cluster, self.index = cluster, index
+        self.name = f"node-{index}"
+        self.ip, self.api_port, self.data_port = ip, api_port, data_port
+        self.dir = cluster.workdir / self.name
+        self.root = self.dir / "ramdisk"
+        self.log_path = self.dir / "replicator.log"
+        self.netns = f"{cluster.prefix}-n{index}" if cluster.netns else None
+        self.veth = f"{cluster.prefix}n{index}"  # host side, <= 15 chars
+        self.domain = cluster.domain_of(index)
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.extra_args: list[str] = []
+
+    def __repr__(self) -> str:
+        return f"Node({self.name}, {self.ip})"
+
+    @property
+    def endpoint(self) -> str:
+        """The control API base URL."""
+        return f"http://{self.ip}:{self.api_port}"
+
+    @property
+    def peer_endpoint(self) -> str:
+        """The endpoint as peers.json lists it (the data port is explicit when it is not api + 1)."""
+        if self.data_port == self.api_port + 1:
+            return self.endpoint
+        return f"{self.endpoint}/?data={self.data_port}"
+
+    # ---------------------------------------------------------------- processes
+
+    def _wrap(self, cmd: Sequence[str]) -> list[str]:
+        return ["ip", "netns", "exec", self.netns, *cmd] if self.netns else list(cmd)
+
+    def run_in_node(self, cmd: Sequence[str], **kwargs: Any) -> subprocess.CompletedProcess[Any]:
+        """Run a command inside the node's network namespace (plainly without namespaces)."""
+        kwargs.setdefault("capture_output", True)
+        kwargs.setdefault("text", True)
+        return subprocess.run(self._wrap(cmd), **kwargs)
+
+    def popen_in_node(self, cmd: Sequence[str], **kwargs: Any) -> subprocess.Popen[Any]:
+        return subprocess.Popen(self._wrap(cmd), **kwargs)
+
+    def replicator_args(self) -> list[str]:
+        c = self.cluster
+        args = [
+            "--node-name",
+            self.name,
+            "--root",
+            str(self.root),
+            "--token-file",
+            str(c.token_file),
+            "--listen-host",
+            "0.0.0.0" if self.netns else "127.0.0.1",
+            "--api-port",
+            str(self.api_port),
+            "--data-port",
+            str(self.data_port),
+            "--advertise-host",
+            self.ip,
+            "--peers-file",
+            str(c.peers_file),
+            "--replicas",
+            str(c.k),
+            "--domain",
+            self.domain,
+        ]
+        if c.gcs is not None:
+            args += ["--gcs-bucket", c.bucket, "--gcs-endpoint", c.gcs.url]
+        return args + list(c.replicator_args) + self.extra_args
+
+    def start_replicator(self, *, wait: bool = True) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            raise RuntimeError(f"{self.name}: the replicator is already running")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.cluster.env}
+        with open(self.log_path, "ab") as logf:
+            logf.write(f"---- start {time.strftime('%H:%M:%S')}\n".encode())
+            self.proc = self.popen_in_node(
+                [*_replicator_command(), *self.replicator_args()],
+                stdin=subprocess.DEVNULL,
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
+        if wait:
+            self.wait_ready()
+
+    def kill_replicator(self, sig: int = signal.SIGKILL) -> None:
+        """Kill the replicator and its worker at once (a lost node), by their process group."""
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=10)
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+    def stop_replicator(self, timeout: float = 30.0) -> int | None:
+        """SIGTERM (graceful: preemption backup, then exit); returns the exit status."""
+        proc = self.proc
+        if proc is None:
+            return None
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout)
+        finally:
+            self.kill_replicator()
+        return proc.returncode
+
+    def restart_replicator(self, *, wait: bool = True) -> None:
+        self.kill_replicator()
+        self.start_replicator(wait=wait)
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"{self.name}: replicator exited with {self.proc.returncode}:\n{self.log_text()}"
+                )
+            if self._probe_ready():
+                return
+            time.sleep(0.1)
+        raise TimeoutError(f"{self.name}: replicator not ready after {timeout}s:\n{self.log_text()}")
+
+    def _probe_ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.endpoint}/readyz", timeout=1.0) as resp:
+                return resp.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    # ---------------------------------------------------------------- ramdisk
+
+    def wipe_ramdisk(self) -> None:
+        """Remove everything in the node's ramdisk (the tmpfs stays mounted)."""
+        for child in self.root.iterdir():
+            if child.is_dir() and not child.is_symlink():
+                shutil.rmtree(child)
+            else:
+                child.unlink()
+
+    def fill_ramdisk(self, leave_bytes: int) -> Path:
+        """Fill the ramdisk until ``leave_bytes`` are free; returns the filler (delete it to undo)."""
+        st = os.statvfs(self.root)
+        free = st.f_bavail * st.f_frsize
+        path = self.root / ".filler"
+        with open(path, "wb") as f:
+            os.posix_fallocate(f.fileno(), 0, max(0, free - leave_bytes))
+        return path
+
+    # ---------------------------------------------------------------- network faults
+
+    def cut_link(self) -> None:
+        """Take the node's link down: every peer gets ENETUNREACH / timeouts at once."""
+        self._need_netns("cut_link")
+        _run(["ip", "link", "set", self.veth, "down"])
+
+    def restore_link(self) -> None:
+        self._need_netns("restore_link")
+        _run(["ip", "link", "set", self.veth, "up"])
+
+    def limit_rate(self, rate: str) -> None:
+        """Shape the node's incoming link to ``rate`` (``tc tbf``, e.g. ``"50mbit"``): a slow peer."""
+        self._need_netns("limit_rate")
+        _run(["tc", "qdisc", "replace", "dev", self.veth, "root", "tbf", "rate", rate, "burst", "256kb",
+              "latency", "400ms"])  # fmt: skip
+
+    def unlimit_rate(self) -> None:
+        self._need_netns("unlimit_rate")
+        _run(["tc", "qdisc", "del", "dev", self.veth, "root"], check=False)
+
+    def drop_port(self, port: int, *, source: Node | None = None) -> None:
+        """Silently drop incoming TCP to ``port`` inside the node (nft), from every node or only from
+        ``source``: connects time out. Rules add up until ``clear_drops()``."""
+        self._need_netns("drop_port")
+        match = f"ip saddr {ipaddress.ip_address(source.ip)} " if source is not None else ""
+        script = (
+            "add table inet tierckpt\n"
+            "add chain inet tierckpt input { type filter hook input priority 0; policy accept; }\n"
+            f"add rule inet tierckpt input {match}tcp dport {int(port)} drop\n"
+        )
+        proc = self.run_in_node(["nft", "-f", "-"], input=script)
+        if proc.returncode != 0:
+            raise RuntimeError(f"nft failed: {proc.stderr}")
+
+    def clear_drops(self) -> None:
+        self._need_netns("clear_drops")
+        self.run_in_node(["nft", "delete", "table", "inet", "tierckpt"])
+
+    def _need_netns(self, what: str) -> None:
+        if not self.netns:
+            raise RuntimeError(f"{what} needs network namespaces (run as root)")
+
+    # ---------------------------------------------------------------- control API
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: bytes | None = None,
+        *,
+        token: str | None = None,
+        timeout: float = 10.0,
+    ) -> tuple[int, bytes]:
+        """One control API call (stdlib HTTP); ``token=None`` uses the cluster's, ``""`` sends none."""
+        token = self.cluster.token if token is None else token
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        if body is not None:
+            headers["Content-Type"] = "application/json"
+        req = urllib.request.Request(self.endpoint + path, data=body, headers=headers, method=method)
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
+                return resp.status, resp.read()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read()
+
+    def json(self, method: str, path: str, body: bytes | None = None) -> Any:
+        status, data = self.request(method, path, body)
+        if status >= 300:
+            raise RuntimeError(f"{self.name} {method} {path}: HTTP {status}: {data[:300]!r}")
+        return json.loads(data)
+
+
+# ------------------------------------------------------------------------------------------ cluster
+
+
+class LocalCluster:
+    """``nodes`` nodes; see the module docstring. ``netns=None`` uses namespaces when running as root.
+
+    ``job``: the job the static peers file names (others are assigned with ``assign(job)``).
+    ``k``: replicas per rank. ``procs_per_node``: process ranks per node (node i holds ranks
+    ``i*p .. i*p+p-1``). ``ramdisk_size``: tmpfs size per node (``mount -o size=``). ``gcs``: start a
+    fake-gcs-server (memory backend) with bucket ``bucket``. ``domains``: number of failure domains the
+    nodes are spread over round-robin (0: none). ``replicator_args``: extra flags for every replicator.
+    """
+
+    def __init__(
+        self,
+        nodes: int = 2,
+        *,
+        job: str = "demo",
+        k: int = 1,
+        procs_per_node: int = 1,
+        ramdisk_size: str = "256m",
+        gcs: bool = False,
+        bucket: str = "tierckpt",
+        domains: int = 0,
+        netns: bool | None = None,
+        replicator_args: Sequence[str] = (),
+        env: dict[str, str] | None = None,
+        start: bool = True,
+    ) -> None:
+        if nodes < 1:
+            raise ValueError("a cluster needs at least one node")
+        self.size, self.job, self.k, self.procs_per_node = nodes, job, k, procs_per_node
+        self.ramdisk_size, self.bucket, self.domains = ramdisk_size, bucket, domains
+        self.netns = has_netns() if netns is None else netns
+        if self.netns and not has_netns():
+            raise RuntimeError("network namespaces need root and iproute2")
+        self.replicator_args = tuple(replicator_args)
+        self.env = dict(env or {})
+        self.prefix = f"{_PREFIX}{os.getpid() % 100000}{secrets.token_hex(1)}"
+        self.token = secrets.token_urlsafe(24)
+        self.nodes: list[Node] = []
+        self.gcs: Any = None
+        self._want_gcs = gcs
+        self._mounts: list[Path] = []
+        self._namespaces: list[str] = []
+        self._bridge: str | None = None
+        self._closed = False
+        self.workdir = Path(tempfile.mkdtemp(prefix=f"{_WORKDIR_PREFIX}{os.getpid()}-"))
+        self.token_file = self.workdir / "token"
+        self.peers_file = self.workdir / "peers.json"
+        atexit.register(self.close)
+        if start:
+            self.start()
+
+    def domain_of(self, index: int) -> str:
+        return f"zone-{index % self.domains}" if self.domains else ""
+
+    # ---------------------------------------------------------------- lifecycle
+
+    def start(self) -> LocalCluster:
+        try:
+            fd = os.open(self.token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(self.token + "\n")
+            if self.netns:
+                stale = cleanup_stale()
+                if stale:
+                    log.info("removed leftovers of dead clusters: %s", stale)
+                self._make_network()
+            else:
+                self._make_loopback_nodes()
+            for node in self.nodes:
+                self._make_ramdisk(node)
+            if self._want_gcs:
+                self._start_gcs()
+            self.peers_file.write_bytes(self.assignment(self.job).to_bytes())
+            for node in self.nodes:
+                node.start_replicator(wait=False)
+            for node in self.nodes:
+                node.wait_ready()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __enter__(self) -> LocalCluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Tear everything down; safe to call twice and after a partial start."""
+        if self._closed:
+            return
+        self._closed = True
+        for node in self.nodes:
+            with contextlib.suppress(Exception):
+                node.kill_replicator()
+        if self.gcs is not None:
+            with contextlib.suppress(Exception):
+                self.gcs.stop()
+        for mount in reversed(self._mounts):
+            _run(["umount", "-l", str(mount)], check=False)
+        for ns in self._namespaces:
+            _run(["ip", "netns", "del", ns], check=False)
+        if self._bridge:
+            _run(["ip", "link", "del", self._bridge], check=False)
+        shutil.rmtree(self.workdir, ignore_errors=True)
+        atexit.unregister(self.close)
+
+    # ---------------------------------------------------------------- building
+
+    def _subnet(self) -> str:
+        used = _run(["ip", "-o", "-4", "addr", "show"]).stdout + _run(["ip", "-4", "route"]).stdout
+        for _ in range(200):
+            net = f"10.{random.randint(200, 250)}.{random.randint(0, 255)}"
+            if f"{net}." not in used:
+                return net
+        raise RuntimeError("no free 10.200-250.x.0/24 subnet for the cluster bridge")
+
+    def _make_network(self) -> None:
+        net = self._subnet()
+        self.bridge_ip = f"{net}.1"
+        self._bridge = f"{self.prefix}br"
+        _run(["ip", "link", "add", self._bridge, "type", "bridge"])
+        _run(["ip", "addr", "add", f"{self.bridge_ip}/24", "dev", self._bridge])
+        _run(["ip", "link", "set", self._bridge, "up"])
+        for i in range(self.size):
+            node = Node(self, i, ip=f"{net}.{10 + i}", api_port=API_PORT, data_port=API_PORT + 1)
+            self.nodes.append(node)
+            ns = node.netns
+            assert ns is not None
+            _run(["ip", "netns", "add", ns])
+            self._namespaces.append(ns)
+            _run(["ip", "link", "add", node.veth, "type", "veth", "peer", "name", "eth0", "netns", ns])
+            _run(["ip", "link", "set", node.veth, "master", self._bridge, "up"])
+            _run(["ip", "-n", ns, "addr", "add", f"{node.ip}/24", "dev", "eth0"])
+            _run(["ip", "-n", ns, "link", "set", "eth0", "up"])
+            _run(["ip", "-n", ns, "link", "set", "lo", "up"])
+            _run(["ip", "-n", ns, "route", "add", "default", "via", self.bridge_ip])
+
+    def _make_loopback_nodes(self) -> None:
+        self.bridge_ip = "127.0.0.1"
+        for i in range(self.size):
+            self.nodes.append(Node(self, i, ip="127.0.0.1", api_port=_free_port(), data_port=_free_port()))
+
+    def _make_ramdisk(self, node: Node) -> None:
+        node.root.mkdir(parents=True)
+        if self.netns:
+            _run(
+                [
+                    "mount",
+                    "-t",
+                    "tmpfs",
+                    "-o",
+                    f"size={self.ramdisk_size},mode=0755",
+                    f"{self.prefix}-n{node.index}",
+                    str(node.root),
+                ]
+            )
+            self._mounts.append(node.root)
+
+    def _start_gcs(self) -> None:
+        from tierckpt_demo.fakegcs import FakeGcsServer, free_port
+
+        self.gcs = FakeGcsServer(host=self.bridge_ip, port=free_port(self.bridge_ip)).start()
+        self.gcs.create_bucket(self.bucket)
+
+    # ---------------------------------------------------------------- assignments
+
+    def assignment(
+        self, job: str, generation: int = 1, node_ranks: dict[str, int] | None = None
+    ) -> PeerAssignment:
+        """A ring: node i sends to the next ``k`` nodes; node i has node rank i (unless given)."""
+        names = [n.name for n in self.nodes]
+        peers = {
+            name: tuple(names[(i + d) % len(names)] for d in range(1, min(self.k, len(names) - 1) + 1))
+            for i, name in enumerate(names)
+        }
+        return PeerAssignment(
+            job=job,
+            generation=generation,
+            nodes={
+                n.name: PeerNode(name=n.name, endpoint=n.peer_endpoint, domain=n.domain) for n in self.nodes
+            },
+            peers=peers,
+            node_ranks=node_ranks if node_ranks is not None else {n.name: n.index for n in self.nodes},
+            procs_per_node=self.procs_per_node,
+        )
+
+    def assign(self, job: str, generation: int = 1, **kwargs: Any) -> PeerAssignment:
+        """Send a peer assignment for ``job`` to every running node (as the operator would)."""
+        assignment = self.assignment(job, generation, **kwargs)
+        for node in self.nodes:
+            if node.running:
+                status, body = node.request("PUT", f"/v1/jobs/{job}/peers", assignment.to_bytes())
+                if status != 200:
+                    raise RuntimeError(f"{node.name}: PUT peers: HTTP {status}: {body[:200]!r}")
+        return assignment
+
+    def ranks_of(self, node: Node) -> range:
+        p = self.procs_per_node
+        return range(node.index * p, (node.index + 1) * p)
+
+    def node(self, name: str) -> Node:
+        return next(n for n in self.nodes if n.name == name)
+
+    @staticmethod
+    def wait_for(
+        predicate: Callable[[], Any], timeout: float = 30.0, interval: float = 0.05, what: str = ""
+    ) -> Any:
+        """Poll ``predicate`` until it returns something truthy; ``TimeoutError`` after ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while True:
+            value = predicate()
+            if value:
+                return value
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"timed out after {timeout}s waiting for {what or predicate}")
+            time.sleep(interval)
+
+
+# ------------------------------------------------------------------------------------------ leftovers
+
+_STALE_NS = re.compile(rf"^({_PREFIX}(\d+)[0-9a-f]{{2}})-n\d+$")
+
+
+def cleanup_stale() -> list[str]:
+    """Remove namespaces, bridges, mounts and workdirs of clusters whose owner process is gone."""
+    if not has_netns():
+        return []
+    removed = []
+    tmp = Path(tempfile.gettempdir())
+    for mount in _run(["findmnt", "-rn", "-o", "TARGET", "-t", "tmpfs"], check=False).stdout.split():
+        m = re.search(rf"/{_WORKDIR_PREFIX}(\d+)-", mount)
+        if m and not _alive(int(m.group(1))):
+            _run(["umount", "-l", mount], check=False)
+            removed.append(mount)
+    for line in _run(["ip", "netns", "list"], check=False).stdout.splitlines():
+        name = line.split()[0] if line.strip() else ""
+        m = _STALE_NS.match(name)
+        if m and not _alive_prefix(m.group(2)):
+            _run(["ip", "netns", "del", name], check=False)
+            _run(["ip", "link", "del", f"{m.group(1)}br"], check=False)
+            removed.append(name)
+    for d in tmp.glob(f"{_WORKDIR_PREFIX}*"):
+        m = re.match(rf"{_WORKDIR_PREFIX}(\d+)-", d.name)
+        if m and not _alive(int(m.group(1))):
+            shutil.rmtree(d, ignore_errors=True)
+            removed.append(str(d))
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _alive_prefix(pid_mod: str) -> bool:
+    """Whether any running process has a pid matching this cluster prefix (pid % 100000)."""
+    want = int(pid_mod)
+    return any(int(p) % 100000 == want for p in os.listdir("/proc") if p.isdigit())

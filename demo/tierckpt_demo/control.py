@@ -1,0 +1,137 @@
+"""The demo's stand-in for the operator: peers, restore plans and backups, through the control API.
+
+On Kubernetes the operator plans peers and restore plans and sends them to each node's replicator;
+in the local demo this class does the same, with the same pure planning code (``tierckpt.planning.placement``,
+``tierckpt.planning.restore``) and the same replicator endpoints (``/v1/jobs/{job}/...``), so the
+replicators cannot tell the difference.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from collections.abc import Callable
+from typing import Any
+
+from tierckpt.planning.placement import plan_node_peers
+from tierckpt.planning.restore import choose_restore
+from tierckpt.protocol.control import (
+    NodeInventory,
+    PeerAssignment,
+    PeerNode,
+    RestorePlan,
+    RestoreStatus,
+    read_control,
+    restore_status_name,
+)
+from tierckpt.protocol.errors import FormatError, TierckptError
+
+__all__ = ["ControlError", "LocalControl"]
+
+BUCKET_PREFIX = "tierckpt"
+"""The replicators' default ``--gcs-prefix``."""
+
+
+class ControlError(TierckptError):
+    """A replicator refused or failed a control call (the message has its answer)."""
+
+
+class LocalControl:
+    """Operator duties for one job on a ``LocalCluster`` (one process rank per node)."""
+
+    def __init__(
+        self, cluster: Any, job: str, *, wait: Callable[[Callable[[], Any], str, float], Any]
+    ) -> None:
+        """``wait(predicate, what, interval)`` polls until ``predicate()`` is true (the caller's deadline)."""
+        self.cluster, self.job, self._wait = cluster, job, wait
+        self.assignment: PeerAssignment | None = None
+
+    def call(
+        self,
+        node: Any,
+        method: str,
+        path: str,
+        body: bytes | None = None,
+        *,
+        ok: tuple[int, ...],
+        timeout: float = 10.0,
+    ) -> bytes:
+        status, data = node.request(method, f"/v1/jobs/{self.job}{path}", body, timeout=timeout)
+        if status not in ok:
+            raise ControlError(
+                f"{node.name}: {method} /v1/jobs/{self.job}{path}: HTTP {status}: {data[:300]!r}"
+            )
+        return data  # type: ignore[no-any-return]
+
+    def assign_peers(self, k: int, generation: int = 2) -> PeerAssignment:
+        """Peers from ``tierckpt.planning.placement`` across the nodes' failure domains, sent to every
+        replicator
+        (and written where a restarted replicator reads its static assignment)."""
+        nodes = self.cluster.nodes
+        self.assignment = PeerAssignment(
+            job=self.job,
+            generation=generation,
+            nodes={n.name: PeerNode(name=n.name, endpoint=n.peer_endpoint, domain=n.domain) for n in nodes},
+            peers=plan_node_peers({n.name: n.domain for n in nodes}, k),
+            node_ranks={n.name: n.index for n in nodes},
+            procs_per_node=1,
+        )
+        self.cluster.peers_file.write_bytes(self.assignment.to_bytes())
+        for node in nodes:
+            self.call(node, "PUT", "/peers", self.assignment.to_bytes(), ok=(200,))
+        return self.assignment
+
+    def inventories(self) -> list[NodeInventory]:
+        return [
+            NodeInventory.from_bytes(self.call(n, "GET", "/inventory", ok=(200,))) for n in self.cluster.nodes
+        ]
+
+    def replicated(self, step: int) -> bool:
+        """Whether every rank's ``step`` is on every one of its node's peers."""
+        assert self.assignment is not None
+        inv = {i.node: i for i in self.inventories()}
+        for node in self.cluster.nodes:
+            for peer in self.assignment.peers.get(node.name, ()):
+                holding = inv[peer].ranks.get(node.index)
+                if holding is None or step not in holding.replica:
+                    return False
+        return True
+
+    def backup(self, step: int, timeout: float) -> str:
+        """Ask every node to back up its share of the newest step now (as a preemption notice would);
+        wait until ``step`` is complete in the bucket. Returns its completion object's URL."""
+        from tierckpt.protocol.bucket_layout import BucketLayout
+
+        def one(node: Any) -> bytes:
+            return self.call(node, "POST", "/backup", ok=(200,), timeout=timeout)
+
+        with concurrent.futures.ThreadPoolExecutor(len(self.cluster.nodes)) as pool:
+            list(pool.map(one, self.cluster.nodes))
+        bucket = self.cluster.gcs.client().bucket(self.cluster.bucket)
+        key = BucketLayout(BUCKET_PREFIX).complete_key(self.job, step)
+        url = f"gs://{self.cluster.bucket}/{key}"
+        self._wait(lambda: bucket.blob(key).exists(), url, 0.25)
+        return url
+
+    def publish_plan(self, world_size: int) -> tuple[RestorePlan, float]:
+        """The restore plan from every node's inventory, sent to every node; returns it with the time it
+        was decided, once every node has started staging."""
+        assert self.assignment is not None
+        at = time.time()
+        plan = choose_restore(
+            self.inventories(), world_size, job=self.job, generation=self.assignment.generation, decided_at=at
+        )
+        for node in self.cluster.nodes:
+            self.call(node, "PUT", "/restore-plan", plan.to_bytes(), ok=(200, 202))
+        self._wait(lambda: self._staging_started(at), "the replicators to start staging", 0.1)
+        return plan, at
+
+    def _staging_started(self, since: float) -> bool:
+        for node in self.cluster.nodes:
+            try:
+                st = read_control(node.root, self.job, restore_status_name(node.index), RestoreStatus)
+            except FormatError:
+                return False
+            if not isinstance(st, RestoreStatus) or st.updated_at < since:
+                return False
+        return True

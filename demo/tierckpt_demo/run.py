@@ -1,0 +1,668 @@
+"""``tierckpt demo``: a local cluster, real training, three failures, three verified recoveries.
+
+What runs (everything is torn down at the end, on errors and on Ctrl-C):
+
+* ``LocalCluster`` (tierckpt_demo.cluster): N nodes, each a network namespace with its own tmpfs
+  ramdisk and its own ``tierckpt-replicator`` process (loopback ports and plain directories when not
+  root), plus fake-gcs-server as the bucket;
+* the demo plays the operator: it assigns peers with ``tierckpt.planning.placement`` (across two failure
+  domains) and publishes each restore plan computed by ``tierckpt.planning.restore`` from the nodes'
+  inventories, through the replicators' control API;
+* one training process per node (``tierckpt_demo.training``, torch.distributed over gloo), inside
+  its node's namespace with ``TIERCKPT_ROOT`` = that node's ramdisk, checkpointing through
+  ``tierckpt.Checkpointer``;
+* the timeline of ``scenarios.plan_segments``: train, kill, break (``scenarios``), restore, check.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import shutil
+import signal
+import socket
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from tierckpt.protocol.control import PeerAssignment
+from tierckpt.protocol.errors import TierckptError
+from tierckpt.protocol.text import rank_ranges
+
+from tierckpt_demo import scenarios as sc
+from tierckpt_demo.control import LocalControl
+from tierckpt_demo.launcher import Launcher, kill_process_group
+from tierckpt_demo.report import (
+    Check,
+    DemoConfig,
+    DemoReport,
+    RankResult,
+    ScenarioResult,
+    median,
+    tier_groups,
+)
+from tierckpt_demo.training import TrainerEvent, parse_model_size, read_events
+
+__all__ = ["DemoError", "DemoOptions", "run_demo"]
+
+log = logging.getLogger(__name__)
+
+JOB = "tierckpt-demo"
+_MiB = 1 << 20
+_GiB = 1 << 30
+_PROCESS_BYTES = 600 * _MiB
+"""A node's processes: the launcher (torch imported), the training process, the replicator and its worker."""
+
+
+def _available_memory() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+class DemoError(TierckptError):
+    """The demo could not go on (a process died, a phase timed out); the message says which and why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DemoOptions:
+    nodes: int = 4
+    model_size: str = "small"
+    steps: int = 40
+    checkpoint_every: int = 5
+    scenarios: tuple[str, ...] = ("local", "peer", "gcs")
+    keep_workdir: bool = False
+    seed: int = 1234
+    replicas: int = 1
+    """Peers each node's ranks are copied to (K)."""
+    domains: int = 2
+    netns: bool | None = None
+    """Network namespaces (None: when running as root)."""
+    timeout: float = 300.0
+    """Longest wait for any one phase, in seconds."""
+    flip_bit: bool = False
+    """Negative control: rank 0 flips one bit of its state after the first restore; checks must fail."""
+
+    def validate(self) -> None:
+        if self.nodes < 1:
+            raise ValueError("--nodes must be at least 1")
+        if self.nodes < 2 and any(s != "local" for s in self.scenarios):
+            raise ValueError("the peer and gcs scenarios need at least 2 nodes")
+        if self.checkpoint_every < 2:
+            raise ValueError("--checkpoint-every must be at least 2 (a recovery must replay some steps)")
+        shape = parse_model_size(self.model_size)
+        sc.plan_segments(self.steps, self.checkpoint_every, self.scenarios)
+        need, have = self.memory_needed(shape.state_bytes), _available_memory()
+        if have is not None and need > have:
+            raise ValueError(
+                f"{self.nodes} nodes with --model-size {self.model_size} need about {need / _GiB:.1f} GiB of "
+                f"memory and {have / _GiB:.1f} GiB is available: use a smaller --model-size or fewer --nodes"
+            )
+
+    def memory_needed(self, state_bytes: int) -> int:
+        """A rough upper bound: per node the client's slots (keep + 1), K replicas kept twice, staging,
+        the training process (weights, grads, Adam) and the bucket's copies; plus the processes."""
+        per_node = state_bytes * (3 + 2 * self.replicas + 1 + 2 + 3) + _PROCESS_BYTES
+        return self.nodes * per_node + _GiB
+
+
+# ------------------------------------------------------------------------------------- trainers
+
+
+@dataclasses.dataclass
+class Trainers:
+    """The training processes of one segment, one per node, each forked by its node's launcher."""
+
+    launchers: dict[int, Launcher]
+    pids: dict[int, int]
+    events: dict[int, Path]
+    logs: dict[int, Path]
+    launched_at: float = dataclasses.field(default_factory=time.time)
+
+    def read(self) -> dict[int, list[TrainerEvent]]:
+        return {r: read_events(p) for r, p in self.events.items()}
+
+    def kill(self, timeout: float = 30.0) -> None:
+        """SIGKILL every process (a crash, not a shutdown) and wait until each is gone."""
+        for pid in self.pids.values():
+            kill_process_group(pid)
+        deadline = time.monotonic() + timeout
+        for rank, pid in self.pids.items():
+            while self.launchers[rank].status(pid) is None and time.monotonic() < deadline:
+                time.sleep(0.02)
+
+    def failure(self) -> str | None:
+        """Why the segment cannot go on: a rank exited with an error (or reported one)."""
+        for rank, events in self.read().items():
+            for ev in events:
+                if ev.event == "error":
+                    return f"rank {rank} failed: {ev.message}\n{_tail(self.logs[rank])}"
+        for rank, pid in self.pids.items():
+            code = self.launchers[rank].status(pid)
+            if code not in (None, 0):
+                return f"rank {rank} exited with status {code}:\n{_tail(self.logs[rank])}"
+        return None
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except FileNotFoundError:
+        return "(no log)"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# ------------------------------------------------------------------------------------- the demo
+
+
+class Demo:
+    """One run of the demo; ``run()`` returns the report (and never leaves anything behind)."""
+
+    def __init__(self, options: DemoOptions, console: Console) -> None:
+        options.validate()
+        self.o = options
+        self.console = console
+        self.shape = parse_model_size(options.model_size)
+        self.segments = sc.plan_segments(options.steps, options.checkpoint_every, options.scenarios)
+        self.workdir = Path(tempfile.mkdtemp(prefix="tierckpt-demo-"))
+        self.cluster: Any = None
+        self.assignment: PeerAssignment | None = None
+        self.control: Any = None
+        self.reference = sc.Reference()
+        self.results: list[ScenarioResult] = []
+        self.timings: dict[str, float] = {}
+        self.trainers: Trainers | None = None
+        self.lost: tuple[str, ...] = ()
+        self.run_checks: list[Check] = []
+        self.launchers: dict[int, Launcher] = {}
+        self._launchers_ready = False
+        self.progress = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=console,
+            transient=True,
+        )
+        self._task = self.progress.add_task("starting", total=None)
+        self._t0 = time.monotonic()
+
+    # ---------------------------------------------------------------- top level
+
+    def run(self) -> DemoReport:
+        started = self._t0 = time.monotonic()
+        error = ""
+        try:
+            with self.progress, _sigterm_as_interrupt():
+                self._setup()
+                self._timeline()
+        except (TierckptError, TimeoutError, RuntimeError, OSError) as exc:
+            error = str(exc)
+            log.debug("demo stopped", exc_info=True)
+        finally:
+            self._teardown(keep=self.o.keep_workdir)
+        self.timings["total_s"] = time.monotonic() - started
+        return self._report(error)
+
+    def _report(self, error: str) -> DemoReport:
+        names = [n.name for n in self.cluster.nodes] if self.cluster else []
+        config = DemoConfig(
+            nodes=self.o.nodes,
+            world_size=self.o.nodes,
+            network="netns" if self.cluster is not None and self.cluster.netns else "loopback",
+            model_params=self.shape.params,
+            state_bytes=self.shape.state_bytes,
+            steps=self.o.steps,
+            checkpoint_every=self.o.checkpoint_every,
+            scenarios=self.o.scenarios,
+            seed=self.o.seed,
+            peers=dict(self.assignment.peers) if self.assignment else {n: () for n in names},
+        )
+        ran_all = len(self.results) == len(self.o.scenarios)
+        checks = self.run_checks
+        ok = (
+            not error
+            and ran_all
+            and all(s.ok for s in self.results)
+            and bool(checks)
+            and all(c.ok for c in checks)
+        )
+        return DemoReport(
+            ok=ok,
+            config=config,
+            scenarios=tuple(self.results),
+            losses=dict(self.reference.losses),
+            timings=self.timings,
+            checks=tuple(checks),
+            workdir=str(self.workdir) if self.o.keep_workdir else "",
+            error=error or ("" if ran_all else "not every scenario ran"),
+        )
+
+    def _say(self, text: str) -> None:
+        self.console.print(f"[dim]{time.monotonic() - self._t0:6.1f}s[/] {text}", highlight=False)
+
+    def _phase(self, text: str, total: int | None = None, completed: int = 0) -> None:
+        self.progress.update(self._task, description=text, total=total, completed=completed)
+
+    # ---------------------------------------------------------------- setup and teardown
+
+    def _ramdisk_size(self) -> str:
+        """Room for the client's slots (keep + 1), replicas of K peers, staging, and slack."""
+        per_rank = self.shape.state_bytes + _MiB
+        need = per_rank * (3 + 3 * self.o.replicas + 2) + 96 * _MiB
+        return f"{need // _MiB}m"
+
+    def _setup(self) -> None:
+        from tierckpt_demo.cluster import LocalCluster, cleanup_stale
+
+        t0 = time.monotonic()
+        with contextlib.suppress(Exception):
+            cleanup_stale()
+        self._phase(f"starting {self.o.nodes} nodes (replicators, ramdisks) and fake-gcs-server")
+        every = self.o.checkpoint_every
+        self.cluster = LocalCluster(
+            self.o.nodes,
+            job=JOB,
+            k=self.o.replicas,
+            procs_per_node=1,
+            ramdisk_size=self._ramdisk_size(),
+            gcs=True,
+            domains=min(self.o.domains, self.o.nodes),
+            netns=self.o.netns,
+            replicator_args=[
+                "--no-restore-on-start",
+                "--poll-interval",
+                "1",
+                "--reconcile-interval",
+                "2",
+                "--inventory-timeout",
+                "2",
+                "--backup-poll-interval",
+                "2",
+                "--backup-interval-steps",
+                str(2 * every),
+                "--log-level",
+                "INFO",
+            ],
+        )
+        self._start_launchers()
+        self.control = LocalControl(self.cluster, JOB, wait=self._wait)
+        self.assignment = self.control.assign_peers(self.o.replicas)
+        self.timings["setup_s"] = time.monotonic() - t0
+        mode = "network namespaces + tmpfs" if self.cluster.netns else "loopback ports + directories"
+        peers = ", ".join(f"{n}→{'+'.join(p)}" for n, p in self.assignment.peers.items())
+        self._say(
+            f"[green]✔[/] cluster up in {self.timings['setup_s']:.1f} s: {self.o.nodes} nodes ({mode}), "
+            f"peers {peers}" + (f"; workdir {self.workdir}" if self.o.keep_workdir else "")
+        )
+        self._say(
+            f"  model: {self.shape.params:,} parameters, {self.shape.state_bytes / _MiB:.1f} MiB "
+            f"per rank per checkpoint, checkpoint every {every} steps"
+        )
+
+    def _teardown(self, *, keep: bool) -> None:
+        """Stop and remove everything the run started; a second Ctrl-C does not cut this short."""
+        with _signals_ignored():
+            self._cleanup(keep=keep)
+
+    def _cleanup(self, *, keep: bool) -> None:
+        if self.trainers is not None:
+            self.trainers.kill()
+        for launcher in self.launchers.values():
+            launcher.close()
+        if self.cluster is not None:
+            if keep:
+                for node in self.cluster.nodes:
+                    with contextlib.suppress(OSError):
+                        shutil.copy(node.log_path, self.workdir / f"replicator-{node.name}.log")
+            self.cluster.close()
+        if not keep:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    # ---------------------------------------------------------------- the timeline
+
+    def _timeline(self) -> None:
+        t0 = time.monotonic()
+        plan_at = self._publish_plan(None)
+        before: dict[int, list[TrainerEvent]] = {}
+        for i, segment in enumerate(self.segments):
+            self._wait_launchers()
+            self.trainers = self._launch(i, segment)
+            events = self._wait_segment(i, segment)
+            if i > 0:
+                self._judge(self.segments[i - 1], before, events, plan_at)
+            self._record(events)
+            before = events
+            if segment.scenario is None:
+                self._finish(events)
+                break
+            self._prepare_failure(segment)
+            self.trainers.kill()
+            self.trainers = None
+            lost = self._break(segment.scenario)
+            self._say(
+                f"[yellow]✘[/] {sc.SCENARIOS[segment.scenario].failure} at step {segment.until}"
+                + (f": {', '.join(lost)}" if lost else "")
+            )
+            self.lost = lost
+            plan_at = self._publish_plan(segment.expected_restore)
+        self.timings["training_s"] = time.monotonic() - t0
+
+    def _finish(self, events: dict[int, list[TrainerEvent]]) -> None:
+        finals = {r: e.sha256 for r, evs in events.items() for e in evs if e.event == "done"}
+        self.run_checks = sc.check_run(
+            steps=self.o.steps, losses=self.reference.losses, final_models=finals, world_size=self.o.nodes
+        )
+        for c in self.run_checks:
+            self._say(f"{'[green]✔[/]' if c.ok else '[red]✘[/]'} {c.name}: {c.detail}")
+
+    def _record(self, events: dict[int, list[TrainerEvent]]) -> None:
+        losses = {e.step: e.loss for e in events.get(0, []) if e.event == "step" and e.loss is not None}
+        saved = {
+            (r, e.step): e.sha256
+            for r, evs in events.items()
+            for e in evs
+            if e.event == "saved" and e.step is not None
+        }
+        self.reference.record(losses, saved)  # type: ignore[arg-type]
+
+    # ---------------------------------------------------------------- training segments
+
+    def _launch(self, index: int, segment: sc.Segment) -> Trainers:
+        nodes = self.cluster.nodes
+        port = 29500 + index if self.cluster.netns else _free_port()
+        seg_dir = self.workdir / f"segment-{index}"
+        seg_dir.mkdir()
+        trainers = Trainers(self.launchers, {}, {}, {})
+        for node in nodes:
+            rank = node.index
+            trainers.events[rank] = seg_dir / f"events-rank-{rank:05d}.jsonl"
+            trainers.logs[rank] = seg_dir / f"rank-{rank:05d}.log"
+            argv = [
+                "--events",
+                str(trainers.events[rank]),
+                "--model-size",
+                self.o.model_size,
+                "--seed",
+                str(self.o.seed),
+                "--until",
+                str(segment.until),
+                "--checkpoint-every",
+                str(self.o.checkpoint_every),
+            ]
+            if segment.scenario is not None:
+                argv.append("--hold")
+            if self.o.flip_bit and index == 1 and rank == 0:
+                argv.append("--flip-restored-bit")
+            env = {**os.environ, **self._trainer_env(node, rank, nodes[0].ip, port)}
+            trainers.pids[rank] = self.launchers[rank].launch(argv, env, str(trainers.logs[rank]))
+        return trainers
+
+    def _start_launchers(self) -> None:
+        """One launcher per node, inside its namespace; they import torch while the cluster settles."""
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+        prefix = self._node_files() if self.cluster.netns and shutil.which("unshare") else []
+        for node in self.cluster.nodes:
+            self.launchers[node.index] = Launcher(partial(node.popen_in_node, env=env), prefix)
+
+    def _node_files(self) -> list[str]:
+        """A command prefix giving the training processes the nodes' own /etc/hosts and resolv.conf.
+
+        Inside a namespace the host's DNS server is unreachable, and every reverse lookup that
+        torch.distributed makes of a peer address would wait 10 s for it. Like a pod, each node gets
+        an /etc/hosts naming every node, and a resolver that fails at once; in a private mount
+        namespace, so the host's files are untouched.
+        """
+        hosts = self.workdir / "hosts"
+        hosts.write_text("127.0.0.1 localhost\n" + "".join(f"{n.ip} {n.name}\n" for n in self.cluster.nodes))
+        resolv = self.workdir / "resolv.conf"
+        resolv.write_text("nameserver 127.0.0.1\noptions timeout:1 attempts:1\n")
+        script = 'mount --bind "$1" /etc/hosts && mount --bind "$2" /etc/resolv.conf && shift 2 && exec "$@"'
+        return [
+            "unshare",
+            "--mount",
+            "--propagation",
+            "slave",
+            "sh",
+            "-c",
+            script,
+            "node-files",
+            str(hosts),
+            str(resolv),
+        ]
+
+    def _wait_launchers(self) -> None:
+        if not self._launchers_ready:
+            self._phase("starting the training launchers (importing torch once per node)")
+            for launcher in self.launchers.values():
+                launcher.wait_ready(self.o.timeout)
+            self._launchers_ready = True
+
+    def _trainer_env(self, node: Any, rank: int, master_ip: str, port: int) -> dict[str, str]:
+        return {
+            "MASTER_ADDR": master_ip,
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "LOCAL_RANK": "0",
+            "WORLD_SIZE": str(self.o.nodes),
+            "GLOO_SOCKET_IFNAME": "eth0" if self.cluster.netns else "lo",
+            "TIERCKPT_ROOT": str(node.root),
+            "TIERCKPT_JOB": JOB,
+            "TIERCKPT_REPLICATOR_URL": node.endpoint,
+            "TIERCKPT_RESTORE_WAIT": str(int(self.o.timeout)),
+            "OMP_NUM_THREADS": "1",
+            "PYTHONUNBUFFERED": "1",
+        }
+
+    def _wait_segment(self, index: int, segment: sc.Segment) -> dict[int, list[TrainerEvent]]:
+        """Follow the segment until every rank is held (or done); returns every rank's events."""
+        assert self.trainers is not None
+        final = "held" if segment.scenario is not None else "done"
+        what = f"segment {index + 1}/{len(self.segments)}: training to step {segment.until}"
+        self._phase(what + " (starting processes)", total=segment.until)
+        state: dict[str, Any] = {}
+
+        def reached() -> dict[int, list[TrainerEvent]] | None:
+            failure = self.trainers.failure()  # type: ignore[union-attr]
+            if failure:
+                raise DemoError(f"{what}: {failure}")
+            events = self.trainers.read()  # type: ignore[union-attr]
+            steps = [e.step for e in events.get(0, []) if e.event == "step"]
+            if steps:
+                if "first" not in state:
+                    state["first"] = steps[0]
+                self._phase(what, total=segment.until, completed=steps[-1])
+            done = all(any(e.event == final for e in evs) for evs in events.values())
+            return events if done else None
+
+        events = self._wait(reached, what)
+        first = state.get("first", segment.until)
+        up = max(e.time for evs in events.values() for e in evs if e.event == "start")
+        end = max(e.time for evs in events.values() for e in evs)
+        self._say(
+            f"[green]✔[/] segment {index + 1}: trained steps {first}-{segment.until}, "
+            f"{sum(e.event == 'saved' for e in events[0])} checkpoint(s) "
+            f"[dim](processes up in {up - self.trainers.launched_at:.1f} s, then {end - up:.1f} s)[/]"
+        )
+        return events
+
+    def _wait(self, predicate: Callable[[], Any], what: str, interval: float = 0.1) -> Any:
+        deadline = time.monotonic() + self.o.timeout
+        while True:
+            value = predicate()
+            if value:
+                return value
+            if time.monotonic() > deadline:
+                raise DemoError(f"timed out after {self.o.timeout:.0f} s: {what}")
+            time.sleep(interval)
+
+    # ---------------------------------------------------------------- failures
+
+    def _prepare_failure(self, segment: sc.Segment) -> None:
+        """Make sure the newest checkpoint reached the tiers the scenario will need."""
+        scenario = sc.SCENARIOS[segment.scenario or ""]
+        step = segment.expected_restore
+        assert step is not None
+        if scenario.needs_replication:
+            self._phase(f"waiting for step {step} to reach every peer")
+            t0 = time.monotonic()
+            self._wait(lambda: self.control.replicated(step), f"replication of step {step} to the peers")
+            self._say(
+                f"[green]✔[/] step {step} replicated to every peer ({time.monotonic() - t0:.1f} s after "
+                "the processes were held)"
+            )
+        if scenario.needs_backup:
+            self._phase(f"backing up step {step} to GCS")
+            t0 = time.monotonic()
+            url = self.control.backup(step, self.o.timeout)
+            took = time.monotonic() - t0
+            self._say(f"[green]✔[/] step {step} complete in the bucket ({took:.1f} s): {url}")
+
+    def _break(self, scenario: str) -> tuple[str, ...]:
+        """Inject the failure; returns the wiped nodes (already replaced by fresh, empty ones)."""
+        assert self.assignment is not None
+        victim = self.cluster.nodes[0 if scenario == "gcs" else min(1, self.o.nodes - 1)].name
+        lost = sc.lost_nodes(scenario, victim, self.assignment.peers)
+        for name in lost:
+            node = self.cluster.node(name)
+            node.kill_replicator()
+            node.wipe_ramdisk()
+        for name in lost:
+            self.cluster.node(name).start_replicator()
+        return lost
+
+    def _publish_plan(self, expected: int | None) -> float:
+        """The operator's part after a failure: publish the restore plan; it must pick ``expected``."""
+        self._phase("publishing a restore plan" if expected is not None else "publishing a fresh-start plan")
+        plan, at = self.control.publish_plan(self.o.nodes)
+        if plan.step != expected:
+            raise DemoError(f"the restore plan chose step {plan.step}, expected {expected} ({plan.sources})")
+        return at
+
+    # ---------------------------------------------------------------- checks
+
+    def _judge(
+        self,
+        previous: sc.Segment,
+        before: dict[int, list[TrainerEvent]],
+        events: dict[int, list[TrainerEvent]],
+        plan_at: float,
+    ) -> None:
+        """Check the recovery from ``previous``'s failure, seen in the events of the segment after it.
+
+        ``before``: the events of the segment the failure ended (its saves' blocking times).
+        """
+        assert self.assignment is not None and previous.scenario is not None
+        rank_nodes = {n.index: n.name for n in self.cluster.nodes}
+        expected = sc.expected_tiers(rank_nodes, self.assignment.peers, self.lost)
+        ranks = [self._rank_result(r, rank_nodes[r], expected[r], events[r], plan_at) for r in sorted(events)]
+        replayed = {
+            e.step: e.loss
+            for e in events.get(0, [])
+            if e.event == "step" and e.loss is not None and e.step is not None and e.step <= previous.until
+        }
+        checks, compared = sc.check_recovery(
+            expected_step=previous.expected_restore, ranks=ranks, reference=self.reference, replayed=replayed
+        )
+        saves = [e.seconds for evs in before.values() for e in evs if e.event == "saved"]
+        result = ScenarioResult(
+            name=previous.scenario,
+            failure=sc.SCENARIOS[previous.scenario].title,
+            ok=all(c.ok for c in checks),
+            killed_at_step=previous.until,
+            expected_step=previous.expected_restore,
+            restored_step=ranks[0].step if ranks else None,
+            lost_nodes=self.lost,
+            ranks=tuple(ranks),
+            bytes=sum(r.bytes for r in ranks),
+            save_blocking_s=median(saves),
+            save_blocking_max_s=max(saves, default=0.0),
+            restore_s=max((r.restore_s for r in ranks), default=0.0),
+            replayed_steps=compared,
+            checks=tuple(checks),
+        )
+        self.results.append(result)
+        tiers = ", ".join(f"{t} {rank_ranges([r.rank for r in rs])}" for t, rs in tier_groups(ranks))
+        head = f"{result.name}: restored step {result.restored_step} ({tiers}) in {result.restore_s:.2f} s"
+        if result.ok:
+            self._say(f"[green]✔[/] {head}; state bit-exact, {compared} replayed losses identical")
+        else:
+            self._say(f"[red]✘[/] {head}; " + "; ".join(c.detail for c in checks if not c.ok))
+
+    def _rank_result(
+        self, rank: int, node: str, expected: str, events: list[TrainerEvent], plan_at: float
+    ) -> RankResult:
+        lost = node in self.lost
+        restored = next((e for e in events if e.event == "restored"), None)
+        if restored is None:
+            return RankResult(rank, node, "none", expected, None, 0, 0.0, 0.0, 0.0, "", "", lost)
+        stage_s = max(0.0, restored.staged_at - plan_at) if restored.staged_at else 0.0
+        reference = self.reference.saved.get((rank, restored.step), "") if restored.step is not None else ""
+        return RankResult(
+            rank,
+            node,
+            restored.tier,
+            expected,
+            restored.step,
+            restored.bytes,
+            stage_s + restored.seconds,
+            stage_s,
+            restored.seconds,
+            restored.sha256,
+            reference,
+            lost,
+        )
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM cleans up like Ctrl-C does."""
+
+    def handler(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    try:
+        old = signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+@contextlib.contextmanager
+def _signals_ignored() -> Iterator[None]:
+    """Ignore SIGINT and SIGTERM for the block (in the main thread; elsewhere, do nothing)."""
+    try:
+        old = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    except ValueError:
+        yield
+        return
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
+def run_demo(options: DemoOptions, console: Console) -> DemoReport:
+    """Run the whole demo and return its report; raises ``ValueError`` for unusable options."""
+    return Demo(options, console).run()
