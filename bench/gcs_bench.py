@@ -90,8 +90,16 @@ def _write_step(root: Path, job: str, ranks: int, files: int, total: int) -> Pat
                         done += len(piece)
                 entries.append(FileEntry(name, per_file, crc))
                 tensors.append(TensorEntry(f"t{i}", "uint8", (per_file,), name, 0, per_file, crc))
-            manifest = Manifest(job=job, rank=r, world_size=ranks, step=1, created_at=time.time(),
-                                files=tuple(entries), tensors=tuple(tensors), tree={})  # fmt: skip
+            manifest = Manifest(
+                job=job,
+                rank=r,
+                world_size=ranks,
+                step=1,
+                created_at=time.time(),
+                files=tuple(entries),
+                tensors=tuple(tensors),
+                tree={},
+            )
             commit_step(path, manifest)
     return flat
 
@@ -116,19 +124,31 @@ def _run(args: argparse.Namespace, endpoint: str, bucket: str, work: Path) -> di
     root = work / "ramdisk"
     flat = _write_step(root, job, args.ranks, args.files, args.size_mib * MiB)
     nbytes = flat.stat().st_size
-    kw: dict[str, Any] = {} if args.real else {"credentials": AnonymousCredentials(),
-                                                "client_options": {"api_endpoint": endpoint}}  # fmt: skip
+    kw: dict[str, Any] = (
+        {}
+        if args.real
+        else {"credentials": AnonymousCredentials(), "client_options": {"api_endpoint": endpoint}}
+    )
     client = storage.Client(project="bench", **kw)
     blob = client.bucket(bucket).blob(f"tierckpt-bench-baseline/{uuid.uuid4().hex}")
     out, dest = work / "baseline.out", work / "restored"
-    gcs = GcsSettings(bucket=bucket, endpoint="" if args.real else endpoint, chunk_size=args.chunk_mib * MiB,
-                      pool_size=2 * args.parallelism)  # fmt: skip
+    gcs = GcsSettings(
+        bucket=bucket,
+        endpoint="" if args.real else endpoint,
+        chunk_size=args.chunk_mib * MiB,
+        pool_size=2 * args.parallelism,
+    )
     svc = BackupService(
-        store=GcsStore(gcs), policy=BackupPolicy(interval_steps=0, interval_seconds=0), node="bench",
-        root=root, layout=BucketLayout(f"tierckpt-bench-{uuid.uuid4().hex[:8]}"),
-        parallelism=args.parallelism, slice_size=args.slice_mib * MiB, range_size=args.range_mib * MiB,
+        store=GcsStore(gcs),
+        policy=BackupPolicy(interval_steps=0, interval_seconds=0),
+        node="bench",
+        root=root,
+        layout=BucketLayout(f"tierckpt-bench-{uuid.uuid4().hex[:8]}"),
+        parallelism=args.parallelism,
+        slice_size=args.slice_mib * MiB,
+        range_size=args.range_mib * MiB,
         metrics=BackupMetrics(CollectorRegistry()),
-    )  # fmt: skip
+    )
     loop = asyncio.new_event_loop()
 
     def restore() -> None:
@@ -153,15 +173,22 @@ def _run(args: argparse.Namespace, endpoint: str, bucket: str, work: Path) -> di
     plain_up, ours_up, plain_down, ours_down = (statistics.median(times[k]) for k in times)
     mbps = lambda seconds: nbytes / seconds / 1e6  # noqa: E731
     return {
-        "bytes": nbytes, "ranks": args.ranks, "files_per_rank": args.files, "parallelism": args.parallelism,
-        "chunk_mib": args.chunk_mib, "slice_mib": args.slice_mib, "repeat": args.repeat,
-        "plain_upload_MBps": round(mbps(plain_up), 1), "backup_MBps": round(mbps(ours_up), 1),
+        "bytes": nbytes,
+        "ranks": args.ranks,
+        "files_per_rank": args.files,
+        "parallelism": args.parallelism,
+        "chunk_mib": args.chunk_mib,
+        "slice_mib": args.slice_mib,
+        "repeat": args.repeat,
+        "plain_upload_MBps": round(mbps(plain_up), 1),
+        "backup_MBps": round(mbps(ours_up), 1),
         "backup_vs_plain": round(plain_up / ours_up, 3),
-        "plain_download_MBps": round(mbps(plain_down), 1), "restore_MBps": round(mbps(ours_down), 1),
+        "plain_download_MBps": round(mbps(plain_down), 1),
+        "restore_MBps": round(mbps(ours_down), 1),
         "restore_vs_plain": round(plain_down / ours_down, 3),
         "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
         "server": "real GCS" if args.real else (endpoint if args.endpoint else "fake-gcs-server (memory)"),
-    }  # fmt: skip
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -182,14 +209,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(result))
     else:
-        print(f"GCS bench: {result['bytes'] / MiB:.0f} MiB as {args.ranks} rank(s) x {args.files} file(s), "
-              f"{result['server']}, median of {args.repeat} ({result['machine']})")  # fmt: skip
+        print(
+            f"GCS bench: {result['bytes'] / MiB:.0f} MiB as {args.ranks} rank(s) x {args.files} file(s), "
+            f"{result['server']}, median of {args.repeat} ({result['machine']})"
+        )
         print(f"  upload   plain upload_from_filename {result['plain_upload_MBps']:8.1f} MB/s")
-        print(f"           tierckpt backup_now        {result['backup_MBps']:8.1f} MB/s   "
-              f"({result['backup_vs_plain']:.2f}x plain)")  # fmt: skip
+        print(
+            f"           tierckpt backup_now        {result['backup_MBps']:8.1f} MB/s   "
+            f"({result['backup_vs_plain']:.2f}x plain)"
+        )
         print(f"  download plain download_to_filename {result['plain_download_MBps']:8.1f} MB/s")
-        print(f"           tierckpt fetch_rank        {result['restore_MBps']:8.1f} MB/s   "
-              f"({result['restore_vs_plain']:.2f}x plain)")  # fmt: skip
+        print(
+            f"           tierckpt fetch_rank        {result['restore_MBps']:8.1f} MB/s   "
+            f"({result['restore_vs_plain']:.2f}x plain)"
+        )
     return 0
 
 

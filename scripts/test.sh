@@ -6,6 +6,7 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export PATH="$PWD/.venv/bin:$PATH"
 echo "== ruff" && ruff check client cli demo replicator csi operator tests bench
+echo "== ruff format" && ruff format --check --quiet client cli demo replicator csi operator tests bench
 echo "== import-linter" && lint-imports
 if [ -f mkdocs.yml ]; then echo "== docs (strict)" && mkdocs build --strict --quiet -d "$(mktemp -d)"; fi
 echo "== pytest"

@@ -64,15 +64,19 @@ def admit(
     if reserved > ramdisk_size:
         left = ramdisk_size - (reserved - new.reservation)
         holders = ", ".join(f"{j} ({_b(u.reservation)})" for j, u in sorted(others.items()))
-        why = (f"node ramdisk overcommitted: job {job} reserves {_b(new.reservation)} but only {_b(left)} of "
-               f"{_b(ramdisk_size)} is unreserved (held by {holders})")
+        why = (
+            f"node ramdisk overcommitted: job {job} reserves {_b(new.reservation)} but only {_b(left)} of "
+            f"{_b(ramdisk_size)} is unreserved (held by {holders})"
+        )
         return Admission(False, why, reserved, growth)
     budget = mem_available - headroom
     if growth > budget:
-        why = (f"node memory overcommitted: the ramdisk may still grow by {_b(growth)} (size "
-               f"{_b(ramdisk_size)}, used {_b(ramdisk_used)}) but the node has MemAvailable "
-               f"{_b(mem_available)} with {_b(headroom)} kept as headroom; lower the job's reservation or "
-               "the ramdisk size, or use a bigger node")
+        why = (
+            f"node memory overcommitted: the ramdisk may still grow by {_b(growth)} (size "
+            f"{_b(ramdisk_size)}, used {_b(ramdisk_used)}) but the node has MemAvailable "
+            f"{_b(mem_available)} with {_b(headroom)} kept as headroom; lower the job's reservation or "
+            "the ramdisk size, or use a bigger node"
+        )
         return Admission(False, why, reserved, growth)
     return Admission(True, "admitted", reserved, growth)
 

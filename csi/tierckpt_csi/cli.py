@@ -19,15 +19,27 @@ log = logging.getLogger("tierckpt_csi")
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 
-_ENDPOINT = typer.Option("unix:///csi/csi.sock", envvar="TIERCKPT_CSI_ENDPOINT",
-                         help="Unix socket kubelet (through node-driver-registrar) calls.")
-_RAMDISK = typer.Option(Csi.HOST_ROOT, envvar="TIERCKPT_RAMDISK_PATH",
-                        help="Host path of the node ramdisk (mounted with Bidirectional propagation).")
+_ENDPOINT = typer.Option(
+    "unix:///csi/csi.sock",
+    envvar="TIERCKPT_CSI_ENDPOINT",
+    help="Unix socket kubelet (through node-driver-registrar) calls.",
+)
+_RAMDISK = typer.Option(
+    Csi.HOST_ROOT,
+    envvar="TIERCKPT_RAMDISK_PATH",
+    help="Host path of the node ramdisk (mounted with Bidirectional propagation).",
+)
 _SIZE = typer.Option(..., envvar="TIERCKPT_RAMDISK_SIZE", help="tmpfs size, a quantity such as 64Gi.")
-_HUGE = typer.Option("within_size", envvar="TIERCKPT_RAMDISK_HUGE",
-                     help="tmpfs huge= option: never, always, within_size or advise.")
-_HEALTH = typer.Option(":9808", envvar="TIERCKPT_CSI_HEALTH_ADDRESS",
-                       help="host:port for /healthz, /readyz and /metrics; empty to disable.")
+_HUGE = typer.Option(
+    "within_size",
+    envvar="TIERCKPT_RAMDISK_HUGE",
+    help="tmpfs huge= option: never, always, within_size or advise.",
+)
+_HEALTH = typer.Option(
+    ":9808",
+    envvar="TIERCKPT_CSI_HEALTH_ADDRESS",
+    help="host:port for /healthz, /readyz and /metrics; empty to disable.",
+)
 _LOG = typer.Option("INFO", envvar="TIERCKPT_LOG_LEVEL")
 
 
@@ -39,8 +51,9 @@ def _size(text: str, what: str) -> int:
 
 
 def _setup_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
 
 
 @app.command()
@@ -50,15 +63,24 @@ def serve(
     ramdisk: Path = _RAMDISK,
     ramdisk_size: str = _SIZE,
     huge: str = _HUGE,
-    pods_dir: Path = typer.Option(Path("/var/lib/kubelet/pods"), envvar="TIERCKPT_KUBELET_PODS_DIR",
-                                  help="kubelet's pods directory; targets outside it are refused."),
-    default_reservation: str = typer.Option("", envvar="TIERCKPT_DEFAULT_RESERVATION",
-                                            help="Per-job reservation when a volume names none "
-                                                 "(default: the whole ramdisk, one job per node)."),
-    memory_headroom: str = typer.Option("1Gi", envvar="TIERCKPT_MEMORY_HEADROOM",
-                                        help="MemAvailable kept free when admitting a job."),
-    require_namespace_match: bool = typer.Option(True, envvar="TIERCKPT_REQUIRE_NAMESPACE_MATCH",
-                                                 help="Refuse job ids of another namespace than the pod's."),
+    pods_dir: Path = typer.Option(
+        Path("/var/lib/kubelet/pods"),
+        envvar="TIERCKPT_KUBELET_PODS_DIR",
+        help="kubelet's pods directory; targets outside it are refused.",
+    ),
+    default_reservation: str = typer.Option(
+        "",
+        envvar="TIERCKPT_DEFAULT_RESERVATION",
+        help="Per-job reservation when a volume names none (default: the whole ramdisk, one job per node).",
+    ),
+    memory_headroom: str = typer.Option(
+        "1Gi", envvar="TIERCKPT_MEMORY_HEADROOM", help="MemAvailable kept free when admitting a job."
+    ),
+    require_namespace_match: bool = typer.Option(
+        True,
+        envvar="TIERCKPT_REQUIRE_NAMESPACE_MATCH",
+        help="Refuse job ids of another namespace than the pod's.",
+    ),
     health_address: str = _HEALTH,
     log_level: str = _LOG,
 ) -> None:
@@ -70,13 +92,14 @@ def serve(
     _setup_logging(log_level)
     disk = ensure_ramdisk(ramdisk, _size(ramdisk_size, "--ramdisk-size"), huge=huge)
     settings = PluginSettings(
-        node_id=node_id, pods_dir=pods_dir,
+        node_id=node_id,
+        pods_dir=pods_dir,
         default_reservation=(
             _size(default_reservation, "--default-reservation") if default_reservation else None
         ),
         memory_headroom=_size(memory_headroom, "--memory-headroom"),
         require_namespace_match=require_namespace_match,
-    )  # fmt: skip
+    )
     server = PluginServer(NodePlugin(disk, settings), endpoint)
     health = None
     if health_address:  # up first: /healthz answers 503 until the CSI socket does

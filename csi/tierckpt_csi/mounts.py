@@ -43,13 +43,20 @@ def _b(text: str | os.PathLike[str] | None) -> bytes | None:
     return None if text is None else os.fsencode(text)
 
 
-def mount(source: str | None, target: str | os.PathLike[str], fstype: str | None, flags: int,
-          data: str | None = None) -> None:
+def mount(
+    source: str | None,
+    target: str | os.PathLike[str],
+    fstype: str | None,
+    flags: int,
+    data: str | None = None,
+) -> None:
     """mount(2); raises ``OSError`` with errno and the arguments on failure."""
     if _libc.mount(_b(source), _b(target), _b(fstype), flags, _b(data)) != 0:
         err = ctypes.get_errno()
-        raise OSError(err, f"mount({source!r}, {os.fspath(target)!r}, {fstype!r}, {flags:#x}, {data!r}): "
-                      f"{os.strerror(err)}")
+        raise OSError(
+            err,
+            f"mount({source!r}, {os.fspath(target)!r}, {fstype!r}, {flags:#x}, {data!r}): {os.strerror(err)}",
+        )
 
 
 def bind_mount(source: str | os.PathLike[str], target: str | os.PathLike[str], *, readonly: bool) -> None:
@@ -104,12 +111,19 @@ def parse_mountinfo(text: str) -> list[MountEntry]:
             sep = fields.index("-", 6)
         except ValueError:
             continue
-        entries.append(MountEntry(
-            mount_id=int(fields[0]), parent_id=int(fields[1]), device=fields[2],
-            root=_unescape(fields[3]), mount_point=_unescape(fields[4]), options=fields[5],
-            fstype=fields[sep + 1], source=_unescape(fields[sep + 2]),
-            super_options=fields[sep + 3] if len(fields) > sep + 3 else "",
-        ))  # fmt: skip
+        entries.append(
+            MountEntry(
+                mount_id=int(fields[0]),
+                parent_id=int(fields[1]),
+                device=fields[2],
+                root=_unescape(fields[3]),
+                mount_point=_unescape(fields[4]),
+                options=fields[5],
+                fstype=fields[sep + 1],
+                source=_unescape(fields[sep + 2]),
+                super_options=fields[sep + 3] if len(fields) > sep + 3 else "",
+            )
+        )
     return entries
 
 

@@ -57,8 +57,12 @@ class NodePlugin:
         self._lock = threading.Lock()
         with self._lock:
             live = self.store.live(read_mountinfo(), ramdisk.device)
-        log.info("node plugin ready on %s: ramdisk %s, %d volume(s) published",
-                 settings.node_id, ramdisk.path, len(live))
+        log.info(
+            "node plugin ready on %s: ramdisk %s, %d volume(s) published",
+            settings.node_id,
+            ramdisk.path,
+            len(live),
+        )
 
     # ------------------------------------------------------------------------------------ queries
 
@@ -105,8 +109,10 @@ class NodePlugin:
             what = f"job {entry.root.lstrip('/')}'s ramdisk directory" if ours else f"a {entry.fstype} mount"
             raise already_exists(f"{req.target} already holds {what}; cannot publish job {req.job} there")
         if record is not None and (record.readonly != req.readonly or record.target_path != str(req.target)):
-            raise already_exists(f"volume {req.volume_id} is already published at {record.target_path} "
-                                 f"(readonly={record.readonly}) and the request differs")
+            raise already_exists(
+                f"volume {req.volume_id} is already published at {record.target_path} "
+                f"(readonly={record.readonly}) and the request differs"
+            )
         if record is None:  # mounted before a restart lost the record: adopt it
             self.store.put(self._record(req, self.reservation_of(req.reservation)))
         return True
@@ -128,10 +134,16 @@ class NodePlugin:
 
     def _record(self, req: Publish, reservation: int) -> VolumeRecord:
         return VolumeRecord(
-            volume_id=req.volume_id, job=req.job, target_path=str(req.target), readonly=req.readonly,
-            reservation=reservation, pod_namespace=req.pod_namespace, pod_name=req.pod_name,
-            pod_uid=req.pod_uid, published_at=time.time(),
-        )  # fmt: skip
+            volume_id=req.volume_id,
+            job=req.job,
+            target_path=str(req.target),
+            readonly=req.readonly,
+            reservation=reservation,
+            pod_namespace=req.pod_namespace,
+            pod_name=req.pod_name,
+            pod_uid=req.pod_uid,
+            published_at=time.time(),
+        )
 
     def _job_dir(self, req: Publish) -> Path:
         path = self.ramdisk.job_path(req.job)
@@ -152,8 +164,15 @@ class NodePlugin:
             with contextlib.suppress(OSError):
                 req.target.rmdir()
             raise
-        log.info("published job %s for pod %s/%s at %s (reservation %d bytes, readonly=%s)", req.job,
-                 req.pod_namespace, req.pod_name, req.target, reservation, req.readonly)
+        log.info(
+            "published job %s for pod %s/%s at %s (reservation %d bytes, readonly=%s)",
+            req.job,
+            req.pod_namespace,
+            req.pod_name,
+            req.target,
+            reservation,
+            req.readonly,
+        )
 
     # ------------------------------------------------------------------------------------ unpublish
 
@@ -196,6 +215,10 @@ class NodePlugin:
         st = os.statvfs(self.ramdisk.path)
         free = st.f_bavail * st.f_frsize
         return VolumeStats(
-            job=record.job, used=used, available=max(min(record.reservation - used, free), 0),
-            total=record.reservation, inodes_used=st.f_files - st.f_ffree, inodes_free=st.f_ffree,
-        )  # fmt: skip
+            job=record.job,
+            used=used,
+            available=max(min(record.reservation - used, free), 0),
+            total=record.reservation,
+            inodes_used=st.f_files - st.f_ffree,
+            inodes_free=st.f_ffree,
+        )

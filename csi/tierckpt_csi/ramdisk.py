@@ -88,9 +88,14 @@ def _resize(path: Path, size: int) -> None:
         log.info("resized the ramdisk at %s to %s", path, format_bytes(size))
     except OSError as exc:
         old = current.f_blocks * current.f_frsize
-        log.warning("kept the ramdisk at %s at %s: resizing to %s failed (%s; the kernel refuses to shrink "
-                    "a tmpfs below the bytes in use)", path, format_bytes(old), format_bytes(size),
-                    exc.strerror)
+        log.warning(
+            "kept the ramdisk at %s at %s: resizing to %s failed (%s; the kernel refuses to shrink "
+            "a tmpfs below the bytes in use)",
+            path,
+            format_bytes(old),
+            format_bytes(size),
+            exc.strerror,
+        )
 
 
 def ensure_ramdisk(path: str | os.PathLike[str], size: int, *, huge: str = "within_size") -> Ramdisk:
@@ -111,8 +116,10 @@ def ensure_ramdisk(path: str | os.PathLike[str], size: int, *, huge: str = "with
         entry = mount_at(target)
         assert entry is not None, f"{target} not in mountinfo right after mounting it"
     elif entry.fstype != "tmpfs":
-        raise RuntimeError(f"{target} already has a {entry.fstype} mount ({entry.source}); refusing to "
-                           "stack a ramdisk on it: unmount it or choose another ramdisk path")
+        raise RuntimeError(
+            f"{target} already has a {entry.fstype} mount ({entry.source}); refusing to "
+            "stack a ramdisk on it: unmount it or choose another ramdisk path"
+        )
     else:
         log.info("reusing the tmpfs ramdisk already mounted at %s (driver restart: its data is kept)", target)
         _resize(target, size)

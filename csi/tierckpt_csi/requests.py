@@ -83,8 +83,10 @@ def _check_capability(req: csi_pb2.NodePublishVolumeRequest) -> int | None:
     if cap.WhichOneof("access_type") != "mount":
         raise invalid("only mount access is supported (the ramdisk is a directory, not a block device)")
     if cap.access_mode.mode not in _SINGLE_NODE_MODES:
-        raise invalid(f"access mode {csi_pb2.VolumeCapability.AccessMode.Mode.Name(cap.access_mode.mode)} "
-                      "is not supported: the ramdisk is node-local")
+        raise invalid(
+            f"access mode {csi_pb2.VolumeCapability.AccessMode.Mode.Name(cap.access_mode.mode)} "
+            "is not supported: the ramdisk is node-local"
+        )
     if cap.mount.fs_type not in ("", "tmpfs"):
         raise invalid(f"fs_type {cap.mount.fs_type!r} is not supported (the ramdisk is tmpfs)")
     group = cap.mount.volume_mount_group
@@ -102,8 +104,10 @@ def _job(ctx: dict[str, str], namespace: str, require_namespace: bool) -> str:
     except FormatError as exc:
         raise invalid(str(exc)) from exc
     if require_namespace and not job.startswith(f"{namespace}_"):
-        raise invalid(f"job {job!r} does not belong to the pod's namespace {namespace!r}: a pod may only "
-                      "mount its own namespace's checkpoints")
+        raise invalid(
+            f"job {job!r} does not belong to the pod's namespace {namespace!r}: a pod may only "
+            "mount its own namespace's checkpoints"
+        )
     return job
 
 
@@ -128,8 +132,10 @@ def parse_publish(
         raise invalid("volume_id is required")
     ctx = dict(req.volume_context)
     if ctx.get(EPHEMERAL) != "true":
-        raise invalid(f"{Csi.DRIVER} serves only inline ephemeral volumes (volume_context "
-                      f"{EPHEMERAL}=true); it has no persistent volumes")
+        raise invalid(
+            f"{Csi.DRIVER} serves only inline ephemeral volumes (volume_context "
+            f"{EPHEMERAL}=true); it has no persistent volumes"
+        )
     if req.staging_target_path:
         raise invalid("staging_target_path given, but this driver does not stage volumes")
     namespace, uid = ctx.get(POD_NAMESPACE, ""), ctx.get(POD_UID, "")

@@ -36,16 +36,24 @@ class Metrics:
 
     def __init__(self, plugin: NodePlugin) -> None:
         self.registry = CollectorRegistry()
-        self.calls = Counter("tierckpt_csi_calls", "CSI calls by method and gRPC status code",
-                             ["method", "code"], registry=self.registry)
-        self.seconds = Histogram("tierckpt_csi_call_seconds", "CSI call latency by method", ["method"],
-                                 registry=self.registry)
+        self.calls = Counter(
+            "tierckpt_csi_calls",
+            "CSI calls by method and gRPC status code",
+            ["method", "code"],
+            registry=self.registry,
+        )
+        self.seconds = Histogram(
+            "tierckpt_csi_call_seconds", "CSI call latency by method", ["method"], registry=self.registry
+        )
         size = Gauge("tierckpt_ramdisk_size_bytes", "Size of the node ramdisk", registry=self.registry)
         used = Gauge("tierckpt_ramdisk_used_bytes", "Bytes used on the node ramdisk", registry=self.registry)
         size.set_function(lambda: plugin.usage().size)
         used.set_function(lambda: plugin.usage().used)
-        self.refused = Counter("tierckpt_csi_refused_publishes",
-                               "Publishes refused for lack of ramdisk or memory", registry=self.registry)
+        self.refused = Counter(
+            "tierckpt_csi_refused_publishes",
+            "Publishes refused for lack of ramdisk or memory",
+            registry=self.registry,
+        )
 
 
 def _rpc(method: F) -> F:
@@ -138,8 +146,14 @@ class NodeService(csi_pb2_grpc.NodeServicer):
             raise invalid("volume_id and volume_path are required")
         stats = self.plugin.volume_stats(request.volume_path)
         usage = csi_pb2.VolumeUsage
-        return csi_pb2.NodeGetVolumeStatsResponse(usage=[
-            usage(unit=usage.BYTES, used=stats.used, available=stats.available, total=stats.total),
-            usage(unit=usage.INODES, used=stats.inodes_used, available=stats.inodes_free,
-                  total=stats.inodes_used + stats.inodes_free),
-        ])  # fmt: skip
+        return csi_pb2.NodeGetVolumeStatsResponse(
+            usage=[
+                usage(unit=usage.BYTES, used=stats.used, available=stats.available, total=stats.total),
+                usage(
+                    unit=usage.INODES,
+                    used=stats.inodes_used,
+                    available=stats.inodes_free,
+                    total=stats.inodes_used + stats.inodes_free,
+                ),
+            ]
+        )

@@ -94,7 +94,11 @@ class VolumeStore:
             if (os.path.realpath(record.target_path), f"/{record.job}") in bound:
                 keep.append(record)
             else:
-                log.info("dropping stale record of volume %s (job %s): %s is no longer mounted",
-                         record.volume_id, record.job, record.target_path)
+                log.info(
+                    "dropping stale record of volume %s (job %s): %s is no longer mounted",
+                    record.volume_id,
+                    record.job,
+                    record.target_path,
+                )
                 self.delete(record.volume_id)
         return keep

@@ -268,8 +268,23 @@ class Node:
     def limit_rate(self, rate: str) -> None:
         """Shape the node's incoming link to ``rate`` (``tc tbf``, e.g. ``"50mbit"``): a slow peer."""
         self._need_netns("limit_rate")
-        _run(["tc", "qdisc", "replace", "dev", self.veth, "root", "tbf", "rate", rate, "burst", "256kb",
-              "latency", "400ms"])  # fmt: skip
+        _run(
+            [
+                "tc",
+                "qdisc",
+                "replace",
+                "dev",
+                self.veth,
+                "root",
+                "tbf",
+                "rate",
+                rate,
+                "burst",
+                "256kb",
+                "latency",
+                "400ms",
+            ]
+        )
 
     def unlimit_rate(self) -> None:
         self._need_netns("unlimit_rate")

@@ -154,13 +154,19 @@ class FakeGcsServer:
     def command(self) -> list[str]:
         cmd = [
             str(binary_path()),
-            "-scheme", "http",
-            "-backend", "memory",
-            "-host", self.host,
-            "-port", str(self.port),
-            "-external-url", self.external_url,
-            "-log-level", self.log_level,
-        ]  # fmt: skip
+            "-scheme",
+            "http",
+            "-backend",
+            "memory",
+            "-host",
+            self.host,
+            "-port",
+            str(self.port),
+            "-external-url",
+            self.external_url,
+            "-log-level",
+            self.log_level,
+        ]
         if self.netns is not None:
             cmd = [shutil.which("ip") or "ip", "netns", "exec", self.netns, *cmd]
         return cmd

@@ -326,8 +326,12 @@ class JobController:
             # milliseconds, like the peers: newer than what an earlier operator sent, and growing
             previous = self.policy.generation if self.policy is not None else 0
             self.policy = dataclasses.replace(wanted, generation=max(previous + 1, int(time.time() * 1000)))
-            log.info("%s/%s: policy generation %d from configuration %s", *self.key,
-                     self.policy.generation, cfg.name)  # fmt: skip
+            log.info(
+                "%s/%s: policy generation %d from configuration %s",
+                *self.key,
+                self.policy.generation,
+                cfg.name,
+            )
         policy = self.policy
         todo = {
             node: rep.endpoint

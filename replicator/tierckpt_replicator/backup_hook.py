@@ -126,9 +126,14 @@ class JobBackups:
             self._bound[job] = settings
             log.info(
                 "job %s: backups to gs://%s/%s every %d steps / %gs, keeping %d newest + every %d steps",
-                job, settings.bucket, settings.prefix, settings.interval_steps, settings.interval_seconds,
-                settings.keep_last, settings.keep_every,
-            )  # fmt: skip
+                job,
+                settings.bucket,
+                settings.prefix,
+                settings.interval_steps,
+                settings.interval_seconds,
+                settings.keep_last,
+                settings.keep_every,
+            )
             if before is not None:
                 self._retire(before)
         svc = self._services.get(settings)
@@ -272,6 +277,9 @@ def load_backup_service(
     backups = JobBackups(settings, policies=policies or PolicyStore(settings.root), registry=registry)
     if settings.gcs_bucket:
         _ = backups.node_settings, backups.metrics  # fail fast on bad flags; metrics exported from the start
-        log.info("GCS backup to gs://%s/%s enabled (job policies may name other buckets)",
-                 settings.gcs_bucket, settings.gcs_prefix)  # fmt: skip
+        log.info(
+            "GCS backup to gs://%s/%s enabled (job policies may name other buckets)",
+            settings.gcs_bucket,
+            settings.gcs_prefix,
+        )
     return backups

@@ -64,9 +64,15 @@ class PolicyStore:
             self._cache.pop(policy.job, None)
         log.info(
             "job %s: policy generation %d stored (gs://%s/%s, every %d steps / %g min, keep %d + every %d)",
-            policy.job, policy.generation, policy.bucket or "<node bucket>", policy.prefix,
-            policy.backup_interval_steps, policy.backup_interval_minutes, policy.keep_last, policy.keep_every,
-        )  # fmt: skip
+            policy.job,
+            policy.generation,
+            policy.bucket or "<node bucket>",
+            policy.prefix,
+            policy.backup_interval_steps,
+            policy.backup_interval_minutes,
+            policy.keep_last,
+            policy.keep_every,
+        )
         return True, policy
 
     def forget(self, job: str) -> None:

@@ -101,8 +101,10 @@ async def test_step_backed_up_by_two_nodes_and_restored_bit_exact(
     assert await reader.complete_steps(JOB) == (10,)
 
     store = make_store(gcs_server.url, bucket)
-    uploaders = [RankBackup.from_bytes(store.get_bytes(LAYOUT.rank_commit_key(JOB, 10, r), max_size=1 << 20))
-                 for r in range(4)]  # fmt: skip
+    uploaders = [
+        RankBackup.from_bytes(store.get_bytes(LAYOUT.rank_commit_key(JOB, 10, r), max_size=1 << 20))
+        for r in range(4)
+    ]
     per_node = {n: sum(c.uploaded_by == n for c in uploaders) for n in roots}
     assert per_node == {"node-a": 2, "node-b": 2}  # spread over both holders of every rank
 
@@ -121,8 +123,12 @@ async def test_step_backed_up_by_two_nodes_and_restored_bit_exact(
 
 async def test_only_due_steps_are_backed_up(gcs_server: FakeGcsServer, bucket: str, tmp_path: Path) -> None:
     root = tmp_path / "n"
-    svc = make_service(make_store(gcs_server.url, bucket), root, "n",
-                       policy=BackupPolicy(interval_steps=10, interval_seconds=0, keep_last=5))  # fmt: skip
+    svc = make_service(
+        make_store(gcs_server.url, bucket),
+        root,
+        "n",
+        policy=BackupPolicy(interval_steps=10, interval_seconds=0, keep_last=5),
+    )
     for step in (10, 15, 19, 20, 25):
         write_step(root, JOB, 0, step, sizes=(1000,))
         await svc.on_step_committed(JOB, step, [0], {0: ["n"]})
@@ -192,8 +198,9 @@ async def test_a_node_joins_a_backup_started_elsewhere(
 ) -> None:
     write_cluster_step(roots, JOB, 30, 4)
     on_demand_only = BackupPolicy(interval_steps=0, interval_seconds=0)
-    services = {n: make_service(make_store(gcs_server.url, bucket), roots[n], n, policy=on_demand_only)
-                for n in roots}  # fmt: skip
+    services = {
+        n: make_service(make_store(gcs_server.url, bucket), roots[n], n, policy=on_demand_only) for n in roots
+    }
     assert await services["node-a"].backup_now(JOB) == 30  # e.g. SIGTERM on node-a only
     assert await services["node-a"].complete_steps(JOB) == ()
     await services["node-b"].poll(JOB)  # node-b's periodic pass sees the started backup and joins it
@@ -226,8 +233,16 @@ async def test_a_partial_upload_is_invisible_and_the_previous_backup_survives(
     svc = make_service(fragile, root, "n", policy=policy)
     assert await svc.backup_now(JOB) == 10
     write_step(root, JOB, 0, 20, sizes=(300 * KiB, 5 * KiB), files=2)
-    proxy.add_rule(FaultRule(action="reset_midway", method="POST", path="uploadType=multipart",
-                             after_bytes=50 * KiB, skip=1, times=None))  # fmt: skip
+    proxy.add_rule(
+        FaultRule(
+            action="reset_midway",
+            method="POST",
+            path="uploadType=multipart",
+            after_bytes=50 * KiB,
+            skip=1,
+            times=None,
+        )
+    )
     with pytest.raises(TransientStoreError):
         await svc.backup_now(JOB)
     assert proxy.hits_for("reset_midway")
@@ -287,8 +302,9 @@ async def test_a_killed_uploader_leaves_no_visible_step_and_a_rerun_finishes_it(
     root = tmp_path / "n"
     for r in range(4):
         write_step(root, JOB, r, 50, world_size=4, sizes=(100 * KiB,), files=1)
-    proxy.add_rule(FaultRule(action="stall", seconds=60, method="POST", path="uploadType=multipart", skip=3,
-                             times=None))  # fmt: skip
+    proxy.add_rule(
+        FaultRule(action="stall", seconds=60, method="POST", path="uploadType=multipart", skip=3, times=None)
+    )
     script = textwrap.dedent(f"""
         import asyncio
         from pathlib import Path
@@ -451,13 +467,20 @@ async def test_purge_forgets_locally_and_delete_backups_empties_the_job(
 
 
 async def test_built_from_the_daemon_settings(gcs_server: FakeGcsServer, bucket: str, tmp_path: Path) -> None:
-    daemon_settings = SimpleNamespace(gcs_bucket=bucket, gcs_prefix="t", gcs_endpoint=gcs_server.url,
-                                      backup_interval=0.0, node_name="n", root=tmp_path / "n")  # fmt: skip
+    daemon_settings = SimpleNamespace(
+        gcs_bucket=bucket,
+        gcs_prefix="t",
+        gcs_endpoint=gcs_server.url,
+        backup_interval=0.0,
+        node_name="n",
+        root=tmp_path / "n",
+    )
     cfg = BackupSettings.from_object(daemon_settings)
     assert (cfg.bucket, cfg.prefix, cfg.endpoint, cfg.interval_seconds) == (bucket, "t", gcs_server.url, 0.0)
     write_step(tmp_path / "n", JOB, 0, 2, sizes=(KiB,))
-    svc = BackupService(settings=daemon_settings, node="n", root=tmp_path / "n",
-                        metrics=BackupMetrics(CollectorRegistry()))  # fmt: skip
+    svc = BackupService(
+        settings=daemon_settings, node="n", root=tmp_path / "n", metrics=BackupMetrics(CollectorRegistry())
+    )
     assert await svc.backup_now(JOB) == 2
     assert await svc.complete_steps(JOB) == (2,)
     with pytest.raises(ValueError):
@@ -470,8 +493,15 @@ async def test_built_by_the_replicator_daemon_from_its_own_settings(
 ) -> None:
     from tierckpt_replicator.settings import Settings
 
-    settings = Settings(node_name="n", root=tmp_path / "n", gcs_bucket=bucket, gcs_prefix="t",
-                        gcs_endpoint=gcs_server.url, backup_interval_steps=5, backup_keep_last=1)  # fmt: skip
+    settings = Settings(
+        node_name="n",
+        root=tmp_path / "n",
+        gcs_bucket=bucket,
+        gcs_prefix="t",
+        gcs_endpoint=gcs_server.url,
+        backup_interval_steps=5,
+        backup_keep_last=1,
+    )
     cfg = BackupSettings.from_object(settings)
     assert (cfg.interval_steps, cfg.keep_last, cfg.project) == (5, 1, "")
     svc = BackupService(

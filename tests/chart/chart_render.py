@@ -52,8 +52,13 @@ def render(values: dict[str, Any] | None = None, *, config: helm.Config | None =
         out = chart().render(values, name=RELEASE, namespace=NAMESPACE, is_install=True)
     else:
         out = config.render(chart(), values, name=RELEASE, namespace=NAMESPACE, is_install=True)
-    docs = [d for path, text in sorted(out.items()) if not path.endswith("NOTES.txt")
-            for d in yaml.safe_load_all(text) if d]
+    docs = [
+        d
+        for path, text in sorted(out.items())
+        if not path.endswith("NOTES.txt")
+        for d in yaml.safe_load_all(text)
+        if d
+    ]
     notes = next((text for path, text in out.items() if path.endswith("NOTES.txt")), "")
     return Rendered(docs, notes)
 

@@ -30,8 +30,11 @@ def _strict(schema: Any) -> Any:
     if not isinstance(schema, dict):
         return schema
     out = {k: _strict(v) for k, v in schema.items()}
-    if ("properties" in out and "additionalProperties" not in out
-            and not out.get("x-kubernetes-preserve-unknown-fields")):
+    if (
+        "properties" in out
+        and "additionalProperties" not in out
+        and not out.get("x-kubernetes-preserve-unknown-fields")
+    ):
         out["additionalProperties"] = False
     return out
 
@@ -61,8 +64,10 @@ class CrdValidator:
         validator = self._validators.get(obj.get("apiVersion", ""))
         if validator is None:
             return [f"apiVersion {obj.get('apiVersion')!r} is not served (have {sorted(self._validators)})"]
-        return [f"{'.'.join(map(str, e.absolute_path)) or '<root>'}: {e.message}"
-                for e in sorted(validator.iter_errors(obj), key=lambda e: list(map(str, e.absolute_path)))]
+        return [
+            f"{'.'.join(map(str, e.absolute_path)) or '<root>'}: {e.message}"
+            for e in sorted(validator.iter_errors(obj), key=lambda e: list(map(str, e.absolute_path)))
+        ]
 
 
 @functools.lru_cache(maxsize=8)

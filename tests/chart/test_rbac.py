@@ -5,30 +5,48 @@ from __future__ import annotations
 from chart_render import NAMESPACE, render
 
 OPERATOR_RULES = [
-    {"apiGroups": ["jobset.x-k8s.io"], "resources": ["jobsets"],
-     "verbs": ["get", "list", "watch", "patch"]},
+    {"apiGroups": ["jobset.x-k8s.io"], "resources": ["jobsets"], "verbs": ["get", "list", "watch", "patch"]},
     {"apiGroups": ["jobset.x-k8s.io"], "resources": ["jobsets/finalizers"], "verbs": ["update"]},
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch", "patch"]},
     {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch"]},
     {"apiGroups": ["", "events.k8s.io"], "resources": ["events"], "verbs": ["create"]},
-    {"apiGroups": ["tierckpt.io"], "resources": ["checkpointjobs"],
-     "verbs": ["get", "list", "watch", "create", "update", "patch", "delete"]},
-    {"apiGroups": ["tierckpt.io"], "resources": ["checkpointjobs/status"],
-     "verbs": ["get", "update", "patch"]},
-    {"apiGroups": ["tierckpt.io"], "resources": ["checkpointconfigurations"],
-     "verbs": ["get", "list", "watch", "patch"]},
-    {"apiGroups": ["tierckpt.io"], "resources": ["checkpointconfigurations/status"],
-     "verbs": ["get", "update", "patch"]},
-    {"apiGroups": ["apiextensions.k8s.io"], "resources": ["customresourcedefinitions"],
-     "verbs": ["get", "list", "watch"]},
-]  # fmt: skip
+    {
+        "apiGroups": ["tierckpt.io"],
+        "resources": ["checkpointjobs"],
+        "verbs": ["get", "list", "watch", "create", "update", "patch", "delete"],
+    },
+    {
+        "apiGroups": ["tierckpt.io"],
+        "resources": ["checkpointjobs/status"],
+        "verbs": ["get", "update", "patch"],
+    },
+    {
+        "apiGroups": ["tierckpt.io"],
+        "resources": ["checkpointconfigurations"],
+        "verbs": ["get", "list", "watch", "patch"],
+    },
+    {
+        "apiGroups": ["tierckpt.io"],
+        "resources": ["checkpointconfigurations/status"],
+        "verbs": ["get", "update", "patch"],
+    },
+    {
+        "apiGroups": ["apiextensions.k8s.io"],
+        "resources": ["customresourcedefinitions"],
+        "verbs": ["get", "list", "watch"],
+    },
+]
 
 OPERATOR_SA = {"kind": "ServiceAccount", "name": "tierckpt-operator", "namespace": NAMESPACE}
 
 LEASE_RULES = [
     {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["create"]},
-    {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "resourceNames": ["tierckpt-operator"],
-     "verbs": ["get", "watch", "update", "patch"]},
+    {
+        "apiGroups": ["coordination.k8s.io"],
+        "resources": ["leases"],
+        "resourceNames": ["tierckpt-operator"],
+        "verbs": ["get", "watch", "update", "patch"],
+    },
 ]
 
 
@@ -37,8 +55,11 @@ def test_operator_cluster_role_is_exactly_least_privilege() -> None:
     assert [role["metadata"]["name"] for role in r.all("ClusterRole")] == ["tierckpt-operator"]
     assert r.get("ClusterRole")["rules"] == OPERATOR_RULES
     binding = r.get("ClusterRoleBinding")
-    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
-                                  "name": "tierckpt-operator"}
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "ClusterRole",
+        "name": "tierckpt-operator",
+    }
     assert binding["subjects"] == [OPERATOR_SA]
 
 

@@ -105,23 +105,29 @@ def test_lints_clean(name: str, kube: str) -> None:
     assert (problems, report["errors"]) == ([], [])
 
 
-@pytest.mark.parametrize(("values", "message"), [
-    ({"ramdisk": {"mode": "nfs"}}, "/ramdisk/mode"),
-    ({"ramdisk": {"size": "64GB"}}, "/ramdisk/size"),
-    ({"auth": {"token": "too-short"}}, "/auth/token"),
-    ({"replicator": {"apiPort": 70000}}, "/replicator/apiPort"),
-    ({"webhook": {"tls": {"mode": "kopf"}}}, "/webhook/tls/mode"),
-    ({"replicas": 3}, "additional properties 'replicas' not allowed"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"ramdisk": {"mode": "nfs"}}, "/ramdisk/mode"),
+        ({"ramdisk": {"size": "64GB"}}, "/ramdisk/size"),
+        ({"auth": {"token": "too-short"}}, "/auth/token"),
+        ({"replicator": {"apiPort": 70000}}, "/replicator/apiPort"),
+        ({"webhook": {"tls": {"mode": "kopf"}}}, "/webhook/tls/mode"),
+        ({"replicas": 3}, "additional properties 'replicas' not allowed"),
+    ],
+)
 def test_schema_rejects_bad_values(values: dict, message: str) -> None:
     with pytest.raises(helm.HelmValuesError, match=message):
         helm.Chart.load(CHART).validate_schema(values)
 
 
-@pytest.mark.parametrize(("values", "message"), [
-    ({"networkPolicy": {"enabled": True}, "replicator": {"hostNetwork": True}}, "cannot protect"),
-    ({"checkpointConfiguration": {"create": True}}, "needs a bucket"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"networkPolicy": {"enabled": True}, "replicator": {"hostNetwork": True}}, "cannot protect"),
+        ({"checkpointConfiguration": {"create": True}}, "needs a bucket"),
+    ],
+)
 def test_contradictory_values_fail_with_a_reason(values: dict, message: str) -> None:
     with pytest.raises(helm.HelmRenderError, match=message):
         render(values)

@@ -54,8 +54,10 @@ def test_csi_mode_daemonset_privileges_are_confined_to_the_csi_container() -> No
     assert c["csi"]["securityContext"]["readOnlyRootFilesystem"] is True
     # Bidirectional propagation only where mounts are made; the replicator only receives them.
     propagation = {(n, m["name"]): m.get("mountPropagation") for n, x in c.items() for m in x["volumeMounts"]}
-    assert {k for k, v in propagation.items() if v == "Bidirectional"} == {("csi", "pods-dir"),
-                                                                           ("csi", "ramdisk-parent")}
+    assert {k for k, v in propagation.items() if v == "Bidirectional"} == {
+        ("csi", "pods-dir"),
+        ("csi", "ramdisk-parent"),
+    }
     assert propagation[("replicator", "ramdisk-parent")] == "HostToContainer"
     for container in c.values():
         _assert_probes_name_declared_ports(container)
@@ -93,8 +95,13 @@ def test_csi_mode_paths_agree_with_each_other_and_the_contract() -> None:
     assert c["csi"]["command"] == ["tierckpt-csi", "serve"]
     driver = r.get("CSIDriver")
     assert driver["metadata"]["name"] == Csi.DRIVER
-    assert driver["spec"] | {} == {**driver["spec"], "attachRequired": False, "podInfoOnMount": True,
-                                   "volumeLifecycleModes": ["Ephemeral"], "fsGroupPolicy": "File"}
+    assert driver["spec"] | {} == {
+        **driver["spec"],
+        "attachRequired": False,
+        "podInfoOnMount": True,
+        "volumeLifecycleModes": ["Ephemeral"],
+        "fsGroupPolicy": "File",
+    }
     assert ds["spec"]["template"]["spec"]["priorityClassName"] == "system-node-critical"
     quota = r.get("ResourceQuota")
     assert quota["spec"]["scopeSelector"]["matchExpressions"][0]["values"] == ["system-node-critical"]

@@ -17,8 +17,12 @@ from csi_helpers import Node, PluginProcess, unmount_all_under
 def node() -> Iterator[Node]:
     # A short base path: unix socket paths are limited to 107 bytes.
     base = Path(tempfile.mkdtemp(prefix="tcsi-"))
-    n = Node(base=base, ramdisk=base / "ramdisk", pods=base / "kubelet" / "pods",
-             endpoint=f"unix://{base}/csi/csi.sock")
+    n = Node(
+        base=base,
+        ramdisk=base / "ramdisk",
+        pods=base / "kubelet" / "pods",
+        endpoint=f"unix://{base}/csi/csi.sock",
+    )
     n.pods.mkdir(parents=True)
     try:
         yield n

@@ -75,8 +75,11 @@ def thread_plugin(node: Node, size: int = 64 * MiB, **settings) -> Iterator[Clie
     from tierckpt_csi.server import PluginServer
 
     disk = ensure_ramdisk(node.ramdisk, size, huge="never")
-    server = PluginServer(NodePlugin(disk, PluginSettings(node_id="node-a", pods_dir=node.pods, **settings)),
-                          node.endpoint, workers=4)
+    server = PluginServer(
+        NodePlugin(disk, PluginSettings(node_id="node-a", pods_dir=node.pods, **settings)),
+        node.endpoint,
+        workers=4,
+    )
     server.start()
     try:
         with connect(node.endpoint) as client:
@@ -90,9 +93,27 @@ class PluginProcess:
 
     def __init__(self, node: Node, size: str = "64Mi", *extra: str) -> None:
         self.log = node.base / f"plugin-{uuid.uuid4().hex[:6]}.log"
-        cmd = [sys.executable, "-m", "tierckpt_csi", "serve", "--node-id", "node-a",
-               "--endpoint", node.endpoint, "--ramdisk", str(node.ramdisk), "--ramdisk-size", size,
-               "--huge", "never", "--pods-dir", str(node.pods), "--health-address", "", *extra]
+        cmd = [
+            sys.executable,
+            "-m",
+            "tierckpt_csi",
+            "serve",
+            "--node-id",
+            "node-a",
+            "--endpoint",
+            node.endpoint,
+            "--ramdisk",
+            str(node.ramdisk),
+            "--ramdisk-size",
+            size,
+            "--huge",
+            "never",
+            "--pods-dir",
+            str(node.pods),
+            "--health-address",
+            "",
+            *extra,
+        ]
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
         self.endpoint = node.endpoint

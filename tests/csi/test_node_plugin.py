@@ -188,7 +188,8 @@ BAD_PUBLISHES = {
     "no capability": lambda r: r.ClearField("volume_capability"),
     "block access": lambda r: r.volume_capability.block.SetInParent(),
     "multi-node access": lambda r: setattr(
-        r.volume_capability.access_mode, "mode", csi_pb2.VolumeCapability.AccessMode.MULTI_NODE_MULTI_WRITER),
+        r.volume_capability.access_mode, "mode", csi_pb2.VolumeCapability.AccessMode.MULTI_NODE_MULTI_WRITER
+    ),
     "not ephemeral": lambda r: r.volume_context.pop("csi.storage.k8s.io/ephemeral"),
     "no pod info": lambda r: r.volume_context.pop("csi.storage.k8s.io/pod.uid"),
     "no job id": lambda r: r.volume_context.pop(Csi.JOB_ID),
@@ -199,7 +200,8 @@ BAD_PUBLISHES = {
     "target traversal": lambda r: setattr(r, "target_path", r.target_path + "/../../../../../../etc"),
     "target outside pods dir": lambda r: setattr(r, "target_path", "/etc/tierckpt-test"),
     "target in another pod": lambda r: setattr(
-        r, "target_path", r.target_path.replace(r.volume_context["csi.storage.k8s.io/pod.uid"], "other-pod")),
+        r, "target_path", r.target_path.replace(r.volume_context["csi.storage.k8s.io/pod.uid"], "other-pod")
+    ),
     "staging path": lambda r: setattr(r, "staging_target_path", "/var/lib/kubelet/plugins/x"),
     "non-numeric group": lambda r: setattr(r.volume_capability.mount, "volume_mount_group", "wheel"),
 }
@@ -249,7 +251,8 @@ def test_volume_stats_report_the_jobs_bytes(node: Node) -> None:
         with open(os.path.join(req.target_path, "shard"), "wb") as f:
             f.write(os.urandom(3 * MiB))
         resp = c.node.NodeGetVolumeStats(
-            csi_pb2.NodeGetVolumeStatsRequest(volume_id=req.volume_id, volume_path=req.target_path))
+            csi_pb2.NodeGetVolumeStatsRequest(volume_id=req.volume_id, volume_path=req.target_path)
+        )
         by_unit = {u.unit: u for u in resp.usage}
         nbytes = by_unit[csi_pb2.VolumeUsage.BYTES]
         assert nbytes.used >= 3 * MiB and nbytes.total == 32 * MiB

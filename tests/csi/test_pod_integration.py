@@ -20,13 +20,15 @@ def _kubelet_publish_request(node: Node, pod: dict, volume: dict) -> csi_pb2.Nod
     """What kubelet sends for the pod's inline CSI volume (CSIDriver podInfoOnMount: true)."""
     meta = pod["metadata"]
     ctx = dict(volume["csi"]["volumeAttributes"])
-    ctx.update({
-        "csi.storage.k8s.io/ephemeral": "true",
-        "csi.storage.k8s.io/pod.name": meta["name"],
-        "csi.storage.k8s.io/pod.namespace": meta["namespace"],
-        "csi.storage.k8s.io/pod.uid": meta["uid"],
-        "csi.storage.k8s.io/serviceAccount.name": "default",
-    })  # fmt: skip
+    ctx.update(
+        {
+            "csi.storage.k8s.io/ephemeral": "true",
+            "csi.storage.k8s.io/pod.name": meta["name"],
+            "csi.storage.k8s.io/pod.namespace": meta["namespace"],
+            "csi.storage.k8s.io/pod.uid": meta["uid"],
+            "csi.storage.k8s.io/serviceAccount.name": "default",
+        }
+    )
     mode = csi_pb2.VolumeCapability.AccessMode(mode=csi_pb2.VolumeCapability.AccessMode.SINGLE_NODE_WRITER)
     return csi_pb2.NodePublishVolumeRequest(
         volume_id=f"csi-{uuid.uuid4().hex}",

@@ -99,8 +99,11 @@ def test_health_and_metrics_endpoints(node: Node, processes: list) -> None:
         assert r.status == 200
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
         text = r.read().decode()
-    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
-               for family in text_string_to_metric_families(text) for s in family.samples}
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
     assert samples[("tierckpt_csi_calls_total", (("code", "OK"), ("method", "GetPluginInfo")))] >= 1
     assert samples[("tierckpt_ramdisk_size_bytes", ())] == 16 * MiB
     probe = [sys.executable, "-m", "tierckpt_csi", "probe", "--endpoint", node.endpoint]

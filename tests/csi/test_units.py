@@ -17,10 +17,20 @@ from tierckpt_csi.requests import check_target
 GiB = 1 << 30
 
 
-@pytest.mark.parametrize(("text", "expected"), [
-    ("64Gi", 64 * GiB), ("1.5Gi", 3 * GiB // 2), ("500M", 500_000_000), ("1k", 1000), ("1e9", 10**9),
-    ("1073741824", GiB), ("0.5Ki", 512), (".5Mi", 1 << 19), ("1.1", 2),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("64Gi", 64 * GiB),
+        ("1.5Gi", 3 * GiB // 2),
+        ("500M", 500_000_000),
+        ("1k", 1000),
+        ("1e9", 10**9),
+        ("1073741824", GiB),
+        ("0.5Ki", 512),
+        (".5Mi", 1 << 19),
+        ("1.1", 2),
+    ],
+)
 def test_parse_quantity(text: str, expected: int) -> None:
     assert parse_quantity(text) == expected
 
@@ -36,10 +46,12 @@ def test_format_bytes() -> None:
     assert got == ["0B", "1023B", "1.0Ki", "64.0Gi", "3.0Pi"]
 
 
-def _admit(job: str, new: JobUse, active: dict[str, JobUse], *, size=100 * GiB, used=0, avail=500 * GiB,
-           headroom=GiB):
-    return admit(job, new, active, ramdisk_size=size, ramdisk_used=used, mem_available=avail,
-                 headroom=headroom)
+def _admit(
+    job: str, new: JobUse, active: dict[str, JobUse], *, size=100 * GiB, used=0, avail=500 * GiB, headroom=GiB
+):
+    return admit(
+        job, new, active, ramdisk_size=size, ramdisk_used=used, mem_available=avail, headroom=headroom
+    )
 
 
 def test_admission_rules() -> None:
@@ -81,8 +93,15 @@ def test_check_target_accepts_kubelet_paths_only(tmp_path: Path) -> None:
     (pods / "uid-1" / "volumes" / "kubernetes.io~csi" / "ckpt").mkdir(parents=True)
     good = pods / "uid-1" / "volumes" / "kubernetes.io~csi" / "ckpt" / "mount"
     assert check_target(str(good), pods, "uid-1") == good
-    for bad, uid in ((str(good), "uid-2"), (str(good), "../pods"), (f"{pods}/uid-1/../../etc/x", ""),
-                     ("/etc/passwd", ""), ("relative/path", ""), ("", ""), (str(pods), "")):
+    for bad, uid in (
+        (str(good), "uid-2"),
+        (str(good), "../pods"),
+        (f"{pods}/uid-1/../../etc/x", ""),
+        ("/etc/passwd", ""),
+        ("relative/path", ""),
+        ("", ""),
+        (str(pods), ""),
+    ):
         with pytest.raises(CsiError) as info:
             check_target(bad, pods, uid)
         assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT

@@ -92,13 +92,24 @@ def policy_matches(policy, spec):
     """Whether a stored JobPolicy says what the CheckpointConfiguration spec says."""
     backup, retention = spec.get("backup", {}), spec.get("backup", {}).get("retention", {})
     return policy is not None and (
-        policy.bucket, policy.prefix, policy.backup_interval_steps, policy.backup_interval_minutes,
-        policy.keep_last, policy.keep_every, policy.replication_factor, policy.delete_backups_on_deletion,
+        policy.bucket,
+        policy.prefix,
+        policy.backup_interval_steps,
+        policy.backup_interval_minutes,
+        policy.keep_last,
+        policy.keep_every,
+        policy.replication_factor,
+        policy.delete_backups_on_deletion,
     ) == (
-        spec["gcs"]["bucket"], spec["gcs"].get("prefix", "tierckpt"), backup.get("intervalSteps", 0),
-        backup.get("intervalMinutes", 30), retention.get("keepLast", 3), retention.get("keepEvery", 0),
-        spec["replication"]["factor"], spec.get("deleteBackupsOnJobSetDeletion", False),
-    )  # fmt: skip
+        spec["gcs"]["bucket"],
+        spec["gcs"].get("prefix", "tierckpt"),
+        backup.get("intervalSteps", 0),
+        backup.get("intervalMinutes", 30),
+        retention.get("keepLast", 3),
+        retention.get("keepEvery", 0),
+        spec["replication"]["factor"],
+        spec.get("deleteBackupsOnJobSetDeletion", False),
+    )
 
 
 def policies_as_configured(env, job, names):

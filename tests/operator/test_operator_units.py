@@ -124,10 +124,18 @@ def test_job_policy_carries_the_configuration():
     )
     policy = job_policy("ns_js_01234567", spec, generation=9)
     assert policy == JobPolicy(
-        job="ns_js_01234567", generation=9, bucket="ckpt-b", prefix="team/x", backup_interval_steps=500,
-        backup_interval_minutes=0.0, keep_last=2, keep_every=10, replication_factor=3,
-        delete_backups_on_deletion=True, config="fast",
-    )  # fmt: skip
+        job="ns_js_01234567",
+        generation=9,
+        bucket="ckpt-b",
+        prefix="team/x",
+        backup_interval_steps=500,
+        backup_interval_minutes=0.0,
+        keep_last=2,
+        keep_every=10,
+        replication_factor=3,
+        delete_backups_on_deletion=True,
+        config="fast",
+    )
     assert JobPolicy.from_bytes(policy.to_bytes()) == policy
     plain = ConfigSpec.from_body({"metadata": {"name": "d"}, "spec": {"gcs": {"bucket": "bkt"}}})
     defaults = job_policy("j", plain)

@@ -38,8 +38,14 @@ async def api(tmp_path: Path) -> AsyncIterator[tuple[httpx.AsyncClient, Daemon]]
     token.write_text(TOKEN + "\n")
     root = tmp_path / "ramdisk"
     root.mkdir()
-    settings = Settings(node_name="node-a", root=root, token_file=token, advertise_host="127.0.0.1",
-                        restore_attempts=1, max_request_bytes=64 << 10)  # fmt: skip
+    settings = Settings(
+        node_name="node-a",
+        root=root,
+        token_file=token,
+        advertise_host="127.0.0.1",
+        restore_attempts=1,
+        max_request_bytes=64 << 10,
+    )
     daemon = Daemon(settings)
     transport = httpx.ASGITransport(app=daemon.app)
     async with httpx.AsyncClient(transport=transport, base_url="http://replicator") as client:
@@ -244,9 +250,14 @@ async def test_status_describes_the_node(api):
 
 def policy(generation: int = 1, job: str = JOB, **fields: object) -> JobPolicy:
     values: dict[str, object] = {
-        "bucket": "ckpt-bucket", "prefix": "team/a", "backup_interval_steps": 100,
-        "keep_last": 2, "keep_every": 1000, "replication_factor": 2, **fields,
-    }  # fmt: skip
+        "bucket": "ckpt-bucket",
+        "prefix": "team/a",
+        "backup_interval_steps": 100,
+        "keep_last": 2,
+        "keep_every": 1000,
+        "replication_factor": 2,
+        **fields,
+    }
     return JobPolicy(job=job, generation=generation, **values)  # type: ignore[arg-type]
 
 

@@ -223,8 +223,10 @@ def test_corrupt_replica_is_detected_and_fetched_again(cluster3):
     # possibly to b within a few milliseconds of the drop (a put of a step b still held would be 208
     # "already held", so intact bytes at b's path prove the corrupt copy was dropped)
     dropped = f"{job} rank 0 step 40 reported corrupt by node-0: replica dropped"
-    cluster3.wait_for(lambda: dropped in b.log_text() and intact_or_gone(rep, sources[0]),
-                      what="the corrupt replica dropped by its holder")  # fmt: skip
+    cluster3.wait_for(
+        lambda: dropped in b.log_text() and intact_or_gone(rep, sources[0]),
+        what="the corrupt replica dropped by its holder",
+    )
     holder = wait_replicated(cluster3, job, 0, 40)
     assert step_files(replica_path(holder, job, 0, 40)) == step_files(sources[0])
 

@@ -275,9 +275,15 @@ async def test_reconcile_asks_every_peer_at_once_and_never_holds_up_a_pass(tmp_p
 
     peers = PeerClient(TokenFile(token), timeout=30.0, transport=httpx.MockTransport(answer))
     mgr = ReplicationManager(
-        node="a", k=1, scanner=InventoryScanner(root, node="a", endpoint="http://a:1"), assignments=store,
-        supervisor=None, peers=peers, metrics=Metrics(), reconcile_interval=0.0,  # type: ignore[arg-type]
-    )  # fmt: skip
+        node="a",
+        k=1,
+        scanner=InventoryScanner(root, node="a", endpoint="http://a:1"),
+        assignments=store,
+        supervisor=None,
+        peers=peers,
+        metrics=Metrics(),
+        reconcile_interval=0.0,  # type: ignore[arg-type]
+    )
     mgr.confirmed = {(job, 0, 5): {"b"} for job in jobs}
     try:
         await asyncio.wait_for(mgr.run_pass(), 10)  # returns while b has not answered

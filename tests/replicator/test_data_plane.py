@@ -264,8 +264,19 @@ def test_a_refused_request_gets_its_answer_even_with_bytes_left_unread(make_peer
     """The receiver refuses a put before reading its payload; it must not reset the connection over
     the unread bytes (a reset can destroy the answer before the sender reads it)."""
     b = make_peer("b")
-    request = frame({"kind": "tierckpt.data-request", "version": 1, "op": "put", "token": TOKEN, "job": JOB,
-                     "rank": 0, "step": 0, "commit_size": 1 << 40, "manifest_size": 10})  # fmt: skip
+    request = frame(
+        {
+            "kind": "tierckpt.data-request",
+            "version": 1,
+            "op": "put",
+            "token": TOKEN,
+            "job": JOB,
+            "rank": 0,
+            "step": 0,
+            "commit_size": 1 << 40,
+            "manifest_size": 10,
+        }
+    )
     with socket.create_connection(("127.0.0.1", b.server.port), timeout=5) as s:
         s.sendall(request + bytes(64 << 10))  # the payload follows at once, as push_step sends it
         assert recv_frame(s, DataReply).status == Status.TOO_LARGE

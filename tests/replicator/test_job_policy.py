@@ -35,8 +35,16 @@ def test_a_policy_overrides_the_node_flags():
     node = BackupSettings(bucket="node-bucket", prefix="n", interval_seconds=600, keep_last=5, parallelism=3)
     assert effective_settings(node, None) is node
     assert effective_settings(BackupSettings(), None) is None  # no bucket anywhere: no backups
-    p = JobPolicy(job="j", generation=1, bucket="job-bucket", prefix="p/q", backup_interval_steps=50,
-                  backup_interval_minutes=2, keep_last=2, keep_every=1000)  # fmt: skip
+    p = JobPolicy(
+        job="j",
+        generation=1,
+        bucket="job-bucket",
+        prefix="p/q",
+        backup_interval_steps=50,
+        backup_interval_minutes=2,
+        keep_last=2,
+        keep_every=1000,
+    )
     got = effective_settings(node, p)
     assert got is not None
     assert (got.bucket, got.prefix) == ("job-bucket", "p/q")
@@ -66,13 +74,36 @@ def replicator(tmp_path: Path, gcs: FakeGcsServer) -> Iterator[tuple[str, Path]]
     api_port = free_port()
     exe = Path(sys.executable).with_name("tierckpt-replicator")
     args = [
-        str(exe), "--node-name", "n0", "--root", str(root), "--token-file", str(token),
-        "--listen-host", "127.0.0.1", "--advertise-host", "127.0.0.1",
-        "--api-port", str(api_port), "--data-port", str(free_port()),
-        "--gcs-bucket", NODE_BUCKET, "--gcs-endpoint", gcs.url,
-        "--backup-interval", "0", "--backup-interval-steps", "0", "--backup-poll-interval", "1",
-        "--poll-interval", "0.2", "--log-level", "INFO",
-    ]  # fmt: skip
+        str(exe),
+        "--node-name",
+        "n0",
+        "--root",
+        str(root),
+        "--token-file",
+        str(token),
+        "--listen-host",
+        "127.0.0.1",
+        "--advertise-host",
+        "127.0.0.1",
+        "--api-port",
+        str(api_port),
+        "--data-port",
+        str(free_port()),
+        "--gcs-bucket",
+        NODE_BUCKET,
+        "--gcs-endpoint",
+        gcs.url,
+        "--backup-interval",
+        "0",
+        "--backup-interval-steps",
+        "0",
+        "--backup-poll-interval",
+        "1",
+        "--poll-interval",
+        "0.2",
+        "--log-level",
+        "INFO",
+    ]
     log = tmp_path / "replicator.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
@@ -118,9 +149,15 @@ async def test_job_backs_up_to_its_policy_bucket_on_its_interval(replicator, gcs
     url, root = replicator
     job = f"policy_{os.getpid()}"
     policy = JobPolicy(
-        job=job, generation=1, bucket=POLICY_BUCKET, prefix="pol/team",
-        backup_interval_steps=20, backup_interval_minutes=0, keep_last=2, config="fast",
-    )  # fmt: skip
+        job=job,
+        generation=1,
+        bucket=POLICY_BUCKET,
+        prefix="pol/team",
+        backup_interval_steps=20,
+        backup_interval_minutes=0,
+        keep_last=2,
+        config="fast",
+    )
     async with httpx.AsyncClient(base_url=url, headers=AUTH, timeout=10) as api:
         resp = await api.put(f"/v1/jobs/{job}/policy", content=policy.to_bytes())
         assert resp.status_code == 200, resp.text
@@ -144,8 +181,15 @@ async def test_job_backs_up_to_its_policy_bucket_on_its_interval(replicator, gcs
         assert inv.gcs == (30, 50) and inv.world_sizes[30] == 1  # read back from the policy's bucket
 
         # the configuration is edited: a new prefix and every 5 steps; the next step goes there
-        edited = JobPolicy(job=job, generation=2, bucket=POLICY_BUCKET, prefix="pol/edited",
-                           backup_interval_steps=5, backup_interval_minutes=0, keep_last=2)  # fmt: skip
+        edited = JobPolicy(
+            job=job,
+            generation=2,
+            bucket=POLICY_BUCKET,
+            prefix="pol/edited",
+            backup_interval_steps=5,
+            backup_interval_minutes=0,
+            keep_last=2,
+        )
         assert (await api.put(f"/v1/jobs/{job}/policy", content=edited.to_bytes())).status_code == 200
         write_step(root, job, 0, 60, sizes=(8192, 300))
         await until(lambda: complete_steps(gcs, POLICY_BUCKET, "pol/edited", job) == [60], "step 60 moved")

@@ -37,9 +37,14 @@ def test_nodes_in_backoff_go_last():
 
 def test_plan_sends_only_what_lacks_copies():
     items = plan_sends(
-        job="j", node="a", k=1, assignment=A, newest={0: 10, 1: 10, 2: 7},
-        confirmed={(0, 10): {"b"}}, in_flight={(2, 7)},
-    )  # fmt: skip
+        job="j",
+        node="a",
+        k=1,
+        assignment=A,
+        newest={0: 10, 1: 10, 2: 7},
+        confirmed={(0, 10): {"b"}},
+        in_flight={(2, 7)},
+    )
     assert [(i.rank, i.step, i.want) for i in items] == [(1, 10, 1)]
     assert items[0].candidates[0] == "b"
 

@@ -105,9 +105,13 @@ class TierckptCallback(_callback_base()):  # type: ignore[misc]
         from tierckpt.checkpointer import Checkpointer
 
         self.checkpointer = Checkpointer(
-            root=self.root, job=self.job, rank=trainer.global_rank, world_size=trainer.world_size,
-            keep=self.keep, **self.options,
-        )  # fmt: skip
+            root=self.root,
+            job=self.job,
+            rank=trainer.global_rank,
+            world_size=trainer.world_size,
+            keep=self.keep,
+            **self.options,
+        )
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         if not self.restore_on_start or self.checkpointer is None:

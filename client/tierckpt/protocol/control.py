@@ -41,6 +41,7 @@ __all__ = [
     "write_control",
 ]
 
+
 class Tier(str, enum.Enum):
     """Where a rank's step can be restored from, fastest first."""
 

@@ -112,8 +112,11 @@ class StepLoader:
         if manifest.world_size != s.world_size:
             log.warning(
                 "step %d was saved with world size %d, the job now has %d; loading rank %d's shard as is",
-                step, manifest.world_size, s.world_size, s.rank,
-            )  # fmt: skip
+                step,
+                manifest.world_size,
+                s.world_size,
+                s.rank,
+            )
 
     def load(
         self,
@@ -147,10 +150,18 @@ class StepLoader:
         s = self.settings
         try:
             load_into(
-                state_dict, path, manifest, files, verify=verify, device=device,
-                views=None if slot is None else slot.read_views(manifest), staging=self.staging,
-                pack_bytes=s.pack_bytes, pack_limit=s.pack_limit, timings=timings,
-            )  # fmt: skip
+                state_dict,
+                path,
+                manifest,
+                files,
+                verify=verify,
+                device=device,
+                views=None if slot is None else slot.read_views(manifest),
+                staging=self.staging,
+                pack_bytes=s.pack_bytes,
+                pack_limit=s.pack_limit,
+                timings=timings,
+            )
             timings["total_s"] = time.perf_counter() - start
         finally:
             for f in opened.values():

@@ -153,8 +153,12 @@ class _Filler:
         if existing is not None and (existing.dtype != src.dtype or existing.shape != src.shape):
             log.warning(
                 "%s: checkpoint has %s%s, the destination %s%s; replacing the tensor",
-                self.entries[i].key, src.dtype, tuple(src.shape), existing.dtype, tuple(existing.shape),
-            )  # fmt: skip
+                self.entries[i].key,
+                src.dtype,
+                tuple(src.shape),
+                existing.dtype,
+                tuple(existing.shape),
+            )
             return torch.empty(src.shape, dtype=src.dtype, device=existing.device)
         if existing is not None and existing.device.type != "meta":
             return existing
@@ -228,9 +232,15 @@ class _Filler:
         start = time.perf_counter()
         if self.gpu:
             to_device(
-                self.manifest, self.files, self.views, self.gpu, staging=self.staging,
-                pack_bytes=self.pack_bytes, pack_limit=self.pack_limit, memcpy=memmove,
-            )  # fmt: skip
+                self.manifest,
+                self.files,
+                self.views,
+                self.gpu,
+                staging=self.staging,
+                pack_bytes=self.pack_bytes,
+                pack_limit=self.pack_limit,
+                memcpy=memmove,
+            )
         cuda.synchronize(self.early)
         t["h2d_s"] = time.perf_counter() - start
         if self.pending is not None:

@@ -149,8 +149,14 @@ class Catalog:
 
     def mark_started(self, job: str, step: int, world_size: int, reason: str) -> None:
         """Create ``started.json`` unless it exists (the first starter's time is what counts)."""
-        msg = StepStarted(job=job, step=step, world_size=world_size, started_by=self.node,
-                          started_at=time.time(), reason=reason)  # fmt: skip
+        msg = StepStarted(
+            job=job,
+            step=step,
+            world_size=world_size,
+            started_by=self.node,
+            started_at=time.time(),
+            reason=reason,
+        )
         with contextlib.suppress(PreconditionFailed):
             self.store.put_bytes(self.layout.started_key(job, step), msg.to_bytes(), create_only=True)
 
@@ -167,16 +173,32 @@ class Catalog:
         commits = list(self.pool.map(lambda r: self.read_rank_commit(job, step, r), range(world_size)))
         bad = [c.rank for c in commits if c.world_size != world_size]
         if bad or len(infos) != world_size:
-            log.error("step %d of %s: rank commits disagree on the world size (ranks %s, %d commits); "
-                      "not completing it", step, job, bad[:8], len(infos))  # fmt: skip
+            log.error(
+                "step %d of %s: rank commits disagree on the world size (ranks %s, %d commits); "
+                "not completing it",
+                step,
+                job,
+                bad[:8],
+                len(infos),
+            )
             return False
         refs = {
-            c.rank: RankRef(size=infos[c.rank].size, crc32c=infos[c.rank].crc32c or 0,
-                            manifest_crc32c=c.manifest_crc32c, total_bytes=c.total_bytes)
+            c.rank: RankRef(
+                size=infos[c.rank].size,
+                crc32c=infos[c.rank].crc32c or 0,
+                manifest_crc32c=c.manifest_crc32c,
+                total_bytes=c.total_bytes,
+            )
             for c in commits
-        }  # fmt: skip
-        done = StepBackup(job=job, step=step, world_size=world_size, ranks=refs, completed_by=self.node,
-                          completed_at=time.time())  # fmt: skip
+        }
+        done = StepBackup(
+            job=job,
+            step=step,
+            world_size=world_size,
+            ranks=refs,
+            completed_by=self.node,
+            completed_at=time.time(),
+        )
         try:
             self.store.put_bytes(self.layout.complete_key(job, step), done.to_bytes(), create_only=True)
         except PreconditionFailed:
@@ -186,8 +208,14 @@ class Catalog:
             log.warning("step %d of %s lost rank commits while completing; withdrawing it", step, job)
             self.store.delete(self.layout.complete_key(job, step))
             return False
-        log.info("step %d of %s is complete in gs://%s (%d ranks, %d bytes)", step, job,
-                 getattr(self.store, "bucket", "?"), world_size, done.total_bytes)  # fmt: skip
+        log.info(
+            "step %d of %s is complete in gs://%s (%d ranks, %d bytes)",
+            step,
+            job,
+            getattr(self.store, "bucket", "?"),
+            world_size,
+            done.total_bytes,
+        )
         return True
 
     # ------------------------------------------------------------------------------------ deleting

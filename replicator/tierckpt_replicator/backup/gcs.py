@@ -136,18 +136,26 @@ class GcsStore:
         with _errors(key), open(path, "rb", buffering=0) as f:
             size = os.fstat(f.fileno()).st_size - offset if length is None else length
             blob.upload_from_file(
-                _Region(f.fileno(), offset, size), size=size, checksum="crc32c", retry=self._retry,
-                timeout=self._timeout, content_type="application/octet-stream",
-            )  # fmt: skip
+                _Region(f.fileno(), offset, size),
+                size=size,
+                checksum="crc32c",
+                retry=self._retry,
+                timeout=self._timeout,
+                content_type="application/octet-stream",
+            )
         return self._check(blob, key, crc32c)
 
     def put_bytes(self, key: str, data: bytes, *, create_only: bool = False) -> ObjectInfo:
         blob = self._bucket.blob(key)
         with _errors(key):
             blob.upload_from_string(
-                data, content_type="application/json", checksum="crc32c", retry=self._retry,
-                timeout=self._timeout, if_generation_match=0 if create_only else None,
-            )  # fmt: skip
+                data,
+                content_type="application/json",
+                checksum="crc32c",
+                retry=self._retry,
+                timeout=self._timeout,
+                if_generation_match=0 if create_only else None,
+            )
         return self._check(blob, key, google_crc32c.value(data))
 
     def get_bytes(self, key: str, *, max_size: int) -> bytes:
@@ -305,8 +313,13 @@ def _errors(key: str) -> Iterator[None]:
         if code in _TRANSIENT_CODES or code is None:
             raise TransientStoreError(f"{key}: {type(exc).__name__}: {exc}") from exc
         raise StoreError(f"{key}: {type(exc).__name__}: {exc}") from exc
-    except (ConnectionError, TimeoutError, http.client.HTTPException, urllib3.exceptions.HTTPError,
-            auth_exceptions.TransportError) as exc:  # fmt: skip
+    except (
+        ConnectionError,
+        TimeoutError,
+        http.client.HTTPException,
+        urllib3.exceptions.HTTPError,
+        auth_exceptions.TransportError,
+    ) as exc:
         raise TransientStoreError(f"{key}: {type(exc).__name__}: {exc}") from exc
 
 

@@ -29,13 +29,17 @@ class BackupMetrics:
             "tierckpt_backup_downloaded_bytes", "Shard bytes restored from the bucket by this node.", **kw
         )
         self.upload_seconds = Histogram(
-            "tierckpt_backup_upload_seconds", "Time to upload this node's share of one step.",
-            buckets=_SECONDS_BUCKETS, **kw,
-        )  # fmt: skip
+            "tierckpt_backup_upload_seconds",
+            "Time to upload this node's share of one step.",
+            buckets=_SECONDS_BUCKETS,
+            **kw,
+        )
         self.restore_seconds = Histogram(
-            "tierckpt_backup_restore_seconds", "Time to restore one rank of one step from the bucket.",
-            buckets=_SECONDS_BUCKETS, **kw,
-        )  # fmt: skip
+            "tierckpt_backup_restore_seconds",
+            "Time to restore one rank of one step from the bucket.",
+            buckets=_SECONDS_BUCKETS,
+            **kw,
+        )
         self.failures = Counter(
             "tierckpt_backup_failures", "Failed backup operations, by operation.", ["op"], **kw
         )
@@ -53,8 +57,10 @@ class BackupMetrics:
         )
         self.last_success = Gauge(
             "tierckpt_backup_last_success_timestamp_seconds",
-            "When this node last finished uploading its share of a step, per job.", ["job"], **kw,
-        )  # fmt: skip
+            "When this node last finished uploading its share of a step, per job.",
+            ["job"],
+            **kw,
+        )
 
     @classmethod
     def default(cls) -> BackupMetrics:

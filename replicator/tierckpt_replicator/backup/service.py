@@ -138,10 +138,16 @@ class BackupService:
         self._ops = cf.ThreadPoolExecutor(4, thread_name_prefix="backup-op")
         self.catalog = Catalog(store, self.layout, node, self._io)
         self.uploader = Uploader(
-            store, self.layout, self.catalog, node, self._io, slice_size=slice_size,
-            max_manifest_bytes=max_manifest_bytes, on_bytes=self.metrics.bytes_uploaded.inc,
+            store,
+            self.layout,
+            self.catalog,
+            node,
+            self._io,
+            slice_size=slice_size,
+            max_manifest_bytes=max_manifest_bytes,
+            on_bytes=self.metrics.bytes_uploaded.inc,
             should_stop=lambda job: job in self._cancelled,
-        )  # fmt: skip
+        )
         self.restorer = Restorer(
             store,
             self.layout,
@@ -269,18 +275,26 @@ class BackupService:
     # ------------------------------------------------------------------------------------ passes (blocking)
 
     def _pass(
-        self, job: str, step: int | None, ranks_here: tuple[int, ...], on_demand: bool, all_local: bool,
+        self,
+        job: str,
+        step: int | None,
+        ranks_here: tuple[int, ...],
+        on_demand: bool,
+        all_local: bool,
         placed: Mapping[int, tuple[str, ...]] | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         try:
             view = self.catalog.view(job)
             now = self.clock()
             targets: dict[int, str] = {}
             if step is not None:
                 decision = self.policy.due(
-                    step, newest_complete=view.newest_complete, in_progress=view.in_progress.items(),
-                    now=now, on_demand=on_demand,
-                )  # fmt: skip
+                    step,
+                    newest_complete=view.newest_complete,
+                    in_progress=view.in_progress.items(),
+                    now=now,
+                    on_demand=on_demand,
+                )
                 if decision:
                     targets[step] = decision.reason
                 else:
@@ -317,9 +331,15 @@ class BackupService:
         return step
 
     def _backup_step(
-        self, job: str, step: int, reason: str, started_at: float | None, hint: Iterable[int],
-        all_local: bool, placed: Mapping[int, tuple[str, ...]] | None = None,
-    ) -> bool:  # fmt: skip
+        self,
+        job: str,
+        step: int,
+        reason: str,
+        started_at: float | None,
+        hint: Iterable[int],
+        all_local: bool,
+        placed: Mapping[int, tuple[str, ...]] | None = None,
+    ) -> bool:
         """Upload this node's share of ``step``; True if the step is complete in the bucket afterwards."""
         local = self._local_copies(job, step, hint)
         if not local:
@@ -343,9 +363,15 @@ class BackupService:
         return done
 
     def _my_share(
-        self, job: str, step: int, world_size: int, local: Mapping[int, Path], started_at: float | None,
-        all_local: bool, placed: Mapping[int, tuple[str, ...]] | None = None,
-    ) -> list[int]:  # fmt: skip
+        self,
+        job: str,
+        step: int,
+        world_size: int,
+        local: Mapping[int, Path],
+        started_at: float | None,
+        all_local: bool,
+        placed: Mapping[int, tuple[str, ...]] | None = None,
+    ) -> list[int]:
         """The ranks this node uploads: its share of the spread over all holders, the ranks it is the
         primary of whose assigned uploader holds no copy (``placed``), plus orphans."""
         if all_local:
@@ -355,18 +381,30 @@ class BackupService:
             holders.setdefault(r, (self.node,))
         owner = _assign(job, step, tuple(sorted((r, tuple(sorted(h))) for r, h in holders.items())))
         mine = {r for r in local if owner.get(r) == self.node}
-        unheld = {r for r, h in (placed or {}).items() if r in local and h[:1] == (self.node,)
-                  and owner.get(r) not in h}  # fmt: skip
+        unheld = {
+            r
+            for r, h in (placed or {}).items()
+            if r in local and h[:1] == (self.node,) and owner.get(r) not in h
+        }
         if unheld - mine:
-            log.info("step %d of %s: uploading ranks %s here, their assigned uploaders hold no copy",
-                     step, job, sorted(unheld - mine))  # fmt: skip
+            log.info(
+                "step %d of %s: uploading ranks %s here, their assigned uploaders hold no copy",
+                step,
+                job,
+                sorted(unheld - mine),
+            )
             mine |= unheld
         if started_at is not None and self.clock() - started_at >= self.takeover_after:
             committed = self.catalog.rank_commits(job, step)
             orphans = {r for r in local if r not in committed} - mine
             if orphans:
-                log.warning("step %d of %s: taking over ranks %s, still missing %.0fs after its backup began",
-                            step, job, sorted(orphans), self.clock() - started_at)  # fmt: skip
+                log.warning(
+                    "step %d of %s: taking over ranks %s, still missing %.0fs after its backup began",
+                    step,
+                    job,
+                    sorted(orphans),
+                    self.clock() - started_at,
+                )
                 mine |= orphans
         return sorted(mine)
 

@@ -70,17 +70,24 @@ class BackupSettings:
 
     def policy(self) -> BackupPolicy:
         return BackupPolicy(
-            interval_steps=self.interval_steps, interval_seconds=self.interval_seconds,
-            keep_last=self.keep_last, keep_every=self.keep_every, stale_after=self.stale_after,
-        )  # fmt: skip
+            interval_steps=self.interval_steps,
+            interval_seconds=self.interval_seconds,
+            keep_last=self.keep_last,
+            keep_every=self.keep_every,
+            stale_after=self.stale_after,
+        )
 
     def gcs(self) -> GcsSettings:
         return GcsSettings(
-            bucket=self.bucket, endpoint=self.endpoint, project=self.project, chunk_size=self.chunk_size,
-            connect_timeout=self.connect_timeout, read_timeout=self.read_timeout,
+            bucket=self.bucket,
+            endpoint=self.endpoint,
+            project=self.project,
+            chunk_size=self.chunk_size,
+            connect_timeout=self.connect_timeout,
+            read_timeout=self.read_timeout,
             pool_size=max(16, 2 * self.parallelism),
             retry=RetryPolicy(self.retry_initial, self.retry_max, deadline=self.retry_deadline),
-        )  # fmt: skip
+        )
 
     def store(self) -> GcsStore:
         if not self.enabled:

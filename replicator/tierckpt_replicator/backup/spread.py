@@ -58,9 +58,12 @@ def _rebalance(options: Mapping[int, list[str]], owner: dict[int, str], load: di
 
 
 def _chain(
-    starts: list[str], target: int, options: Mapping[int, list[str]], by_node: Mapping[str, set[int]],
+    starts: list[str],
+    target: int,
+    options: Mapping[int, list[str]],
+    by_node: Mapping[str, set[int]],
     load: Mapping[str, int],
-) -> list[tuple[int, str, str]] | None:  # fmt: skip
+) -> list[tuple[int, str, str]] | None:
     """Breadth-first over "rank r on node a could move to node b" from ``starts`` to a node with load
     <= ``target``; the moves (rank, from, to) in order, or None."""
     prev: dict[str, tuple[int, str] | None] = dict.fromkeys(starts)

@@ -102,12 +102,19 @@ class Uploader:
         for name, body in ((COMMIT_NAME, commit_bytes), (MANIFEST_NAME, manifest_bytes)):
             self.store.put_bytes(self.layout.rank_file_key(job, step, rank, name), body)
         commit = RankBackup(
-            job=job, step=step, rank=rank, world_size=manifest.world_size,
-            commit_size=len(commit_bytes), commit_crc32c=crc32c(commit_bytes),
-            manifest_size=len(manifest_bytes), manifest_crc32c=marker.manifest_crc32c,
-            total_bytes=manifest.total_bytes, saved_at=manifest.created_at,
-            uploaded_by=self.node, uploaded_at=time.time(),
-        )  # fmt: skip
+            job=job,
+            step=step,
+            rank=rank,
+            world_size=manifest.world_size,
+            commit_size=len(commit_bytes),
+            commit_crc32c=crc32c(commit_bytes),
+            manifest_size=len(manifest_bytes),
+            manifest_crc32c=marker.manifest_crc32c,
+            total_bytes=manifest.total_bytes,
+            saved_at=manifest.created_at,
+            uploaded_by=self.node,
+            uploaded_at=time.time(),
+        )
         try:
             self.store.put_bytes(
                 self.layout.rank_commit_key(job, step, rank), commit.to_bytes(), create_only=True
@@ -162,9 +169,14 @@ class Uploader:
         self.store.delete(self.layout.rank_commit_key(job, step, rank))
 
     def _upload_files(
-        self, job: str, step: int, rank: int, step_path: Path, files: tuple[FileEntry, ...],
+        self,
+        job: str,
+        step: int,
+        rank: int,
+        step_path: Path,
+        files: tuple[FileEntry, ...],
         present: dict[str, ObjectInfo],
-    ) -> int:  # fmt: skip
+    ) -> int:
         """Upload the files not already present; large ones as slices composed afterwards. All transfers
         go to the pool from this (orchestrating) thread, so pool workers never wait on each other."""
         futures: list[cf.Future[None]] = []

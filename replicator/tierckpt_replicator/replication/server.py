@@ -199,8 +199,16 @@ class DataServer:
                 apply_retention(self.ctx.root, req.job, self.ctx.config.replica_keep)
             self._reply(conn, DataReply(status=status, message=message, total_bytes=total))
         seconds = time.monotonic() - started
-        log.info("replica %s rank %d step %d from %s: %s (%d bytes, %.2fs)", req.job, req.rank, req.step,
-                 req.node or "?", message, total, seconds)  # fmt: skip
+        log.info(
+            "replica %s rank %d step %d from %s: %s (%d bytes, %.2fs)",
+            req.job,
+            req.rank,
+            req.step,
+            req.node or "?",
+            message,
+            total,
+            seconds,
+        )
         self._event(req, status, bytes=total, seconds=seconds, message=message)
 
     def _read_header(self, conn: socket.socket, req: DataRequest) -> StepHeader:
@@ -235,8 +243,11 @@ class DataServer:
             raise
 
     def _event(self, req: DataRequest, status: int, **fields: Any) -> None:
-        self.ctx.emit(DataEvent(op=req.op, job=req.job, rank=req.rank, step=req.step, peer=req.node,
-                                status=status, **fields))  # fmt: skip
+        self.ctx.emit(
+            DataEvent(
+                op=req.op, job=req.job, rank=req.rank, step=req.step, peer=req.node, status=status, **fields
+            )
+        )
 
     def _ensure_room(self, job: str, need: int) -> None:
         root = self.ctx.root
