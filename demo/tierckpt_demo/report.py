@@ -13,7 +13,7 @@ from rich import box
 from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
-from tierckpt.protocol.codec import Message
+from tierckpt.protocol.codec import Message, Record
 from tierckpt.protocol.text import rank_ranges
 
 __all__ = [
@@ -30,7 +30,7 @@ __all__ = [
 
 
 @dataclasses.dataclass(frozen=True)
-class Check:
+class Check(Record):
     """One pass/fail fact the demo verified."""
 
     name: str
@@ -39,7 +39,7 @@ class Check:
 
 
 @dataclasses.dataclass(frozen=True)
-class RankResult:
+class RankResult(Record):
     """How one rank came back after a scenario's failure."""
 
     rank: int
@@ -65,7 +65,7 @@ class RankResult:
 
 
 @dataclasses.dataclass(frozen=True)
-class ScenarioResult:
+class ScenarioResult(Record):
     name: str
     """``local``, ``peer`` or ``gcs``."""
     failure: str
@@ -89,7 +89,7 @@ class ScenarioResult:
 
 
 @dataclasses.dataclass(frozen=True)
-class DemoConfig:
+class DemoConfig(Record):
     nodes: int
     world_size: int
     network: str

@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from tierckpt.protocol.codec import Message
+from tierckpt.protocol.codec import Message, Record
 from tierckpt.protocol.errors import FormatError
 from tierckpt.protocol.format import data_file_name
 from tierckpt.snapshot.dtypes import dtype_name, torch_dtype
@@ -88,7 +88,7 @@ def data_file_index(name: str) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class TensorPropertiesRecord:
+class TensorPropertiesRecord(Record):
     dtype: str
     layout: str = "strided"
     requires_grad: bool = False
@@ -97,7 +97,7 @@ class TensorPropertiesRecord:
 
 
 @dataclasses.dataclass(frozen=True)
-class TensorRecord:
+class TensorRecord(Record):
     """``TensorStorageMetadata``: properties, global size, and the chunks (n x ndim, flattened row-major)."""
 
     properties: TensorPropertiesRecord
@@ -113,7 +113,7 @@ class TensorRecord:
 
 
 @dataclasses.dataclass(frozen=True)
-class LocationsRecord:
+class LocationsRecord(Record):
     """The saved items of one entry, one column per field (arrays keep big jobs' metadata fast to load).
 
     Item ``i`` is ``MetadataIndex(fqn, index_offsets[i*ndim:(i+1)*ndim], hint)`` (offset None and
@@ -139,7 +139,7 @@ class LocationsRecord:
 
 
 @dataclasses.dataclass(frozen=True)
-class EntryRecord:
+class EntryRecord(Record):
     """One state-dict key: a tensor (``tensor`` set) or a pickled object (``tensor`` None), and its items."""
 
     fqn: str
@@ -164,7 +164,7 @@ class ItemLocation:
 
 
 @dataclasses.dataclass(frozen=True)
-class PlannerDataRecord:
+class PlannerDataRecord(Record):
     """``Metadata.planner_data``: the default planner's flatten mapping, or another JSON value."""
 
     flatten_mapping: dict[str, tuple[str | int, ...]] | None = None
@@ -172,7 +172,7 @@ class PlannerDataRecord:
 
 
 @dataclasses.dataclass(frozen=True)
-class StorageMetaRecord:
+class StorageMetaRecord(Record):
     checkpoint_id: str | None = None
     save_id: str | None = None
     modules: tuple[str, ...] = ()

@@ -24,7 +24,7 @@ import dataclasses
 import re
 from typing import Literal
 
-from tierckpt.protocol.codec import Message
+from tierckpt.protocol.codec import Message, Record
 from tierckpt.protocol.errors import FormatError
 from tierckpt.protocol.format import COMMIT_NAME, MANIFEST_NAME, check_file_name, check_job_id
 
@@ -258,7 +258,7 @@ class RankBackup(Message):
 
 
 @dataclasses.dataclass(frozen=True)
-class RankRef:
+class RankRef(Record):
     """A completion object's pointer to one rank commit object, checked by readers."""
 
     size: int

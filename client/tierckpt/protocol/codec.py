@@ -1,30 +1,39 @@
-"""Typed JSON encoding for the frozen dataclasses that make up tierckpt's files and wire messages.
+"""Typed JSON for the frozen dataclasses that make up tierckpt's files and wire messages (pydantic).
 
-Every message type is a frozen dataclass with a class-level ``KIND`` and ``VERSION``. ``encode`` writes
-``{"kind": ..., "version": ..., **fields}``; ``decode`` checks both and rebuilds nested dataclasses,
-tuples, enums and dicts from the type hints. Unknown fields are ignored (forward compatible within a
-major version); a missing required field or a wrong type raises ``FormatError``. No pickle, ever.
+Every message type is a frozen dataclass deriving from ``Message``, with a class-level ``KIND`` and
+``VERSION``; the records nested in messages derive from ``Record``. ``encode`` writes
+``{"kind": ..., "version": ..., **fields}``; ``decode`` checks both, then validates the fields with
+pydantic against the type hints, strictly: a wrong type, a missing field, a NaN or infinite number,
+a malformed or too deeply nested document all raise ``FormatError``. Unknown fields are ignored
+(forward compatible within a major version). The dataclasses' own ``__post_init__`` checks run too.
+No pickle, ever.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import enum
 import functools
 import json
-import types
-import typing
 from typing import Any, ClassVar, TypeVar
+
+import pydantic
 
 from tierckpt.protocol.errors import FormatError
 
-__all__ = ["Message", "decode", "decode_bytes", "encode", "encode_bytes"]
+__all__ = ["Message", "Record", "decode", "decode_bytes", "encode", "encode_bytes", "json_schema"]
 
 T = TypeVar("T", bound="Message")
 
 
-class Message:
-    """Mixin for versioned message dataclasses."""
+class Record:
+    """Base of every dataclass that appears inside a message: the validation rules, in one place."""
+
+    __pydantic_config__: ClassVar[pydantic.ConfigDict] = pydantic.ConfigDict(
+        strict=True, allow_inf_nan=False, extra="ignore"
+    )
+
+
+class Message(Record):
+    """Base of versioned message dataclasses (files and wire bodies)."""
 
     KIND: ClassVar[str]
     VERSION: ClassVar[int] = 1
@@ -44,139 +53,82 @@ class Message:
         return decode_bytes(cls, data)
 
 
-_SCALARS = (int, str, float, bool, type(None))
+@functools.cache
+def _adapter(cls: type) -> pydantic.TypeAdapter[Any]:
+    """Building a validator is slow; each message class builds it once."""
+    return pydantic.TypeAdapter(cls)
 
 
-def _plain(value: Any) -> Any:
-    if type(value) in _SCALARS:
-        return value
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, enum.Enum):
-        return value.value
-    if isinstance(value, (list, tuple)):
-        if all(type(v) in _SCALARS for v in value):
-            return list(value)
-        return [_plain(v) for v in value]
-    if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
-    return value
+def _envelope(cls: type[Message]) -> bytes:
+    return b'{"kind":' + json.dumps(cls.KIND).encode() + b',"version":' + str(cls.VERSION).encode()
 
 
 def encode(msg: Message) -> dict[str, Any]:
     """The JSON-ready dict of a message, with its kind and version first."""
-    return {"kind": msg.KIND, "version": msg.VERSION, **_plain(msg)}
+    fields = _adapter(type(msg)).dump_python(msg, mode="json")
+    return {"kind": msg.KIND, "version": msg.VERSION, **fields}
 
 
 def encode_bytes(msg: Message) -> bytes:
-    return json.dumps(encode(msg), separators=(",", ":"), sort_keys=False).encode()
-
-
-def decode_bytes(cls: type[T], data: bytes | str) -> T:
-    try:
-        obj = json.loads(data)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise FormatError(f"{cls.KIND}: not valid JSON ({exc})") from exc
-    return decode(cls, obj)
+    """Compact JSON of a message, with its kind and version first."""
+    body = _adapter(type(msg)).dump_json(msg)
+    return _envelope(type(msg)) + (b"}" if body == b"{}" else b"," + body[1:])
 
 
 def decode(cls: type[T], data: Any) -> T:
-    """Rebuild ``cls`` from a dict, checking kind and version."""
+    """Rebuild ``cls`` from a decoded JSON object (a dict), checking kind and version."""
     if not isinstance(data, dict):
         raise FormatError(f"{cls.KIND}: expected a JSON object, got {type(data).__name__}")
-    kind, version = data.get("kind"), data.get("version")
-    if kind != cls.KIND:
-        raise FormatError(f"expected a {cls.KIND!r} message, got kind {kind!r}")
-    if not isinstance(version, int) or version < 1 or version > cls.VERSION:
+    try:
+        body = json.dumps(data, allow_nan=True)
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise FormatError(f"{cls.KIND}: not a JSON document ({exc})") from exc
+    return decode_bytes(cls, body)
+
+
+def decode_bytes(cls: type[T], data: bytes | str) -> T:
+    """Parse and validate one ``cls`` message from JSON text."""
+    try:
+        head = _Head.model_validate_json(data)
+    except pydantic.ValidationError as exc:
+        raise FormatError(f"{cls.KIND}: {_first_error(exc)}") from exc
+    if head.kind != cls.KIND:
+        raise FormatError(f"expected a {cls.KIND!r} message, got kind {head.kind!r}")
+    version = head.version
+    if type(version) is not int or not 1 <= version <= cls.VERSION:
         raise FormatError(
             f"{cls.KIND}: unsupported version {version!r} (this build reads up to {cls.VERSION})"
         )
-    return _build(cls, data, cls.KIND)
-
-
-@functools.cache
-def _fields_and_hints(cls: type) -> tuple[tuple[dataclasses.Field[Any], ...], dict[str, Any]]:
-    """Resolving type hints is slow; messages with thousands of records resolve them once per class."""
-    return dataclasses.fields(cls), typing.get_type_hints(cls)
-
-
-def _build(cls: type, data: Any, where: str) -> Any:
-    if not isinstance(data, dict):
-        raise FormatError(f"{where}: expected an object")
-    fields, hints = _fields_and_hints(cls)
-    kwargs = {}
-    for f in fields:
-        if f.name in data:
-            kwargs[f.name] = _coerce(hints[f.name], data[f.name], f"{where}.{f.name}")
-        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise FormatError(f"{where}: missing field {f.name!r}")
     try:
-        return cls(**kwargs)
-    except (TypeError, ValueError) as exc:
-        raise FormatError(f"{where}: {exc}") from exc
+        return _adapter(cls).validate_json(data)  # type: ignore[no-any-return]
+    except pydantic.ValidationError as exc:
+        raise FormatError(f"{cls.KIND}: {_first_error(exc)}") from exc
 
 
-def _coerce(tp: Any, value: Any, where: str) -> Any:
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    if tp is Any:
-        return value
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _coerce(arg, value, where)
-            except FormatError as exc:
-                errors.append(str(exc))
-        raise FormatError(f"{where}: {value!r} matches none of {args}")
-    if origin is typing.Literal:
-        if value not in args:
-            raise FormatError(f"{where}: {value!r} is not one of {args}")
-        return value
-    if origin in (tuple, list):
-        if not isinstance(value, list):
-            raise FormatError(f"{where}: expected a list")
-        if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
-            if args[0] in (int, str, bool) and all(type(v) is args[0] for v in value):
-                return tuple(value)  # fast path for long homogeneous arrays; errors take the slow path
-            return tuple(_coerce(args[0], v, f"{where}[{i}]") for i, v in enumerate(value))
-        if origin is tuple:
-            if len(value) != len(args):
-                raise FormatError(f"{where}: expected {len(args)} items")
-            pairs = enumerate(zip(args, value, strict=True))
-            return tuple(_coerce(a, v, f"{where}[{i}]") for i, (a, v) in pairs)
-        return [_coerce(args[0], v, f"{where}[{i}]") for i, v in enumerate(value)]
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise FormatError(f"{where}: expected an object")
-        ktype, vtype = args
-        return {_coerce_key(ktype, k, where): _coerce(vtype, v, f"{where}[{k}]") for k, v in value.items()}
-    if isinstance(tp, type) and issubclass(tp, enum.Enum):
-        try:
-            return tp(value)
-        except ValueError as exc:
-            raise FormatError(f"{where}: {exc}") from exc
-    if dataclasses.is_dataclass(tp):
-        return _build(tp, value, where)
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise FormatError(f"{where}: expected a number")
-        return float(value)
-    if tp in (int, str, bool):
-        if type(value) is not tp:
-            raise FormatError(f"{where}: expected {tp.__name__}, got {type(value).__name__}")
-        return value
-    return value
+def json_schema(cls: type[Message]) -> dict[str, Any]:
+    """The JSON Schema of ``cls`` as it travels: its fields plus the ``kind``/``version`` envelope."""
+    schema = _adapter(cls).json_schema(mode="serialization")
+    props = schema.setdefault("properties", {})
+    schema["properties"] = {
+        "kind": {"const": cls.KIND, "type": "string"},
+        "version": {"type": "integer", "minimum": 1, "maximum": cls.VERSION},
+        **props,
+    }
+    schema["required"] = ["kind", "version", *schema.get("required", [])]
+    return schema
 
 
-def _coerce_key(tp: Any, key: str, where: str) -> Any:
-    if tp is int:
-        try:
-            return int(key)
-        except ValueError as exc:
-            raise FormatError(f"{where}: key {key!r} is not an integer") from exc
-    return key
+class _Head(pydantic.BaseModel):
+    """What every message starts with; anything else is checked once the kind is known."""
+
+    model_config = pydantic.ConfigDict(extra="ignore", strict=True)
+    kind: Any = None
+    version: Any = None
+
+
+def _first_error(exc: pydantic.ValidationError) -> str:
+    """The first validation error as ``where: what`` (a message names the field, not the input)."""
+    err = exc.errors(include_url=False, include_input=False)[0]
+    where = ".".join(str(p) for p in err.get("loc", ()))
+    more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
+    return f"{where + ': ' if where else ''}{err['msg']}{more}"

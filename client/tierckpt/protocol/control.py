@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from tierckpt.protocol.bucket_layout import BucketLayout
-from tierckpt.protocol.codec import Message
+from tierckpt.protocol.codec import Message, Record
 from tierckpt.protocol.contract import CONTRACT_VERSION
 from tierckpt.protocol.errors import ContractError, FormatError
 from tierckpt.protocol.format import control_dir, write_atomic
@@ -62,7 +62,7 @@ _TIER_COST = {Tier.LOCAL: 0, Tier.REPLICA: 1, Tier.PEER: 2, Tier.GCS: 3}
 
 
 @dataclasses.dataclass(frozen=True)
-class PeerNode:
+class PeerNode(Record):
     name: str
     endpoint: str
     """The node's replicator data endpoint, ``http://host:port``."""
@@ -115,7 +115,7 @@ class PeerAssignment(Message):
 
 
 @dataclasses.dataclass(frozen=True)
-class RankHoldings:
+class RankHoldings(Record):
     """Committed steps of one rank held by one node."""
 
     local: tuple[int, ...] = ()
@@ -272,7 +272,7 @@ def read_control(root: str | os.PathLike[str], job: str, name: str, cls: type[Me
 
 
 @dataclasses.dataclass(frozen=True)
-class JobStatus:
+class JobStatus(Record):
     job: str
     generation: int
     """Generation of the peer assignment in force (-1: none)."""

@@ -29,7 +29,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
-from tierckpt.protocol.codec import Message
+from tierckpt.protocol.codec import Message, Record
 from tierckpt.protocol.errors import FormatError
 from tierckpt.protocol.integrity import crc32c
 
@@ -184,7 +184,7 @@ def step_dirs(rank_path: str | os.PathLike[str]) -> dict[int, Path]:
 
 
 @dataclasses.dataclass(frozen=True)
-class FileEntry:
+class FileEntry(Record):
     """One file of a step: its name inside the step directory, its size and its crc32c."""
 
     name: str
@@ -197,7 +197,7 @@ class FileEntry:
 
 
 @dataclasses.dataclass(frozen=True)
-class TensorEntry:
+class TensorEntry(Record):
     """One tensor: contiguous row-major bytes of ``dtype`` and ``shape`` at ``file[offset:offset+length]``."""
 
     key: str

@@ -16,7 +16,7 @@ import socket
 import threading
 from typing import Literal
 
-from tierckpt.protocol.codec import Message, decode
+from tierckpt.protocol.codec import Message, Record, decode
 from tierckpt.protocol.errors import FormatError
 
 __all__ = [
@@ -45,7 +45,7 @@ OutcomeStatus = Literal[
 
 
 @dataclasses.dataclass(frozen=True)
-class PeerAddress:
+class PeerAddress(Record):
     node: str
     host: str
     port: int
@@ -90,7 +90,7 @@ class SendTask(Message):
 
 
 @dataclasses.dataclass(frozen=True)
-class FetchSource:
+class FetchSource(Record):
     kind: Literal["replica", "peer"]
     node: str
     host: str = ""
@@ -111,7 +111,7 @@ class FetchTask(Message):
 
 
 @dataclasses.dataclass(frozen=True)
-class Outcome:
+class Outcome(Record):
     node: str
     status: OutcomeStatus
     message: str = ""
