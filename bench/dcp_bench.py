@@ -36,8 +36,9 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from tierckpt.dcp import RamdiskReader, RamdiskWriter
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+
+from tierckpt.dcp import RamdiskReader, RamdiskWriter
 
 
 def make_state(total_mib: int, small: int) -> dict[str, Any]:

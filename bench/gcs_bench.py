@@ -57,50 +57,18 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 def _write_step(root: Path, job: str, ranks: int, files: int, total: int) -> Path:
     """Commit a step of ``ranks`` ranks with random data files; also write the same bytes as one file."""
-    from tierckpt.protocol.format import (
-        FileEntry,
-        Manifest,
-        TensorEntry,
-        commit_step,
-        data_file_name,
-        rank_dir,
-        step_dir,
-    )
-    from tierckpt.protocol.integrity import crc32c
+    from tierckpt_demo.steps import write_step
 
     per_file = max(1, total // (ranks * files)) // 4096 * 4096
     flat = root.parent / "baseline.bin"
-    block = os.urandom(8 * MiB)
     with open(flat, "wb") as out:
         for r in range(ranks):
-            path = step_dir(rank_dir(root, job, r), 1)
-            path.mkdir(parents=True)
-            entries, tensors = [], []
-            for i in range(files):
-                name = data_file_name(i)
-                crc, done = 0, 0
-                with open(path / name, "wb") as f:
-                    while done < per_file:
-                        piece = block[: min(len(block), per_file - done)]
-                        tag = (r * files + i + done).to_bytes(8, "little")  # no two blocks alike
-                        piece = tag + piece[8:]
-                        f.write(piece)
-                        out.write(piece)
-                        crc = crc32c(piece, crc)
-                        done += len(piece)
-                entries.append(FileEntry(name, per_file, crc))
-                tensors.append(TensorEntry(f"t{i}", "uint8", (per_file,), name, 0, per_file, crc))
-            manifest = Manifest(
-                job=job,
-                rank=r,
-                world_size=ranks,
-                step=1,
-                created_at=time.time(),
-                files=tuple(entries),
-                tensors=tuple(tensors),
-                tree={},
+            path = write_step(
+                root, job, r, 1, world_size=ranks, sizes=(per_file,) * files, files=files, seed=r
             )
-            commit_step(path, manifest)
+            for data in sorted(path.glob("data-*.bin")):
+                with open(data, "rb") as f:
+                    shutil.copyfileobj(f, out, 8 * MiB)
     return flat
 
 
@@ -114,6 +82,7 @@ def _run(args: argparse.Namespace, endpoint: str, bucket: str, work: Path) -> di
     from google.auth.credentials import AnonymousCredentials
     from google.cloud import storage
     from prometheus_client import CollectorRegistry
+
     from tierckpt.protocol.bucket_layout import BucketLayout
     from tierckpt.protocol.format import rank_dir
     from tierckpt_replicator.backup import BackupPolicy, BackupService

@@ -49,17 +49,14 @@ from typing import Any
 
 from tierckpt.protocol.control import RestoreState, RestoreStatus, read_control, restore_status_name
 from tierckpt.protocol.format import (
-    FileEntry,
-    Manifest,
-    TensorEntry,
     commit_step,
     rank_dir,
     read_manifest,
     replica_rank_dir,
     step_dir,
 )
-from tierckpt.protocol.integrity import crc32c
 from tierckpt_demo.cluster import LocalCluster, Node, has_netns
+from tierckpt_demo.steps import write_step
 
 MiB = 1 << 20
 RAW_PORT = 9555
@@ -71,30 +68,7 @@ RECEIVERS = ("replicator", "mmap", "splice")
 
 def make_step(parent: Path, job: str, rank: int, step: int, size: int, world_size: int, blob: bytes) -> Path:
     """Commit a one-file step of ``size`` bytes in the client format (content: ``blob`` repeated)."""
-    path = step_dir(parent, step)
-    path.mkdir(parents=True)
-    crc, done = 0, 0
-    with open(path / "data-00000.bin", "wb") as f:
-        while done < size:
-            chunk = blob[: min(len(blob), size - done)]
-            f.write(chunk)
-            crc = crc32c(chunk, crc)
-            done += len(chunk)
-    tensor = TensorEntry(
-        key="w", dtype="uint8", shape=(size,), file="data-00000.bin", offset=0, length=size, crc32c=crc
-    )
-    manifest = Manifest(
-        job=job,
-        rank=rank,
-        world_size=world_size,
-        step=step,
-        created_at=time.time(),
-        files=(FileEntry("data-00000.bin", size, crc),),
-        tensors=(tensor,),
-        tree={"w": {"tensor": 0}},
-    )
-    commit_step(path, manifest)
-    return path
+    return write_step("", job, rank, step, world_size=world_size, sizes=(size,), block=blob, parent=parent)
 
 
 def committed(path: Path) -> bool:

@@ -14,7 +14,6 @@ from typing import Any
 
 from tierckpt.protocol.bucket_layout import BucketLayout, RankBackup, StepBackup, parse_gs_url
 from tierckpt.protocol.errors import FormatError
-
 from tierckpt_cli._common import EXIT_FAILED, CliError
 
 __all__ = ["DEFAULT_PREFIX", "BucketStep", "scan_bucket"]

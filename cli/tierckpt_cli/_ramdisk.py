@@ -13,7 +13,6 @@ from pathlib import Path
 from tierckpt.protocol import format as fmt
 from tierckpt.protocol import leases
 from tierckpt.protocol.errors import FormatError
-
 from tierckpt_cli._common import EXIT_USAGE, fail
 
 __all__ = ["RankDir", "StepRecord", "find_rank_dirs", "scan_path", "step_record"]

@@ -6,8 +6,8 @@ import logging
 import os
 
 import typer
-from tierckpt.protocol import __version__
 
+from tierckpt.protocol import __version__
 from tierckpt_cli.demo import demo_command
 from tierckpt_cli.gc import gc_command
 from tierckpt_cli.ls import ls_command

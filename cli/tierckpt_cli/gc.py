@@ -23,12 +23,12 @@ from pathlib import Path
 
 import typer
 from rich.table import Table
+
 from tierckpt.planning.retention import RetentionPlan, plan_retention
 from tierckpt.protocol import format as fmt
 from tierckpt.protocol import leases
 from tierckpt.protocol.control import RestorePlan, read_control
 from tierckpt.protocol.errors import FormatError
-
 from tierckpt_cli._common import cli_errors, format_bytes, out_console, print_json, progress_bar
 from tierckpt_cli._ramdisk import RankDir, find_rank_dirs, step_record
 

@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 
 import typer
-from tierckpt.protocol.contract import Annotations, Env, read_podinfo
 
+from tierckpt.protocol.contract import Annotations, Env, read_podinfo
 from tierckpt_cli._common import EXIT_FAILED, EXIT_USAGE, cli_errors, err_console, fail, out_console
 
 __all__ = ["NodeRank", "node_rank_command", "parse_node_rank", "wait_node_rank"]

@@ -14,8 +14,8 @@ import time
 import typer
 from rich.markup import escape
 from rich.table import Table
-from tierckpt.protocol.format import read_manifest
 
+from tierckpt.protocol.format import read_manifest
 from tierckpt_cli._common import (
     EXIT_FAILED,
     cli_errors,

@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 
 import typer
-from tierckpt.protocol.contract import Csi
 
+from tierckpt.protocol.contract import Csi
 from tierckpt_csi.quantity import format_bytes, parse_quantity
 
 __all__ = ["app", "main"]

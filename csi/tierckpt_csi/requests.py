@@ -16,7 +16,6 @@ from pathlib import Path, PurePosixPath
 from tierckpt.protocol.contract import Csi
 from tierckpt.protocol.errors import FormatError
 from tierckpt.protocol.format import check_job_id
-
 from tierckpt_csi._proto import csi_pb2
 from tierckpt_csi.errors import invalid
 from tierckpt_csi.quantity import parse_quantity

@@ -14,11 +14,11 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import grpc
-import tierckpt.protocol
 from google.protobuf import wrappers_pb2
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from tierckpt.protocol.contract import Csi
 
+import tierckpt.protocol
+from tierckpt.protocol.contract import Csi
 from tierckpt_csi._proto import csi_pb2, csi_pb2_grpc
 from tierckpt_csi.errors import CsiError, invalid
 from tierckpt_csi.plugin import NodePlugin

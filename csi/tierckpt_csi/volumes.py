@@ -19,7 +19,6 @@ from pathlib import Path
 from tierckpt.protocol.codec import Message
 from tierckpt.protocol.errors import FormatError
 from tierckpt.protocol.format import write_atomic
-
 from tierckpt_csi.mounts import MountEntry
 
 __all__ = ["STATE_DIR_NAME", "VolumeRecord", "VolumeStore"]

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from tierckpt.protocol.control import PeerAssignment, PeerNode
+from tierckpt_demo.ramdisk import mount_tmpfs, unmount
 
 __all__ = ["LocalCluster", "Node", "cleanup_stale", "has_netns"]
 
@@ -445,7 +446,7 @@ class LocalCluster:
             with contextlib.suppress(Exception):
                 self.gcs.stop()
         for mount in reversed(self._mounts):
-            _run(["umount", "-l", str(mount)], check=False)
+            unmount(mount)
         for ns in self._namespaces:
             _run(["ip", "netns", "del", ns], check=False)
         if self._bridge:
@@ -492,17 +493,7 @@ class LocalCluster:
     def _make_ramdisk(self, node: Node) -> None:
         node.root.mkdir(parents=True)
         if self.netns:
-            _run(
-                [
-                    "mount",
-                    "-t",
-                    "tmpfs",
-                    "-o",
-                    f"size={self.ramdisk_size},mode=0755",
-                    f"{self.prefix}-n{node.index}",
-                    str(node.root),
-                ]
-            )
+            mount_tmpfs(node.root, self.ramdisk_size, name=f"{self.prefix}-n{node.index}")
             self._mounts.append(node.root)
 
     def _start_gcs(self) -> None:

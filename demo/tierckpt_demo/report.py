@@ -13,6 +13,7 @@ from rich import box
 from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
+
 from tierckpt.protocol.codec import Message, Record
 from tierckpt.protocol.text import rank_ranges
 

@@ -32,10 +32,10 @@ from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
 from tierckpt.protocol.control import PeerAssignment
 from tierckpt.protocol.errors import TierckptError
 from tierckpt.protocol.text import rank_ranges
-
 from tierckpt_demo import scenarios as sc
 from tierckpt_demo.control import LocalControl
 from tierckpt_demo.launcher import Launcher, kill_process_group

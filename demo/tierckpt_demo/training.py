@@ -35,6 +35,7 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
+
 from tierckpt.protocol.codec import Message
 from tierckpt.protocol.control import RestoreState, RestoreStatus, read_control, restore_status_name
 from tierckpt.protocol.errors import FormatError

@@ -14,8 +14,8 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import kopf
-from tierckpt.protocol.errors import ContractError
 
+from tierckpt.protocol.errors import ContractError
 from tierckpt_operator.cluster import Cluster, JobSetRecord
 from tierckpt_operator.injection import Injection, inject, label_pod_templates, preferred_node
 from tierckpt_operator.jobsets import check_jobset, opt_in_value, parse_jobset

@@ -18,7 +18,6 @@ from tierckpt.planning.placement import Placement, RankAssignment, assign_ranks,
 from tierckpt.protocol.contract import Annotations
 from tierckpt.protocol.control import JobPolicy, PeerAssignment, PeerNode
 from tierckpt.protocol.errors import ContractError
-
 from tierckpt_operator.jobsets import JobSetInfo
 from tierckpt_operator.pods import WorkerPod
 from tierckpt_operator.resources import ConfigSpec

@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from tierckpt.planning.placement import peer_churn
 from tierckpt.protocol.control import JobPolicy, NodeInventory, PeerAssignment, RestorePlan
-
 from tierckpt_operator import resources
 from tierckpt_operator.cluster import CheckpointJobRecord, Cluster, ConfigRecord
 from tierckpt_operator.jobsets import JobSetInfo

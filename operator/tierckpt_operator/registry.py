@@ -16,9 +16,9 @@ import logging
 from typing import Any
 
 import kopf
+
 from tierckpt.protocol.contract import Annotations, Labels, job_id_for
 from tierckpt.protocol.errors import ContractError
-
 from tierckpt_operator import admission, resources
 from tierckpt_operator.cleanup import purge_job
 from tierckpt_operator.cluster import INDEX_IDS, CheckpointJobRecord, Cluster, ConfigRecord, JobSetRecord

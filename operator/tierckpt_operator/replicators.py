@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
 from tierckpt.protocol.control import JobPolicy, NodeInventory, PeerAssignment, RestorePlan
 from tierckpt.protocol.errors import ContractError, FormatError, RetryableError
 

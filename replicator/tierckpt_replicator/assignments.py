@@ -17,7 +17,6 @@ from pathlib import Path
 from tierckpt.protocol.control import PeerAssignment, PeerNode, read_control, write_control
 from tierckpt.protocol.errors import ContractError, FormatError
 from tierckpt.protocol.format import control_dir
-
 from tierckpt_replicator.replication.ipc import PeerAddress
 
 __all__ = ["AssignmentStore", "api_url", "data_address", "load_static"]

@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import CollectorRegistry
+
 from tierckpt.protocol.control import JobPolicy
 from tierckpt.protocol.errors import MissingCheckpointError
-
 from tierckpt_replicator.policies import PolicyStore
 from tierckpt_replicator.settings import Settings
 

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import httpx
 import uvicorn
+
+import tierckpt_replicator
 from tierckpt.planning.steps import newest_common_step
 from tierckpt.protocol.control import (
     JobPolicy,
@@ -36,8 +38,6 @@ from tierckpt.protocol.control import (
 from tierckpt.protocol.errors import FormatError
 from tierckpt.protocol.format import discard_step, job_dir, rank_dir, ranks_in, replica_rank_dir, step_dirs
 from tierckpt.protocol.tokens import TokenFile
-
-import tierckpt_replicator
 from tierckpt_replicator.app import create_app
 from tierckpt_replicator.assignments import AssignmentStore, load_static
 from tierckpt_replicator.backup_hook import BackupPort, bucket_world_sizes, load_backup_service

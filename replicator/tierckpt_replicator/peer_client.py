@@ -5,10 +5,10 @@ from __future__ import annotations
 import logging
 
 import httpx
+
 from tierckpt.protocol.control import NodeInventory, PeerNode
 from tierckpt.protocol.errors import FormatError, RetryableError
 from tierckpt.protocol.tokens import TokenFile
-
 from tierckpt_replicator.assignments import api_url
 
 __all__ = ["PeerClient"]

@@ -19,7 +19,6 @@ import struct
 from pathlib import Path
 
 from tierckpt.protocol.format import job_dir, rank_dir, ranks_in, read_commit, step_dirs
-
 from tierckpt_replicator.inventory import list_jobs
 
 __all__ = ["CommitWatcher"]

@@ -1,30 +1,19 @@
 """Fixtures for the GCS backup tests: one real fake-gcs-server per session, a fresh bucket per test,
-a fault proxy in front of it on demand, and helpers that build client-format steps on "nodes"."""
+and a fault proxy in front of it on demand. Helpers live in ``tests.backup.helpers``."""
 
 from __future__ import annotations
 
 import itertools
 import os
-import shutil
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
-from fixtures.steps import write_step
-from prometheus_client import CollectorRegistry
-from tierckpt.protocol.bucket_layout import BucketLayout
-from tierckpt.protocol.control import PeerAssignment, PeerNode, write_control
-from tierckpt.protocol.format import replica_rank_dir, step_dir
-from tierckpt_demo.fakegcs import FakeGcsServer, FaultProxy
-from tierckpt_replicator.backup.gcs import GcsSettings, GcsStore, RetryPolicy
-from tierckpt_replicator.backup.metrics import BackupMetrics
-from tierckpt_replicator.backup.policy import BackupPolicy
-from tierckpt_replicator.backup.service import BackupService
 
-KiB = 1 << 10
-MiB = 1 << 20
-FAST_RETRY = RetryPolicy(initial=0.01, maximum=0.05, multiplier=2.0, deadline=3.0)
+from tests.backup.helpers import make_store
+from tierckpt_demo.fakegcs import FakeGcsServer, FaultProxy
+from tierckpt_replicator.backup.gcs import GcsStore
+
 _counter = itertools.count()
 
 
@@ -47,87 +36,6 @@ def proxy(gcs_server: FakeGcsServer) -> Iterator[FaultProxy]:
         yield p
 
 
-def make_store(url: str, bucket: str, **overrides: object) -> GcsStore:
-    settings = {
-        "bucket": bucket,
-        "endpoint": url,
-        "chunk_size": 256 * KiB,
-        "retry": FAST_RETRY,
-        "connect_timeout": 2.0,
-        "read_timeout": 5.0,
-    }
-    settings.update(overrides)
-    return GcsStore(GcsSettings(**settings))  # type: ignore[arg-type]
-
-
 @pytest.fixture
 def store(gcs_server: FakeGcsServer, bucket: str) -> GcsStore:
     return make_store(gcs_server.url, bucket)
-
-
-def make_service(store: object, root: Path, node: str, **overrides: object) -> BackupService:
-    kwargs: dict[str, object] = {
-        "store": store,
-        "policy": BackupPolicy(interval_steps=10, interval_seconds=0, keep_last=3),
-        "node": node,
-        "root": root,
-        "layout": BucketLayout("t"),
-        "parallelism": 4,
-        "slice_size": 0,
-        "range_size": 96 * KiB,
-        "incomplete_grace": 0.0,
-        "metrics": BackupMetrics(CollectorRegistry()),
-    }
-    kwargs.update(overrides)
-    return BackupService(**kwargs)  # type: ignore[arg-type]
-
-
-def write_cluster_step(
-    roots: dict[str, Path],
-    job: str,
-    step: int,
-    world_size: int,
-    *,
-    sizes: tuple[int, ...] = (200 * KiB, 3 * KiB),
-    files: int = 2,
-) -> dict[int, Path]:
-    """Commit ``step`` of every rank, as ``write_peers`` lays them out: node i is primary for the i-th
-    contiguous block of ranks and holds a replica of the previous node's block. Returns rank -> primary
-    step dir."""
-    nodes = sorted(roots)
-    per_node = world_size // len(nodes)
-    out = {}
-    for r in range(world_size):
-        i = r // per_node
-        primary, replica = nodes[i], nodes[(i + 1) % len(nodes)]
-        out[r] = write_step(
-            roots[primary],
-            job,
-            r,
-            step,
-            world_size=world_size,
-            sizes=sizes,
-            files=files,
-            seed=step * 1000 + r,
-        )
-        if replica != primary:  # a replica is a byte-for-byte copy of the primary
-            shutil.copytree(out[r], step_dir(replica_rank_dir(roots[replica], job, r), step))
-
-    return out
-
-
-def write_peers(roots: dict[str, Path], job: str, world_size: int) -> None:
-    """peers.json as the operator would send it: node i has node rank i and replicates to node i+1."""
-    nodes = sorted(roots)
-    per_node = world_size // len(nodes)
-    assert per_node * len(nodes) == world_size
-    assignment = PeerAssignment(
-        job=job,
-        generation=1,
-        nodes={n: PeerNode(name=n, endpoint=f"http://{n}:1") for n in nodes},
-        peers={n: (nodes[(i + 1) % len(nodes)],) for i, n in enumerate(nodes)} if len(nodes) > 1 else {},
-        node_ranks={n: i for i, n in enumerate(nodes)},
-        procs_per_node=per_node,
-    )
-    for root in roots.values():
-        write_control(root, job, PeerAssignment.FILE, assignment)

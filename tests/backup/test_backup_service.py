@@ -12,17 +12,19 @@ import sys
 import textwrap
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from conftest import KiB, make_service, make_store, write_cluster_step, write_peers
-from fixtures.steps import step_files, write_step
 from prometheus_client import CollectorRegistry
+
+from tests.backup.helpers import KiB, make_service, make_store, write_cluster_step, write_peers
 from tierckpt.protocol.bucket_layout import BucketLayout, RankBackup, StepBackup
 from tierckpt.protocol.errors import CorruptShardError, MissingCheckpointError
 from tierckpt.protocol.format import rank_dir, read_manifest, step_dir
 from tierckpt_demo.fakegcs import FakeGcsServer, FaultProxy, FaultRule
+from tierckpt_demo.steps import step_files, write_step
 from tierckpt_replicator.backup.gcs import GcsStore, RetryPolicy
 from tierckpt_replicator.backup.metrics import BackupMetrics
 from tierckpt_replicator.backup.policy import BackupPolicy
@@ -30,6 +32,8 @@ from tierckpt_replicator.backup.service import BackupService
 from tierckpt_replicator.backup.settings import BackupSettings
 from tierckpt_replicator.backup.store import TransientStoreError, UploadCorrupted
 from tierckpt_replicator.backup.uploader import StaleStepError
+
+pytestmark = pytest.mark.e2e
 
 JOB = "default_train_0123abcd"
 LAYOUT = BucketLayout("t")
@@ -526,7 +530,7 @@ async def test_a_node_about_to_disappear_uploads_everything_it_holds(
 
 @pytest.mark.root
 async def test_restore_into_a_full_ramdisk_fails_cleanly(
-    gcs_server: FakeGcsServer, bucket: str, tmp_path: Path
+    gcs_server: FakeGcsServer, bucket: str, tmp_path: Path, tmpfs: Callable[[str], Path]
 ) -> None:
     from tierckpt.protocol.errors import RamdiskFullError
 
@@ -534,15 +538,10 @@ async def test_restore_into_a_full_ramdisk_fails_cleanly(
     write_step(root, JOB, 0, 8, sizes=(512 * KiB,))
     svc = make_service(make_store(gcs_server.url, bucket), root, "n")
     assert await svc.backup_now(JOB) == 8
-    small = tmp_path / "small"
-    small.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=128k", "tckfull", str(small)], check=True)
-    try:
-        with pytest.raises(RamdiskFullError):
-            await svc.fetch_rank(JOB, 8, 0, small / "rank")
-        assert not [p for p in (small / "rank").rglob("*") if p.is_file()]
-    finally:
-        subprocess.run(["umount", str(small)], check=False)
+    small = tmpfs("128k")
+    with pytest.raises(RamdiskFullError):
+        await svc.fetch_rank(JOB, 8, 0, small / "rank")
+    assert not [p for p in (small / "rank").rglob("*") if p.is_file()]
     await svc.close()
 
 

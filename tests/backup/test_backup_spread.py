@@ -7,6 +7,7 @@ import random
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from tierckpt_replicator.backup.spread import assign_uploads
 
 nodes = st.sampled_from([f"node-{i}" for i in range(6)])

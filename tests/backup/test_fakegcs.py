@@ -10,6 +10,7 @@ import uuid
 
 import pytest
 import requests
+
 from tierckpt_demo.fakegcs import (
     FakeGcsServer,
     FaultProxy,
@@ -18,6 +19,8 @@ from tierckpt_demo.fakegcs import (
     free_port,
     gcs_behind_proxy,
 )
+
+pytestmark = pytest.mark.e2e
 
 
 def test_binary_is_found_in_the_wrapper_wheel() -> None:

@@ -7,9 +7,10 @@ import os
 from pathlib import Path
 
 import pytest
-from conftest import FAST_RETRY, KiB, MiB, make_store
 from google.api_core import exceptions as api_exceptions
 from google.cloud.storage.exceptions import DataCorruption
+
+from tests.backup.helpers import FAST_RETRY, KiB, MiB, make_store
 from tierckpt.protocol.integrity import crc32c
 from tierckpt_demo.fakegcs import FakeGcsServer, FaultProxy, FaultRule
 from tierckpt_replicator.backup.gcs import GcsSettings, GcsStore, RetryPolicy, crc32c_b64, crc32c_from_b64
@@ -20,6 +21,8 @@ from tierckpt_replicator.backup.store import (
     TransientStoreError,
     UploadCorrupted,
 )
+
+pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture

@@ -10,7 +10,8 @@ from typing import Any
 import helm_python as helm
 import kubernetes_validate
 import yaml
-from shared_data import JOBSET_CRD
+
+from tests.fixtures.shared_data import JOBSET_CRD
 
 __all__ = ["CHART", "JOBSET_CRD", "NAMESPACE", "RELEASE", "REPO", "Rendered", "k8s_errors", "render"]
 

@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import typer
-from chart_render import NAMESPACE, render
+
+from tests.chart.chart_render import NAMESPACE, render
 
 FIELD_VALUES = {
     "spec.nodeName": "gke-node-1",

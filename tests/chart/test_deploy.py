@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-from chart_render import CHART, KUBE_VERSIONS, REPO
-from crd_schema import validator_for
-from shared_data import require_jobset_crd
+
+from tests.chart.chart_render import CHART, KUBE_VERSIONS, REPO
+from tests.chart.crd_schema import validator_for
+from tests.fixtures.shared_data import require_jobset_crd
 from tierckpt.protocol.contract import Annotations
 
 DEPLOY = REPO / "deploy"
@@ -63,7 +64,7 @@ def test_example_jobset_is_valid_and_opted_in() -> None:
     assert strict.errors(jobset) == []
     assert jobset["metadata"]["annotations"][Annotations.ENABLED] == "true"
     assert jobset["metadata"]["annotations"][Annotations.CONFIG] == "default"
-    from chart_render import k8s_errors
+    from tests.chart.chart_render import k8s_errors
 
     assert [e for v in KUBE_VERSIONS if (e := k8s_errors(config_map, v))] == []
     compile(config_map["data"]["train.py"], "train.py", "exec")  # the training script is valid Python

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from chart_render import NAMESPACE, render
+from tests.chart.chart_render import NAMESPACE, render
 
 OPERATOR_RULES = [
     {"apiGroups": ["jobset.x-k8s.io"], "resources": ["jobsets"], "verbs": ["get", "list", "watch", "patch"]},

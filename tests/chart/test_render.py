@@ -6,8 +6,9 @@ from pathlib import Path
 
 import helm_python as helm
 import pytest
-from chart_render import CHART, KUBE_VERSIONS, k8s_errors, render
-from crd_schema import validator_for
+
+from tests.chart.chart_render import CHART, KUBE_VERSIONS, k8s_errors, render
+from tests.chart.crd_schema import validator_for
 
 GSA = "tierckpt-replicator@my-project.iam.gserviceaccount.com"
 TOKEN = "t" * 40
@@ -134,7 +135,7 @@ def test_contradictory_values_fail_with_a_reason(values: dict, message: str) -> 
 
 
 def test_crds_are_valid_for_every_supported_version() -> None:
-    from chart_render import crds
+    from tests.chart.chart_render import crds
 
     docs = crds()
     assert {d["spec"]["names"]["kind"] for d in docs} >= {"CheckpointConfiguration", "CheckpointJob"}

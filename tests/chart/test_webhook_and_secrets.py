@@ -6,18 +6,16 @@ from __future__ import annotations
 import asyncio
 import base64
 import datetime
-import sys
 import threading
 from collections.abc import Iterator
 
 import helm_python as helm
 import pytest
-from chart_render import NAMESPACE, REPO, Rendered, render
 from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import padding
-from tierckpt.protocol.contract import Annotations, Labels
 
-sys.path.insert(0, str(REPO / "tests"))  # the shared API emulator (tests/k8s_emulator.py)
+from tests.chart.chart_render import NAMESPACE, Rendered, render
+from tierckpt.protocol.contract import Annotations, Labels
 
 
 def _b64(text: str) -> bytes:
@@ -136,9 +134,10 @@ def test_token_is_generated_given_or_external() -> None:
 
 @pytest.fixture
 def api_server() -> Iterator[str]:
-    """The Kubernetes API emulator (tests/k8s_emulator.py) on loopback, in a thread of its own."""
+    """The Kubernetes API emulator (tests/fixtures/k8s_emulator.py) on loopback, in a thread of its own."""
     import kmock
-    from k8s_emulator import KubeEmulator
+
+    from tests.fixtures.k8s_emulator import KubeEmulator
 
     ready, box = threading.Event(), {}
 

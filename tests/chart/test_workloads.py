@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from chart_render import render
+
+from tests.chart.chart_render import render
 from tierckpt.protocol.contract import Csi
 
 

@@ -17,9 +17,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from typer.testing import CliRunner
+
 from tierckpt.checkpointer import Checkpointer
 from tierckpt_cli.app import app
-from typer.testing import CliRunner
 
 __all__ = ["JOB", "Result", "assert_clean_error", "cli", "cli_process", "save_steps"]
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from cli_helpers import save_steps
+
+from tests.cli.cli_helpers import save_steps
 
 
 @pytest.fixture

@@ -14,16 +14,19 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from cli_helpers import assert_clean_error, cli
-from fixtures.steps import write_step
 from prometheus_client import CollectorRegistry
+
+from tests.cli.cli_helpers import assert_clean_error, cli
 from tierckpt.protocol.bucket_layout import BucketLayout
 from tierckpt.protocol.format import read_commit
 from tierckpt_demo.fakegcs import FakeGcsServer
+from tierckpt_demo.steps import write_step
 from tierckpt_replicator.backup.gcs import GcsSettings, GcsStore
 from tierckpt_replicator.backup.metrics import BackupMetrics
 from tierckpt_replicator.backup.policy import BackupPolicy
 from tierckpt_replicator.backup.service import BackupService
+
+pytestmark = pytest.mark.e2e
 
 LOCAL_JOB = "local-run"
 K8S_JOB = "team-a_train_0123abcd"

@@ -14,7 +14,7 @@ import threading
 import time
 from pathlib import Path
 
-from cli_helpers import assert_clean_error, cli
+from tests.cli.cli_helpers import assert_clean_error, cli
 from tierckpt.protocol.contract import Annotations
 
 

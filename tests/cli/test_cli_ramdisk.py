@@ -14,7 +14,7 @@ import shutil
 import time
 from pathlib import Path
 
-from cli_helpers import JOB, assert_clean_error, cli, cli_process, save_steps
+from tests.cli.cli_helpers import JOB, assert_clean_error, cli, cli_process, save_steps
 from tierckpt.checkpointer import Checkpointer
 from tierckpt.protocol import leases
 from tierckpt.protocol.format import COMMIT_NAME, MANIFEST_NAME, read_commit, replica_rank_dir, step_dir

@@ -1,4 +1,4 @@
-"""``tierckpt status`` against an emulated API server (tests/k8s_emulator.py, as a process).
+"""``tierckpt status`` against an emulated API server (tests/fixtures/k8s_emulator.py, as a process).
 
 The tierckpt CRDs from the chart are applied, a CheckpointJob is created and its status written
 through the status subresource, as the operator does; then the command reads it with a kubeconfig.
@@ -17,8 +17,11 @@ from pathlib import Path
 
 import pytest
 import yaml
-from cli_helpers import assert_clean_error, cli
+
+from tests.cli.cli_helpers import assert_clean_error, cli
 from tierckpt_cli.status import CRD_GROUP, CRD_PLURAL, CRD_VERSION
+
+pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parents[2]
 CRD = REPO / "charts" / "tierckpt" / "crds" / "checkpointjobs.tierckpt.io.yaml"
@@ -67,7 +70,7 @@ def _kubeconfig(path: Path, url: str, namespace: str = "team-a") -> Path:
 def api_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     port_file = tmp_path_factory.mktemp("emu") / "url"
     proc = subprocess.Popen(
-        [sys.executable, str(REPO / "tests" / "k8s_emulator.py"), "--port-file", str(port_file)],
+        [sys.executable, str(REPO / "tests" / "fixtures" / "k8s_emulator.py"), "--port-file", str(port_file)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )

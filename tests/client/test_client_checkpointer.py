@@ -8,7 +8,8 @@ import resource
 import numpy as np
 import pytest
 import torch
-from client_helpers import assert_same, training_state
+
+from tests.client.client_helpers import assert_same, training_state
 from tierckpt import Checkpointer, MissingCheckpointError, SaveHandle, TierckptError
 from tierckpt.protocol.format import CommitMarker, read_manifest, step_dir
 from tierckpt.snapshot.pool import SPARE_DIR

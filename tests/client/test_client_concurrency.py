@@ -6,6 +6,7 @@ import threading
 import time
 
 import torch
+
 from tierckpt import Checkpointer, MissingCheckpointError
 from tierckpt.protocol import leases
 from tierckpt.protocol.format import committed_steps, step_dir

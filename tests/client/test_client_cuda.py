@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from client_helpers import assert_same
+
+from tests.client.client_helpers import assert_same
 from tierckpt import Checkpointer, CorruptShardError
 from tierckpt.protocol.format import read_manifest, step_dir
 

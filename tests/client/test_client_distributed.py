@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+
 from tierckpt import Checkpointer, CorruptShardError
 from tierckpt.protocol.format import discard_step, read_manifest, step_dir
 

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from client_helpers import assert_same
+
+from tests.client.client_helpers import assert_same
 from tierckpt import Checkpointer, CorruptShardError, FormatError, RamdiskFullError
 from tierckpt.protocol.format import (
     COMMIT_NAME,

@@ -9,9 +9,10 @@ import math
 import numpy as np
 import pytest
 import torch
-from client_helpers import assert_same, training_state
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from tests.client.client_helpers import assert_same, training_state
 from tierckpt.protocol.errors import FormatError
 from tierckpt.snapshot.flatten import flatten, restore_into
 

@@ -9,7 +9,8 @@ import time
 
 import pytest
 import torch
-from client_helpers import filled_state
+
+from tests.client.client_helpers import filled_state
 from tierckpt import Checkpointer
 from tierckpt.protocol.format import rank_dir, read_commit, step_dir, step_dirs
 from tierckpt.verify import verify_step

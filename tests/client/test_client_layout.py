@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from tierckpt.protocol.format import ALIGNMENT
 from tierckpt.snapshot.layout import TensorSpec, plan_layout
 

@@ -7,6 +7,7 @@ import threading
 import time
 
 import pytest
+
 from tierckpt.protocol import leases
 from tierckpt.protocol.errors import MissingCheckpointError
 from tierckpt.protocol.format import Lease, Manifest, commit_step, lease_dir, rank_dir, step_dir

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from tierckpt import cuda
 from tierckpt.protocol.integrity import crc32c
 from tierckpt.snapshot import checksum

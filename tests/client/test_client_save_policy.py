@@ -5,8 +5,9 @@ from __future__ import annotations
 import threading
 
 import pytest
-import tierckpt.checkpointer as checkpointer_module
 import torch
+
+import tierckpt.checkpointer as checkpointer_module
 from tierckpt import Checkpointer, SaveInProgressError
 from tierckpt.protocol.format import step_dirs
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from tierckpt.protocol.contract import Env
 from tierckpt.protocol.errors import ContractError, FormatError
 from tierckpt.settings import resolve

@@ -10,7 +10,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from csi_helpers import Node, PluginProcess, unmount_all_under
+
+from tests.csi.csi_helpers import Node, PluginProcess, unmount_all_under
 
 
 @pytest.fixture

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
+
 from tierckpt.protocol.contract import Csi
 from tierckpt_csi._proto import csi_pb2, csi_pb2_grpc
 

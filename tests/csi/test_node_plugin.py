@@ -9,13 +9,14 @@ import uuid
 
 import grpc
 import pytest
+
 import tierckpt
-from csi_helpers import MiB, Node, mounts_at, publish_request, thread_plugin, unpublish_request
+from tests.csi.csi_helpers import MiB, Node, mounts_at, publish_request, thread_plugin, unpublish_request
 from tierckpt.protocol.contract import Csi
 from tierckpt_csi._proto import csi_pb2
 from tierckpt_csi.volumes import STATE_DIR_NAME
 
-pytestmark = pytest.mark.root
+pytestmark = [pytest.mark.root, pytest.mark.e2e]
 
 JOB_A = "team-a_llama_0a1b2c3d"
 JOB_B = "team-a_mixtral_4e5f6a7b"

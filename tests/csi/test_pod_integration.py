@@ -7,13 +7,14 @@ import os
 import uuid
 
 import pytest
-from csi_helpers import MiB, Node, thread_plugin
+
+from tests.csi.csi_helpers import MiB, Node, thread_plugin
 from tierckpt.protocol.contract import Csi, Env, job_id_for
 from tierckpt.protocol.format import rank_dir, read_manifest, step_dir
 from tierckpt_csi._proto import csi_pb2
 from tierckpt_csi.mounts import bind_mount
 
-pytestmark = pytest.mark.root
+pytestmark = [pytest.mark.root, pytest.mark.e2e]
 
 
 def _kubelet_publish_request(node: Node, pod: dict, volume: dict) -> csi_pb2.NodePublishVolumeRequest:

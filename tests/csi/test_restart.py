@@ -10,13 +10,22 @@ import urllib.request
 
 import grpc
 import pytest
-from csi_helpers import MiB, Node, PluginProcess, connect, mounts_at, publish_request, unpublish_request
 from prometheus_client.parser import text_string_to_metric_families
+
+from tests.csi.csi_helpers import (
+    MiB,
+    Node,
+    PluginProcess,
+    connect,
+    mounts_at,
+    publish_request,
+    unpublish_request,
+)
 from tierckpt_csi._proto import csi_pb2
 from tierckpt_csi.mounts import bind_mount, unmount
 from tierckpt_csi.ramdisk import ensure_ramdisk
 
-pytestmark = pytest.mark.root
+pytestmark = [pytest.mark.root, pytest.mark.e2e]
 
 JOB_A = "team-a_llama_0a1b2c3d"
 JOB_B = "team-a_mixtral_4e5f6a7b"

@@ -8,6 +8,7 @@ import grpc
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+
 from tierckpt_csi.admission import JobUse, admit
 from tierckpt_csi.errors import CsiError
 from tierckpt_csi.mounts import parse_mountinfo

@@ -22,7 +22,7 @@ _PRELOAD = [
     "torch.distributed.fsdp",
     "torch.distributed.checkpoint.state_dict",
     "tierckpt.dcp",
-    "dcp_scenarios",
+    "tests.dcp.dcp_scenarios",
 ]
 
 

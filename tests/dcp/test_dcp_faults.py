@@ -5,21 +5,21 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import uuid
+from collections.abc import Callable
 from pathlib import Path
 
-import dcp_scenarios as sc
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from dcp_dist import run_ranks
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.multiprocessing import ProcessExitedException
+
+from tests.dcp import dcp_scenarios as sc
+from tests.dcp.dcp_dist import run_ranks
 from tierckpt.dcp import RamdiskReader, RamdiskWriter
 from tierckpt.protocol import leases
 from tierckpt.protocol.errors import MissingCheckpointError, RamdiskFullError
 from tierckpt.protocol.format import DCP_METADATA_NAME, committed_steps, rank_dir, read_manifest, step_dir
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.multiprocessing import ProcessExitedException
 
 
 def _find_entry(root: Path, job: str, step: int, key: str) -> tuple[Path, int]:
@@ -113,26 +113,23 @@ def test_an_existing_step_is_kept_unless_overwrite(ramdisk: Path, job: str) -> N
 
 
 @pytest.mark.root
-def test_a_full_ramdisk_raises_ramdisk_full_and_keeps_older_steps(tmp_path: Path, job: str) -> None:
-    mount = tmp_path / f"tmpfs-{uuid.uuid4().hex[:8]}"
-    mount.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tierckpt-dcp-test", str(mount)], check=True)
-    try:
-        small = {"x": torch.arange(1000, dtype=torch.float32)}
-        with RamdiskWriter(mount, job) as writer:
-            dcp.save(small, checkpoint_id=1, storage_writer=writer, no_dist=True)
-            with pytest.raises(CheckpointException) as info:
-                big = {"x": torch.randn(1 << 20)}  # 4 MiB into a 1 MiB ramdisk
-                dcp.save(big, checkpoint_id=2, storage_writer=writer, no_dist=True)
-        ((error, _tb),) = info.value.failures.values()
-        assert isinstance(error, RamdiskFullError), error
-        assert "ramdisk full" in str(error)
-        assert not step_dir(rank_dir(mount, job, 0), 2).exists(), "the partial step was removed"
-        got = {"x": torch.zeros(1000)}
-        dcp.load(got, storage_reader=RamdiskReader(mount, job), no_dist=True)
-        assert torch.equal(got["x"], small["x"])
-    finally:
-        subprocess.run(["umount", "--lazy", str(mount)], check=True)
+def test_a_full_ramdisk_raises_ramdisk_full_and_keeps_older_steps(
+    tmpfs: Callable[[str], Path], job: str
+) -> None:
+    mount = tmpfs("1m")
+    small = {"x": torch.arange(1000, dtype=torch.float32)}
+    with RamdiskWriter(mount, job) as writer:
+        dcp.save(small, checkpoint_id=1, storage_writer=writer, no_dist=True)
+        with pytest.raises(CheckpointException) as info:
+            big = {"x": torch.randn(1 << 20)}  # 4 MiB into a 1 MiB ramdisk
+            dcp.save(big, checkpoint_id=2, storage_writer=writer, no_dist=True)
+    ((error, _tb),) = info.value.failures.values()
+    assert isinstance(error, RamdiskFullError), error
+    assert "ramdisk full" in str(error)
+    assert not step_dir(rank_dir(mount, job, 0), 2).exists(), "the partial step was removed"
+    got = {"x": torch.zeros(1000)}
+    dcp.load(got, storage_reader=RamdiskReader(mount, job), no_dist=True)
+    assert torch.equal(got["x"], small["x"])
 
 
 def test_ranks_naming_different_steps_are_refused_before_writing(

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+
 from tierckpt.dcp import RamdiskReader, RamdiskWriter
 
 

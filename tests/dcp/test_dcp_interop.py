@@ -6,8 +6,10 @@ import shutil
 import time
 from pathlib import Path
 
-import dcp_scenarios as sc
-from dcp_dist import run_ranks
+import pytest
+
+from tests.dcp import dcp_scenarios as sc
+from tests.dcp.dcp_dist import run_ranks
 from tierckpt.planning.restore import choose_restore
 from tierckpt.protocol.control import NodeInventory, RankHoldings, Tier
 from tierckpt.protocol.format import (
@@ -21,6 +23,8 @@ from tierckpt.protocol.format import (
 )
 from tierckpt.protocol.integrity import crc32c_file
 from tierckpt.verify import verify_step
+
+pytestmark = pytest.mark.e2e
 
 
 def test_dcp_steps_are_committed_self_describing_and_verify(ramdisk: Path, job: str) -> None:

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import dcp_scenarios as sc
 import pytest
 import torch
-from dcp_dist import run_ranks
+
+from tests.dcp import dcp_scenarios as sc
+from tests.dcp.dcp_dist import run_ranks
 from tierckpt.dcp import full_state_dict
 from tierckpt.protocol.format import committed_steps, rank_dir, read_manifest, step_dir
+
+pytestmark = pytest.mark.e2e
 
 
 def test_save_load_round_trip_is_bit_exact(ramdisk: Path, job: str) -> None:

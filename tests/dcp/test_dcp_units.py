@@ -10,12 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from tierckpt.dcp import RamdiskReader, RamdiskWriter
-from tierckpt.dcp._paths import parse_step_id
-from tierckpt.dcp._store import plan_dcp_retention
-from tierckpt.dcp.metadata import DcpMetadata, ItemLocation, decode_metadata, encode_metadata
-from tierckpt.protocol.errors import ContractError, FormatError
-from tierckpt.protocol.format import committed_steps, rank_dir, step_dir
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -25,6 +19,13 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
+
+from tierckpt.dcp import RamdiskReader, RamdiskWriter
+from tierckpt.dcp._paths import parse_step_id
+from tierckpt.dcp._store import plan_dcp_retention
+from tierckpt.dcp.metadata import DcpMetadata, ItemLocation, decode_metadata, encode_metadata
+from tierckpt.protocol.errors import ContractError, FormatError
+from tierckpt.protocol.format import committed_steps, rank_dir, step_dir
 
 
 def _metadata(planner_data: object) -> tuple[Metadata, dict[MetadataIndex, ItemLocation]]:
@@ -155,8 +156,9 @@ def test_repeated_saves_keep_n_checkpoints_and_reuse_pages(ramdisk: Path, job: s
 
 def test_steps_being_read_are_leased(ramdisk: Path, job: str) -> None:
     """While the reader copies a step's data, the step holds a lease (retention elsewhere keeps it)."""
-    from tierckpt.protocol import leases
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    from tierckpt.protocol import leases
 
     rank_path = rank_dir(ramdisk, job, 0)
     seen: list[set[int]] = []

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+
 from tierckpt_demo.report import DemoReport
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

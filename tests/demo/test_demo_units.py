@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from typer.testing import CliRunner
+
 from tierckpt.planning.placement import plan_node_peers
 from tierckpt_cli.app import app
 from tierckpt_demo import run as demo_run
 from tierckpt_demo import scenarios as sc
 from tierckpt_demo.report import Check, DemoConfig, DemoReport, RankResult, ScenarioResult, render_report
 from tierckpt_demo.training import MODEL_PRESETS, build_state, parse_model_size, state_sha256
-from typer.testing import CliRunner
 
 # ------------------------------------------------------------------------------------- timeline
 

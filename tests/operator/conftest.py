@@ -3,17 +3,14 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import kmock
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: k8s_emulator and fixtures
-
-from k8s_emulator import KubeEmulator
-from operator_harness import (
+from tests.fixtures.k8s_emulator import KubeEmulator
+from tests.operator.operator_harness import (
     SYSTEM_NS,
     Apiserver,
     Cluster,

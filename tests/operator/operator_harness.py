@@ -35,7 +35,8 @@ import httpx
 import jsonpatch
 import kmock
 import yaml
-from shared_data import JOBSET_CRD, require_jobset_crd
+
+from tests.fixtures.shared_data import JOBSET_CRD, require_jobset_crd
 from tierckpt_operator.__main__ import run
 from tierckpt_operator.runtime import Runtime
 from tierckpt_operator.settings import Settings

@@ -1,5 +1,5 @@
-"""The Kubernetes API emulator shim (tests/k8s_emulator.py) behaves like an apiserver where our operator
-depends on it: object metadata, conflicts, patches, status subresource, selectors, discovery,
+"""The Kubernetes API emulator shim (tests/fixtures/k8s_emulator.py) behaves like an apiserver where our
+operator depends on it: object metadata, conflicts, patches, status subresource, selectors, discovery,
 finalizers and garbage collection. Real HTTP, and the real ``kubernetes`` client for compatibility."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ import json
 
 import kubernetes
 import pytest
-from k8s_emulator import LabelSelector, merge_diff
+
+from tests.fixtures.k8s_emulator import LabelSelector, merge_diff
 
 CM = "/api/v1/namespaces/ns1/configmaps"
 

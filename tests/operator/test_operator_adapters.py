@@ -12,6 +12,7 @@ import json
 
 import pytest
 from aiohttp import web
+
 from tierckpt.protocol.control import JobPolicy, NodeInventory, PeerAssignment, PeerNode, RankHoldings
 from tierckpt.protocol.errors import ContractError
 from tierckpt_operator.cleanup import purge_job

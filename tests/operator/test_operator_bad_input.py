@@ -7,7 +7,8 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from operator_harness import AdmissionRefused, eventually, jobset_body
+
+from tests.operator.operator_harness import AdmissionRefused, eventually, jobset_body
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

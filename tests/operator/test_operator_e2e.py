@@ -14,8 +14,8 @@ from __future__ import annotations
 import random
 
 import pytest
-from fixtures.steps import write_step
-from operator_harness import eventually, jobset_body
+
+from tests.operator.operator_harness import eventually, jobset_body
 from tierckpt.protocol.contract import Annotations
 from tierckpt.protocol.control import (
     JobPolicy,
@@ -28,6 +28,7 @@ from tierckpt.protocol.control import (
     restore_status_name,
 )
 from tierckpt.protocol.format import committed_steps, job_dir, rank_dir
+from tierckpt_demo.steps import write_step
 from tierckpt_operator.status import parse_ranges
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

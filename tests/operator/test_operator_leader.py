@@ -7,7 +7,15 @@ import asyncio
 import dataclasses
 
 import pytest
-from operator_harness import Cluster, OperatorThread, eventually, jobset_body, operator_settings, port_open
+
+from tests.operator.operator_harness import (
+    Cluster,
+    OperatorThread,
+    eventually,
+    jobset_body,
+    operator_settings,
+    port_open,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

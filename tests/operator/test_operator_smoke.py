@@ -1,6 +1,6 @@
 """Smoke test of the packaged entry points as separate processes: ``tierckpt-operator`` (the console
-script) against the API emulator running standalone (``python tests/k8s_emulator.py``), driven through
-the ``kubernetes`` client. Ends with SIGTERM: the operator must exit cleanly."""
+script) against the API emulator running standalone (``python tests/fixtures/k8s_emulator.py``), driven
+through the ``kubernetes`` client. Ends with SIGTERM: the operator must exit cleanly."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from pathlib import Path
 
 import kubernetes
 import pytest
-from operator_harness import free_port, jobset_body, load_crds
+
+from tests.operator.operator_harness import free_port, jobset_body, load_crds
 from tierckpt.protocol.contract import Annotations
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -40,7 +41,7 @@ def _wait(predicate, timeout=30.0, what=""):
 def emulator(tmp_path):
     port_file = tmp_path / "emulator.json"
     proc = subprocess.Popen(
-        [sys.executable, str(TESTS / "k8s_emulator.py"), "--port-file", str(port_file)],
+        [sys.executable, str(TESTS / "fixtures" / "k8s_emulator.py"), "--port-file", str(port_file)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
     )

@@ -11,7 +11,8 @@ import kopf
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from operator_harness import CRD_DIR, load_crds
+
+from tests.operator.operator_harness import CRD_DIR, load_crds
 from tierckpt.protocol.contract import Annotations
 from tierckpt.protocol.control import (
     JobPolicy,

@@ -8,7 +8,8 @@ import json
 
 import jsonpatch
 import pytest
-from operator_harness import PODS, eventually, jobset_body
+
+from tests.operator.operator_harness import PODS, eventually, jobset_body
 
 pytestmark = [pytest.mark.e2e]
 

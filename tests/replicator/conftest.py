@@ -9,13 +9,10 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 _TAIL = 6000
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from fixtures.steps import write_step
+
 from tierckpt.protocol.control import (
     JobPolicy,
     NodeInventory,
@@ -24,6 +24,7 @@ from tierckpt.protocol.control import (
     restore_status_name,
 )
 from tierckpt.protocol.format import control_dir
+from tierckpt_demo.steps import write_step
 from tierckpt_replicator.daemon import Daemon
 from tierckpt_replicator.settings import Settings
 

@@ -13,11 +13,19 @@ import socket
 import threading
 
 import pytest
-from fixtures.cluster import cluster3, commit_everywhere, committed, new_job, replica_path, wait_restored
-from fixtures.steps import step_files, write_step
+
+from tests.fixtures.cluster import (
+    cluster3,
+    commit_everywhere,
+    committed,
+    new_job,
+    replica_path,
+    wait_restored,
+)
 from tierckpt.protocol.bucket_layout import BucketLayout
 from tierckpt.protocol.control import NodeInventory, RestorePlan, RestoreState, Tier
 from tierckpt.protocol.format import committed_steps, control_dir, rank_dir, replica_rank_dir, step_dir
+from tierckpt_demo.steps import step_files, write_step
 from tierckpt_replicator.backup.gcs import GcsSettings, GcsStore
 from tierckpt_replicator.replication.wire import DataReply, DataRequest, Status, recv_frame, send_frame
 

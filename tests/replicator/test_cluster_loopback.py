@@ -4,11 +4,18 @@ restores: what a non-root developer gets from ``LocalCluster``."""
 from __future__ import annotations
 
 import pytest
-from fixtures.cluster import TEST_REPLICATOR_ARGS, commit_everywhere, committed, replica_path, wait_restored
-from fixtures.steps import step_files
+
+from tests.fixtures.cluster import (
+    TEST_REPLICATOR_ARGS,
+    commit_everywhere,
+    committed,
+    replica_path,
+    wait_restored,
+)
 from tierckpt.protocol.control import RestoreState, Tier
 from tierckpt.protocol.format import rank_dir, step_dir
 from tierckpt_demo.cluster import LocalCluster
+from tierckpt_demo.steps import step_files
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

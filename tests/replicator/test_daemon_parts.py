@@ -12,10 +12,11 @@ import time
 from pathlib import Path
 
 import pytest
-from fixtures.steps import write_step
+
 from tierckpt.protocol.control import PeerAssignment, PeerNode
 from tierckpt.protocol.errors import ContractError
 from tierckpt.protocol.tokens import TokenFile
+from tierckpt_demo.steps import write_step
 from tierckpt_replicator.assignments import AssignmentStore, api_url, data_address
 from tierckpt_replicator.daemon import worker_config
 from tierckpt_replicator.replication.ipc import FetchSource, FetchTask, SendTask
@@ -195,6 +196,7 @@ async def test_worker_runs_at_lower_priority(tmp_path: Path):
 
 async def test_restore_plan_asks_again_before_believing_nothing_is_restorable(tmp_path: Path):
     import httpx
+
     from tierckpt.protocol.control import NodeInventory, RankHoldings
     from tierckpt_replicator.peer_client import PeerClient
     from tierckpt_replicator.restore.gather import compute_plan
@@ -246,6 +248,7 @@ async def test_reconcile_asks_every_peer_at_once_and_never_holds_up_a_pass(tmp_p
     """A peer that does not answer costs a reconcile one timeout, not one per job, and the sends of
     the replication pass that started it go on meanwhile."""
     import httpx
+
     from tierckpt.protocol.control import NodeInventory
     from tierckpt_replicator.inventory import InventoryScanner
     from tierckpt_replicator.metrics import Metrics

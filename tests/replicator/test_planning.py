@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from tierckpt.planning.steps import newest_common_step
 from tierckpt.protocol.control import PeerAssignment, PeerNode
 from tierckpt_replicator.replication.plan import candidate_targets, plan_sends

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TypeVar
 
 from fastapi import HTTPException, Request
+
 from tierckpt.protocol.codec import Message
 from tierckpt.protocol.errors import FormatError
 from tierckpt.protocol.format import check_job_id

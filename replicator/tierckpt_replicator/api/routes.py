@@ -10,11 +10,11 @@ from typing import Protocol
 
 from fastapi import APIRouter, FastAPI, HTTPException, Request, Response
 from fastapi.responses import JSONResponse
+
 from tierckpt.protocol.codec import Message
 from tierckpt.protocol.control import JobPolicy, NodeInventory, NodeStatus, PeerAssignment, RestorePlan
 from tierckpt.protocol.errors import RetryableError, TierckptError
 from tierckpt.protocol.tokens import TokenFile
-
 from tierckpt_replicator.api.auth import check_job, read_message, require_token
 from tierckpt_replicator.metrics import CONTENT_TYPE, Metrics
 from tierckpt_replicator.settings import Settings

@@ -26,7 +26,6 @@ from collections.abc import Callable, Iterable
 from tierckpt.protocol.bucket_layout import BucketLayout, RankBackup, RankRef, StepBackup, StepStarted
 from tierckpt.protocol.errors import CorruptShardError, FormatError, MissingCheckpointError
 from tierckpt.protocol.integrity import crc32c
-
 from tierckpt_replicator.backup.store import ObjectInfo, ObjectNotFound, ObjectStore, PreconditionFailed
 
 __all__ = ["BucketView", "Catalog"]

@@ -21,7 +21,6 @@ from tierckpt.protocol.bucket_layout import BucketLayout
 from tierckpt.protocol.errors import CorruptShardError, MissingCheckpointError
 from tierckpt.protocol.format import COMMIT_NAME, MANIFEST_NAME, FileEntry, read_commit, step_dir
 from tierckpt.protocol.integrity import crc32c, crc32c_concat
-
 from tierckpt_replicator.backup.catalog import SMALL_OBJECT_LIMIT, Catalog
 from tierckpt_replicator.backup.store import ObjectStore
 from tierckpt_replicator.replication.store import StepHeader, StepWriter, parse_header

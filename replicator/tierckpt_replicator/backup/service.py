@@ -48,7 +48,6 @@ from tierckpt.protocol.format import (
     read_manifest,
     replica_rank_dir,
 )
-
 from tierckpt_replicator.backup.catalog import Catalog
 from tierckpt_replicator.backup.metrics import BackupMetrics
 from tierckpt_replicator.backup.policy import BackupPolicy

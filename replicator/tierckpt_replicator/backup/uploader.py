@@ -25,7 +25,6 @@ from tierckpt.protocol.bucket_layout import BucketLayout, RankBackup
 from tierckpt.protocol.errors import CorruptShardError, FormatError, TierckptError
 from tierckpt.protocol.format import COMMIT_NAME, MANIFEST_NAME, CommitMarker, FileEntry, Manifest
 from tierckpt.protocol.integrity import crc32c
-
 from tierckpt_replicator.backup.catalog import Catalog
 from tierckpt_replicator.backup.store import ObjectInfo, ObjectNotFound, ObjectStore, PreconditionFailed
 

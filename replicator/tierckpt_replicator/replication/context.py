@@ -10,7 +10,6 @@ from pathlib import Path
 
 from tierckpt.protocol.codec import Message
 from tierckpt.protocol.tokens import TokenFile
-
 from tierckpt_replicator.replication.ipc import PeerAddress, WorkerConfig
 from tierckpt_replicator.replication.throttle import TokenBucket
 

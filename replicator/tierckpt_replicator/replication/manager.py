@@ -22,7 +22,6 @@ from collections.abc import Awaitable, Callable, Sequence
 from tierckpt.planning.steps import newest_common_step
 from tierckpt.protocol.control import PeerAssignment
 from tierckpt.protocol.errors import ContractError, RetryableError
-
 from tierckpt_replicator.assignments import AssignmentStore, data_address
 from tierckpt_replicator.inventory import Holdings, InventoryScanner, list_jobs
 from tierckpt_replicator.metrics import Metrics

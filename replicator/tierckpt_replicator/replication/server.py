@@ -29,7 +29,6 @@ from tierckpt.protocol.format import (
     replica_rank_dir,
     step_dir,
 )
-
 from tierckpt_replicator.replication.context import DataContext, unique_holder
 from tierckpt_replicator.replication.ipc import DataEvent
 from tierckpt_replicator.replication.replicas import apply_retention, client_headroom, free_bytes, make_room

@@ -39,7 +39,6 @@ from tierckpt.protocol.format import (
     write_atomic,
 )
 from tierckpt.protocol.integrity import crc32c, crc32c_file
-
 from tierckpt_replicator.replication.stream import create_preallocated
 
 __all__ = [

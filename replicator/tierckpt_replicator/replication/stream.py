@@ -31,7 +31,6 @@ from typing import BinaryIO, Literal
 
 from tierckpt.protocol.errors import FormatError, RamdiskFullError
 from tierckpt.protocol.integrity import crc32c_address
-
 from tierckpt_replicator.replication.throttle import TokenBucket
 from tierckpt_replicator.replication.wire import ProtocolError
 

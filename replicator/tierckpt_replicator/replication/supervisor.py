@@ -18,7 +18,6 @@ from collections.abc import Callable
 
 from tierckpt.protocol.codec import Message
 from tierckpt.protocol.errors import FormatError, RetryableError
-
 from tierckpt_replicator.replication.ipc import (
     MAX_LINE,
     DataEvent,

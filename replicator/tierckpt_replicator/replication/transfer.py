@@ -26,7 +26,6 @@ from tierckpt.protocol.format import (
     replica_rank_dir,
     step_dir,
 )
-
 from tierckpt_replicator.replication.context import DataContext, connect, unique_holder
 from tierckpt_replicator.replication.ipc import FetchSource, Outcome, OutcomeStatus, PeerAddress
 from tierckpt_replicator.replication.store import StepHeader, StepWriter, parse_header

@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 from tierckpt.protocol.errors import FormatError
-
 from tierckpt_replicator.replication.context import DataContext
 from tierckpt_replicator.replication.ipc import (
     Channel,

@@ -14,7 +14,6 @@ from collections.abc import Awaitable, Callable
 from tierckpt.planning.restore import choose_restore
 from tierckpt.protocol.control import NodeInventory, PeerAssignment, RestorePlan
 from tierckpt.protocol.errors import RetryableError
-
 from tierckpt_replicator.peer_client import PeerClient
 
 __all__ = ["compute_plan", "gather_inventories"]

@@ -44,7 +44,6 @@ from tierckpt.protocol.format import (
     replica_rank_dir,
     step_dir,
 )
-
 from tierckpt_replicator.assignments import AssignmentStore, data_address
 from tierckpt_replicator.backup_hook import BackupPort
 from tierckpt_replicator.metrics import Metrics

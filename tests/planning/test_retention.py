@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from tierckpt.planning.retention import plan_retention
 
 

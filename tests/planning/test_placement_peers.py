@@ -7,6 +7,7 @@ from collections import Counter
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from tierckpt.planning.placement import peer_churn, plan_node_peers, plan_peers
 
 

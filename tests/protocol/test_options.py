@@ -7,6 +7,7 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+
 from tierckpt.protocol.options import merge_settings
 
 
