@@ -23,9 +23,7 @@ from tierckpt.protocol.control import (
     Tier,
 )
 from tierckpt.protocol.errors import ContractError
-from tierckpt_operator.injection import Injection, inject, label_pod_templates, preferred_node
-from tierckpt_operator.jobsets import opt_in_value, parse_jobset
-from tierckpt_operator.planning import (
+from tierckpt_operator.decisions import (
     JobState,
     decide_assignment,
     decide_peers,
@@ -33,11 +31,13 @@ from tierckpt_operator.planning import (
     peer_assignment,
     peer_views,
 )
+from tierckpt_operator.injection import Injection, inject, label_pod_templates, preferred_node
+from tierckpt_operator.jobsets import opt_in_value, parse_jobset
 from tierckpt_operator.pods import WorkerPod, replicator_of, worker_of
 from tierckpt_operator.reconcile import checkpoint_job_body
 from tierckpt_operator.resources import BackupPolicy, ConfigSpec, Retention
 from tierckpt_operator.settings import parse_settings
-from tierckpt_operator.status import (
+from tierckpt_operator.status_fields import (
     merge_conditions,
     parse_ranges,
     rank_ranges,
