@@ -5,6 +5,7 @@ the status the operator writes validated against the CRD schema."""
 from __future__ import annotations
 
 import copy
+import re
 
 import jsonschema
 import kopf
@@ -23,6 +24,7 @@ from tierckpt.protocol.control import (
     Tier,
 )
 from tierckpt.protocol.errors import ContractError
+from tierckpt_csi.quantity import parse_quantity as csi_quantity
 from tierckpt_operator.decisions import (
     JobState,
     decide_assignment,
@@ -90,6 +92,25 @@ def test_config_defaults_equal_the_crd_defaults():
 def test_invalid_config_names_the_field(spec, field):
     with pytest.raises(ContractError, match=field):
         ConfigSpec.from_body({"metadata": {"name": "c"}, "spec": spec})
+
+
+RAMDISK_SIZES = ["64Gi", "1.5Gi", "500M", "1073741824", "7Pi", "0.5Ki", ".5Gi", "1e9", "1Ei", "-1Gi", "64GB"]
+
+
+@pytest.mark.parametrize("size", RAMDISK_SIZES)
+def test_ramdisk_size_is_what_the_crd_pattern_admits_and_the_csi_driver_reads(size):
+    """The operator forwards the size as text (the CSI volume attribute); it refuses what the apiserver
+    would, and everything it admits the CSI driver reads as a byte count."""
+    pattern = _schema("checkpointconfigurations.tierckpt.io")["properties"]["spec"]["properties"]["ramdisk"][
+        "properties"
+    ]["size"]["pattern"]
+    body = {"metadata": {"name": "c"}, "spec": {"gcs": {"bucket": "bkt"}, "ramdisk": {"size": size}}}
+    if re.search(pattern, size):
+        assert ConfigSpec.from_body(body).ramdisk_size == size
+        assert csi_quantity(size) > 0
+    else:
+        with pytest.raises(ContractError, match=r"spec\.ramdisk\.size"):
+            ConfigSpec.from_body(body)
 
 
 def test_config_selects_nodes_and_domains():
