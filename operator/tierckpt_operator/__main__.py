@@ -107,7 +107,8 @@ async def run(runtime: Runtime, stop: asyncio.Event | None = None, *, signals: b
 
 async def _elected(runtime: Runtime, stop: asyncio.Event, ready: asyncio.Event) -> int:
     s = runtime.settings
-    # A client of its own: Lease renewals never wait behind a burst of pod annotations.
+    # A client of its own, outside the runtime's --api-concurrency slots: renewals never queue behind a
+    # burst of pod annotations.
     kube = Kube(await asyncio.to_thread(api_client, s.server, s.kubeconfig))
     identity = s.pod_name or socket.gethostname()
     elector = LeaseElector(kube, s.namespace, s.lease_name, identity, s.lease_duration)

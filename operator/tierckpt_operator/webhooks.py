@@ -48,7 +48,7 @@ def jobset_mutation(
 
 
 async def pod_mutation(
-    body: Mapping[str, Any], cluster: ClusterView, settings: Settings, fetch: FetchJobSet | None = None
+    body: Mapping[str, Any], cluster: ClusterView, settings: Settings, fetch: FetchJobSet
 ) -> Injection:
     """The injection for a managed pod; ``kopf.AdmissionError`` if the pod cannot be served."""
     worker = worker_of(body)
@@ -58,7 +58,7 @@ async def pod_mutation(
         )
     namespace = (body.get("metadata") or {}).get("namespace") or worker.namespace
     rec = cluster.jobset(namespace, worker.jobset)
-    if rec is None and fetch is not None:
+    if rec is None:
         rec = await _fetched(fetch, namespace, worker.jobset, settings)
     if rec is None or rec.info is None:
         why = rec.error if rec is not None else "not found or not opted in"
