@@ -11,7 +11,7 @@ import asyncio
 import dataclasses
 import logging
 
-from tierckpt_operator.cluster import Cluster
+from tierckpt_operator.clusterview import ClusterView
 from tierckpt_operator.replicators import ReplicatorClient
 from tierckpt_operator.resources import ConfigSpec
 
@@ -38,7 +38,7 @@ class PurgeResult:
 
 
 async def purge_job(
-    client: ReplicatorClient, cluster: Cluster, job_id: str, config: ConfigSpec | None
+    client: ReplicatorClient, cluster: ClusterView, job_id: str, config: ConfigSpec | None
 ) -> PurgeResult:
     """Ask every ready replicator on the configuration's nodes to drop the job."""
     nodes = cluster.nodes()
