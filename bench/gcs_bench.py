@@ -83,11 +83,11 @@ def _run(args: argparse.Namespace, endpoint: str, bucket: str, work: Path) -> di
     from google.cloud import storage
     from prometheus_client import CollectorRegistry
 
-    from tierckpt.protocol.bucket_layout import BucketLayout
     from tierckpt.protocol.format import rank_dir
-    from tierckpt_replicator.backup import BackupPolicy, BackupService
     from tierckpt_replicator.backup.gcs import GcsSettings, GcsStore
     from tierckpt_replicator.backup.metrics import BackupMetrics
+    from tierckpt_replicator.backup.service import BackupService
+    from tierckpt_replicator.backup.settings import BackupSettings
 
     job = "bench"
     root = work / "ramdisk"
@@ -107,16 +107,16 @@ def _run(args: argparse.Namespace, endpoint: str, bucket: str, work: Path) -> di
         chunk_size=args.chunk_mib * MiB,
         pool_size=2 * args.parallelism,
     )
-    svc = BackupService(
-        store=GcsStore(gcs),
-        policy=BackupPolicy(interval_steps=0, interval_seconds=0),
-        node="bench",
-        root=root,
-        layout=BucketLayout(f"tierckpt-bench-{uuid.uuid4().hex[:8]}"),
+    settings = BackupSettings(
+        prefix=f"tierckpt-bench-{uuid.uuid4().hex[:8]}",
+        interval_steps=0,
+        interval_seconds=0,
         parallelism=args.parallelism,
         slice_size=args.slice_mib * MiB,
         range_size=args.range_mib * MiB,
-        metrics=BackupMetrics(CollectorRegistry()),
+    )
+    svc = BackupService(
+        settings, node="bench", root=root, store=GcsStore(gcs), metrics=BackupMetrics(CollectorRegistry())
     )
     loop = asyncio.new_event_loop()
 

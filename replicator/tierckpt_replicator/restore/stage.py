@@ -45,7 +45,7 @@ from tierckpt.protocol.format import (
     step_dir,
 )
 from tierckpt_replicator.assignments import AssignmentStore, data_address
-from tierckpt_replicator.backup_hook import BackupPort
+from tierckpt_replicator.backup.jobs import BackupPort
 from tierckpt_replicator.metrics import Metrics
 from tierckpt_replicator.peer_client import PeerClient
 from tierckpt_replicator.replication.ipc import FetchSource, FetchTask, TaskProgress
