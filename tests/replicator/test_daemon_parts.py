@@ -129,6 +129,28 @@ async def test_watcher_wakes_on_a_commit(tmp_path: Path):
         watcher.close()
 
 
+async def test_watcher_without_inotify_polls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    def no_inotify(**_: object) -> None:
+        raise OSError(24, "inotify instance limit reached")
+
+    monkeypatch.setattr("tierckpt_replicator.watch.INotify", no_inotify)
+    watcher = CommitWatcher(tmp_path, poll_interval=0.3, debounce=0.0)
+    watcher.start()
+    try:
+        assert not watcher.uses_inotify
+        write_step(tmp_path, "job", 0, 1, sizes=(10,))
+        watcher.refresh()  # a no-op without inotify
+        started = time.monotonic()
+        await asyncio.wait_for(watcher.wait(), 5)  # nothing wakes it: the poll interval does
+        assert 0.25 <= time.monotonic() - started < 3
+        watcher.kick()
+        started = time.monotonic()
+        await asyncio.wait_for(watcher.wait(), 5)
+        assert time.monotonic() - started < 0.25  # a kick still wakes it at once
+    finally:
+        watcher.close()
+
+
 async def test_supervisor_restarts_a_dead_worker(tmp_path: Path):
     token = tmp_path / "token"
     token.write_text("tok\n")
