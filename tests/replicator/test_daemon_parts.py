@@ -17,7 +17,7 @@ from tierckpt.protocol.control import PeerAssignment, PeerNode
 from tierckpt.protocol.errors import ContractError
 from tierckpt.protocol.tokens import TokenFile
 from tierckpt_demo.steps import write_step
-from tierckpt_replicator.assignments import AssignmentStore, api_url, data_address
+from tierckpt_replicator.assignments import AssignmentStore, api_url, data_endpoint
 from tierckpt_replicator.daemon import worker_config
 from tierckpt_replicator.replication.ipc import FetchSource, FetchTask, SendTask
 from tierckpt_replicator.replication.supervisor import WorkerSupervisor
@@ -89,9 +89,9 @@ def test_token_file_rotation_and_constant_time_check(tmp_path: Path):
 
 def test_peer_endpoints():
     node = PeerNode("n", "http://10.0.0.5:8470")
-    assert api_url(node) == "http://10.0.0.5:8470" and data_address("n", node).port == 8471
+    assert api_url(node) == "http://10.0.0.5:8470" and data_endpoint(node) == ("10.0.0.5", 8471)
     local = PeerNode("n", "http://127.0.0.1:4000/?data=4100")
-    assert api_url(local) == "http://127.0.0.1:4000" and data_address("n", local).port == 4100
+    assert api_url(local) == "http://127.0.0.1:4000" and data_endpoint(local) == ("127.0.0.1", 4100)
     with pytest.raises(ContractError):
         api_url(PeerNode("n", "ftp://x"))
 

@@ -61,7 +61,13 @@ _READ_BLOCK = 4 * MiB
 @dataclasses.dataclass(frozen=True)
 class RetryPolicy:
     """Exponential backoff for transient GCS errors: ``initial`` s, times ``multiplier`` up to
-    ``maximum`` s between attempts, giving up ``deadline`` s after the first attempt."""
+    ``maximum`` s between attempts, giving up ``deadline`` s after the first attempt.
+
+    It configures google.api_core's ``Retry`` (not tenacity): every google-cloud-storage call takes
+    that object as ``retry=``, and the library's resumable uploads resume under it from the last byte
+    the server has; the ranged download (``_get_range``) runs under the same object, so every request
+    of the service follows one policy.
+    """
 
     initial: float = 1.0
     maximum: float = 32.0

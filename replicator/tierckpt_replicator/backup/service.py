@@ -54,7 +54,7 @@ from tierckpt_replicator.backup.restorer import Restorer
 from tierckpt_replicator.backup.spread import assign_uploads
 from tierckpt_replicator.backup.store import ObjectStore
 from tierckpt_replicator.backup.uploader import Uploader
-from tierckpt_replicator.replication.store import find_committed
+from tierckpt_replicator.ramdisk import find_committed
 
 __all__ = ["BackupService", "BackupStatus"]
 
