@@ -107,6 +107,24 @@ def test_assignment_store_keeps_the_newest_generation(tmp_path: Path):
     assert AssignmentStore(tmp_path, static).get("j1") == newer  # a restart does not reseed over it
 
 
+def test_google_cloud_storage_is_loaded_only_once_a_bucket_is_named(tmp_path: Path):
+    code = f"""
+import sys
+from pathlib import Path
+from prometheus_client import CollectorRegistry
+import tierckpt_replicator.daemon
+from tierckpt_replicator.backup.jobs import load_job_backups
+from tierckpt_replicator.settings import Settings
+print("google.cloud.storage" in sys.modules)
+load_job_backups(Settings(node_name="n", root=Path({str(tmp_path)!r})), CollectorRegistry())
+print("google.cloud.storage" in sys.modules)
+load_job_backups(Settings(node_name="n", root=Path({str(tmp_path)!r}), gcs_bucket="b"), CollectorRegistry())
+print("google.cloud.storage" in sys.modules)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "False", "True"]
+
+
 async def test_watcher_wakes_on_a_commit(tmp_path: Path):
     watcher = CommitWatcher(tmp_path, poll_interval=30.0, debounce=0.0)
     watcher.start()
