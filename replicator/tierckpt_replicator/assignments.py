@@ -17,9 +17,8 @@ from pathlib import Path
 from tierckpt.protocol.control import PeerAssignment, PeerNode, read_control, write_control
 from tierckpt.protocol.errors import ContractError, FormatError
 from tierckpt.protocol.format import control_dir
-from tierckpt_replicator.replication.ipc import PeerAddress
 
-__all__ = ["AssignmentStore", "api_url", "data_address", "load_static"]
+__all__ = ["AssignmentStore", "api_url", "data_endpoint", "load_static"]
 
 log = logging.getLogger(__name__)
 
@@ -37,13 +36,12 @@ def api_url(node: PeerNode) -> str:
     return f"{parts.scheme}://{parts.netloc}"
 
 
-def data_address(name: str, node: PeerNode) -> PeerAddress:
-    """Where the node's data endpoint listens."""
+def data_endpoint(node: PeerNode) -> tuple[str, int]:
+    """``(host, port)`` the node's data endpoint listens on."""
     parts = _parse(node.endpoint)
+    assert parts.hostname is not None and parts.port is not None  # checked by _parse
     query = urllib.parse.parse_qs(parts.query)
-    port = int(query["data"][0]) if "data" in query else parts.port + 1  # type: ignore[operator]
-    assert parts.hostname is not None
-    return PeerAddress(node=name, host=parts.hostname, port=port)
+    return parts.hostname, int(query["data"][0]) if "data" in query else parts.port + 1
 
 
 def load_static(path: Path) -> PeerAssignment:

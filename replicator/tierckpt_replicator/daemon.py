@@ -40,7 +40,7 @@ from tierckpt.protocol.format import discard_step, job_dir, rank_dir, ranks_in, 
 from tierckpt.protocol.tokens import TokenFile
 from tierckpt_replicator.app import create_app
 from tierckpt_replicator.assignments import AssignmentStore, load_static
-from tierckpt_replicator.backup_hook import BackupPort, bucket_world_sizes, load_backup_service
+from tierckpt_replicator.backup.jobs import BackupPort, load_job_backups
 from tierckpt_replicator.inventory import InventoryScanner, list_jobs
 from tierckpt_replicator.metrics import Metrics
 from tierckpt_replicator.peer_client import PeerClient
@@ -257,7 +257,7 @@ class Daemon:
         if cached and time.monotonic() - cached[0] < _GCS_CACHE_SECONDS:
             return cached[1]
         try:
-            steps = await bucket_world_sizes(self.backup, job)
+            steps = await self.backup.complete_world_sizes(job)
         except Exception as exc:  # the bucket being unreachable makes its steps unknown, not fatal
             log.warning("job %s: cannot list complete steps in the bucket: %s", job, exc)
             return cached[1] if cached else {}
@@ -334,7 +334,7 @@ class Daemon:
     async def purge(self, job: str, *, bucket: bool = False) -> bool:
         self.stager.forget(job)
         if bucket and self.backup is not None:  # first: the job's policy on disk names its bucket
-            await self.backup.purge_job(job)
+            await self.backup.delete_job(job)
             log.info("job %s: purged its backups from the bucket", job)
         path = job_dir(self.settings.root, job)
         existed = path.exists()
@@ -434,7 +434,7 @@ class _Server(uvicorn.Server):
 async def serve(settings: Settings) -> None:
     """Run the daemon until SIGTERM/SIGINT; then back up (bounded), and shut down in order."""
     metrics = Metrics()
-    daemon = Daemon(settings, metrics=metrics, backup=load_backup_service(settings, metrics.registry))
+    daemon = Daemon(settings, metrics=metrics, backup=load_job_backups(settings, metrics.registry))
     await daemon.start()
     server = _Server(
         uvicorn.Config(

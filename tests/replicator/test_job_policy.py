@@ -22,8 +22,8 @@ from tierckpt.protocol.bucket_layout import BucketLayout
 from tierckpt.protocol.control import JobPolicy, NodeInventory
 from tierckpt_demo.fakegcs import FakeGcsServer, free_port
 from tierckpt_demo.steps import write_step
+from tierckpt_replicator.backup.jobs import effective_settings
 from tierckpt_replicator.backup.settings import BackupSettings
-from tierckpt_replicator.backup_hook import effective_settings
 
 pytestmark = [pytest.mark.e2e]
 

@@ -29,16 +29,16 @@ from tierckpt.protocol.format import (
     replica_rank_dir,
     step_dir,
 )
-from tierckpt_replicator.replication.context import DataContext, unique_holder
-from tierckpt_replicator.replication.ipc import DataEvent
-from tierckpt_replicator.replication.replicas import apply_retention, client_headroom, free_bytes, make_room
-from tierckpt_replicator.replication.store import (
+from tierckpt_replicator.ramdisk import (
     StepHeader,
     StepWriter,
     find_committed,
     parse_header,
     verify_step,
 )
+from tierckpt_replicator.replication.context import DataContext, unique_holder
+from tierckpt_replicator.replication.ipc import DataEvent
+from tierckpt_replicator.replication.replicas import apply_retention, client_headroom, free_bytes, make_room
 from tierckpt_replicator.replication.stream import receive_file, send_file
 from tierckpt_replicator.replication.wire import (
     DataReply,

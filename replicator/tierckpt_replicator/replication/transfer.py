@@ -15,6 +15,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from tenacity import RetryCallState, Retrying, retry_if_exception_type, stop_after_attempt, wait_incrementing
+
 from tierckpt.protocol import leases
 from tierckpt.protocol.errors import CorruptShardError, FormatError, MissingCheckpointError, RamdiskFullError
 from tierckpt.protocol.format import (
@@ -26,9 +28,9 @@ from tierckpt.protocol.format import (
     replica_rank_dir,
     step_dir,
 )
+from tierckpt_replicator.ramdisk import StepHeader, StepWriter, parse_header
 from tierckpt_replicator.replication.context import DataContext, connect, unique_holder
 from tierckpt_replicator.replication.ipc import FetchSource, Outcome, OutcomeStatus, PeerAddress
-from tierckpt_replicator.replication.store import StepHeader, StepWriter, parse_header
 from tierckpt_replicator.replication.stream import copy_file, receive_file, send_file
 from tierckpt_replicator.replication.wire import (
     DataReply,
@@ -248,14 +250,27 @@ def report_corrupt(
     req = DataRequest(
         op="corrupt", token=ctx.tokens.text(), job=job, rank=rank, step=step, node=ctx.config.node
     )
-    for attempt in range(tries):
-        try:
-            with connect(ctx, peer) as sock:
-                send_frame(sock, req)
-                reply = recv_frame(sock, DataReply)
-            log.info("reported corrupt copy to %s: %s", source.node, reply.message)
-            return True
-        except (OSError, ProtocolError) as exc:
-            log.warning("could not report the corrupt copy to %s (try %d): %s", source.node, attempt + 1, exc)
-            time.sleep(0.2 * (attempt + 1))
-    return False
+
+    def report() -> DataReply:
+        with connect(ctx, peer) as sock:
+            send_frame(sock, req)
+            return recv_frame(sock, DataReply)
+
+    def failed(attempt: RetryCallState) -> None:
+        exc = attempt.outcome.exception() if attempt.outcome is not None else None
+        log.warning(
+            "could not report the corrupt copy to %s (try %d): %s", source.node, attempt.attempt_number, exc
+        )
+
+    attempts = Retrying(  # 0.2 s, 0.4 s, ... between tries
+        stop=stop_after_attempt(tries),
+        wait=wait_incrementing(start=0.2, increment=0.2),
+        retry=retry_if_exception_type((OSError, ProtocolError)),
+        after=failed,
+        retry_error_callback=lambda _: None,  # every try failed
+    )
+    reply = attempts(report)
+    if reply is None:
+        return False
+    log.info("reported corrupt copy to %s: %s", source.node, reply.message)
+    return True

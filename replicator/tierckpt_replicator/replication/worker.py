@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from tierckpt.protocol.errors import FormatError
+from tierckpt_replicator.ramdisk import remove_stale_incoming
 from tierckpt_replicator.replication.context import DataContext
 from tierckpt_replicator.replication.ipc import (
     Channel,
@@ -33,7 +34,6 @@ from tierckpt_replicator.replication.ipc import (
     WorkerReady,
 )
 from tierckpt_replicator.replication.server import DataServer
-from tierckpt_replicator.replication.store import remove_stale_incoming
 from tierckpt_replicator.replication.transfer import fetch_step, push_step
 
 __all__ = ["lower_priority", "main", "run_fetch", "run_send"]

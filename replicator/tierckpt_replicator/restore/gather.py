@@ -10,6 +10,9 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
+from typing import cast
+
+from tenacity import AsyncRetrying, RetryCallState, retry_if_result, stop_after_attempt, wait_exponential
 
 from tierckpt.planning.restore import choose_restore
 from tierckpt.protocol.control import NodeInventory, PeerAssignment, RestorePlan
@@ -57,26 +60,49 @@ async def compute_plan(
     restore its step.
     """
     expected = len(assignment.nodes) if assignment is not None else 1
-    for attempt in range(1, attempts + 1):
+    generation = assignment.generation if assignment is not None else 0
+
+    async def ask_all() -> tuple[RestorePlan, list[NodeInventory]]:
         inventories = await gather_inventories(await own(), assignment, peers)
-        plan = choose_restore(inventories, job=job, generation=assignment.generation if assignment else 0)
-        known = ", ".join(sorted(i.node for i in inventories))
-        if plan.step is not None or len(inventories) >= expected or attempt == attempts:
-            log.info(
-                "restore %s: step %s from %d of %d inventories (%s)",
-                job,
-                plan.step,
-                len(inventories),
-                expected,
-                known,
-            )
-            return plan
+        return choose_restore(inventories, job=job, generation=generation), inventories
+
+    def doubtful(got: tuple[RestorePlan, list[NodeInventory]]) -> bool:
+        plan, inventories = got
+        return plan.step is None and len(inventories) < expected
+
+    def asking_again(attempt: RetryCallState) -> None:
+        inventories = _result(attempt)[1]
         log.warning(
             "restore %s: nothing restorable among the %d of %d nodes that answered (%s); asking again",
             job,
             len(inventories),
             expected,
-            known,
+            _names(inventories),
         )
-        await asyncio.sleep(backoff * 2 ** (attempt - 1))
-    raise AssertionError("unreachable")  # pragma: no cover
+
+    rounds = AsyncRetrying(  # backoff, doubling, between rounds
+        stop=stop_after_attempt(attempts),
+        wait=wait_exponential(multiplier=backoff),
+        retry=retry_if_result(doubtful),
+        before_sleep=asking_again,
+        retry_error_callback=_result,  # after the last round, its plan is believed
+    )
+    plan, inventories = await rounds(ask_all)
+    log.info(
+        "restore %s: step %s from %d of %d inventories (%s)",
+        job,
+        plan.step,
+        len(inventories),
+        expected,
+        _names(inventories),
+    )
+    return plan
+
+
+def _result(attempt: RetryCallState) -> tuple[RestorePlan, list[NodeInventory]]:
+    assert attempt.outcome is not None
+    return cast("tuple[RestorePlan, list[NodeInventory]]", attempt.outcome.result())
+
+
+def _names(inventories: list[NodeInventory]) -> str:
+    return ", ".join(sorted(i.node for i in inventories))
