@@ -24,6 +24,7 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+from tierckpt.protocol.client import ReplicatorClient
 from tierckpt.protocol.control import (
     NodeInventory,
     PeerAssignment,
@@ -47,7 +48,6 @@ from tierckpt.protocol.format import (
 from tierckpt_replicator.assignments import AssignmentStore, data_address
 from tierckpt_replicator.backup_hook import BackupPort
 from tierckpt_replicator.metrics import Metrics
-from tierckpt_replicator.peer_client import PeerClient
 from tierckpt_replicator.replication.ipc import FetchSource, FetchTask, TaskProgress
 from tierckpt_replicator.replication.supervisor import WorkerSupervisor
 from tierckpt_replicator.restore.gather import compute_plan
@@ -107,7 +107,7 @@ class Stager:
         settings: Settings,
         assignments: AssignmentStore,
         supervisor: WorkerSupervisor,
-        peers: PeerClient,
+        peers: ReplicatorClient,
         metrics: Metrics,
         own_inventory: Callable[[str], Awaitable[NodeInventory]],
         backup: BackupPort | None = None,
