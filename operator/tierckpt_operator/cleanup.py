@@ -11,8 +11,8 @@ import asyncio
 import dataclasses
 import logging
 
+from tierckpt.protocol.client import ReplicatorClient
 from tierckpt_operator.cluster import Cluster
-from tierckpt_operator.replicators import ReplicatorClient
 from tierckpt_operator.resources import ConfigSpec
 
 __all__ = ["PurgeResult", "purge_job"]

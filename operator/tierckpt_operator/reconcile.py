@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from tierckpt.planning.placement import peer_churn
+from tierckpt.protocol.client import ReplicatorError
 from tierckpt.protocol.control import JobPolicy, NodeInventory, PeerAssignment, RestorePlan
 from tierckpt_operator import resources
 from tierckpt_operator.cluster import CheckpointJobRecord, Cluster, ConfigRecord
@@ -31,7 +32,6 @@ from tierckpt_operator.planning import (
     peer_assignment,
     peer_views,
 )
-from tierckpt_operator.replicators import ReplicatorError
 from tierckpt_operator.status import (
     condition,
     iso_time,

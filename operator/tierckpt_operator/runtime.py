@@ -17,10 +17,11 @@ from typing import TYPE_CHECKING, Any
 
 import kopf
 
+from tierckpt.protocol.client import ReplicatorClient
 from tierckpt_operator.configs import ConfigReporter
 from tierckpt_operator.kube import Kube, api_client
 from tierckpt_operator.metrics import Metrics
-from tierckpt_operator.replicators import ReplicatorClient, TokenFile
+from tierckpt_operator.replicators import replicator_client
 from tierckpt_operator.settings import Settings
 
 if TYPE_CHECKING:
@@ -73,13 +74,7 @@ class Runtime:
         if self.kube is None:
             self.kube = Kube(await asyncio.to_thread(api_client, s.server, s.kubeconfig), s.api_concurrency)
         if self.replicators is None:
-            token = TokenFile(s.token_file) if s.token_file else (lambda: None)
-            self.replicators = ReplicatorClient(
-                token=token,
-                timeout=s.http_timeout,
-                retries=s.http_retries,
-                concurrency=s.http_concurrency,
-            )
+            self.replicators = replicator_client(s)
 
     @property
     def active(self) -> bool:

@@ -301,10 +301,10 @@ class ReplicatorClient(_Client):
     async def status(self, endpoint: str) -> NodeStatus:
         return _must(await self._call(self._req(api.STATUS, endpoint), NodeStatus))
 
-    async def ready(self, endpoint: str) -> bool:
+    async def ready(self, endpoint: str, *, timeout: float | None = None) -> bool:
         """Whether ``/readyz`` answers 200 (one attempt; no answer is not ready)."""
         try:
-            status, _ = await self._attempt(self._req(api.READYZ, endpoint))
+            status, _ = await self._attempt(self._req(api.READYZ, endpoint, timeout=timeout))
         except (_Transient, ContractError):
             return False
         return status == 200
@@ -404,9 +404,9 @@ class SyncReplicatorClient(_Client):
     def status(self, endpoint: str) -> NodeStatus:
         return _must(self._call(self._req(api.STATUS, endpoint), NodeStatus))
 
-    def ready(self, endpoint: str) -> bool:
+    def ready(self, endpoint: str, *, timeout: float | None = None) -> bool:
         try:
-            status, _ = self._attempt(self._req(api.READYZ, endpoint))
+            status, _ = self._attempt(self._req(api.READYZ, endpoint, timeout=timeout))
         except (_Transient, ContractError):
             return False
         return status == 200
