@@ -2,13 +2,13 @@
 asyncio (the operator, a replicator asking its peers) and ``SyncReplicatorClient`` for threads (the
 demo, tests, benchmarks).
 
-Both share everything but the transport: requests are built from the endpoint table (path segments
-URL-quoted, the bearer token read fresh from ``TokenFile`` so rotation needs no restart), answers are
-read up to ``max_answer_bytes`` and decoded into the endpoint's typed message, and one retry policy
-applies (``RetryPolicy``, on tenacity): connection errors, timeouts, 408, 425, 429 and 5xx are retried
-with exponential backoff; any other answer is final. Failures raise ``ReplicatorError`` (a
-``RetryableError`` carrying the endpoint and the last HTTP status); a malformed or oversized answer
-raises ``ContractError``.
+Both share everything but the transport: requests are built from the endpoint table (path
+parameters checked against the table's patterns and URL-quoted; the bearer token read fresh from
+``TokenFile``, so rotation needs no restart), answers are read up to ``max_answer_bytes`` and decoded
+into the endpoint's typed message, and one retry policy applies (``RetryPolicy``, on tenacity):
+connection errors, timeouts, 408, 425, 429 and 5xx are retried with exponential backoff; any other
+answer is final. Failures raise ``ReplicatorError`` (a ``RetryableError`` carrying the endpoint and
+the last HTTP status); a malformed or oversized answer raises ``ContractError``.
 
 This module needs httpx and tenacity, which the ``client`` extra installs (the replicator, operator and
 demo extras include it); it is the only module of ``tierckpt`` that imports an HTTP library.
@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import re
 import urllib.parse
 from typing import Any, TypeVar
 
@@ -148,6 +149,9 @@ def _build(
     **kw: Any,
 ) -> _Request:
     path = {name: kw.pop(name) for name in spec.path_params}
+    for name, value in path.items():
+        if not isinstance(value, str) or not re.fullmatch(api.PATH_PARAMS[name].pattern, value):
+            raise ContractError(f"{spec.name}: invalid {name} {value!r}")
     wanted = spec.request
     if (body is None) if wanted is not None else (body is not None):
         raise TypeError(f"{spec.name} takes {wanted.__name__ if wanted else 'no'} body")
