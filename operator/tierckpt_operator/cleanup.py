@@ -12,7 +12,7 @@ import dataclasses
 import logging
 
 from tierckpt.protocol.client import ReplicatorClient
-from tierckpt_operator.cluster import Cluster
+from tierckpt_operator.clusterview import ClusterView
 from tierckpt_operator.resources import ConfigSpec
 
 __all__ = ["PurgeResult", "purge_job"]
@@ -38,7 +38,7 @@ class PurgeResult:
 
 
 async def purge_job(
-    client: ReplicatorClient, cluster: Cluster, job_id: str, config: ConfigSpec | None
+    client: ReplicatorClient, cluster: ClusterView, job_id: str, config: ConfigSpec | None
 ) -> PurgeResult:
     """Ask every ready replicator on the configuration's nodes to drop the job."""
     nodes = cluster.nodes()

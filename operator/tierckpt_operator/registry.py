@@ -7,7 +7,7 @@ Two roles share one registry builder:
 * ``leader``: all of the above plus the JobSet lifecycle (CheckpointJob creation, per-job control
   loop and refresh timer, cleanup on deletion), configuration status and the watches that wake jobs.
 
-Index ids double as handler kwargs (see ``cluster.INDEX_IDS``).
+Index ids double as handler kwargs (see ``clusterview.INDEX_IDS``).
 """
 
 from __future__ import annotations
@@ -19,15 +19,22 @@ import kopf
 
 from tierckpt.protocol.contract import Annotations, Labels, job_id_for
 from tierckpt.protocol.errors import ContractError
-from tierckpt_operator import admission, resources
+from tierckpt_operator import resources, webhooks
 from tierckpt_operator.cleanup import purge_job
-from tierckpt_operator.cluster import INDEX_IDS, CheckpointJobRecord, Cluster, ConfigRecord, JobSetRecord
+from tierckpt_operator.clusterview import (
+    INDEX_IDS,
+    CheckpointJobRecord,
+    ClusterView,
+    ConfigRecord,
+    JobSetRecord,
+)
+from tierckpt_operator.decisions import JobState
+from tierckpt_operator.events import post_event
 from tierckpt_operator.jobsets import opt_in_value, parse_jobset
-from tierckpt_operator.planning import JobState
 from tierckpt_operator.pods import replicator_of, worker_of
 from tierckpt_operator.reconcile import checkpoint_job_body
 from tierckpt_operator.resources import ConfigSpec
-from tierckpt_operator.runtime import Runtime, post_event
+from tierckpt_operator.runtime import Runtime
 from tierckpt_operator.settings import Settings
 
 __all__ = ["build_registry"]
@@ -42,8 +49,8 @@ ENABLED = {Annotations.ENABLED: "true"}
 MANAGED = {Labels.MANAGED: "true"}
 
 
-def _cluster(kwargs: dict[str, Any]) -> Cluster:
-    return Cluster({k: kwargs[k] for k in INDEX_IDS if k in kwargs})
+def _view(kwargs: dict[str, Any]) -> ClusterView:
+    return ClusterView({k: kwargs[k] for k in INDEX_IDS if k in kwargs})
 
 
 def build_registry(settings: Settings, runtime: Runtime, *, role: str = "leader") -> kopf.OperatorRegistry:
@@ -75,7 +82,7 @@ def _lifecycle(registry: kopf.OperatorRegistry, settings: Settings, runtime: Run
     @kopf.on.startup(registry=registry)
     async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
         _configure_kopf(settings, runtime.settings)
-        await runtime.start()
+        runtime.start()
         runtime.background(runtime.configs.run())
 
     @kopf.on.cleanup(registry=registry)
@@ -165,19 +172,18 @@ def _indices(registry: kopf.OperatorRegistry, settings: Settings) -> None:
 def _admission(registry: kopf.OperatorRegistry, settings: Settings, runtime: Runtime) -> None:
     @kopf.on.mutate(*JOBSET, id="mutate-jobsets", operation="CREATE", annotations=ENABLED, registry=registry)
     def mutate_jobset(body: kopf.Body, patch: kopf.Patch, warnings: list[str], **kwargs: Any) -> None:
-        admission.jobset_mutation(body, _cluster(kwargs), settings, warnings)
-        patch.fns.append(admission.apply_jobset())
+        webhooks.jobset_mutation(body, _view(kwargs), settings, warnings)
+        patch.fns.append(webhooks.apply_jobset())
         runtime.metrics.webhook_mutations.labels("jobset", "ok").inc()
 
     @kopf.on.mutate("v1", "pods", id="mutate-pods", operation="CREATE", labels=MANAGED, registry=registry)
     async def mutate_pod(body: kopf.Body, patch: kopf.Patch, **kwargs: Any) -> None:
-        fetch = runtime.kube.get_jobset if runtime.kube is not None else None
         try:
-            plan = await admission.pod_mutation(body, _cluster(kwargs), settings, fetch)
+            plan = await webhooks.pod_mutation(body, _view(kwargs), settings, runtime.kube.get_jobset)
         except kopf.AdmissionError:
             runtime.metrics.webhook_mutations.labels("pod", "refused").inc()
             raise
-        patch.fns.append(admission.apply_pod(plan))
+        patch.fns.append(webhooks.apply_pod(plan))
         runtime.metrics.webhook_mutations.labels("pod", "ok").inc()
 
 
@@ -198,7 +204,6 @@ def _jobsets(registry: kopf.OperatorRegistry, settings: Settings, runtime: Runti
             info, error = parse_jobset(body, settings.default_config), None
         except ContractError as exc:
             info, error = None, exc
-        assert runtime.kube is not None
         created = await runtime.kube.create_checkpoint_job(checkpoint_job_body(info, namespace, name, uid))
         runtime.poke((namespace, name))
         if error is not None:
@@ -222,7 +227,7 @@ def _jobsets(registry: kopf.OperatorRegistry, settings: Settings, runtime: Runti
     )
     async def control_loop(namespace: str, name: str, stopped: kopf.DaemonStopped, **kwargs: Any) -> None:
         indices = {k: kwargs[k] for k in INDEX_IDS}
-        await runtime.controller((namespace, name)).run(lambda: Cluster(indices), stopped)
+        await runtime.controller((namespace, name)).run(lambda: ClusterView(indices), stopped)
 
     @kopf.timer(
         *JOBSET,
@@ -234,14 +239,14 @@ def _jobsets(registry: kopf.OperatorRegistry, settings: Settings, runtime: Runti
     )
     async def refresh(namespace: str, name: str, **kwargs: Any) -> None:
         ctl = runtime.controllers.get((namespace, name))
-        if ctl is not None and runtime.leading:
-            await ctl.refresh(_cluster(kwargs))
+        if ctl is not None:
+            await ctl.refresh(_view(kwargs))
 
     @kopf.on.delete(*JOBSET, id="cleanup", annotations=ENABLED, retries=5, backoff=5, registry=registry)
     async def cleanup(
         body: kopf.Body, namespace: str, name: str, uid: str, retry: int, **kwargs: Any
     ) -> None:
-        cluster = _cluster(kwargs)
+        cluster = _view(kwargs)
         rec = cluster.jobset(namespace, name)
         info = rec.info if rec is not None else None
         try:
@@ -249,7 +254,6 @@ def _jobsets(registry: kopf.OperatorRegistry, settings: Settings, runtime: Runti
         except ContractError:
             return
         cfg = cluster.config(info.config_name) if info else None
-        assert runtime.replicators is not None and runtime.kube is not None
         result = await purge_job(runtime.replicators, cluster, job_id, cfg.spec if cfg else None)
         if (result.failed or result.backups_deleted is False) and retry < 4:
             raise kopf.TemporaryError(f"{result.summary()}; retrying", delay=5 * (retry + 1))
@@ -269,7 +273,7 @@ def _configs(registry: kopf.OperatorRegistry, settings: Settings, runtime: Runti
     def replan(body: kopf.Body, name: str, reason: str, **kwargs: Any) -> None:
         keys = [
             (rec.namespace, rec.name)
-            for rec in _cluster(kwargs).jobsets()
+            for rec in _view(kwargs).jobsets()
             if rec.info is not None and rec.info.config_name == name
         ]
         for key in keys:
@@ -279,7 +283,7 @@ def _configs(registry: kopf.OperatorRegistry, settings: Settings, runtime: Runti
 
     @kopf.on.event(*CONFIG, id="config-changed", registry=registry)
     def config_changed(**kwargs: Any) -> None:
-        runtime.configs.poke(_cluster(kwargs))
+        runtime.configs.poke(_view(kwargs))
 
 
 # ------------------------------------------------------------------------------------ wake-ups
@@ -299,12 +303,12 @@ def _wakeups(registry: kopf.OperatorRegistry, settings: Settings, runtime: Runti
         node = spec.get("nodeName")
         if node:
             runtime.poke_node(node)
-        runtime.configs.poke(_cluster(kwargs))
+        runtime.configs.poke(_view(kwargs))
 
     @kopf.on.event("v1", "nodes", id="node-changed", registry=registry)
     def node_changed(name: str, **kwargs: Any) -> None:
         runtime.poke_node(name)
-        runtime.configs.poke(_cluster(kwargs))
+        runtime.configs.poke(_view(kwargs))
 
     @kopf.on.event(*JOBSET, id="jobset-changed", annotations=OPTED, registry=registry)
     def jobset_changed(namespace: str, name: str, **_: Any) -> None:

@@ -24,7 +24,7 @@ from tierckpt.protocol.control import (
 )
 from tierckpt.protocol.errors import ContractError
 from tierckpt_operator.cleanup import purge_job
-from tierckpt_operator.cluster import Cluster
+from tierckpt_operator.clusterview import ClusterView
 from tierckpt_operator.kube import Kube, api_client
 from tierckpt_operator.leader import LeaseElector
 from tierckpt_operator.pods import ReplicatorPod
@@ -180,7 +180,7 @@ async def test_purge_asks_every_ready_replicator_and_one_for_the_bucket(token_fi
             n2=[ReplicatorPod("n2", e2, False)],
         )
         nodes = _Index(n0=[(("pool", "gpu"),)], n1=[(("pool", "gpu"),)], n2=[(("pool", "gpu"),)])
-        cluster = Cluster({"tierckpt_replicators": reps, "tierckpt_nodes": nodes})
+        cluster = ClusterView({"tierckpt_replicators": reps, "tierckpt_nodes": nodes})
         cfg = ConfigSpec.from_body(
             {
                 "metadata": {"name": "c"},

@@ -1,8 +1,8 @@
-"""A read-only view of the cluster as the operator's kopf indices hold it (no API calls).
+"""A read-only view of the cluster as the operator's kopf indices hold it (pure: no API calls).
 
-The indices are filled by the watches (see ``handlers``): opted-in JobSets, configurations,
-training pods, replicator pods, node labels and CheckpointJob states. Planning reads them from
-here, so a reconcile costs no API request.
+The indices are filled by the watches (see ``registry``): opted-in JobSets, configurations,
+training pods, replicator pods, node labels and CheckpointJob states. The control loops and the
+webhooks read them through ``ClusterView``, so a reconcile costs no API request.
 """
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ import dataclasses
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from tierckpt_operator.decisions import JobState
 from tierckpt_operator.jobsets import JobSetInfo
-from tierckpt_operator.planning import JobState
 from tierckpt_operator.pods import ReplicatorPod, WorkerPod
 from tierckpt_operator.resources import ConfigSpec
 
-__all__ = ["INDEX_IDS", "CheckpointJobRecord", "Cluster", "ConfigRecord", "JobSetRecord"]
+__all__ = ["INDEX_IDS", "CheckpointJobRecord", "ClusterView", "ConfigRecord", "JobSetRecord"]
 
 INDEX_IDS = (
     "tierckpt_jobsets",
@@ -64,7 +64,7 @@ def _one(index: Mapping[Any, Iterable[Any]] | None, key: Any) -> Any:
 
 
 @dataclasses.dataclass(frozen=True)
-class Cluster:
+class ClusterView:
     """Lookups over the indices; missing indices read as empty."""
 
     indices: Mapping[str, Any]

@@ -16,7 +16,7 @@ from typing import Any
 import kopf
 
 from tierckpt.protocol.errors import ContractError
-from tierckpt_operator.cluster import Cluster, JobSetRecord
+from tierckpt_operator.clusterview import ClusterView, JobSetRecord
 from tierckpt_operator.injection import Injection, inject, label_pod_templates, preferred_node
 from tierckpt_operator.jobsets import check_jobset, opt_in_value, parse_jobset
 from tierckpt_operator.pods import worker_of
@@ -30,7 +30,7 @@ FetchJobSet = Callable[[str, str], Awaitable[Mapping[str, Any] | None]]
 
 
 def jobset_mutation(
-    body: Mapping[str, Any], cluster: Cluster, settings: Settings, warnings: list[str]
+    body: Mapping[str, Any], cluster: ClusterView, settings: Settings, warnings: list[str]
 ) -> None:
     """Check an opted-in JobSet at creation; the caller applies ``label_pod_templates``."""
     try:
@@ -48,7 +48,7 @@ def jobset_mutation(
 
 
 async def pod_mutation(
-    body: Mapping[str, Any], cluster: Cluster, settings: Settings, fetch: FetchJobSet | None = None
+    body: Mapping[str, Any], cluster: ClusterView, settings: Settings, fetch: FetchJobSet
 ) -> Injection:
     """The injection for a managed pod; ``kopf.AdmissionError`` if the pod cannot be served."""
     worker = worker_of(body)
@@ -58,7 +58,7 @@ async def pod_mutation(
         )
     namespace = (body.get("metadata") or {}).get("namespace") or worker.namespace
     rec = cluster.jobset(namespace, worker.jobset)
-    if rec is None and fetch is not None:
+    if rec is None:
         rec = await _fetched(fetch, namespace, worker.jobset, settings)
     if rec is None or rec.info is None:
         why = rec.error if rec is not None else "not found or not opted in"
