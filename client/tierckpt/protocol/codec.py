@@ -29,7 +29,7 @@ class Record:
     """Base of every dataclass that appears inside a message: the validation rules, in one place."""
 
     __pydantic_config__: ClassVar[pydantic.ConfigDict] = pydantic.ConfigDict(
-        strict=True, allow_inf_nan=False, extra="ignore", use_attribute_docstrings=True
+        strict=True, allow_inf_nan=False, extra="ignore"
     )
 
 
@@ -118,8 +118,7 @@ class _WireSchema(pydantic.json_schema.GenerateJsonSchema):
 
 
 def json_schema(cls: type[Message]) -> dict[str, Any]:
-    """The JSON Schema of ``cls`` as it travels: its fields (described by their docstrings) plus the
-    ``kind``/``version`` envelope."""
+    """The JSON Schema of ``cls`` as it travels: its fields plus the ``kind``/``version`` envelope."""
     schema = _adapter(cls).json_schema(mode="serialization", schema_generator=_WireSchema)
     props = schema.setdefault("properties", {})
     schema["properties"] = {
