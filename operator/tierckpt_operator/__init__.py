@@ -8,7 +8,8 @@ Layers (imports point down; enforced by the import-linter contracts in ``pyproje
   ``webhooks``: the two admission webhooks' decisions.
 * ``reconcile`` (per-job control loop, given a ``JobContext``), ``config_reporter`` (configuration
   status), ``cleanup`` (purge): I/O only through the adapters they are handed.
-* ``kube`` (Kubernetes API beyond kopf), ``replicators`` (replicator HTTP API), ``events`` (Events
+* ``kube`` (Kubernetes API beyond kopf), ``replicators`` (the replicator API's one
+  client, ``tierckpt.protocol.client``, configured), ``events`` (Events
   through kopf): the only adapters; ``metrics``.
 * Pure, no I/O: ``clusterview`` (the kopf indices, read-only), ``decisions`` (rank assignment and peer
   plan), ``injection``, ``status_fields``, ``jobsets``, ``pods``, ``resources``; and ``settings``.

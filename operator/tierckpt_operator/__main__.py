@@ -24,7 +24,7 @@ from tierckpt_operator.kube import Kube, api_client
 from tierckpt_operator.leader import LeaseElector
 from tierckpt_operator.metrics import Metrics
 from tierckpt_operator.registry import build_registry
-from tierckpt_operator.replicators import ReplicatorClient, TokenFile
+from tierckpt_operator.replicators import replicator_client
 from tierckpt_operator.runtime import Runtime
 from tierckpt_operator.settings import Settings, parse_settings
 
@@ -36,14 +36,7 @@ log = logging.getLogger("tierckpt_operator")
 def build_runtime(settings: Settings) -> Runtime:
     """The runtime with its adapters open: the Kubernetes API client and the replicators' client."""
     kube = Kube(api_client(settings.server, settings.kubeconfig), settings.api_concurrency)
-    token = TokenFile(settings.token_file) if settings.token_file else (lambda: None)
-    replicators = ReplicatorClient(
-        token=token,
-        timeout=settings.http_timeout,
-        retries=settings.http_retries,
-        concurrency=settings.http_concurrency,
-    )
-    return Runtime(settings, kube, replicators, Metrics())
+    return Runtime(settings, kube, replicator_client(settings), Metrics())
 
 
 async def _probes(runtime: Runtime, ready: asyncio.Event) -> web.AppRunner | None:

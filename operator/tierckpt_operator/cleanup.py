@@ -11,8 +11,8 @@ import asyncio
 import dataclasses
 import logging
 
+from tierckpt.protocol.client import ReplicatorClient
 from tierckpt_operator.clusterview import ClusterView
-from tierckpt_operator.replicators import ReplicatorClient
 from tierckpt_operator.resources import ConfigSpec
 
 __all__ = ["PurgeResult", "purge_job"]

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 from tierckpt.planning.placement import RankAssignment, peer_churn
 from tierckpt.planning.restore import choose_restore
+from tierckpt.protocol.client import ReplicatorClient, ReplicatorError
 from tierckpt.protocol.control import JobPolicy, NodeInventory, PeerAssignment, RestorePlan
 from tierckpt_operator import resources
 from tierckpt_operator.clusterview import CheckpointJobRecord, ClusterView, ConfigRecord
@@ -35,7 +36,6 @@ from tierckpt_operator.events import post_event
 from tierckpt_operator.jobsets import JobSetInfo
 from tierckpt_operator.kube import Kube
 from tierckpt_operator.metrics import Metrics
-from tierckpt_operator.replicators import ReplicatorClient, ReplicatorError
 from tierckpt_operator.resources import ConfigSpec
 from tierckpt_operator.settings import Settings
 from tierckpt_operator.status_fields import (

@@ -15,11 +15,11 @@ from collections import defaultdict
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
+from tierckpt.protocol.client import ReplicatorClient
 from tierckpt_operator.config_reporter import ConfigReporter
 from tierckpt_operator.kube import Kube
 from tierckpt_operator.metrics import Metrics
 from tierckpt_operator.reconcile import JobContext, JobController, JobKey
-from tierckpt_operator.replicators import ReplicatorClient
 from tierckpt_operator.settings import Settings
 
 __all__ = ["Runtime"]

@@ -2,7 +2,8 @@
 
 The operator sends them through ``PUT /v1/jobs/{job}/peers``; in local mode a static file
 (``--peers-file``) seeds the job it names. A ``PeerNode.endpoint`` is the node's control API
-(``http://host:port``); its streaming data endpoint is the same host at ``port + 1`` unless the
+(``http://host:port``, called through ``tierckpt.protocol.client``, which uses only
+``scheme://host:port``); its streaming data endpoint is the same host at ``port + 1`` unless the
 endpoint carries an explicit data port as ``http://host:port/?data=PORT`` (local mode).
 """
 
@@ -18,7 +19,7 @@ from tierckpt.protocol.control import PeerAssignment, PeerNode, read_control, wr
 from tierckpt.protocol.errors import ContractError, FormatError
 from tierckpt.protocol.format import control_dir
 
-__all__ = ["AssignmentStore", "api_url", "data_endpoint", "load_static"]
+__all__ = ["AssignmentStore", "data_endpoint", "load_static"]
 
 log = logging.getLogger(__name__)
 
@@ -28,12 +29,6 @@ def _parse(endpoint: str) -> urllib.parse.SplitResult:
     if parts.scheme not in ("http", "https") or not parts.hostname or parts.port is None:
         raise ContractError(f"peer endpoint {endpoint!r} is not http(s)://host:port")
     return parts
-
-
-def api_url(node: PeerNode) -> str:
-    """The node's control API base URL (no trailing slash, no query)."""
-    parts = _parse(node.endpoint)
-    return f"{parts.scheme}://{parts.netloc}"
 
 
 def data_endpoint(node: PeerNode) -> tuple[str, int]:

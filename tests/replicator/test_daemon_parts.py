@@ -13,11 +13,12 @@ from pathlib import Path
 
 import pytest
 
+from tierckpt.protocol.client import ONE_ATTEMPT, ReplicatorClient, api_base
 from tierckpt.protocol.control import PeerAssignment, PeerNode
 from tierckpt.protocol.errors import ContractError
 from tierckpt.protocol.tokens import TokenFile
 from tierckpt_demo.steps import write_step
-from tierckpt_replicator.assignments import AssignmentStore, api_url, data_endpoint
+from tierckpt_replicator.assignments import AssignmentStore, data_endpoint
 from tierckpt_replicator.daemon import worker_config
 from tierckpt_replicator.replication.ipc import FetchSource, FetchTask, SendTask
 from tierckpt_replicator.replication.supervisor import WorkerSupervisor
@@ -89,11 +90,12 @@ def test_token_file_rotation_and_constant_time_check(tmp_path: Path):
 
 def test_peer_endpoints():
     node = PeerNode("n", "http://10.0.0.5:8470")
-    assert api_url(node) == "http://10.0.0.5:8470" and data_endpoint(node) == ("10.0.0.5", 8471)
+    assert api_base(node.endpoint) == "http://10.0.0.5:8470" and data_endpoint(node) == ("10.0.0.5", 8471)
     local = PeerNode("n", "http://127.0.0.1:4000/?data=4100")
-    assert api_url(local) == "http://127.0.0.1:4000" and data_endpoint(local) == ("127.0.0.1", 4100)
-    with pytest.raises(ContractError):
-        api_url(PeerNode("n", "ftp://x"))
+    assert api_base(local.endpoint) == "http://127.0.0.1:4000" and data_endpoint(local) == ("127.0.0.1", 4100)
+    for bad in ("ftp://x", "http://x", "http://:80", "http://x:port"):
+        with pytest.raises(ContractError):
+            api_base(bad)
 
 
 def test_assignment_store_keeps_the_newest_generation(tmp_path: Path):
@@ -238,7 +240,6 @@ async def test_restore_plan_asks_again_before_believing_nothing_is_restorable(tm
     import httpx
 
     from tierckpt.protocol.control import NodeInventory, RankHoldings
-    from tierckpt_replicator.peer_client import PeerClient
     from tierckpt_replicator.restore.gather import compute_plan
 
     token = tmp_path / "token"
@@ -265,7 +266,9 @@ async def test_restore_plan_asks_again_before_believing_nothing_is_restorable(tm
             return httpx.Response(503)
         return httpx.Response(200, content=held.to_bytes())
 
-    peers = PeerClient(TokenFile(token), timeout=1.0, transport=httpx.MockTransport(answer))
+    peers = ReplicatorClient(
+        token=TokenFile(token), timeout=1.0, retry=ONE_ATTEMPT, transport=httpx.MockTransport(answer)
+    )
 
     async def own() -> NodeInventory:
         return NodeInventory(job="j", node="a", endpoint="http://a:1", updated_at=0.0, ranks={})
@@ -274,14 +277,17 @@ async def test_restore_plan_asks_again_before_believing_nothing_is_restorable(tm
         plan = await compute_plan("j", own, assignment, peers, attempts=5, backoff=0.01)
         assert plan.step == 5 and len(calls) == 3  # asked again instead of starting the job afresh
         calls.clear()
-        never = PeerClient(
-            TokenFile(token), timeout=1.0, transport=httpx.MockTransport(lambda r: httpx.Response(503))
+        never = ReplicatorClient(
+            token=TokenFile(token),
+            timeout=1.0,
+            retry=ONE_ATTEMPT,
+            transport=httpx.MockTransport(lambda r: httpx.Response(503)),
         )
         plan = await compute_plan("j", own, assignment, never, attempts=3, backoff=0.01)
         assert plan.step is None  # after the attempts, what is known is all there is
-        await never.close()
+        await never.aclose()
     finally:
-        await peers.close()
+        await peers.aclose()
 
 
 async def test_reconcile_asks_every_peer_at_once_and_never_holds_up_a_pass(tmp_path: Path):
@@ -292,7 +298,6 @@ async def test_reconcile_asks_every_peer_at_once_and_never_holds_up_a_pass(tmp_p
     from tierckpt.protocol.control import NodeInventory
     from tierckpt_replicator.inventory import InventoryScanner
     from tierckpt_replicator.metrics import Metrics
-    from tierckpt_replicator.peer_client import PeerClient
     from tierckpt_replicator.replication.manager import ReplicationManager
 
     token = tmp_path / "token"
@@ -316,7 +321,9 @@ async def test_reconcile_asks_every_peer_at_once_and_never_holds_up_a_pass(tmp_p
         empty = NodeInventory(job=job, node="b", endpoint="http://b:1", updated_at=0.0, ranks={})
         return httpx.Response(200, content=empty.to_bytes())
 
-    peers = PeerClient(TokenFile(token), timeout=30.0, transport=httpx.MockTransport(answer))
+    peers = ReplicatorClient(
+        token=TokenFile(token), timeout=30.0, retry=ONE_ATTEMPT, transport=httpx.MockTransport(answer)
+    )
     mgr = ReplicationManager(
         node="a",
         k=1,
@@ -340,4 +347,4 @@ async def test_reconcile_asks_every_peer_at_once_and_never_holds_up_a_pass(tmp_p
     finally:
         release.set()
         await mgr.close()
-        await peers.close()
+        await peers.aclose()

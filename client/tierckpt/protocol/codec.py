@@ -16,6 +16,7 @@ import json
 from typing import Any, ClassVar, TypeVar
 
 import pydantic
+import pydantic.json_schema
 
 from tierckpt.protocol.errors import FormatError
 
@@ -105,9 +106,20 @@ def decode_bytes(cls: type[T], data: bytes | str) -> T:
         raise FormatError(f"{cls.KIND}: {_first_error(exc)}") from exc
 
 
+class _WireSchema(pydantic.json_schema.GenerateJsonSchema):
+    """JSON Schema as the bytes travel: an object with integer keys (rank -> ..., step -> ...) says so,
+    so a schema-driven generator (a fuzzer) produces keys the message accepts."""
+
+    def dict_schema(self, schema: Any) -> Any:
+        out = super().dict_schema(schema)
+        if schema.get("keys_schema", {}).get("type") == "int":
+            out["propertyNames"] = {"pattern": r"^(0|-?[1-9][0-9]*)$"}
+        return out
+
+
 def json_schema(cls: type[Message]) -> dict[str, Any]:
     """The JSON Schema of ``cls`` as it travels: its fields plus the ``kind``/``version`` envelope."""
-    schema = _adapter(cls).json_schema(mode="serialization")
+    schema = _adapter(cls).json_schema(mode="serialization", schema_generator=_WireSchema)
     props = schema.setdefault("properties", {})
     schema["properties"] = {
         "kind": {"const": cls.KIND, "type": "string"},

@@ -20,12 +20,12 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 
 from tierckpt.planning.steps import newest_common_step
+from tierckpt.protocol.client import ReplicatorClient
 from tierckpt.protocol.control import PeerAssignment
 from tierckpt.protocol.errors import ContractError, RetryableError
 from tierckpt_replicator.assignments import AssignmentStore, data_endpoint
 from tierckpt_replicator.inventory import Holdings, InventoryScanner, list_jobs
 from tierckpt_replicator.metrics import Metrics
-from tierckpt_replicator.peer_client import PeerClient
 from tierckpt_replicator.replication.ipc import Outcome, PeerAddress, SendTask
 from tierckpt_replicator.replication.plan import SendItem, plan_sends
 from tierckpt_replicator.replication.supervisor import WorkerSupervisor
@@ -77,7 +77,7 @@ class ReplicationManager:
         scanner: InventoryScanner,
         assignments: AssignmentStore,
         supervisor: WorkerSupervisor,
-        peers: PeerClient,
+        peers: ReplicatorClient,
         metrics: Metrics,
         retry_max: float = 60.0,
         reconcile_interval: float = 30.0,
@@ -257,9 +257,12 @@ class ReplicationManager:
                 return
             try:
                 async with limit:
-                    inv = await self.peers.inventory(name, assignment.nodes[name], job)
-            except RetryableError as exc:
+                    inv = await self.peers.inventory(assignment.nodes[name].endpoint, job, node=name)
+            except (RetryableError, ContractError) as exc:
                 log.info("reconcile: %s", exc)
+                return
+            if inv is None:
+                log.info("reconcile: %s has no inventory route", name)
                 return
             for key in keys:
                 h = inv.ranks.get(key[1])

@@ -15,9 +15,9 @@ from typing import cast
 from tenacity import AsyncRetrying, RetryCallState, retry_if_result, stop_after_attempt, wait_exponential
 
 from tierckpt.planning.restore import choose_restore
+from tierckpt.protocol.client import ReplicatorClient
 from tierckpt.protocol.control import NodeInventory, PeerAssignment, RestorePlan
-from tierckpt.protocol.errors import RetryableError
-from tierckpt_replicator.peer_client import PeerClient
+from tierckpt.protocol.errors import ContractError, RetryableError
 
 __all__ = ["compute_plan", "gather_inventories"]
 
@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 
 async def gather_inventories(
-    own: NodeInventory, assignment: PeerAssignment | None, peers: PeerClient
+    own: NodeInventory, assignment: PeerAssignment | None, peers: ReplicatorClient
 ) -> list[NodeInventory]:
     """``own`` plus the inventories of every other assigned node that answers."""
     if assignment is None:
@@ -34,10 +34,13 @@ async def gather_inventories(
 
     async def ask(name: str) -> NodeInventory | None:
         try:
-            return await peers.inventory(name, assignment.nodes[name], own.job)
-        except RetryableError as exc:
+            inv = await peers.inventory(assignment.nodes[name].endpoint, own.job, node=name)
+        except (RetryableError, ContractError) as exc:
             log.warning("restore %s: holdings of %s unknown: %s", own.job, name, exc)
             return None
+        if inv is None:
+            log.warning("restore %s: holdings of %s unknown: it has no inventory route", own.job, name)
+        return inv
 
     answers = await asyncio.gather(*(ask(n) for n in names))
     return [own, *(a for a in answers if a is not None)]
@@ -47,7 +50,7 @@ async def compute_plan(
     job: str,
     own: Callable[[], Awaitable[NodeInventory]],
     assignment: PeerAssignment | None,
-    peers: PeerClient,
+    peers: ReplicatorClient,
     *,
     attempts: int = 1,
     backoff: float = 1.0,

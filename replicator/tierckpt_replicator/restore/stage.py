@@ -28,6 +28,7 @@ from typing import cast
 
 from tenacity import AsyncRetrying, RetryCallState, retry_if_result, stop_after_attempt, wait_exponential
 
+from tierckpt.protocol.client import ReplicatorClient
 from tierckpt.protocol.control import (
     NodeInventory,
     PeerAssignment,
@@ -51,7 +52,6 @@ from tierckpt.protocol.format import (
 from tierckpt_replicator.assignments import AssignmentStore, data_endpoint
 from tierckpt_replicator.backup.jobs import BackupPort
 from tierckpt_replicator.metrics import Metrics
-from tierckpt_replicator.peer_client import PeerClient
 from tierckpt_replicator.replication.ipc import FetchSource, FetchTask, TaskProgress
 from tierckpt_replicator.replication.supervisor import WorkerSupervisor
 from tierckpt_replicator.restore.gather import compute_plan
@@ -111,7 +111,7 @@ class Stager:
         settings: Settings,
         assignments: AssignmentStore,
         supervisor: WorkerSupervisor,
-        peers: PeerClient,
+        peers: ReplicatorClient,
         metrics: Metrics,
         own_inventory: Callable[[str], Awaitable[NodeInventory]],
         backup: BackupPort | None = None,
