@@ -68,7 +68,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 def _write_step(root: Path, job: str, ranks: int, files: int, total: int) -> Path:
     """Commit a step of ``ranks`` ranks with random data files; also write the same bytes as one file."""
-    from tierckpt_demo.steps import write_step
+    from tierckpt_demo.step_writer import write_step
 
     per_file = max(1, total // (ranks * files)) // 4096 * 4096
     flat = root.parent / "baseline.bin"

@@ -56,7 +56,7 @@ from tierckpt.protocol.format import (
     step_dir,
 )
 from tierckpt_demo.cluster import LocalCluster, Node, has_netns
-from tierckpt_demo.steps import write_step
+from tierckpt_demo.step_writer import write_step
 
 MiB = 1 << 20
 RAW_PORT = 9555

@@ -40,7 +40,7 @@ from typing import Any
 from tierckpt.protocol.client import SyncReplicatorClient
 from tierckpt.protocol.control import PeerAssignment, PeerNode
 from tierckpt.protocol.tokens import TokenFile
-from tierckpt_demo.ramdisk import mount_tmpfs, unmount
+from tierckpt_demo.tmpfs import mount_tmpfs, unmount
 
 __all__ = ["LocalCluster", "Node", "cleanup_stale", "has_netns"]
 

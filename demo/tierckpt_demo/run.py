@@ -6,7 +6,7 @@ What runs (everything is torn down at the end, on errors and on Ctrl-C):
   ramdisk and its own ``tierckpt-replicator`` process (loopback ports and plain directories when not
   root), plus fake-gcs-server as the bucket;
 * the demo plays the operator: it assigns peers with ``tierckpt.planning.placement`` (across two failure
-  domains) and publishes each restore plan computed by ``tierckpt.planning.restore`` from the nodes'
+  domains) and publishes each restore plan computed by ``tierckpt.planning.restore_plan`` from the nodes'
   inventories, through the replicators' control API;
 * one training process per node (``tierckpt_demo.training``, torch.distributed over gloo), inside
   its node's namespace with ``TIERCKPT_ROOT`` = that node's ramdisk, checkpointing through
@@ -37,8 +37,8 @@ from tierckpt.protocol.control import PeerAssignment
 from tierckpt.protocol.errors import TierckptError
 from tierckpt.protocol.text import rank_ranges
 from tierckpt_demo import scenarios as sc
-from tierckpt_demo.control import LocalControl
 from tierckpt_demo.launcher import Launcher, kill_process_group
+from tierckpt_demo.local_operator import LocalOperator
 from tierckpt_demo.report import (
     Check,
     DemoConfig,
@@ -302,7 +302,7 @@ class Demo:
             ],
         )
         self._start_launchers()
-        self.control = LocalControl(self.cluster, JOB, wait=self._wait)
+        self.control = LocalOperator(self.cluster, JOB, wait=self._wait)
         self.assignment = self.control.assign_peers(self.o.replicas)
         self.timings["setup_s"] = time.monotonic() - t0
         mode = "network namespaces + tmpfs" if self.cluster.netns else "loopback ports + directories"

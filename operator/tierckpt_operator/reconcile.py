@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 from tierckpt.planning.placement import RankAssignment, peer_churn
-from tierckpt.planning.restore import choose_restore
+from tierckpt.planning.restore_plan import choose_restore
 from tierckpt.protocol.client import ReplicatorClient, ReplicatorError
 from tierckpt.protocol.control import JobPolicy, NodeInventory, PeerAssignment, RestorePlan
 from tierckpt_operator import resources

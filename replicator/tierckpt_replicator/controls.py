@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import tierckpt_replicator
-from tierckpt.planning.steps import newest_common_step
+from tierckpt.planning.common_step import newest_common_step
 from tierckpt.protocol.control import (
     JobPolicy,
     JobStatus,

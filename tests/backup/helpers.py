@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry
 
 from tierckpt.protocol.control import PeerAssignment, PeerNode, write_control
 from tierckpt.protocol.format import replica_rank_dir, step_dir
-from tierckpt_demo.steps import write_step
+from tierckpt_demo.step_writer import write_step
 from tierckpt_replicator.backup.gcs import GcsSettings, GcsStore, RetryPolicy
 from tierckpt_replicator.backup.metrics import BackupMetrics
 from tierckpt_replicator.backup.service import BackupService

@@ -23,7 +23,7 @@ from tierckpt.protocol.bucket_layout import BucketLayout, RankBackup, StepBackup
 from tierckpt.protocol.errors import CorruptShardError, MissingCheckpointError
 from tierckpt.protocol.format import rank_dir, read_manifest, step_dir
 from tierckpt_demo.fakegcs import FakeGcsServer, FaultProxy, FaultRule
-from tierckpt_demo.steps import step_files, write_step
+from tierckpt_demo.step_writer import step_files, write_step
 from tierckpt_replicator.backup.gcs import GcsStore, RetryPolicy
 from tierckpt_replicator.backup.metrics import BackupMetrics
 from tierckpt_replicator.backup.service import BackupService

@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry
 from tests.cli.cli_helpers import assert_clean_error, cli
 from tierckpt.protocol.format import read_commit
 from tierckpt_demo.fakegcs import FakeGcsServer
-from tierckpt_demo.steps import write_step
+from tierckpt_demo.step_writer import write_step
 from tierckpt_replicator.backup.gcs import GcsSettings, GcsStore
 from tierckpt_replicator.backup.metrics import BackupMetrics
 from tierckpt_replicator.backup.service import BackupService

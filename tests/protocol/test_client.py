@@ -29,7 +29,7 @@ from tierckpt.protocol.control import (
 )
 from tierckpt.protocol.errors import ContractError, RetryableError
 from tierckpt.protocol.tokens import TokenFile
-from tierckpt_demo.steps import write_step
+from tierckpt_demo.step_writer import write_step
 from tierckpt_replicator.daemon import Daemon
 from tierckpt_replicator.settings import Settings
 

@@ -26,7 +26,7 @@ from tierckpt.protocol.control import (
     restore_status_name,
 )
 from tierckpt.protocol.format import control_dir
-from tierckpt_demo.steps import write_step
+from tierckpt_demo.step_writer import write_step
 from tierckpt_replicator.daemon import Daemon
 from tierckpt_replicator.settings import Settings
 

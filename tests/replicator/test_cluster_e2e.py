@@ -27,7 +27,7 @@ from tierckpt.protocol.api import ENDPOINTS
 from tierckpt.protocol.bucket_layout import BucketLayout
 from tierckpt.protocol.control import BackupResult, RestorePlan, RestoreState, Tier
 from tierckpt.protocol.format import committed_steps, control_dir, rank_dir, replica_rank_dir, step_dir
-from tierckpt_demo.steps import step_files, write_step
+from tierckpt_demo.step_writer import step_files, write_step
 from tierckpt_replicator.backup.gcs import GcsSettings, GcsStore
 from tierckpt_replicator.replication.wire import DataReply, DataRequest, Status, recv_frame, send_frame
 

@@ -17,7 +17,7 @@ from tierckpt.protocol.client import ONE_ATTEMPT, ReplicatorClient, api_base
 from tierckpt.protocol.control import PeerAssignment, PeerNode
 from tierckpt.protocol.errors import ContractError
 from tierckpt.protocol.tokens import TokenFile
-from tierckpt_demo.steps import write_step
+from tierckpt_demo.step_writer import write_step
 from tierckpt_replicator.assignments import AssignmentStore, data_endpoint
 from tierckpt_replicator.daemon import worker_config
 from tierckpt_replicator.replication.ipc import FetchSource, FetchTask, SendTask

@@ -21,7 +21,7 @@ from tierckpt.protocol.client import ReplicatorClient, SyncReplicatorClient
 from tierckpt.protocol.control import JobPolicy, PurgeResult
 from tierckpt.protocol.tokens import TokenFile
 from tierckpt_demo.fakegcs import FakeGcsServer, free_port
-from tierckpt_demo.steps import write_step
+from tierckpt_demo.step_writer import write_step
 from tierckpt_replicator.backup.jobs import effective_settings
 from tierckpt_replicator.backup.settings import BackupSettings
 

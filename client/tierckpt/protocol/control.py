@@ -4,7 +4,7 @@ The control files in ``<root>/<job>/control/`` and the control API's bodies are 
 the peer assignment (``PeerAssignment``), the job's restore plan (``RestorePlan``), per-rank restore
 progress (``RestoreStatus``), the job's backup and replication policy (``JobPolicy``), what a node
 holds (``NodeInventory``, from which anyone computes the same restore step with
-``tierckpt.planning.restore``), a replicator's health (``NodeStatus``) and the answers of the API's
+``tierckpt.planning.restore_plan``), a replicator's health (``NodeStatus``) and the answers of the API's
 actions (``BackupResult``, ``RestoreAccepted``, ``PurgeResult``). Which endpoint carries which
 message: ``tierckpt.protocol.api``.
 
@@ -153,7 +153,7 @@ class RestorePlan(Message):
     """``control/restore.json``: the step the whole job restores, and each rank's source tier.
 
     ``step`` is None when no step is restorable by every rank (a fresh start). Computed by the pure
-    ``tierckpt.planning.restore.choose_restore`` from inventories, so any party gets the same answer.
+    ``tierckpt.planning.restore_plan.choose_restore`` from inventories, so any party gets the same answer.
     """
 
     KIND = "tierckpt.restore-plan"

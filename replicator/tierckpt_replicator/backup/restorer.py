@@ -23,7 +23,7 @@ from tierckpt.protocol.format import COMMIT_NAME, MANIFEST_NAME, FileEntry, read
 from tierckpt.protocol.integrity import crc32c, crc32c_concat
 from tierckpt_replicator.backup.catalog import SMALL_OBJECT_LIMIT, Catalog
 from tierckpt_replicator.backup.store import ObjectStore
-from tierckpt_replicator.ramdisk import StepHeader, StepWriter, parse_header
+from tierckpt_replicator.stepio import StepHeader, StepWriter, parse_header
 
 __all__ = ["Restorer", "plan_ranges"]
 

@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from tierckpt.planning.steps import newest_common_step
+from tierckpt.planning.common_step import newest_common_step
 from tierckpt.protocol import leases
 from tierckpt.protocol.bucket_layout import BucketLayout
 from tierckpt.protocol.control import PeerAssignment, read_control
@@ -54,7 +54,7 @@ from tierckpt_replicator.backup.restorer import Restorer
 from tierckpt_replicator.backup.spread import assign_uploads
 from tierckpt_replicator.backup.store import ObjectStore
 from tierckpt_replicator.backup.uploader import Uploader
-from tierckpt_replicator.ramdisk import find_committed
+from tierckpt_replicator.stepio import find_committed
 
 __all__ = ["BackupService", "BackupStatus"]
 

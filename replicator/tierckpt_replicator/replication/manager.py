@@ -19,7 +19,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 
-from tierckpt.planning.steps import newest_common_step
+from tierckpt.planning.common_step import newest_common_step
 from tierckpt.protocol.client import ReplicatorClient
 from tierckpt.protocol.control import PeerAssignment
 from tierckpt.protocol.errors import ContractError, RetryableError

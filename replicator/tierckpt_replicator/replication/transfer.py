@@ -28,7 +28,6 @@ from tierckpt.protocol.format import (
     replica_rank_dir,
     step_dir,
 )
-from tierckpt_replicator.ramdisk import StepHeader, StepWriter, parse_header
 from tierckpt_replicator.replication.context import DataContext, connect, unique_holder
 from tierckpt_replicator.replication.ipc import FetchSource, Outcome, OutcomeStatus, PeerAddress
 from tierckpt_replicator.replication.stream import copy_file, receive_file, send_file
@@ -41,6 +40,7 @@ from tierckpt_replicator.replication.wire import (
     recv_frame,
     send_frame,
 )
+from tierckpt_replicator.stepio import StepHeader, StepWriter, parse_header
 
 __all__ = ["fetch_step", "outcome_status", "push_step", "report_corrupt"]
 

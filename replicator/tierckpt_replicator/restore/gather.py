@@ -14,7 +14,7 @@ from typing import cast
 
 from tenacity import AsyncRetrying, RetryCallState, retry_if_result, stop_after_attempt, wait_exponential
 
-from tierckpt.planning.restore import choose_restore
+from tierckpt.planning.restore_plan import choose_restore
 from tierckpt.protocol.client import ReplicatorClient
 from tierckpt.protocol.control import NodeInventory, PeerAssignment, RestorePlan
 from tierckpt.protocol.errors import ContractError, RetryableError

@@ -2,7 +2,7 @@
 
 On Kubernetes the operator plans peers and restore plans and sends them to each node's replicator;
 in the local demo this class does the same, with the same pure planning code (``tierckpt.planning.placement``,
-``tierckpt.planning.restore``) and the same client of the replicators' API (``tierckpt.protocol.client``,
+``tierckpt.planning.restore_plan``) and the same client of the replicators' API (``tierckpt.protocol.client``,
 the cluster's ``api``), so the replicators cannot tell the difference. A refused or failed call raises
 ``tierckpt.protocol.client.ReplicatorError``.
 """
@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tierckpt.planning.placement import plan_node_peers
-from tierckpt.planning.restore import choose_restore
+from tierckpt.planning.restore_plan import choose_restore
 from tierckpt.protocol.control import (
     BackupResult,
     NodeInventory,
@@ -28,13 +28,13 @@ from tierckpt.protocol.control import (
 )
 from tierckpt.protocol.errors import FormatError
 
-__all__ = ["LocalControl"]
+__all__ = ["LocalOperator"]
 
 BUCKET_PREFIX = "tierckpt"
 """The replicators' default ``--gcs-prefix``."""
 
 
-class LocalControl:
+class LocalOperator:
     """Operator duties for one job on a ``LocalCluster`` (one process rank per node)."""
 
     def __init__(

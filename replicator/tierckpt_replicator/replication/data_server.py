@@ -29,13 +29,6 @@ from tierckpt.protocol.format import (
     replica_rank_dir,
     step_dir,
 )
-from tierckpt_replicator.ramdisk import (
-    StepHeader,
-    StepWriter,
-    find_committed,
-    parse_header,
-    verify_step,
-)
 from tierckpt_replicator.replication.context import DataContext, unique_holder
 from tierckpt_replicator.replication.ipc import DataEvent
 from tierckpt_replicator.replication.replicas import apply_retention, client_headroom, free_bytes, make_room
@@ -48,6 +41,13 @@ from tierckpt_replicator.replication.wire import (
     recv_exact,
     recv_frame,
     send_frame,
+)
+from tierckpt_replicator.stepio import (
+    StepHeader,
+    StepWriter,
+    find_committed,
+    parse_header,
+    verify_step,
 )
 
 __all__ = ["DataServer"]
