@@ -43,7 +43,7 @@ class BucketStep:
 def _client() -> Any:
     from google.auth.credentials import AnonymousCredentials
     from google.auth.exceptions import DefaultCredentialsError
-    from google.cloud import storage
+    import google.cloud.storage as storage
 
     endpoint = os.environ.get("STORAGE_EMULATOR_HOST")
     try:
