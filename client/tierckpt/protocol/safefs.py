@@ -341,8 +341,8 @@ class Beneath:
             return
         try:
             if stat.S_ISDIR(st.st_mode):
-                # fd-based walk: links inside are unlinked, not followed. dir_fd is Python 3.11+ (typeshed follows
-                # python_version 3.10 of the mypy configuration; requires-python says >=3.10).
+                # fd-based walk: links inside are unlinked, not followed. rmtree's dir_fd is Python 3.11+,
+                # while requires-python (and so mypy) says 3.10.
                 shutil.rmtree(name, dir_fd=pfd)  # type: ignore[call-arg]
             else:
                 os.unlink(name, dir_fd=pfd)

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
+import google.cloud.storage as storage
 import google_crc32c
 import requests
 import urllib3
@@ -36,7 +37,6 @@ from google.api_core import exceptions as api_exceptions
 from google.api_core.retry import Retry
 from google.auth import exceptions as auth_exceptions
 from google.auth.credentials import AnonymousCredentials
-import google.cloud.storage as storage
 from google.cloud.storage.exceptions import DataCorruption, InvalidResponse
 from google.cloud.storage.retry import DEFAULT_RETRY
 

@@ -22,10 +22,14 @@ class BackupMetrics:
 
     def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
         self.bytes_uploaded = Counter(
-            "tierckpt_backup_uploaded_bytes", "Shard bytes uploaded to the bucket by this node.", registry=registry
+            "tierckpt_backup_uploaded_bytes",
+            "Shard bytes uploaded to the bucket by this node.",
+            registry=registry,
         )
         self.bytes_downloaded = Counter(
-            "tierckpt_backup_downloaded_bytes", "Shard bytes restored from the bucket by this node.", registry=registry
+            "tierckpt_backup_downloaded_bytes",
+            "Shard bytes restored from the bucket by this node.",
+            registry=registry,
         )
         self.upload_seconds = Histogram(
             "tierckpt_backup_upload_seconds",
@@ -43,16 +47,25 @@ class BackupMetrics:
             "tierckpt_backup_failures", "Failed backup operations, by operation.", ["op"], registry=registry
         )
         self.ranks_uploaded = Counter(
-            "tierckpt_backup_ranks_uploaded", "Rank steps this node uploaded and committed.", registry=registry
+            "tierckpt_backup_ranks_uploaded",
+            "Rank steps this node uploaded and committed.",
+            registry=registry,
         )
         self.steps_completed = Counter(
-            "tierckpt_backup_steps_completed", "Steps this node marked complete in the bucket.", registry=registry
+            "tierckpt_backup_steps_completed",
+            "Steps this node marked complete in the bucket.",
+            registry=registry,
         )
         self.steps_deleted = Counter(
-            "tierckpt_backup_steps_deleted", "Steps deleted from the bucket by retention or purge.", registry=registry
+            "tierckpt_backup_steps_deleted",
+            "Steps deleted from the bucket by retention or purge.",
+            registry=registry,
         )
         self.last_step = Gauge(
-            "tierckpt_backup_last_complete_step", "Newest complete step in the bucket.", ["job"], registry=registry
+            "tierckpt_backup_last_complete_step",
+            "Newest complete step in the bucket.",
+            ["job"],
+            registry=registry,
         )
         self.last_success = Gauge(
             "tierckpt_backup_last_success_timestamp_seconds",
