@@ -375,14 +375,18 @@ class Demo:
             self._say(f"{'[green]✔[/]' if c.ok else '[red]✘[/]'} {c.name}: {c.detail}")
 
     def _record(self, events: dict[int, list[TrainerEvent]]) -> None:
-        losses = {e.step: e.loss for e in events.get(0, []) if e.event == "step" and e.loss is not None}
+        losses = {
+            e.step: e.loss
+            for e in events.get(0, [])
+            if e.event == "step" and e.step is not None and e.loss is not None
+        }
         saved = {
             (r, e.step): e.sha256
             for r, evs in events.items()
             for e in evs
             if e.event == "saved" and e.step is not None
         }
-        self.reference.record(losses, saved)  # type: ignore[arg-type]
+        self.reference.record(losses, saved)
 
     # ---------------------------------------------------------------- training segments
 
