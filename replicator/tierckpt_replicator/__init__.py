@@ -17,7 +17,7 @@ imports the other), ``:`` siblings that may import each other:
    (GCS backups). Neither knows the other; the daemon tells backup about commits replication saw.
 6. ``watch``: inotify wake-ups for new commits (other nodes' control APIs are reached through
    ``tierckpt.protocol.client``).
-7. ``assignments`` | ``inventory`` | ``policies`` | ``metrics`` | ``settings`` | ``ramdisk``: peers.json,
+7. ``assignments`` | ``inventory`` | ``policies`` | ``metrics`` | ``settings`` | ``stepio``: peers.json,
    what this node holds, policy.json, Prometheus metrics, the daemon's options, and steps on the
    ramdisk (staging, committing, finding). Each stands on ``tierckpt.protocol``/``tierckpt.planning``
    only.

@@ -13,6 +13,7 @@ reading and writing small files, listing, creating, renaming and removing.
 
 from __future__ import annotations
 
+import _ctypes
 import contextlib
 import ctypes
 import errno
@@ -38,13 +39,13 @@ class _OpenHow(ctypes.Structure):
 
 
 @functools.cache
-def _syscall() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+def _syscall() -> _ctypes.CFuncPtr | None:
     try:
         fn = ctypes.CDLL(None, use_errno=True).syscall
     except (OSError, AttributeError):
         return None
     fn.restype = ctypes.c_long
-    return fn  # type: ignore[no-any-return]
+    return fn
 
 
 @functools.cache
@@ -340,7 +341,9 @@ class Beneath:
             return
         try:
             if stat.S_ISDIR(st.st_mode):
-                shutil.rmtree(name, dir_fd=pfd)  # fd-based walk: links inside are unlinked, not followed
+                # fd-based walk: links inside are unlinked, not followed. rmtree's dir_fd is Python 3.11+,
+                # while requires-python (and so mypy) says 3.10.
+                shutil.rmtree(name, dir_fd=pfd)  # type: ignore[call-arg]
             else:
                 os.unlink(name, dir_fd=pfd)
         finally:

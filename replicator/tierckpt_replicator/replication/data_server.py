@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from tierckpt.protocol import leases
 from tierckpt.protocol.errors import CorruptShardError, FormatError, MissingCheckpointError, RamdiskFullError
@@ -80,7 +80,7 @@ class DataServer:
     @property
     def port(self) -> int:
         assert self._listener is not None
-        return self._listener.getsockname()[1]
+        return cast(int, self._listener.getsockname()[1])  # (host, port) of an inet socket
 
     def start(self) -> None:
         cfg = self.ctx.config
