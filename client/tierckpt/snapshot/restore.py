@@ -304,7 +304,7 @@ def load_into(
     ``staging`` (kept by the caller) keeps the device staging of packed small tensors between
     loads; ``bindings`` (kept by the caller) the destinations of this structure's tensors.
     ``timings`` receives the phases in seconds (``bind_s``, ``tree_s``, ``h2d_s``, ``verify_wait_s``,
-    ``copy_s``).
+    ``copy_s``) and ``bound`` (1.0 when a binding spared the tree walk its tensor work).
     """
     if manifest.manifest_kind != "state_dict":
         raise FormatError(f"{step_path}: a {manifest.manifest_kind!r} step; load it through tierckpt.dcp")
@@ -328,6 +328,7 @@ def load_into(
     bound = None if bindings is None else bindings.resolve(manifest, dest)
     paths: dict[int, KeyPath] | None = {} if bindings is not None and bound is None else None
     timings["bind_s"] = time.perf_counter() - start
+    timings["bound"] = float(bound is not None)
     try:
         if bound is not None:
             filler.prefill(bound)
