@@ -350,7 +350,8 @@ class Checkpointer:
 
     def _start_device_copies(self, job: _SaveJob) -> None:
         """Device staging: CUDA tensors go through ``DeviceStager`` (no CPU wait unless the budget forces
-        one); CPU tensors are copied now, or by the commit thread if an optimizer owns them."""
+        one); CPU tensors (an optimizer's step counters, RNG states) are copied before returning, so the
+        optimizer's hook never waits on the CPU."""
         assert self._stager is not None
         views = job.slot.views(job.plan)
         tensors = job.flat.tensors
@@ -362,17 +363,16 @@ class Checkpointer:
                 "before save returns"
             )
             self._warned_overlap = True
-        dsts, srcs, guarded, cpu_now, cpu_later = [], [], [], [], []
+        dsts, srcs, guarded, cpu_now = [], [], [], []
         for i, t in enumerate(tensors):
             if i in packed or t.numel() == 0:
                 continue
-            owned = t.untyped_storage().data_ptr() in protected
             if cuda.is_cuda(t):
                 dsts.append(views[i])
                 srcs.append(t)
-                guarded.append(owned)
+                guarded.append(t.untyped_storage().data_ptr() in protected)
             else:
-                (cpu_later if owned else cpu_now).append(i)
+                cpu_now.append(i)
         files = job.slot.files
         packs = (
             self._packer.copies(job.plan, files, tensors, later=False)
@@ -387,8 +387,7 @@ class Checkpointer:
             copy_cpu([views[i] for i in cpu_now], [tensors[i] for i in cpu_now])
         if job.staged is not None:
             job.staged.blocking.synchronize()
-        job.deferred_cpu = cpu_later
-        if not cpu_later and job.staged is None:
+        else:
             job.copied.set()
 
     def _finish(self, job: _SaveJob) -> None:

@@ -270,8 +270,8 @@ class DeviceStager:
 
     def _buffer(self, device: torch.device, need: int, allowed: int) -> torch.Tensor | None:
         held = self._buffers.get(device)
-        if held is not None and (held.numel() > allowed or held.numel() > 2 * align_up(need, _GROW)):
-            del self._buffers[device]  # over the budget now, or far more than needed: give it back
+        if held is not None and (held.numel() > allowed or held.numel() > align_up(need * 5 // 4, _GROW) + _GROW):
+            del self._buffers[device]  # over the budget now, or well over what is needed: give it back
             held = None
         if need == 0:
             return None

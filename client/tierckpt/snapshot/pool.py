@@ -145,6 +145,9 @@ class SlotPool:
         self._ready: list[Slot] = []
         self._raw: list[Slot] = []
         """Adopted or retired slots whose mappings are not prepared yet."""
+        self._on_disk: set[int] = set()
+        """Committed steps an earlier process left that this pool has not mapped: slots to come back
+        through retention (so the warm-up builds none in their stead)."""
         self._preparing = 0
         self._stopping = False
         self._cond = threading.Condition()
@@ -161,11 +164,14 @@ class SlotPool:
 
     # ---------------------------------------------------------------------------------- adoption
 
-    def adopt_spares(self, committed_count: int) -> None:
+    def adopt_spares(self, committed_count: int, committed: Sequence[int] = ()) -> None:
         """Adopt ``.spare/*`` left by an earlier process (up to what the pool needs); delete the rest.
 
-        They are mapped lazily; ``warm`` (or the save that takes one) builds their page tables.
+        They are mapped lazily; ``warm`` (or the save that takes one) builds their page tables. The
+        ``committed`` steps on disk count as slots too: they return as spares when retention retires them.
         """
+        with self._cond:
+            self._on_disk.update(committed)
         root = self.rank_path / SPARE_DIR
         room = max(0, self.target - committed_count)
         adopted = []
@@ -221,6 +227,7 @@ class SlotPool:
             slot.register(self.cuda_device)
         with self._cond:
             self._by_step[step] = slot
+            self._on_disk.discard(step)
         return slot
 
     # ---------------------------------------------------------------------------------- saving
@@ -281,7 +288,8 @@ class SlotPool:
     # ---------------------------------------------------------------------------------- warm-up
 
     def _count(self) -> int:
-        return len(self._by_step) + len(self._lent) + len(self._ready) + len(self._raw) + self._preparing
+        slots = len(self._by_step) + len(self._lent) + len(self._ready) + len(self._raw) + self._preparing
+        return slots + len(self._on_disk)
 
     def warm(self, plan: LayoutPlan | None) -> concurrent.futures.Future[None]:
         """Prepare, in the background, the adopted spares and then new spares sized for ``plan`` until
@@ -387,6 +395,7 @@ class SlotPool:
         """Turn a retired step (COMMIT already gone) into a spare, or delete it if not needed."""
         with self._cond:
             slot = self._by_step.pop(step, None)
+            self._on_disk.discard(step)
             wanted = self._count() < self.target
         prepared = slot is not None
         if slot is None and wanted:
