@@ -270,7 +270,8 @@ class DeviceStager:
 
     def _buffer(self, device: torch.device, need: int, allowed: int) -> torch.Tensor | None:
         held = self._buffers.get(device)
-        if held is not None and (held.numel() > allowed or held.numel() > align_up(need * 5 // 4, _GROW) + _GROW):
+        roomy = align_up(need * 5 // 4, _GROW) + _GROW
+        if held is not None and (held.numel() > allowed or held.numel() > roomy):
             del self._buffers[device]  # over the budget now, or well over what is needed: give it back
             held = None
         if need == 0:
