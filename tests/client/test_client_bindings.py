@@ -106,8 +106,35 @@ def test_a_binding_needs_every_path_to_lead_to_a_tensor():
     flat = flatten(state, record_paths=True)
     binding = Binding.compile(state, flat.paths)
     assert binding is not None
-    assert [t for _, t in binding.resolve(state)] == list(flat.tensors)
+    assert [t for _, t in binding.resolve(state).tensors] == list(flat.tensors)
     del state["optim"]["state"][5]
     assert binding.resolve(state) is None
     assert Binding.compile(state, flat.paths) is None
     assert Binding.compile({}, {}) is None
+
+
+def test_another_step_of_the_same_structure_restores_its_own_values_and_any_new_key(root, job):
+    state = model_state(0)
+    with Checkpointer(root=root, job=job, keep=5) as ck:
+        for step, lr in ((1, 0.1), (2, 0.2)):
+            state["lr"], state["step"] = lr, step
+            state["optim"]["state"][0]["m"].fill_(float(step))
+            ck.save(step, state, blocking=True)
+        state["extra"] = {"note": "only in step 3"}
+        state["optim"]["state"][0]["m"].fill_(3.0)
+        ck.save(3, state, blocking=True)
+        dest = model_state(9)
+        dest["optim"]["state"][0]["m"] = torch.zeros(64, 32)
+        assert ck.load(dest, step=1) == 1 and ck.last_load_timings["bound"] == 0.0
+        assert ck.load(dest, step=2) == 2 and ck.last_load_timings["bound"] == 1.0
+        assert (dest["lr"], dest["step"]) == (0.2, 2) and torch.all(dest["optim"]["state"][0]["m"] == 2.0)
+        assert "extra" not in dest
+        assert (
+            ck.load(dest, step=3) == 3 and ck.last_load_timings["bound"] == 1.0
+        )  # tensors bound, tree walked
+        assert dest["extra"] == {"note": "only in step 3"} and torch.all(
+            dest["optim"]["state"][0]["m"] == 3.0
+        )
+        dest["step"] = "changed"
+        assert ck.load(dest, step=3) == 3 and ck.last_load_timings["bound"] == 1.0
+    assert_same(state, dest)

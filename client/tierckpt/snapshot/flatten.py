@@ -11,7 +11,10 @@ already at the same path with the same dtype and shape are filled (so parameters
 state keep their identity and device), containers of the same type are updated, the rest is created.
 
 Both can record, for every tensor node, its ``KeyPath``: the container kinds and keys that lead to it
-from the root, which ``bindings`` uses to find the same tensors again without walking.
+from the root, which ``bindings`` uses to find the same tensors again without walking. ``restore_into``
+can also record the ``Leaf``s: every subtree that is not a tensor and not a container filled in place
+that holds tensors (scalars, objects, arrays, tuples), with where it sits in the tree, so that
+``restore_leaves`` restores just those next time (the tensors being bound already).
 """
 
 from __future__ import annotations
@@ -30,11 +33,14 @@ from tierckpt.snapshot.dtypes import dtype_name, numpy_dtype
 
 __all__ = [
     "ArrayFiller",
+    "Branch",
     "FlatState",
     "KeyPath",
+    "Leaf",
     "TensorFiller",
     "flatten",
     "restore_into",
+    "restore_leaves",
     "storable_tensor",
 ]
 
@@ -51,6 +57,27 @@ ArrayFiller = Callable[[int, Any], np.ndarray]
 KeyPath = tuple[tuple[Any, Any], ...]
 """``((kind, key), ...)`` from the root: ``kind`` is the type of the container holding ``key`` (``dict``,
 ``OrderedDict``, ``list``) or ``(tuple, length)``; the last key holds the tensor."""
+TreePath = tuple[tuple[int, Any], ...]
+"""Where a node sits in the state tree: ``(position in the parent's items, key node)`` per level (the
+key node is ``_NO_KEY`` below lists and tuples), checked when the path is followed in another tree."""
+_NO_KEY = ("no key",)
+
+
+@dataclasses.dataclass(frozen=True)
+class Leaf:
+    """A subtree to restore as a whole: ``where`` in the destination, ``at`` in the tree."""
+
+    where: KeyPath
+    at: TreePath
+
+
+@dataclasses.dataclass(frozen=True)
+class Branch:
+    """A container filled in place that holds tensors: ``at`` in the tree, with ``items`` children (so a
+    tree that gained or lost a key there is told apart)."""
+
+    at: TreePath
+    items: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,13 +227,16 @@ class _Builder:
         objects: Sequence[Any],
         fill_array: ArrayFiller | None,
         paths: dict[int, KeyPath] | None = None,
+        leaves: list[Leaf | Branch] | None = None,
     ) -> None:
         self.fill = fill
         self.fill_array = fill_array or self._array_from_tensor
         self.n_tensors = n_tensors
         self.objects = objects
         self.paths = paths
+        self.leaves = leaves if paths is not None else None
         self._where: list[tuple[Any, Any]] = []
+        self._at: list[tuple[int, Any]] = []
 
     def value(self, node: Any, existing: Any) -> Any:
         if node is None or type(node) in (bool, int, str):
@@ -274,25 +304,38 @@ class _Builder:
             raise FormatError(f"state tree {node['t']} node without a list of items")
         return items
 
-    def _child(self, holder: Any, key: Any, node: Any, existing: Any) -> Any:
-        """``value`` for a child at ``key`` of a container of kind ``holder`` (recording its key path)."""
+    def _child(
+        self, holder: Any, key: Any, node: Any, existing: Any, at: int = 0, key_node: Any = _NO_KEY
+    ) -> Any:
+        """``value`` for a child at ``key`` (item ``at`` of the tree node) of a container of kind
+        ``holder``, recording its key path and, if it is a leaf, the leaf."""
         if self.paths is None:
             return self.value(node, existing)
         self._where.append((holder, key))
+        self._at.append((at, key_node))
+        tensors = len(self.paths)
         try:
-            return self.value(node, existing)
+            value = self.value(node, existing)
+            if self.leaves is not None and not (type(node) is dict and node.get("t") == "tensor"):
+                held = len(self.paths) > tensors
+                if held and value is existing and type(value) in (dict, collections.OrderedDict, list):
+                    self.leaves.append(Branch(tuple(self._at), len(node["v"])))
+                else:
+                    self.leaves.append(Leaf(tuple(self._where), tuple(self._at)))
+            return value
         finally:
             self._where.pop()
+            self._at.pop()
 
     def _list(self, node: dict[str, Any], existing: Any) -> list[Any]:
         items = self._items(node)
         if type(existing) is not list:
-            return [self._child(list, i, v, None) for i, v in enumerate(items)]
+            return [self._child(list, i, v, None, i) for i, v in enumerate(items)]
         for i, child in enumerate(items):
             if i < len(existing):
-                existing[i] = self._child(list, i, child, existing[i])
+                existing[i] = self._child(list, i, child, existing[i], i)
             else:
-                existing.append(self._child(list, i, child, None))
+                existing.append(self._child(list, i, child, None, i))
         del existing[len(items) :]
         return existing
 
@@ -300,16 +343,28 @@ class _Builder:
         items = self._items(node)
         old = existing if type(existing) in (tuple, list) and len(existing) == len(items) else None
         holder = (tuple, len(items))
-        return tuple(self._child(holder, i, v, None if old is None else old[i]) for i, v in enumerate(items))
+        return tuple(
+            self._child(holder, i, v, None if old is None else old[i], i) for i, v in enumerate(items)
+        )
 
     def _mapping(self, node: dict[str, Any], existing: Any, kind: type) -> Any:
         target = existing if type(existing) is kind else kind()
-        for pair in self._items(node):
+        for at, pair in enumerate(self._items(node)):
             if type(pair) is not list or len(pair) != 2:
                 raise FormatError(f"state tree {node['t']} item is not a [key, value] pair")
-            key = self.value(pair[0], None)
-            target[key] = self._child(kind, key, pair[1], target.get(key))
+            key = self._key(pair[0])
+            target[key] = self._child(kind, key, pair[1], target.get(key), at, pair[0])
         return target
+
+    def _key(self, node: Any) -> Any:
+        """A dict key (never recorded: keys hold no tensors and are no leaves of their own)."""
+        if self.paths is None:
+            return self.value(node, None)
+        paths, leaves, self.paths, self.leaves = self.paths, self.leaves, None, None
+        try:
+            return self.value(node, None)
+        finally:
+            self.paths, self.leaves = paths, leaves
 
     def _dict(self, node: dict[str, Any], existing: Any) -> dict[Any, Any]:
         return self._mapping(node, existing, dict)
@@ -327,16 +382,75 @@ def restore_into(
     objects: Sequence[Any],
     fill_array: ArrayFiller | None = None,
     paths: dict[int, KeyPath] | None = None,
+    leaves: list[Leaf | Branch] | None = None,
 ) -> None:
     """Rebuild ``tree`` inside ``dest`` in place; ``fill(i, existing)`` supplies tensor ``i`` (< n_tensors).
 
     ``fill_array`` supplies ``ndarray`` nodes (default: ``fill(i, None)`` as numpy, copied into an
     existing array of the same shape and dtype). Keys of ``dest`` the checkpoint lacks stay as they are.
-    ``paths`` (a dict) receives the key path of every tensor node.
+    ``paths`` (a dict) receives the key path of every tensor node; ``leaves`` (with ``paths``) the leaves
+    and branches (the root included).
     """
     if not isinstance(tree, dict) or tree.get("t") not in ("dict", "odict"):
         raise FormatError("the state tree's root is not a dict")
     if not isinstance(dest, dict):
         raise TypeError(f"load fills a dict in place, not a {type(dest).__name__}")
-    builder = _Builder(fill, n_tensors, objects, fill_array, paths)
+    builder = _Builder(fill, n_tensors, objects, fill_array, paths, leaves)
     builder._mapping(tree, dest, type(dest))
+    if leaves is not None:
+        leaves.append(Branch((), len(tree.get("v") or ())))
+
+
+def _follow(tree: Any, at: TreePath) -> Any:
+    """The node at ``at`` in ``tree``, or ``_NO_KEY`` where the tree does not have the recorded keys."""
+    node = tree
+    for position, key_node in at:
+        items = node.get("v") if type(node) is dict else None
+        if type(items) is not list or not 0 <= position < len(items):
+            return _NO_KEY
+        item = items[position]
+        if key_node is _NO_KEY:
+            node = item
+        elif type(item) is list and len(item) == 2 and item[0] == key_node:
+            node = item[1]
+        else:
+            return _NO_KEY
+    return node
+
+
+def restore_leaves(
+    tree: Any,
+    leaves: Sequence[tuple[Any, Any, TreePath]],
+    branches: Sequence[Branch],
+    *,
+    fill: TensorFiller,
+    n_tensors: int,
+    objects: Sequence[Any],
+    fill_array: ArrayFiller | None = None,
+) -> bool:
+    """Restore only ``(container, key, at)`` leaves: the subtree of ``tree`` at ``at`` goes to
+    ``container[key]`` (as ``restore_into`` would put it). False, before changing anything, when
+    ``tree`` differs from the recorded one: a path without the recorded keys, or a branch with more or
+    fewer items."""
+    for branch in branches:
+        node = _follow(tree, branch.at)
+        if type(node) is not dict or type(node.get("v")) is not list or len(node["v"]) != branch.items:
+            return False
+    nodes = []
+    for _, _, at in leaves:
+        node = _follow(tree, at)
+        if node is _NO_KEY:
+            return False
+        nodes.append(node)
+    builder = _Builder(fill, n_tensors, objects, fill_array)
+    for (container, key, _), node in zip(leaves, nodes, strict=True):
+        try:
+            existing = container[key]
+        except (KeyError, IndexError):
+            existing = None
+        value = builder.value(node, existing)
+        if type(container) is list and key == len(container):
+            container.append(value)
+        else:
+            container[key] = value
+    return True

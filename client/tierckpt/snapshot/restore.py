@@ -35,7 +35,7 @@ from tierckpt.snapshot.bindings import BindingCache
 from tierckpt.snapshot.checksum import PendingCrcs, region_crcs, start_file_crcs
 from tierckpt.snapshot.copy import copy_cpu, memmove
 from tierckpt.snapshot.dtypes import numpy_dtype, torch_dtype
-from tierckpt.snapshot.flatten import KeyPath, restore_into
+from tierckpt.snapshot.flatten import Branch, KeyPath, Leaf, restore_into, restore_leaves
 from tierckpt.snapshot.shardfile import MappedFile
 from tierckpt.snapshot.upload import RestoreStaging, to_device
 
@@ -324,27 +324,43 @@ def load_into(
         timings=timings,
     )
     start = time.perf_counter()
-    filler.start_verify()  # the checksums run during the tree walk and the copies
     bound = None if bindings is None else bindings.resolve(manifest, dest)
-    paths: dict[int, KeyPath] | None = {} if bindings is not None and bound is None else None
     timings["bind_s"] = time.perf_counter() - start
     timings["bound"] = float(bound is not None)
+    paths: dict[int, KeyPath] | None = None
+    leaves: list[Leaf | Branch] | None = None
     try:
         if bound is not None:
-            filler.prefill(bound)
-        restore_into(
-            dest,
-            manifest.tree,
-            fill=filler if bound is None else filler.bound_fill,
-            fill_array=filler.array,
-            n_tensors=len(views),
-            objects=objects,
-            paths=paths,
-        )
+            filler.prefill(bound.tensors)  # every copy starts before the checksums compete for the CPUs
+        filler.start_verify()  # the checksums run during the rest and the copies
+        walk = bound is None or bound.leaves is None
+        if not walk:
+            assert bound is not None and bound.leaves is not None
+            walk = not restore_leaves(
+                manifest.tree,
+                bound.leaves,
+                bound.branches,
+                fill=filler.bound_fill,
+                fill_array=filler.array,
+                n_tensors=len(views),
+                objects=objects,
+            )
+        if walk:
+            paths, leaves = ({}, []) if bindings is not None else (None, None)
+            restore_into(
+                dest,
+                manifest.tree,
+                fill=filler if bound is None else filler.bound_fill,
+                fill_array=filler.array,
+                n_tensors=len(views),
+                objects=objects,
+                paths=paths,
+                leaves=leaves,
+            )
         timings["tree_s"] = time.perf_counter() - start - timings["bind_s"]
         filler.finish()
     except BaseException:
         filler.abandon()
         raise
-    if paths is not None and bindings is not None:
-        bindings.remember_loaded(manifest, dest, paths)
+    if paths is not None and leaves is not None and bindings is not None:
+        bindings.remember_loaded(manifest, dest, paths, leaves)
