@@ -30,9 +30,12 @@ again, the committed step's data files are compared with it byte for byte.
 from __future__ import annotations
 
 import contextlib
+import cProfile
 import dataclasses
 import gc
+import io
 import itertools
+import pstats
 import shutil
 import statistics
 import time
@@ -286,18 +289,28 @@ class Checker:
 # ------------------------------------------------------------------------------------------- runs
 
 
-def saving_steps(steps: int, every: int) -> set[int]:
-    """The steps after which a save happens: N/2, 3N/2, ... within the window."""
-    return {k for k in range(1, steps + 1) if k % every == every // 2 or (every == 1)}
+def saving_steps(steps: int, every: int, *, first: int | None = None) -> set[int]:
+    """The steps after which a save happens: ``first`` (default N/2), then every N within the window."""
+    first = every // 2 or every if first is None else first
+    return set(range(first, steps + 1, every))
 
 
 def run(
-    trainer: Trainer, saver: Saver, steps: int, every: int, *, checker: Checker | None = None
+    trainer: Trainer,
+    saver: Saver,
+    steps: int,
+    every: int,
+    *,
+    checker: Checker | None = None,
+    first: int | None = None,
+    profile: bool = False,
 ) -> dict[str, Any]:
-    """``steps`` timed steps with a save after each step of ``saving_steps``."""
+    """``steps`` timed steps with a save after each step of ``saving_steps`` (``profile``: the first save
+    is profiled, its top functions reported)."""
     device = trainer.device
     cuda = device == "cuda"
-    saves = saving_steps(steps, every)
+    saves = saving_steps(steps, every, first=first)
+    profiled = ""
     starts: list[torch.cuda.Event] = []
     blocking: list[float] = []
     sync(device)
@@ -316,9 +329,17 @@ def run(
                 if isinstance(saver, TierckptSaver):
                     checker.verify(saver)
                 checker.before_save(trainer.steps, state)
+            profiler = cProfile.Profile() if profile and not blocking else None
             start = time.perf_counter()
+            if profiler is not None:
+                profiler.enable()
             saver.save(trainer.steps, state)
             blocking.append(time.perf_counter() - start)
+            if profiler is not None:
+                profiler.disable()
+                text = io.StringIO()
+                pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
+                profiled = text.getvalue()
             del state
     if cuda:
         starts.append(torch.cuda.Event(enable_timing=True))
@@ -338,6 +359,8 @@ def run(
         out["max_step_s"] = max(times)
     if checker is not None and isinstance(saver, TierckptSaver):
         checker.verify(saver)
+    if profiled:
+        out["profile"] = profiled
     if isinstance(saver, TierckptSaver) and saver.ck.last_snapshot:
         out["last_snapshot"] = {k: round(v, 4) for k, v in saver.ck.last_snapshot.items()}
         out["device_staging_bytes"] = saver.ck.device_staging_bytes
@@ -422,28 +445,40 @@ def bench_training(
         log(f"N={out['every']} {out['mode']}: {wall}, blocking {blocking}")
 
     r["runs"] = []
-    for every in everies:  # baselines first (and again last)
-        log_run(run(trainer, Saver(), steps[every], every))
     r["errors"] = {}
-    for name in modes:  # one ramdisk directory for all: each Checkpointer adopts the last one's slots
+
+    def timed_runs(name: str, every: int, count: int) -> None:
+        """One saver's run at N=``every``, in the shared ramdisk directory (each Checkpointer adopts the
+        last one's slots); the device-staged one profiles its first save."""
         try:
             saver: Saver = DcpSaver(root / "dcp") if name == "dcp" else tier(name, "steady")
             with closing(saver):
                 if name != "dcp":
                     run(trainer, saver, 10, 10)  # one untimed save: the steady state begins
-                for every in everies:
-                    count = dcp_steps.get(every, 0) if name == "dcp" else steps[every]
-                    if count:
-                        log_run(run(trainer, saver, count, every))
+                log_run(run(trainer, saver, count, every, profile=name == "device" and every == everies[0]))
         except Exception as exc:  # report it and go on with the other savers
-            r["errors"][name] = repr(exc)
-            log(f"{name} failed: {exc!r}")
+            r["errors"][f"{name}, N={every}"] = repr(exc)
+            log(f"{name} N={every} failed: {exc!r}")
+
+    first, *others = everies
+    log_run(run(trainer, Saver(), steps[first], first))
+    for name in modes:  # every saver between two baselines: the GPU's speed drifts over minutes
+        count = dcp_steps.get(first, 0) if name == "dcp" else steps[first]
+        if count:
+            timed_runs(name, first, count)
+            log_run(run(trainer, Saver(), steps[first], first))
+    for every in others:
+        log_run(run(trainer, Saver(), steps[every], every))
+        for name in modes:
+            count = dcp_steps.get(every, 0) if name == "dcp" else steps[every]
+            if count:
+                timed_runs(name, every, count)
+        log_run(run(trainer, Saver(), steps[every], every))
     shutil.rmtree(root / "steady", ignore_errors=True)
-    log_run(run(trainer, Saver(), steps[everies[0]], everies[0]))
-    for prepare in ("none", "background"):
+    for prepare in ("none", "background"):  # a job's first saves: every N steps from step N
         try:
             with closing(tier("plain", f"cold-{prepare}", prepare=prepare)) as saver:
-                out = run(trainer, saver, steps[everies[0]], everies[0])
+                out = run(trainer, saver, steps[first], first, first=first)
             out["mode"] = f"plain, cold, prepare={prepare}"
             log_run(out)
         except Exception as exc:
@@ -468,16 +503,22 @@ def bench_training(
 
 
 def summarize(r: dict[str, Any]) -> list[dict[str, Any]]:
-    """Overhead of each run against the ``none`` runs of the same N, per step. A saver run at the first N
-    only (DCP) gets a derived row for the others: its overhead per save over N steps."""
+    """Overhead of each run against the ``none`` runs of the same N just before and after it (all of
+    them when it has none on a side), per step. A saver run at the first N only (DCP) gets a derived row
+    for the others: its overhead per save over N steps."""
     rows = []
+    runs = r["runs"]
+    floor = r.get("floor", {}).get("d2h_s")
     base: dict[int, list[float]] = {}
-    for run_ in r["runs"]:
+    for run_ in runs:
         if run_["mode"] == "none":
             base.setdefault(run_["every"], []).append(run_["wall_s"] / run_["steps"])
-    floor = r.get("floor", {}).get("d2h_s")
-    for run_ in r["runs"]:
-        per_step = statistics.mean(base.get(run_["every"], [float("nan")]))
+    for n, run_ in enumerate(runs):
+        same = [(m, x) for m, x in enumerate(runs) if x["mode"] == "none" and x["every"] == run_["every"]]
+        before = [x for m, x in same if m < n][-1:]
+        after = [x for m, x in same if m > n][:1]
+        near = before + after if before and after else [x for _, x in same]
+        per_step = statistics.mean(x["wall_s"] / x["steps"] for x in near) if near else float("nan")
         expected = per_step * run_["steps"]
         overhead = (run_["wall_s"] - expected) / expected
         row = {
@@ -485,6 +526,7 @@ def summarize(r: dict[str, Any]) -> list[dict[str, Any]]:
             "every": run_["every"],
             "steps": run_["steps"],
             "wall_s": round(run_["wall_s"], 3),
+            "baseline_step_s": round(per_step, 5),
             "overhead": round(overhead, 4),
             "blocking_s": run_["blocking_s"],
         }
@@ -498,14 +540,11 @@ def summarize(r: dict[str, Any]) -> list[dict[str, Any]]:
         rows.append(row)
     measured = {(row["mode"], row["every"]) for row in rows}
     for row in list(rows):
+        if "overhead_per_save_s" not in row or "cold" in row["mode"]:
+            continue
         for every in base:
-            if (
-                "overhead_per_save_s" in row
-                and (row["mode"], every) not in measured
-                and "cold" not in row["mode"]
-            ):
-                per_step = statistics.mean(base[every])
-                derived = row["overhead_per_save_s"] / (every * per_step)
+            if (row["mode"], every) not in measured:
+                derived = row["overhead_per_save_s"] / (every * statistics.mean(base[every]))
                 rows.append(
                     {"mode": row["mode"], "every": every, "overhead": round(derived, 4), "derived": True}
                 )

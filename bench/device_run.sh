@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Run the GPU tests and the GPU benchmarks on the device machine (Python 3.12 with CUDA torch), all in
-# one call, each part under its own time limit. Writes JSON and logs to $OUT; prints a short summary.
+# one call, each part under its own time limit. Writes at most 8 files to $OUT (JSON results, one log)
+# and prints a short summary.
 # Usage there: bash bench/device_run.sh [parts]   parts: tests train prefault restore (default: all)
 #   SIZES="1 4 16"        restore/save sizes in GiB      HUGE=within_size   the ramdisk's huge= option
 #   TRAIN_ARGS="..."      extra arguments for the training loop (e.g. --layers 4 --steps 30,100)
@@ -39,24 +40,24 @@ fi
 if [[ $parts == *train* ]]; then
   echo "== training loop (timed, then check mode)"
   timeout 300 python3 bench/client_bench.py --train --check --device cuda --root $RD ${TRAIN_ARGS:-} \
-    > "$OUT/train.json" 2> "$OUT/train.log"
-  echo "rc=$?"; tail -4 "$OUT/train.log"
-  py 'print(d["floor"]); [print(r) for r in d["summary"]]; print(d.get("check"))' "$OUT/train.json"
+    > "$OUT/train.json" 2> >(tee -a "$OUT/bench.log" >&2)
+  echo "rc=$?"
+  py 'print(d["floor"], d.get("errors")); keys=("mode","every","overhead","per_save_vs_floor","blocking_s","saving_step_s","step_after_s","last_snapshot"); [print({k: r[k] for k in keys if k in r}) for r in d["summary"]]; print(d.get("check"))' "$OUT/train.json"
   rm -rf ${RD:?}/*
 fi
 if [[ $parts == *prefault* ]]; then
   echo "== pre-fault and registration, huge=never vs huge=within_size"
   timeout 90 python3 bench/client_bench.py --prefault --device cuda --size-gib 8 --root $RD --repeats 3 \
-    > "$OUT/prefault.json" 2> "$OUT/prefault.err"
-  echo "rc=$?"; tail -3 "$OUT/prefault.err"; cat "$OUT/prefault.json"
+    > "$OUT/prefault.json" 2>> "$OUT/bench.log"
+  echo "rc=$?"; cat "$OUT/prefault.json"
   rm -rf ${RD:?}/*
 fi
 if [[ $parts == *restore* ]]; then
   for s in $sizes; do
     echo "== client bench cuda ${s} GiB"
     timeout 120 python3 bench/client_bench.py --device cuda --size-gib "$s" --root $RD --skip-torch-save --skip-dcp \
-      --json > "$OUT/client-cuda-${s}g.json" 2> "$OUT/client-cuda-${s}g.err"
-    echo "rc=$?"; tail -3 "$OUT/client-cuda-${s}g.err"
+      --json > "$OUT/client-cuda-${s}g.json" 2>> "$OUT/bench.log"
+    echo "rc=$?"
     py 't=d["tierckpt"]; print(json.dumps({"floor": d["floor"], "checks": d["checks"], **{k: t.get(k) for k in ("first_blocking_s", "warmup_blocking_s", "steady_blocking_s", "restore_warm_s", "restore_warm_noverify_s", "restore_cold_s", "restore_warm_phases", "cold_background_register_s")}}))' "$OUT/client-cuda-${s}g.json"
     rm -rf ${RD:?}/*
   done

@@ -270,7 +270,7 @@ class StagedCopies:
     staged: list[tuple[torch.Tensor, torch.Tensor]]
     """Device-to-device copies into the staging buffer, on the current stream."""
     drain: list[tuple[torch.Tensor, torch.Tensor]]
-    """Device-to-host copies out of the staging buffer, once it is filled."""
+    """Device-to-host copies out of the staging buffer, once it is filled (a few large runs)."""
     packs: Sequence[PackedCopy] = ()
     """Small tensors: gathered on the current stream, moved with the drain."""
     staging: torch.Tensor | None = None
@@ -318,8 +318,8 @@ def copy_staged(parts: Sequence[StagedCopies]) -> StagedTicket:
             start.record(current)
             for pack in part.packs:  # tiny fused kernels, ordered before any later update
                 gather(pack.slots, pack.tensors)
-            if part.staged:
-                _copy_all([d for d, _ in part.staged], [s for _, s in part.staged])
+            if part.staged:  # fused multi-tensor copies, one per dtype
+                gather([d for d, _ in part.staged], [s for _, s in part.staged])
             staged = torch.cuda.Event()
             staged.record(current)
             side.wait_event(start)

@@ -40,12 +40,12 @@ def test_nothing_measured_stages_everything_the_budget_holds():
 
 
 def test_only_the_tail_the_copy_cannot_hide_is_staged():
-    sizes = [100 * MIB, 50 * MIB, 30 * MIB]
-    plan = plan_staging(sizes, [True] * 3, [True] * 3, hidden=120 * MIB, budget=1 << 40)
+    sizes = [400 * MIB, 200 * MIB, 120 * MIB]
+    plan = plan_staging(sizes, [True] * 3, [True] * 3, hidden=480 * MIB, budget=1 << 40)
     covered(plan, sizes)
-    assert 60 * MIB <= plan.staged_bytes < 60 * MIB + SPLIT_GRANULE
+    assert 240 * MIB <= plan.staged_bytes < 240 * MIB + SPLIT_GRANULE
     assert [p.index for p in plan.staged] == [1, 2]  # the tail: part of tensor 1 and all of tensor 2
-    assert plan.direct == (Piece(0, 0, 100 * MIB), Piece(1, 0, 20 * MIB))
+    assert plan.direct == (Piece(0, 0, 400 * MIB), Piece(1, 0, SPLIT_GRANULE))  # cut at a granule
 
 
 def test_a_fast_copy_stages_nothing():
@@ -115,3 +115,44 @@ def test_device_staging_without_a_gpu_behaves_like_overlap_mode(root, job):
         dest = {}
         ck.load(dest, step=9)
     assert_same(state, dest)
+
+
+def test_staged_tensors_next_to_each_other_in_the_file_drain_as_one_copy(monkeypatch):
+    """The layout math of a device-staged save, run on CPU tensors: the staging buffer mirrors the file
+    region of the staged tail (padding included, zero), so it drains with one copy per run."""
+    from tierckpt.snapshot import devstage
+    from tierckpt.snapshot.layout import TensorSpec, plan_layout
+
+    granule = 1 << 16
+    monkeypatch.setattr(devstage, "SPLIT_GRANULE", granule)
+    torch.manual_seed(0)
+    srcs = [torch.randn(n) for n in (3 * granule // 4 + 3, granule // 4 + 5, 1000, granule // 4 + 7)]
+    srcs.insert(2, torch.randn(7, 5).t())  # not contiguous: staged whole
+    specs = [TensorSpec(f"t{i}", "float32", tuple(t.shape)) for i, t in enumerate(srcs)]
+    layout = plan_layout(specs)
+    file = torch.full((layout.files[0].size,), 0xAB, dtype=torch.uint8)
+    for gap_at, gap in layout.padding(0):
+        file[gap_at : gap_at + gap] = 0
+    dsts = [
+        file[p.offset : p.offset + p.length].view(torch.float32).view(s.shape)
+        for p, s in zip(layout.placements, specs, strict=True)
+    ]
+    sizes = [t.numel() * 4 for t in srcs]
+    splittable = [t.is_contiguous() for t in srcs]
+    plan = devstage.plan_staging(sizes, [True] * 5, splittable, hidden=3 * granule // 2, budget=1 << 30)
+    assert plan.direct == (Piece(0, 0, granule),)  # the head of tensor 0, cut at a granule
+    assert plan.staged[0] == Piece(0, granule, sizes[0] - granule)
+    stager = devstage.DeviceStager(1 << 30)
+    buffer = torch.full((plan.staging_bytes,), 0xCD, dtype=torch.uint8)
+    copies = stager._copies(torch.device("cpu"), plan, range(5), dsts, srcs, buffer, [])
+    assert len(copies.drain) == 1, "the staged tail is one run of the file"
+    for slot, src in copies.staged:
+        slot.copy_(src)
+    for dst, src in copies.direct:
+        dst.copy_(src)
+    for host, stage in copies.drain:
+        host.copy_(stage)
+    for dst, src in zip(dsts, srcs, strict=True):
+        assert torch.equal(dst, src)
+    for gap_at, gap in layout.padding(0):
+        assert not file[gap_at : gap_at + gap].any(), "padding stays zero"

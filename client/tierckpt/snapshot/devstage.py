@@ -32,7 +32,7 @@ from collections.abc import Sequence
 import torch
 
 from tierckpt import cuda
-from tierckpt.protocol.format import align_up
+from tierckpt.protocol.format import ALIGNMENT, align_up
 
 __all__ = ["CopyClock", "DeviceStager", "Piece", "StagePlan", "plan_staging"]
 
@@ -42,8 +42,9 @@ SAFETY = 0.8
 """Share of the measured window the D2H copy is trusted to use."""
 STAGE_ALIGN = 4096
 """Staged pieces start at multiples of this in the staging buffer."""
-SPLIT_GRANULE = 1 << 20
-"""A tensor split between direct and staged copies is cut at a multiple of this."""
+SPLIT_GRANULE = 64 << 20
+"""A tensor split between direct and staged copies is cut at a multiple of this, and the bytes the copy
+can hide are rounded down to it: the split stays put from save to save while measurements jitter."""
 _GROW = 64 << 20
 """The staging buffer grows in steps of this (so estimates that jitter do not reallocate it)."""
 
@@ -125,11 +126,12 @@ def plan_staging(
             else:
                 direct[i] = Piece(i, 0, n)
             continue
-        tail = min(n, align_up(todo, SPLIT_GRANULE), left // SPLIT_GRANULE * SPLIT_GRANULE)
-        if tail <= 0 or (tail == n and align_up(n, STAGE_ALIGN) > left):
+        cut = max((n - todo) // SPLIT_GRANULE, -(-(n - left) // SPLIT_GRANULE), 0) * SPLIT_GRANULE
+        tail = n - cut
+        if cut >= n or (cut == 0 and align_up(n, STAGE_ALIGN) > left):
             direct[i] = Piece(i, 0, n)
             continue
-        if tail == n:
+        if cut == 0:
             staged[i] = Piece(i, 0, n)
             left -= align_up(n, STAGE_ALIGN)
             todo -= n
@@ -241,7 +243,7 @@ class CopyClock:
         window, rate = self.window(device), self.bandwidth(device)
         if window is None or rate is None:
             return 0
-        return int(rate * window * SAFETY)
+        return int(rate * window * SAFETY) // SPLIT_GRANULE * SPLIT_GRANULE
 
 
 class DeviceStager:
@@ -254,6 +256,8 @@ class DeviceStager:
         """The last snapshot: ``staged_bytes``, ``direct_bytes``, ``blocking_bytes``, ``wanted_bytes``,
         ``allowed_bytes``, ``window_s``, ``d2h_gbps`` (summed or taken over its devices)."""
         self._buffers: dict[torch.device, torch.Tensor] = {}
+        self._layouts: dict[torch.device, tuple[int, tuple[tuple[Piece, int], ...] | None]] = {}
+        """What each buffer's bytes are laid out for (so padding is zeroed only when it changes)."""
         self._reasons: dict[torch.device, str] = {}
 
     @property
@@ -281,11 +285,12 @@ class DeviceStager:
         size = min(allowed, align_up(need, _GROW))
         self._buffers.pop(device, None)
         try:
-            buffer = torch.empty(size, dtype=torch.uint8, device=device)
+            buffer = torch.zeros(size, dtype=torch.uint8, device=device)
         except torch.cuda.OutOfMemoryError:
             self._note(device, f"could not allocate {size} bytes of staging; overlap mode for this save")
             return None
         self._buffers[device] = buffer
+        self._layouts[device] = (buffer.data_ptr(), None)  # all zero: fits any layout once
         return buffer
 
     def _note(self, device: torch.device, reason: str | None) -> None:
@@ -351,8 +356,8 @@ class DeviceStager:
             self.clock.snapshot_taken(device, event)
         return ticket
 
-    @staticmethod
     def _copies(
+        self,
         device: torch.device,
         plan: StagePlan,
         indices: Sequence[int],
@@ -361,25 +366,60 @@ class DeviceStager:
         buffer: torch.Tensor | None,
         packs: Sequence[cuda.PackedCopy],
     ) -> cuda.StagedCopies:
+        """The copies of ``plan``. Staged pieces that lie next to each other in a data file (only padding
+        between them, as the tail of a layout does) form a *run*: the staging buffer mirrors the run's
+        file bytes, padding included (kept zero), so the whole run drains with one DMA."""
+
         def pair(piece: Piece) -> tuple[torch.Tensor, torch.Tensor]:
             dst, src = dsts[indices[piece.index]], srcs[indices[piece.index]]
-            n = src.numel() * src.element_size()
-            if piece.start == 0 and piece.length == n:
+            if piece.start == 0 and piece.length == src.numel() * src.element_size():
                 return dst, src
-            return (
-                _bytes(dst)[piece.start : piece.start + piece.length],
-                _bytes(src)[piece.start : piece.start + piece.length],
-            )
+            end = piece.start + piece.length
+            return _bytes(dst)[piece.start : end], _bytes(src)[piece.start : end]
 
         staged, drain = [], []
-        for piece, offset in zip(plan.staged, plan.offsets, strict=True):
+        if plan.staged:
             assert buffer is not None
-            dst, src = pair(piece)
-            region = buffer[offset : offset + piece.length]
-            whole = not (dst.dtype == torch.uint8 and dst.dim() == 1)
-            slot = region.view(src.dtype).view(src.shape) if whole else region
-            staged.append((slot, src))
-            drain.append((dst, slot))
+            placed = []  # (storage base, host address, piece, dst, src)
+            for piece in plan.staged:
+                dst, src = pair(piece)
+                placed.append((dst.untyped_storage().data_ptr(), dst.data_ptr(), piece, dst, src))
+            placed.sort(key=lambda p: (p[0], p[1]))
+            runs: list[list[tuple[int, int, Piece, torch.Tensor, torch.Tensor]]] = []
+            for item in placed:
+                last = runs[-1][-1] if runs else None
+                if (
+                    last is not None
+                    and last[0] == item[0]
+                    and 0 <= item[1] - (last[1] + last[2].length) < ALIGNMENT
+                ):
+                    runs[-1].append(item)
+                else:
+                    runs.append([item])
+            at, layout = 0, []
+            for run in runs:
+                base, start = run[0][0], run[0][1]
+                length = run[-1][1] + run[-1][2].length - start
+                host = torch.empty(0, dtype=torch.uint8).set_(
+                    run[0][3].untyped_storage(), start - base, (length,)
+                )
+                drain.append((host, buffer[at : at + length]))
+                for _, address, piece, dst, src in run:
+                    offset = at + address - start
+                    region = buffer[offset : offset + piece.length]
+                    slot = (
+                        region
+                        if dst.dtype == torch.uint8 and dst.dim() == 1
+                        else region.view(src.dtype).view(src.shape)
+                    )
+                    staged.append((slot, src))
+                    layout.append((piece, offset))
+                at = align_up(at + length, STAGE_ALIGN)
+            key = tuple(layout)
+            known = self._layouts.get(device)
+            if known is None or known[0] != buffer.data_ptr() or known[1] not in (None, key):
+                buffer.zero_()  # a new layout: old bytes may sit where padding goes now
+            self._layouts[device] = (buffer.data_ptr(), key)
         return cuda.StagedCopies(
             device=device,
             blocking=[pair(p) for p in plan.blocking],

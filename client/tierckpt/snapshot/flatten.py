@@ -97,10 +97,10 @@ def storable_tensor(value: Any) -> bool:
     if type(value) not in (torch.Tensor, torch.nn.Parameter):
         return False
     return (
-        value.layout == torch.strided
+        value.layout is torch.strided
         and not value.is_quantized
         and not value.is_nested
-        and value.device.type != "meta"
+        and not value.is_meta
         and dtype_name(value.dtype) is not None
     )
 
