@@ -2,12 +2,12 @@
 # Run the GPU tests and the GPU benchmarks on the device machine (Python 3.12 with CUDA torch), all in
 # one call, each part under its own time limit. Writes at most 8 files to $OUT (JSON results, one log)
 # and prints a short summary.
-# Usage there: bash bench/device_run.sh [parts]   parts: tests train prefault restore (default: all)
+# Usage there: bash bench/device_run.sh [parts]   parts: tests train stall prefault restore (default: all)
 #   SIZES="1 4 16"        restore/save sizes in GiB      HUGE=within_size   the ramdisk's huge= option
 #   TRAIN_ARGS="..."      extra arguments for the training loop (e.g. --layers 4 --steps 30,100)
 # Missing Python packages are installed from wheels in $WHEELS (default .whl or ../wheels).
 set -uo pipefail
-parts=${1:-"tests train prefault restore"}
+parts=${1:-"tests train stall prefault restore"}
 sizes=${SIZES:-"1 4 16"}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 WHEELS=${WHEELS:-$( [ -d .whl ] && echo .whl || echo ../wheels )}
@@ -43,6 +43,11 @@ if [[ $parts == *train* ]]; then
     > "$OUT/train.json" 2> >(tee -a "$OUT/bench.log" >&2)
   echo "rc=$?"
   py 'print(d["floor"], d.get("errors")); keys=("mode","every","overhead","per_save_vs_floor","blocking_s","saving_step_s","step_after_s","last_snapshot"); [print({k: r[k] for k in keys if k in r}) for r in d["summary"]]; print(d.get("check"))' "$OUT/train.json"
+  rm -rf ${RD:?}/*
+fi
+if [[ $parts == *stall* ]]; then
+  echo "== launches on the training thread while another thread registers 8 GiB"
+  timeout 60 python3 bench/client_bench.py --stall --device cuda --size-gib 8 --root $RD 2>> "$OUT/bench.log"
   rm -rf ${RD:?}/*
 fi
 if [[ $parts == *prefault* ]]; then
