@@ -21,16 +21,15 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import math
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from tierckpt.protocol.format import Manifest
-from tierckpt.snapshot.dtypes import dtype_name, itemsize
+from tierckpt.snapshot.dtypes import dtype_name
 from tierckpt.snapshot.flatten import Branch, FlatState, KeyPath, Leaf, TreePath
 
 __all__ = ["Binding", "BindingCache", "Bound", "Signature", "flat_signature", "manifest_signature"]
@@ -39,8 +38,6 @@ Signature = tuple[tuple[str, str, tuple[int, ...]], ...]
 """``(key, dtype name, shape)`` of every tensor, in manifest order."""
 
 _MISSING = object()
-LARGE = 1 << 20
-"""Bound tensors above this many bytes are checked first, so their copies can start before the rest."""
 _Bound = tuple[int, int, Any, "weakref.ref[torch.Tensor]", torch.dtype, torch.Size, int]
 
 
@@ -83,16 +80,10 @@ class Binding:
     """``(container index, key, place in the tree)`` of every leaf; None: unknown (walk the tree)."""
     branches: tuple[Branch, ...] = ()
     """The containers filled in place, with their number of items in the tree."""
-    large: int = 0
-    """``tensors`` holds the ones above ``LARGE`` bytes first (largest first): this many."""
 
     @classmethod
     def compile(
-        cls,
-        dest: dict[Any, Any],
-        paths: dict[int, KeyPath],
-        leaves: list[Leaf | Branch] | None = None,
-        sizes: Sequence[int] | None = None,
+        cls, dest: dict[Any, Any], paths: dict[int, KeyPath], leaves: list[Leaf | Branch] | None = None
     ) -> Binding | None:
         """The binding of ``paths`` (recorded while ``dest`` was filled or saved) and of its ``leaves``
         (recorded while it was filled), or None when a path does not lead to a tensor in ``dest`` now or
@@ -145,11 +136,7 @@ class Binding:
                     break
                 bound_leaves.append((parent_at, leaf.where[-1][1], leaf.at))
         kept = None if bound_leaves is None else tuple(bound_leaves)
-        large = 0
-        if sizes is not None:
-            out.sort(key=lambda entry: -sizes[entry[0]])
-            large = sum(1 for entry in out if sizes[entry[0]] > LARGE)
-        return cls(root, containers, tuple(out), kept, branches, large)
+        return cls(root, containers, tuple(out), kept, branches)
 
     @staticmethod
     def _resolve(
@@ -165,30 +152,13 @@ class Binding:
             resolved.append(child)
         return resolved
 
-    def resolve(
-        self, dest: dict[Any, Any], early: Callable[[list[tuple[int, torch.Tensor]]], None] | None = None
-    ) -> Bound | None:
-        """The bound tensors and leaf containers in ``dest``, or None if ``dest`` changed. The large
-        tensors are checked first and handed to ``early`` (to start their copies) before the rest is:
-        each of them is where the walk would fill it, whatever the rest turns out to be."""
+    def resolve(self, dest: dict[Any, Any]) -> Bound | None:
+        """The bound tensors and leaf containers in ``dest``, or None if ``dest`` changed."""
         resolved = self._resolve(dest, self.root, self.containers)
         if resolved is None:
             return None
-        large = self._check(resolved, self.tensors[: self.large])
-        if large is None:
-            return None
-        if early is not None and large:
-            early(large)
-        rest = self._check(resolved, self.tensors[self.large :])
-        if rest is None:
-            return None
-        leaves = None if self.leaves is None else [(resolved[p], key, at) for p, key, at in self.leaves]
-        return Bound(large + rest, leaves, self.branches)
-
-    @staticmethod
-    def _check(resolved: list[Any], entries: Sequence[_Bound]) -> list[tuple[int, torch.Tensor]] | None:
         out = []
-        for i, parent, key, ref, dtype, shape, device in entries:
+        for i, parent, key, ref, dtype, shape, device in self.tensors:
             t = ref()
             if (
                 t is None
@@ -199,7 +169,8 @@ class Binding:
             ):
                 return None
             out.append((i, t))
-        return out
+        leaves = None if self.leaves is None else [(resolved[p], key, at) for p, key, at in self.leaves]
+        return Bound(out, leaves, self.branches)
 
 
 def _get(container: Any, key: Any) -> Any:
@@ -231,16 +202,11 @@ class BindingCache:
                 self._signatures.popitem(last=False)
         return signature
 
-    def resolve(
-        self,
-        manifest: Manifest,
-        dest: dict[Any, Any],
-        early: Callable[[list[tuple[int, torch.Tensor]]], None] | None = None,
-    ) -> Bound | None:
+    def resolve(self, manifest: Manifest, dest: dict[Any, Any]) -> Bound | None:
         signature = self.signature(manifest)
         with self._lock:
             binding = self._bindings.get(signature)
-        return None if binding is None else binding.resolve(dest, early)
+        return None if binding is None else binding.resolve(dest)
 
     def resolve_saved(self, state: dict[Any, Any], flat: FlatState) -> bool:
         """Whether the binding of ``flat``'s structure already leads to its tensors in ``state``."""
@@ -257,8 +223,7 @@ class BindingCache:
         leaves: list[Leaf | Branch] | None = None,
     ) -> bool:
         """Compile and keep the binding of ``paths`` in ``dest`` for ``signature`` (False: cannot bind)."""
-        sizes = [math.prod(shape) * itemsize(dtype) for _, dtype, shape in signature]
-        binding = Binding.compile(dest, paths, leaves, sizes)
+        binding = Binding.compile(dest, paths, leaves)
         with self._lock:
             if binding is None:
                 self._bindings.pop(signature, None)

@@ -141,8 +141,6 @@ class _Filler:
         self.cpu: list[tuple[int, torch.Tensor]] = []
         self.gpu: list[tuple[int, torch.Tensor]] = []
         self.bound: dict[int, torch.Tensor] = {}
-        self.started: set[int] = set()
-        """Tensors whose copies ``start_large`` issued."""
 
     def check(self, indices: Sequence[int], crcs: Sequence[int]) -> None:
         for i, crc in zip(indices, crcs, strict=True):
@@ -186,26 +184,11 @@ class _Filler:
             self.gpu.append((i, target))
         return target
 
-    def start_large(self, targets: Sequence[tuple[int, torch.Tensor]]) -> None:
-        """A binding vouches for these (large) destinations: start the copies from pinned mappings now,
-        before the rest is even checked (``prefill`` then leaves them out)."""
-        dsts, srcs = [], []
-        for i, t in targets:
-            entry = self.entries[i]
-            if cuda.is_cuda(t) and entry.length > self.pack_bytes and self.files[entry.file].registered:
-                dsts.append(t)
-                srcs.append(self.views[i])
-                self.started.add(i)
-        if dsts:
-            with torch.no_grad():
-                cuda.copy_to_device(dsts, srcs, wait=False)
-            self.early.update(t.device for t in dsts)
-
     def prefill(self, targets: Sequence[tuple[int, torch.Tensor]]) -> None:
         """A binding gave every tensor's destination: start all host-to-device copies now (CPU ones wait
         for the check, as always); the walk then only hands the same tensors back (``bound_fill``)."""
         self.bound = dict(targets)
-        gpu = [(i, t) for i, t in targets if cuda.is_cuda(t) and i not in self.started]
+        gpu = [(i, t) for i, t in targets if cuda.is_cuda(t)]
         self.cpu.extend((i, t) for i, t in targets if not cuda.is_cuda(t))
         if gpu:
             to_device(
@@ -341,7 +324,7 @@ def load_into(
         timings=timings,
     )
     start = time.perf_counter()
-    bound = None if bindings is None else bindings.resolve(manifest, dest, filler.start_large)
+    bound = None if bindings is None else bindings.resolve(manifest, dest)
     timings["bind_s"] = time.perf_counter() - start
     timings["bound"] = float(bound is not None)
     paths: dict[int, KeyPath] | None = None

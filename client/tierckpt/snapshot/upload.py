@@ -135,18 +135,8 @@ def to_device(
     wait: bool = True,
 ) -> None:
     """Copy tensor ``i``'s bytes (``views[i]``, in ``files``) into each CUDA ``target``; returns when done
-    (``wait=False``: once issued, except copies through bounce buffers, which are done by then). Large
-    tensors from pinned mappings are issued first, before the small ones are even planned."""
+    (``wait=False``: once issued, except copies through bounce buffers, which are done by then)."""
     entries = manifest.tensors
-    large_dst, large_src, issued = [], [], set()
-    for i, t in targets:
-        if entries[i].length > pack_bytes and files[entries[i].file].registered:
-            large_dst.append(t)
-            large_src.append(views[i])
-            issued.add(i)
-    if large_dst:
-        with torch.no_grad():
-            cuda.copy_to_device(large_dst, large_src, wait=False)
     small = [
         (i, t.device, entries[i].file, entries[i].offset, entries[i].length)
         for i, t in targets
@@ -157,7 +147,7 @@ def to_device(
     packed = {i for run in prepared.runs for i in run.indices}
     direct_dst, direct_src, bounce = [], [], []
     for i, t in targets:
-        if i in packed or i in issued or entries[i].length == 0:
+        if i in packed or entries[i].length == 0:
             continue
         f = files[entries[i].file]
         flat = _flat_bytes(t)
