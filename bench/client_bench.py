@@ -536,6 +536,7 @@ def main(argv: list[str] | None = None) -> int:
         "--prefault", action="store_true", help="pre-fault/registration with and without huge pages"
     )
     p.add_argument("--stall", action="store_true", help="does background cudaHostRegister stall launches?")
+    p.add_argument("--freeze-gc", action="store_true", help="with --train: gc.freeze() after the set-up")
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device")
@@ -615,6 +616,7 @@ def _extra_mode(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         modes=tuple(args.modes.split(",")),
         budget=budget,
         check=args.check,
+        freeze_gc=args.freeze_gc,
         log=lambda line: print(line, file=sys.stderr, flush=True),
     )
     r["machine"] = machine

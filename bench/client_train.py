@@ -418,6 +418,7 @@ def bench_training(
     modes: tuple[str, ...] = ("plain", "overlap", "device", "dcp"),
     budget: float | int = 0.5,
     check: bool = False,
+    freeze_gc: bool = False,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     steps = steps or {10: 60, 100: 100}
@@ -427,6 +428,10 @@ def bench_training(
     for _ in range(3):  # warm-up: kernels chosen, optimizer state allocated
         trainer.step()
     sync(device)
+    if freeze_gc:  # as a long-running trainer would: the setup's objects leave the collector's generations
+        gc.collect()
+        gc.freeze()
+    r["freeze_gc"] = freeze_gc
     state = trainer.state()
     r["state_bytes"] = sum(t.numel() * t.element_size() for t in state_tensors(state))
     r["state_tensors"] = len(state_tensors(state))
