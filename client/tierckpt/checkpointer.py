@@ -309,7 +309,7 @@ class Checkpointer:
 
     def _protected(self) -> set[int]:
         """Storages that only a registered optimizer's step mutates (overlap mode defers them)."""
-        out = set()
+        out: set[int] = set()
         for opt in list(self._optimizers):
             for group in opt.param_groups:
                 out.update(p.untyped_storage().data_ptr() for p in group["params"])

@@ -120,14 +120,14 @@ class Binding:
             if not isinstance(t, torch.Tensor):
                 return None
             out.append((i, parent, key, weakref.ref(t), t.dtype, t.shape, t.get_device()))
-        bound_leaves = None
+        bound_leaves: list[tuple[int, Any, Any]] | None = None
         branches: tuple[Branch, ...] = ()
         if leaves is not None:
             bound_leaves = []
             branches = tuple(b for b in leaves if isinstance(b, Branch))
-            found = [leaf for leaf in leaves if isinstance(leaf, Leaf)]
-            wheres = {leaf.where for leaf in found}
-            for leaf in found:
+            leaf_nodes = [leaf for leaf in leaves if isinstance(leaf, Leaf)]
+            wheres = {leaf.where for leaf in leaf_nodes}
+            for leaf in leaf_nodes:
                 if any(leaf.where[:k] in wheres for k in range(1, len(leaf.where))):
                     continue  # inside a larger leaf, restored with it
                 parent_at = index.get(leaf.where[:-1])

@@ -401,7 +401,7 @@ class DeviceStager:
                 base, start = run[0][0], run[0][1]
                 length = run[-1][1] + run[-1][2].length - start
                 host = torch.empty(0, dtype=torch.uint8).set_(
-                    run[0][3].untyped_storage(), start - base, (length,)
+                    run[0][3].untyped_storage(), start - base, torch.Size((length,)), (1,)
                 )
                 drain.append((host, buffer[at : at + length]))
                 for _, address, piece, dst, src in run:

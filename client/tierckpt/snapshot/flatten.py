@@ -23,7 +23,7 @@ import collections
 import dataclasses
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -287,7 +287,7 @@ class _Builder:
         return self.fill_array(self._index(node, self.n_tensors), existing)
 
     def _array_from_tensor(self, i: int, existing: Any) -> np.ndarray:
-        array = self.fill(i, None).cpu().numpy()
+        array: np.ndarray = self.fill(i, None).cpu().numpy()
         if (
             type(existing) is np.ndarray
             and existing.shape == array.shape
@@ -295,7 +295,7 @@ class _Builder:
             and existing.flags.writeable
         ):
             np.copyto(existing, array)
-            return existing
+            return cast("np.ndarray", existing)
         return array
 
     def _items(self, node: dict[str, Any]) -> list[Any]:
@@ -348,7 +348,7 @@ class _Builder:
         )
 
     def _mapping(self, node: dict[str, Any], existing: Any, kind: type) -> Any:
-        target = existing if type(existing) is kind else kind()
+        target: Any = existing if type(existing) is kind else kind()
         for at, pair in enumerate(self._items(node)):
             if type(pair) is not list or len(pair) != 2:
                 raise FormatError(f"state tree {node['t']} item is not a [key, value] pair")
@@ -367,10 +367,12 @@ class _Builder:
             self.paths, self.leaves = paths, leaves
 
     def _dict(self, node: dict[str, Any], existing: Any) -> dict[Any, Any]:
-        return self._mapping(node, existing, dict)
+        return cast("dict[Any, Any]", self._mapping(node, existing, dict))
 
     def _odict(self, node: dict[str, Any], existing: Any) -> collections.OrderedDict[Any, Any]:
-        return self._mapping(node, existing, collections.OrderedDict)
+        return cast(
+            "collections.OrderedDict[Any, Any]", self._mapping(node, existing, collections.OrderedDict)
+        )
 
 
 def restore_into(

@@ -22,7 +22,7 @@ import pickle
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -222,7 +222,7 @@ class _Filler:
         )
         if fits:
             self.cpu.append((i, torch.from_numpy(existing)))
-            return existing
+            return cast("np.ndarray", existing)
         target = torch.empty(src.shape, dtype=src.dtype)
         self.cpu.append((i, target))
         return target.numpy()
