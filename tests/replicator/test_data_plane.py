@@ -347,7 +347,12 @@ def test_a_sender_that_stalls_mid_stream_is_dropped_after_the_transfer_timeout(m
 def test_busy_receiver_says_so(make_peer):
     a, b = make_peer("a"), make_peer("b", max_incoming=1)
     write_step(a.root, JOB, 0, 1, sizes=(1024,))
-    hold = socket.create_connection(("127.0.0.1", b.server.port), timeout=5)  # occupies the only slot
+    hold = socket.create_connection(("127.0.0.1", b.server.port), timeout=5)
+    # an authorized transfer that stalls after its request occupies the only slot (an idle connection
+    # does not: test_bounded_resources.py)
+    send_frame(
+        hold, DataRequest(op="put", token=TOKEN, job=JOB, rank=0, step=9, commit_size=9, manifest_size=9)
+    )
     try:
         LocalWait.until(lambda: b.server._slots._value == 0)
         assert push_step(a.ctx, JOB, 0, 1, b.address).status == "busy"
@@ -390,15 +395,25 @@ class LocalWait:
             time.sleep(0.01)
 
 
-def test_idle_connections_are_bounded(make_peer):
-    b = make_peer("b", max_incoming=1)
-    idle = [socket.create_connection(("127.0.0.1", b.server.port), timeout=5) for _ in range(12)]
+def closed_at_once(port: int) -> bool:
+    """A new connection to ``port`` is closed without a word (an orderly close or a reset)."""
     try:
-        LocalWait.until(lambda: b.server._connections._value == 0)
-        extra = socket.create_connection(("127.0.0.1", b.server.port), timeout=5)
-        with extra:
-            assert extra.recv(1) == b""  # closed at once: an idle crowd cannot exhaust the node
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+            return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+@pytest.mark.parametrize(("per_source", "total"), [(100, 12), (3, 3)])
+def test_idle_connections_are_bounded(make_peer, per_source, total):
+    """In total (4 x max_incoming + 8) and per source address: an idle crowd cannot exhaust the node."""
+    b = make_peer("b", max_incoming=1, connections_per_source=per_source)
+    idle = [socket.create_connection(("127.0.0.1", b.server.port), timeout=5) for _ in range(total)]
+    try:
+        LocalWait.until(lambda: b.server.connections.open == total)
+        assert closed_at_once(b.server.port)
+        assert b.server.connections.open == total
     finally:
         for s in idle:
             s.close()
-    LocalWait.until(lambda: b.server._connections._value == 12)  # and the slots come back
+    LocalWait.until(lambda: b.server.connections.open == 0)  # and the connections are released
