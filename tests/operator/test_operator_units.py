@@ -330,6 +330,40 @@ def test_inject_is_idempotent_and_respects_the_user():
     assert len(terms) == 2 and terms[1]["preference"]["matchFields"][0]["values"] == ["n3"]
 
 
+@pytest.mark.parametrize("mode", ["csi", "hostPath"])
+def test_inject_replaces_a_volume_of_the_reserved_name(mode):
+    plan = Injection(job_id="ns_j_01234567", volume_mode=mode, host_root="/mnt/rd")
+    pod = _pod()
+    pod["spec"]["volumes"] = [
+        {"name": "data", "emptyDir": {}},
+        {"name": "tierckpt-ramdisk", "hostPath": {"path": "/"}},
+        {"name": "tierckpt-podinfo", "hostPath": {"path": "/etc"}},
+    ]
+    pod["spec"]["containers"][0]["volumeMounts"] = [
+        {
+            "name": "tierckpt-ramdisk",
+            "mountPath": "/host",
+            "subPath": "root",
+            "mountPropagation": "Bidirectional",
+        },
+        {"name": "data", "mountPath": "/data"},
+    ]
+    pod["spec"]["initContainers"] = [
+        {"name": "i", "volumeMounts": [{"name": "tierckpt-ramdisk", "mountPath": "/h"}]},
+        {"name": "j"},
+    ]
+    inject(pod, plan)
+    volumes = pod["spec"]["volumes"]
+    assert [v["name"] for v in volumes] == ["data", "tierckpt-ramdisk", "tierckpt-podinfo"]
+    assert volumes[1] == plan.ramdisk_volume() and "downwardAPI" in volumes[2]
+    ours = {"name": "tierckpt-ramdisk", "mountPath": plan.mount_path}
+    assert pod["spec"]["containers"][0]["volumeMounts"][:2] == [ours, {"name": "data", "mountPath": "/data"}]
+    assert pod["spec"]["initContainers"] == [{"name": "i", "volumeMounts": [ours]}, {"name": "j"}]
+    again = copy.deepcopy(pod)
+    inject(again, plan)
+    assert again == pod
+
+
 def test_kopf_json_patch_reproduces_the_injection():
     """The webhook hands kopf a transformation; the JSON patch kopf derives must rebuild the same pod."""
     import jsonpatch
