@@ -1,6 +1,7 @@
 """The chart's secure defaults (issue 10): a ramdisk path that mounts no system directory, network
-policies on by default with ingress AND egress, pod patching narrowed to the watched namespaces, and
-/metrics off the control API port."""
+policies on by default with ingress AND egress, pod patching narrowed to the watched namespaces,
+/metrics off the control API port, and a CheckpointConfiguration CRD that refuses what Kubernetes
+would refuse in the tolerations and node selector copied into pods, and a ramdisk of no size."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import helm_python as helm
 import pytest
 
 from tests.chart.chart_render import CHART, KUBE_VERSIONS, NAMESPACE, k8s_errors, render
+from tests.chart.crd_schema import validator_for
+from tests.fixtures.kube_rules_cases import BAD_SELECTORS, BAD_TOLERATIONS, GOOD_SELECTORS, GOOD_TOLERATIONS
 from tierckpt.protocol.contract import Labels
 
 SYSTEM_DIRS = [
@@ -178,3 +181,59 @@ def test_pod_patching_is_narrowed_to_the_watched_namespaces() -> None:
             {"kind": "ServiceAccount", "name": "tierckpt-operator", "namespace": NAMESPACE}
         ]
         assert all(k8s_errors(doc, v) is None for doc in (role, binding) for v in KUBE_VERSIONS)
+
+
+# ------------------------------------------------------------------------------------ the CRD
+
+CONFIG_CRD = CHART / "crds" / "checkpointconfigurations.tierckpt.io.yaml"
+
+
+def _config(**spec) -> dict:
+    return {
+        "apiVersion": "tierckpt.io/v1alpha1",
+        "kind": "CheckpointConfiguration",
+        "metadata": {"name": "c"},
+        "spec": {"gcs": {"bucket": "ckpt-bucket"}, **spec},
+    }
+
+
+def test_crd_patterns_are_the_operators_rules() -> None:
+    """One set of rules: the CRD's patterns are those the operator re-checks with (kube_rules)."""
+    from tierckpt_operator import kube_rules
+
+    text = CONFIG_CRD.read_text()
+    for pattern in (kube_rules.QUANTITY, kube_rules.LABEL_VALUE, kube_rules.QUALIFIED_NAME.removeprefix("^")):
+        assert pattern in text.replace("''", "'"), pattern
+
+
+@pytest.mark.parametrize("toleration", GOOD_TOLERATIONS)
+def test_crd_accepts_valid_tolerations(toleration: dict) -> None:
+    assert validator_for(CONFIG_CRD, True).errors(_config(tolerations=[toleration])) == []
+
+
+@pytest.mark.parametrize("toleration", BAD_TOLERATIONS)
+def test_crd_refuses_what_kubernetes_refuses_in_tolerations(toleration: dict) -> None:
+    errors = validator_for(CONFIG_CRD, True).errors(_config(tolerations=[toleration]))
+    assert errors and all(e.startswith("spec.tolerations.0") for e in errors), errors
+
+
+@pytest.mark.parametrize("selector", GOOD_SELECTORS)
+def test_crd_accepts_valid_node_selectors(selector: dict) -> None:
+    assert validator_for(CONFIG_CRD, True).errors(_config(nodeSelector=selector)) == []
+
+
+@pytest.mark.parametrize("selector", BAD_SELECTORS)
+def test_crd_refuses_bad_node_selector_keys_and_values(selector: dict) -> None:
+    errors = validator_for(CONFIG_CRD, True).errors(_config(nodeSelector=selector))
+    assert errors and all(e.startswith("spec.nodeSelector") for e in errors), errors
+
+
+@pytest.mark.parametrize("size", ["0", "0Gi", "00", "0.0", "0.000Mi", "-1Gi", "-64Gi", "1e3", "", "Gi"])
+def test_crd_refuses_a_ramdisk_of_no_size(size: str) -> None:
+    errors = validator_for(CONFIG_CRD, True).errors(_config(ramdisk={"size": size}))
+    assert errors and all(e.startswith("spec.ramdisk.size") for e in errors), errors
+
+
+@pytest.mark.parametrize("size", ["1", "64Gi", "0.5Gi", "10.25M", "1500Mi"])
+def test_crd_accepts_a_ramdisk_size(size: str) -> None:
+    assert validator_for(CONFIG_CRD, True).errors(_config(ramdisk={"size": size})) == []
