@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from tierckpt_replicator.connlimits import SourceLimits
@@ -99,7 +100,7 @@ def guarded_http(limits: ApiLimits) -> tuple[type[asyncio.Protocol], SourceLimit
                 self.transport.close()
 
         def _peer(self) -> str:
-            return "%s:%d" % self.client if self.client else "a client"
+            return f"{self.client[0]}:{self.client[1]}" if self.client else "a client"
 
     GuardedHttpToolsProtocol.__name__ = GuardedHttpToolsProtocol.__qualname__ = "GuardedHttpToolsProtocol"
     return GuardedHttpToolsProtocol, connections
