@@ -80,9 +80,12 @@ class CrdValidator:
 
 
 def _cel_errors(schema: dict[str, Any], value: Any, path: str) -> list[str]:
-    """Every ``x-kubernetes-validations`` rule of ``schema`` and its sub-schemas that ``value`` breaks."""
+    """Every ``x-kubernetes-validations`` rule of ``schema`` and its sub-schemas that ``value`` breaks
+    (on creation: transition rules, which compare with ``oldSelf``, apply only to updates)."""
     out = []
     for rule in schema.get("x-kubernetes-validations", []):
+        if "oldSelf" in rule["rule"]:
+            continue
         if not _cel(rule["rule"]).evaluate({"self": celpy.json_to_cel(value)}):
             out.append(f"{path or '<root>'}: {rule.get('message', rule['rule'])}")
     if isinstance(value, dict):
