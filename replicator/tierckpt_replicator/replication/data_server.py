@@ -169,8 +169,9 @@ class DataServer:
             _close_gently(conn)
 
     def _handshake(self, conn: socket.socket) -> tuple[socket.socket, DataRequest]:
-        """The connection's handshake, all of it under one deadline: (with TLS, the TLS handshake goes
-        here, wrapping ``conn`` with ``deadline.arm(conn)`` before it) then the request frame."""
+        """The connection's handshake, all of it under one deadline. With TLS, the TLS handshake goes
+        here, before the frame: wrap ``conn`` without handshaking on connect and drive
+        ``do_handshake`` with ``deadline.arm(conn)`` before each step, so the deadline bounds it all."""
         deadline = Deadline(self.ctx.config.handshake_timeout, "the request")
         return conn, recv_frame(conn, DataRequest, deadline=deadline)
 
