@@ -126,6 +126,7 @@ class StepLoader:
         *,
         verify: bool,
         device: torch.device | str | None,
+        strict: bool = True,
     ) -> None:
         start = time.perf_counter()
         timings = self.last_timings = {}
@@ -161,6 +162,7 @@ class StepLoader:
                 pack_bytes=s.pack_bytes,
                 pack_limit=s.pack_limit,
                 timings=timings,
+                strict=strict,
             )
             timings["total_s"] = time.perf_counter() - start
         finally:
