@@ -1,0 +1,143 @@
+"""Lightning DDP training with ``TierckptCallback``, run under torchrun by tests/integrations.
+
+The region between the ``snippet`` markers is the Lightning example of docs/integration.md
+(tests/integrations/test_docs_snippets.py keeps the two identical). The rest is the test harness: a
+tiny model with dropout, a resumable data loader, a stateful callback and checkpoint hooks (to show
+they are restored), and ``PAUSE_AT``: stop at that step until SIGKILLed or SIGTERMed. Rank 0 writes
+the final weights and counters to ``$RESULT``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch import Trainer
+from torch.utils.data import DataLoader, TensorDataset
+
+from tierckpt.integrations.lightning import TierckptCallback
+
+
+class ResumableLoader(DataLoader):
+    """Resumes mid-epoch: its state is the number of batches handed out in the current epoch."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.handed_out, self._resume_at = 0, 0
+
+    def __iter__(self) -> Any:
+        start, self._resume_at = self._resume_at, 0
+        self.handed_out = start
+        for i, batch in enumerate(super().__iter__()):
+            if i >= start:
+                self.handed_out = i + 1
+                yield batch
+
+    def state_dict(self) -> dict[str, int]:
+        return {"handed_out": self.handed_out}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self._resume_at = state["handed_out"]
+
+
+class BatchCounter(pl.Callback):
+    """A callback with state of its own."""
+
+    def __init__(self) -> None:
+        self.batches = 0
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.batches += 1
+
+    def state_dict(self) -> dict[str, int]:
+        return {"batches": self.batches}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.batches = state["batches"]
+
+
+class PauseAt(pl.Callback):
+    """Hold training after step ``PAUSE_AT`` (marker file written) until a signal ends it."""
+
+    def __init__(self, step: int, marker: Path) -> None:
+        self.step, self.marker = step, marker
+
+    def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
+        if trainer.global_step != self.step:
+            return
+        self.marker.with_name(f"{self.marker.name}.{trainer.global_rank}").touch()
+        while not trainer.received_sigterm:
+            time.sleep(0.05)
+
+
+class Model(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(8, 32), torch.nn.Dropout(0.2), torch.nn.ReLU(), torch.nn.Linear(32, 1)
+        )
+        self.steps_seen = 0  # kept by the checkpoint hooks
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.steps_seen += 1
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.AdamW(self.parameters(), lr=0.01)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.7)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def configure_callbacks(self) -> list[pl.Callback]:
+        extra: list[pl.Callback] = [BatchCounter()]
+        if os.environ.get("PAUSE_AT"):
+            extra.append(PauseAt(int(os.environ["PAUSE_AT"]), Path(os.environ["RESULT"] + ".paused")))
+        return extra
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["steps_seen"] = self.steps_seen
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.steps_seen = checkpoint["steps_seen"]
+
+
+def main() -> None:
+    pl.seed_everything(0, verbose=False)
+    model = Model()
+    data = TensorDataset(torch.randn(48, 8), torch.randn(48, 1))
+    loader = ResumableLoader(data, batch_size=2, shuffle=True)  # 12 batches per rank and epoch
+
+    # --8<-- [start:snippet]
+    trainer = Trainer(
+        max_steps=30,
+        devices=int(os.environ["LOCAL_WORLD_SIZE"]),  # torchrun's --nproc-per-node
+        num_nodes=int(os.environ["WORLD_SIZE"]) // int(os.environ["LOCAL_WORLD_SIZE"]),
+        strategy="ddp",
+        callbacks=[TierckptCallback(every_n_steps=4)],  # root, job: $TIERCKPT_ROOT, $TIERCKPT_JOB
+        logger=False,
+    )
+    trainer.fit(model, train_dataloaders=loader)  # resumes from the newest step every rank holds
+    # --8<-- [end:snippet]
+
+    if trainer.global_rank == 0:
+        (counter,) = [c for c in trainer.callbacks if isinstance(c, BatchCounter)]
+        (tierckpt,) = [c for c in trainer.callbacks if isinstance(c, TierckptCallback)]
+        torch.save(
+            {
+                "weights": model.state_dict(),
+                "steps_seen": model.steps_seen,
+                "batches": counter.batches,
+                "global_step": trainer.global_step,
+                "restored_step": tierckpt.restored_step,
+            },
+            os.environ["RESULT"],
+        )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
