@@ -214,9 +214,13 @@ class TierckptCallback(_callback_base()):  # type: ignore[misc]
         if not self.restore_on_start or (self.checkpointer is None and self.writer is None):
             return
         if trainer.ckpt_path is not None:
-            log.warning("rank %d: fit(ckpt_path=%r) given; not restoring from tierckpt", self._rank, trainer.ckpt_path)
+            log.warning(
+                "rank %d: fit(ckpt_path=%r) given; not restoring from tierckpt", self._rank, trainer.ckpt_path
+            )
             return
-        step = self._restore_sharded(trainer) if self.writer is not None else self._restore(trainer, pl_module)
+        step = (
+            self._restore_sharded(trainer) if self.writer is not None else self._restore(trainer, pl_module)
+        )
         if step is not None:
             log.info("rank %d resumed from step %d", self._rank, step)
         self.restored_step = self.last_saved_step = step
@@ -279,7 +283,10 @@ class TierckptCallback(_callback_base()):  # type: ignore[misc]
     def _save_sharded(self, checkpoint: dict[str, Any], step: int) -> None:
         import torch.distributed.checkpoint as dcp
 
-        state = {"state_dict": checkpoint.pop("state_dict"), "optimizer_states": checkpoint.pop("optimizer_states")}
+        state = {
+            "state_dict": checkpoint.pop("state_dict"),
+            "optimizer_states": checkpoint.pop("optimizer_states"),
+        }
         remainder = io.BytesIO()
         torch.save(checkpoint, remainder)
         state[f"{_REMAINDER_PREFIX}{self._rank:05d}"] = remainder.getvalue()

@@ -1,0 +1,142 @@
+"""``TierckptCallback`` against real Lightning (CPU, gloo): DDP over two processes under torchrun,
+killed mid-epoch, then stopped by SIGTERM, then finished: the final weights equal an uninterrupted
+run's bit for bit; FSDP2 (``ModelParallelStrategy``) through DCP; and in-process checks of one rank."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.integrations.harness import Run, same_tensors
+from tierckpt import StateMismatchError
+from tierckpt.protocol.format import committed_steps, rank_dir
+
+pytest.importorskip("lightning")
+
+
+@pytest.fixture(scope="module")
+def ddp_reference(module_root: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The uninterrupted run of the DDP example."""
+    work = tmp_path_factory.mktemp("lightning-reference")
+    return Run(
+        "lightning_ddp.py", work, "ref", env={"TIERCKPT_ROOT": str(module_root), "TIERCKPT_JOB": "ref"}
+    ).finish()
+
+
+@pytest.mark.e2e
+def test_ddp_killed_then_terminated_resumes_bit_exact(module_root: Path, tmp_path: Path, ddp_reference: dict):
+    env = {"TIERCKPT_ROOT": str(module_root), "TIERCKPT_JOB": "ddp"}
+    ranks = [rank_dir(module_root, "ddp", r) for r in range(2)]
+
+    killed = Run("lightning_ddp.py", tmp_path, "killed", env=env, pause_at=6)  # mid-epoch (12 batches)
+    killed.wait_paused()
+    killed.kill()
+    assert [committed_steps(d) for d in ranks] == [[4], [4]]  # the save every 4 steps
+
+    terminated = Run("lightning_ddp.py", tmp_path, "terminated", env=env, pause_at=15)
+    terminated.wait_paused()
+    terminated.terminate()
+    assert [committed_steps(d)[-1] for d in ranks] == [15, 15], terminated.log_text()  # saved on SIGTERM
+    assert "SIGTERM: saving step 15" in terminated.log_text()
+
+    finished = Run("lightning_ddp.py", tmp_path, "finished", env=env).finish()
+    assert finished["restored_step"] == 15 and finished["global_step"] == 30
+    assert same_tensors(finished["weights"], ddp_reference["weights"])
+    # the module's checkpoint hooks and another callback's state came back too
+    assert (finished["steps_seen"], finished["batches"]) == (
+        ddp_reference["steps_seen"],
+        ddp_reference["batches"],
+    )
+
+
+@pytest.mark.e2e
+def test_fsdp2_shards_go_through_dcp_and_resume_bit_exact(module_root: Path, tmp_path: Path):
+    reference = Run(
+        "lightning_sharded.py",
+        tmp_path,
+        "ref",
+        env={"TIERCKPT_ROOT": str(module_root), "TIERCKPT_JOB": "fsdp-ref"},
+    ).finish()
+    env = {"TIERCKPT_ROOT": str(module_root), "TIERCKPT_JOB": "fsdp"}
+    killed = Run("lightning_sharded.py", tmp_path, "killed", env=env, pause_at=6)
+    killed.wait_paused()
+    killed.kill()
+    from tierckpt.protocol.format import read_manifest, step_dir
+
+    manifest = read_manifest(step_dir(rank_dir(module_root, "fsdp", 1), 4))
+    assert manifest.manifest_kind == "dcp"  # each rank's shard, in the DCP layout
+    finished = Run("lightning_sharded.py", tmp_path, "finished", env=env).finish()
+    assert finished["restored_step"] == 4
+    assert same_tensors(finished["weights"], reference["weights"])
+
+
+# ------------------------------------------------------------------------------------------ one rank
+
+
+def _fit(root: Path, max_steps: int, hidden: int = 16):
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from tierckpt.integrations.lightning import TierckptCallback
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Sequential(
+                torch.nn.Linear(4, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, 1)
+            )
+
+        def training_step(self, batch, batch_idx):
+            return self.net(batch[0]).pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+    pl.seed_everything(1, verbose=False)
+    module = Module()
+    callback = TierckptCallback(every_n_steps=2, root=str(root), job="one")
+    trainer = pl.Trainer(
+        max_steps=max_steps,
+        accelerator="cpu",
+        devices=1,
+        callbacks=[callback],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    loader = DataLoader(TensorDataset(torch.randn(64, 4)), batch_size=4)
+    trainer.fit(module, train_dataloaders=loader)
+    return trainer, module, callback
+
+
+@pytest.mark.filterwarnings("ignore:.*your dataloader is not resumable")
+def test_one_rank_resumes_and_refuses_another_architecture(root: Path):
+    trainer, module, callback = _fit(root, max_steps=5)
+    assert callback.restored_step is None and committed_steps(rank_dir(root, "one", 0)) == [4, 5]
+    assert not [c for c in trainer.callbacks if type(c).__name__ == "ModelCheckpoint"]  # none added
+
+    trainer2, module2, callback2 = _fit(root, max_steps=7)
+    assert callback2.restored_step == 5 and trainer2.global_step == 7
+
+    with pytest.raises(StateMismatchError) as err:
+        _fit(root, max_steps=9, hidden=8)
+    assert (
+        "state_dict/net.0.weight: checkpoint float32 (16, 4), destination float32 (8, 4)"
+        in err.value.mismatches
+    )
+
+
+def test_arguments_and_unsupported_strategies():
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    from tierckpt.integrations.lightning import TierckptCallback, _sharded
+
+    with pytest.raises(ValueError, match="at least 1"):
+        TierckptCallback(every_n_steps=0)
+    with pytest.raises(RuntimeError, match="before setup"):
+        TierckptCallback().save(object())
+    with pytest.raises(ValueError, match="state_dict_type='sharded'"):
+        _sharded(FSDPStrategy(state_dict_type="full"))
+    assert _sharded(FSDPStrategy(state_dict_type="sharded"))
