@@ -108,16 +108,16 @@ def _fit(root: Path, max_steps: int, hidden: int = 16):
     )
     loader = DataLoader(TensorDataset(torch.randn(64, 4)), batch_size=4)
     trainer.fit(module, train_dataloaders=loader)
-    return trainer, module, callback
+    return trainer, callback
 
 
 @pytest.mark.filterwarnings("ignore:.*your dataloader is not resumable")
 def test_one_rank_resumes_and_refuses_another_architecture(root: Path):
-    trainer, module, callback = _fit(root, max_steps=5)
+    trainer, callback = _fit(root, max_steps=5)
     assert callback.restored_step is None and committed_steps(rank_dir(root, "one", 0)) == [4, 5]
     assert not [c for c in trainer.callbacks if type(c).__name__ == "ModelCheckpoint"]  # none added
 
-    trainer2, module2, callback2 = _fit(root, max_steps=7)
+    trainer2, callback2 = _fit(root, max_steps=7)
     assert callback2.restored_step == 5 and trainer2.global_step == 7
 
     with pytest.raises(StateMismatchError) as err:

@@ -17,11 +17,11 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning_ddp import ResumableLoader  # this directory is on sys.path when run as a script
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.utils.data import TensorDataset
 
-from lightning_ddp import ResumableLoader  # this directory is on sys.path when run as a script
 from tierckpt.integrations.lightning import TierckptCallback
 
 
