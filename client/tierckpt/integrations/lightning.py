@@ -56,13 +56,13 @@ from __future__ import annotations
 
 import io
 import logging
-import random
 from typing import Any
 
-import numpy as np
 import torch
 
-__all__ = ["TierckptCallback", "collect_rng_states", "set_rng_states"]
+from tierckpt.integrations.rng import collect_rng_states, set_rng_states
+
+__all__ = ["TierckptCallback"]
 
 log = logging.getLogger(__name__)
 
@@ -84,29 +84,6 @@ def _callback_base() -> type:
     ``ModelCheckpoint`` does), and adds no default ``ModelCheckpoint`` beside it."""
     callbacks = _lightning("callbacks")
     return object if callbacks is None else callbacks.Checkpoint  # type: ignore[no-any-return]
-
-
-def collect_rng_states() -> dict[str, Any]:
-    """This process's random number generator states: torch (CPU and, once initialised, CUDA), numpy,
-    python."""
-    states: dict[str, Any] = {
-        "torch": torch.get_rng_state(),
-        "numpy": np.random.get_state(),
-        "python": random.getstate(),
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        states["cuda"] = torch.cuda.get_rng_state_all()
-    return states
-
-
-def set_rng_states(states: dict[str, Any]) -> None:
-    """Set the states ``collect_rng_states`` returned."""
-    torch.set_rng_state(states["torch"])
-    np.random.set_state(states["numpy"])
-    version, internal, gauss = states["python"]
-    random.setstate((version, tuple(internal), gauss))
-    if "cuda" in states and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(states["cuda"])
 
 
 def _sharded(strategy: Any) -> bool:
