@@ -43,7 +43,7 @@ import logging
 import os
 import shutil
 import tempfile
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 __all__ = ["TierckptTrainer", "TierckptTrainerMixin"]
 
@@ -187,6 +187,13 @@ class TierckptTrainerMixin:
         from tierckpt.integrations.rng import set_rng_states
 
         set_rng_states(loaded["rng"])
+
+
+if TYPE_CHECKING:
+    from transformers import Trainer
+
+    class TierckptTrainer(TierckptTrainerMixin, Trainer):
+        """Built on first use by ``__getattr__`` (importing this module does not import transformers)."""
 
 
 def __getattr__(name: str) -> Any:
