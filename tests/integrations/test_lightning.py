@@ -16,17 +16,10 @@ from tierckpt.protocol.format import committed_steps, rank_dir
 pytest.importorskip("lightning")
 
 
-@pytest.fixture(scope="module")
-def ddp_reference(module_root: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """The uninterrupted run of the DDP example."""
-    work = tmp_path_factory.mktemp("lightning-reference")
-    return Run(
-        "lightning_ddp.py", work, "ref", env={"TIERCKPT_ROOT": str(module_root), "TIERCKPT_JOB": "ref"}
-    ).finish()
-
-
 @pytest.mark.e2e
-def test_ddp_killed_then_terminated_resumes_bit_exact(module_root: Path, tmp_path: Path, ddp_reference: dict):
+def test_ddp_killed_then_terminated_resumes_bit_exact(
+    module_root: Path, tmp_path: Path, lightning_reference: dict
+):
     env = {"TIERCKPT_ROOT": str(module_root), "TIERCKPT_JOB": "ddp"}
     ranks = [rank_dir(module_root, "ddp", r) for r in range(2)]
 
@@ -43,11 +36,11 @@ def test_ddp_killed_then_terminated_resumes_bit_exact(module_root: Path, tmp_pat
 
     finished = Run("lightning_ddp.py", tmp_path, "finished", env=env).finish()
     assert finished["restored_step"] == 15 and finished["global_step"] == 30
-    assert same_tensors(finished["weights"], ddp_reference["weights"])
+    assert same_tensors(finished["weights"], lightning_reference["weights"])
     # the module's checkpoint hooks and another callback's state came back too
     assert (finished["steps_seen"], finished["batches"]) == (
-        ddp_reference["steps_seen"],
-        ddp_reference["batches"],
+        lightning_reference["steps_seen"],
+        lightning_reference["batches"],
     )
 
 
