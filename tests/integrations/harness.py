@@ -51,7 +51,7 @@ class Run:
         env: dict[str, str],
         nproc: int = 2,
         torchrun_args: Sequence[str] = (),
-        pause_at: int | None = None,
+        pause_at: int | str | None = None,
         launcher: Sequence[str] = (),
     ) -> None:
         self.result = workdir / f"{name}.pt"
@@ -91,15 +91,17 @@ class Run:
     def log_text(self) -> str:
         return self.log.read_text(errors="replace")[-6000:]
 
-    def wait_paused(self, ranks: Sequence[int] | None = None) -> None:
-        """Until every (local) rank reached the pause step (each rank writes ``<marker>.<rank>``)."""
+    def wait_paused(self, ranks: Sequence[int] | None = None, attempt: int = 0) -> list[str]:
+        """Until every rank reached the pause step of torchrun's ``attempt`` (each rank writes
+        ``<marker>.<attempt>.<rank>``); what the ranks wrote there."""
         ranks = range(self.nproc) if ranks is None else ranks
         deadline = time.monotonic() + _TIMEOUT
-        while not all(Path(f"{self.marker}.{r}").exists() for r in ranks):
+        while not all(Path(f"{self.marker}.{attempt}.{r}").exists() for r in ranks):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.kill()
                 raise AssertionError(f"the run ended or hung before pausing:\n{self.log_text()}")
             time.sleep(0.05)
+        return [Path(f"{self.marker}.{attempt}.{r}").read_text() for r in ranks]
 
     def kill(self) -> None:
         """SIGKILL torchrun and every worker (workers run in sessions of their own)."""
@@ -110,6 +112,16 @@ class Run:
                     p.kill()
             psutil.wait_procs(procs, timeout=10)
         self.proc.wait()
+
+    def kill_worker(self, local_rank: int) -> None:
+        """SIGKILL one worker process (a crashed rank); torchrun notices and ends or restarts the rest."""
+        for p in psutil.Process(self.proc.pid).children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                if p.environ().get("LOCAL_RANK") == str(local_rank):
+                    p.kill()
+                    p.wait(10)
+                    return
+        raise AssertionError(f"no worker with local rank {local_rank}")
 
     def terminate(self) -> int:
         """SIGTERM to torchrun, as Kubernetes sends it to the container; the exit code."""

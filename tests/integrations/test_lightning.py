@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.integrations.harness import Run, same_tensors
+from tests.integrations.harness import Run, free_port, same_tensors
 from tierckpt import StateMismatchError
 from tierckpt.protocol.format import committed_steps, rank_dir
 
@@ -17,22 +17,23 @@ pytest.importorskip("lightning")
 
 
 @pytest.mark.e2e
-def test_ddp_killed_then_terminated_resumes_bit_exact(
+def test_ddp_rank_killed_restarted_by_torchrun_then_terminated_resumes_bit_exact(
     module_root: Path, tmp_path: Path, lightning_reference: dict
 ):
+    """torchrun --max-restarts 1: a rank SIGKILLed mid-epoch, torchrun restarts the workers, they resume
+    from the last common step; then SIGTERM (the pod deleted) saves the step where training stopped; a
+    new launch resumes from it. The final weights equal the uninterrupted run's, bit for bit."""
     env = {"TIERCKPT_ROOT": str(module_root), "TIERCKPT_JOB": "ddp"}
     ranks = [rank_dir(module_root, "ddp", r) for r in range(2)]
+    elastic = ("--max-restarts", "1", "--master-port", str(free_port()))
 
-    killed = Run("lightning_ddp.py", tmp_path, "killed", env=env, pause_at=6)  # mid-epoch (12 batches)
-    killed.wait_paused()
-    killed.kill()
-    assert [committed_steps(d) for d in ranks] == [[4], [4]]  # the save every 4 steps
-
-    terminated = Run("lightning_ddp.py", tmp_path, "terminated", env=env, pause_at=15)
-    terminated.wait_paused()
-    terminated.terminate()
-    assert [committed_steps(d)[-1] for d in ranks] == [15, 15], terminated.log_text()  # saved on SIGTERM
-    assert "SIGTERM: saving step 15" in terminated.log_text()
+    run = Run("lightning_ddp.py", tmp_path, "elastic", env=env, pause_at="6,15", torchrun_args=elastic)
+    assert run.wait_paused(attempt=0) == ["None", "None"]  # step 6: mid-epoch (12 batches), 4 saved
+    run.kill_worker(local_rank=1)
+    assert run.wait_paused(attempt=1) == ["4", "4"]  # restarted by torchrun, resumed, now at step 15
+    run.terminate()
+    assert [committed_steps(d)[-1] for d in ranks] == [15, 15], run.log_text()  # saved on SIGTERM
+    assert "SIGTERM: saving step 15" in run.log_text()
 
     finished = Run("lightning_ddp.py", tmp_path, "finished", env=env).finish()
     assert finished["restored_step"] == 15 and finished["global_step"] == 30

@@ -50,7 +50,7 @@ def main() -> None:
     dataset = TokenDataset()
     callbacks = []
     if os.environ.get("PAUSE_AT"):
-        callbacks.append(PauseAt(int(os.environ["PAUSE_AT"]), Path(os.environ["RESULT"] + ".paused")))
+        callbacks.append(PauseAt(int(os.environ["PAUSE_AT"]), Path(os.environ["RESULT"] + ".paused.0")))
 
     # --8<-- [start:snippet]
     args = TrainingArguments(

@@ -23,6 +23,18 @@ from torch.utils.data import DataLoader, TensorDataset
 from tierckpt.integrations.lightning import TierckptCallback
 
 
+def pause_step() -> int | None:
+    """``PAUSE_AT``: a step per torchrun attempt (``6,15``: 6 in the first, 15 after one restart)."""
+    steps = [int(s) for s in os.environ.get("PAUSE_AT", "").split(",") if s]
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    return steps[attempt] if attempt < len(steps) else None
+
+
+def pause_marker() -> Path:
+    """``$RESULT.paused.<attempt>``; each rank adds ``.<rank>`` (the harness waits for them)."""
+    return Path(f"{os.environ['RESULT']}.paused.{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}")
+
+
 class ResumableLoader(DataLoader):
     """Resumes mid-epoch: its state is the number of batches handed out in the current epoch."""
 
@@ -62,7 +74,8 @@ class BatchCounter(pl.Callback):
 
 
 class PauseAt(pl.Callback):
-    """Hold training after step ``PAUSE_AT`` (marker file written) until a signal ends it."""
+    """Hold training after step ``PAUSE_AT`` until a signal ends it; the marker file says which step
+    this attempt resumed from."""
 
     def __init__(self, step: int, marker: Path) -> None:
         self.step, self.marker = step, marker
@@ -70,7 +83,9 @@ class PauseAt(pl.Callback):
     def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
         if trainer.global_step != self.step:
             return
-        self.marker.with_name(f"{self.marker.name}.{trainer.global_rank}").touch()
+        (tierckpt,) = [c for c in trainer.callbacks if isinstance(c, TierckptCallback)]
+        marker = self.marker.with_name(f"{self.marker.name}.{trainer.global_rank}")
+        marker.write_text(str(tierckpt.restored_step))  # where this attempt resumed from
         while not trainer.received_sigterm:
             time.sleep(0.05)
 
@@ -95,8 +110,8 @@ class Model(pl.LightningModule):
 
     def configure_callbacks(self) -> list[pl.Callback]:
         extra: list[pl.Callback] = [BatchCounter()]
-        if os.environ.get("PAUSE_AT"):
-            extra.append(PauseAt(int(os.environ["PAUSE_AT"]), Path(os.environ["RESULT"] + ".paused")))
+        if (step := pause_step()) is not None:
+            extra.append(PauseAt(step, pause_marker()))
         return extra
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

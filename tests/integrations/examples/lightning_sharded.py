@@ -17,7 +17,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import ModelParallelStrategy
-from lightning_ddp import ResumableLoader  # this directory is on sys.path when run as a script
+from lightning_ddp import ResumableLoader, pause_marker, pause_step  # this directory is on sys.path
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.utils.data import TensorDataset
@@ -55,9 +55,8 @@ class Model(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=0.01)
 
     def configure_callbacks(self) -> list[pl.Callback]:
-        if os.environ.get("PAUSE_AT"):
-            return [PauseAt(int(os.environ["PAUSE_AT"]), Path(os.environ["RESULT"] + ".paused"))]
-        return []
+        step = pause_step()
+        return [] if step is None else [PauseAt(step, pause_marker())]
 
 
 def main() -> None:
