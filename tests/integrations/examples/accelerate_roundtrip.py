@@ -17,7 +17,10 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+# --8<-- [start:snippet]
 from tierckpt.integrations.accelerate import TierckptAccelerator
+
+# --8<-- [end:snippet]
 
 
 class Counter:

@@ -17,7 +17,10 @@ from typing import Any
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainingArguments
 
+# --8<-- [start:snippet]
 from tierckpt.integrations.hf import TierckptTrainer
+
+# --8<-- [end:snippet]
 
 
 class TokenDataset(torch.utils.data.Dataset):

@@ -20,7 +20,10 @@ import torch
 from lightning.pytorch import Trainer
 from torch.utils.data import DataLoader, TensorDataset
 
+# --8<-- [start:snippet]
 from tierckpt.integrations.lightning import TierckptCallback
+
+# --8<-- [end:snippet]
 
 
 def pause_step() -> int | None:
