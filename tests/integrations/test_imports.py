@@ -6,21 +6,27 @@ import json
 import subprocess
 import sys
 
-FRAMEWORKS = ("lightning", "pytorch_lightning", "transformers", "accelerate")
+PROBE = """
+import json, sys
+frameworks = ("lightning", "pytorch_lightning", "transformers", "accelerate")
+seen = {}
+def after(stage):
+    seen[stage] = [m for m in frameworks if m in sys.modules]
+import tierckpt, tierckpt.checkpointer, tierckpt.dcp, tierckpt.integrations
+after("core")
+import tierckpt.integrations.hf, tierckpt.integrations.accelerate
+after("hf modules")
+from tierckpt.integrations.hf import TierckptTrainer
+after("TierckptTrainer")
+from tierckpt.integrations.accelerate import TierckptAccelerator
+after("TierckptAccelerator")
+print(json.dumps(seen))
+"""
 
 
-def imported_after(code: str) -> list[str]:
-    probe = f"import json, sys; {code}; print(json.dumps([m for m in {FRAMEWORKS!r} if m in sys.modules]))"
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
-    return json.loads(out)
-
-
-def test_the_core_library_imports_no_framework():
-    assert imported_after("import tierckpt, tierckpt.checkpointer, tierckpt.dcp, tierckpt.integrations") == []
-
-
-def test_the_hugging_face_adapters_import_their_framework_on_first_use():
-    assert imported_after("import tierckpt.integrations.hf, tierckpt.integrations.accelerate") == []
-    assert "transformers" in imported_after("from tierckpt.integrations.hf import TierckptTrainer")
-    assert "accelerate" in imported_after("from tierckpt.integrations.accelerate import TierckptAccelerator")
-    assert "lightning" not in imported_after("from tierckpt.integrations.hf import TierckptTrainer")
+def test_frameworks_are_imported_only_by_their_adapter_on_first_use():
+    out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, check=True).stdout
+    seen = json.loads(out)
+    assert seen["core"] == [] and seen["hf modules"] == []
+    assert "transformers" in seen["TierckptTrainer"] and "lightning" not in seen["TierckptTrainer"]
+    assert "accelerate" in seen["TierckptAccelerator"] and "lightning" not in seen["TierckptAccelerator"]
