@@ -91,17 +91,17 @@ class Run:
     def log_text(self) -> str:
         return self.log.read_text(errors="replace")[-6000:]
 
-    def wait_paused(self, ranks: Sequence[int] | None = None, attempt: int = 0) -> list[str]:
-        """Until every rank reached the pause step of torchrun's ``attempt`` (each rank writes
-        ``<marker>.<attempt>.<rank>``); what the ranks wrote there."""
+    def wait_paused(self, ranks: Sequence[int] | None = None, index: int = 0) -> list[str]:
+        """Until every rank reached pause step ``index`` of ``PAUSE_AT`` (each rank writes
+        ``<marker>.<index>.<rank>``); what the ranks wrote there."""
         ranks = range(self.nproc) if ranks is None else ranks
         deadline = time.monotonic() + _TIMEOUT
-        while not all(Path(f"{self.marker}.{attempt}.{r}").exists() for r in ranks):
+        while not all(Path(f"{self.marker}.{index}.{r}").exists() for r in ranks):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.kill()
                 raise AssertionError(f"the run ended or hung before pausing:\n{self.log_text()}")
             time.sleep(0.05)
-        return [Path(f"{self.marker}.{attempt}.{r}").read_text() for r in ranks]
+        return [Path(f"{self.marker}.{index}.{r}").read_text() for r in ranks]
 
     def kill(self) -> None:
         """SIGKILL torchrun and every worker (workers run in sessions of their own)."""

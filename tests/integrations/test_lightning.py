@@ -20,17 +20,17 @@ pytest.importorskip("lightning")
 def test_ddp_rank_killed_restarted_by_torchrun_then_terminated_resumes_bit_exact(
     module_root: Path, tmp_path: Path, lightning_reference: dict
 ):
-    """torchrun --max-restarts 1: a rank SIGKILLed mid-epoch, torchrun restarts the workers, they resume
+    """torchrun --max-restarts: a rank SIGKILLed mid-epoch, torchrun restarts the workers, they resume
     from the last common step; then SIGTERM (the pod deleted) saves the step where training stopped; a
     new launch resumes from it. The final weights equal the uninterrupted run's, bit for bit."""
     env = {"TIERCKPT_ROOT": str(module_root), "TIERCKPT_JOB": "ddp"}
     ranks = [rank_dir(module_root, "ddp", r) for r in range(2)]
-    elastic = ("--max-restarts", "1", "--master-port", str(free_port()))
+    elastic = ("--max-restarts", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}")
 
     run = Run("lightning_ddp.py", tmp_path, "elastic", env=env, pause_at="6,15", torchrun_args=elastic)
-    assert run.wait_paused(attempt=0) == ["None", "None"]  # step 6: mid-epoch (12 batches), 4 saved
+    assert run.wait_paused(index=0) == ["None", "None"]  # step 6: mid-epoch (12 batches), 4 saved
     run.kill_worker(local_rank=1)
-    assert run.wait_paused(attempt=1) == ["4", "4"]  # restarted by torchrun, resumed, now at step 15
+    assert run.wait_paused(index=1) == ["4", "4"]  # restarted by torchrun, resumed, now at step 15
     run.terminate()
     assert [committed_steps(d)[-1] for d in ranks] == [15, 15], run.log_text()  # saved on SIGTERM
     assert "SIGTERM: saving step 15" in run.log_text()

@@ -12,11 +12,13 @@ from __future__ import annotations
 import os
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from lightning.pytorch import Trainer
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -26,16 +28,22 @@ from tierckpt.integrations.lightning import TierckptCallback
 # --8<-- [end:snippet]
 
 
-def pause_step() -> int | None:
-    """``PAUSE_AT``: a step per torchrun attempt (``6,15``: 6 in the first, 15 after one restart)."""
-    steps = [int(s) for s in os.environ.get("PAUSE_AT", "").split(",") if s]
+def _pause_index() -> int | None:
+    steps = os.environ.get("PAUSE_AT", "")
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    return steps[attempt] if attempt < len(steps) else None
+    return min(attempt, steps.count(",")) if steps else None
+
+
+def pause_step() -> int | None:
+    """``PAUSE_AT``: the step to pause at, per torchrun attempt (``6,15``: 6 in the first attempt, 15 in
+    every later one)."""
+    index = _pause_index()
+    return None if index is None else int(os.environ["PAUSE_AT"].split(",")[index])
 
 
 def pause_marker() -> Path:
-    """``$RESULT.paused.<attempt>``; each rank adds ``.<rank>`` (the harness waits for them)."""
-    return Path(f"{os.environ['RESULT']}.paused.{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}")
+    """``$RESULT.paused.<index of the pause step>``; each rank adds ``.<rank>`` (the harness waits)."""
+    return Path(f"{os.environ['RESULT']}.paused.{_pause_index()}")
 
 
 class ResumableLoader(DataLoader):
@@ -124,7 +132,32 @@ class Model(pl.LightningModule):
         self.steps_seen = checkpoint["steps_seen"]
 
 
+def init_process_group_per_attempt() -> None:
+    """Under ``torchrun --max-restarts``, join the process group through a store prefix of this attempt.
+
+    The workers of every attempt share torchrun's agent store (``TORCHELASTIC_USE_AGENT_STORE``); gloo's
+    connection set-up could read the previous attempt's (dead) addresses from it and fail. Lightning
+    uses a process group that is already initialised.
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,
+        timeout=timedelta(seconds=60),
+    )
+    dist.init_process_group(
+        "gloo",
+        store=dist.PrefixStore(f"tierckpt-example/attempt-{attempt}", store),
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+    )
+
+
 def main() -> None:
+    init_process_group_per_attempt()
     pl.seed_everything(0, verbose=False)
     model = Model()
     data = TensorDataset(torch.randn(48, 8), torch.randn(48, 1))
