@@ -145,14 +145,14 @@ def bench_placement(n: int, domains: int, k: int, repeat: int) -> dict[str, Any]
 def bench_operator_round(n: int, domains: int, k: int, repeat: int) -> dict[str, Any]:
     """The operator's whole pure round for a restart of an ``n``-node job (no API, no HTTP)."""
     try:
-        from tierckpt_operator.jobsets import JobSetInfo
-        from tierckpt_operator.planning import (
+        from tierckpt_operator.decisions import (
             JobState,
             decide_assignment,
             decide_peers,
             peer_assignment,
             peer_views,
         )
+        from tierckpt_operator.jobsets import JobSetInfo
         from tierckpt_operator.pods import WorkerPod
     except ImportError as exc:  # the operator's dependencies (kopf, kubernetes) are not installed
         return {"skipped": str(exc)}

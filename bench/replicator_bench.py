@@ -56,7 +56,7 @@ from tierckpt.protocol.format import (
     step_dir,
 )
 from tierckpt_demo.cluster import LocalCluster, Node, has_netns
-from tierckpt_demo.steps import write_step
+from tierckpt_demo.step_writer import write_step
 
 MiB = 1 << 20
 RAW_PORT = 9555
@@ -297,10 +297,16 @@ def wait_ready(node: Node, job: str, rank: int, timeout: float = 300) -> Restore
         time.sleep(0.005)
 
 
+def bucket_steps(cluster: LocalCluster, node: Node, job: str) -> tuple[int, ...]:
+    """The steps ``node`` knows to be complete in the bucket (its inventory's ``gcs``)."""
+    inv = cluster.api.inventory(node.endpoint, job)
+    return inv.gcs if inv is not None else ()
+
+
 def restore_times(cluster: LocalCluster, size: int, blob: bytes) -> dict[str, Any]:
     a, b, _ = cluster.nodes
     for node in cluster.nodes:  # nothing else may be staged while the restores are timed
-        node.request("DELETE", f"/v1/jobs/{cluster.job}")
+        cluster.api.purge(node.endpoint, cluster.job)
     job = "bench_restore"
     cluster.assign(job)
     for node in cluster.nodes:
@@ -313,16 +319,14 @@ def restore_times(cluster: LocalCluster, size: int, blob: bytes) -> dict[str, An
             what="replicas",
         )
     threads = [
-        threading.Thread(target=n.request, args=("POST", f"/v1/jobs/{job}/backup"), kwargs={"timeout": 600})
+        threading.Thread(target=cluster.api.backup, args=(n.endpoint, job), kwargs={"timeout": 600})
         for n in cluster.nodes
     ]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    LocalCluster.wait_for(
-        lambda: 7 in a.json("GET", f"/v1/jobs/{job}/inventory")["gcs"], timeout=600, interval=0.5
-    )
+    LocalCluster.wait_for(lambda: 7 in bucket_steps(cluster, a, job), timeout=600, interval=0.5)
     out: dict[str, Any] = {}
     # 1. node A lost: rank 0 comes back from B's replica
     a.kill_replicator()

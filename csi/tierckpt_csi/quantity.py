@@ -1,43 +1,44 @@
-"""Kubernetes resource quantities ("64Gi", "1.5G", "512M", "1e9") to bytes, and bytes back to text."""
+"""Kubernetes resource quantities ("64Gi", "1.5G", "512M", "1e9") to bytes, and bytes back to text.
+
+``kubernetes.utils.parse_quantity`` does the arithmetic. It hands any text that ``Decimal()`` accepts
+to ``Decimal()`` ("1 Gi", "NaN", "1_000", "-1Gi", "1e3Gi" and non-ASCII digits all pass), so a byte
+count is first checked against the part of the Kubernetes quantity grammar that fits one: no sign,
+no milli/micro/nano suffixes, and an exponent or a suffix, not both.
+"""
 
 from __future__ import annotations
 
 import math
 import re
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal
 
-__all__ = ["format_bytes", "parse_quantity"]
+__all__ = ["MAX_BYTES", "format_bytes", "parse_quantity"]
 
-_SUFFIX = {
-    "": 1,
-    "k": 10**3,
-    "M": 10**6,
-    "G": 10**9,
-    "T": 10**12,
-    "P": 10**15,
-    "E": 10**18,
-    "Ki": 2**10,
-    "Mi": 2**20,
-    "Gi": 2**30,
-    "Ti": 2**40,
-    "Pi": 2**50,
-    "Ei": 2**60,
-}
-_QUANTITY_RE = re.compile(
-    r"^([0-9]+(?:\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$"
-)
+MAX_BYTES = 2**63 - 1
+"""The largest quantity accepted (Kubernetes' own limit for an integer quantity)."""
+
+_BYTES = re.compile(r"(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+|[KMGTPE]i|[kMGTPE])?")
 
 
 def parse_quantity(text: str) -> int:
-    """Bytes in a non-negative quantity, rounded up to a whole byte. Raises ``ValueError`` if malformed."""
-    m = _QUANTITY_RE.match(str(text).strip())
-    if not m or (m.group(2) and m.group(3)):
+    """Bytes in a non-negative quantity, rounded up to a whole byte. Raises ``ValueError`` if malformed
+    or larger than ``MAX_BYTES``."""
+    value = str(text).strip()
+    if value.startswith("-"):
+        raise ValueError(f"invalid quantity {text!r}: a size cannot be negative")
+    if not _BYTES.fullmatch(value):
         raise ValueError(f"invalid quantity {text!r}: use e.g. 64Gi, 500M or 1073741824")
+    # Imported here: the kubernetes package loads its whole API client (about 0.3 s), which only the
+    # commands that read sizes need.
+    from kubernetes.utils.quantity import parse_quantity as kubernetes_quantity
+
     try:
-        number = Decimal(m.group(1) + (m.group(2) or ""))
-    except InvalidOperation as exc:  # pragma: no cover - the regex admits only valid decimals
-        raise ValueError(f"invalid quantity {text!r}") from exc
-    return math.ceil(number * _SUFFIX[m.group(3) or ""])
+        number: Decimal = kubernetes_quantity(value)
+    except ValueError as exc:  # an exponent beyond Decimal's range
+        raise ValueError(f"invalid quantity {text!r}: {exc}") from exc
+    if number > MAX_BYTES:
+        raise ValueError(f"invalid quantity {text!r}: larger than the largest size, {MAX_BYTES} bytes")
+    return math.ceil(number)
 
 
 def format_bytes(n: int) -> str:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ipaddress
-import json
 import logging
 import os
 import random
@@ -34,14 +33,14 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from tierckpt.protocol.client import SyncReplicatorClient
 from tierckpt.protocol.control import PeerAssignment, PeerNode
-from tierckpt_demo.ramdisk import mount_tmpfs, unmount
+from tierckpt.protocol.tokens import TokenFile
+from tierckpt_demo.tmpfs import mount_tmpfs, unmount
 
 __all__ = ["LocalCluster", "Node", "cleanup_stale", "has_netns"]
 
@@ -224,11 +223,7 @@ class Node:
         raise TimeoutError(f"{self.name}: replicator not ready after {timeout}s:\n{self.log_text()}")
 
     def _probe_ready(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"{self.endpoint}/readyz", timeout=1.0) as resp:
-                return resp.status == 200
-        except (urllib.error.URLError, OSError):
-            return False
+        return self.cluster.api.ready(self.endpoint, timeout=1.0)
 
     def log_text(self) -> str:
         try:
@@ -313,35 +308,6 @@ class Node:
         if not self.netns:
             raise RuntimeError(f"{what} needs network namespaces (run as root)")
 
-    # ---------------------------------------------------------------- control API
-
-    def request(
-        self,
-        method: str,
-        path: str,
-        body: bytes | None = None,
-        *,
-        token: str | None = None,
-        timeout: float = 10.0,
-    ) -> tuple[int, bytes]:
-        """One control API call (stdlib HTTP); ``token=None`` uses the cluster's, ``""`` sends none."""
-        token = self.cluster.token if token is None else token
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
-        if body is not None:
-            headers["Content-Type"] = "application/json"
-        req = urllib.request.Request(self.endpoint + path, data=body, headers=headers, method=method)
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as resp:
-                return resp.status, resp.read()
-        except urllib.error.HTTPError as exc:
-            return exc.code, exc.read()
-
-    def json(self, method: str, path: str, body: bytes | None = None) -> Any:
-        status, data = self.request(method, path, body)
-        if status >= 300:
-            raise RuntimeError(f"{self.name} {method} {path}: HTTP {status}: {data[:300]!r}")
-        return json.loads(data)
-
 
 # ------------------------------------------------------------------------------------------ cluster
 
@@ -383,6 +349,7 @@ class LocalCluster:
         self.env = dict(env or {})
         self.prefix = f"{_PREFIX}{os.getpid() % 100000}{secrets.token_hex(1)}"
         self.token = secrets.token_urlsafe(24)
+        self._api: SyncReplicatorClient | None = None
         self.nodes: list[Node] = []
         self.gcs: Any = None
         self._want_gcs = gcs
@@ -397,6 +364,14 @@ class LocalCluster:
         if start:
             self.start()
 
+    @property
+    def api(self) -> SyncReplicatorClient:
+        """The control API client (``tierckpt.protocol.client``) with the cluster's token: call it with
+        a node's ``endpoint``, e.g. ``cluster.api.status(node.endpoint)``."""
+        if self._api is None:
+            raise RuntimeError("the cluster is not started")
+        return self._api
+
     def domain_of(self, index: int) -> str:
         return f"zone-{index % self.domains}" if self.domains else ""
 
@@ -407,6 +382,7 @@ class LocalCluster:
             fd = os.open(self.token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(fd, "w") as f:
                 f.write(self.token + "\n")
+            self._api = SyncReplicatorClient(token=TokenFile(self.token_file), timeout=10.0)
             if self.netns:
                 stale = cleanup_stale()
                 if stale:
@@ -442,6 +418,8 @@ class LocalCluster:
         for node in self.nodes:
             with contextlib.suppress(Exception):
                 node.kill_replicator()
+        if self._api is not None:
+            self._api.close()
         if self.gcs is not None:
             with contextlib.suppress(Exception):
                 self.gcs.stop()
@@ -529,9 +507,7 @@ class LocalCluster:
         assignment = self.assignment(job, generation, **kwargs)
         for node in self.nodes:
             if node.running:
-                status, body = node.request("PUT", f"/v1/jobs/{job}/peers", assignment.to_bytes())
-                if status != 200:
-                    raise RuntimeError(f"{node.name}: PUT peers: HTTP {status}: {body[:200]!r}")
+                self.api.put_peers(node.endpoint, assignment)
         return assignment
 
     def ranks_of(self, node: Node) -> range:

@@ -1,12 +1,18 @@
 """tierckpt Kubernetes operator: turns annotated JobSets into checkpoint-aware jobs.
 
-Layers (imports point down):
+Layers (imports point down; enforced by the import-linter contracts in ``pyproject.toml``):
 
-* ``__main__``, ``leader``: process lifecycle, leader election, probes.
-* ``registry``: every kopf handler, thin; ``admission``: the two webhooks' decisions.
-* ``reconcile``, ``cleanup``: per-job control loop and purge (I/O through the adapters).
-* ``kube`` (Kubernetes API beyond kopf) and ``replicators`` (replicator HTTP API): the only adapters.
-* ``cluster``, ``planning``, ``injection``, ``status``, ``jobsets``, ``pods``, ``resources``: pure.
+* ``__main__``: the composition root: settings, adapters, runtime, leader election, kopf, probes.
+* ``registry``: every kopf handler, thin; ``leader``: the leader Lease.
+* ``runtime``: settings, adapters, metrics and the per-job controllers, shared by the handlers;
+  ``webhooks``: the two admission webhooks' decisions.
+* ``reconcile`` (per-job control loop, given a ``JobContext``), ``config_reporter`` (configuration
+  status), ``cleanup`` (purge): I/O only through the adapters they are handed.
+* ``kube`` (Kubernetes API beyond kopf), ``replicators`` (the replicator API's one
+  client, ``tierckpt.protocol.client``, configured), ``events`` (Events
+  through kopf): the only adapters; ``metrics``.
+* Pure, no I/O: ``clusterview`` (the kopf indices, read-only), ``decisions`` (rank assignment and peer
+  plan), ``injection``, ``status_fields``, ``jobsets``, ``pods``, ``resources``; and ``settings``.
 
 The pure placement algorithms live in ``tierckpt.planning.placement`` (shared with the demo).
 """

@@ -1,7 +1,9 @@
 """``tierckpt-operator``: settings -> runtime -> (leader election) -> kopf, plus /healthz, /readyz, /metrics.
 
-With ``--leader-election`` every replica starts as a standby serving only the admission webhook; the
-one that takes the Lease restarts kopf with the full set of handlers, and exits if it loses the Lease.
+The composition root: ``build_runtime`` opens the API adapters and builds the runtime that every
+handler is given; nothing else constructs a collaborator. With ``--leader-election`` every replica
+starts as a standby serving only the admission webhook; the one that takes the Lease restarts kopf
+with the full set of handlers, and exits if it loses the Lease.
 """
 
 from __future__ import annotations
@@ -20,13 +22,21 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from tierckpt_operator.kube import Kube, api_client
 from tierckpt_operator.leader import LeaseElector
+from tierckpt_operator.metrics import Metrics
 from tierckpt_operator.registry import build_registry
+from tierckpt_operator.replicators import replicator_client
 from tierckpt_operator.runtime import Runtime
 from tierckpt_operator.settings import Settings, parse_settings
 
-__all__ = ["main", "run"]
+__all__ = ["build_runtime", "main", "run"]
 
 log = logging.getLogger("tierckpt_operator")
+
+
+def build_runtime(settings: Settings) -> Runtime:
+    """The runtime with its adapters open: the Kubernetes API client and the replicators' client."""
+    kube = Kube(api_client(settings.server, settings.kubeconfig), settings.api_concurrency)
+    return Runtime(settings, kube, replicator_client(settings), Metrics())
 
 
 async def _probes(runtime: Runtime, ready: asyncio.Event) -> web.AppRunner | None:
@@ -66,20 +76,15 @@ async def _kopf(runtime: Runtime, role: str, stop: asyncio.Event, ready: asyncio
     )
 
 
-async def run(
-    settings: Settings,
-    stop: asyncio.Event | None = None,
-    *,
-    signals: bool = True,
-    runtime: Runtime | None = None,
-) -> int:
-    """Run until ``stop`` (or SIGTERM/SIGINT with ``signals``); returns the process exit code."""
+async def run(runtime: Runtime, stop: asyncio.Event | None = None, *, signals: bool = True) -> int:
+    """Run until ``stop`` (or SIGTERM/SIGINT with ``signals``), then close the runtime's adapters;
+    returns the process exit code."""
+    settings = runtime.settings
     stop = stop or asyncio.Event()
     if signals:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-    runtime = runtime or Runtime(settings)
     ready = asyncio.Event()
     probes = await _probes(runtime, ready)
     try:
@@ -95,6 +100,8 @@ async def run(
 
 async def _elected(runtime: Runtime, stop: asyncio.Event, ready: asyncio.Event) -> int:
     s = runtime.settings
+    # A client of its own, outside the runtime's --api-concurrency slots: renewals never queue behind a
+    # burst of pod annotations.
     kube = Kube(await asyncio.to_thread(api_client, s.server, s.kubeconfig))
     identity = s.pod_name or socket.gethostname()
     elector = LeaseElector(kube, s.namespace, s.lease_name, identity, s.lease_duration)
@@ -143,7 +150,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)  # one line per handled watch event
     if settings.kubeconfig:
         os.environ["KUBECONFIG"] = settings.kubeconfig
-    sys.exit(asyncio.run(run(settings)))
+    sys.exit(asyncio.run(run(build_runtime(settings))))
 
 
 if __name__ == "__main__":

@@ -11,8 +11,8 @@ import asyncio
 import dataclasses
 import logging
 
-from tierckpt_operator.cluster import Cluster
-from tierckpt_operator.replicators import ReplicatorClient
+from tierckpt.protocol.client import ReplicatorClient
+from tierckpt_operator.clusterview import ClusterView
 from tierckpt_operator.resources import ConfigSpec
 
 __all__ = ["PurgeResult", "purge_job"]
@@ -38,11 +38,11 @@ class PurgeResult:
 
 
 async def purge_job(
-    client: ReplicatorClient, cluster: Cluster, job_id: str, config: ConfigSpec | None
+    client: ReplicatorClient, cluster: ClusterView, job_id: str, config: ConfigSpec | None
 ) -> PurgeResult:
     """Ask every ready replicator on the configuration's nodes to drop the job."""
     nodes = cluster.nodes()
-    targets = {}
+    targets: dict[str, str] = {}
     for rep in cluster.replicators():
         labels = nodes.get(rep.node)
         if rep.ready and (config is None or labels is None or config.selects(labels)):

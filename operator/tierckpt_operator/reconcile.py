@@ -14,15 +14,16 @@ import dataclasses
 import hashlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from typing import Any, TypeVar
 
-from tierckpt.planning.placement import peer_churn
+from tierckpt.planning.placement import RankAssignment, peer_churn
+from tierckpt.planning.restore_plan import choose_restore
+from tierckpt.protocol.client import ReplicatorClient, ReplicatorError
 from tierckpt.protocol.control import JobPolicy, NodeInventory, PeerAssignment, RestorePlan
 from tierckpt_operator import resources
-from tierckpt_operator.cluster import CheckpointJobRecord, Cluster, ConfigRecord
-from tierckpt_operator.jobsets import JobSetInfo
-from tierckpt_operator.planning import (
+from tierckpt_operator.clusterview import CheckpointJobRecord, ClusterView, ConfigRecord
+from tierckpt_operator.decisions import (
     AssignmentDecision,
     JobState,
     decide_assignment,
@@ -31,8 +32,13 @@ from tierckpt_operator.planning import (
     peer_assignment,
     peer_views,
 )
-from tierckpt_operator.replicators import ReplicatorError
-from tierckpt_operator.status import (
+from tierckpt_operator.events import post_event
+from tierckpt_operator.jobsets import JobSetInfo
+from tierckpt_operator.kube import Kube
+from tierckpt_operator.metrics import Metrics
+from tierckpt_operator.resources import ConfigSpec
+from tierckpt_operator.settings import Settings
+from tierckpt_operator.status_fields import (
     condition,
     iso_time,
     merge_conditions,
@@ -41,13 +47,27 @@ from tierckpt_operator.status import (
     tier_progress,
 )
 
-if TYPE_CHECKING:
-    from tierckpt_operator.runtime import JobKey, Runtime
-
-__all__ = ["JobController", "checkpoint_job_body"]
+__all__ = ["JobContext", "JobController", "JobKey", "checkpoint_job_body"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+JobKey = tuple[str, str]
+"""An opted-in JobSet's (namespace, name)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class JobContext:
+    """What every job's control loop is given by the runtime that owns it (and nothing more)."""
+
+    settings: Settings
+    kube: Kube
+    replicators: ReplicatorClient
+    metrics: Metrics
+    running: Callable[[], bool]
+    """True between kopf's startup and cleanup: the loop may do I/O."""
+    track_nodes: Callable[[JobKey, Sequence[str]], None]
+    """Record the nodes a job uses, so that node and replicator events wake it."""
 
 
 def checkpoint_job_body(info: JobSetInfo | None, namespace: str, name: str, uid: str) -> dict[str, Any]:
@@ -92,8 +112,8 @@ class _Restore:
 class JobController:
     """The memory and the control loop of one opted-in JobSet."""
 
-    def __init__(self, runtime: Runtime, key: JobKey) -> None:
-        self.rt = runtime
+    def __init__(self, ctx: JobContext, key: JobKey) -> None:
+        self.ctx = ctx
         self.key = key
         self.wake = asyncio.Event()
         self.state: JobState | None = None
@@ -112,9 +132,9 @@ class JobController:
 
     # ------------------------------------------------------------------------------ loop
 
-    async def run(self, cluster_of: Callable[[], Cluster], stopped: Any) -> None:
+    async def run(self, cluster_of: Callable[[], ClusterView], stopped: Any) -> None:
         """Reconcile on every poke (debounced) and at least every ``resync_interval``."""
-        s = self.rt.settings
+        s = self.ctx.settings
         self.wake.set()
         while not stopped:
             await _wait_any(self.wake.wait(), stopped.wait(), timeout=s.resync_interval)
@@ -122,24 +142,24 @@ class JobController:
                 return
             await asyncio.sleep(s.debounce)
             self.wake.clear()
-            if not self.rt.leading or not self.rt.active:
+            if not self.ctx.running():
                 continue
             started = time.monotonic()
             try:
                 await self.reconcile(cluster_of())
-                self.rt.metrics.reconciles.labels("ok").inc()
+                self.ctx.metrics.reconciles.labels("ok").inc()
             except Exception as exc:
-                self.rt.metrics.reconciles.labels("error").inc()
+                self.ctx.metrics.reconciles.labels("error").inc()
                 log.exception("reconcile of %s/%s failed", *self.key)
                 self._event("Warning", "ReconcileFailed", f"{type(exc).__name__}: {exc}")
                 await asyncio.sleep(min(30.0, s.debounce * 10))
                 self.wake.set()
             finally:
-                self.rt.metrics.reconcile_seconds.observe(time.monotonic() - started)
+                self.ctx.metrics.reconcile_seconds.observe(time.monotonic() - started)
 
     # ------------------------------------------------------------------------------ reconcile
 
-    async def reconcile(self, cluster: Cluster) -> None:
+    async def reconcile(self, cluster: ClusterView) -> None:
         ns, name = self.key
         rec = cluster.jobset(ns, name)
         if rec is None or rec.deleting:
@@ -148,7 +168,7 @@ class JobController:
         if ck is None:
             await self._ensure_checkpoint_job(rec.info, rec.uid)
             return
-        self._adopt(ck)
+        state = self._adopt(ck)
         if rec.info is not None:
             self.job_id = rec.info.job_id
         if rec.info is None:
@@ -159,18 +179,21 @@ class JobController:
         if cfg is None or cfg.spec is None:
             await self._config_missing(info, cfg)
             return
-        domains = self._domains(cluster, info, cfg)
-        decision = decide_assignment(info, cluster.workers(ns, name), self.state, domains)
-        if not decision.complete:
+        spec = cfg.spec
+        domains = self._domains(cluster, info, spec, state)
+        decision = decide_assignment(info, cluster.workers(ns, name), state, domains)
+        if decision.assignment is None:
             await self._waiting(decision)
             return
-        await self._deliver_ranks(decision)
-        await self._publish_policy(info, cfg, cluster)  # first: a new node's staging may need its bucket
-        await self._publish_peers(info, cfg, cluster)
-        await self._publish_restore(info, cluster)
-        await self._report_running(info, cfg)
+        state = await self._deliver_ranks(state, decision, decision.assignment)
+        # the policy first: a new node's staging may need its bucket
+        await self._publish_policy(info, spec, state, cluster)
+        state = await self._publish_peers(info, spec, state, cluster)
+        state = await self._publish_restore(info, state, cluster)
+        await self._report_running(info, state)
 
-    def _adopt(self, ck: CheckpointJobRecord) -> None:
+    def _adopt(self, ck: CheckpointJobRecord) -> JobState:
+        """Take the job's state from its CheckpointJob the first time (a restarted operator carries on)."""
         self.ref = {
             "apiVersion": f"{resources.GROUP}/{resources.VERSION}",
             "kind": "CheckpointJob",
@@ -180,23 +203,24 @@ class JobController:
             self.state = ck.state
             self.status = dict(ck.status)
             self.job_id = self.job_id or ck.job_id
+        return self.state
 
     async def _ensure_checkpoint_job(self, info: JobSetInfo | None, uid: str) -> None:
-        assert self.rt.kube is not None
         body = checkpoint_job_body(info, *self.key, uid)
-        created = await self.rt.kube.create_checkpoint_job(body)
+        created = await self.ctx.kube.create_checkpoint_job(body)
         if created is not None:
             log.info("created CheckpointJob %s/%s", *self.key)
 
-    def _domains(self, cluster: Cluster, info: JobSetInfo, cfg: ConfigRecord) -> dict[str, str]:
-        assert cfg.spec is not None
+    def _domains(
+        self, cluster: ClusterView, info: JobSetInfo, spec: ConfigSpec, state: JobState
+    ) -> dict[str, str]:
         nodes = {w.node for w in cluster.workers(*info.key) if w.node}
-        nodes |= {n for n in (self.state.nodes if self.state else ()) if n}
+        nodes |= {n for n in state.nodes if n}
         out = {}
         for node in nodes:
             labels = cluster.node_labels(node)
             if labels is not None:
-                out[node] = cfg.spec.domain_of(labels)
+                out[node] = spec.domain_of(labels)
         return out
 
     async def _config_missing(self, info: JobSetInfo, cfg: ConfigRecord | None) -> None:
@@ -225,23 +249,23 @@ class JobController:
 
     # ------------------------------------------------------------------------------ ranks
 
-    async def _deliver_ranks(self, decision: AssignmentDecision) -> None:
+    async def _deliver_ranks(
+        self, state: JobState, decision: AssignmentDecision, a: RankAssignment
+    ) -> JobState:
         """Write each pod's rank annotations (only those that differ), then adopt the new state."""
-        assert self.rt.kube is not None and self.state is not None and decision.assignment is not None
         ns = self.key[0]
-        new_generation = self.state.generation != decision.attempt
+        new_generation = state.generation != decision.attempt
         results = await _gather(
-            self.rt.kube.annotate_pod(ns, pod, ann) for pod, ann in decision.writes.items()
+            self.ctx.kube.annotate_pod(ns, pod, ann) for pod, ann in decision.writes.items()
         )
         failed = [str(r) for r in results if isinstance(r, BaseException)]
         if failed:
             raise RuntimeError(f"could not annotate {len(failed)} pods: {failed[0]}")
         if new_generation:
-            a = decision.assignment
             self.assigned_at = time.time()
             self.restore = None
-            self.rt.metrics.assignments.inc()
-            self.rt.metrics.ranks_moved.inc(len(a.moved))
+            self.ctx.metrics.assignments.inc()
+            self.ctx.metrics.ranks_moved.inc(len(a.moved))
             moved = f" (moved: {rank_ranges(a.moved)})" if a.moved else ""
             self._event(
                 "Normal",
@@ -250,45 +274,46 @@ class JobController:
                 f"their nodes, {len(a.moved)} moved to new nodes, {len(a.fresh)} new{moved}",
             )
         self.state = decision.state
-        self.rt.track_nodes(self.key, self.state.nodes)
+        self.ctx.track_nodes(self.key, decision.state.nodes)
+        return decision.state
 
     # ------------------------------------------------------------------------------ peers
 
-    async def _publish_peers(self, info: JobSetInfo, cfg: ConfigRecord, cluster: Cluster) -> None:
-        assert cfg.spec is not None and self.state is not None
-        peers = decide_peers(self.state, cfg.spec.replication_factor)
-        endpoints = {n: rep.endpoint for n in self.state.nodes if (rep := cluster.replicator(n))}
-        digest = _digest(self.state.nodes, self.state.domains, peers, sorted(endpoints.items()))
+    async def _publish_peers(
+        self, info: JobSetInfo, spec: ConfigSpec, state: JobState, cluster: ClusterView
+    ) -> JobState:
+        peers = decide_peers(state, spec.replication_factor)
+        endpoints = {n: rep.endpoint for n in state.nodes if (rep := cluster.replicator(n))}
+        digest = _digest(state.nodes, state.domains, peers, sorted(endpoints.items()))
         if digest != self.peer_digest:
-            before = self.state.peers
+            before = state.peers
             # Milliseconds since the epoch: newer than anything an earlier operator sent, even if
             # that one's status write was lost (replicators refuse generations not newer than theirs).
-            generation = max(self.state.peer_generation + 1, int(time.time() * 1000))
-            self.state = dataclasses.replace(self.state, peers=peers, peer_generation=generation)
+            generation = max(state.peer_generation + 1, int(time.time() * 1000))
+            state = self.state = dataclasses.replace(state, peers=peers, peer_generation=generation)
             self.peer_digest = digest
             if peers != before:
                 churn = peer_churn(before, peers) if before else 0
-                domains = len(set(self.state.domains))
+                domains = len(set(state.domains))
                 self._event(
                     "Normal",
                     "PeersPlanned",
-                    f"peer generation {self.state.peer_generation}: {cfg.spec.replication_factor} peers per "
+                    f"peer generation {state.peer_generation}: {spec.replication_factor} peers per "
                     f"node across {domains} failure domain(s); {churn} edges changed",
                 )
-        messages = self._peer_messages(info, endpoints)
-        await self._send(messages, endpoints, cluster)
+        messages = self._peer_messages(info, state, endpoints)
+        await self._send(messages, cluster)
+        return state
 
-    def _peer_messages(self, info: JobSetInfo, endpoints: dict[str, str]) -> dict[str, PeerAssignment]:
-        assert self.state is not None
-        if len(self.state.nodes) <= self.rt.settings.peers_full_view_max:
-            full = peer_assignment(info.job_id, self.state, endpoints)
-            return {node: full for node in self.state.nodes}
-        return peer_views(info.job_id, self.state, endpoints)
+    def _peer_messages(
+        self, info: JobSetInfo, state: JobState, endpoints: dict[str, str]
+    ) -> dict[str, PeerAssignment]:
+        if len(state.nodes) <= self.ctx.settings.peers_full_view_max:
+            full = peer_assignment(info.job_id, state, endpoints)
+            return {node: full for node in state.nodes}
+        return peer_views(info.job_id, state, endpoints)
 
-    async def _send(
-        self, messages: dict[str, PeerAssignment], endpoints: dict[str, str], cluster: Cluster
-    ) -> None:
-        assert self.rt.replicators is not None
+    async def _send(self, messages: dict[str, PeerAssignment], cluster: ClusterView) -> None:
         todo = {}
         digests: dict[int, str] = {}
         for node, msg in messages.items():
@@ -298,17 +323,17 @@ class JobController:
             rep = cluster.replicator(node)
             if self.delivered.get(node) != content and rep is not None and rep.ready:
                 todo[node] = (rep.endpoint, msg, content)
-        results = await _gather(self.rt.replicators.put_peers(ep, msg) for ep, msg, _ in todo.values())
+        results = await _gather(self.ctx.replicators.put_peers(ep, msg) for ep, msg, _ in todo.values())
         failures = []
         for (node, (_, _, content)), result in zip(todo.items(), results, strict=True):
             if isinstance(result, BaseException):
                 failures.append(f"{node}: {result}")
-                self.rt.metrics.replicator_calls.labels("put_peers", "error").inc()
+                self.ctx.metrics.replicator_calls.labels("put_peers", "error").inc()
                 if isinstance(result, ReplicatorError) and result.status == 409:
                     self.peer_digest = None  # it holds a newer generation: send a fresh one next round
             else:
                 self.delivered[node] = content
-                self.rt.metrics.replicator_calls.labels("put_peers", "ok").inc()
+                self.ctx.metrics.replicator_calls.labels("put_peers", "ok").inc()
         if failures:
             self._event_once(
                 "peers", "Warning", "PeersNotDelivered", f"{len(failures)} node(s): {failures[0]}"
@@ -317,10 +342,11 @@ class JobController:
 
     # ------------------------------------------------------------------------------ policy
 
-    async def _publish_policy(self, info: JobSetInfo, cfg: ConfigRecord, cluster: Cluster) -> None:
+    async def _publish_policy(
+        self, info: JobSetInfo, spec: ConfigSpec, state: JobState, cluster: ClusterView
+    ) -> None:
         """Send the configuration's backup policy to every replicator of the job that lacks it."""
-        assert cfg.spec is not None and self.state is not None and self.rt.replicators is not None
-        wanted = job_policy(info.job_id, cfg.spec)
+        wanted = job_policy(info.job_id, spec)
         if self.policy is None or dataclasses.replace(self.policy, generation=0) != wanted:
             # milliseconds, like the peers: newer than what an earlier operator sent, and growing
             previous = self.policy.generation if self.policy is not None else 0
@@ -329,27 +355,27 @@ class JobController:
                 "%s/%s: policy generation %d from configuration %s",
                 *self.key,
                 self.policy.generation,
-                cfg.name,
+                spec.name,
             )
         policy = self.policy
         todo = {
             node: rep.endpoint
-            for node in sorted(set(self.state.nodes))
+            for node in sorted(set(state.nodes))
             if (rep := cluster.replicator(node)) is not None
             and rep.ready
             and self.policy_delivered.get(node) != policy.generation
         }
-        results = await _gather(self.rt.replicators.put_policy(ep, policy) for ep in todo.values())
+        results = await _gather(self.ctx.replicators.put_policy(ep, policy) for ep in todo.values())
         failures = []
         for node, result in zip(todo, results, strict=True):
             if isinstance(result, BaseException):
                 failures.append(f"{node}: {result}")
-                self.rt.metrics.replicator_calls.labels("put_policy", "error").inc()
+                self.ctx.metrics.replicator_calls.labels("put_policy", "error").inc()
                 if isinstance(result, ReplicatorError) and result.status == 409:
                     self.policy = None  # it holds a newer generation: send a fresh one next round
             else:
                 self.policy_delivered[node] = policy.generation
-                self.rt.metrics.replicator_calls.labels("put_policy", "ok").inc()
+                self.ctx.metrics.replicator_calls.labels("put_policy", "ok").inc()
         if failures:
             self._event_once(
                 "policy", "Warning", "PolicyNotDelivered", f"{len(failures)} node(s): {failures[0]}"
@@ -358,23 +384,23 @@ class JobController:
 
     # ------------------------------------------------------------------------------ restore
 
-    async def _publish_restore(self, info: JobSetInfo, cluster: Cluster) -> None:
-        assert self.state is not None and self.rt.replicators is not None
-        attempt = self.state.generation
+    async def _publish_restore(self, info: JobSetInfo, state: JobState, cluster: ClusterView) -> JobState:
+        attempt = state.generation
         if self.restore is None or self.restore.plan.generation != attempt:
-            if self.state.restore_generation == attempt:
-                return  # published before this operator (re)started; replicators hold it
-            missing = [n for n in self.state.nodes if not (r := cluster.replicator(n)) or not r.ready]
+            if state.restore_generation == attempt:
+                return state  # published before this operator (re)started; replicators hold it
+            missing = [n for n in state.nodes if not (r := cluster.replicator(n)) or not r.ready]
             waited = time.time() - self.assigned_at
-            if missing and waited < self.rt.settings.restore_grace:
-                self._retry_later(self.rt.settings.restore_grace - waited)
-                return
-            invs = await self._inventories(cluster)
-            plan = _choose_restore(invs, job=info.job_id, generation=attempt or 0, decided_at=time.time())
+            if missing and waited < self.ctx.settings.restore_grace:
+                self._retry_later(self.ctx.settings.restore_grace - waited)
+                return state
+            invs = await self._inventories(state.nodes, cluster)
+            plan = choose_restore(invs, job=info.job_id, generation=attempt or 0, decided_at=time.time())
             self.restore = _Restore(plan)
-            self.state = dataclasses.replace(self.state, restore_generation=attempt)
+            state = self.state = dataclasses.replace(state, restore_generation=attempt)
             self._restore_event(plan, len(invs), missing)
-        await self._send_restore(cluster)
+        await self._send_restore(self.restore, state.nodes, cluster)
+        return state
 
     def _restore_event(self, plan: RestorePlan, answered: int, missing: list[str]) -> None:
         without = f"; chosen without {len(missing)} unready replicator(s)" if missing else ""
@@ -394,53 +420,46 @@ class JobController:
             f"attempt {plan.generation} restores step {plan.step} (ranks by source: {text}){without}",
         )
 
-    async def _send_restore(self, cluster: Cluster) -> None:
-        assert self.restore is not None and self.state is not None and self.rt.replicators is not None
+    async def _send_restore(self, restore: _Restore, nodes: Sequence[str], cluster: ClusterView) -> None:
         todo = {}
-        for node in self.state.nodes:
+        for node in nodes:
             rep = cluster.replicator(node)
-            if node not in self.restore.acked and rep is not None and rep.ready:
+            if node not in restore.acked and rep is not None and rep.ready:
                 todo[node] = rep.endpoint
-        plan = self.restore.plan
-        results = await _gather(self.rt.replicators.put_restore_plan(ep, plan) for ep in todo.values())
+        plan = restore.plan
+        results = await _gather(self.ctx.replicators.put_restore_plan(ep, plan) for ep in todo.values())
         for node, result in zip(todo, results, strict=True):
             outcome = "error" if isinstance(result, BaseException) else "ok"
-            self.rt.metrics.replicator_calls.labels("put_restore_plan", outcome).inc()
+            self.ctx.metrics.replicator_calls.labels("put_restore_plan", outcome).inc()
             if outcome == "ok":
-                self.restore.acked.add(node)
-        if len(self.restore.acked) < len(set(self.state.nodes)):
+                restore.acked.add(node)
+        if len(restore.acked) < len(set(nodes)):
             self._retry_later()
 
-    async def _inventories(self, cluster: Cluster) -> list[NodeInventory]:
-        assert self.state is not None and self.rt.replicators is not None and self.ref is not None
+    async def _inventories(self, nodes: Sequence[str], cluster: ClusterView) -> list[NodeInventory]:
         job = self.job_id
-        targets = {n: rep.endpoint for n in self.state.nodes if (rep := cluster.replicator(n))}
-        results = await _gather(self.rt.replicators.inventory(ep, job) for ep in targets.values())
+        targets = {n: rep.endpoint for n in nodes if (rep := cluster.replicator(n))}
+        results = await _gather(self.ctx.replicators.inventory(ep, job) for ep in targets.values())
         out = []
         for node, result in zip(targets, results, strict=True):
             if isinstance(result, NodeInventory):
                 out.append(result if result.node else dataclasses.replace(result, node=node))
-                self.rt.metrics.replicator_calls.labels("inventory", "ok").inc()
+                self.ctx.metrics.replicator_calls.labels("inventory", "ok").inc()
             elif result is None:
-                self.rt.metrics.replicator_calls.labels("inventory", "ok").inc()
+                self.ctx.metrics.replicator_calls.labels("inventory", "ok").inc()
             else:
-                self.rt.metrics.replicator_calls.labels("inventory", "error").inc()
+                self.ctx.metrics.replicator_calls.labels("inventory", "error").inc()
                 log.info("no inventory from %s: %s", node, result)
         return out
 
     # ------------------------------------------------------------------------------ refresh
 
-    async def refresh(self, cluster: Cluster) -> None:
+    async def refresh(self, cluster: ClusterView) -> None:
         """Gather inventories and report the newest local, replicated and backed-up steps."""
-        if (
-            not self.rt.active
-            or self.state is None
-            or not self.state.nodes
-            or self.ref is None
-            or not self.job_id
-        ):
+        state = self.state
+        if not self.ctx.running() or state is None or not state.nodes or self.ref is None or not self.job_id:
             return
-        invs = await self._inventories(cluster)
+        invs = await self._inventories(state.nodes, cluster)
         progress = tier_progress(invs)
         await self._write(
             {
@@ -448,32 +467,29 @@ class JobController:
                 "latestReplicatedStep": progress.replicated,
                 "latestBackedUpStep": progress.backed_up,
                 "inventoryTime": iso_time(time.time()),
-                "inventoryNodes": f"{len(invs)}/{len(set(self.state.nodes))}",
+                "inventoryNodes": f"{len(invs)}/{len(set(state.nodes))}",
             }
         )
 
     # ------------------------------------------------------------------------------ status
 
-    async def _report_running(self, info: JobSetInfo, cfg: ConfigRecord) -> None:
-        assert self.state is not None
-        nodes = set(self.state.nodes)
+    async def _report_running(self, info: JobSetInfo, state: JobState) -> None:
+        nodes = set(state.nodes)
         published = sum(1 for n in nodes if n in self.delivered)
         restored = len(self.restore.acked) if self.restore else 0
         if self.restore is None:  # published by an earlier run of the operator, or not yet chosen
-            restore_ok = self.state.restore_generation == self.state.generation
+            restore_ok = state.restore_generation == state.generation
         else:
             restore_ok = restored == len(nodes)
         peers_ok = published == len(nodes)
         conditions = [
             condition("ConfigResolved", True, "Resolved", f"CheckpointConfiguration {info.config_name}"),
-            condition(
-                "RanksAssigned", True, "Assigned", f"attempt {self.state.generation}: {len(nodes)} ranks"
-            ),
+            condition("RanksAssigned", True, "Assigned", f"attempt {state.generation}: {len(nodes)} ranks"),
             condition(
                 "PeersPublished",
                 peers_ok,
                 "Published" if peers_ok else "Pending",
-                f"generation {self.state.peer_generation}: {published}/{len(nodes)} nodes",
+                f"generation {state.peer_generation}: {published}/{len(nodes)} nodes",
             ),
             condition(
                 "RestorePlanned",
@@ -484,7 +500,7 @@ class JobController:
         ]
         ready = all(c["status"] == "True" for c in conditions)
         conditions.append(condition("Ready", ready, "Ready" if ready else "NotReady"))
-        extra: dict[str, Any] = {"peersPublished": published, "ranksAssigned": len(self.state.nodes)}
+        extra: dict[str, Any] = {"peersPublished": published, "ranksAssigned": len(state.nodes)}
         if self.restore is not None:
             extra["restore"] = restore_summary(self.restore.plan, restored)
         await self._report("Running" if ready else "Restoring", conditions, extra)
@@ -500,18 +516,15 @@ class JobController:
 
     async def _write(self, fields: dict[str, Any]) -> None:
         """Merge-patch the status fields that changed since the last write."""
-        assert self.rt.kube is not None
         changed = {k: v for k, v in fields.items() if self.status.get(k, _MISSING) != v}
         if not changed:
             return
-        if await self.rt.kube.patch_checkpoint_job_status(*self.key, changed):
+        if await self.ctx.kube.patch_checkpoint_job_status(*self.key, changed):
             self.status.update(changed)
 
     # ------------------------------------------------------------------------------ events
 
     def _event(self, kind: str, reason: str, message: str) -> None:
-        from tierckpt_operator.runtime import post_event
-
         log.info("%s/%s %s: %s", *self.key, reason, message)
         post_event(self.ref, kind, reason, message)
 
@@ -522,7 +535,8 @@ class JobController:
             self._event(kind, reason, message)
 
     def _retry_later(self, delay: float | None = None) -> None:
-        delay = max(self.rt.settings.debounce, delay if delay is not None else 5 * self.rt.settings.debounce)
+        debounce = self.ctx.settings.debounce
+        delay = max(debounce, delay if delay is not None else 5 * debounce)
         asyncio.get_running_loop().call_later(delay, self.wake.set)
 
 
@@ -547,9 +561,3 @@ def _digest(*parts: Any) -> str:
 async def _gather(calls: Iterable[Awaitable[T]]) -> list[T | BaseException]:
     """Run calls concurrently (the adapters bound concurrency), returning results or exceptions."""
     return list(await asyncio.gather(*calls, return_exceptions=True))
-
-
-def _choose_restore(invs: list[NodeInventory], **kwargs: Any) -> RestorePlan:
-    from tierckpt.planning.restore import choose_restore
-
-    return choose_restore(invs, **kwargs)

@@ -7,7 +7,7 @@ Two roles share one registry builder:
 * ``leader``: all of the above plus the JobSet lifecycle (CheckpointJob creation, per-job control
   loop and refresh timer, cleanup on deletion), configuration status and the watches that wake jobs.
 
-Index ids double as handler kwargs (see ``cluster.INDEX_IDS``).
+Index ids double as handler kwargs (see ``clusterview.INDEX_IDS``).
 """
 
 from __future__ import annotations
@@ -19,15 +19,22 @@ import kopf
 
 from tierckpt.protocol.contract import Annotations, Labels, job_id_for
 from tierckpt.protocol.errors import ContractError
-from tierckpt_operator import admission, resources
+from tierckpt_operator import resources, webhooks
 from tierckpt_operator.cleanup import purge_job
-from tierckpt_operator.cluster import INDEX_IDS, CheckpointJobRecord, Cluster, ConfigRecord, JobSetRecord
-from tierckpt_operator.jobsets import opt_in_value, parse_jobset
-from tierckpt_operator.planning import JobState
+from tierckpt_operator.clusterview import (
+    INDEX_IDS,
+    CheckpointJobRecord,
+    ClusterView,
+    ConfigRecord,
+    JobSetRecord,
+)
+from tierckpt_operator.decisions import JobState
+from tierckpt_operator.events import post_event
+from tierckpt_operator.jobsets import JobSetInfo, opt_in_value, parse_jobset
 from tierckpt_operator.pods import replicator_of, worker_of
 from tierckpt_operator.reconcile import checkpoint_job_body
 from tierckpt_operator.resources import ConfigSpec
-from tierckpt_operator.runtime import Runtime, post_event
+from tierckpt_operator.runtime import Runtime
 from tierckpt_operator.settings import Settings
 
 __all__ = ["build_registry"]
@@ -42,8 +49,16 @@ ENABLED = {Annotations.ENABLED: "true"}
 MANAGED = {Labels.MANAGED: "true"}
 
 
-def _cluster(kwargs: dict[str, Any]) -> Cluster:
-    return Cluster({k: kwargs[k] for k in INDEX_IDS if k in kwargs})
+def _namespaced(namespace: str | None) -> str:
+    """kopf types a handler's ``namespace`` as optional (cluster-scoped resources have none); every
+    resource whose handlers use it here (JobSets, CheckpointJobs, pods) is namespaced."""
+    if namespace is None:
+        raise kopf.PermanentError("a namespaced resource arrived without a namespace")
+    return namespace
+
+
+def _view(kwargs: dict[str, Any]) -> ClusterView:
+    return ClusterView({k: kwargs[k] for k in INDEX_IDS if k in kwargs})
 
 
 def build_registry(settings: Settings, runtime: Runtime, *, role: str = "leader") -> kopf.OperatorRegistry:
@@ -75,7 +90,7 @@ def _lifecycle(registry: kopf.OperatorRegistry, settings: Settings, runtime: Run
     @kopf.on.startup(registry=registry)
     async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
         _configure_kopf(settings, runtime.settings)
-        await runtime.start()
+        runtime.start()
         runtime.background(runtime.configs.run())
 
     @kopf.on.cleanup(registry=registry)
@@ -115,7 +130,10 @@ def _configure_kopf(kopf_settings: kopf.OperatorSettings, settings: Settings) ->
 
 def _indices(registry: kopf.OperatorRegistry, settings: Settings) -> None:
     @kopf.index(*JOBSET, id="tierckpt_jobsets", annotations=OPTED, registry=registry)
-    def jobsets(body: kopf.Body, namespace: str, name: str, uid: str, meta: kopf.Meta, **_: Any) -> Any:
+    def jobsets(
+        body: kopf.Body, namespace: str | None, name: str, uid: str, meta: kopf.Meta, **_: Any
+    ) -> Any:
+        namespace = _namespaced(namespace)
         deleting = bool(meta.get("deletionTimestamp"))
         try:
             if not opt_in_value(meta.annotations):
@@ -147,7 +165,10 @@ def _indices(registry: kopf.OperatorRegistry, settings: Settings) -> None:
         return {name: tuple(sorted(labels.items()))}
 
     @kopf.index(*CKJOB, id="tierckpt_ckjobs", registry=registry)
-    def ckjobs(namespace: str, name: str, uid: str, spec: kopf.Spec, status: kopf.Status, **_: Any) -> Any:
+    def ckjobs(
+        namespace: str | None, name: str, uid: str, spec: kopf.Spec, status: kopf.Status, **_: Any
+    ) -> Any:
+        namespace = _namespaced(namespace)
         record = CheckpointJobRecord(
             namespace,
             name,
@@ -165,19 +186,18 @@ def _indices(registry: kopf.OperatorRegistry, settings: Settings) -> None:
 def _admission(registry: kopf.OperatorRegistry, settings: Settings, runtime: Runtime) -> None:
     @kopf.on.mutate(*JOBSET, id="mutate-jobsets", operation="CREATE", annotations=ENABLED, registry=registry)
     def mutate_jobset(body: kopf.Body, patch: kopf.Patch, warnings: list[str], **kwargs: Any) -> None:
-        admission.jobset_mutation(body, _cluster(kwargs), settings, warnings)
-        patch.fns.append(admission.apply_jobset())
+        webhooks.jobset_mutation(body, _view(kwargs), settings, warnings)
+        patch.fns.append(webhooks.apply_jobset())
         runtime.metrics.webhook_mutations.labels("jobset", "ok").inc()
 
     @kopf.on.mutate("v1", "pods", id="mutate-pods", operation="CREATE", labels=MANAGED, registry=registry)
     async def mutate_pod(body: kopf.Body, patch: kopf.Patch, **kwargs: Any) -> None:
-        fetch = runtime.kube.get_jobset if runtime.kube is not None else None
         try:
-            plan = await admission.pod_mutation(body, _cluster(kwargs), settings, fetch)
+            plan = await webhooks.pod_mutation(body, _view(kwargs), settings, runtime.kube.get_jobset)
         except kopf.AdmissionError:
             runtime.metrics.webhook_mutations.labels("pod", "refused").inc()
             raise
-        patch.fns.append(admission.apply_pod(plan))
+        patch.fns.append(webhooks.apply_pod(plan))
         runtime.metrics.webhook_mutations.labels("pod", "ok").inc()
 
 
@@ -187,21 +207,24 @@ def _admission(registry: kopf.OperatorRegistry, settings: Settings, runtime: Run
 def _jobsets(registry: kopf.OperatorRegistry, settings: Settings, runtime: Runtime) -> None:
     @kopf.on.resume(*JOBSET, id="opt-in", annotations=OPTED, registry=registry)
     @kopf.on.create(*JOBSET, id="opt-in", annotations=OPTED, registry=registry)
-    async def opt_in(body: kopf.Body, meta: kopf.Meta, namespace: str, name: str, uid: str, **_: Any) -> None:
+    async def opt_in(
+        body: kopf.Body, meta: kopf.Meta, namespace: str | None, name: str, uid: str, **_: Any
+    ) -> None:
+        namespace = _namespaced(namespace)
         try:
             if not opt_in_value(meta.annotations):
                 return
         except ContractError as exc:
             post_event(body, "Warning", "InvalidAnnotation", str(exc))
             raise kopf.PermanentError(str(exc)) from exc
+        info: JobSetInfo | None
         try:
             info, error = parse_jobset(body, settings.default_config), None
         except ContractError as exc:
             info, error = None, exc
-        assert runtime.kube is not None
         created = await runtime.kube.create_checkpoint_job(checkpoint_job_body(info, namespace, name, uid))
         runtime.poke((namespace, name))
-        if error is not None:
+        if info is None:
             post_event(body, "Warning", "InvalidJobSet", f"not checkpointed: {error}")
             raise kopf.PermanentError(str(error))
         if created is not None:
@@ -220,9 +243,12 @@ def _jobsets(registry: kopf.OperatorRegistry, settings: Settings, runtime: Runti
         cancellation_timeout=10,
         registry=registry,
     )
-    async def control_loop(namespace: str, name: str, stopped: kopf.DaemonStopped, **kwargs: Any) -> None:
+    async def control_loop(
+        namespace: str | None, name: str, stopped: kopf.DaemonStopped, **kwargs: Any
+    ) -> None:
+        namespace = _namespaced(namespace)
         indices = {k: kwargs[k] for k in INDEX_IDS}
-        await runtime.controller((namespace, name)).run(lambda: Cluster(indices), stopped)
+        await runtime.controller((namespace, name)).run(lambda: ClusterView(indices), stopped)
 
     @kopf.timer(
         *JOBSET,
@@ -232,16 +258,17 @@ def _jobsets(registry: kopf.OperatorRegistry, settings: Settings, runtime: Runti
         initial_delay=min(5.0, settings.refresh_interval),
         registry=registry,
     )
-    async def refresh(namespace: str, name: str, **kwargs: Any) -> None:
-        ctl = runtime.controllers.get((namespace, name))
-        if ctl is not None and runtime.leading:
-            await ctl.refresh(_cluster(kwargs))
+    async def refresh(namespace: str | None, name: str, **kwargs: Any) -> None:
+        ctl = runtime.controllers.get((_namespaced(namespace), name))
+        if ctl is not None:
+            await ctl.refresh(_view(kwargs))
 
     @kopf.on.delete(*JOBSET, id="cleanup", annotations=ENABLED, retries=5, backoff=5, registry=registry)
     async def cleanup(
-        body: kopf.Body, namespace: str, name: str, uid: str, retry: int, **kwargs: Any
+        body: kopf.Body, namespace: str | None, name: str, uid: str, retry: int, **kwargs: Any
     ) -> None:
-        cluster = _cluster(kwargs)
+        namespace = _namespaced(namespace)
+        cluster = _view(kwargs)
         rec = cluster.jobset(namespace, name)
         info = rec.info if rec is not None else None
         try:
@@ -249,7 +276,6 @@ def _jobsets(registry: kopf.OperatorRegistry, settings: Settings, runtime: Runti
         except ContractError:
             return
         cfg = cluster.config(info.config_name) if info else None
-        assert runtime.replicators is not None and runtime.kube is not None
         result = await purge_job(runtime.replicators, cluster, job_id, cfg.spec if cfg else None)
         if (result.failed or result.backups_deleted is False) and retry < 4:
             raise kopf.TemporaryError(f"{result.summary()}; retrying", delay=5 * (retry + 1))
@@ -269,7 +295,7 @@ def _configs(registry: kopf.OperatorRegistry, settings: Settings, runtime: Runti
     def replan(body: kopf.Body, name: str, reason: str, **kwargs: Any) -> None:
         keys = [
             (rec.namespace, rec.name)
-            for rec in _cluster(kwargs).jobsets()
+            for rec in _view(kwargs).jobsets()
             if rec.info is not None and rec.info.config_name == name
         ]
         for key in keys:
@@ -279,7 +305,7 @@ def _configs(registry: kopf.OperatorRegistry, settings: Settings, runtime: Runti
 
     @kopf.on.event(*CONFIG, id="config-changed", registry=registry)
     def config_changed(**kwargs: Any) -> None:
-        runtime.configs.poke(_cluster(kwargs))
+        runtime.configs.poke(_view(kwargs))
 
 
 # ------------------------------------------------------------------------------------ wake-ups
@@ -287,10 +313,10 @@ def _configs(registry: kopf.OperatorRegistry, settings: Settings, runtime: Runti
 
 def _wakeups(registry: kopf.OperatorRegistry, settings: Settings, runtime: Runtime) -> None:
     @kopf.on.event("v1", "pods", id="worker-changed", labels=MANAGED, registry=registry)
-    def worker_changed(labels: kopf.Labels, namespace: str, **_: Any) -> None:
+    def worker_changed(labels: kopf.Labels, namespace: str | None, **_: Any) -> None:
         jobset = labels.get(Labels.JOBSET_NAME)
         if jobset:
-            runtime.poke((namespace, jobset))
+            runtime.poke((_namespaced(namespace), jobset))
 
     @kopf.on.event(
         "v1", "pods", id="replicator-changed", labels=settings.replicator_labels, registry=registry
@@ -299,18 +325,18 @@ def _wakeups(registry: kopf.OperatorRegistry, settings: Settings, runtime: Runti
         node = spec.get("nodeName")
         if node:
             runtime.poke_node(node)
-        runtime.configs.poke(_cluster(kwargs))
+        runtime.configs.poke(_view(kwargs))
 
     @kopf.on.event("v1", "nodes", id="node-changed", registry=registry)
     def node_changed(name: str, **kwargs: Any) -> None:
         runtime.poke_node(name)
-        runtime.configs.poke(_cluster(kwargs))
+        runtime.configs.poke(_view(kwargs))
 
     @kopf.on.event(*JOBSET, id="jobset-changed", annotations=OPTED, registry=registry)
-    def jobset_changed(namespace: str, name: str, **_: Any) -> None:
-        runtime.poke((namespace, name))
+    def jobset_changed(namespace: str | None, name: str, **_: Any) -> None:
+        runtime.poke((_namespaced(namespace), name))
 
     @kopf.on.event(*CKJOB, id="checkpointjob-changed", registry=registry)
-    def checkpoint_job_changed(namespace: str, name: str, type: str | None, **_: Any) -> None:
+    def checkpoint_job_changed(namespace: str | None, name: str, type: str | None, **_: Any) -> None:
         if type in (None, "ADDED", "DELETED"):  # not our own status writes
-            runtime.poke((namespace, name))
+            runtime.poke((_namespaced(namespace), name))

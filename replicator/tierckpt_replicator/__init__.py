@@ -2,6 +2,25 @@
 GCS, and stages them back for restore. Depends on ``tierckpt`` only (never on the operator).
 
 Start it with ``tierckpt-replicator`` (``__main__``); ``daemon`` is the composition root.
+
+Layers, top down; a module imports only from layers below its own (``lint-imports`` checks this, see
+the "replicator layers" contract in pyproject.toml). ``|`` separates independent siblings (neither
+imports the other), ``:`` siblings that may import each other:
+
+1. ``__main__``: flags, logging, the event loop.
+2. ``daemon``: the composition root; builds every part below and runs their lifecycle.
+3. ``app`` : ``api`` : ``controls``: the FastAPI control API (routes from ``tierckpt.protocol.api``) and
+   what each call does on this node (``NodeControls``, the ``Controls`` the routes are given).
+4. ``restore``: stage a job's ranks from the best source: the ramdisk, a peer (through the replication
+   worker), or the bucket (through ``backup.jobs.BackupPort``).
+5. ``replication`` | ``backup``: tier 2 (peer replicas: loop, worker process, data plane) and tier 3
+   (GCS backups). Neither knows the other; the daemon tells backup about commits replication saw.
+6. ``watch``: inotify wake-ups for new commits (other nodes' control APIs are reached through
+   ``tierckpt.protocol.client``).
+7. ``assignments`` | ``inventory`` | ``policies`` | ``metrics`` | ``settings`` | ``stepio``: peers.json,
+   what this node holds, policy.json, Prometheus metrics, the daemon's options, and steps on the
+   ramdisk (staging, committing, finding). Each stands on ``tierckpt.protocol``/``tierckpt.planning``
+   only.
 """
 
 from tierckpt.protocol import __version__

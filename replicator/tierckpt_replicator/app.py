@@ -1,4 +1,5 @@
-"""The FastAPI application factory: routes, request metrics, no interactive docs (nothing leaks)."""
+"""The FastAPI application factory: routes from the endpoint table, request metrics; no interactive docs
+(the OpenAPI document is a /v1 route, behind the token)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,8 @@
 
 The operator sends them through ``PUT /v1/jobs/{job}/peers``; in local mode a static file
 (``--peers-file``) seeds the job it names. A ``PeerNode.endpoint`` is the node's control API
-(``http://host:port``); its streaming data endpoint is the same host at ``port + 1`` unless the
+(``http://host:port``, called through ``tierckpt.protocol.client``, which uses only
+``scheme://host:port``); its streaming data endpoint is the same host at ``port + 1`` unless the
 endpoint carries an explicit data port as ``http://host:port/?data=PORT`` (local mode).
 """
 
@@ -17,9 +18,8 @@ from pathlib import Path
 from tierckpt.protocol.control import PeerAssignment, PeerNode, read_control, write_control
 from tierckpt.protocol.errors import ContractError, FormatError
 from tierckpt.protocol.format import control_dir
-from tierckpt_replicator.replication.ipc import PeerAddress
 
-__all__ = ["AssignmentStore", "api_url", "data_address", "load_static"]
+__all__ = ["AssignmentStore", "data_endpoint", "load_static"]
 
 log = logging.getLogger(__name__)
 
@@ -31,19 +31,12 @@ def _parse(endpoint: str) -> urllib.parse.SplitResult:
     return parts
 
 
-def api_url(node: PeerNode) -> str:
-    """The node's control API base URL (no trailing slash, no query)."""
+def data_endpoint(node: PeerNode) -> tuple[str, int]:
+    """``(host, port)`` the node's data endpoint listens on."""
     parts = _parse(node.endpoint)
-    return f"{parts.scheme}://{parts.netloc}"
-
-
-def data_address(name: str, node: PeerNode) -> PeerAddress:
-    """Where the node's data endpoint listens."""
-    parts = _parse(node.endpoint)
+    assert parts.hostname is not None and parts.port is not None  # checked by _parse
     query = urllib.parse.parse_qs(parts.query)
-    port = int(query["data"][0]) if "data" in query else parts.port + 1  # type: ignore[operator]
-    assert parts.hostname is not None
-    return PeerAddress(node=name, host=parts.hostname, port=port)
+    return parts.hostname, int(query["data"][0]) if "data" in query else parts.port + 1
 
 
 def load_static(path: Path) -> PeerAssignment:

@@ -5,18 +5,21 @@
 is the source of truth, and calls ``refresh()`` to watch the directories that appeared. Without inotify
 (or if it fails) ``wait()`` simply returns every ``poll_interval`` seconds; it always does anyway, as a
 safety net. Works on tmpfs.
+
+inotify comes from ``inotify_simple`` (a thin wrapper over the syscalls): its descriptor goes straight
+into the event loop (``add_reader``), and each directory gets a narrow mask (entries created, moved in,
+deleted, files closed after writing), so the shard bytes a client writes cost no events. A recursive
+watcher (``watchfiles``) would also report every write into every shard of the whole tree.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
-import ctypes.util
 import logging
-import os
-import struct
 from pathlib import Path
+
+from inotify_simple import INotify, flags
 
 from tierckpt.protocol.format import job_dir, rank_dir, ranks_in, read_commit, step_dirs
 from tierckpt_replicator.inventory import list_jobs
@@ -25,45 +28,14 @@ __all__ = ["CommitWatcher"]
 
 log = logging.getLogger(__name__)
 
-IN_MODIFY, IN_CLOSE_WRITE, IN_MOVED_TO, IN_CREATE, IN_DELETE = 0x2, 0x8, 0x80, 0x100, 0x200
-IN_ONLYDIR, IN_NONBLOCK, IN_CLOEXEC = 0x01000000, 0o4000, 0o2000000
-_MASK = IN_MOVED_TO | IN_CREATE | IN_DELETE | IN_CLOSE_WRITE | IN_ONLYDIR
-_EVENT = struct.Struct("iIII")
-
-
-class _Inotify:
-    def __init__(self) -> None:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-        self._add = libc.inotify_add_watch
-        self._add.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_uint32]
-        fd = libc.inotify_init1(IN_NONBLOCK | IN_CLOEXEC)
-        if fd < 0:
-            raise OSError(ctypes.get_errno(), "inotify_init1 failed")
-        self.fd = fd
-
-    def add(self, path: Path) -> None:
-        if self._add(self.fd, os.fsencode(path), _MASK) < 0:
-            err = ctypes.get_errno()
-            if err not in (2, 20):  # ENOENT, ENOTDIR: it went away meanwhile
-                raise OSError(err, f"inotify_add_watch({path}) failed")
-
-    def drain(self) -> int:
-        """Read and discard pending events; returns how many bytes were read."""
-        total = 0
-        with contextlib.suppress(BlockingIOError):
-            while chunk := os.read(self.fd, 64 * 1024):
-                total += len(chunk)
-        return total
-
-    def close(self) -> None:
-        os.close(self.fd)
+_MASK = flags.MOVED_TO | flags.CREATE | flags.DELETE | flags.CLOSE_WRITE | flags.ONLYDIR
 
 
 class CommitWatcher:
     def __init__(self, root: Path, *, poll_interval: float = 5.0, debounce: float = 0.05) -> None:
         self.root, self.poll_interval, self.debounce = root, poll_interval, debounce
         self._event = asyncio.Event()
-        self._inotify: _Inotify | None = None
+        self._inotify: INotify | None = None
 
     @property
     def uses_inotify(self) -> bool:
@@ -71,9 +43,9 @@ class CommitWatcher:
 
     def start(self) -> None:
         try:
-            self._inotify = _Inotify()
+            self._inotify = INotify(nonblocking=True)
             asyncio.get_running_loop().add_reader(self._inotify.fd, self._on_readable)
-        except (OSError, AttributeError) as exc:
+        except (OSError, AttributeError) as exc:  # no inotify (or no free instance), or no loop reader
             log.warning("inotify unavailable (%s); polling every %.1fs", exc, self.poll_interval)
             self._inotify = None
         self.refresh()
@@ -90,7 +62,7 @@ class CommitWatcher:
         self._event.set()
 
     def _on_readable(self) -> None:
-        if self._inotify is not None and self._inotify.drain():
+        if self._inotify is not None and self._inotify.read(timeout=0):  # drained; the rescan is truth
             self._event.set()
 
     async def wait(self) -> None:
@@ -106,7 +78,8 @@ class CommitWatcher:
             return
         try:
             for path in self._watch_list():
-                self._inotify.add(path)
+                with contextlib.suppress(FileNotFoundError, NotADirectoryError):  # it went away meanwhile
+                    self._inotify.add_watch(path, _MASK)
         except OSError as exc:
             log.warning("inotify watch failed (%s); relying on polling", exc)
 

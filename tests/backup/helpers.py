@@ -3,27 +3,29 @@ laid out on several "nodes" as replication would leave them."""
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from pathlib import Path
+from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from tierckpt.protocol.bucket_layout import BucketLayout
 from tierckpt.protocol.control import PeerAssignment, PeerNode, write_control
 from tierckpt.protocol.format import replica_rank_dir, step_dir
-from tierckpt_demo.steps import write_step
+from tierckpt_demo.step_writer import write_step
 from tierckpt_replicator.backup.gcs import GcsSettings, GcsStore, RetryPolicy
 from tierckpt_replicator.backup.metrics import BackupMetrics
-from tierckpt_replicator.backup.policy import BackupPolicy
 from tierckpt_replicator.backup.service import BackupService
+from tierckpt_replicator.backup.settings import BackupSettings
+from tierckpt_replicator.backup.store import ObjectStore
 
 KiB = 1 << 10
 MiB = 1 << 20
 FAST_RETRY = RetryPolicy(initial=0.01, maximum=0.05, multiplier=2.0, deadline=3.0)
 
 
-def make_store(url: str, bucket: str, **overrides: object) -> GcsStore:
-    settings = {
+def make_store(url: str, bucket: str, **overrides: Any) -> GcsStore:
+    settings: dict[str, Any] = {
         "bucket": bucket,
         "endpoint": url,
         "chunk_size": 256 * KiB,
@@ -32,24 +34,33 @@ def make_store(url: str, bucket: str, **overrides: object) -> GcsStore:
         "read_timeout": 5.0,
     }
     settings.update(overrides)
-    return GcsStore(GcsSettings(**settings))  # type: ignore[arg-type]
+    return GcsStore(GcsSettings(**settings))
 
 
-def make_service(store: object, root: Path, node: str, **overrides: object) -> BackupService:
-    kwargs: dict[str, object] = {
-        "store": store,
-        "policy": BackupPolicy(interval_steps=10, interval_seconds=0, keep_last=3),
-        "node": node,
-        "root": root,
-        "layout": BucketLayout("t"),
-        "parallelism": 4,
-        "slice_size": 0,
-        "range_size": 96 * KiB,
-        "incomplete_grace": 0.0,
-        "metrics": BackupMetrics(CollectorRegistry()),
-    }
-    kwargs.update(overrides)
-    return BackupService(**kwargs)  # type: ignore[arg-type]
+TEST_SETTINGS = BackupSettings(
+    prefix="t",
+    interval_steps=10,
+    interval_seconds=0,
+    keep_last=3,
+    parallelism=4,
+    slice_size=0,
+    range_size=96 * KiB,
+    incomplete_grace=0.0,
+)
+"""Small transfers (so a few KiB exercise ranges), step-scheduled backups, no grace for abandoned steps."""
+
+
+def make_service(
+    store: ObjectStore, root: Path, node: str, *, metrics: BackupMetrics | None = None, **settings: Any
+) -> BackupService:
+    """A service on ``store`` with ``TEST_SETTINGS``, any ``BackupSettings`` field overridden."""
+    return BackupService(
+        dataclasses.replace(TEST_SETTINGS, **settings),
+        node=node,
+        root=root,
+        store=store,
+        metrics=metrics or BackupMetrics(CollectorRegistry()),
+    )
 
 
 def write_cluster_step(

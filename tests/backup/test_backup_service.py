@@ -14,7 +14,6 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -24,10 +23,9 @@ from tierckpt.protocol.bucket_layout import BucketLayout, RankBackup, StepBackup
 from tierckpt.protocol.errors import CorruptShardError, MissingCheckpointError
 from tierckpt.protocol.format import rank_dir, read_manifest, step_dir
 from tierckpt_demo.fakegcs import FakeGcsServer, FaultProxy, FaultRule
-from tierckpt_demo.steps import step_files, write_step
+from tierckpt_demo.step_writer import step_files, write_step
 from tierckpt_replicator.backup.gcs import GcsStore, RetryPolicy
 from tierckpt_replicator.backup.metrics import BackupMetrics
-from tierckpt_replicator.backup.policy import BackupPolicy
 from tierckpt_replicator.backup.service import BackupService
 from tierckpt_replicator.backup.settings import BackupSettings
 from tierckpt_replicator.backup.store import TransientStoreError, UploadCorrupted
@@ -131,7 +129,9 @@ async def test_only_due_steps_are_backed_up(gcs_server: FakeGcsServer, bucket: s
         make_store(gcs_server.url, bucket),
         root,
         "n",
-        policy=BackupPolicy(interval_steps=10, interval_seconds=0, keep_last=5),
+        interval_steps=10,
+        interval_seconds=0,
+        keep_last=5,
     )
     for step in (10, 15, 19, 20, 25):
         write_step(root, JOB, 0, step, sizes=(1000,))
@@ -201,9 +201,9 @@ async def test_a_node_joins_a_backup_started_elsewhere(
     gcs_server: FakeGcsServer, bucket: str, roots: dict[str, Path]
 ) -> None:
     write_cluster_step(roots, JOB, 30, 4)
-    on_demand_only = BackupPolicy(interval_steps=0, interval_seconds=0)
-    services = {
-        n: make_service(make_store(gcs_server.url, bucket), roots[n], n, policy=on_demand_only) for n in roots
+    services = {  # on demand only
+        n: make_service(make_store(gcs_server.url, bucket), roots[n], n, interval_steps=0, interval_seconds=0)
+        for n in roots
     }
     assert await services["node-a"].backup_now(JOB) == 30  # e.g. SIGTERM on node-a only
     assert await services["node-a"].complete_steps(JOB) == ()
@@ -233,8 +233,7 @@ async def test_a_partial_upload_is_invisible_and_the_previous_backup_survives(
     root = tmp_path / "n"
     src10 = write_step(root, JOB, 0, 10, sizes=(300 * KiB,))
     fragile = make_store(proxy.url, bucket, retry=RetryPolicy(initial=0.01, maximum=0.02, deadline=0.3))
-    policy = BackupPolicy(interval_steps=10, interval_seconds=0, keep_last=1)
-    svc = make_service(fragile, root, "n", policy=policy)
+    svc = make_service(fragile, root, "n", interval_steps=10, interval_seconds=0, keep_last=1)
     assert await svc.backup_now(JOB) == 10
     write_step(root, JOB, 0, 20, sizes=(300 * KiB, 5 * KiB), files=2)
     proxy.add_rule(
@@ -287,7 +286,7 @@ async def test_a_dead_bucket_fails_cleanly_and_keeps_the_previous_backup(
     write_step(root, JOB, 0, 10, sizes=(10 * KiB,))
     metrics = BackupMetrics(CollectorRegistry())
     store = make_store(proxy.url, bucket, retry=RetryPolicy(initial=0.01, maximum=0.02, deadline=0.3))
-    svc = make_service(store, root, "n", metrics=metrics, policy=BackupPolicy(interval_steps=1, keep_last=1))
+    svc = make_service(store, root, "n", metrics=metrics, interval_steps=1, keep_last=1)
     await svc.on_step_committed(JOB, 10, [0], {})
     write_step(root, JOB, 0, 11, sizes=(10 * KiB,))
     proxy.add_rule(FaultRule(action="status", status=503, method="POST", times=None))
@@ -313,14 +312,13 @@ async def test_a_killed_uploader_leaves_no_visible_step_and_a_rerun_finishes_it(
         import asyncio
         from pathlib import Path
         from prometheus_client import CollectorRegistry
-        from tierckpt.protocol.bucket_layout import BucketLayout
-        from tierckpt_replicator.backup import BackupPolicy, BackupService
         from tierckpt_replicator.backup.gcs import GcsSettings, GcsStore
         from tierckpt_replicator.backup.metrics import BackupMetrics
+        from tierckpt_replicator.backup.service import BackupService
+        from tierckpt_replicator.backup.settings import BackupSettings
         store = GcsStore(GcsSettings(bucket={bucket!r}, endpoint={proxy.url!r}))
-        svc = BackupService(store=store, policy=BackupPolicy(), node="n", root=Path({str(root)!r}),
-                            layout=BucketLayout("t"), parallelism=1,
-                            metrics=BackupMetrics(CollectorRegistry()))
+        svc = BackupService(BackupSettings(prefix="t", parallelism=1), node="n", root=Path({str(root)!r}),
+                            store=store, metrics=BackupMetrics(CollectorRegistry()))
         asyncio.run(svc.backup_now({JOB!r}))
     """)
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -413,8 +411,7 @@ async def test_retention_keeps_the_last_n_and_every_kth_deleting_completion_obje
 ) -> None:
     root = tmp_path / "n"
     spy = SpyStore(make_store(gcs_server.url, bucket))
-    policy = BackupPolicy(interval_steps=10, interval_seconds=0, keep_last=2, keep_every=30)
-    svc = make_service(spy, root, "n", policy=policy)
+    svc = make_service(spy, root, "n", interval_steps=10, interval_seconds=0, keep_last=2, keep_every=30)
     for step in range(10, 90, 10):
         write_step(root, JOB, 0, step, sizes=(2 * KiB,))
         await svc.on_step_committed(JOB, step, [0], {})
@@ -436,9 +433,7 @@ async def test_a_completion_object_this_version_cannot_read_is_never_collected(
     """E.g. written by a newer tierckpt during a rolling upgrade: not trusted, but not garbage either."""
     root = tmp_path / "n"
     store = make_store(gcs_server.url, bucket)
-    svc = make_service(
-        store, root, "n", policy=BackupPolicy(interval_steps=10, interval_seconds=0, keep_last=5)
-    )
+    svc = make_service(store, root, "n", interval_steps=10, interval_seconds=0, keep_last=5)
     for step in (10, 20):
         write_step(root, JOB, 0, step, sizes=(KiB,))
         await svc.on_step_committed(JOB, step, [0], {})
@@ -450,7 +445,7 @@ async def test_a_completion_object_this_version_cannot_read_is_never_collected(
     await svc.close()
 
 
-async def test_purge_forgets_locally_and_delete_backups_empties_the_job(
+async def test_stop_job_forgets_locally_and_delete_backups_empties_the_job(
     gcs_server: FakeGcsServer, bucket: str, tmp_path: Path
 ) -> None:
     root = tmp_path / "n"
@@ -458,7 +453,7 @@ async def test_purge_forgets_locally_and_delete_backups_empties_the_job(
     write_step(root, "other", 0, 1, sizes=(KiB,))
     svc = make_service(make_store(gcs_server.url, bucket), root, "n")
     assert await svc.backup_now(JOB) == 1 and await svc.backup_now("other") == 1
-    await svc.purge_job(JOB)
+    await svc.stop_job(JOB)
     assert await svc.complete_steps(JOB) == (1,)  # the bucket keeps backups when a node forgets a job
     await svc.delete_backups(JOB)
     assert await svc.complete_steps(JOB) == ()
@@ -470,31 +465,27 @@ async def test_purge_forgets_locally_and_delete_backups_empties_the_job(
 # --------------------------------------------------------------------------------------------- wiring
 
 
-async def test_built_from_the_daemon_settings(gcs_server: FakeGcsServer, bucket: str, tmp_path: Path) -> None:
-    daemon_settings = SimpleNamespace(
-        gcs_bucket=bucket,
-        gcs_prefix="t",
-        gcs_endpoint=gcs_server.url,
-        backup_interval=0.0,
-        node_name="n",
-        root=tmp_path / "n",
-    )
-    cfg = BackupSettings.from_object(daemon_settings)
-    assert (cfg.bucket, cfg.prefix, cfg.endpoint, cfg.interval_seconds) == (bucket, "t", gcs_server.url, 0.0)
+async def test_built_from_its_settings_on_their_bucket(
+    gcs_server: FakeGcsServer, bucket: str, tmp_path: Path
+) -> None:
+    settings = BackupSettings(bucket=bucket, prefix="t", endpoint=gcs_server.url, interval_seconds=0.0)
     write_step(tmp_path / "n", JOB, 0, 2, sizes=(KiB,))
-    svc = BackupService(
-        settings=daemon_settings, node="n", root=tmp_path / "n", metrics=BackupMetrics(CollectorRegistry())
-    )
+    svc = settings.build(node="n", root=tmp_path / "n", metrics=BackupMetrics(CollectorRegistry()))
     assert await svc.backup_now(JOB) == 2
     assert await svc.complete_steps(JOB) == (2,)
+    assert await svc.complete_world_sizes(JOB) == {2: 1}
+    assert make_store(gcs_server.url, bucket).stat(LAYOUT.complete_key(JOB, 2)) is not None  # prefix "t"
     with pytest.raises(ValueError):
-        BackupSettings().build(node="n", root=tmp_path)
+        BackupSettings().build(node="n", root=tmp_path)  # no bucket
+    with pytest.raises(ValueError):
+        BackupSettings(bucket=bucket, parallelism=0)
     await svc.close()
 
 
 async def test_built_by_the_replicator_daemon_from_its_own_settings(
     gcs_server: FakeGcsServer, bucket: str, tmp_path: Path
 ) -> None:
+    from tierckpt_replicator.backup.jobs import node_backup_settings
     from tierckpt_replicator.settings import Settings
 
     settings = Settings(
@@ -506,11 +497,10 @@ async def test_built_by_the_replicator_daemon_from_its_own_settings(
         backup_interval_steps=5,
         backup_keep_last=1,
     )
-    cfg = BackupSettings.from_object(settings)
-    assert (cfg.interval_steps, cfg.keep_last, cfg.project) == (5, 1, "")
-    svc = BackupService(
-        settings=settings, node="n", root=settings.root, metrics=BackupMetrics(CollectorRegistry())
-    )
+    cfg = node_backup_settings(settings)
+    assert (cfg.bucket, cfg.prefix, cfg.endpoint) == (bucket, "t", gcs_server.url)
+    assert (cfg.interval_steps, cfg.keep_last, cfg.project) == (5, 1, None)
+    svc = cfg.build(node="n", root=settings.root, metrics=BackupMetrics(CollectorRegistry()))
     for step in (5, 10):
         write_step(settings.root, JOB, 0, step, sizes=(KiB,))
         await svc.on_step_committed(JOB, step, [0], {0: ("n",)})

@@ -17,14 +17,13 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from tests.cli.cli_helpers import assert_clean_error, cli
-from tierckpt.protocol.bucket_layout import BucketLayout
 from tierckpt.protocol.format import read_commit
 from tierckpt_demo.fakegcs import FakeGcsServer
-from tierckpt_demo.steps import write_step
+from tierckpt_demo.step_writer import write_step
 from tierckpt_replicator.backup.gcs import GcsSettings, GcsStore
 from tierckpt_replicator.backup.metrics import BackupMetrics
-from tierckpt_replicator.backup.policy import BackupPolicy
 from tierckpt_replicator.backup.service import BackupService
+from tierckpt_replicator.backup.settings import BackupSettings
 
 pytestmark = pytest.mark.e2e
 
@@ -43,13 +42,10 @@ def gcs() -> Iterator[FakeGcsServer]:
 def _backup(url: str, root: Path, job: str) -> None:
     async def run() -> None:
         service = BackupService(
+            BackupSettings(interval_steps=1, interval_seconds=0, keep_last=5, parallelism=4, slice_size=0),
             node="node-0",
             root=root,
             store=GcsStore(GcsSettings(bucket="ckpts", endpoint=url)),
-            policy=BackupPolicy(interval_steps=1, interval_seconds=0, keep_last=5),
-            layout=BucketLayout("tierckpt"),
-            parallelism=4,
-            slice_size=0,
             metrics=BackupMetrics(CollectorRegistry()),
         )
         try:

@@ -10,7 +10,7 @@ import torch
 
 from tierckpt import Checkpointer, RetryableError
 from tierckpt.protocol.control import RestoreState, RestoreStatus, Tier, restore_status_name, write_control
-from tierckpt.snapshot.staging import USE_LOCAL, restore_target, wait_for_restore
+from tierckpt.snapshot.restore_wait import USE_LOCAL, restore_target, wait_for_restore
 
 
 def status(

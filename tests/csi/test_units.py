@@ -9,11 +9,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from tests.csi.csi_helpers import Node, publish_request
+from tierckpt.protocol.contract import Csi
 from tierckpt_csi.admission import JobUse, admit
 from tierckpt_csi.errors import CsiError
 from tierckpt_csi.mounts import parse_mountinfo
-from tierckpt_csi.quantity import format_bytes, parse_quantity
-from tierckpt_csi.requests import check_target
+from tierckpt_csi.quantity import MAX_BYTES, format_bytes, parse_quantity
+from tierckpt_csi.requests import check_target, parse_publish
 
 GiB = 1 << 30
 
@@ -30,21 +32,67 @@ GiB = 1 << 30
         ("0.5Ki", 512),
         (".5Mi", 1 << 19),
         ("1.1", 2),
+        ("1Ei", 1 << 60),
+        ("1E", 10**18),
+        (" 2Mi ", 2 << 20),
+        (str(MAX_BYTES), MAX_BYTES),
     ],
 )
 def test_parse_quantity(text: str, expected: int) -> None:
     assert parse_quantity(text) == expected
 
 
-@pytest.mark.parametrize("text", ["", "Gi", "-1Gi", "1GB", "1 Gi", "1e3Gi", "lots", "1.2.3"])
+MALFORMED = ["", "Gi", "-1Gi", "1GB", "1 Gi", "1e3Gi", "lots", "1.2.3", "1ki", "0x10"]
+# Refused too, though the kubernetes client's parser alone accepts them (like most of the above).
+LENIENT = ["NaN", "Infinity", "1_000", "\u0661\u0662", "+1", "1K", "100m", "5u"]
+
+
+@pytest.mark.parametrize("text", [*MALFORMED, *LENIENT])
 def test_parse_quantity_rejects_malformed(text: str) -> None:
     with pytest.raises(ValueError, match="invalid quantity"):
         parse_quantity(text)
 
 
+@pytest.mark.parametrize(
+    ("text", "why"),
+    [
+        ("1e400", "larger than the largest size"),
+        ("1e99999999999", "larger than the largest size"),
+        ("9" * 40, "larger than the largest size"),
+        ("8Ei", "larger than the largest size"),
+        (str(MAX_BYTES + 1), "larger than the largest size"),
+        ("-1", "cannot be negative"),
+        ("-1e400", "cannot be negative"),
+    ],
+)
+def test_parse_quantity_refuses_huge_and_negative_sizes_clearly(text: str, why: str) -> None:
+    with pytest.raises(ValueError, match=f"invalid quantity .*{why}"):
+        parse_quantity(text)
+
+
+@given(st.integers(0, MAX_BYTES), st.sampled_from([("", 1), ("k", 1000), ("Mi", 1 << 20), ("E", 10**18)]))
+def test_parse_quantity_reads_whole_numbers_exactly(n: int, suffix: tuple[str, int]) -> None:
+    text, unit = suffix
+    if n * unit > MAX_BYTES:
+        with pytest.raises(ValueError, match="larger than"):
+            parse_quantity(f"{n}{text}")
+    else:
+        assert parse_quantity(f"{n}{text}") == n * unit
+
+
+def test_a_huge_reservation_is_an_invalid_argument(tmp_path: Path) -> None:
+    node = Node(tmp_path, tmp_path / "ramdisk", tmp_path / "pods", "unix://unused")
+    req = publish_request(node, "team-a_job_0a1b2c3d", reservation="1e400")
+    with pytest.raises(CsiError, match="larger than the largest size") as info:
+        parse_publish(req, pods_dir=node.pods)
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    req.volume_context[Csi.RESERVATION] = "64Mi"
+    assert parse_publish(req, pods_dir=node.pods).reservation == 64 << 20
+
+
 def test_format_bytes() -> None:
-    got = [format_bytes(n) for n in (0, 1023, 1024, 64 * GiB, 3 << 50)]
-    assert got == ["0B", "1023B", "1.0Ki", "64.0Gi", "3.0Pi"]
+    got = [format_bytes(n) for n in (0, 1023, 1024, 64 * GiB, 3 << 50, MAX_BYTES)]
+    assert got == ["0B", "1023B", "1.0Ki", "64.0Gi", "3.0Pi", "8192.0Pi"]
 
 
 def _admit(

@@ -10,7 +10,7 @@ import pytest
 
 from tests.dcp import dcp_scenarios as sc
 from tests.dcp.dcp_dist import run_ranks
-from tierckpt.planning.restore import choose_restore
+from tierckpt.planning.restore_plan import choose_restore
 from tierckpt.protocol.control import NodeInventory, RankHoldings, Tier
 from tierckpt.protocol.format import (
     DCP_METADATA_NAME,

@@ -37,7 +37,7 @@ import kmock
 import yaml
 
 from tests.fixtures.shared_data import JOBSET_CRD, require_jobset_crd
-from tierckpt_operator.__main__ import run
+from tierckpt_operator.__main__ import build_runtime, run
 from tierckpt_operator.runtime import Runtime
 from tierckpt_operator.settings import Settings
 
@@ -583,12 +583,10 @@ class OperatorThread:
         loop = asyncio.new_event_loop()
         asyncio.set_event_loop(loop)
         self.loop, self.stop_event = loop, asyncio.Event()
-        self.runtime = Runtime(self.settings)
         self._started.set()
         try:
-            self.exit_code = loop.run_until_complete(
-                run(self.settings, self.stop_event, signals=False, runtime=self.runtime)
-            )
+            self.runtime = build_runtime(self.settings)  # the composition root's wiring: the real adapters
+            self.exit_code = loop.run_until_complete(run(self.runtime, self.stop_event, signals=False))
         except BaseException as exc:  # reported by the test through .error
             self.error = exc
         finally:

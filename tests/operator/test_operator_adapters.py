@@ -13,15 +13,24 @@ import json
 import pytest
 from aiohttp import web
 
-from tierckpt.protocol.control import JobPolicy, NodeInventory, PeerAssignment, PeerNode, RankHoldings
+from tierckpt.protocol.client import ReplicatorClient, ReplicatorError, RetryPolicy
+from tierckpt.protocol.control import (
+    JobPolicy,
+    NodeInventory,
+    PeerAssignment,
+    PeerNode,
+    PurgeResult,
+    RankHoldings,
+)
 from tierckpt.protocol.errors import ContractError
 from tierckpt_operator.cleanup import purge_job
-from tierckpt_operator.cluster import Cluster
+from tierckpt_operator.clusterview import ClusterView
 from tierckpt_operator.kube import Kube, api_client
 from tierckpt_operator.leader import LeaseElector
 from tierckpt_operator.pods import ReplicatorPod
-from tierckpt_operator.replicators import ReplicatorClient, ReplicatorError
+from tierckpt_operator.replicators import replicator_client
 from tierckpt_operator.resources import ConfigSpec
+from tierckpt_operator.settings import Settings
 
 TOKEN = "adapter-token-0123456789abcdef"
 
@@ -45,7 +54,11 @@ class StandIn:
             return web.Response(status=code, text="scripted")
         if request.path.endswith("/inventory"):
             return web.Response(text=json.dumps(self.inventory), content_type="application/json")
-        return web.json_response({"ok": True})
+        if request.method == "DELETE":
+            job = request.path.rsplit("/", 1)[1]
+            answer = PurgeResult(job=job, purged=True, bucket=request.query.get("bucket") == "true")
+            return web.Response(body=answer.to_bytes(), content_type="application/json")
+        return web.Response(text=body, content_type="application/json")  # a PUT answers what it stored
 
     async def __aenter__(self) -> str:
         app = web.Application()
@@ -61,11 +74,22 @@ class StandIn:
         await self.runner.cleanup()
 
 
-def _client(**kw):
-    return ReplicatorClient(token=lambda: TOKEN, timeout=2.0, backoff=0.01, **kw)
+@pytest.fixture
+def token_file(tmp_path):
+    path = tmp_path / "token"
+    path.write_text(TOKEN + "\n")
+    return path
 
 
-async def test_calls_are_authorized_and_typed():
+def _client(token_file, retries: int = 3):
+    """The operator's own client (``replicator_client``) with a short backoff."""
+    settings = Settings(token_file=str(token_file), http_timeout=2.0, http_retries=retries)
+    client = replicator_client(settings)
+    client.retry = RetryPolicy(attempts=retries, backoff=0.01)
+    return client
+
+
+async def test_calls_are_authorized_and_typed(token_file):
     server = StandIn()
     inv = NodeInventory(
         job="ns_j_01234567",
@@ -77,17 +101,18 @@ async def test_calls_are_authorized_and_typed():
     )
     server.inventory = inv.to_dict()
     async with server as endpoint:
-        client = _client()
+        client = _client(token_file)
         try:
             got = await client.inventory(endpoint, "ns_j_01234567")
             assert got == inv
             peers = PeerAssignment(
                 job="ns_j_01234567", generation=3, nodes={"n1": PeerNode("n1", endpoint)}, peers={"n1": ()}
             )
-            await client.put_peers(endpoint, peers)
-            await client.purge(endpoint, "ns_j_01234567", backups=True)
+            assert await client.put_peers(endpoint, peers) == peers
+            purged = await client.purge(endpoint, "ns_j_01234567", backups=True)
+            assert purged == PurgeResult(job="ns_j_01234567", purged=True, bucket=True)
             policy = JobPolicy(job="ns_j_01234567", generation=7, bucket="ckpt-bucket", keep_last=2)
-            await client.put_policy(endpoint, policy)
+            assert await client.put_policy(endpoint, policy) == policy
         finally:
             await client.aclose()
     (m1, p1, _, _), (m2, p2, _, b2), (m3, p3, q3, _), (m4, p4, _, b4) = server.requests
@@ -97,10 +122,10 @@ async def test_calls_are_authorized_and_typed():
     assert (m4, p4) == ("PUT", "/v1/jobs/ns_j_01234567/policy") and JobPolicy.from_bytes(b4) == policy
 
 
-async def test_retries_transient_failures_only():
+async def test_retries_transient_failures_only(token_file):
     server = StandIn()
     async with server as endpoint:
-        client = _client(retries=3)
+        client = _client(token_file, retries=3)
         try:
             server.script[("DELETE", "/v1/jobs/j")] = [503, 502]
             await client.purge(endpoint, "j")  # third attempt succeeds
@@ -117,23 +142,23 @@ async def test_retries_transient_failures_only():
             await client.aclose()
 
 
-async def test_malformed_answers_and_dead_replicators():
+async def test_malformed_answers_and_dead_replicators(token_file):
     server = StandIn()
     server.inventory = {"kind": "tierckpt.inventory", "version": 1, "job": "j"}  # fields missing
     async with server as endpoint:
-        client = _client()
+        client = _client(token_file)
         try:
             with pytest.raises(ContractError, match="malformed"):
                 await client.inventory(endpoint, "j")
         finally:
             await client.aclose()
-    client = _client(retries=2)
+    client = _client(token_file, retries=2)
     try:
         with pytest.raises(ReplicatorError, match="ConnectError"):
             await client.inventory(endpoint, "j")  # the server is gone now
     finally:
         await client.aclose()
-    anonymous = ReplicatorClient(timeout=1.0)
+    anonymous = ReplicatorClient(timeout=1.0)  # no token: no Authorization header
     async with StandIn() as endpoint:
         try:
             with pytest.raises(ReplicatorError, match="401"):
@@ -146,7 +171,7 @@ class _Index(dict):
     """A kopf index stand-in: key -> list of values."""
 
 
-async def test_purge_asks_every_ready_replicator_and_one_for_the_bucket():
+async def test_purge_asks_every_ready_replicator_and_one_for_the_bucket(token_file):
     servers = [StandIn(), StandIn(), StandIn()]
     async with servers[0] as e0, servers[1] as e1, servers[2] as e2:
         reps = _Index(
@@ -155,7 +180,7 @@ async def test_purge_asks_every_ready_replicator_and_one_for_the_bucket():
             n2=[ReplicatorPod("n2", e2, False)],
         )
         nodes = _Index(n0=[(("pool", "gpu"),)], n1=[(("pool", "gpu"),)], n2=[(("pool", "gpu"),)])
-        cluster = Cluster({"tierckpt_replicators": reps, "tierckpt_nodes": nodes})
+        cluster = ClusterView({"tierckpt_replicators": reps, "tierckpt_nodes": nodes})
         cfg = ConfigSpec.from_body(
             {
                 "metadata": {"name": "c"},
@@ -167,7 +192,7 @@ async def test_purge_asks_every_ready_replicator_and_one_for_the_bucket():
             }
         )
         servers[0].script[("DELETE", "/v1/jobs/j")] = [200, 500, 500, 500]  # the bucket purge fails on n0
-        client = _client(retries=2)
+        client = _client(token_file, retries=2)
         try:
             result = await purge_job(client, cluster, "j", cfg)
         finally:
@@ -199,19 +224,3 @@ async def test_lease_election(kube):
     finally:
         a.close()
         b.close()
-
-
-def test_token_file_rotation(tmp_path):
-    from tierckpt_operator.replicators import TokenFile
-
-    path = tmp_path / "token"
-    path.write_text("first\n")
-    token = TokenFile(path)
-    assert token() == "first"
-    replacement = tmp_path / "token.new"
-    replacement.write_text("second")
-    replacement.replace(path)  # how a Secret volume rotates: a new file swapped in
-    assert token() == "second"
-    path.write_text("")
-    with pytest.raises(ContractError, match="empty"):
-        token()

@@ -28,8 +28,8 @@ from tierckpt.protocol.control import (
     restore_status_name,
 )
 from tierckpt.protocol.format import committed_steps, job_dir, rank_dir
-from tierckpt_demo.steps import write_step
-from tierckpt_operator.status import parse_ranges
+from tierckpt_demo.step_writer import write_step
+from tierckpt_operator.status_fields import parse_ranges
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

@@ -5,6 +5,7 @@ the status the operator writes validated against the CRD schema."""
 from __future__ import annotations
 
 import copy
+import re
 
 import jsonschema
 import kopf
@@ -23,9 +24,8 @@ from tierckpt.protocol.control import (
     Tier,
 )
 from tierckpt.protocol.errors import ContractError
-from tierckpt_operator.injection import Injection, inject, label_pod_templates, preferred_node
-from tierckpt_operator.jobsets import opt_in_value, parse_jobset
-from tierckpt_operator.planning import (
+from tierckpt_csi.quantity import parse_quantity as csi_quantity
+from tierckpt_operator.decisions import (
     JobState,
     decide_assignment,
     decide_peers,
@@ -33,11 +33,13 @@ from tierckpt_operator.planning import (
     peer_assignment,
     peer_views,
 )
+from tierckpt_operator.injection import Injection, inject, label_pod_templates, preferred_node
+from tierckpt_operator.jobsets import opt_in_value, parse_jobset
 from tierckpt_operator.pods import WorkerPod, replicator_of, worker_of
 from tierckpt_operator.reconcile import checkpoint_job_body
 from tierckpt_operator.resources import BackupPolicy, ConfigSpec, Retention
 from tierckpt_operator.settings import parse_settings
-from tierckpt_operator.status import (
+from tierckpt_operator.status_fields import (
     merge_conditions,
     parse_ranges,
     rank_ranges,
@@ -90,6 +92,25 @@ def test_config_defaults_equal_the_crd_defaults():
 def test_invalid_config_names_the_field(spec, field):
     with pytest.raises(ContractError, match=field):
         ConfigSpec.from_body({"metadata": {"name": "c"}, "spec": spec})
+
+
+RAMDISK_SIZES = ["64Gi", "1.5Gi", "500M", "1073741824", "7Pi", "0.5Ki", ".5Gi", "1e9", "1Ei", "-1Gi", "64GB"]
+
+
+@pytest.mark.parametrize("size", RAMDISK_SIZES)
+def test_ramdisk_size_is_what_the_crd_pattern_admits_and_the_csi_driver_reads(size):
+    """The operator forwards the size as text (the CSI volume attribute); it refuses what the apiserver
+    would, and everything it admits the CSI driver reads as a byte count."""
+    pattern = _schema("checkpointconfigurations.tierckpt.io")["properties"]["spec"]["properties"]["ramdisk"][
+        "properties"
+    ]["size"]["pattern"]
+    body = {"metadata": {"name": "c"}, "spec": {"gcs": {"bucket": "bkt"}, "ramdisk": {"size": size}}}
+    if re.search(pattern, size):
+        assert ConfigSpec.from_body(body).ramdisk_size == size
+        assert csi_quantity(size) > 0
+    else:
+        with pytest.raises(ContractError, match=r"spec\.ramdisk\.size"):
+            ConfigSpec.from_body(body)
 
 
 def test_config_selects_nodes_and_domains():

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tierckpt.planning.restore import choose_restore, restorable_steps
+from tierckpt.planning.restore_plan import choose_restore, restorable_steps
 from tierckpt.protocol.control import NodeInventory, RankHoldings, Tier
 from tierckpt.protocol.errors import ContractError
 

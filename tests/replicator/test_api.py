@@ -10,12 +10,14 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tierckpt.protocol.api import ENDPOINTS
 from tierckpt.protocol.control import (
     JobPolicy,
     NodeInventory,
     NodeStatus,
     PeerAssignment,
     PeerNode,
+    PurgeResult,
     RestorePlan,
     RestoreState,
     RestoreStatus,
@@ -24,7 +26,7 @@ from tierckpt.protocol.control import (
     restore_status_name,
 )
 from tierckpt.protocol.format import control_dir
-from tierckpt_demo.steps import write_step
+from tierckpt_demo.step_writer import write_step
 from tierckpt_replicator.daemon import Daemon
 from tierckpt_replicator.settings import Settings
 
@@ -68,16 +70,8 @@ def assignment(generation: int = 1, job: str = JOB) -> PeerAssignment:
     )
 
 
-ROUTES = [
-    ("GET", f"/v1/jobs/{JOB}/inventory"),
-    ("PUT", f"/v1/jobs/{JOB}/peers"),
-    ("PUT", f"/v1/jobs/{JOB}/restore-plan"),
-    ("PUT", f"/v1/jobs/{JOB}/policy"),
-    ("POST", f"/v1/jobs/{JOB}/backup"),
-    ("POST", f"/v1/jobs/{JOB}/restore"),
-    ("DELETE", f"/v1/jobs/{JOB}"),
-    ("GET", "/v1/status"),
-]
+ROUTES = [(ep.method, ep.url_path(**{p: JOB for p in ep.path_params})) for ep in ENDPOINTS if ep.auth]
+assert len(ROUTES) == 9 and ("DELETE", f"/v1/jobs/{JOB}") in ROUTES and ("GET", "/v1/openapi.json") in ROUTES
 
 
 @pytest.mark.parametrize(("method", "path"), ROUTES)
@@ -234,9 +228,18 @@ async def test_delete_purges_only_that_job(api):
     write_step(root, JOB, 1, 1, sizes=(64,), parent=root / JOB / "replicas" / "rank-00001")
     write_step(root, "keep_me", 0, 1, sizes=(64,))
     resp = await client.delete(f"/v1/jobs/{JOB}", headers=AUTH)
-    assert resp.json() == {"job": JOB, "purged": True, "bucket": False}
+    assert PurgeResult.from_bytes(resp.content) == PurgeResult(job=JOB, purged=True, bucket=False)
+    assert {k: v for k, v in resp.json().items() if k not in ("kind", "version")} == {  # the old fields
+        "job": JOB,
+        "purged": True,
+        "bucket": False,
+    }
     assert not (root / JOB).exists() and (root / "keep_me" / "rank-00000").is_dir()
     assert (await client.delete(f"/v1/jobs/{JOB}", headers=AUTH)).json()["purged"] is False
+    for flag in ("maybe", "2"):  # a query flag is true or false, nothing else
+        resp = await client.delete(f"/v1/jobs/keep_me?bucket={flag}", headers=AUTH)
+        assert resp.status_code == 400 and "bucket" in resp.json()["detail"]
+    assert (root / "keep_me" / "rank-00000").is_dir()
 
 
 async def test_status_describes_the_node(api):

@@ -12,6 +12,7 @@ import json
 import socket
 import threading
 
+import httpx
 import pytest
 
 from tests.fixtures.cluster import (
@@ -22,10 +23,11 @@ from tests.fixtures.cluster import (
     replica_path,
     wait_restored,
 )
+from tierckpt.protocol.api import ENDPOINTS
 from tierckpt.protocol.bucket_layout import BucketLayout
-from tierckpt.protocol.control import NodeInventory, RestorePlan, RestoreState, Tier
+from tierckpt.protocol.control import BackupResult, RestorePlan, RestoreState, Tier
 from tierckpt.protocol.format import committed_steps, control_dir, rank_dir, replica_rank_dir, step_dir
-from tierckpt_demo.steps import step_files, write_step
+from tierckpt_demo.step_writer import step_files, write_step
 from tierckpt_replicator.backup.gcs import GcsSettings, GcsStore
 from tierckpt_replicator.replication.wire import DataReply, DataRequest, Status, recv_frame, send_frame
 
@@ -88,18 +90,17 @@ def backup_everywhere(cluster, job: str, step: int) -> None:
     it: no waiting on a takeover timer or a cache."""
     for rank in range(cluster.size * cluster.procs_per_node):
         wait_replicated(cluster, job, rank, step)
-    answers: dict[str, tuple[int, bytes]] = {}
+    answers: dict[str, BackupResult] = {}
 
     def post(node) -> None:
-        answers[node.name] = node.request("POST", f"/v1/jobs/{job}/backup", timeout=60)
+        answers[node.name] = cluster.api.backup(node.endpoint, job, timeout=60)
 
     threads = [threading.Thread(target=post, args=(n,)) for n in cluster.nodes]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert {n: a[0] for n, a in answers.items()} == dict.fromkeys(answers, 200), answers
-    assert all(json.loads(a[1])["step"] == step for a in answers.values()), answers
+    assert answers == {n.name: BackupResult(job=job, step=step) for n in cluster.nodes}, answers
     assert bucket_complete(cluster, job, step)
 
 
@@ -112,10 +113,9 @@ def test_committed_step_is_replicated_bit_exact(cluster3):
         rep = wait_replica(cluster3, peer, job, i, 10)
         assert step_files(rep) == step_files(sources[i])  # data, manifest and COMMIT, byte for byte
         assert not leftovers(peer.root)
-    status = cluster3.nodes[0].json("GET", "/v1/status")
-    (job_status,) = [j for j in status["jobs"] if j["job"] == job]
-    cluster3.wait_for(lambda: cluster3.nodes[0].json("GET", "/v1/status")["jobs"], what="status")
-    assert job_status["local"] == {"0": [10]} and job_status["replicas"] == {"2": [10]}
+    status = cluster3.api.status(cluster3.nodes[0].endpoint)
+    (job_status,) = [j for j in status.jobs if j.job == job]
+    assert job_status.local == {0: (10,)} and job_status.replicas == {2: (10,)}
 
 
 def test_lost_node_is_restored_from_its_peer(cluster3):
@@ -222,7 +222,7 @@ def test_corrupt_replica_is_detected_and_fetched_again(cluster3):
         holders={0: (b.name,), 1: ("node-1",), 2: ("node-2",)},
         generation=2,
     )
-    assert a.request("PUT", f"/v1/jobs/{job}/restore-plan", plan.to_bytes())[0] == 202
+    assert cluster3.api.put_restore_plan(a.endpoint, plan) == plan  # 202: staging started
     cluster3.assign(job, generation=2)  # a learns its node rank and stages with the published plan
     st = wait_restored(a, job, 0)
     assert (st.state, st.source) == (RestoreState.READY, Tier.GCS)  # b's copy failed its crc32c
@@ -323,22 +323,20 @@ def test_requests_without_the_token_or_malformed_change_nothing(cluster3):
     a = cluster3.nodes[0]
     job = new_job("sec")
     assignment = cluster3.assign(job)
-    routes = [
-        ("GET", f"/v1/jobs/{job}/inventory"),
-        ("PUT", f"/v1/jobs/{job}/peers"),
-        ("PUT", f"/v1/jobs/{job}/restore-plan"),
-        ("POST", f"/v1/jobs/{job}/backup"),
-        ("POST", f"/v1/jobs/{job}/restore"),
-        ("DELETE", f"/v1/jobs/{job}"),
-        ("GET", "/v1/status"),
-    ]
     newer = assignment.to_bytes().replace(b'"generation":1', b'"generation":9')
-    for method, path in routes:
-        assert a.request(method, path, newer, token="")[0] == 401
-        assert a.request(method, path, newer, token="nope")[0] == 403
-    peers = control_dir(a.root, job) / "peers.json"
-    assert json.loads(peers.read_bytes())["generation"] == 1
-    assert a.request("PUT", f"/v1/jobs/{job}/peers", b'{"kind":"tierckpt.peers"')[0] == 400
+    with httpx.Client(base_url=a.endpoint, timeout=10, trust_env=False) as raw:  # what an attacker sends
+        for ep in ENDPOINTS:
+            if not ep.auth:
+                continue
+            path = ep.url_path(**{p: job for p in ep.path_params})
+            assert raw.request(ep.method, path, content=newer).status_code == 401
+            bad = {"Authorization": "Bearer nope"}
+            assert raw.request(ep.method, path, content=newer, headers=bad).status_code == 403
+        peers = control_dir(a.root, job) / "peers.json"
+        assert json.loads(peers.read_bytes())["generation"] == 1
+        auth = {"Authorization": f"Bearer {cluster3.token}"}
+        resp = raw.put(f"/v1/jobs/{job}/peers", content=b'{"kind":"tierckpt.peers"', headers=auth)
+        assert resp.status_code == 400
     for path in (
         "/v1/jobs/..%2F..%2Fetc/inventory",
         "/v1/jobs/../../etc/passwd",
@@ -376,5 +374,5 @@ def test_sigterm_backs_up_the_newest_step(cluster3):
         node.start_replicator(wait=False)
     for node in cluster3.nodes:
         node.wait_ready()
-    _, body = cluster3.nodes[0].request("GET", f"/v1/jobs/{job}/inventory")
-    assert 80 in NodeInventory.from_bytes(body).gcs
+    inv = cluster3.api.inventory(cluster3.nodes[0].endpoint, job)
+    assert inv is not None and 80 in inv.gcs

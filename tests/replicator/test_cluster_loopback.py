@@ -15,7 +15,7 @@ from tests.fixtures.cluster import (
 from tierckpt.protocol.control import RestoreState, Tier
 from tierckpt.protocol.format import rank_dir, step_dir
 from tierckpt_demo.cluster import LocalCluster
-from tierckpt_demo.steps import step_files
+from tierckpt_demo.step_writer import step_files
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

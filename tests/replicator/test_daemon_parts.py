@@ -13,11 +13,12 @@ from pathlib import Path
 
 import pytest
 
+from tierckpt.protocol.client import ONE_ATTEMPT, ReplicatorClient, api_base
 from tierckpt.protocol.control import PeerAssignment, PeerNode
 from tierckpt.protocol.errors import ContractError
 from tierckpt.protocol.tokens import TokenFile
-from tierckpt_demo.steps import write_step
-from tierckpt_replicator.assignments import AssignmentStore, api_url, data_address
+from tierckpt_demo.step_writer import write_step
+from tierckpt_replicator.assignments import AssignmentStore, data_endpoint
 from tierckpt_replicator.daemon import worker_config
 from tierckpt_replicator.replication.ipc import FetchSource, FetchTask, SendTask
 from tierckpt_replicator.replication.supervisor import WorkerSupervisor
@@ -89,11 +90,12 @@ def test_token_file_rotation_and_constant_time_check(tmp_path: Path):
 
 def test_peer_endpoints():
     node = PeerNode("n", "http://10.0.0.5:8470")
-    assert api_url(node) == "http://10.0.0.5:8470" and data_address("n", node).port == 8471
+    assert api_base(node.endpoint) == "http://10.0.0.5:8470" and data_endpoint(node) == ("10.0.0.5", 8471)
     local = PeerNode("n", "http://127.0.0.1:4000/?data=4100")
-    assert api_url(local) == "http://127.0.0.1:4000" and data_address("n", local).port == 4100
-    with pytest.raises(ContractError):
-        api_url(PeerNode("n", "ftp://x"))
+    assert api_base(local.endpoint) == "http://127.0.0.1:4000" and data_endpoint(local) == ("127.0.0.1", 4100)
+    for bad in ("ftp://x", "http://x", "http://:80", "http://x:port"):
+        with pytest.raises(ContractError):
+            api_base(bad)
 
 
 def test_assignment_store_keeps_the_newest_generation(tmp_path: Path):
@@ -105,6 +107,24 @@ def test_assignment_store_keeps_the_newest_generation(tmp_path: Path):
     newer = dataclasses.replace(static, generation=4)
     assert store.put(newer) == (True, newer) and store.get("j1") == newer
     assert AssignmentStore(tmp_path, static).get("j1") == newer  # a restart does not reseed over it
+
+
+def test_google_cloud_storage_is_loaded_only_once_a_bucket_is_named(tmp_path: Path):
+    code = f"""
+import sys
+from pathlib import Path
+from prometheus_client import CollectorRegistry
+import tierckpt_replicator.daemon
+from tierckpt_replicator.backup.jobs import load_job_backups
+from tierckpt_replicator.settings import Settings
+print("google.cloud.storage" in sys.modules)
+load_job_backups(Settings(node_name="n", root=Path({str(tmp_path)!r})), CollectorRegistry())
+print("google.cloud.storage" in sys.modules)
+load_job_backups(Settings(node_name="n", root=Path({str(tmp_path)!r}), gcs_bucket="b"), CollectorRegistry())
+print("google.cloud.storage" in sys.modules)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "False", "True"]
 
 
 async def test_watcher_wakes_on_a_commit(tmp_path: Path):
@@ -125,6 +145,28 @@ async def test_watcher_wakes_on_a_commit(tmp_path: Path):
         (step / "COMMIT.tmp").rename(step / "COMMIT")
         await asyncio.wait_for(watcher.wait(), 5)
         assert time.monotonic() - started < 29  # woken by inotify, not by the poll interval
+    finally:
+        watcher.close()
+
+
+async def test_watcher_without_inotify_polls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    def no_inotify(**_: object) -> None:
+        raise OSError(24, "inotify instance limit reached")
+
+    monkeypatch.setattr("tierckpt_replicator.watch.INotify", no_inotify)
+    watcher = CommitWatcher(tmp_path, poll_interval=0.3, debounce=0.0)
+    watcher.start()
+    try:
+        assert not watcher.uses_inotify
+        write_step(tmp_path, "job", 0, 1, sizes=(10,))
+        watcher.refresh()  # a no-op without inotify
+        started = time.monotonic()
+        await asyncio.wait_for(watcher.wait(), 5)  # nothing wakes it: the poll interval does
+        assert 0.25 <= time.monotonic() - started < 3
+        watcher.kick()
+        started = time.monotonic()
+        await asyncio.wait_for(watcher.wait(), 5)
+        assert time.monotonic() - started < 0.25  # a kick still wakes it at once
     finally:
         watcher.close()
 
@@ -198,7 +240,6 @@ async def test_restore_plan_asks_again_before_believing_nothing_is_restorable(tm
     import httpx
 
     from tierckpt.protocol.control import NodeInventory, RankHoldings
-    from tierckpt_replicator.peer_client import PeerClient
     from tierckpt_replicator.restore.gather import compute_plan
 
     token = tmp_path / "token"
@@ -225,7 +266,9 @@ async def test_restore_plan_asks_again_before_believing_nothing_is_restorable(tm
             return httpx.Response(503)
         return httpx.Response(200, content=held.to_bytes())
 
-    peers = PeerClient(TokenFile(token), timeout=1.0, transport=httpx.MockTransport(answer))
+    peers = ReplicatorClient(
+        token=TokenFile(token), timeout=1.0, retry=ONE_ATTEMPT, transport=httpx.MockTransport(answer)
+    )
 
     async def own() -> NodeInventory:
         return NodeInventory(job="j", node="a", endpoint="http://a:1", updated_at=0.0, ranks={})
@@ -234,14 +277,17 @@ async def test_restore_plan_asks_again_before_believing_nothing_is_restorable(tm
         plan = await compute_plan("j", own, assignment, peers, attempts=5, backoff=0.01)
         assert plan.step == 5 and len(calls) == 3  # asked again instead of starting the job afresh
         calls.clear()
-        never = PeerClient(
-            TokenFile(token), timeout=1.0, transport=httpx.MockTransport(lambda r: httpx.Response(503))
+        never = ReplicatorClient(
+            token=TokenFile(token),
+            timeout=1.0,
+            retry=ONE_ATTEMPT,
+            transport=httpx.MockTransport(lambda r: httpx.Response(503)),
         )
         plan = await compute_plan("j", own, assignment, never, attempts=3, backoff=0.01)
         assert plan.step is None  # after the attempts, what is known is all there is
-        await never.close()
+        await never.aclose()
     finally:
-        await peers.close()
+        await peers.aclose()
 
 
 async def test_reconcile_asks_every_peer_at_once_and_never_holds_up_a_pass(tmp_path: Path):
@@ -252,7 +298,6 @@ async def test_reconcile_asks_every_peer_at_once_and_never_holds_up_a_pass(tmp_p
     from tierckpt.protocol.control import NodeInventory
     from tierckpt_replicator.inventory import InventoryScanner
     from tierckpt_replicator.metrics import Metrics
-    from tierckpt_replicator.peer_client import PeerClient
     from tierckpt_replicator.replication.manager import ReplicationManager
 
     token = tmp_path / "token"
@@ -276,7 +321,9 @@ async def test_reconcile_asks_every_peer_at_once_and_never_holds_up_a_pass(tmp_p
         empty = NodeInventory(job=job, node="b", endpoint="http://b:1", updated_at=0.0, ranks={})
         return httpx.Response(200, content=empty.to_bytes())
 
-    peers = PeerClient(TokenFile(token), timeout=30.0, transport=httpx.MockTransport(answer))
+    peers = ReplicatorClient(
+        token=TokenFile(token), timeout=30.0, retry=ONE_ATTEMPT, transport=httpx.MockTransport(answer)
+    )
     mgr = ReplicationManager(
         node="a",
         k=1,
@@ -300,4 +347,4 @@ async def test_reconcile_asks_every_peer_at_once_and_never_holds_up_a_pass(tmp_p
     finally:
         release.set()
         await mgr.close()
-        await peers.close()
+        await peers.aclose()

@@ -15,13 +15,13 @@ import pytest
 
 from tierckpt.protocol.format import committed_steps, rank_dir, replica_rank_dir, step_dir
 from tierckpt.protocol.tokens import TokenFile
-from tierckpt_demo.steps import step_files, write_step
+from tierckpt_demo.step_writer import step_files, write_step
 from tierckpt_replicator.replication.context import DataContext
+from tierckpt_replicator.replication.data_server import DataServer
 from tierckpt_replicator.replication.ipc import FetchSource, PeerAddress, WorkerConfig
-from tierckpt_replicator.replication.server import DataServer
-from tierckpt_replicator.replication.store import INCOMING_PREFIX
 from tierckpt_replicator.replication.transfer import fetch_step, push_step
 from tierckpt_replicator.replication.wire import DataReply, DataRequest, Status, recv_frame, send_frame
+from tierckpt_replicator.stepio import INCOMING_PREFIX
 
 pytestmark = pytest.mark.e2e
 

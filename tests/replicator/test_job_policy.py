@@ -7,7 +7,6 @@ Plus the pure rule that merges a policy into the node's settings."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import subprocess
 import sys
@@ -15,20 +14,20 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 from tierckpt.protocol.bucket_layout import BucketLayout
-from tierckpt.protocol.control import JobPolicy, NodeInventory
+from tierckpt.protocol.client import ReplicatorClient, SyncReplicatorClient
+from tierckpt.protocol.control import JobPolicy, PurgeResult
+from tierckpt.protocol.tokens import TokenFile
 from tierckpt_demo.fakegcs import FakeGcsServer, free_port
-from tierckpt_demo.steps import write_step
+from tierckpt_demo.step_writer import write_step
+from tierckpt_replicator.backup.jobs import effective_settings
 from tierckpt_replicator.backup.settings import BackupSettings
-from tierckpt_replicator.backup_hook import effective_settings
 
 pytestmark = [pytest.mark.e2e]
 
 TOKEN = "policy-test-token"
-AUTH = {"Authorization": f"Bearer {TOKEN}"}
 NODE_BUCKET, POLICY_BUCKET = "node-bucket", "policy-bucket"
 
 
@@ -113,8 +112,8 @@ def replicator(tmp_path: Path, gcs: FakeGcsServer) -> Iterator[tuple[str, Path]]
         deadline = time.monotonic() + 30
         while True:
             assert proc.poll() is None, log.read_text()[-3000:]
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
+            with SyncReplicatorClient(timeout=1) as probe:
+                if probe.ready(url):
                     break
             assert time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.1)
@@ -159,9 +158,8 @@ async def test_job_backs_up_to_its_policy_bucket_on_its_interval(replicator, gcs
         keep_last=2,
         config="fast",
     )
-    async with httpx.AsyncClient(base_url=url, headers=AUTH, timeout=10) as api:
-        resp = await api.put(f"/v1/jobs/{job}/policy", content=policy.to_bytes())
-        assert resp.status_code == 200, resp.text
+    async with ReplicatorClient(token=TokenFile(root.parent / "token"), timeout=10) as api:
+        assert await api.put_policy(url, policy) == policy
 
         def done(expected: list[int]):
             return lambda: complete_steps(gcs, POLICY_BUCKET, "pol/team", job) == expected
@@ -178,8 +176,10 @@ async def test_job_backs_up_to_its_policy_bucket_on_its_interval(replicator, gcs
         await until(done([30, 50]), "step 50 backed up and step 10 retired")
         assert keys(gcs, NODE_BUCKET) == []  # the node's own bucket is not used for this job
         assert all(k.startswith("pol/team/") for k in keys(gcs, POLICY_BUCKET))
-        inv = NodeInventory.from_bytes((await api.get(f"/v1/jobs/{job}/inventory")).content)
-        assert inv.gcs == (30, 50) and inv.world_sizes[30] == 1  # read back from the policy's bucket
+        inv = await api.inventory(url, job)
+        assert (
+            inv is not None and inv.gcs == (30, 50) and inv.world_sizes[30] == 1
+        )  # read back from the policy's bucket
 
         # the configuration is edited: a new prefix and every 5 steps; the next step goes there
         edited = JobPolicy(
@@ -191,13 +191,12 @@ async def test_job_backs_up_to_its_policy_bucket_on_its_interval(replicator, gcs
             backup_interval_minutes=0,
             keep_last=2,
         )
-        assert (await api.put(f"/v1/jobs/{job}/policy", content=edited.to_bytes())).status_code == 200
+        assert await api.put_policy(url, edited) == edited
         write_step(root, job, 0, 60, sizes=(8192, 300))
         await until(lambda: complete_steps(gcs, POLICY_BUCKET, "pol/edited", job) == [60], "step 60 moved")
         assert complete_steps(gcs, POLICY_BUCKET, "pol/team", job) == [30, 50]  # old backups stay
 
         # the job is deleted with its backups: the policy's bucket loses them, nothing else does
-        resp = await api.delete(f"/v1/jobs/{job}", params={"bucket": "true"})
-        assert resp.json() == {"job": job, "purged": True, "bucket": True}
+        assert await api.purge(url, job, backups=True) == PurgeResult(job=job, purged=True, bucket=True)
         assert complete_steps(gcs, POLICY_BUCKET, "pol/edited", job) == []
         assert [k for k in keys(gcs, POLICY_BUCKET) if k.startswith("pol/edited/")] == []

@@ -5,10 +5,10 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tierckpt.planning.steps import newest_common_step
+from tierckpt.planning.common_step import newest_common_step
 from tierckpt.protocol.control import PeerAssignment, PeerNode
 from tierckpt_replicator.replication.plan import candidate_targets, plan_sends
-from tierckpt_replicator.replication.retention import replicas_to_drop
+from tierckpt_replicator.replication.replica_retention import replicas_to_drop
 from tierckpt_replicator.replication.throttle import TokenBucket
 
 

@@ -228,7 +228,7 @@ class TierckptAcceleratorMixin:
         )
 
         from tierckpt.dcp import RamdiskReader, dcp_steps
-        from tierckpt.planning.steps import newest_common_step
+        from tierckpt.planning.common_step import newest_common_step
         from tierckpt.snapshot import agree
 
         writer = self._tierckpt_writer()

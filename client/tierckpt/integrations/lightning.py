@@ -297,7 +297,7 @@ class TierckptCallback(_callback_base()):  # type: ignore[misc]
         )
 
         from tierckpt.dcp import RamdiskReader, dcp_steps
-        from tierckpt.planning.steps import newest_common_step
+        from tierckpt.planning.common_step import newest_common_step
         from tierckpt.snapshot import agree
 
         step = newest_common_step(agree.all_gather(dcp_steps(self.writer.root, self.writer.job)))

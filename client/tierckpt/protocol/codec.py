@@ -11,11 +11,11 @@ No pickle, ever.
 
 from __future__ import annotations
 
-import functools
 import json
 from typing import Any, ClassVar, TypeVar
 
 import pydantic
+import pydantic.json_schema
 
 from tierckpt.protocol.errors import FormatError
 
@@ -53,10 +53,16 @@ class Message(Record):
         return decode_bytes(cls, data)
 
 
-@functools.cache
-def _adapter(cls: type) -> pydantic.TypeAdapter[Any]:
-    """Building a validator is slow; each message class builds it once."""
-    return pydantic.TypeAdapter(cls)
+_adapters: dict[type[Message], pydantic.TypeAdapter[Any]] = {}
+
+
+def _adapter(cls: type[T]) -> pydantic.TypeAdapter[T]:
+    """Building a validator is slow; each message class builds it once (a plain dict rather than
+    ``functools.cache``, whose ``Hashable`` argument mypy does not accept a class object for)."""
+    adapter = _adapters.get(cls)
+    if adapter is None:
+        adapter = _adapters[cls] = pydantic.TypeAdapter(cls)
+    return adapter
 
 
 def _envelope(cls: type[Message]) -> bytes:
@@ -100,14 +106,25 @@ def decode_bytes(cls: type[T], data: bytes | str) -> T:
             f"{cls.KIND}: unsupported version {version!r} (this build reads up to {cls.VERSION})"
         )
     try:
-        return _adapter(cls).validate_json(data)  # type: ignore[no-any-return]
+        return _adapter(cls).validate_json(data)
     except pydantic.ValidationError as exc:
         raise FormatError(f"{cls.KIND}: {_first_error(exc)}") from exc
 
 
+class _WireSchema(pydantic.json_schema.GenerateJsonSchema):
+    """JSON Schema as the bytes travel: an object with integer keys (rank -> ..., step -> ...) says so,
+    so a schema-driven generator (a fuzzer) produces keys the message accepts."""
+
+    def dict_schema(self, schema: Any) -> Any:
+        out = super().dict_schema(schema)
+        if schema.get("keys_schema", {}).get("type") == "int":
+            out["propertyNames"] = {"pattern": r"^(0|-?[1-9][0-9]*)$"}
+        return out
+
+
 def json_schema(cls: type[Message]) -> dict[str, Any]:
     """The JSON Schema of ``cls`` as it travels: its fields plus the ``kind``/``version`` envelope."""
-    schema = _adapter(cls).json_schema(mode="serialization")
+    schema = _adapter(cls).json_schema(mode="serialization", schema_generator=_WireSchema)
     props = schema.setdefault("properties", {})
     schema["properties"] = {
         "kind": {"const": cls.KIND, "type": "string"},

@@ -4,7 +4,9 @@ The control files in ``<root>/<job>/control/`` and the control API's bodies are 
 the peer assignment (``PeerAssignment``), the job's restore plan (``RestorePlan``), per-rank restore
 progress (``RestoreStatus``), the job's backup and replication policy (``JobPolicy``), what a node
 holds (``NodeInventory``, from which anyone computes the same restore step with
-``tierckpt.planning.restore``) and a replicator's health (``NodeStatus``).
+``tierckpt.planning.restore_plan``), a replicator's health (``NodeStatus``) and the answers of the API's
+actions (``BackupResult``, ``RestoreAccepted``, ``PurgeResult``). Which endpoint carries which
+message: ``tierckpt.protocol.api``.
 
 Pure data and encoding, plus atomic reads and writes of the control files. No network.
 """
@@ -25,13 +27,16 @@ from tierckpt.protocol.errors import ContractError, FormatError
 from tierckpt.protocol.format import control_dir, write_atomic
 
 __all__ = [
+    "BackupResult",
     "JobPolicy",
     "JobStatus",
     "NodeInventory",
     "NodeStatus",
     "PeerAssignment",
     "PeerNode",
+    "PurgeResult",
     "RankHoldings",
+    "RestoreAccepted",
     "RestorePlan",
     "RestoreState",
     "RestoreStatus",
@@ -65,7 +70,9 @@ _TIER_COST = {Tier.LOCAL: 0, Tier.REPLICA: 1, Tier.PEER: 2, Tier.GCS: 3}
 class PeerNode(Record):
     name: str
     endpoint: str
-    """The node's replicator data endpoint, ``http://host:port``."""
+    """The node's replicator control API, ``http(s)://host:port``. Its streaming data endpoint is the
+    same host at ``port + 1``, unless the endpoint names the data port as ``http://host:port/?data=PORT``
+    (local mode, where the ports are not adjacent). API clients use only ``scheme://host:port``."""
     domain: str = ""
     """The node's failure domain (the configured label's value)."""
 
@@ -146,7 +153,7 @@ class RestorePlan(Message):
     """``control/restore.json``: the step the whole job restores, and each rank's source tier.
 
     ``step`` is None when no step is restorable by every rank (a fresh start). Computed by the pure
-    ``tierckpt.planning.restore.choose_restore`` from inventories, so any party gets the same answer.
+    ``tierckpt.planning.restore_plan.choose_restore`` from inventories, so any party gets the same answer.
     """
 
     KIND = "tierckpt.restore-plan"
@@ -314,3 +321,41 @@ class NodeStatus(Message):
     ramdisk_free_bytes: int
     ramdisk_total_bytes: int
     jobs: tuple[JobStatus, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class BackupResult(Message):
+    """The answer of ``POST /v1/jobs/{job}/backup``: this node's share of ``step`` is in the bucket."""
+
+    KIND = "tierckpt.backup-result"
+    VERSION = CONTRACT_VERSION
+
+    job: str
+    step: int | None
+    """The step backed up; None when this node holds no committed step of the job."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RestoreAccepted(Message):
+    """The answer of ``POST /v1/jobs/{job}/restore``: staging of this node's ranks has started."""
+
+    KIND = "tierckpt.restore-accepted"
+    VERSION = CONTRACT_VERSION
+
+    job: str
+    staging: bool = True
+    """Always true: staging runs in the background; progress is in the ``RestoreStatus`` files."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PurgeResult(Message):
+    """The answer of ``DELETE /v1/jobs/{job}[?bucket=true]``."""
+
+    KIND = "tierckpt.purge-result"
+    VERSION = CONTRACT_VERSION
+
+    job: str
+    purged: bool
+    """Whether this node held anything of the job (now deleted); False: there was nothing to delete."""
+    bucket: bool = False
+    """Whether the job's backups were deleted from the bucket too (the request's ``bucket=true``)."""

@@ -4,7 +4,8 @@ Every error says what happened and why. The tree::
 
     TierckptError
     ├── FormatError            a file does not follow the on-ramdisk format (bad JSON, wrong version)
-    │   └── CorruptShardError  bytes on disk do not match their crc32c; names the tensor and the file
+    │   ├── CorruptShardError  bytes on disk do not match their crc32c; names the tensor and the file
+    │   └── UnsafePathError    a path in a job's tree is a symlink or leads out of the tree
     ├── MissingCheckpointError no committed step matches the request
     ├── StateMismatchError     a strict load: the checkpoint's structure, shapes or dtypes differ from the
     │                          destination's (nothing was copied)
@@ -26,6 +27,7 @@ __all__ = [
     "SaveInProgressError",
     "StateMismatchError",
     "TierckptError",
+    "UnsafePathError",
 ]
 
 
@@ -48,6 +50,10 @@ class CorruptShardError(FormatError):
     def __reduce__(self) -> tuple[object, ...]:
         # Picklable with its keyword-only fields: torch.distributed ships errors between ranks.
         return (_corrupt_shard_error, (str(self), self.path, self.key))
+
+
+class UnsafePathError(FormatError):
+    """A path inside a job's tree passes through a symlink or leads out of it (refused, never followed)."""
 
 
 class MissingCheckpointError(TierckptError):

@@ -38,6 +38,7 @@ __all__ = [
     "COMMIT_NAME",
     "DCP_METADATA_NAME",
     "FORMAT_VERSION",
+    "JOB_ID_PATTERN",
     "MANIFEST_NAME",
     "OBJECTS_NAME",
     "CommitMarker",
@@ -77,7 +78,9 @@ DCP_METADATA_NAME = "dcp-metadata.json"
 """DCP steps only: the coordinator's typed-JSON DCP ``Metadata`` (see tierckpt.dcp.metadata)."""
 _TMP_SUFFIX = ".tmp"
 
-_JOB_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,252}$")
+JOB_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,252}$"
+"""A valid job id, as a regular expression (also the control API's ``{job}`` path parameter)."""
+_JOB_RE = re.compile(JOB_ID_PATTERN)
 _RANK_RE = re.compile(r"^rank-(\d{5,})$")
 _STEP_RE = re.compile(r"^step-(\d{12,})$")
 _HOLDER_RE = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
@@ -91,7 +94,7 @@ ManifestKind = Literal["state_dict", "dcp"]
 
 def check_job_id(job: str) -> str:
     """Return ``job`` if it is a safe job id (a path component), else raise ``FormatError``."""
-    if not isinstance(job, str) or not _JOB_RE.match(job) or job in (".", ".."):
+    if not isinstance(job, str) or not _JOB_RE.fullmatch(job) or job in (".", ".."):
         raise FormatError(f"invalid job id {job!r}: use 1-253 of [A-Za-z0-9_.-], not starting with . _ or -")
     return job
 

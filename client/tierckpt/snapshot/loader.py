@@ -1,9 +1,10 @@
 """Loading one rank's step for ``Checkpointer.load``: which steps to try, and reading one of them.
 
-``candidates`` waits for the replicator's staging (``staging``), then agrees with the other ranks
+``candidates`` waits for the replicator's staging (``restore_wait``), then agrees with the other ranks
 (``agree``) on the steps every rank holds, newest first. ``StepLoader.load`` reads one step into the
 caller's state dict through the slot pool's mappings (so the pages are shared with later saves and
-pinned for CUDA), reusing manifests this process already decoded.
+pinned for CUDA), reusing manifests this process already decoded and, for a destination of the same
+structure, the destinations of its tensors (``bindings``).
 """
 
 from __future__ import annotations
@@ -18,12 +19,13 @@ from typing import Any
 import torch
 
 from tierckpt import cuda
-from tierckpt.planning.steps import common_steps
+from tierckpt.planning.common_step import common_steps
 from tierckpt.protocol.errors import CorruptShardError, FormatError, MissingCheckpointError
 from tierckpt.protocol.format import MANIFEST_NAME, CommitMarker, Manifest, read_commit, read_manifest
 from tierckpt.protocol.integrity import crc32c
 from tierckpt.settings import Settings
-from tierckpt.snapshot import agree, staging
+from tierckpt.snapshot import agree, restore_wait
+from tierckpt.snapshot.bindings import BindingCache
 from tierckpt.snapshot.pool import SlotPool
 from tierckpt.snapshot.rankdir import scan_steps
 from tierckpt.snapshot.restore import load_into, open_data_files
@@ -38,17 +40,17 @@ log = logging.getLogger(__name__)
 def candidates(settings: Settings, rank_path: Path, step: int | None, *, fallback: bool) -> list[int]:
     """Steps to try, newest first: the same list on every rank (a collective when distributed)."""
     s = settings
-    status = staging.wait_for_restore(
+    status = restore_wait.wait_for_restore(
         s.root, s.job, s.rank, expect_replicator=bool(s.replicator_url), stall_timeout=s.restore_wait
     )
     scan = scan_steps(rank_path)
     present = sorted({*scan.committed, *scan.corrupt})
     newest_at = max((m.committed_at for m in scan.committed.values()), default=None)
-    target = staging.restore_target(status, newest_at) if step is None else step
+    target = restore_wait.restore_target(status, newest_at) if step is None else step
     gathered = agree.all_gather((present, target))
     common = common_steps(p for p, _ in gathered)
     targets = {t for _, t in gathered}
-    if len(targets) == 1 and (only := next(iter(targets))) != staging.USE_LOCAL:
+    if len(targets) == 1 and (only := next(iter(targets))) != restore_wait.USE_LOCAL:
         if only is None:
             return []  # the job-wide restore plan says: start fresh
         if only not in common and not fallback:
@@ -99,8 +101,9 @@ class StepLoader:
         self.pool = pool
         self.manifests = manifests
         self.staging = RestoreStaging()
+        self.bindings = BindingCache()
         self.last_timings: dict[str, float] = {}
-        """Phases of the last load in seconds: manifest, map, tree, h2d, verify_wait, copy, total."""
+        """Phases of the last load in seconds: manifest, map, bind, tree, h2d, verify_wait, copy, total."""
 
     def _check_identity(self, path: Path, step: int, manifest: Manifest) -> None:
         s = self.settings
@@ -133,8 +136,8 @@ class StepLoader:
         manifest = self.manifests.read(path, step)
         self._check_identity(path, step, manifest)
         timings["manifest_s"] = time.perf_counter() - start
-        if cuda.in_use():
-            self.pool.register_cuda = True  # pinned later, off the restore path (Checkpointer.load)
+        if cuda.in_use() and not self.pool.register_cuda:
+            self.pool.use_cuda(cuda.current_device())  # pinned later, off the restore path (pool.warm)
         opened: dict[str, MappedFile] = {}
         slot = self.pool.slot_of(step) or self.pool.adopt_step(step, path, manifest, register=False)
         if slot is not None:
@@ -162,6 +165,7 @@ class StepLoader:
                 pack_bytes=s.pack_bytes,
                 pack_limit=s.pack_limit,
                 timings=timings,
+                bindings=self.bindings,
                 strict=strict,
             )
             timings["total_s"] = time.perf_counter() - start

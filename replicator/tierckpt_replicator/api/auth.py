@@ -1,4 +1,4 @@
-"""Request guards for the control API: bearer token, safe job ids, bounded and typed bodies."""
+"""Request guards for the control API: bearer token, safe job ids, flags, bounded and typed bodies."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from tierckpt.protocol.errors import FormatError
 from tierckpt.protocol.format import check_job_id
 from tierckpt.protocol.tokens import TokenFile
 
-__all__ = ["check_job", "read_message", "require_token"]
+__all__ = ["check_job", "check_path_param", "query_flag", "read_message", "require_token"]
 
 M = TypeVar("M", bound=Message)
 
@@ -30,6 +30,26 @@ def check_job(job: str) -> str:
         return check_job_id(job)
     except FormatError as exc:
         raise HTTPException(400, str(exc)) from exc
+
+
+def check_path_param(name: str, value: str) -> str:
+    """A path parameter of the endpoint table (``tierckpt.protocol.api.PATH_PARAMS``), checked."""
+    if name == "job":
+        return check_job(value)
+    raise HTTPException(500, f"no check for path parameter {name!r}")
+
+
+_TRUE, _FALSE = ("true", "t", "1", "yes", "y", "on"), ("false", "f", "0", "no", "n", "off")
+
+
+def query_flag(request: Request, name: str) -> bool:
+    """A boolean query parameter: absent is false; anything but true/false (1/0, yes/no, on/off) is 400."""
+    value = request.query_params.get(name)
+    if value is None or value.lower() in _FALSE:
+        return False
+    if value.lower() in _TRUE:
+        return True
+    raise HTTPException(400, f"query parameter {name}={value!r} is not true or false")
 
 
 async def read_message(request: Request, cls: type[M], *, limit: int, job: str) -> M:

@@ -1,29 +1,48 @@
-"""The control API routes (all under ``/v1``, bearer token required) and the open probes.
+"""The control API's routes, registered from the endpoint table (``tierckpt.protocol.api.ENDPOINTS``).
 
-Routes only parse, check and translate; the work is done by the ``Controls`` they are given (the
-daemon). Malformed input gets a 4xx before anything is changed.
+Every table entry gets exactly one route, at its method and path, answering its success status; the
+guards come from the table too (the bearer token where ``auth``, the checked path parameters, the
+boolean query flags). The handlers below only parse, check and translate; the work is done by the
+``Controls`` they are given (``tierckpt_replicator.controls``). Malformed input gets a 4xx before
+anything is changed.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
 
-from fastapi import APIRouter, FastAPI, HTTPException, Request, Response
-from fastapi.responses import JSONResponse
+from fastapi import FastAPI, HTTPException, Request, Response
+from fastapi.responses import JSONResponse, PlainTextResponse
 
+from tierckpt.protocol import api
 from tierckpt.protocol.codec import Message
-from tierckpt.protocol.control import JobPolicy, NodeInventory, NodeStatus, PeerAssignment, RestorePlan
+from tierckpt.protocol.control import (
+    BackupResult,
+    JobPolicy,
+    NodeInventory,
+    NodeStatus,
+    PeerAssignment,
+    PurgeResult,
+    RestoreAccepted,
+    RestorePlan,
+)
 from tierckpt.protocol.errors import RetryableError, TierckptError
 from tierckpt.protocol.tokens import TokenFile
-from tierckpt_replicator.api.auth import check_job, read_message, require_token
+from tierckpt_replicator.api.auth import check_path_param, query_flag, read_message, require_token
+from tierckpt_replicator.api.openapi import install_openapi, route_docs
 from tierckpt_replicator.metrics import CONTENT_TYPE, Metrics
 from tierckpt_replicator.settings import Settings
 
-__all__ = ["Controls", "install_routes"]
+__all__ = ["Controls", "Handler", "handlers", "install_routes"]
+
+Handler = Callable[..., Awaitable[Message | Response]]
+"""``handler(request, **path_params, **query_flags)``: a message (answered with the endpoint's
+success status) or a ready ``Response`` (the probes)."""
 
 
 class Controls(Protocol):
-    """What the API needs from the daemon."""
+    """What the API needs from the replicator."""
 
     settings: Settings
     tokens: TokenFile
@@ -40,59 +59,74 @@ class Controls(Protocol):
     def ready(self) -> tuple[bool, str]: ...
 
 
-def _message(msg: Message, status: int = 200) -> Response:
-    return Response(content=msg.to_bytes(), status_code=status, media_type="application/json")
-
-
 def install_routes(app: FastAPI, c: Controls) -> None:
-    app.include_router(_v1_routes(c))
-    _install_probes(app, c)
+    """One route per table endpoint, and the OpenAPI document they make up."""
+    table = handlers(c, app)
+    if set(table) != {ep.name for ep in api.ENDPOINTS}:
+        raise AssertionError(f"handlers {sorted(table)} do not match the endpoint table")
+    for ep in api.ENDPOINTS:
+        app.add_api_route(
+            ep.path,
+            _route(ep, table[ep.name], c.tokens),
+            methods=[ep.method],
+            status_code=ep.status,
+            name=ep.name,
+            summary=ep.summary,
+            response_class=PlainTextResponse if ep.media_type.startswith("text/") else JSONResponse,
+            **route_docs(ep),
+        )
+    install_openapi(app)
 
 
-def _v1_routes(c: Controls) -> APIRouter:
-    v1 = APIRouter(prefix="/v1")
+def _route(ep: api.Endpoint, handler: Handler, tokens: TokenFile) -> Callable[[Request], Awaitable[Response]]:
+    """The ASGI endpoint of ``ep``: guards from the table, then ``handler``, then the answer."""
+
+    async def endpoint(request: Request) -> Response:
+        if ep.auth:
+            require_token(request, tokens)
+        args: dict[str, Any] = {p: check_path_param(p, request.path_params[p]) for p in ep.path_params}
+        args.update({q.name: query_flag(request, q.name) for q in ep.query})
+        answer = await handler(request, **args)
+        if isinstance(answer, Response):
+            return answer
+        return Response(content=answer.to_bytes(), status_code=ep.status, media_type=ep.media_type)
+
+    endpoint.__name__ = endpoint.__qualname__ = ep.name
+    endpoint.handler = handler  # type: ignore[attr-defined]  # for the table test
+    return endpoint
+
+
+def handlers(c: Controls, app: FastAPI) -> dict[str, Handler]:
+    """Endpoint name -> its handler (thin: parse, call ``c``, translate refusals into statuses)."""
     limit = c.settings.max_request_bytes
 
-    def guard(request: Request, job: str | None = None) -> str:
-        require_token(request, c.tokens)
-        return check_job(job) if job is not None else ""
+    async def inventory(request: Request, job: str) -> NodeInventory:
+        return await c.inventory(job)
 
-    @v1.get("/jobs/{job}/inventory")
-    async def get_inventory(job: str, request: Request) -> Response:
-        return _message(await c.inventory(guard(request, job)))
-
-    @v1.put("/jobs/{job}/peers")
-    async def put_peers(job: str, request: Request) -> Response:
-        job = guard(request, job)
+    async def put_peers(request: Request, job: str) -> PeerAssignment:
         assignment = await read_message(request, PeerAssignment, limit=limit, job=job)
         stored, current = await c.put_peers(assignment)
         if not stored:
             raise HTTPException(
                 409, f"generation {assignment.generation} is not newer than {current.generation}"
             )
-        return _message(current)
+        return current
 
-    @v1.put("/jobs/{job}/restore-plan")
-    async def put_restore_plan(job: str, request: Request) -> Response:
-        job = guard(request, job)
-        plan = await read_message(request, RestorePlan, limit=limit, job=job)
-        stored, current = await c.put_plan(plan)
-        if not stored:
-            raise HTTPException(409, f"generation {plan.generation} is older than {current.generation}")
-        return _message(current, 202)
-
-    @v1.put("/jobs/{job}/policy")
-    async def put_policy(job: str, request: Request) -> Response:
-        job = guard(request, job)
+    async def put_policy(request: Request, job: str) -> JobPolicy:
         policy = await read_message(request, JobPolicy, limit=limit, job=job)
         stored, current = await c.put_policy(policy)
         if not stored:
             raise HTTPException(409, f"generation {policy.generation} is not newer than {current.generation}")
-        return _message(current)
+        return current
 
-    @v1.post("/jobs/{job}/backup")
-    async def post_backup(job: str, request: Request) -> JSONResponse:
-        job = guard(request, job)
+    async def put_restore_plan(request: Request, job: str) -> RestorePlan:
+        plan = await read_message(request, RestorePlan, limit=limit, job=job)
+        stored, current = await c.put_plan(plan)
+        if not stored:
+            raise HTTPException(409, f"generation {plan.generation} is older than {current.generation}")
+        return current
+
+    async def backup(request: Request, job: str) -> BackupResult:
         try:
             step = await c.backup_now(job)
         except LookupError as exc:
@@ -101,37 +135,30 @@ def _v1_routes(c: Controls) -> APIRouter:
             raise HTTPException(503, f"backup failed, retry later: {exc}") from exc
         except TierckptError as exc:
             raise HTTPException(502, f"backup failed: {exc}") from exc
-        return JSONResponse({"job": job, "step": step})
+        return BackupResult(job=job, step=step)
 
-    @v1.post("/jobs/{job}/restore")
-    async def post_restore(job: str, request: Request) -> JSONResponse:
-        job = guard(request, job)
+    async def restore(request: Request, job: str) -> RestoreAccepted:
         await c.restore(job)
-        return JSONResponse({"job": job, "staging": True}, status_code=202)
+        return RestoreAccepted(job=job, staging=True)
 
-    @v1.delete("/jobs/{job}")
-    async def delete_job(job: str, request: Request, bucket: bool = False) -> JSONResponse:
-        job = guard(request, job)
-        return JSONResponse({"job": job, "purged": await c.purge(job, bucket=bucket), "bucket": bucket})
+    async def purge(request: Request, job: str, bucket: bool) -> PurgeResult:
+        return PurgeResult(job=job, purged=await c.purge(job, bucket=bucket), bucket=bucket)
 
-    @v1.get("/status")
-    async def get_status(request: Request) -> Response:
-        guard(request)
-        return _message(await c.status())
+    async def status(request: Request) -> NodeStatus:
+        return await c.status()
 
-    return v1
+    async def openapi(request: Request) -> Response:
+        return JSONResponse(app.openapi())
 
-
-def _install_probes(app: FastAPI, c: Controls) -> None:
-    @app.get("/healthz")
-    async def healthz() -> JSONResponse:
+    async def healthz(request: Request) -> Response:
         return JSONResponse({"status": "ok"})
 
-    @app.get("/readyz")
-    async def readyz() -> JSONResponse:
+    async def readyz(request: Request) -> Response:
         ok, _why = c.ready()  # the reason stays in the logs and /v1/status: probes are unauthenticated
         return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
 
-    @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
         return Response(content=c.metrics.render(), media_type=CONTENT_TYPE)
+
+    found = (inventory, put_peers, put_policy, put_restore_plan, backup, restore, purge, status)
+    return {f.__name__: f for f in (*found, openapi, healthz, readyz, metrics)}

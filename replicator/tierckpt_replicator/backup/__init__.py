@@ -1,7 +1,9 @@
 """Tier 3: backups of committed steps to GCS, and restores from it (spec: docs/bucket-layout.md).
 
-* ``service.BackupService``: what the daemon calls (on_step_committed, backup_now, poll,
-  complete_steps, fetch_rank, purge_job).
+* ``jobs``: what the daemon talks to. ``BackupPort`` (its one door to tier 3) and ``JobBackups``, which
+  routes each job to the ``BackupService`` of its effective settings (node flags + the job's policy).
+* ``service.BackupService``: one bucket's backups on this node (on_step_committed, backup_now, poll,
+  complete_steps, fetch_rank, stop_job, delete_backups).
 * ``settings.BackupSettings``: every knob; ``BackupSettings.build(node=, root=)`` makes the service.
 * ``policy``: when a backup is due, which steps retention keeps (pure).
 * ``spread``: which holder uploads which rank (pure).
@@ -9,11 +11,7 @@
   module importing google.cloud).
 * ``catalog`` (completion protocol, deletion), ``uploader``, ``restorer``: the blocking work.
 * ``metrics``: Prometheus metrics.
+
+This package module imports nothing, so importing ``backup.jobs`` does not load google-cloud-storage:
+import each name from its module.
 """
-
-from tierckpt_replicator.backup.policy import BackupPolicy
-from tierckpt_replicator.backup.service import BackupService, BackupStatus
-from tierckpt_replicator.backup.settings import BackupSettings
-from tierckpt_replicator.backup.store import ObjectStore
-
-__all__ = ["BackupPolicy", "BackupService", "BackupSettings", "BackupStatus", "ObjectStore"]

@@ -23,7 +23,7 @@ from tierckpt.protocol.format import COMMIT_NAME, MANIFEST_NAME, FileEntry, read
 from tierckpt.protocol.integrity import crc32c, crc32c_concat
 from tierckpt_replicator.backup.catalog import SMALL_OBJECT_LIMIT, Catalog
 from tierckpt_replicator.backup.store import ObjectStore
-from tierckpt_replicator.replication.store import StepHeader, StepWriter, parse_header
+from tierckpt_replicator.stepio import StepHeader, StepWriter, parse_header
 
 __all__ = ["Restorer", "plan_ranges"]
 
@@ -85,6 +85,10 @@ class Restorer:
     ) -> Path:
         """Download, verify and commit ``dest_rank_dir/step-<step>``; returns that directory.
         ``on_bytes(n)`` is called (from worker threads) as bytes arrive."""
+        # Our parallel ranged download (``store.download_to`` per range, in the service's pool), not
+        # transfer_manager.download_chunks_concurrently: measured 2-5x faster on fake-gcs-server
+        # (1 GiB: 961-1154 MB/s against 210-423), and the library cannot write into the preallocated
+        # staging file, report progress or be cancelled; numbers and reasons at ``GcsStore.download_to``.
         header = self.header(job, step, rank)
         final = step_dir(dest_rank_dir, step)
         marker = read_commit(final) if final.exists() else None

@@ -32,9 +32,9 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from tierckpt.planning.steps import newest_common_step
+from tierckpt.planning.common_step import newest_common_step
 from tierckpt.protocol import leases
 from tierckpt.protocol.bucket_layout import BucketLayout
 from tierckpt.protocol.control import PeerAssignment, read_control
@@ -50,14 +50,16 @@ from tierckpt.protocol.format import (
 )
 from tierckpt_replicator.backup.catalog import Catalog
 from tierckpt_replicator.backup.metrics import BackupMetrics
-from tierckpt_replicator.backup.policy import BackupPolicy
 from tierckpt_replicator.backup.restorer import Restorer
 from tierckpt_replicator.backup.spread import assign_uploads
 from tierckpt_replicator.backup.store import ObjectStore
 from tierckpt_replicator.backup.uploader import Uploader
-from tierckpt_replicator.replication.store import find_committed
+from tierckpt_replicator.stepio import find_committed
 
 __all__ = ["BackupService", "BackupStatus"]
+
+if TYPE_CHECKING:  # the settings module imports google-cloud-storage (for GcsStore); this one need not
+    from tierckpt_replicator.backup.settings import BackupSettings
 
 log = logging.getLogger(__name__)
 
@@ -81,59 +83,31 @@ class BackupStatus:
 
 
 class BackupService:
-    """Backups of the jobs under ``root`` (this node's ramdisk) to ``store``.
+    """Backups of the jobs under ``root`` (this node's ramdisk) to the bucket behind ``store``.
 
-    ``node``: this node's name as it appears in ``holders``. ``parallelism``: object transfers in
-    flight at once (uploads and downloads). ``slice_size``: files larger than this go up as parallel
-    slices composed server side (0: never). ``range_size``: restore downloads files in byte ranges of
-    this size in parallel. ``takeover_after``: seconds after a step's backup started before this node
-    also uploads ranks assigned to another holder that are still missing. ``incomplete_grace``: an
-    incomplete step older than the newest complete one is deleted once untouched this long.
-    ``lease_ttl``: lifetime of the leases that keep the client's retention off a step being uploaded.
-
-    Either pass ``store`` and ``policy`` (tests, custom stores), or ``settings``: a ``BackupSettings``
-    or any object with ``gcs_<field>``/``backup_<field>`` attributes (see ``BackupSettings.from_object``),
-    which then also supplies parallelism, slicing and takeover settings.
+    ``settings``: schedule, retention and every transfer tunable (``BackupSettings``; its bucket fields
+    only matter to ``BackupSettings.build``, which makes ``store`` from them). ``node``: this node's
+    name as it appears in ``holders``. ``store``: the bucket (a ``GcsStore`` in production; tests pass
+    one against fake-gcs-server, or a fake at the ``ObjectStore`` boundary). ``metrics``: where to count
+    (default: the process-wide ``BackupMetrics``). ``clock``: the wall clock (schedules, takeover).
     """
 
     def __init__(
         self,
+        settings: BackupSettings,
         *,
         node: str,
         root: Path,
-        store: ObjectStore | None = None,
-        policy: BackupPolicy | None = None,
-        settings: Any = None,
-        layout: BucketLayout | None = None,
-        parallelism: int = 8,
-        slice_size: int = 256 * MiB,
-        range_size: int = 64 * MiB,
-        takeover_after: float = 120.0,
-        incomplete_grace: float = 3600.0,
-        lease_ttl: float = 60.0,
-        max_manifest_bytes: int = 64 * MiB,
+        store: ObjectStore,
         metrics: BackupMetrics | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        if settings is not None:  # the daemon's settings (gcs_* / backup_* fields) or a BackupSettings
-            from tierckpt_replicator.backup.settings import BackupSettings
-
-            cfg = BackupSettings.from_object(settings)
-            store, policy = store or cfg.store(), policy or cfg.policy()
-            layout = layout or BucketLayout(cfg.prefix)
-            parallelism, slice_size, range_size = cfg.parallelism, cfg.slice_size, cfg.range_size
-            takeover_after, incomplete_grace = cfg.takeover_after, cfg.incomplete_grace
-        if store is None or policy is None:
-            raise ValueError("BackupService needs store= and policy=, or settings=")
-        if parallelism < 1:
-            raise ValueError("parallelism must be at least 1")
-        self.store, self.policy, self.node, self.root = store, policy, node, Path(root)
-        self.layout = layout or BucketLayout()
-        self.takeover_after, self.incomplete_grace = takeover_after, incomplete_grace
-        self.lease_ttl = lease_ttl
+        self.settings, self.store, self.node, self.root = settings, store, node, Path(root)
+        self.policy = settings.policy()
+        self.layout = BucketLayout(settings.prefix)
         self.metrics = metrics or BackupMetrics.default()
         self.clock = clock
-        self._io = cf.ThreadPoolExecutor(parallelism, thread_name_prefix="backup-io")
+        self._io = cf.ThreadPoolExecutor(settings.parallelism, thread_name_prefix="backup-io")
         self._ops = cf.ThreadPoolExecutor(4, thread_name_prefix="backup-op")
         self.catalog = Catalog(store, self.layout, node, self._io)
         self.uploader = Uploader(
@@ -142,8 +116,8 @@ class BackupService:
             self.catalog,
             node,
             self._io,
-            slice_size=slice_size,
-            max_manifest_bytes=max_manifest_bytes,
+            slice_size=settings.slice_size,
+            max_manifest_bytes=settings.max_manifest_bytes,
             on_bytes=self.metrics.bytes_uploaded.inc,
             should_stop=lambda job: job in self._cancelled,
         )
@@ -152,8 +126,8 @@ class BackupService:
             self.layout,
             self.catalog,
             self._io,
-            range_size=range_size,
-            max_manifest_bytes=max_manifest_bytes,
+            range_size=settings.range_size,
+            max_manifest_bytes=settings.max_manifest_bytes,
         )
         self._locks: dict[str, asyncio.Lock] = {}
         self._holders: dict[str, dict[int, tuple[str, ...]]] = {}
@@ -209,9 +183,15 @@ class BackupService:
 
     async def complete_steps(self, job: str) -> tuple[int, ...]:
         """Steps of ``job`` complete in the bucket, oldest first."""
-        steps = tuple(sorted(await self._run(self.catalog.complete_steps, job)))
+        return tuple(sorted(await self.complete_world_sizes(job)))
+
+    async def complete_world_sizes(self, job: str) -> dict[int, int]:
+        """Step -> world size of each step of ``job`` complete in the bucket (from its completion
+        object): a cluster that lost every in-memory copy still knows which ranks each node restores."""
+        done = await self._run(self.catalog.complete_steps, job)
+        steps = tuple(sorted(done))
         self._set_status(job, complete=steps, newest_complete=steps[-1] if steps else None)
-        return steps
+        return {step: done[step].world_size for step in steps}
 
     async def fetch_rank(
         self,
@@ -241,10 +221,10 @@ class BackupService:
         relay.finish()
         self.metrics.restore_seconds.observe(time.monotonic() - started)
 
-    async def purge_job(self, job: str) -> None:
-        """Forget ``job`` on this node: stop its uploads (the transfers under way finish, no new one
-        starts; a partial step stays invisible) and drop its state. The bucket keeps its backups; use
-        ``delete_backups`` to remove them."""
+    async def stop_job(self, job: str) -> None:
+        """Stop backing up ``job`` on this node: stop its uploads (the transfers under way finish, no new
+        one starts; a partial step stays invisible) and drop its state. The bucket KEEPS its backups;
+        ``delete_backups`` removes them."""
         self._cancelled.add(job)
         try:
             async with self._lock(job):
@@ -351,7 +331,7 @@ class BackupService:
         if mine:
             log.info("backing up step %d of %s (%s): ranks %s of %d", step, job, reason, mine, world_size)
             started = time.monotonic()
-            with _leases({r: local[r] for r in mine}, self._holder, self.lease_ttl) as held:
+            with _leases({r: local[r] for r in mine}, self._holder, self.settings.lease_ttl) as held:
                 self._upload_ranks(job, held)
             self.metrics.upload_seconds.observe(time.monotonic() - started)
             self._set_status(job, last_uploaded=step, last_success_at=self.clock(), last_error="")
@@ -393,7 +373,7 @@ class BackupService:
                 sorted(unheld - mine),
             )
             mine |= unheld
-        if started_at is not None and self.clock() - started_at >= self.takeover_after:
+        if started_at is not None and self.clock() - started_at >= self.settings.takeover_after:
             committed = self.catalog.rank_commits(job, step)
             orphans = {r for r in local if r not in committed} - mine
             if orphans:
@@ -429,7 +409,7 @@ class BackupService:
         view = self.catalog.view(job)
         protect = [s for s, n in self._fetching.get(job, collections.Counter()).items() if n > 0]
         plan = self.policy.retention(view.complete, protect=protect)
-        removed = self.catalog.collect_garbage(job, view, plan.delete, grace=self.incomplete_grace)
+        removed = self.catalog.collect_garbage(job, view, plan.delete, grace=self.settings.incomplete_grace)
         self.metrics.steps_deleted.inc(len([s for s in removed if s in view.complete]))
         kept = tuple(s for s in sorted(view.complete) if s not in removed)
         self._set_status(job, complete=kept, newest_complete=kept[-1] if kept else None)

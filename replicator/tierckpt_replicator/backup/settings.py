@@ -1,33 +1,21 @@
-"""``BackupSettings``: every knob of tier 3 in one frozen dataclass the daemon's settings can compose.
+"""``BackupSettings``: every knob of tier 3 in one frozen dataclass, and the one way to build the service.
 
     settings = BackupSettings(bucket="my-ckpts", interval_steps=500, keep_last=3, keep_every=10_000)
-    service = settings.build(node="node-a", root=Path("/run/tierckpt"))
+    service = settings.build(node="node-a", root=Path("/run/tierckpt"))   # GcsStore on the bucket
 
-Fields (defaults in brackets):
+``build`` is the production path: it makes the ``GcsStore`` from the bucket fields. Tests (and anything
+with another store) call ``BackupService(settings, node=..., root=..., store=...)`` directly, with a
+store against fake-gcs-server or a fake at the ``ObjectStore`` boundary. The daemon derives its
+settings from its flags and each job's policy (``backup.jobs``).
 
-* ``bucket``: GCS bucket; empty disables backups. ``prefix`` [``tierckpt``]: key prefix inside it.
-* ``endpoint``: API endpoint override (an emulator, ``http://host:port``) [``$STORAGE_EMULATOR_HOST``
-  or the real service]. ``project``: billing project [from credentials].
-* ``interval_steps`` [0] / ``interval_seconds`` [1800]: back up a step once this many steps / seconds
-  have passed since the newest complete backup (0 disables that schedule; both 0: on demand only).
-* ``keep_last`` [3]: newest complete steps kept. ``keep_every`` [0]: also keep the oldest complete step
-  of every window of this many steps.
-* ``parallelism`` [8]: object transfers in flight per node. ``chunk_size`` [64 MiB]: bytes per
-  resumable-upload request. ``slice_size`` [256 MiB]: larger files are uploaded as parallel slices and
-  composed (0: never). ``range_size`` [64 MiB]: restore downloads byte ranges of this size in parallel.
-* ``takeover_after`` [120 s]: then a holder uploads missing ranks assigned to another node.
-  ``stale_after`` [3600 s]: a started backup that is still incomplete no longer holds new ones back.
-  ``incomplete_grace`` [3600 s]: abandoned incomplete steps are deleted once untouched this long.
-* ``retry_initial`` [1 s], ``retry_max`` [32 s], ``retry_deadline`` [300 s]: exponential backoff of
-  transient GCS errors (5xx, 429, timeouts, resets). ``connect_timeout`` [10 s], ``read_timeout``
-  [120 s]: per HTTP request.
+Each field says its unit, default and why; ``docs/bucket-layout.md`` has the same table.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from tierckpt_replicator.backup.gcs import GcsSettings, GcsStore, RetryPolicy
 from tierckpt_replicator.backup.metrics import BackupMetrics
@@ -43,26 +31,86 @@ MiB = 1 << 20
 
 @dataclasses.dataclass(frozen=True)
 class BackupSettings:
+    """Where backups go, when, what is kept, and how transfers run. Frozen and hashable: the daemon keeps
+    one service per distinct settings."""
+
+    # --- the bucket (used by ``store()``/``build()``; a service handed a store ignores them)
     bucket: str = ""
+    """GCS bucket name; empty disables backups."""
     prefix: str = "tierckpt"
+    """Key prefix inside the bucket (``BucketLayout``): several clusters or teams can share a bucket."""
     endpoint: str = ""
+    """API endpoint override, ``http://host:port`` (an emulator or a proxy); empty: ``$STORAGE_EMULATOR_HOST``
+    if set, else the real service."""
     project: str | None = None
+    """Billing project of the client; None: from the credentials."""
+
+    # --- schedule and retention (``BackupPolicy``)
     interval_steps: int = 0
+    """Steps. Back up a committed step once this many steps passed since the newest complete backup;
+    0 [default]: no step schedule."""
     interval_seconds: float = 1800.0
+    """Seconds [1800]. Back up a committed step once this long passed since the newest complete backup
+    completed; 0: no time schedule (both 0: on demand only)."""
     keep_last: int = 3
+    """Steps [3]. Newest complete backups kept (at least 1: the newest is always kept)."""
     keep_every: int = 0
-    parallelism: int = 8
-    chunk_size: int = 64 * MiB
-    slice_size: int = 256 * MiB
-    range_size: int = 64 * MiB
-    takeover_after: float = 120.0
+    """Steps [0: off]. Also keep the oldest complete step of every window of this many steps (long-lived
+    checkpoints, e.g. every 10 000 steps)."""
     stale_after: float = 3600.0
+    """Seconds [3600]. A started backup still incomplete after this long no longer holds new ones back
+    (its uploaders are presumed dead)."""
+
+    # --- transfers
+    parallelism: int = 8
+    """Transfers [8]. Object uploads/downloads in flight per node (one thread pool, shared by every rank and
+    file); at least 1. More hides per-request latency; each in-flight upload buffers one ``chunk_size``."""
+    chunk_size: int = 64 * MiB
+    """Bytes [64 MiB], a multiple of 256 KiB. Bytes per resumable-upload request: an interrupted request
+    resends at most this much; memory is ``parallelism x chunk_size`` at most."""
+    slice_size: int = 256 * MiB
+    """Bytes [256 MiB]. Files larger than this go up as parallel slices (at most 32) composed server side,
+    so one big shard uses several connections; 0: never slice."""
+    range_size: int = 64 * MiB
+    """Bytes [64 MiB]. Restore downloads each file in byte ranges of this size, in parallel, written
+    into the ramdisk file at their offsets; 0: one request per file."""
+    max_manifest_bytes: int = 64 * MiB
+    """Bytes [64 MiB]. Largest manifest read from the ramdisk or the bucket (bounded memory on bad
+    input)."""
+
+    # --- coordination between the nodes of a job
+    takeover_after: float = 120.0
+    """Seconds [120]. After a step's backup began, a holder also uploads ranks assigned to another node
+    that are still missing (that node may be gone, or hold no copy)."""
     incomplete_grace: float = 3600.0
+    """Seconds [3600]. An incomplete step older than the newest complete one is deleted once untouched
+    this long (an abandoned attempt; a slow uploader gets this long to finish)."""
+    lease_ttl: float = 60.0
+    """Seconds [60]. Lifetime of the leases (renewed in the background) that keep the client's retention
+    off a step being uploaded; a dead uploader's lease lapses after this long."""
+
+    # --- transient errors (``RetryPolicy``) and HTTP timeouts
     retry_initial: float = 1.0
+    """Seconds [1]. First backoff after a transient GCS error (5xx, 408, 429, timeout, reset)."""
     retry_max: float = 32.0
+    """Seconds [32]. Longest backoff between attempts (the backoff doubles up to this)."""
     retry_deadline: float = 300.0
+    """Seconds [300]. Give up retrying a request this long after its first attempt
+    (``TransientStoreError``)."""
     connect_timeout: float = 10.0
+    """Seconds [10]. Per HTTP request: establishing the connection."""
     read_timeout: float = 120.0
+    """Seconds [120]. Per HTTP request: silence while waiting for the server's bytes."""
+
+    def __post_init__(self) -> None:
+        if self.parallelism < 1:
+            raise ValueError("parallelism must be at least 1")
+        for name in ("slice_size", "range_size", "takeover_after", "incomplete_grace"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must not be negative")
+        if self.lease_ttl <= 0 or self.max_manifest_bytes <= 0:
+            raise ValueError("lease_ttl and max_manifest_bytes must be positive")
+        self.policy()  # the schedule and retention fields are valid
 
     @property
     def enabled(self) -> bool:
@@ -95,23 +143,7 @@ class BackupSettings:
         return GcsStore(self.gcs())
 
     def build(self, *, node: str, root: Path, metrics: BackupMetrics | None = None) -> BackupService:
-        """The service for this node (raises ``ValueError`` if no bucket is configured)."""
+        """The service for this node on ``bucket`` (raises ``ValueError`` if no bucket is configured)."""
         from tierckpt_replicator.backup.service import BackupService
 
-        return BackupService(settings=self, node=node, root=root, metrics=metrics)
-
-    @classmethod
-    def from_object(cls, obj: Any) -> BackupSettings:
-        """Settings from any object with ``gcs_<field>`` or ``backup_<field>`` attributes (the daemon's
-        ``Settings``: ``gcs_bucket``, ``gcs_prefix``, ``gcs_endpoint``, ...); its ``backup_interval``
-        means ``interval_seconds``. A ``BackupSettings`` is returned as is."""
-        if isinstance(obj, cls):
-            return obj
-        values: dict[str, Any] = {}
-        if getattr(obj, "backup_interval", None) is not None:
-            values["interval_seconds"] = float(obj.backup_interval)
-        for f in dataclasses.fields(cls):
-            for attr in (f"gcs_{f.name}", f"backup_{f.name}"):
-                if getattr(obj, attr, None) is not None:
-                    values[f.name] = getattr(obj, attr)
-        return cls(**values)
+        return BackupService(self, node=node, root=root, store=self.store(), metrics=metrics)

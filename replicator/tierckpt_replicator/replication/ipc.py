@@ -184,7 +184,8 @@ def decode_line(line: bytes) -> Message:
         obj = json.loads(line)
     except ValueError as exc:
         raise FormatError(f"worker channel: not JSON ({exc})") from exc
-    cls = MESSAGES.get(obj.get("kind")) if isinstance(obj, dict) else None
+    kind = obj.get("kind") if isinstance(obj, dict) else None
+    cls = MESSAGES.get(kind) if isinstance(kind, str) else None
     if cls is None:
         raise FormatError(f"worker channel: unknown message {str(obj)[:80]!r}")
     return decode(cls, obj)

@@ -19,14 +19,14 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 
-from tierckpt.planning.steps import newest_common_step
+from tierckpt.planning.common_step import newest_common_step
+from tierckpt.protocol.client import ReplicatorClient
 from tierckpt.protocol.control import PeerAssignment
 from tierckpt.protocol.errors import ContractError, RetryableError
-from tierckpt_replicator.assignments import AssignmentStore, data_address
+from tierckpt_replicator.assignments import AssignmentStore, data_endpoint
 from tierckpt_replicator.inventory import Holdings, InventoryScanner, list_jobs
 from tierckpt_replicator.metrics import Metrics
-from tierckpt_replicator.peer_client import PeerClient
-from tierckpt_replicator.replication.ipc import Outcome, SendTask
+from tierckpt_replicator.replication.ipc import Outcome, PeerAddress, SendTask
 from tierckpt_replicator.replication.plan import SendItem, plan_sends
 from tierckpt_replicator.replication.supervisor import WorkerSupervisor
 
@@ -42,7 +42,12 @@ _RECONCILE_PARALLEL = 16
 
 
 class _Backoff:
-    """Exponential backoff per key: ``ready(key)`` until ``fail(key)``; ``ok(key)`` resets it."""
+    """Exponential backoff per key: ``ready(key)`` until ``fail(key)``; ``ok(key)`` resets it.
+
+    Not a retry loop (so not tenacity): nothing waits here. It is bookkeeping the planner reads on
+    every pass: which (job, rank, step) sends and which peers are held back until when, across passes
+    that are woken by inotify, and a newer step of a rank supersedes its older one's backoff.
+    """
 
     def __init__(self, first: float, cap: float) -> None:
         self.first, self.cap = first, cap
@@ -72,7 +77,7 @@ class ReplicationManager:
         scanner: InventoryScanner,
         assignments: AssignmentStore,
         supervisor: WorkerSupervisor,
-        peers: PeerClient,
+        peers: ReplicatorClient,
         metrics: Metrics,
         retry_max: float = 60.0,
         reconcile_interval: float = 30.0,
@@ -167,7 +172,7 @@ class ReplicationManager:
         key = (item.job, item.rank, item.step)
         self._in_flight.add(key)
         try:
-            candidates = tuple(data_address(n, assignment.nodes[n]) for n in item.candidates)
+            candidates = tuple(PeerAddress(n, *data_endpoint(assignment.nodes[n])) for n in item.candidates)
             task = SendTask(
                 id=self.supervisor.next_id(),
                 job=item.job,
@@ -252,9 +257,12 @@ class ReplicationManager:
                 return
             try:
                 async with limit:
-                    inv = await self.peers.inventory(name, assignment.nodes[name], job)
-            except RetryableError as exc:
+                    inv = await self.peers.inventory(assignment.nodes[name].endpoint, job, node=name)
+            except (RetryableError, ContractError) as exc:
                 log.info("reconcile: %s", exc)
+                return
+            if inv is None:
+                log.info("reconcile: %s has no inventory route", name)
                 return
             for key in keys:
                 h = inv.ranks.get(key[1])

@@ -27,7 +27,7 @@ from tierckpt.protocol.format import (
     replica_rank_dir,
     step_dir,
 )
-from tierckpt_replicator.replication.retention import replicas_to_drop
+from tierckpt_replicator.replication.replica_retention import replicas_to_drop
 
 __all__ = ["apply_retention", "client_headroom", "free_bytes", "held_replicas", "make_room", "pinned_steps"]
 

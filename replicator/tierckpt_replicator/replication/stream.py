@@ -38,8 +38,6 @@ __all__ = [
     "CHUNK",
     "SendMethod",
     "copy_file",
-    "create_preallocated",
-    "preallocate",
     "receive_file",
     "send_file",
 ]
@@ -102,29 +100,6 @@ def _send_spliced(
 
 
 # ------------------------------------------------------------------------------------ receive
-
-
-def preallocate(fd: int, size: int, path: Path) -> None:
-    """Reserve ``size`` bytes now; ENOSPC becomes ``RamdiskFullError``."""
-    if size <= 0:
-        return
-    try:
-        os.posix_fallocate(fd, 0, size)
-    except OSError as exc:
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise RamdiskFullError(f"no room for {size} bytes at {path}") from exc
-        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-            raise
-        os.ftruncate(fd, size)
-
-
-def create_preallocated(path: Path, size: int) -> None:
-    """Create ``path`` holding ``size`` reserved bytes (``RamdiskFullError`` if they do not fit)."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-    try:
-        preallocate(fd, size, path)
-    finally:
-        os.close(fd)
 
 
 class _Ring:
@@ -208,7 +183,8 @@ def _pump(fill: Callable[[memoryview], None], fd: int, size: int, on_bytes: OnBy
 
 
 def receive_file(sock: socket.socket, path: Path, size: int, *, on_bytes: OnBytes = _noop) -> int:
-    """Receive exactly ``size`` bytes into ``path`` (made by ``create_preallocated``); return their crc32c."""
+    """Receive exactly ``size`` bytes into ``path`` (made by ``ramdisk.create_preallocated``); return
+    their crc32c."""
     if size == 0:
         return 0
 
@@ -232,7 +208,8 @@ def receive_file(sock: socket.socket, path: Path, size: int, *, on_bytes: OnByte
 
 
 def copy_file(src: Path, dst: Path, size: int, *, on_bytes: OnBytes = _noop) -> int:
-    """Copy ``src`` into ``dst`` (made by ``create_preallocated``) chunk by chunk; return the crc32c read."""
+    """Copy ``src`` into ``dst`` (made by ``ramdisk.create_preallocated``) chunk by chunk; return the
+    crc32c read."""
     actual = os.path.getsize(src)
     if actual != size:
         raise FormatError(f"{src}: {actual} bytes on disk, manifest says {size}")

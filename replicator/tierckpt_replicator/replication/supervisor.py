@@ -16,6 +16,8 @@ import subprocess
 import sys
 from collections.abc import Callable
 
+from tenacity import AsyncRetrying, RetryCallState, retry_if_result, wait_exponential
+
 from tierckpt.protocol.codec import Message
 from tierckpt.protocol.errors import FormatError, RetryableError
 from tierckpt_replicator.replication.ipc import (
@@ -104,17 +106,27 @@ class WorkerSupervisor:
     # ------------------------------------------------------------------ internals
 
     async def _supervise(self) -> None:
-        delay = 0.5
-        while not self._stopping:
-            rc = await self._run_once()
-            self._ready.clear()
-            self._fail_pending(f"the replication worker exited with {rc}")
-            if self._stopping:
-                return
-            self.restarts += 1
-            log.error("replication worker exited with %s; restarting in %.1fs", rc, delay)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 30.0)
+        """Run the worker until ``stop``: each time it exits, start a new one after 0.5 s, doubling up
+        to 30 s (the delay never shrinks again: a worker that keeps dying is not a hot loop)."""
+        restarts = AsyncRetrying(
+            retry=retry_if_result(lambda _rc: not self._stopping),
+            wait=wait_exponential(multiplier=0.5, max=30.0),
+            before_sleep=self._restarting,
+        )
+        await restarts(self._run_worker)
+
+    def _restarting(self, exited: RetryCallState) -> None:
+        self.restarts += 1
+        rc = exited.outcome.result() if exited.outcome is not None else None
+        delay = exited.upcoming_sleep
+        log.error("replication worker exited with %s; restarting in %.1fs", rc, delay)
+
+    async def _run_worker(self) -> int | None:
+        """One worker's life: start it, serve its channel until it closes; its exit status."""
+        rc = await self._run_once()
+        self._ready.clear()
+        self._fail_pending(f"the replication worker exited with {rc}")
+        return rc
 
     async def _run_once(self) -> int | None:
         parent, child = socket.socketpair()

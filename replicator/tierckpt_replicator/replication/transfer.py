@@ -15,6 +15,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from tenacity import RetryCallState, Retrying, retry_if_exception_type, stop_after_attempt, wait_incrementing
+
 from tierckpt.protocol import leases
 from tierckpt.protocol.errors import CorruptShardError, FormatError, MissingCheckpointError, RamdiskFullError
 from tierckpt.protocol.format import (
@@ -28,7 +30,6 @@ from tierckpt.protocol.format import (
 )
 from tierckpt_replicator.replication.context import DataContext, connect, unique_holder
 from tierckpt_replicator.replication.ipc import FetchSource, Outcome, OutcomeStatus, PeerAddress
-from tierckpt_replicator.replication.store import StepHeader, StepWriter, parse_header
 from tierckpt_replicator.replication.stream import copy_file, receive_file, send_file
 from tierckpt_replicator.replication.wire import (
     DataReply,
@@ -39,6 +40,7 @@ from tierckpt_replicator.replication.wire import (
     recv_frame,
     send_frame,
 )
+from tierckpt_replicator.stepio import StepHeader, StepWriter, parse_header
 
 __all__ = ["fetch_step", "outcome_status", "push_step", "report_corrupt"]
 
@@ -248,14 +250,27 @@ def report_corrupt(
     req = DataRequest(
         op="corrupt", token=ctx.tokens.text(), job=job, rank=rank, step=step, node=ctx.config.node
     )
-    for attempt in range(tries):
-        try:
-            with connect(ctx, peer) as sock:
-                send_frame(sock, req)
-                reply = recv_frame(sock, DataReply)
-            log.info("reported corrupt copy to %s: %s", source.node, reply.message)
-            return True
-        except (OSError, ProtocolError) as exc:
-            log.warning("could not report the corrupt copy to %s (try %d): %s", source.node, attempt + 1, exc)
-            time.sleep(0.2 * (attempt + 1))
-    return False
+
+    def report() -> DataReply:
+        with connect(ctx, peer) as sock:
+            send_frame(sock, req)
+            return recv_frame(sock, DataReply)
+
+    def failed(attempt: RetryCallState) -> None:
+        exc = attempt.outcome.exception() if attempt.outcome is not None else None
+        log.warning(
+            "could not report the corrupt copy to %s (try %d): %s", source.node, attempt.attempt_number, exc
+        )
+
+    attempts = Retrying(  # 0.2 s, 0.4 s, ... between tries
+        stop=stop_after_attempt(tries),
+        wait=wait_incrementing(start=0.2, increment=0.2),
+        retry=retry_if_exception_type((OSError, ProtocolError)),
+        after=failed,
+        retry_error_callback=lambda _: None,  # every try failed
+    )
+    reply: DataReply | None = attempts(report)  # None: retry_error_callback, every try failed
+    if reply is None:
+        return False
+    log.info("reported corrupt copy to %s: %s", source.node, reply.message)
+    return True

@@ -21,6 +21,7 @@ from typing import Any
 
 from tierckpt.protocol.errors import FormatError
 from tierckpt_replicator.replication.context import DataContext
+from tierckpt_replicator.replication.data_server import DataServer
 from tierckpt_replicator.replication.ipc import (
     Channel,
     FetchTask,
@@ -32,9 +33,8 @@ from tierckpt_replicator.replication.ipc import (
     WorkerConfig,
     WorkerReady,
 )
-from tierckpt_replicator.replication.server import DataServer
-from tierckpt_replicator.replication.store import remove_stale_incoming
 from tierckpt_replicator.replication.transfer import fetch_step, push_step
+from tierckpt_replicator.stepio import remove_stale_incoming
 
 __all__ = ["lower_priority", "main", "run_fetch", "run_send"]
 

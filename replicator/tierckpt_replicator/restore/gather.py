@@ -10,11 +10,14 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
+from typing import cast
 
-from tierckpt.planning.restore import choose_restore
+from tenacity import AsyncRetrying, RetryCallState, retry_if_result, stop_after_attempt, wait_exponential
+
+from tierckpt.planning.restore_plan import choose_restore
+from tierckpt.protocol.client import ReplicatorClient
 from tierckpt.protocol.control import NodeInventory, PeerAssignment, RestorePlan
-from tierckpt.protocol.errors import RetryableError
-from tierckpt_replicator.peer_client import PeerClient
+from tierckpt.protocol.errors import ContractError, RetryableError
 
 __all__ = ["compute_plan", "gather_inventories"]
 
@@ -22,7 +25,7 @@ log = logging.getLogger(__name__)
 
 
 async def gather_inventories(
-    own: NodeInventory, assignment: PeerAssignment | None, peers: PeerClient
+    own: NodeInventory, assignment: PeerAssignment | None, peers: ReplicatorClient
 ) -> list[NodeInventory]:
     """``own`` plus the inventories of every other assigned node that answers."""
     if assignment is None:
@@ -31,10 +34,13 @@ async def gather_inventories(
 
     async def ask(name: str) -> NodeInventory | None:
         try:
-            return await peers.inventory(name, assignment.nodes[name], own.job)
-        except RetryableError as exc:
+            inv = await peers.inventory(assignment.nodes[name].endpoint, own.job, node=name)
+        except (RetryableError, ContractError) as exc:
             log.warning("restore %s: holdings of %s unknown: %s", own.job, name, exc)
             return None
+        if inv is None:
+            log.warning("restore %s: holdings of %s unknown: it has no inventory route", own.job, name)
+        return inv
 
     answers = await asyncio.gather(*(ask(n) for n in names))
     return [own, *(a for a in answers if a is not None)]
@@ -44,7 +50,7 @@ async def compute_plan(
     job: str,
     own: Callable[[], Awaitable[NodeInventory]],
     assignment: PeerAssignment | None,
-    peers: PeerClient,
+    peers: ReplicatorClient,
     *,
     attempts: int = 1,
     backoff: float = 1.0,
@@ -57,26 +63,50 @@ async def compute_plan(
     restore its step.
     """
     expected = len(assignment.nodes) if assignment is not None else 1
-    for attempt in range(1, attempts + 1):
+    generation = assignment.generation if assignment is not None else 0
+
+    async def ask_all() -> tuple[RestorePlan, list[NodeInventory]]:
         inventories = await gather_inventories(await own(), assignment, peers)
-        plan = choose_restore(inventories, job=job, generation=assignment.generation if assignment else 0)
-        known = ", ".join(sorted(i.node for i in inventories))
-        if plan.step is not None or len(inventories) >= expected or attempt == attempts:
-            log.info(
-                "restore %s: step %s from %d of %d inventories (%s)",
-                job,
-                plan.step,
-                len(inventories),
-                expected,
-                known,
-            )
-            return plan
+        return choose_restore(inventories, job=job, generation=generation), inventories
+
+    def doubtful(got: tuple[RestorePlan, list[NodeInventory]]) -> bool:
+        plan, inventories = got
+        return plan.step is None and len(inventories) < expected
+
+    def asking_again(attempt: RetryCallState) -> None:
+        inventories = _result(attempt)[1]
         log.warning(
             "restore %s: nothing restorable among the %d of %d nodes that answered (%s); asking again",
             job,
             len(inventories),
             expected,
-            known,
+            _names(inventories),
         )
-        await asyncio.sleep(backoff * 2 ** (attempt - 1))
-    raise AssertionError("unreachable")  # pragma: no cover
+
+    rounds = AsyncRetrying(  # backoff, doubling, between rounds
+        stop=stop_after_attempt(attempts),
+        wait=wait_exponential(multiplier=backoff),
+        retry=retry_if_result(doubtful),
+        before_sleep=asking_again,
+        retry_error_callback=_result,  # after the last round, its plan is believed
+    )
+    result: tuple[RestorePlan, list[NodeInventory]] = await rounds(ask_all)  # tenacity infers no result type
+    plan, inventories = result
+    log.info(
+        "restore %s: step %s from %d of %d inventories (%s)",
+        job,
+        plan.step,
+        len(inventories),
+        expected,
+        _names(inventories),
+    )
+    return plan
+
+
+def _result(attempt: RetryCallState) -> tuple[RestorePlan, list[NodeInventory]]:
+    assert attempt.outcome is not None
+    return cast("tuple[RestorePlan, list[NodeInventory]]", attempt.outcome.result())
+
+
+def _names(inventories: list[NodeInventory]) -> str:
+    return ", ".join(sorted(i.node for i in inventories))

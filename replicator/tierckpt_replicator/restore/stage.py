@@ -10,8 +10,9 @@ as a committed primary ``<job>/rank-N/step-S/``, so the client loads it as local
    a corrupt copy is reported to its holder and the next source is tried;
 4. the bucket, through the backup service.
 
-Progress goes to ``control/restore-rank-N.json`` (see ``status``). Each rank makes up to
-``restore_attempts`` rounds over the sources, with backoff, before it is marked ``failed``.
+Progress goes to ``control/restore-rank-N.json`` (see ``progress``). Each rank makes up to
+``restore_attempts`` rounds over the sources (tenacity: 1 s between rounds, doubling to ``retry_max``)
+before it is marked ``failed``.
 """
 
 from __future__ import annotations
@@ -23,7 +24,11 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import cast
 
+from tenacity import AsyncRetrying, RetryCallState, retry_if_result, stop_after_attempt, wait_exponential
+
+from tierckpt.protocol.client import ReplicatorClient
 from tierckpt.protocol.control import (
     NodeInventory,
     PeerAssignment,
@@ -44,14 +49,13 @@ from tierckpt.protocol.format import (
     replica_rank_dir,
     step_dir,
 )
-from tierckpt_replicator.assignments import AssignmentStore, data_address
-from tierckpt_replicator.backup_hook import BackupPort
+from tierckpt_replicator.assignments import AssignmentStore, data_endpoint
+from tierckpt_replicator.backup.jobs import BackupPort
 from tierckpt_replicator.metrics import Metrics
-from tierckpt_replicator.peer_client import PeerClient
 from tierckpt_replicator.replication.ipc import FetchSource, FetchTask, TaskProgress
 from tierckpt_replicator.replication.supervisor import WorkerSupervisor
 from tierckpt_replicator.restore.gather import compute_plan
-from tierckpt_replicator.restore.status import StatusReporter
+from tierckpt_replicator.restore.progress import ProgressReporter
 from tierckpt_replicator.settings import Settings
 
 __all__ = ["Stager", "invalidate_statuses", "published_plan"]
@@ -107,7 +111,7 @@ class Stager:
         settings: Settings,
         assignments: AssignmentStore,
         supervisor: WorkerSupervisor,
-        peers: PeerClient,
+        peers: ReplicatorClient,
         metrics: Metrics,
         own_inventory: Callable[[str], Awaitable[NodeInventory]],
         backup: BackupPort | None = None,
@@ -195,30 +199,40 @@ class Stager:
         assignment: PeerAssignment | None,
         sem: asyncio.Semaphore,
     ) -> None:
-        async with StatusReporter(self.settings.root, job, rank) as rep:
+        async with ProgressReporter(self.settings.root, job, rank) as rep:
             if plan.step is None:
                 self._done(job, rank, rep, RestoreState.NONE, None, "no step is restorable: start fresh")
                 return
             rep.update(force=True, state=RestoreState.STAGING, step=plan.step, source=None, message="")
-            started, delay = time.monotonic(), 1.0
-            async with sem:
-                for attempt in range(1, self.settings.restore_attempts + 1):
-                    tier, why = await self._try_sources(job, rank, plan.step, plan, assignment, rep)
-                    if tier is not None:
-                        self.metrics.restore_seconds.observe(time.monotonic() - started)
-                        self._done(job, rank, rep, RestoreState.READY, tier, f"staged from {tier.value}")
-                        return
-                    log.warning(
-                        "restore %s rank %d step %d, attempt %d: %s", job, rank, plan.step, attempt, why
-                    )
-                    rep.update(force=True, message=f"attempt {attempt}: {why}")
-                    if attempt < self.settings.restore_attempts:
-                        await asyncio.sleep(delay)
-                        delay = min(delay * 2, self.settings.retry_max)
+            step = plan.step
+
+            def failed(attempt: RetryCallState) -> None:
+                why = _result(attempt)[1]
+                n = attempt.attempt_number
+                log.warning("restore %s rank %d step %d, attempt %d: %s", job, rank, step, n, why)
+                rep.update(force=True, message=f"attempt {n}: {why}")
+
+            rounds = AsyncRetrying(  # 1 s between rounds, doubling up to --retry-max
+                stop=stop_after_attempt(self.settings.restore_attempts),
+                wait=wait_exponential(multiplier=1.0, max=self.settings.retry_max),
+                retry=retry_if_result(lambda got: got[0] is None),
+                after=failed,
+                retry_error_callback=_result,  # the last round's (None, why)
+            )
+            started = time.monotonic()
+            async with sem:  # (tenacity infers no result type: the annotation gives it)
+                result: tuple[Tier | None, str] = await rounds(
+                    self._try_sources, job, rank, step, plan, assignment, rep
+                )
+            tier, why = result
+            if tier is not None:
+                self.metrics.restore_seconds.observe(time.monotonic() - started)
+                self._done(job, rank, rep, RestoreState.READY, tier, f"staged from {tier.value}")
+                return
             self._done(job, rank, rep, RestoreState.FAILED, None, f"every source failed: {why}")
 
     def _done(
-        self, job: str, rank: int, rep: StatusReporter, state: RestoreState, tier: Tier | None, message: str
+        self, job: str, rank: int, rep: ProgressReporter, state: RestoreState, tier: Tier | None, message: str
     ) -> None:
         rep.finish(state, source=tier, message=message)
         self.states.setdefault(job, {})[rank] = state
@@ -233,7 +247,7 @@ class Stager:
         step: int,
         plan: RestorePlan,
         assignment: PeerAssignment | None,
-        rep: StatusReporter,
+        rep: ProgressReporter,
     ) -> tuple[Tier | None, str]:
         root = self.settings.root
         if read_commit(step_dir(rank_dir(root, job, rank), step)) is not None:
@@ -263,12 +277,12 @@ class Stager:
             holders = plan.holders.get(rank) or tuple(sorted(assignment.nodes))
             for name in holders:
                 if name != self.node and name in assignment.nodes:
-                    addr = data_address(name, assignment.nodes[name])
-                    out.append(FetchSource(kind="peer", node=name, host=addr.host, port=addr.port))
+                    host, port = data_endpoint(assignment.nodes[name])
+                    out.append(FetchSource(kind="peer", node=name, host=host, port=port))
         return tuple(out)
 
     async def _fetch(
-        self, job: str, rank: int, step: int, sources: tuple[FetchSource, ...], rep: StatusReporter
+        self, job: str, rank: int, step: int, sources: tuple[FetchSource, ...], rep: ProgressReporter
     ) -> tuple[Tier | None, str]:
         task = FetchTask(id=self.supervisor.next_id(), job=job, rank=rank, step=step, sources=sources)
 
@@ -287,7 +301,7 @@ class Stager:
         return None, "; ".join(f"{o.node}: {o.status} {o.message}".strip() for o in result.outcomes)
 
     async def _from_bucket(
-        self, job: str, rank: int, step: int, rep: StatusReporter
+        self, job: str, rank: int, step: int, rep: ProgressReporter
     ) -> tuple[Tier | None, str]:
         assert self.backup is not None
         try:
@@ -305,3 +319,9 @@ class Stager:
         if read_commit(step_dir(rank_dir(self.settings.root, job, rank), step)) is None:
             return None, "bucket: fetch_rank returned without a committed step"
         return Tier.GCS, ""
+
+
+def _result(attempt: RetryCallState) -> tuple[Tier | None, str]:
+    """What a finished round of ``Stager._try_sources`` returned."""
+    assert attempt.outcome is not None
+    return cast("tuple[Tier | None, str]", attempt.outcome.result())

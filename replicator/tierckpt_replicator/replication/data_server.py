@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from tierckpt.protocol import leases
 from tierckpt.protocol.errors import CorruptShardError, FormatError, MissingCheckpointError, RamdiskFullError
@@ -32,13 +32,6 @@ from tierckpt.protocol.format import (
 from tierckpt_replicator.replication.context import DataContext, unique_holder
 from tierckpt_replicator.replication.ipc import DataEvent
 from tierckpt_replicator.replication.replicas import apply_retention, client_headroom, free_bytes, make_room
-from tierckpt_replicator.replication.store import (
-    StepHeader,
-    StepWriter,
-    find_committed,
-    parse_header,
-    verify_step,
-)
 from tierckpt_replicator.replication.stream import receive_file, send_file
 from tierckpt_replicator.replication.wire import (
     DataReply,
@@ -48,6 +41,13 @@ from tierckpt_replicator.replication.wire import (
     recv_exact,
     recv_frame,
     send_frame,
+)
+from tierckpt_replicator.stepio import (
+    StepHeader,
+    StepWriter,
+    find_committed,
+    parse_header,
+    verify_step,
 )
 
 __all__ = ["DataServer"]
@@ -80,7 +80,7 @@ class DataServer:
     @property
     def port(self) -> int:
         assert self._listener is not None
-        return self._listener.getsockname()[1]
+        return cast(int, self._listener.getsockname()[1])  # (host, port) of an inet socket
 
     def start(self) -> None:
         cfg = self.ctx.config

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
 
+from tierckpt.planning.common_step import newest_common_step
 from tierckpt.planning.retention import plan_retention
-from tierckpt.planning.steps import newest_common_step
 
 __all__ = ["replicas_to_drop"]
 

@@ -2,8 +2,9 @@
 
 On Kubernetes the operator plans peers and restore plans and sends them to each node's replicator;
 in the local demo this class does the same, with the same pure planning code (``tierckpt.planning.placement``,
-``tierckpt.planning.restore``) and the same replicator endpoints (``/v1/jobs/{job}/...``), so the
-replicators cannot tell the difference.
+``tierckpt.planning.restore_plan``) and the same client of the replicators' API (``tierckpt.protocol.client``,
+the cluster's ``api``), so the replicators cannot tell the difference. A refused or failed call raises
+``tierckpt.protocol.client.ReplicatorError``.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from collections.abc import Callable
 from typing import Any
 
 from tierckpt.planning.placement import plan_node_peers
-from tierckpt.planning.restore import choose_restore
+from tierckpt.planning.restore_plan import choose_restore
 from tierckpt.protocol.control import (
+    BackupResult,
     NodeInventory,
     PeerAssignment,
     PeerNode,
@@ -24,19 +26,15 @@ from tierckpt.protocol.control import (
     read_control,
     restore_status_name,
 )
-from tierckpt.protocol.errors import FormatError, TierckptError
+from tierckpt.protocol.errors import FormatError
 
-__all__ = ["ControlError", "LocalControl"]
+__all__ = ["LocalOperator"]
 
 BUCKET_PREFIX = "tierckpt"
 """The replicators' default ``--gcs-prefix``."""
 
 
-class ControlError(TierckptError):
-    """A replicator refused or failed a control call (the message has its answer)."""
-
-
-class LocalControl:
+class LocalOperator:
     """Operator duties for one job on a ``LocalCluster`` (one process rank per node)."""
 
     def __init__(
@@ -45,23 +43,6 @@ class LocalControl:
         """``wait(predicate, what, interval)`` polls until ``predicate()`` is true (the caller's deadline)."""
         self.cluster, self.job, self._wait = cluster, job, wait
         self.assignment: PeerAssignment | None = None
-
-    def call(
-        self,
-        node: Any,
-        method: str,
-        path: str,
-        body: bytes | None = None,
-        *,
-        ok: tuple[int, ...],
-        timeout: float = 10.0,
-    ) -> bytes:
-        status, data = node.request(method, f"/v1/jobs/{self.job}{path}", body, timeout=timeout)
-        if status not in ok:
-            raise ControlError(
-                f"{node.name}: {method} /v1/jobs/{self.job}{path}: HTTP {status}: {data[:300]!r}"
-            )
-        return data  # type: ignore[no-any-return]
 
     def assign_peers(self, k: int, generation: int = 2) -> PeerAssignment:
         """Peers from ``tierckpt.planning.placement`` across the nodes' failure domains, sent to every
@@ -78,13 +59,13 @@ class LocalControl:
         )
         self.cluster.peers_file.write_bytes(self.assignment.to_bytes())
         for node in nodes:
-            self.call(node, "PUT", "/peers", self.assignment.to_bytes(), ok=(200,))
+            self.cluster.api.put_peers(node.endpoint, self.assignment)
         return self.assignment
 
     def inventories(self) -> list[NodeInventory]:
-        return [
-            NodeInventory.from_bytes(self.call(n, "GET", "/inventory", ok=(200,))) for n in self.cluster.nodes
-        ]
+        api = self.cluster.api
+        found = [api.inventory(n.endpoint, self.job, node=n.name) for n in self.cluster.nodes]
+        return [inv for inv in found if inv is not None]
 
     def replicated(self, step: int) -> bool:
         """Whether every rank's ``step`` is on every one of its node's peers."""
@@ -102,8 +83,8 @@ class LocalControl:
         wait until ``step`` is complete in the bucket. Returns its completion object's URL."""
         from tierckpt.protocol.bucket_layout import BucketLayout
 
-        def one(node: Any) -> bytes:
-            return self.call(node, "POST", "/backup", ok=(200,), timeout=timeout)
+        def one(node: Any) -> BackupResult:
+            return self.cluster.api.backup(node.endpoint, self.job, timeout=timeout)  # type: ignore[no-any-return]
 
         with concurrent.futures.ThreadPoolExecutor(len(self.cluster.nodes)) as pool:
             list(pool.map(one, self.cluster.nodes))
@@ -122,7 +103,7 @@ class LocalControl:
             self.inventories(), world_size, job=self.job, generation=self.assignment.generation, decided_at=at
         )
         for node in self.cluster.nodes:
-            self.call(node, "PUT", "/restore-plan", plan.to_bytes(), ok=(200, 202))
+            self.cluster.api.put_restore_plan(node.endpoint, plan)
         self._wait(lambda: self._staging_started(at), "the replicators to start staging", 0.1)
         return plan, at
 

@@ -1,4 +1,5 @@
-"""Where received steps land, and how they are committed: stage, verify, commit, rename.
+"""Steps on this node's ramdisk: where received and restored steps land, and how they are committed
+(stage, verify, commit, rename), and where committed copies are found.
 
 A step being received is written into ``<rank dir>/.incoming-<step>-<nonce>/``, invisible to every
 reader (``format.step_dirs`` only sees ``step-NNN``). Once every file's crc32c matched the manifest,
@@ -6,13 +7,15 @@ the manifest and then the COMMIT marker are written (``format.write_atomic``, CO
 byte the source's own), and the directory is renamed to ``step-NNN``. A failure at any point removes
 the staging directory and leaves every committed step untouched.
 
-The same writer stages replicas (``<job>/replicas/rank-N/``) and restored primaries (``<job>/rank-N/``).
+The same writer stages replicas (``<job>/replicas/rank-N/``, from the replication worker) and restored
+primaries (``<job>/rank-N/``, from a peer or from the bucket through the backup restorer).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import logging
 import os
 import secrets
@@ -20,7 +23,7 @@ import shutil
 import time
 from pathlib import Path
 
-from tierckpt.protocol.errors import CorruptShardError, FormatError
+from tierckpt.protocol.errors import CorruptShardError, FormatError, RamdiskFullError
 from tierckpt.protocol.format import (
     COMMIT_NAME,
     MANIFEST_NAME,
@@ -39,14 +42,15 @@ from tierckpt.protocol.format import (
     write_atomic,
 )
 from tierckpt.protocol.integrity import crc32c, crc32c_file
-from tierckpt_replicator.replication.stream import create_preallocated
 
 __all__ = [
     "INCOMING_PREFIX",
     "StepHeader",
     "StepWriter",
+    "create_preallocated",
     "find_committed",
     "parse_header",
+    "preallocate",
     "remove_stale_incoming",
     "verify_step",
 ]
@@ -205,3 +209,26 @@ def _incoming(parent: Path) -> list[Path]:
 def newest_committed(parent: Path) -> int | None:
     steps = committed_steps(parent)
     return steps[-1] if steps else None
+
+
+def preallocate(fd: int, size: int, path: Path) -> None:
+    """Reserve ``size`` bytes now; ENOSPC becomes ``RamdiskFullError``."""
+    if size <= 0:
+        return
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise RamdiskFullError(f"no room for {size} bytes at {path}") from exc
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+        os.ftruncate(fd, size)
+
+
+def create_preallocated(path: Path, size: int) -> None:
+    """Create ``path`` holding ``size`` reserved bytes (``RamdiskFullError`` if they do not fit)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    try:
+        preallocate(fd, size, path)
+    finally:
+        os.close(fd)

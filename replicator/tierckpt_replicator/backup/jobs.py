@@ -1,11 +1,12 @@
-"""The seam to the GCS backup service (``tierckpt_replicator.backup``, owned by its own module).
+"""Backups per job: the daemon's one door to tier 3 (``BackupPort``) and its implementation
+(``JobBackups``).
 
-The daemon talks to it only through ``BackupPort``. ``load_backup_service`` gives it a ``JobBackups``:
-each job is backed up by the ``BackupService`` of its *effective* settings, the node's flags
-(``--gcs-*``, ``--backup-*``) overridden by the job's ``control/policy.json`` (``JobPolicy``, sent by
-the operator from the CheckpointConfiguration). Services are built on first use, one per distinct
-bucket, prefix, schedule and retention, importing the backup module (and so google-cloud-storage)
-only then; a job whose policy names no bucket on a node without ``--gcs-bucket`` is not backed up.
+Each job is backed up by the ``BackupService`` of its *effective* settings: the node's flags
+(``--gcs-*``, ``--backup-*``, ``node_backup_settings``) overridden by the job's ``control/policy.json``
+(``JobPolicy``, sent by the operator from the CheckpointConfiguration; ``effective_settings``).
+Services are built on first use, one per distinct settings (bucket, prefix, schedule, retention), which
+is when google-cloud-storage is first imported: this module imports no other part of the backup
+package at load time, so a node without ``--gcs-bucket`` whose jobs name no bucket never loads it.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import dataclasses
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client import CollectorRegistry
 
@@ -26,24 +27,17 @@ from tierckpt_replicator.settings import Settings
 
 if TYPE_CHECKING:
     from tierckpt_replicator.backup.metrics import BackupMetrics
-    from tierckpt_replicator.backup.service import BackupService
+    from tierckpt_replicator.backup.service import BackupService, BackupStatus
     from tierckpt_replicator.backup.settings import BackupSettings
 
-__all__ = [
-    "BackupPort",
-    "JobBackups",
-    "bucket_world_sizes",
-    "effective_settings",
-    "load_backup_service",
-    "node_backup_settings",
-]
+__all__ = ["BackupPort", "JobBackups", "effective_settings", "load_job_backups", "node_backup_settings"]
 
 log = logging.getLogger(__name__)
 
 
 class BackupPort(Protocol):
-    """What the daemon uses of ``BackupService`` (see its docstrings for the full contract), except
-    ``purge_job``: here it stops the job's backups *and deletes them from the bucket*."""
+    """What the daemon (and restore staging) use of tier 3. The methods mean what ``BackupService``'s
+    of the same name mean (see there), except ``delete_job``, which the service splits in two."""
 
     async def on_step_committed(
         self, job: str, step: int, ranks_here: Sequence[int], holders: Mapping[int, Sequence[str]]
@@ -57,6 +51,10 @@ class BackupPort(Protocol):
 
     async def complete_steps(self, job: str) -> tuple[int, ...]: ...
 
+    async def complete_world_sizes(self, job: str) -> dict[int, int]:
+        """Step -> world size of each step complete in the job's bucket (empty without a bucket)."""
+        ...
+
     async def fetch_rank(
         self,
         job: str,
@@ -66,9 +64,13 @@ class BackupPort(Protocol):
         progress: Callable[[int], None] | None = None,
     ) -> None: ...
 
-    async def purge_job(self, job: str) -> None: ...
+    async def delete_job(self, job: str) -> None:
+        """Stop the job's uploads on this node AND delete its backups from its bucket (irreversible)."""
+        ...
 
-    def status(self, job: str) -> Any: ...
+    def status(self, job: str) -> BackupStatus | None:
+        """This node's view of the job's backups; None while no service has handled the job."""
+        ...
 
     async def close(self) -> None: ...
 
@@ -93,8 +95,26 @@ def effective_settings(node: BackupSettings, policy: JobPolicy | None) -> Backup
     return settings if settings.enabled else None
 
 
+def node_backup_settings(settings: Settings) -> BackupSettings:
+    """The backup settings the node's own flags give (before any job policy)."""
+    from tierckpt_replicator.backup.settings import BackupSettings
+
+    return BackupSettings(
+        bucket=settings.gcs_bucket,
+        prefix=settings.gcs_prefix,
+        endpoint=settings.gcs_endpoint,
+        project=settings.gcs_project or None,
+        interval_steps=settings.backup_interval_steps,
+        interval_seconds=settings.backup_interval,
+        keep_last=settings.backup_keep_last,
+        keep_every=settings.backup_keep_every,
+        parallelism=settings.backup_parallelism,
+        takeover_after=settings.backup_takeover_after,
+    )
+
+
 class JobBackups:
-    """A ``BackupPort`` that routes each job to the ``BackupService`` of its effective settings."""
+    """The ``BackupPort``: routes each job to the ``BackupService`` of its effective settings."""
 
     def __init__(
         self, settings: Settings, *, policies: PolicyStore, registry: CollectorRegistry | None = None
@@ -112,6 +132,16 @@ class JobBackups:
         if self._node is None:
             self._node = node_backup_settings(self.settings)
         return self._node
+
+    @property
+    def metrics(self) -> BackupMetrics:
+        if self._metrics is None:
+            from tierckpt_replicator.backup.metrics import BackupMetrics
+
+            self._metrics = (
+                BackupMetrics(self.registry) if self.registry is not None else BackupMetrics.default()
+            )
+        return self._metrics
 
     def service(self, job: str) -> BackupService | None:
         """The job's service under its current policy (built on first use), or None without a bucket."""
@@ -142,16 +172,6 @@ class JobBackups:
             self._services[settings] = svc
         return svc
 
-    @property
-    def metrics(self) -> BackupMetrics:
-        if self._metrics is None:
-            from tierckpt_replicator.backup.metrics import BackupMetrics
-
-            self._metrics = (
-                BackupMetrics(self.registry) if self.registry is not None else BackupMetrics.default()
-            )
-        return self._metrics
-
     # ------------------------------------------------------------------ BackupPort
 
     async def on_step_committed(
@@ -178,6 +198,10 @@ class JobBackups:
         svc = self.service(job)
         return await svc.complete_steps(job) if svc is not None else ()
 
+    async def complete_world_sizes(self, job: str) -> dict[int, int]:
+        svc = self.service(job)
+        return await svc.complete_world_sizes(job) if svc is not None else {}
+
     async def fetch_rank(
         self,
         job: str,
@@ -191,16 +215,15 @@ class JobBackups:
             raise MissingCheckpointError(f"job {job} has no bucket to restore step {step} from")
         await svc.fetch_rank(job, step, rank, dest_rank_dir, progress)
 
-    async def purge_job(self, job: str) -> None:
-        """Stop the job's uploads and delete its backups from its bucket (irreversible)."""
+    async def delete_job(self, job: str) -> None:
         svc = self.service(job)
         if svc is None:
             return
-        await svc.purge_job(job)
+        await svc.stop_job(job)
         await svc.delete_backups(job)
         self._unbind(job)
 
-    def status(self, job: str) -> Any:
+    def status(self, job: str) -> BackupStatus | None:
         settings = self._bound.get(job)
         svc = self._services.get(settings) if settings is not None else None
         return svc.status(job) if svc is not None else None
@@ -234,46 +257,12 @@ class JobBackups:
             task.add_done_callback(self._closing.discard)
 
 
-async def bucket_world_sizes(backup: BackupPort, job: str) -> dict[int, int]:
-    """Step -> world size of each step complete in the bucket (0 where the service cannot say).
-
-    The world size comes from each step's completion object, read through the service's catalog; it
-    lets a cluster that lost every in-memory copy still compute which ranks each node restores.
-    """
-    target: Any = backup.service(job) if isinstance(backup, JobBackups) else backup
-    if target is None:
-        return {}
-    catalog = getattr(target, "catalog", None)
-    if catalog is not None and hasattr(catalog, "complete_steps"):
-        done = await asyncio.to_thread(catalog.complete_steps, job)
-        return {int(step): int(getattr(info, "world_size", 0)) for step, info in done.items()}
-    return dict.fromkeys(await target.complete_steps(job), 0)
-
-
-def node_backup_settings(settings: Settings) -> BackupSettings:
-    """The backup settings the node's own flags give (before any job policy)."""
-    from tierckpt_replicator.backup.settings import BackupSettings
-
-    return BackupSettings(
-        bucket=settings.gcs_bucket,
-        prefix=settings.gcs_prefix,
-        endpoint=settings.gcs_endpoint,
-        project=settings.gcs_project or None,
-        interval_steps=settings.backup_interval_steps,
-        interval_seconds=settings.backup_interval,
-        keep_last=settings.backup_keep_last,
-        keep_every=settings.backup_keep_every,
-        parallelism=settings.backup_parallelism,
-        takeover_after=settings.backup_takeover_after,
-    )
-
-
-def load_backup_service(
+def load_job_backups(
     settings: Settings, registry: CollectorRegistry, policies: PolicyStore | None = None
 ) -> JobBackups:
     """Backups of this node's jobs (metrics on ``registry``): to ``--gcs-bucket`` and to the buckets
-    the jobs' policies name. Without ``--gcs-bucket`` the backup module (and google-cloud-storage) is
-    imported only once a job's policy names a bucket."""
+    the jobs' policies name. Without ``--gcs-bucket`` the rest of the backup package (and
+    google-cloud-storage) is imported only once a job's policy names a bucket."""
     backups = JobBackups(settings, policies=policies or PolicyStore(settings.root), registry=registry)
     if settings.gcs_bucket:
         _ = backups.node_settings, backups.metrics  # fail fast on bad flags; metrics exported from the start

@@ -11,13 +11,13 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
-from tierckpt_operator.cluster import Cluster
-from tierckpt_operator.status import config_status, merge_conditions
-
-if TYPE_CHECKING:
-    from tierckpt_operator.runtime import Runtime
+from tierckpt_operator.clusterview import ClusterView
+from tierckpt_operator.kube import Kube
+from tierckpt_operator.settings import Settings
+from tierckpt_operator.status_fields import config_status, merge_conditions
 
 __all__ = ["ConfigReporter"]
 
@@ -25,33 +25,34 @@ log = logging.getLogger(__name__)
 
 
 class ConfigReporter:
-    def __init__(self, runtime: Runtime) -> None:
-        self.rt = runtime
+    """Writes every configuration's status; ``running`` says whether the operator may do I/O now."""
+
+    def __init__(self, settings: Settings, kube: Kube, running: Callable[[], bool]) -> None:
+        self.settings, self.kube, self.running = settings, kube, running
         self.wake = asyncio.Event()
-        self.cluster: Cluster | None = None
+        self.cluster: ClusterView | None = None
         self.written: dict[str, dict[str, Any]] = {}
 
-    def poke(self, cluster: Cluster) -> None:
+    def poke(self, cluster: ClusterView) -> None:
         """Remember the live cluster view (the indices) and schedule a report."""
         self.cluster = cluster
         self.wake.set()
 
     async def run(self) -> None:
-        s = self.rt.settings
+        s = self.settings
         while True:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.wake.wait(), timeout=s.config_status_interval)
             await asyncio.sleep(s.debounce)
             self.wake.clear()
-            if self.cluster is None or not self.rt.leading or not self.rt.active:
+            if self.cluster is None or not self.running():
                 continue
             try:
                 await self.report(self.cluster)
             except Exception:
                 log.exception("CheckpointConfiguration status update failed")
 
-    async def report(self, cluster: Cluster) -> None:
-        assert self.rt.kube is not None
+    async def report(self, cluster: ClusterView) -> None:
         nodes = cluster.nodes()
         ready_nodes = {r.node for r in cluster.replicators() if r.ready}
         jobsets = cluster.jobsets()
@@ -70,5 +71,5 @@ class ConfigReporter:
             before = self.written.get(rec.name, {})
             fields["conditions"] = merge_conditions(before.get("conditions"), conds, time.time())
             changed = {k: v for k, v in fields.items() if before.get(k) != v}
-            if changed and await self.rt.kube.patch_config_status(rec.name, changed):
+            if changed and await self.kube.patch_config_status(rec.name, changed):
                 self.written[rec.name] = {**before, **changed}

@@ -1,6 +1,6 @@
 """Restore progress for the client: ``control/restore-rank-NNNNN.json`` (a ``control.RestoreStatus``).
 
-``StatusReporter`` rewrites the file when the state changes, at most every ``min_interval`` seconds
+``ProgressReporter`` rewrites the file when the state changes, at most every ``min_interval`` seconds
 while bytes move, and every ``heartbeat`` seconds regardless (``updated_at`` keeps moving while a
 source is retried), so the client waits on progress, not on a fixed timeout.
 """
@@ -13,15 +13,16 @@ import dataclasses
 import logging
 import time
 from pathlib import Path
+from typing import Any
 
 from tierckpt.protocol.control import RestoreState, RestoreStatus, Tier, restore_status_name, write_control
 
-__all__ = ["StatusReporter"]
+__all__ = ["ProgressReporter"]
 
 log = logging.getLogger(__name__)
 
 
-class StatusReporter:
+class ProgressReporter:
     def __init__(
         self,
         root: Path,
@@ -46,9 +47,10 @@ class StatusReporter:
         self._written = 0.0
         self._beat: asyncio.Task[None] | None = None
 
-    def update(self, *, force: bool = False, **changes: object) -> None:
+    def update(self, *, force: bool = False, **changes: Any) -> None:
+        """Change fields of the status (``RestoreStatus`` field names); write it if due."""
         state_changed = "state" in changes and changes["state"] != self.status.state
-        self.status = dataclasses.replace(self.status, **changes, updated_at=time.time())  # type: ignore[arg-type]
+        self.status = dataclasses.replace(self.status, **changes, updated_at=time.time())
         if force or state_changed or time.monotonic() - self._written >= self.min_interval:
             self._write()
 
@@ -65,7 +67,7 @@ class StatusReporter:
         except OSError as exc:  # a full ramdisk must not stop staging; the next write retries
             log.warning("cannot write restore status of rank %d: %s", self.rank, exc)
 
-    async def __aenter__(self) -> StatusReporter:
+    async def __aenter__(self) -> ProgressReporter:
         self._beat = asyncio.create_task(self._heartbeat())
         return self
 

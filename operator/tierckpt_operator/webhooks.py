@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import kopf
 
 from tierckpt.protocol.errors import ContractError
-from tierckpt_operator.cluster import Cluster, JobSetRecord
+from tierckpt_operator.clusterview import ClusterView, JobSetRecord
 from tierckpt_operator.injection import Injection, inject, label_pod_templates, preferred_node
 from tierckpt_operator.jobsets import check_jobset, opt_in_value, parse_jobset
 from tierckpt_operator.pods import worker_of
@@ -30,7 +30,7 @@ FetchJobSet = Callable[[str, str], Awaitable[Mapping[str, Any] | None]]
 
 
 def jobset_mutation(
-    body: Mapping[str, Any], cluster: Cluster, settings: Settings, warnings: list[str]
+    body: Mapping[str, Any], cluster: ClusterView, settings: Settings, warnings: list[str]
 ) -> None:
     """Check an opted-in JobSet at creation; the caller applies ``label_pod_templates``."""
     try:
@@ -48,7 +48,7 @@ def jobset_mutation(
 
 
 async def pod_mutation(
-    body: Mapping[str, Any], cluster: Cluster, settings: Settings, fetch: FetchJobSet | None = None
+    body: Mapping[str, Any], cluster: ClusterView, settings: Settings, fetch: FetchJobSet
 ) -> Injection:
     """The injection for a managed pod; ``kopf.AdmissionError`` if the pod cannot be served."""
     worker = worker_of(body)
@@ -58,7 +58,7 @@ async def pod_mutation(
         )
     namespace = (body.get("metadata") or {}).get("namespace") or worker.namespace
     rec = cluster.jobset(namespace, worker.jobset)
-    if rec is None and fetch is not None:
+    if rec is None:
         rec = await _fetched(fetch, namespace, worker.jobset, settings)
     if rec is None or rec.info is None:
         why = rec.error if rec is not None else "not found or not opted in"
@@ -104,9 +104,15 @@ async def _fetched(fetch: FetchJobSet, namespace: str, name: str, settings: Sett
     return JobSetRecord(namespace, name, info.uid, info=info)
 
 
-def apply_pod(plan: Injection) -> Callable[[dict[str, Any]], None]:
-    return lambda pod: inject(pod, plan)
+def _editable(body: kopf.RawBody) -> dict[str, Any]:
+    """kopf hands a patch function the raw body, typed as a ``TypedDict`` of the known fields; it is a
+    plain dict, which the injection edits in place, arbitrary keys included."""
+    return cast("dict[str, Any]", body)
 
 
-def apply_jobset() -> Callable[[dict[str, Any]], None]:
-    return label_pod_templates
+def apply_pod(plan: Injection) -> kopf.PatchFn:
+    return lambda pod: inject(_editable(pod), plan)
+
+
+def apply_jobset() -> kopf.PatchFn:
+    return lambda jobset: label_pod_templates(_editable(jobset))

@@ -1,0 +1,270 @@
+"""What the control API does on this node: ``NodeControls``, the ``Controls`` the routes call.
+
+Inventory (the ramdisk scan plus the steps complete in the bucket, cached a few seconds), peer
+assignments, restore plans and policies (newest generation wins), on-demand backups, restore staging,
+purging a job, and the node's status and readiness. The parts it works on (stores, scanner, stager,
+replication, backup service) are built and run by the composition root, ``tierckpt_replicator.daemon``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+
+import tierckpt_replicator
+from tierckpt.planning.common_step import newest_common_step
+from tierckpt.protocol.control import (
+    JobPolicy,
+    JobStatus,
+    NodeInventory,
+    NodeStatus,
+    PeerAssignment,
+    RestorePlan,
+    read_control,
+    write_control,
+)
+from tierckpt.protocol.errors import FormatError
+from tierckpt.protocol.format import discard_step, job_dir, rank_dir, ranks_in, replica_rank_dir, step_dirs
+from tierckpt.protocol.tokens import TokenFile
+from tierckpt_replicator.assignments import AssignmentStore
+from tierckpt_replicator.backup.jobs import BackupPort
+from tierckpt_replicator.inventory import InventoryScanner, list_jobs
+from tierckpt_replicator.metrics import Metrics
+from tierckpt_replicator.policies import PolicyStore
+from tierckpt_replicator.replication.manager import ReplicationManager
+from tierckpt_replicator.replication.replicas import free_bytes
+from tierckpt_replicator.replication.supervisor import WorkerSupervisor
+from tierckpt_replicator.restore.stage import Stager
+from tierckpt_replicator.settings import Settings
+from tierckpt_replicator.watch import CommitWatcher
+
+__all__ = ["LocalInventory", "NodeControls", "remove_job_tree"]
+
+log = logging.getLogger(__name__)
+
+_GCS_CACHE_SECONDS = 10.0
+
+
+class LocalInventory:
+    """``await inventory(job)``: what this node holds of the job, with the steps complete in the bucket.
+
+    The bucket's steps are cached for a few seconds per job (``forget_bucket`` drops a job's entry
+    after a backup); a bucket that cannot be listed makes its steps unknown, not the inventory fail.
+    """
+
+    def __init__(self, scanner: InventoryScanner, backup: BackupPort | None) -> None:
+        self.scanner, self.backup = scanner, backup
+        self._cache: dict[str, tuple[float, dict[int, int]]] = {}
+
+    async def __call__(self, job: str) -> NodeInventory:
+        bucket = await self.bucket_steps(job)
+        inv = self.scanner.inventory(job, gcs=tuple(bucket))
+        # a step known only from the bucket still needs its world size, or nobody knows its ranks
+        world_sizes = {**{s: ws for s, ws in bucket.items() if ws > 0}, **inv.world_sizes}
+        return dataclasses.replace(inv, world_sizes=world_sizes)
+
+    async def bucket_steps(self, job: str) -> dict[int, int]:
+        """Step -> world size of every step complete in the bucket (cached a few seconds)."""
+        if self.backup is None:
+            return {}
+        cached = self._cache.get(job)
+        if cached and time.monotonic() - cached[0] < _GCS_CACHE_SECONDS:
+            return cached[1]
+        try:
+            steps = await self.backup.complete_world_sizes(job)
+        except Exception as exc:  # the bucket being unreachable makes its steps unknown, not fatal
+            log.warning("job %s: cannot list complete steps in the bucket: %s", job, exc)
+            return cached[1] if cached else {}
+        self._cache[job] = (time.monotonic(), steps)
+        return steps
+
+    def forget_bucket(self, job: str) -> None:
+        self._cache.pop(job, None)
+
+
+@dataclasses.dataclass
+class NodeControls:
+    """The operations of the control API (``tierckpt_replicator.api.routes.Controls``) on this node."""
+
+    settings: Settings
+    tokens: TokenFile
+    metrics: Metrics
+    started_at: float
+    backup: BackupPort | None
+    assignments: AssignmentStore
+    policies: PolicyStore
+    scanner: InventoryScanner
+    local_inventory: LocalInventory
+    supervisor: WorkerSupervisor
+    watcher: CommitWatcher
+    replication: ReplicationManager
+    stager: Stager
+
+    async def inventory(self, job: str) -> NodeInventory:
+        return await self.local_inventory(job)
+
+    async def put_peers(self, assignment: PeerAssignment) -> tuple[bool, PeerAssignment]:
+        before = self.assignments.get(assignment.job)
+        stored, current = self.assignments.put(assignment)
+        if stored:
+            self.watcher.kick()
+            node = self.settings.node_name
+            old_rank = before.node_ranks.get(node) if before is not None else None
+            if node in current.node_ranks and current.node_ranks[node] != old_rank:
+                log.info(
+                    "job %s: this node now has node rank %d; staging its ranks",
+                    current.job,
+                    current.node_ranks[node],
+                )
+                self.stager.start(current.job)
+        return stored, current
+
+    async def put_plan(self, plan: RestorePlan) -> tuple[bool, RestorePlan]:
+        try:
+            current = read_control(self.settings.root, plan.job, RestorePlan.FILE, RestorePlan)
+        except FormatError:
+            current = None
+        if isinstance(current, RestorePlan):
+            if current.generation > plan.generation:
+                return False, current
+            if current == plan and (self.stager.running(plan.job) or plan.job in self.stager.plans):
+                return True, current  # the same plan again: staging already under way or done
+        write_control(self.settings.root, plan.job, RestorePlan.FILE, plan)
+        self.stager.start(plan.job, plan)
+        return True, plan
+
+    async def put_policy(self, policy: JobPolicy) -> tuple[bool, JobPolicy]:
+        """Store the job's policy (newer generation only); backups follow it from the next step on."""
+        return self.policies.put(policy)
+
+    async def backup_now(self, job: str) -> int | None:
+        if self.backup is None:
+            self.metrics.backups.labels("unconfigured").inc()
+            raise LookupError("GCS backup is not configured on this node (--gcs-bucket)")
+        try:
+            step = await self.backup.backup_now(job, holders=self._placements(job))
+        except LookupError:
+            self.metrics.backups.labels("unconfigured").inc()
+            raise
+        except Exception:
+            self.metrics.backups.labels("failed").inc()
+            raise
+        self.metrics.backups.labels("ok").inc()
+        self.local_inventory.forget_bucket(job)
+        return step
+
+    def _placements(self, job: str) -> dict[int, tuple[str, ...]]:
+        """Where the copies of this node's primaries are, for the newest step they all share: here,
+        and on the peers that confirmed a replica (which may not be the ones ``peers.json`` names)."""
+        holdings = self.scanner.holdings(job)
+        step = newest_common_step(h.local for h in holdings.ranks.values() if h.local)
+        if step is None:
+            return {}
+        here = self.settings.node_name
+        return {
+            r: (here, *sorted(self.replication.confirmed.get((job, r, step), ())))
+            for r, s in holdings.newest_local().items()
+            if s == step
+        }
+
+    async def restore(self, job: str) -> None:
+        self.stager.start(job)
+
+    async def purge(self, job: str, *, bucket: bool = False) -> bool:
+        self.stager.forget(job)
+        if bucket and self.backup is not None:  # first: the job's policy on disk names its bucket
+            await self.backup.delete_job(job)
+            log.info("job %s: purged its backups from the bucket", job)
+        path = job_dir(self.settings.root, job)
+        existed = path.exists()
+        if existed:
+            await asyncio.to_thread(remove_job_tree, self.settings.root, job)
+            log.info("job %s: purged from this node's ramdisk", job)
+        # forgotten once the steps are gone, so no loop sees them as new (and backs them up) meanwhile
+        self.replication.forget(job)
+        self.assignments.forget(job)
+        self.policies.forget(job)
+        self.scanner.forget(job)
+        return existed
+
+    async def status(self) -> NodeStatus:
+        jobs = []
+        for job in list_jobs(self.settings.root):
+            h = self.scanner.holdings(job)
+            a = self.assignments.get(job)
+            newest = h.newest_local()
+            plan = self.stager.plans.get(job)
+            jobs.append(
+                JobStatus(
+                    job=job,
+                    generation=a.generation if a else -1,
+                    node_rank=a.node_ranks.get(self.settings.node_name) if a else None,
+                    local={r: x.local for r, x in h.ranks.items() if x.local},
+                    replicas={r: x.replica for r, x in h.ranks.items() if x.replica},
+                    replicated_to={
+                        r: tuple(sorted(self.replication.confirmed.get((job, r, s), ())))
+                        for r, s in newest.items()
+                    },
+                    backed_up=tuple(sorted(await self.local_inventory.bucket_steps(job))),
+                    local_bytes=h.local_bytes,
+                    replica_bytes=h.replica_bytes,
+                    lag_seconds=self.replication.lag(job, h),
+                    last_replication_at=self.replication.last_replication.get(job, 0.0),
+                    restore_step=plan.step if plan else None,
+                    restore={r: s.value for r, s in self.stager.states.get(job, {}).items()},
+                    backup_error=_last_error(self.backup, job),
+                )
+            )
+        ok, why = self.ready()
+        st = os.statvfs(self.settings.root)
+        return NodeStatus(
+            node=self.settings.node_name,
+            domain=self.settings.domain,
+            endpoint=self.settings.api_endpoint,
+            software_version=tierckpt_replicator.__version__,
+            started_at=self.started_at,
+            healthy=ok,
+            problems=(why,) if why else (),
+            worker_up=self.supervisor.alive,
+            worker_restarts=self.supervisor.restarts,
+            replicas_k=self.settings.replicas,
+            ramdisk_free_bytes=free_bytes(self.settings.root),
+            ramdisk_total_bytes=st.f_blocks * st.f_frsize,
+            jobs=tuple(jobs),
+        )
+
+    def ready(self) -> tuple[bool, str]:
+        if not self.supervisor.alive:
+            return False, "the replication worker is not running"
+        if not os.access(self.settings.root, os.W_OK):
+            return False, f"ramdisk root {self.settings.root} is not writable"
+        try:
+            self.tokens.current()
+        except (OSError, ValueError) as exc:
+            return False, f"token file unreadable: {exc}"
+        return True, ""
+
+
+def remove_job_tree(root: Path, job: str) -> None:
+    """Delete a job's steps (each COMMIT first, so nothing half-deleted looks committed), then the rest."""
+    base = job_dir(root, job)
+    for parent in [rank_dir(root, job, r) for r in ranks_in(base)] + [
+        replica_rank_dir(root, job, r) for r in ranks_in(base / "replicas")
+    ]:
+        for path in step_dirs(parent).values():
+            discard_step(path)
+    shutil.rmtree(base, ignore_errors=True)
+    if base.exists():  # e.g. a mount point: its contents are gone, the directory stays
+        for child in base.iterdir():
+            shutil.rmtree(child, ignore_errors=True) if child.is_dir() else child.unlink(missing_ok=True)
+
+
+def _last_error(backup: BackupPort | None, job: str) -> str:
+    """The backup service's last error for ``job`` ('' when backups are off or the last one worked)."""
+    status = backup.status(job) if backup is not None else None
+    return status.last_error if status is not None else ""
