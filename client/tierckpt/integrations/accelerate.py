@@ -121,7 +121,7 @@ class TierckptAcceleratorMixin:
             "dataloaders": loaders,
             "scaler": None if scaler is None else scaler.state_dict(),
             "rng": collect_rng_states(),
-            "step": self.step,  # type: ignore[attr-defined]
+            "step": self.step,
             "custom": [obj.state_dict() for obj in self._custom_objects],  # type: ignore[attr-defined]
         }
 
@@ -132,7 +132,7 @@ class TierckptAcceleratorMixin:
             scheduler.load_state_dict(saved)
         for loader, saved in zip(self._dataloaders, rest["dataloaders"], strict=True):  # type: ignore[attr-defined]
             sampler = getattr(loader, "get_sampler", lambda: None)()
-            if saved["epoch"] is not None and hasattr(sampler, "set_epoch"):
+            if saved["epoch"] is not None and sampler is not None and hasattr(sampler, "set_epoch"):
                 sampler.set_epoch(saved["epoch"])
             if saved["state"] is not None:
                 loader.load_state_dict(saved["state"])
@@ -172,14 +172,14 @@ class TierckptAcceleratorMixin:
         return step
 
     def _tierckpt_save_sharded(self, step: int) -> None:
-        import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
         state = self._tierckpt_sharded_state(get_model_state_dict, get_optimizer_state_dict)
         rest = io.BytesIO()
         torch.save(self._tierckpt_rest(), rest)
         state[self._tierckpt_rest_key()] = rest.getvalue()
-        dcp.save(state, checkpoint_id=step, storage_writer=self._tierckpt_writer())
+        dcp_save(state, checkpoint_id=step, storage_writer=self._tierckpt_writer())
 
     def _tierckpt_sharded_state(self, get_model: Any, get_optimizer: Any) -> dict[str, Any]:
         models, optimizers = self._models, self._optimizers  # type: ignore[attr-defined]
@@ -219,13 +219,13 @@ class TierckptAcceleratorMixin:
         return step
 
     def _tierckpt_load_sharded(self) -> int | None:
-        import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import (
             get_model_state_dict,
             get_optimizer_state_dict,
             set_model_state_dict,
             set_optimizer_state_dict,
         )
+        from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
         from tierckpt.dcp import RamdiskReader, dcp_steps
         from tierckpt.planning.common_step import newest_common_step
@@ -238,7 +238,7 @@ class TierckptAcceleratorMixin:
         state = self._tierckpt_sharded_state(get_model_state_dict, get_optimizer_state_dict)
         key = self._tierckpt_rest_key()
         state[key] = b""
-        dcp.load(state, checkpoint_id=step, storage_reader=RamdiskReader(writer.root, writer.job))
+        dcp_load(state, checkpoint_id=step, storage_reader=RamdiskReader(writer.root, writer.job))
         models, optimizers = self._models, self._optimizers  # type: ignore[attr-defined]
         for i, model in enumerate(models):
             set_model_state_dict(model, state[f"model_{i}"])
@@ -259,7 +259,7 @@ class TierckptAcceleratorMixin:
 if TYPE_CHECKING:
     from accelerate import Accelerator
 
-    class TierckptAccelerator(TierckptAcceleratorMixin, Accelerator):
+    class TierckptAccelerator(TierckptAcceleratorMixin, Accelerator):  # type: ignore[misc]
         """Built on first use by ``__getattr__`` (importing this module does not import accelerate)."""
 
 

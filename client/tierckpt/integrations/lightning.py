@@ -83,7 +83,8 @@ def _callback_base() -> type:
     a save in ``on_train_batch_end`` sees every other callback's state after the batch (as
     ``ModelCheckpoint`` does), and adds no default ``ModelCheckpoint`` beside it."""
     callbacks = _lightning("callbacks")
-    return object if callbacks is None else callbacks.Checkpoint  # type: ignore[no-any-return]
+    base: type = object if callbacks is None else callbacks.Checkpoint
+    return base
 
 
 def _sharded(strategy: Any) -> bool:
@@ -258,7 +259,7 @@ class TierckptCallback(_callback_base()):  # type: ignore[misc]
         return handle
 
     def _save_sharded(self, checkpoint: dict[str, Any], step: int) -> None:
-        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
         state = {
             "state_dict": checkpoint.pop("state_dict"),
@@ -267,7 +268,7 @@ class TierckptCallback(_callback_base()):  # type: ignore[misc]
         remainder = io.BytesIO()
         torch.save(checkpoint, remainder)
         state[f"{_REMAINDER_PREFIX}{self._rank:05d}"] = remainder.getvalue()
-        dcp.save(state, checkpoint_id=step, storage_writer=self.writer)
+        dcp_save(state, checkpoint_id=step, storage_writer=self.writer)
 
     # ------------------------------------------------------------------------------- restoring
 
@@ -276,7 +277,7 @@ class TierckptCallback(_callback_base()):  # type: ignore[misc]
             "state_dict": pl_module.state_dict(),
             "optimizer_states": [opt.state_dict() for opt in trainer.optimizers],
         }
-        step = self.checkpointer.load(checkpoint, allow_missing=True)
+        step: int | None = self.checkpointer.load(checkpoint, allow_missing=True)
         if step is None:
             return None
         connector = trainer._checkpoint_connector
@@ -288,13 +289,13 @@ class TierckptCallback(_callback_base()):  # type: ignore[misc]
         return step  # the Trainer restores precision, loops, optimizers and schedulers next
 
     def _restore_sharded(self, trainer: Any) -> int | None:
-        import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import (
             get_model_state_dict,
             get_optimizer_state_dict,
             set_model_state_dict,
             set_optimizer_state_dict,
         )
+        from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
         from tierckpt.dcp import RamdiskReader, dcp_steps
         from tierckpt.planning.common_step import newest_common_step
@@ -305,12 +306,12 @@ class TierckptCallback(_callback_base()):  # type: ignore[misc]
             return None
         model, optimizers = trainer.strategy.model, trainer.optimizers
         key = f"{_REMAINDER_PREFIX}{self._rank:05d}"
-        state = {
+        state: dict[str, Any] = {
             "state_dict": get_model_state_dict(model),
             "optimizer_states": [get_optimizer_state_dict(model, opt) for opt in optimizers],
             key: b"",
         }
-        dcp.load(state, checkpoint_id=step, storage_reader=RamdiskReader(self.writer.root, self.writer.job))
+        dcp_load(state, checkpoint_id=step, storage_reader=RamdiskReader(self.writer.root, self.writer.job))
         set_model_state_dict(model, state["state_dict"])
         for opt, saved in zip(optimizers, state["optimizer_states"], strict=True):
             set_optimizer_state_dict(model, opt, saved)
