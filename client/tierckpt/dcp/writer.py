@@ -6,15 +6,19 @@ DCP checkpoints exactly like native ones. DCP's call order, and what each call d
 
 1. (all ranks) ``reset(checkpoint_id)``: the step to write (``checkpoint_id`` names it; see
    ``parse_step_id``), unless the writer was built with ``step=``.
-2. (all ranks) ``set_up_storage_writer``: learn the role; resolve rank and world size.
-3. (all ranks) ``prepare_local_plan``: refuse an existing committed step unless ``overwrite=True``.
-4. (coordinator) ``prepare_global_plan``: check that all ranks save the same step from distinct ranks,
-   and tell every rank which checkpoints are complete (for retention).
+2. (all ranks) ``set_up_storage_writer``: learn the role; resolve rank, world size and node.
+3. (all ranks) ``prepare_local_plan``: refuse an existing committed step unless ``overwrite=True``;
+   tell the coordinator this rank's node and which items it holds.
+4. (coordinator) ``prepare_global_plan``: check that all ranks save the same step from distinct ranks;
+   give every node a copy of the replicated items DCP left to another node (``copies``); build the
+   global metadata from the plans (``tierckpt.dcp.metadata``) and hand it to one rank of every node;
+   tell every rank which checkpoints are complete (for retention).
 5. (all ranks) ``write_data``: copy every item straight into the rank's mapped data file (pages reused
-   from a retired step when possible), crc32c each item in place; a non-coordinator rank then commits
-   its step (complete and self-describing on its own) and applies retention.
-6. (coordinator) ``finish``: write the global metadata as typed JSON (``dcp-metadata.json``, see
-   ``tierckpt.dcp.metadata``), then commit its own step last. The coordinator only gets here when every
+   from a retired step when possible), crc32c each item in place, write the metadata if this rank
+   carries it for its node; a non-coordinator rank then commits its step (complete and
+   self-describing on its own) and applies retention.
+6. (coordinator) ``finish``: check that DCP's metadata is the one planned and that every copy of an
+   item holds the same bytes, then commit its own step last. The coordinator only gets here when every
    rank's ``write_data`` succeeded, so its COMMIT marks the whole DCP checkpoint complete.
 
 A failure removes this rank's partial step; a full ramdisk raises ``RamdiskFullError``.
@@ -29,10 +33,12 @@ import os
 import threading
 import time
 import uuid
+from collections import ChainMap
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
@@ -40,7 +46,7 @@ from torch.futures import Future
 
 from tierckpt import cuda
 from tierckpt.protocol import leases
-from tierckpt.protocol.errors import SaveInProgressError
+from tierckpt.protocol.errors import FormatError, SaveInProgressError
 from tierckpt.protocol.format import (
     DCP_METADATA_NAME,
     FileEntry,
@@ -61,9 +67,11 @@ from tierckpt.snapshot.copy import copy_into
 from tierckpt.snapshot.layout import LayoutPlan, TensorSpec, plan_layout
 from tierckpt.snapshot.pool import Slot
 
+from ._node import node_identity
 from ._paths import parse_step_id, require_step_id
 from ._store import RankStore
-from .metadata import ItemLocation, encode_metadata, tensor_dtype_name
+from .copies import add_node_copies
+from .metadata import DcpMetadata, ItemLocation, encode_metadata, tensor_dtype_name
 from .staging import StagingCache
 
 __all__ = ["DCP_FORMAT_VERSION", "RamdiskWriter", "item_key"]
@@ -89,18 +97,27 @@ def item_key(index: MetadataIndex) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class _LocalPlanData:
-    """``SavePlan.storage_data`` of a rank's local plan: what the coordinator checks."""
+    """``SavePlan.storage_data`` of a rank's local plan: what the coordinator checks and plans with."""
 
     rank: int
     step: int
+    node: str
+    items: list[WriteItem]
+    """The plan's own item list (the same object, so pickling sends it once): what the rank holds
+    before DCP's deduplication."""
 
 
 @dataclasses.dataclass(frozen=True)
 class _GlobalPlanData:
-    """``SavePlan.storage_data`` the coordinator sends back: checkpoints complete before this save."""
+    """``SavePlan.storage_data`` the coordinator sends back."""
 
     step: int
     complete: tuple[int, ...]
+    """Checkpoints complete before this save (for retention)."""
+    save_id: str
+    """The coordinator's id of this save, recorded in every rank's manifest."""
+    metadata: bytes | None = None
+    """The encoded ``DcpMetadata``, for the one rank of each node that writes it into its step."""
 
 
 @dataclasses.dataclass
@@ -112,11 +129,17 @@ class _Save:
     world_size: int
     is_coordinator: bool
     path: Path
+    node: str
     owner: threading.Thread = dataclasses.field(default_factory=threading.current_thread)
     slot: Slot | None = None
     files: list[FileEntry] = dataclasses.field(default_factory=list)
     tensors: list[TensorEntry] = dataclasses.field(default_factory=list)
     objects: list[int] = dataclasses.field(default_factory=list)
+    save_id: str = ""
+    """The coordinator's save id (from the global plan)."""
+    has_metadata: bool = False
+    planned: DcpMetadata | None = None
+    """Coordinator: the metadata built while planning, which ``finish`` checks DCP's against."""
 
 
 class RamdiskWriter(StorageWriter):
@@ -224,7 +247,8 @@ class RamdiskWriter(StorageWriter):
         self._abandon_unfinished()
         who = resolve(root=self.root, job=self.job, rank=self._rank, world_size=self._world_size)
         path = step_dir(rank_dir(self.root, self.job, who.rank), self.step)
-        self._save = _Save(self.step, who.rank, who.world_size, bool(is_coordinator), path)
+        node = node_identity(self.root, path.parent.parent)
+        self._save = _Save(self.step, who.rank, who.world_size, bool(is_coordinator), path, node)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         save = self._current()
@@ -238,25 +262,78 @@ class RamdiskWriter(StorageWriter):
                 raise FileExistsError(
                     f"step {save.step} of rank {save.rank} is leased (being read or copied): not overwriting"
                 )
-        return dataclasses.replace(plan, storage_data=_LocalPlanData(save.rank, save.step))
+        if not plan.usable:
+            raise ValueError(_PLAN_CACHING)
+        return dataclasses.replace(
+            plan, storage_data=_LocalPlanData(save.rank, save.step, save.node, plan.items)
+        )
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         save = self._current()
-        infos = [p.storage_data for p in plans if isinstance(p.storage_data, _LocalPlanData)]
-        steps = {i.step for i in infos}
+        infos = [p.storage_data for p in plans]
+        if not all(p.usable and isinstance(i, _LocalPlanData) for p, i in zip(plans, infos, strict=True)):
+            raise ValueError(_PLAN_CACHING)
+        locals_ = [i for i in infos if isinstance(i, _LocalPlanData)]
+        steps = {i.step for i in locals_}
         if len(steps) > 1:
             raise ValueError(f"ranks disagree on the step to save ({sorted(steps)}); pass one checkpoint_id")
-        ranks = [i.rank for i in infos]
+        ranks = [i.rank for i in locals_]
         if len(set(ranks)) != len(ranks):
             raise ValueError(f"two processes save as the same rank (ranks {sorted(ranks)}); check rank=")
+        nodes = [i.node for i in locals_]
+        copies = add_node_copies([p.items for p in plans], [i.items for i in locals_], ranks, nodes)
+        _, md = create_default_global_save_plan(plans, rewrite_index_hints=False)
+        mappings = [p.planner_data for p in plans]
+        if all(isinstance(m, dict) for m in mappings):
+            md.planner_data = dict(ChainMap(*mappings))  # what DefaultSavePlanner records
+        md.storage_meta = StorageMeta(checkpoint_id=str(save.step), save_id=self.save_id)
+        md.version = _DCP_VERSION
+        record = encode_metadata(
+            md,
+            copies.holders,
+            job=self.job,
+            step=save.step,
+            world_size=save.world_size,
+            coordinator=save.rank,
+            save_id=self.save_id,
+        )
+        save.planned = record
+        body = record.to_bytes()
+        carrier: dict[str, int] = {}  # the lowest rank of each node writes the metadata there
+        for i in sorted(range(len(plans)), key=lambda i: ranks[i]):
+            carrier.setdefault(nodes[i], i)
+        carriers = set(carrier.values())
         complete = tuple(s for s in committed_steps(save.path.parent) if s != save.step)
-        info = _GlobalPlanData(save.step, complete)
-        return [dataclasses.replace(p, storage_data=info) for p in plans]
+        log.debug(
+            "DCP step %d: %d ranks on %d node(s); %d bytes of copies so every node holds its replicated "
+            "items; %d bytes of metadata",
+            save.step,
+            len(plans),
+            len(carrier),
+            copies.added_bytes,
+            len(body),
+        )
+        return [
+            dataclasses.replace(
+                p,
+                items=copies.items[i],
+                storage_data=_GlobalPlanData(
+                    save.step, complete, self.save_id, body if i in carriers else None
+                ),
+            )
+            for i, p in enumerate(plans)
+        ]
 
     # ------------------------------------------------------------------ writing
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         save = self._current()
+        info = plan.storage_data
+        if getattr(planner, "_enable_plan_caching", False) or not (
+            isinstance(info, _GlobalPlanData) and info.step == save.step
+        ):
+            raise ValueError(_PLAN_CACHING)
+        save.save_id = info.save_id
         store = self._store(save)
         if save.path.exists():  # an uncommitted leftover, or a step we were told to overwrite
             if (stale := store.pool.slot_of(save.step)) is not None:
@@ -264,24 +341,20 @@ class RamdiskWriter(StorageWriter):
             discard_step(save.path)
         try:
             results = self._write_items(save, store, plan.items, planner)
+            if info.metadata is not None:
+                write_atomic(save.path / DCP_METADATA_NAME, info.metadata)
+                save.files.append(FileEntry(DCP_METADATA_NAME, len(info.metadata), crc32c(info.metadata)))
+                save.has_metadata = True
             if not save.is_coordinator:
-                manifest_crc = commit_step(save.path, self._manifest(save)).manifest_crc32c
-                results = [
-                    dataclasses.replace(
-                        r, storage_data=dataclasses.replace(r.storage_data, manifest_crc32c=manifest_crc)
-                    )
-                    for r in results
-                ]
+                commit_step(save.path, self._manifest(save))
         except BaseException:
             if save.slot is not None:
                 store.forget(save.slot)
             discard_step(save.path)
             raise
         if not save.is_coordinator:
-            info = plan.storage_data
-            fresh = isinstance(info, _GlobalPlanData) and info.step == save.step  # not a cached plan
             assert save.slot is not None
-            store.committed(save.step, save.slot, info.complete if fresh else None)
+            store.committed(save.step, save.slot, info.complete)
             log.info("rank %d committed DCP step %d at %s", save.rank, save.step, save.path)
             self._save = None
         fut: Future[list[WriteResult]] = Future()
@@ -333,10 +406,11 @@ class RamdiskWriter(StorageWriter):
         extra: dict[str, Any] = {
             "version": DCP_FORMAT_VERSION,
             "coordinator": save.is_coordinator,
-            "save_id": self.save_id,
+            "save_id": save.save_id,
+            "node": save.node,
             "objects": save.objects,
         }
-        if save.is_coordinator:
+        if save.has_metadata:
             extra["metadata"] = DCP_METADATA_NAME
         return Manifest(
             job=self.job,
@@ -354,23 +428,11 @@ class RamdiskWriter(StorageWriter):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         save = self._current()
-        locations = {wr.index: wr.storage_data for rank_results in results for wr in rank_results}
-        metadata.storage_data = locations
         metadata.storage_meta = self.storage_meta()
         metadata.version = _DCP_VERSION
         store = self._store(save)
         try:
-            record = encode_metadata(
-                metadata,
-                locations,
-                job=self.job,
-                step=save.step,
-                world_size=save.world_size,
-                coordinator=save.rank,
-            )
-            body = record.to_bytes()
-            write_atomic(save.path / DCP_METADATA_NAME, body)
-            save.files.append(FileEntry(DCP_METADATA_NAME, len(body), crc32c(body)))
+            _check_finished(save, metadata, results)
             commit_step(save.path, self._manifest(save))
         except BaseException:
             if save.slot is not None:
@@ -384,7 +446,7 @@ class RamdiskWriter(StorageWriter):
             save.rank,
             save.step,
             len(metadata.state_dict_metadata),
-            len(locations),
+            sum(len(r) for r in results),
             len(results),
             save.path,
         )
@@ -417,6 +479,64 @@ class RamdiskWriter(StorageWriter):
         if self._save is None:
             raise RuntimeError("RamdiskWriter used outside dcp.save (set_up_storage_writer was not called)")
         return self._save
+
+
+_PLAN_CACHING = (
+    "RamdiskWriter needs a fresh global plan on every save (the coordinator records which node holds "
+    "what, and hands the metadata to every node): DefaultSavePlanner(enable_plan_caching=True) is not "
+    "supported"
+)
+
+
+def _check_finished(save: _Save, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+    """The checkpoint is the one planned: DCP's metadata equals the metadata every node already holds,
+    every item was written by exactly its planned holders, and every copy of an item has the same bytes."""
+    planned = save.planned
+    if planned is None:
+        raise RuntimeError("finish without a global plan from this coordinator")
+    written: dict[MetadataIndex, list[ItemLocation]] = {}
+    for rank_results in results:
+        for wr in rank_results:
+            written.setdefault(wr.index, []).append(wr.storage_data)
+    holders = {index: tuple(loc.rank for loc in locs) for index, locs in written.items()}
+    got = encode_metadata(
+        metadata,
+        holders,
+        job=planned.job,
+        step=planned.step,
+        world_size=planned.world_size,
+        coordinator=planned.coordinator,
+        save_id=planned.save_id,
+    )
+    for want_entry, got_entry in zip(planned.entries, got.entries, strict=False):
+        if want_entry.fqn != got_entry.fqn or want_entry.tensor != got_entry.tensor:
+            raise FormatError(
+                f"DCP step {save.step}: DCP's metadata for {got_entry.fqn!r} differs from the one planned "
+                f"for {want_entry.fqn!r} and written on every node (a planner that changes the metadata "
+                "after planning is not supported)"
+            )
+        if _all_holders(want_entry) != _all_holders(got_entry):
+            raise FormatError(
+                f"DCP step {save.step}: the items of {got_entry.fqn!r} were not written as planned"
+            )
+    if len(planned.entries) != len(got.entries) or planned.planner_data != got.planner_data:
+        raise FormatError(
+            f"DCP step {save.step}: DCP's metadata differs from the one planned and written on every node "
+            "(entries or planner data)"
+        )
+    for index, locs in written.items():
+        if len({loc.crc32c for loc in locs}) > 1:
+            ranks = sorted(loc.rank for loc in locs)
+            raise FormatError(
+                f"DCP step {save.step}: {item_key(index)!r} is held by ranks {ranks} with different bytes. "
+                "DCP saves a key held by several ranks once, assuming it is the same everywhere; keep "
+                "state that differs between ranks under keys of its own"
+            )
+
+
+def _all_holders(entry: Any) -> list[tuple[int, ...]]:
+    items = entry.items
+    return sorted(tuple(sorted(items.holders(i))) for i in range(len(items.ranks)))
 
 
 def _committed(path: Path) -> bool:
