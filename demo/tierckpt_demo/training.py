@@ -227,6 +227,8 @@ class TrainerEvent(Message):
     staged_at: float = 0.0
     """``restored``: when the replicator reported the step staged (0: nothing was staged)."""
     message: str = ""
+    fetched: tuple[int, ...] = ()
+    """``restored`` (DCP): ranks whose step the load had the replicator fetch to this node."""
 
 
 class EventLog:

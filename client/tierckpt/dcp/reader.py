@@ -143,6 +143,8 @@ class RamdiskReader(StorageReader):
         self.load_id = str(uuid.uuid4())
         self.fetched: tuple[int, ...] = ()
         """Ranks whose step the last load had the replicator bring to this node."""
+        self.bytes_read = 0
+        """Stored bytes the last load read (each item once)."""
         self._record: DcpMetadata | None = None
         self._holders: dict[MetadataIndex, tuple[int, ...]] = {}
         self._chunks: dict[tuple[str, tuple[int, ...]], tuple[torch.Size, torch.dtype]] = {}
@@ -170,7 +172,7 @@ class RamdiskReader(StorageReader):
 
     def read_metadata(self) -> Metadata:  # no **kwargs: DCP must not fall back to rank-local metadata
         self._record, self._holders, self._chunks, self._steps = None, {}, {}, {}
-        self._manifests, self._present, self._chosen, self.fetched = {}, {}, {}, ()
+        self._manifests, self._present, self._chosen, self.fetched, self.bytes_read = {}, {}, {}, (), 0
         if self.requested_step is not None:
             record = self._load_record(self.requested_step)
         else:
@@ -342,6 +344,7 @@ class RamdiskReader(StorageReader):
                     by_file[entry.file].append((req, entry))
                 for name, entries in sorted(by_file.items()):
                     needed = sum({e.offset: e.length for _, e in entries}.values())
+                    self.bytes_read += needed
                     mapped = step.open(name, needed=needed)
                     try:
                         verified: set[str] = set()
