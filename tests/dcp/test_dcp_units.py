@@ -195,6 +195,34 @@ def test_repeated_saves_keep_n_checkpoints_and_reuse_pages(ramdisk: Path, job: s
     assert got["step"] == 5 and bool((got["w"] == 5.0).all())
 
 
+def test_async_staging_goes_into_the_slot_when_the_layout_is_known(ramdisk: Path, job: str) -> None:
+    """From the second async save on, staging fills the slot the save commits; an object whose pickled
+    size changes moves no tensor; a changed structure stages into host buffers again. Every step holds
+    the state at the moment its save was called."""
+    state = {"w": torch.arange(1 << 14, dtype=torch.float32), "t": torch.ones(3, 5).t(), "meta": {"n": 1}}
+    wanted: dict[int, dict[str, object]] = {}
+    used = []
+    with RamdiskWriter(ramdisk, job, keep=5) as writer:
+        for step in range(1, 6):
+            if step == 4:
+                state["extra"] = torch.zeros(7)  # a new key: the layout changes
+            wanted[step] = {
+                k: v.clone() if isinstance(v, torch.Tensor) else dict(v) for k, v in state.items()
+            }
+            response = dcp.async_save(state, checkpoint_id=step, storage_writer=writer, no_dist=True)
+            state["w"].add_(1)  # training goes on
+            state["t"].mul_(2)
+            state["meta"]["n"] = 10**step  # its pickle grows
+            getattr(response, "upload_completion", response).result()
+            used.append(writer.staged_in_place)
+    assert used == [False, True, True, False, True]
+    for step, want in wanted.items():
+        got = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else {"n": 0} for k, v in want.items()}
+        dcp.load(got, checkpoint_id=step, storage_reader=RamdiskReader(ramdisk, job), no_dist=True)
+        for k, v in want.items():
+            assert torch.equal(got[k], v) if isinstance(v, torch.Tensor) else got[k] == v, (step, k)
+
+
 def test_steps_being_read_are_leased(ramdisk: Path, job: str) -> None:
     """While the reader copies a step's data, the step holds a lease (retention elsewhere keeps it)."""
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner

@@ -26,6 +26,7 @@ A failure removes this rank's partial step; a full ramdisk raises ``RamdiskFullE
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import logging
@@ -71,6 +72,7 @@ from ._node import node_identity
 from ._paths import parse_step_id, require_step_id
 from ._store import RankStore
 from .copies import add_node_copies
+from .inplace import Staged, Template, stage_into_slot
 from .metadata import DcpMetadata, ItemLocation, encode_metadata, tensor_dtype_name
 from .staging import StagingCache
 
@@ -86,6 +88,9 @@ _OVERLAP_GRACE = 1.0
 """Seconds a new save waits for the previous one's thread to end before calling it an overlap."""
 _COPY_BATCH = 256 << 20
 """Resolve and copy items in batches of about this many bytes (DCP asks to resolve lazily)."""
+_STAGING_STEP = 10**18 - 1
+"""The step directory an async save's slot waits in between staging and ``write_data`` (which moves it
+to the real step: the step is not known while staging). Never committed, so no reader sees it."""
 
 
 def item_key(index: MetadataIndex) -> str:
@@ -182,6 +187,12 @@ class RamdiskWriter(StorageWriter):
         self._save: _Save | None = None
         self._stores: dict[int, RankStore] = {}
         self._staging = StagingCache(reuse=cache_staging)
+        self._template: Template | None = None
+        """This rank's last write layout: the next async save stages straight into a slot laid out so."""
+        self._staged: Staged | None = None
+        self._spare: dict[str, torch.Tensor] = {}
+        self.staged_in_place = False
+        """Whether the last save's staging (``dcp.async_save``) went straight into the slot it committed."""
 
     def __getstate__(self) -> dict[str, Any]:
         # DCP's process-based async executor pickles the writer: mappings stay in this process.
@@ -190,6 +201,9 @@ class RamdiskWriter(StorageWriter):
             "_stores": {},
             "_save": None,
             "_staging": StagingCache(reuse=self._staging.reuse),
+            "_template": None,
+            "_staged": None,
+            "_spare": {},
         }
 
     # ------------------------------------------------------------------ identity
@@ -213,10 +227,12 @@ class RamdiskWriter(StorageWriter):
 
     def close(self) -> None:
         """Unmap the data files kept for reuse (files stay; the next writer adopts them), drop staging."""
+        self._release_staged()
         for store in self._stores.values():
             store.close()
         self._stores = {}
         self._staging.close()
+        self._spare = {}
 
     # ------------------------------------------------------------------ AsyncStager (dcp.async_save)
 
@@ -225,8 +241,32 @@ class RamdiskWriter(StorageWriter):
         return self._synchronize_after_execute
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """A training-safe host copy of ``state_dict`` for ``dcp.async_save`` (buffers reused)."""
+        """A training-safe copy of ``state_dict`` for ``dcp.async_save``: straight into the ramdisk slot the
+        save will commit when the state is laid out like the last save (``tierckpt.dcp.inplace``), else
+        into host buffers that are reused."""
+        self._wait_for_previous()
+        self._release_staged()
+        if self._staging.reuse and self._template is not None:
+            who = resolve(root=self.root, job=self.job, rank=self._rank, world_size=self._world_size)
+            store = self._store_at(rank_dir(self.root, self.job, who.rank), who.rank)
+            self._register_cuda(store)
+            got = stage_into_slot(
+                state_dict, self._template, lambda plan: store.take(_STAGING_STEP, plan), self._spare
+            )
+            if got is not None:
+                staged, self._staged = got
+                return staged
+            log.info("rank %d: the state changed structure; staging into host buffers this time", who.rank)
         return self._staging.stage(state_dict)
+
+    def _release_staged(self) -> None:
+        """Give up a staged slot its save never wrote (the save failed before ``write_data``)."""
+        staged, self._staged = self._staged, None
+        if staged is not None:
+            where = staged.slot.directory
+            staged.slot.close(unlink=True)
+            with contextlib.suppress(OSError):
+                where.rmdir()
 
     def synchronize_staging(self) -> None:
         """Staging is blocking: nothing to wait for."""
@@ -340,7 +380,7 @@ class RamdiskWriter(StorageWriter):
                 store.forget(stale)
             discard_step(save.path)
         try:
-            results = self._write_items(save, store, plan.items, planner)
+            results = self._write_items(save, store, _layout_order(plan.items), planner)
             if info.metadata is not None:
                 write_atomic(save.path / DCP_METADATA_NAME, info.metadata)
                 save.files.append(FileEntry(DCP_METADATA_NAME, len(info.metadata), crc32c(info.metadata)))
@@ -368,22 +408,34 @@ class RamdiskWriter(StorageWriter):
             i: _object_bytes(it, planner.resolve_data(it)) for i, it in enumerate(items) if _is_object(it)
         }
         plan = plan_layout([_spec(it, objects.get(i)) for i, it in enumerate(items)])
-        if not store.pool.register_cuda and cuda.available() and torch.cuda.is_initialized():
-            store.pool.register_cuda = True  # device tensors copy straight into pinned ramdisk pages
-            store.pool.register_all()
+        self._register_cuda(store)
         t0 = time.perf_counter()
-        save.slot = store.take(save.step, plan)
+        staged, self._staged = self._staged, None
+        self.staged_in_place = staged is not None and staged.plan == plan
+        if staged is not None and staged.plan == plan:  # staged in place: most bytes are there already
+            placeholder = staged.slot.directory
+            staged.slot.move_to(save.path)
+            with contextlib.suppress(OSError):
+                placeholder.rmdir()
+            save.slot, plan, staged = staged.slot, staged.plan, None
+        else:
+            save.slot = store.take(save.step, plan)
         views = save.slot.views(plan)
-        _copy_items(views, items, planner, objects)
+        copied = _copy_items(views, items, planner, objects)
+        if staged is not None:  # staged for another layout: its bytes were copied from it, it can go
+            self._staged = staged
+            self._release_staged()
         crcs, save.files = checksum_slot(plan, save.slot.files)
         for f in save.slot.files:
             f.sync()
         self._record(save, items, plan, crcs)
+        self._template = Template(plan, tuple(it.index for it in items))
         log.debug(
-            "rank %d wrote %d DCP items (%d bytes) in %.3fs",
+            "rank %d wrote %d DCP items (%d bytes, %d copied here) in %.3fs",
             save.rank,
             len(items),
             plan.total_bytes,
+            copied,
             time.perf_counter() - t0,
         )
         return [
@@ -394,6 +446,12 @@ class RamdiskWriter(StorageWriter):
             )
             for it, p, crc in zip(items, plan.placements, crcs, strict=True)
         ]
+
+    @staticmethod
+    def _register_cuda(store: RankStore) -> None:
+        if not store.pool.register_cuda and cuda.available() and torch.cuda.is_initialized():
+            store.pool.register_cuda = True  # device tensors copy straight into pinned ramdisk pages
+            store.pool.register_all()
 
     def _record(self, save: _Save, items: list[WriteItem], plan: LayoutPlan, crcs: list[int]) -> None:
         save.objects = [i for i, it in enumerate(items) if _is_object(it)]
@@ -453,13 +511,15 @@ class RamdiskWriter(StorageWriter):
         self._save = None
 
     def _store(self, save: _Save) -> RankStore:
-        if save.rank not in self._stores:
-            self._stores[save.rank] = RankStore(save.path.parent, keep=self.keep)
-        return self._stores[save.rank]
+        return self._store_at(save.path.parent, save.rank)
 
-    def _abandon_unfinished(self) -> None:
-        """Forget the previous save: refuse if it still runs on another thread; if it was the coordinator's
-        and never reached ``finish`` (another rank failed), remove its step."""
+    def _store_at(self, rank_path: Path, rank: int) -> RankStore:
+        if rank not in self._stores:
+            self._stores[rank] = RankStore(rank_path, keep=self.keep)
+        return self._stores[rank]
+
+    def _wait_for_previous(self) -> None:
+        """Refuse to start while the previous save still runs on another thread (after a short grace)."""
         prev = self._save
         if prev is not None and prev.owner is not threading.current_thread():
             prev.owner.join(timeout=_OVERLAP_GRACE)
@@ -468,7 +528,12 @@ class RamdiskWriter(StorageWriter):
                     f"step {prev.step} is still being saved through this writer on thread {prev.owner.name}; "
                     "wait for its async_save future before starting the next save"
                 )
-        self._save = None
+
+    def _abandon_unfinished(self) -> None:
+        """Forget the previous save: refuse if it still runs on another thread; if it was the coordinator's
+        and never reached ``finish`` (another rank failed), remove its step."""
+        self._wait_for_previous()
+        prev, self._save = self._save, None
         if prev is not None and prev.is_coordinator and prev.path.exists() and not _committed(prev.path):
             log.warning("removing DCP step %d of rank %d: its save did not finish", prev.step, prev.rank)
             if prev.slot is not None:
@@ -578,23 +643,43 @@ def _tensor_source(item: WriteItem, data: Any) -> torch.Tensor:
     return data.detach()
 
 
+def _layout_order(items: list[WriteItem]) -> list[WriteItem]:
+    """Tensors first, then objects (each group in plan order): an object whose pickled size changes from
+    save to save then moves no tensor, and the next async save can stage every tensor in place."""
+    return [it for it in items if not _is_object(it)] + [it for it in items if _is_object(it)]
+
+
 def _copy_items(
     views: list[torch.Tensor], items: list[WriteItem], planner: SavePlanner, objects: dict[int, bytes]
-) -> None:
-    """Resolve items lazily, in batches, and copy each into its view of the mapped data file."""
+) -> int:
+    """Resolve items lazily, in batches, and copy each into its view of the mapped data file, unless it is
+    that view already (staged in place). Returns the bytes copied."""
     batch_views: list[torch.Tensor] = []
     batch_srcs: list[torch.Tensor] = []
-    batch_bytes = 0
+    batch_bytes = copied = 0
     for i, (view, item) in enumerate(zip(views, items, strict=True)):
         if i in objects:
             src = torch.frombuffer(bytearray(objects.pop(i)), dtype=torch.uint8) if view.numel() else view
         else:
             src = _tensor_source(item, planner.resolve_data(item))
-        batch_views.append(view)
-        batch_srcs.append(src)
-        batch_bytes += view.numel() * view.element_size()
-        if batch_bytes >= _COPY_BATCH or i == len(items) - 1:
+        if not _in_place(src, view):
+            batch_views.append(view)
+            batch_srcs.append(src)
+            batch_bytes += view.numel() * view.element_size()
+        if batch_views and (batch_bytes >= _COPY_BATCH or i == len(items) - 1):
             ticket = copy_into(batch_views, batch_srcs)
             if ticket is not None:
                 ticket.synchronize()
+            copied += batch_bytes
             batch_views, batch_srcs, batch_bytes = [], [], 0
+    return copied
+
+
+def _in_place(src: torch.Tensor, view: torch.Tensor) -> bool:
+    return (
+        src.device.type == "cpu"
+        and src.data_ptr() == view.data_ptr()
+        and src.dtype == view.dtype
+        and src.shape == view.shape
+        and src.is_contiguous()
+    )
