@@ -11,10 +11,12 @@ import json
 import os
 from pathlib import Path
 
+import torch
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from tests.dcp import dcp_scenarios as sc
-from tierckpt.dcp import agreed_step
+from tierckpt.dcp import RamdiskWriter, agreed_step
 
 
 def node_root(base: str, rank: int, per_node: int) -> str:
@@ -51,3 +53,15 @@ def load_expecting_failure(
 def agree(rank: int, world_size: int, base: str, per_node: int, job: str, out: str) -> None:
     step = agreed_step(node_root(base, rank, per_node), job)
     Path(out, f"rank-{rank}.json").write_text(json.dumps(step))
+
+
+def save_divergent(rank: int, world_size: int, base: str, per_node: int, job: str, out: str) -> None:
+    """Every rank saves one key with its own value: DCP keeps one rank's, a node copy holds another's."""
+    root = node_root(base, rank, per_node)
+    state = {"w": torch.ones(4), "note": {"rank": rank}}
+    try:
+        dcp.save(state, checkpoint_id=3, storage_writer=RamdiskWriter(root, job))
+    except CheckpointException as exc:
+        Path(out, f"rank-{rank}.json").write_text(json.dumps([str(e) for e, _tb in exc.failures.values()]))
+        return
+    raise AssertionError("a save whose replicated key differs between nodes succeeded")

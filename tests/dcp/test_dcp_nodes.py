@@ -138,3 +138,14 @@ def test_a_step_some_nodes_never_committed_is_not_restorable(tmp_path: Path, job
     assert plan.step == 1 and plan.world_size == WORLD
     assert _agreed(base, job, tmp_path) == [1] * WORLD
     run_ranks(WORLD, dn.load_sharded, str(base), PER_NODE, job, 1, ref)
+
+
+def test_a_replicated_key_that_differs_between_nodes_fails_the_save(tmp_path: Path, job: str) -> None:
+    """DCP keeps one rank's value of a key several ranks hold; a node copy holding another value would
+    make nodes load different states. The coordinator finds it and the checkpoint never completes."""
+    base, out = tmp_path / "nodes", tmp_path / "out"
+    out.mkdir()
+    run_ranks(2, dn.save_divergent, str(base), 1, job, str(out))
+    messages = json.loads((out / "rank-1.json").read_text())
+    assert any("'note.rank' is held by ranks [0, 1] with different bytes" in m for m in messages), messages
+    assert committed_steps(rank_dir(_node(base, 0), job, 0)) == [], "the coordinator never committed"

@@ -135,9 +135,9 @@ class LocationsRecord(Record):
         n = len(self.ranks)
         if len(self.index_hints) != n:
             raise FormatError("item location columns have different lengths")
-        if any(r < 0 for r in self.ranks) or any(r < 0 for c in self.copies.values() for r in c):
+        if (n and min(self.ranks) < 0) or any(c and min(c) < 0 for c in self.copies.values()):
             raise FormatError("item ranks must be non-negative")
-        if any(not 0 <= i < n for i in self.copies):
+        if self.copies and not 0 <= min(self.copies) <= max(self.copies) < n:
             raise FormatError("a copy names an item that does not exist")
 
     def holders(self, i: int) -> tuple[int, ...]:

@@ -73,7 +73,7 @@ from ._paths import parse_step_id, require_step_id
 from ._store import RankStore
 from .copies import add_node_copies
 from .inplace import Staged, Template, stage_into_slot
-from .metadata import DcpMetadata, ItemLocation, encode_metadata, tensor_dtype_name
+from .metadata import ItemLocation, encode_metadata, tensor_dtype_name
 from .staging import StagingCache
 
 __all__ = ["DCP_FORMAT_VERSION", "RamdiskWriter", "item_key"]
@@ -143,8 +143,9 @@ class _Save:
     save_id: str = ""
     """The coordinator's save id (from the global plan)."""
     has_metadata: bool = False
-    planned: DcpMetadata | None = None
-    """Coordinator: the metadata built while planning, which ``finish`` checks DCP's against."""
+    planned: tuple[Metadata, dict[MetadataIndex, tuple[int, ...]]] | None = None
+    """Coordinator: the metadata built while planning and each item's holders, which ``finish`` checks
+    DCP's metadata and the write results against."""
 
 
 class RamdiskWriter(StorageWriter):
@@ -337,7 +338,7 @@ class RamdiskWriter(StorageWriter):
             coordinator=save.rank,
             save_id=self.save_id,
         )
-        save.planned = record
+        save.planned = (md, copies.holders)
         body = record.to_bytes()
         carrier: dict[str, int] = {}  # the lowest rank of each node writes the metadata there
         for i in sorted(range(len(plans)), key=lambda i: ranks[i]):
@@ -556,52 +557,40 @@ _PLAN_CACHING = (
 def _check_finished(save: _Save, metadata: Metadata, results: list[list[WriteResult]]) -> None:
     """The checkpoint is the one planned: DCP's metadata equals the metadata every node already holds,
     every item was written by exactly its planned holders, and every copy of an item has the same bytes."""
-    planned = save.planned
-    if planned is None:
+    if save.planned is None:
         raise RuntimeError("finish without a global plan from this coordinator")
+    planned, holders = save.planned
+    if metadata.state_dict_metadata != planned.state_dict_metadata:
+        fqn = next(
+            (k for k, v in metadata.state_dict_metadata.items() if planned.state_dict_metadata.get(k) != v),
+            "(an entry DCP dropped)",
+        )
+        raise FormatError(
+            f"DCP step {save.step}: DCP's metadata for {fqn!r} differs from the one planned and written on "
+            "every node (a planner that changes the metadata after planning is not supported)"
+        )
+    if metadata.planner_data != planned.planner_data:
+        raise FormatError(
+            f"DCP step {save.step}: DCP's planner data differs from the one written on every node"
+        )
     written: dict[MetadataIndex, list[ItemLocation]] = {}
     for rank_results in results:
         for wr in rank_results:
             written.setdefault(wr.index, []).append(wr.storage_data)
-    holders = {index: tuple(loc.rank for loc in locs) for index, locs in written.items()}
-    got = encode_metadata(
-        metadata,
-        holders,
-        job=planned.job,
-        step=planned.step,
-        world_size=planned.world_size,
-        coordinator=planned.coordinator,
-        save_id=planned.save_id,
-    )
-    for want_entry, got_entry in zip(planned.entries, got.entries, strict=False):
-        if want_entry.fqn != got_entry.fqn or want_entry.tensor != got_entry.tensor:
-            raise FormatError(
-                f"DCP step {save.step}: DCP's metadata for {got_entry.fqn!r} differs from the one planned "
-                f"for {want_entry.fqn!r} and written on every node (a planner that changes the metadata "
-                "after planning is not supported)"
-            )
-        if _all_holders(want_entry) != _all_holders(got_entry):
-            raise FormatError(
-                f"DCP step {save.step}: the items of {got_entry.fqn!r} were not written as planned"
-            )
-    if len(planned.entries) != len(got.entries) or planned.planner_data != got.planner_data:
-        raise FormatError(
-            f"DCP step {save.step}: DCP's metadata differs from the one planned and written on every node "
-            "(entries or planner data)"
-        )
+    if written.keys() != holders.keys():
+        raise FormatError(f"DCP step {save.step}: the items written are not the items planned")
     for index, locs in written.items():
-        if len({loc.crc32c for loc in locs}) > 1:
+        if sorted(loc.rank for loc in locs) != sorted(holders[index]):
+            raise FormatError(
+                f"DCP step {save.step}: {item_key(index)!r} was not written by its planned ranks"
+            )
+        if len(locs) > 1 and len({loc.crc32c for loc in locs}) > 1:
             ranks = sorted(loc.rank for loc in locs)
             raise FormatError(
                 f"DCP step {save.step}: {item_key(index)!r} is held by ranks {ranks} with different bytes. "
                 "DCP saves a key held by several ranks once, assuming it is the same everywhere; keep "
                 "state that differs between ranks under keys of its own"
             )
-
-
-def _all_holders(entry: Any) -> list[tuple[int, ...]]:
-    items = entry.items
-    return sorted(tuple(sorted(items.holders(i))) for i in range(len(items.ranks)))
 
 
 def _committed(path: Path) -> bool:
