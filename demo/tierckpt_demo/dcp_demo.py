@@ -54,7 +54,12 @@ def dcp_checks(scenario: str, ranks: list[RankResult], bucket_reads: int) -> lis
         else "nothing read from the bucket"
     )
     if scenario == "shrink" and fetched:
-        detail += f" (the reshard fetched the steps of ranks {rank_ranges(fetched)} from peers)"
+        moved = sum(r.fetched_bytes for r in ranks) / (1 << 20)
+        waited = max(r.fetch_s for r in ranks)
+        detail += (
+            f" (the reshard fetched the steps of ranks {rank_ranges(fetched)} from peers: "
+            f"{moved:.1f} MiB, {waited:.2f} s)"
+        )
     checks.append(Check("bucket", ok, detail))
     return checks
 

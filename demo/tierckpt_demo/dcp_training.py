@@ -135,7 +135,7 @@ def _restore(model: torch.nn.Module, opt: torch.optim.Optimizer, events: EventLo
     began = time.time()
     step = agreed_step()
     fetched: tuple[int, ...] = ()
-    nbytes = 0
+    nbytes, fetched_bytes, fetch_s = 0, 0, 0.0
     if step is not None:
         msd, osd = get_state_dict(model, opt)
         state = {"model": msd, "optim": osd, "extra": {"step": -1}}
@@ -145,6 +145,7 @@ def _restore(model: torch.nn.Module, opt: torch.optim.Optimizer, events: EventLo
         if state["extra"]["step"] != step:
             raise RuntimeError(f"step {step} restored a state saved at step {state['extra']['step']}")
         fetched, nbytes = reader.fetched, reader.bytes_read
+        fetched_bytes, fetch_s = reader.fetched_bytes, reader.fetch_seconds
     tier, staged_at = _own_tier(step) if step is not None else ("none", 0.0)
     seconds = time.time() - max(began, staged_at)
     sha = full_state_sha256(model, opt)
@@ -157,6 +158,8 @@ def _restore(model: torch.nn.Module, opt: torch.optim.Optimizer, events: EventLo
         sha256=sha,
         staged_at=staged_at,
         fetched=fetched,
+        fetched_bytes=fetched_bytes,
+        fetch_s=fetch_s,
     )
     return 0 if step is None else step
 

@@ -65,6 +65,10 @@ class RankResult(Record):
     """This rank's node was wiped by the scenario."""
     fetched: tuple[int, ...] = ()
     """(DCP) ranks whose step the load had its node's replicator fetch (a reshard reads other ranks)."""
+    fetched_bytes: int = 0
+    """(DCP) bytes the replicator reported moving for this rank's fetch requests."""
+    fetch_s: float = 0.0
+    """(DCP) time this rank's load waited for them (included in ``load_s``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +99,11 @@ class ScenarioResult(Record):
     """(DCP) ranks whose step some node had its replicator fetch for the load."""
     bucket_reads: int = 0
     """Objects of ranks' steps read from the bucket between the restore plan and the last restore."""
+    fetched_bytes: int = 0
+    """(DCP) bytes fetched for the ranks' requests, summed over ranks (a step two ranks of one node
+    both need is fetched once but counted for each)."""
+    fetch_s: float = 0.0
+    """(DCP) the longest wait of one rank for its fetches."""
 
 
 @dataclasses.dataclass(frozen=True)

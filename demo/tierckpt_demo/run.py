@@ -663,6 +663,8 @@ class Demo:
             world_size=len(ranks),
             fetched=tuple(sorted({f for r in ranks for f in r.fetched})),
             bucket_reads=bucket_reads,
+            fetched_bytes=sum(r.fetched_bytes for r in ranks),
+            fetch_s=max((r.fetch_s for r in ranks), default=0.0),
         )
         self.results.append(result)
         tiers = ", ".join(f"{t} {rank_ranges([r.rank for r in rs])}" for t, rs in tier_groups(ranks))
@@ -704,6 +706,8 @@ class Demo:
             reference,
             lost,
             restored.fetched,
+            restored.fetched_bytes,
+            restored.fetch_s,
         )
 
 

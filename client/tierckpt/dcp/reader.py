@@ -25,6 +25,7 @@ import contextlib
 import io
 import logging
 import os
+import time
 import uuid
 from collections import defaultdict
 from pathlib import Path
@@ -145,6 +146,10 @@ class RamdiskReader(StorageReader):
         """Ranks whose step the last load had the replicator bring to this node."""
         self.bytes_read = 0
         """Stored bytes the last load read (each item once)."""
+        self.fetched_bytes = 0
+        """Bytes the replicator reported moving for the last load's requests (0: nothing fetched)."""
+        self.fetch_seconds = 0.0
+        """Time the last load waited for its requests to be answered."""
         self._record: DcpMetadata | None = None
         self._holders: dict[MetadataIndex, tuple[int, ...]] = {}
         self._chunks: dict[tuple[str, tuple[int, ...]], tuple[torch.Size, torch.dtype]] = {}
@@ -173,6 +178,7 @@ class RamdiskReader(StorageReader):
     def read_metadata(self) -> Metadata:  # no **kwargs: DCP must not fall back to rank-local metadata
         self._record, self._holders, self._chunks, self._steps = None, {}, {}, {}
         self._manifests, self._present, self._chosen, self.fetched, self.bytes_read = {}, {}, {}, (), 0
+        self.fetched_bytes, self.fetch_seconds = 0, 0.0
         if self.requested_step is not None:
             record = self._load_record(self.requested_step)
         else:
@@ -319,7 +325,10 @@ class RamdiskReader(StorageReader):
 
     def _fetch(self, ranks: list[int], step: int) -> None:
         rank = resolve(root=self.root, job=self.job).rank
-        fetch_rank_steps(self.root, self.job, rank, step, ranks, stall_timeout=self.stall_timeout)
+        started = time.monotonic()
+        status = fetch_rank_steps(self.root, self.job, rank, step, ranks, stall_timeout=self.stall_timeout)
+        self.fetch_seconds += time.monotonic() - started
+        self.fetched_bytes += status.bytes_done
 
     def _holders_of(self, index: MetadataIndex) -> tuple[int, ...]:
         try:
