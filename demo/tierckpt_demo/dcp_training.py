@@ -33,9 +33,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.checkpoint.state_dict_loader import load
+from torch.distributed.checkpoint.state_dict_saver import async_save
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -64,7 +65,7 @@ def global_batch(seed: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 def build(model_size: str, seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(seed)
     net = Net(parse_model_size(model_size))
-    mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     for layer in net.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(net, mesh=mesh)
@@ -109,7 +110,7 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, *, seed: int,
     rows = GLOBAL_BATCH // world
     x, y = x[rank * rows : (rank + 1) * rows], y[rank * rows : (rank + 1) * rows]
     loss = torch.nn.functional.mse_loss(model(x), y)
-    loss.backward()
+    loss.backward()  # type: ignore[no-untyped-call]
     for group in opt.param_groups:
         group["lr"] = LR * min(1.0, step / WARMUP)
     opt.step()
@@ -138,9 +139,9 @@ def _restore(model: torch.nn.Module, opt: torch.optim.Optimizer, events: EventLo
     nbytes, fetched_bytes, fetch_s = 0, 0, 0.0
     if step is not None:
         msd, osd = get_state_dict(model, opt)
-        state = {"model": msd, "optim": osd, "extra": {"step": -1}}
+        state: dict[str, Any] = {"model": msd, "optim": osd, "extra": {"step": -1}}
         reader = RamdiskReader()
-        dcp.load(state, checkpoint_id=step, storage_reader=reader)
+        load(state, checkpoint_id=str(step), storage_reader=reader)
         set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
         if state["extra"]["step"] != step:
             raise RuntimeError(f"step {step} restored a state saved at step {state['extra']['step']}")
@@ -176,7 +177,7 @@ def run(args: argparse.Namespace) -> None:
     get_state_dict(model, opt)  # creates Adam's state, as a restore needs it (every run does the same)
     start = _restore(model, opt, events)
     writer = RamdiskWriter()
-    pending = None
+    pending: Any = None
     for step in range(start + 1, args.until + 1):
         loss = train_step(model, opt, seed=args.seed, step=step)
         events.emit("step", step=step, loss=loss)
@@ -186,12 +187,13 @@ def run(args: argparse.Namespace) -> None:
             msd, osd = get_state_dict(model, opt)
             sha = full_state_sha256(model, opt)
             t0 = time.perf_counter()
-            pending = dcp.async_save(
+            response = async_save(
                 {"model": msd, "optim": osd, "extra": {"step": step}},
-                checkpoint_id=step,
+                checkpoint_id=str(step),
                 storage_writer=writer,
                 process_group=saves,
             )
+            pending = getattr(response, "upload_completion", response)
             events.emit("saved", step=step, seconds=time.perf_counter() - t0, sha256=sha)
     if pending is not None:
         pending.result()

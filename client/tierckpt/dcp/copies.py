@@ -14,7 +14,6 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
-import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import WriteItem
 
@@ -26,7 +25,7 @@ def item_bytes(item: WriteItem) -> int:
     td = item.tensor_data
     if td is None:
         return 1
-    return math.prod(td.chunk.sizes) * torch._utils._element_size(td.properties.dtype)
+    return math.prod(td.chunk.sizes) * td.properties.dtype.itemsize
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,7 +25,7 @@ import copy
 import dataclasses
 import io
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflatten_state_dict
@@ -60,7 +60,7 @@ def _local(value: Any) -> torch.Tensor | None:
     if isinstance(value, DTensor):
         return value._local_tensor
     if type(value) in (torch.Tensor, torch.nn.Parameter):
-        return value
+        return cast("torch.Tensor", value)
     return None
 
 
@@ -68,10 +68,9 @@ def _offset(value: Any) -> tuple[int, ...]:
     if isinstance(value, DTensor):
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-        return tuple(
-            compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)[1]
-        )
-    return (0,) * value.dim()
+        _, offset = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
+        return tuple(int(o) for o in offset)
+    return (0,) * int(value.dim())
 
 
 def _rewrap(like: Any, local: torch.Tensor) -> Any:

@@ -450,7 +450,7 @@ class RamdiskWriter(StorageWriter):
 
     @staticmethod
     def _register_cuda(store: RankStore) -> None:
-        if not store.pool.register_cuda and cuda.available() and torch.cuda.is_initialized():
+        if not store.pool.register_cuda and cuda.available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
             store.pool.register_cuda = True  # device tensors copy straight into pinned ramdisk pages
             store.pool.register_all()
 

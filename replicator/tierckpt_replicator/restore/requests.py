@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import re
 import time
@@ -177,8 +178,8 @@ class FetchRequests:
 
     def forget(self, job: str) -> None:
         """Stop serving ``job``'s requests (the job is being purged)."""
-        for key in [k for k in self._serving if k[0] == job]:
-            self._serving.pop(key).cancel()
+        for who in [k for k in self._serving if k[0] == job]:
+            self._serving.pop(who).cancel()
         for key in [k for k in self._fetches if k[0] == job]:
             task = self._fetches.pop(key).task
             if task is not None:
@@ -239,9 +240,9 @@ class FetchRequests:
             fetch = self._fetches.get(key)  # one in flight: share it
             if fetch is None:
                 fetch = _Fetch()
-                sources = _sources(rank, step, inventories, assignment, self.node)
-                fetch.task = asyncio.create_task(self._fetch(job, rank, step, sources, in_bucket, fetch))
-                fetch.task.add_done_callback(lambda _t, key=key, fetch=fetch: self._finished(key, fetch))
+                peers = _sources(rank, step, inventories, assignment, self.node)
+                fetch.task = asyncio.create_task(self._fetch(job, rank, step, peers, in_bucket, fetch))
+                fetch.task.add_done_callback(functools.partial(self._finished, key, fetch))
                 self._fetches[key] = fetch
             fetches[rank] = fetch
         log.info(
@@ -282,7 +283,7 @@ class FetchRequests:
             done, state=RestoreState.READY, message=f"fetched ranks {moved}" if moved else "all here already"
         )
 
-    def _finished(self, key: tuple[str, int, int], fetch: _Fetch) -> None:
+    def _finished(self, key: tuple[str, int, int], fetch: _Fetch, _task: object = None) -> None:
         if self._fetches.get(key) is fetch:  # a later request checks again what is here
             del self._fetches[key]
 
