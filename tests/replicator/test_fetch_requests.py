@@ -200,3 +200,51 @@ async def test_a_new_request_replaces_the_old_one_of_its_rank(tmp_path: Path) ->
         assert (await _answer(requests, tmp_path, 0, second.id)).state is RestoreState.READY
     finally:
         await requests.close()
+
+
+async def test_a_step_planted_through_a_link_is_not_taken_as_held(tmp_path: Path) -> None:
+    """A pod links ``replicas/rank-00001`` to a committed step elsewhere: the request is not answered
+    ``ready`` from it (the replicator reads no path through a link)."""
+    write_step(tmp_path, JOB, 0, 5, world_size=2, sizes=(1000,))
+    elsewhere = tmp_path / "elsewhere"
+    write_step(elsewhere, JOB, 1, 5, world_size=2, sizes=(1000,))
+    replicas = tmp_path / JOB / "replicas"
+    replicas.mkdir()
+    os.symlink(elsewhere / JOB / "rank-00001", replicas / "rank-00001")
+    requests = _requests(tmp_path)
+    try:
+        req = _request(ranks=(1,))
+        _write(tmp_path, req)
+        status = await _answer(requests, tmp_path, 0, req.id)
+        assert status.state is RestoreState.FAILED and status.sources == {}, status
+    finally:
+        await requests.close()
+
+
+def test_ranks_that_did_not_exist_at_the_plans_step_learn_it_at_once(tmp_path: Path) -> None:
+    """The job grew from 4 to 6 ranks: this node's ranks 4 and 5 have nothing to stage, but a DCP load
+    reshards into them, so they get a ready status with the plan's step instead of waiting for one."""
+    from types import SimpleNamespace
+
+    from tierckpt.protocol.control import PeerAssignment, PeerNode, RestoreStatus, restore_status_name
+    from tierckpt_replicator.restore.stage import Stager
+
+    nodes = {n: PeerNode(n, f"http://10.0.0.{i}:8470") for i, n in enumerate(("a", "b", "c"))}
+    assignment = PeerAssignment(JOB, 3, nodes, {}, {"a": 0, "b": 1, "c": 2}, procs_per_node=2)
+    stager = Stager(
+        settings=SimpleNamespace(root=tmp_path, node_name="c"),  # type: ignore[arg-type]
+        assignments=None,  # type: ignore[arg-type]
+        supervisor=None,  # type: ignore[arg-type]
+        peers=None,  # type: ignore[arg-type]
+        metrics=None,  # type: ignore[arg-type]
+        own_inventory=None,  # type: ignore[arg-type]
+    )
+    plan = RestorePlan(JOB, 8, 4, {r: Tier.LOCAL for r in range(4)})
+    stager._tell_new_ranks(JOB, plan, assignment, staged=())
+    for rank in (4, 5):
+        status = read_control(tmp_path, JOB, restore_status_name(rank), RestoreStatus)
+        assert isinstance(status, RestoreStatus) and (status.state, status.step) == (RestoreState.READY, 8)
+    fresh = dataclasses.replace(plan, step=None)
+    stager._tell_new_ranks(JOB, fresh, assignment, staged=())
+    status = read_control(tmp_path, JOB, restore_status_name(4), RestoreStatus)
+    assert isinstance(status, RestoreStatus) and status.state is RestoreState.NONE

@@ -41,7 +41,7 @@ from tierckpt.protocol.control import (
     fetch_status_name,
 )
 from tierckpt.protocol.errors import FormatError, RetryableError, TierckptError, UnsafePathError
-from tierckpt.protocol.format import rank_dir, read_commit, replica_rank_dir, step_dir
+from tierckpt.protocol.format import COMMIT_NAME, decode_commit, replica_rank_dir
 from tierckpt.protocol.safefs import Beneath
 from tierckpt_replicator.assignments import AssignmentStore, data_endpoint
 from tierckpt_replicator.backup.jobs import BackupPort
@@ -56,8 +56,11 @@ log = logging.getLogger(__name__)
 
 MAX_REQUEST_BYTES = 1 << 20
 """A request names at most ``MAX_FETCH_RANKS`` ranks: well under this."""
-MAX_REQUESTS = 4096
+MAX_REQUESTS = 256
 """Request files looked at per job and scan (one per process rank of the node, in practice)."""
+INVENTORY_TTL = 1.0
+"""Seconds the job's gathered inventories serve further requests (a pod cannot make this node ask its
+peers more often than that, however many requests it writes)."""
 _NAME_RE = re.compile(r"fetch-rank-([0-9]{5,9})\.json")
 
 
@@ -130,6 +133,8 @@ class FetchRequests:
         self._serving: dict[tuple[str, int], asyncio.Task[None]] = {}
         self._fetches: dict[tuple[str, int, int], _Fetch] = {}
         self._refused: set[tuple[str, str]] = set()
+        self._gathered: dict[str, tuple[float, list[NodeInventory]]] = {}
+        self._gathering: dict[str, asyncio.Lock] = {}
 
     # ------------------------------------------------------------------ scanning
 
@@ -185,6 +190,7 @@ class FetchRequests:
             if task is not None:
                 task.cancel()
         self._seen = {k: v for k, v in self._seen.items() if k[0] != job}
+        self._gathered.pop(job, None)
 
     async def close(self) -> None:
         tasks = [*self._serving.values(), *(f.task for f in self._fetches.values() if f.task is not None)]
@@ -224,7 +230,7 @@ class FetchRequests:
     ) -> FetchStatus:
         base = FetchStatus(job, request.rank, request.id, request.step, RestoreState.STAGING)
         assignment = self.assignments.get(job)
-        inventories = await gather_inventories(await self.own_inventory(job), assignment, self.peers)
+        inventories = await self._inventories(job, assignment)
         try:
             check_request(
                 request, job=job, rank=request.rank, plan=self.plan_of(job), inventories=inventories
@@ -282,6 +288,17 @@ class FetchRequests:
         return dataclasses.replace(
             done, state=RestoreState.READY, message=f"fetched ranks {moved}" if moved else "all here already"
         )
+
+    async def _inventories(self, job: str, assignment: PeerAssignment | None) -> list[NodeInventory]:
+        """Every node's inventory of ``job``, gathered at most once per ``INVENTORY_TTL``."""
+        lock = self._gathering.setdefault(job, asyncio.Lock())
+        async with lock:
+            cached = self._gathered.get(job)
+            if cached is not None and time.monotonic() - cached[0] < INVENTORY_TTL:
+                return cached[1]
+            found = await gather_inventories(await self.own_inventory(job), assignment, self.peers)
+            self._gathered[job] = (time.monotonic(), found)
+            return found
 
     def _finished(self, key: tuple[str, int, int], fetch: _Fetch, _task: object = None) -> None:
         if self._fetches.get(key) is fetch:  # a later request checks again what is here
@@ -349,10 +366,18 @@ class FetchRequests:
 
 
 def _held(root: Path, job: str, rank: int, step: int) -> bool:
-    for parent in (rank_dir(root, job, rank), replica_rank_dir(root, job, rank)):
-        with contextlib.suppress(FormatError, OSError):
-            if read_commit(step_dir(parent, step)) is not None:
-                return True
+    """Whether ``rank``'s ``step`` is committed on this node (primary or replica), read without following
+    any link the pod may have planted in its job tree."""
+    name = f"rank-{rank:05d}/step-{step:012d}/{COMMIT_NAME}"
+    try:
+        with Beneath.open(root, job) as tree:
+            for rel in (name, f"replicas/{name}"):
+                with contextlib.suppress(FileNotFoundError, NotADirectoryError, FormatError, UnsafePathError):
+                    marker = decode_commit(tree.read_bytes(rel, limit=1 << 16), rel)
+                    if (marker.job, marker.rank, marker.step) == (job, rank, step):
+                        return True
+    except (OSError, UnsafePathError):
+        return False
     return False
 
 
