@@ -74,10 +74,11 @@ def _offset(value: Any) -> tuple[int, ...]:
 
 
 def _rewrap(like: Any, local: torch.Tensor) -> Any:
+    """``local`` in the place of ``like``'s local shard. Not ``DTensor.from_local``: that moves a host shard
+    back to a CUDA mesh's device. Like DCP's own staging, the staged DTensor keeps the mesh and placements
+    around a host tensor."""
     if isinstance(like, DTensor):
-        return DTensor.from_local(
-            local, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()
-        )
+        return DTensor(local, like._spec, requires_grad=False)
     return local
 
 
