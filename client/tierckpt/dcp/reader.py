@@ -73,7 +73,8 @@ def _all_rank_dirs(root: Path, job: str) -> list[Path]:
 
 
 def dcp_steps(root: str | os.PathLike[str], job: str) -> list[int]:
-    """Steps (newest first) for which some rank on this root holds a committed step; candidates only."""
+    """Steps (newest first) for which some rank on this root holds a committed step; candidates only.
+    Which step to load on several nodes is ``tierckpt.dcp.agreed_step``'s answer, not this node's list."""
     steps: set[int] = set()
     for d in _all_rank_dirs(Path(root), job):
         steps.update(committed_steps(d))
@@ -205,7 +206,7 @@ class RamdiskReader(StorageReader):
                 return path, manifest
         return None
 
-    def _coordinator_step(self, step: int, *, fetch: bool) -> tuple[Path, Manifest]:
+    def _metadata_carrier(self, step: int, *, fetch: bool) -> tuple[Path, Manifest]:
         """The step carrying the metadata of ``step``; fetched (rank 0's, which always carries it) when
         this node has none and ``fetch``."""
         found = self._metadata_step(step)
@@ -229,7 +230,7 @@ class RamdiskReader(StorageReader):
         return self._manifests[path]
 
     def _load_record(self, step: int, *, fetch: bool = True) -> DcpMetadata:
-        path, manifest = self._coordinator_step(step, fetch=fetch and self.fetch)
+        path, manifest = self._metadata_carrier(step, fetch=fetch and self.fetch)
         entry = manifest.file(DCP_METADATA_NAME)
         file = path / DCP_METADATA_NAME
         body = file.read_bytes()
