@@ -234,6 +234,12 @@ class TrainerEvent(Message):
     staged_at: float = 0.0
     """``restored``: when the replicator reported the step staged (0: nothing was staged)."""
     message: str = ""
+    fetched: tuple[int, ...] = ()
+    """``restored`` (DCP): ranks whose step the load had the replicator fetch to this node."""
+    fetched_bytes: int = 0
+    """``restored`` (DCP): bytes the replicator moved for those fetches."""
+    fetch_s: float = 0.0
+    """``restored`` (DCP): time the load waited for them."""
 
 
 class EventLog:

@@ -39,6 +39,7 @@ from tierckpt_replicator.policies import PolicyStore
 from tierckpt_replicator.replication.manager import ReplicationManager
 from tierckpt_replicator.replication.replicas import free_bytes
 from tierckpt_replicator.replication.supervisor import WorkerSupervisor
+from tierckpt_replicator.restore.requests import FetchRequests
 from tierckpt_replicator.restore.stage import Stager
 from tierckpt_replicator.settings import Settings
 from tierckpt_replicator.watch import CommitWatcher
@@ -104,6 +105,7 @@ class NodeControls:
     watcher: CommitWatcher
     replication: ReplicationManager
     stager: Stager
+    requests: FetchRequests | None = None
 
     async def inventory(self, job: str) -> NodeInventory:
         return await self.local_inventory(job)
@@ -177,6 +179,8 @@ class NodeControls:
 
     async def purge(self, job: str, *, bucket: bool = False) -> bool:
         self.stager.forget(job)
+        if self.requests is not None:
+            self.requests.forget(job)
         if bucket and self.backup is not None:  # first: the job's policy on disk names its bucket
             await self.backup.delete_job(job)
             log.info("job %s: purged its backups from the bucket", job)

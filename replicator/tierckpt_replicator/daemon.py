@@ -37,6 +37,7 @@ from tierckpt_replicator.replication.ipc import DataEvent, WorkerConfig
 from tierckpt_replicator.replication.manager import ReplicationManager
 from tierckpt_replicator.replication.supervisor import WorkerSupervisor
 from tierckpt_replicator.replication.transfer import outcome_status
+from tierckpt_replicator.restore.requests import FetchRequests
 from tierckpt_replicator.restore.stage import Stager
 from tierckpt_replicator.settings import Settings
 from tierckpt_replicator.watch import CommitWatcher
@@ -126,6 +127,16 @@ class Daemon:
             own_inventory=self.local_inventory,
             backup=backup,
         )
+        self.requests = FetchRequests(
+            root=settings.root,
+            node=settings.node_name,
+            assignments=self.assignments,
+            supervisor=self.supervisor,
+            peers=self.peers,
+            own_inventory=self.local_inventory,
+            plan_of=self.stager.plans.get,
+            backup=backup,
+        )
         self.controls = NodeControls(
             settings=settings,
             tokens=self.tokens,
@@ -140,6 +151,7 @@ class Daemon:
             watcher=self.watcher,
             replication=self.replication,
             stager=self.stager,
+            requests=self.requests,
         )
         self._loops: list[asyncio.Task[None]] = []
         self.app = create_app(self.controls)
@@ -169,6 +181,7 @@ class Daemon:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await self.stager.close()
+        await self.requests.close()
         await self.replication.close()
         self.watcher.close()
         await self.supervisor.stop()
@@ -201,6 +214,7 @@ class Daemon:
         while True:
             try:
                 self.watcher.refresh()
+                await self.requests.scan()
                 await self.replication.run_pass()
                 self._update_gauges()
             except Exception:

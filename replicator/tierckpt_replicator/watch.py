@@ -1,10 +1,10 @@
 """Notice new commits in the ramdisk with almost no overhead: inotify as a wake-up, a rescan as truth.
 
 ``CommitWatcher`` watches the root, each job dir, each rank dir and every not-yet-committed step dir
-(COMMIT arrives there by rename). Any event wakes ``wait()``; the caller then rescans the ramdisk, which
-is the source of truth, and calls ``refresh()`` to watch the directories that appeared. Without inotify
-(or if it fails) ``wait()`` simply returns every ``poll_interval`` seconds; it always does anyway, as a
-safety net. Works on tmpfs.
+(COMMIT arrives there by rename), and each job's ``requests`` dir (fetch requests of training ranks).
+Any event wakes ``wait()``; the caller then rescans the ramdisk, which is the source of truth, and calls
+``refresh()`` to watch the directories that appeared. Without inotify (or if it fails) ``wait()`` simply
+returns every ``poll_interval`` seconds; it always does anyway, as a safety net. Works on tmpfs.
 
 inotify comes from ``inotify_simple`` (a thin wrapper over the syscalls): its descriptor goes straight
 into the event loop (``add_reader``), and each directory gets a narrow mask (entries created, moved in,
@@ -88,6 +88,7 @@ class CommitWatcher:
         for job in list_jobs(self.root):
             base = job_dir(self.root, job)
             paths.append(base)
+            paths.append(base / "requests")  # a training rank's fetch request (restore.requests)
             for rank in ranks_in(base):
                 rd = rank_dir(self.root, job, rank)
                 paths.append(rd)

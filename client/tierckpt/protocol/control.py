@@ -27,7 +27,10 @@ from tierckpt.protocol.errors import ContractError, FormatError
 from tierckpt.protocol.format import control_dir, write_atomic
 
 __all__ = [
+    "MAX_FETCH_RANKS",
     "BackupResult",
+    "FetchRequest",
+    "FetchStatus",
     "JobPolicy",
     "JobStatus",
     "NodeInventory",
@@ -41,6 +44,8 @@ __all__ = [
     "RestoreState",
     "RestoreStatus",
     "Tier",
+    "fetch_request_name",
+    "fetch_status_name",
     "read_control",
     "restore_status_name",
     "write_control",
@@ -202,6 +207,70 @@ class RestoreStatus(Message):
     message: str = ""
 
 
+MAX_FETCH_RANKS = 1 << 16
+"""Most rank-steps one ``FetchRequest`` may name (a request names at most the step's world size)."""
+_REQUEST_ID_RE = re.compile(r"[0-9a-f]{32}")
+
+
+@dataclasses.dataclass(frozen=True)
+class FetchRequest(Message):
+    """``<job>/requests/fetch-rank-<rank:05d>.json``: a training rank asks its node's replicator for
+    other ranks' committed steps (a DCP load under another sharding reads them).
+
+    Written by the client, so the replicator treats it as untrusted: it fetches only committed steps of
+    the job whose directory holds the file, only a step the job's restore plan or some inventory
+    names, and only ranks below that step's world size. Each named ``(rank, step)`` ends up committed
+    on this node (as a replica, if it is not a primary here); several requests naming the same one
+    share one fetch. Progress: ``FetchStatus`` in ``control/fetch-rank-<rank:05d>.json``.
+    """
+
+    KIND = "tierckpt.fetch-request"
+    VERSION = CONTRACT_VERSION
+
+    job: str
+    rank: int
+    """The requesting process rank (the file is named after it)."""
+    id: str
+    """32 lowercase hex digits, new for every request: the status that answers it carries the same."""
+    step: int
+    ranks: tuple[int, ...]
+    """The ranks whose ``step`` is needed on this node, each once."""
+    requested_at: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not _REQUEST_ID_RE.fullmatch(self.id):
+            raise FormatError("fetch request: id must be 32 lowercase hex digits")
+        if self.rank < 0 or self.step < 0 or any(r < 0 for r in self.ranks):
+            raise FormatError("fetch request: ranks and step must not be negative")
+        if len(self.ranks) > MAX_FETCH_RANKS or len(set(self.ranks)) != len(self.ranks):
+            raise FormatError(f"fetch request: at most {MAX_FETCH_RANKS} distinct ranks")
+
+
+@dataclasses.dataclass(frozen=True)
+class FetchStatus(Message):
+    """``control/fetch-rank-<rank:05d>.json``: the replicator's progress on one ``FetchRequest``.
+
+    ``ready``: every named rank-step is committed on this node; ``failed``: one cannot be fetched
+    (``message`` says why). The client waits while ``updated_at`` keeps moving, as for restores.
+    """
+
+    KIND = "tierckpt.fetch-status"
+    VERSION = CONTRACT_VERSION
+
+    job: str
+    rank: int
+    id: str
+    """The ``FetchRequest.id`` this answers."""
+    step: int
+    state: RestoreState
+    bytes_done: int = 0
+    bytes_total: int = 0
+    sources: dict[int, Tier] = dataclasses.field(default_factory=dict)
+    """Rank -> where its step came from (``local`` when it was already on this node)."""
+    updated_at: float = 0.0
+    message: str = ""
+
+
 _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]$")
 
 
@@ -256,6 +325,16 @@ class JobPolicy(Message):
 
 def restore_status_name(rank: int) -> str:
     return f"restore-rank-{rank:05d}.json"
+
+
+def fetch_request_name(rank: int) -> str:
+    """The file name of rank ``rank``'s ``FetchRequest`` in ``<job>/requests/``."""
+    return f"fetch-rank-{rank:05d}.json"
+
+
+def fetch_status_name(rank: int) -> str:
+    """The file name of the ``FetchStatus`` answering rank ``rank`` in ``<job>/control/``."""
+    return f"fetch-rank-{rank:05d}.json"
 
 
 def write_control(root: str | os.PathLike[str], job: str, name: str, msg: Message) -> Path:

@@ -5,12 +5,13 @@ Layout under a root directory (the node ramdisk; in a pod, the job's bind mount)
     <root>/<job>/rank-<rank:05d>/step-<step:012d>/
         data-<n:05d>.bin     tensor bytes, each tensor at an aligned offset
         objects.pkl          pickled non-tensor user objects (optional)
-        dcp-metadata.json    DCP steps, coordinator rank only: the global DCP metadata (typed JSON)
+        dcp-metadata.json    DCP steps, one rank per node: the global DCP metadata (typed JSON)
         manifest.json        Manifest: every tensor's key, dtype, shape, file, offset, length, crc32c
         COMMIT               CommitMarker, written last and atomically
     <root>/<job>/rank-<rank:05d>/leases/<step:012d>.<holder>.json    Lease
     <root>/<job>/replicas/rank-<rank:05d>/step-.../                 copies held for peers, same format
     <root>/<job>/control/                                        control files (tierckpt.protocol.control)
+    <root>/<job>/requests/                                       what training ranks ask their replicator
 
 A step directory without a valid COMMIT does not exist to readers. This module owns the types, the
 paths, their encoding, and the small-file I/O of the commit protocol; it never touches tensor bytes.
@@ -62,6 +63,7 @@ __all__ = [
     "read_commit",
     "read_manifest",
     "replica_rank_dir",
+    "requests_dir",
     "step_dir",
     "step_dirs",
     "write_atomic",
@@ -145,6 +147,12 @@ def replica_rank_dir(root: str | os.PathLike[str], job: str, rank: int) -> Path:
 
 def control_dir(root: str | os.PathLike[str], job: str) -> Path:
     return job_dir(root, job) / "control"
+
+
+def requests_dir(root: str | os.PathLike[str], job: str) -> Path:
+    """Where training ranks leave requests for their node's replicator (``control.FetchRequest``); the
+    replicator treats everything in it as untrusted input."""
+    return job_dir(root, job) / "requests"
 
 
 def step_dir(rank_path: str | os.PathLike[str], step: int) -> Path:

@@ -2,8 +2,9 @@
 
 ``push_step`` copies this node's primary of a step to one peer (``put``), holding a lease on the
 primary throughout. ``fetch_step`` stages a step as this node's primary from a local replica (a copy
-within the ramdisk) or from a peer (``get``), verifying every file's crc32c as it arrives; a corrupt
-copy is reported to its holder, which re-verifies and drops it. Both return an ``Outcome`` and never
+within the ramdisk) or from a peer (``get``), or as a replica from a peer (another rank's step that a
+load on this node reads), verifying every file's crc32c as it arrives; a corrupt copy is reported to
+its holder, which re-verifies and drops it. Both return an ``Outcome`` and never
 raise for the failures a network or a peer can cause.
 """
 
@@ -141,17 +142,31 @@ def _push(ctx: DataContext, sock: socket.socket, header: StepHeader, path: Path)
 
 
 def fetch_step(
-    ctx: DataContext, job: str, rank: int, step: int, source: FetchSource, on_progress: OnProgress
+    ctx: DataContext,
+    job: str,
+    rank: int,
+    step: int,
+    source: FetchSource,
+    on_progress: OnProgress,
+    *,
+    into: str = "primary",
 ) -> Outcome:
-    """Stage ``job``/``rank``/``step`` as this node's committed primary from ``source``."""
+    """Stage ``job``/``rank``/``step`` on this node from ``source``: as its committed primary, or
+    (``into="replica"``) as a committed replica, unless a committed copy is here already."""
     started = time.monotonic()
-    if read_commit(step_dir(rank_dir(ctx.root, job, rank), step)) is not None:
-        return Outcome(source.node, "already", "already a local primary")
+    here = [rank_dir(ctx.root, job, rank)] + (
+        [replica_rank_dir(ctx.root, job, rank)] if into == "replica" else []
+    )
+    if any(read_commit(step_dir(parent, step)) is not None for parent in here):
+        return Outcome(source.node, "already", f"already committed here ({into} wanted)")
+    dest = here[-1]
     try:
         if source.kind == "replica":
+            if into == "replica":
+                raise _Refused("missing", "no committed local replica")
             nbytes = _copy_replica(ctx, job, rank, step, on_progress)
         else:
-            nbytes = _download(ctx, job, rank, step, source, on_progress)
+            nbytes = _download(ctx, job, rank, step, source, on_progress, dest)
     except RamdiskFullError as exc:
         return Outcome(source.node, "full", str(exc))
     except CorruptShardError as exc:
@@ -201,7 +216,13 @@ def _copy_replica(ctx: DataContext, job: str, rank: int, step: int, on_progress:
 
 
 def _download(
-    ctx: DataContext, job: str, rank: int, step: int, source: FetchSource, on_progress: OnProgress
+    ctx: DataContext,
+    job: str,
+    rank: int,
+    step: int,
+    source: FetchSource,
+    on_progress: OnProgress,
+    dest: Path,
 ) -> int:
     try:
         sock = connect(ctx, PeerAddress(source.node, source.host, source.port))
@@ -234,7 +255,7 @@ def _download(
             done += n
             on_progress(done, total)
 
-        with StepWriter(rank_dir(ctx.root, job, rank), header) as writer:
+        with StepWriter(dest, header) as writer:
             writer.prepare()
             for f in header.manifest.files:
                 writer.record(f.name, receive_file(sock, writer.path(f.name), f.size, on_bytes=on_bytes))

@@ -171,6 +171,7 @@ class Stager:
             ranks = self._ranks(job, plan, assignment)
             self.states[job] = {r: RestoreState.PENDING for r in ranks}
             log.info("restore %s: step %s for ranks %s", job, plan.step, list(ranks))
+            self._tell_new_ranks(job, plan, assignment, ranks)
             sem = asyncio.Semaphore(self.settings.concurrency)
             await asyncio.gather(*(self._stage_rank(job, r, plan, assignment, sem) for r in ranks))
         except asyncio.CancelledError:
@@ -190,6 +191,24 @@ class Stager:
                     list(ranks),
                 )
         return ranks
+
+    def _tell_new_ranks(
+        self, job: str, plan: RestorePlan, assignment: PeerAssignment | None, staged: tuple[int, ...]
+    ) -> None:
+        """The ranks this node runs now that did not exist when the plan's step was saved (the job grew):
+        nothing of theirs to stage, but they learn the step at once (a DCP load reshards into them)."""
+        now = assignment.process_ranks(self.node) if assignment is not None else ()
+        for rank in (r for r in now if r not in staged):
+            rep = ProgressReporter(self.settings.root, job, rank)
+            if plan.step is None:
+                rep.finish(RestoreState.NONE, message="no step is restorable: start fresh")
+            else:
+                rep.update(step=plan.step)
+                rep.finish(
+                    RestoreState.READY,
+                    message=f"rank {rank} has nothing to stage: {plan.world_size} ranks saved it",
+                )
+            self.states.setdefault(job, {})[rank] = rep.status.state
 
     async def _stage_rank(
         self,
