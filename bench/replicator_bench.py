@@ -47,7 +47,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tierckpt.protocol.control import RestoreState, RestoreStatus, read_control, restore_status_name
+from tierckpt.protocol.control import RestoreState, RestoreStatus, read_restore_status
 from tierckpt.protocol.format import (
     commit_step,
     rank_dir,
@@ -287,7 +287,7 @@ def wait_ready(node: Node, job: str, rank: int, timeout: float = 300) -> Restore
     deadline = time.monotonic() + timeout
     while True:
         try:
-            st = read_control(node.root, job, restore_status_name(rank), RestoreStatus)
+            st = read_restore_status(node.root, job, rank)
         except Exception:
             st = None
         if isinstance(st, RestoreStatus) and st.state in (RestoreState.READY, RestoreState.FAILED):

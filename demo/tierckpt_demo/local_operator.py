@@ -23,8 +23,7 @@ from tierckpt.protocol.control import (
     PeerNode,
     RestorePlan,
     RestoreStatus,
-    read_control,
-    restore_status_name,
+    read_restore_status,
 )
 from tierckpt.protocol.errors import FormatError
 
@@ -110,7 +109,7 @@ class LocalOperator:
     def _staging_started(self, since: float) -> bool:
         for node in self.cluster.nodes:
             try:
-                st = read_control(node.root, self.job, restore_status_name(node.index), RestoreStatus)
+                st = read_restore_status(node.root, self.job, node.index)
             except FormatError:
                 return False
             if not isinstance(st, RestoreStatus) or st.updated_at < since:

@@ -26,7 +26,7 @@ from tests.fixtures.cluster import (
 from tierckpt.protocol.api import ENDPOINTS
 from tierckpt.protocol.bucket_layout import BucketLayout
 from tierckpt.protocol.control import BackupResult, RestorePlan, RestoreState, Tier
-from tierckpt.protocol.format import committed_steps, control_dir, rank_dir, replica_rank_dir, step_dir
+from tierckpt.protocol.format import committed_steps, rank_dir, replica_rank_dir, state_dir, step_dir
 from tierckpt_demo.step_writer import step_files, write_step
 from tierckpt_replicator.backup.gcs import GcsSettings, GcsStore
 from tierckpt_replicator.replication.wire import DataReply, DataRequest, Status, recv_frame, send_frame
@@ -332,7 +332,7 @@ def test_requests_without_the_token_or_malformed_change_nothing(cluster3):
             assert raw.request(ep.method, path, content=newer).status_code == 401
             bad = {"Authorization": "Bearer nope"}
             assert raw.request(ep.method, path, content=newer, headers=bad).status_code == 403
-        peers = control_dir(a.root, job) / "peers.json"
+        peers = state_dir(a.root, job) / "peers.json"
         assert json.loads(peers.read_bytes())["generation"] == 1
         auth = {"Authorization": f"Bearer {cluster3.token}"}
         resp = raw.put(f"/v1/jobs/{job}/peers", content=b'{"kind":"tierckpt.peers"', headers=auth)
