@@ -25,6 +25,7 @@ import logging
 import os
 import secrets
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
 
@@ -55,6 +56,7 @@ __all__ = [
     "create_preallocated",
     "find_committed",
     "newest_committed",
+    "open_files",
     "open_job",
     "parse_header",
     "preallocate",
@@ -235,6 +237,24 @@ def find_committed(job: Beneath, rank: int, step: int) -> tuple[Beneath, Beneath
         except FormatError:
             continue
     return None
+
+
+@contextlib.contextmanager
+def open_files(step: Beneath, manifest: Manifest) -> Iterator[list[int]]:
+    """Read descriptors of every file of a step, in manifest order, each a regular file of the manifest's
+    size reached through no symlink; opened all before any is used, so a refusal comes before a byte of
+    the step moves. Closed at the end of the block."""
+    fds: list[int] = []
+    try:
+        for f in manifest.files:
+            fds.append(step.open_fd(f.name))
+            size = os.fstat(fds[-1]).st_size
+            if size != f.size:
+                raise FormatError(f"{step.where}/{f.name}: {size} bytes on disk, manifest says {f.size}")
+        yield fds
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def verify_step(path: Beneath, *, limit: int) -> list[str]:

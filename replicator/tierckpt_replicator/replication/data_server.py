@@ -48,6 +48,7 @@ from tierckpt_replicator.stepio import (
     StepHeader,
     StepWriter,
     find_committed,
+    open_files,
     open_job,
     parse_header,
     rank_tree,
@@ -303,21 +304,17 @@ class DataServer:
                 )
             except FormatError as exc:
                 raise _Reject(Status.CORRUPT, f"local copy unreadable: {exc}") from exc
-            reply = DataReply(
-                status=Status.OK,
-                commit_size=len(header.commit_bytes),
-                manifest_size=len(header.manifest_bytes),
-                total_bytes=header.manifest.total_bytes,
-            )
-            send_frame(conn, reply, header.commit_bytes + header.manifest_bytes)
-            for f in header.manifest.files:
-                fd = path.open_fd(f.name)
-                try:
-                    send_file(
-                        conn, fd, f.size, where=f"{path.where}/{f.name}", method=self.ctx.config.send_method
-                    )
-                finally:
-                    os.close(fd)
+            with open_files(path, header.manifest) as fds:  # all of them, before a byte goes out
+                reply = DataReply(
+                    status=Status.OK,
+                    commit_size=len(header.commit_bytes),
+                    manifest_size=len(header.manifest_bytes),
+                    total_bytes=header.manifest.total_bytes,
+                )
+                send_frame(conn, reply, header.commit_bytes + header.manifest_bytes)
+                for f, fd in zip(header.manifest.files, fds, strict=True):
+                    where = f"{path.where}/{f.name}"
+                    send_file(conn, fd, f.size, where=where, method=self.ctx.config.send_method)
         seconds = time.monotonic() - started
         log.info(
             "served %s rank %d step %d to %s (%d bytes, %.2fs)",

@@ -44,6 +44,7 @@ from tierckpt_replicator.replication.wire import (
 from tierckpt_replicator.stepio import (
     StepHeader,
     StepWriter,
+    open_files,
     open_job,
     parse_header,
     rank_tree,
@@ -107,12 +108,13 @@ def _push_from(
     try:
         with lease:
             header = _read_header(ctx, path, job, rank, step)
-            try:
-                sock = connect(ctx, peer)
-            except OSError as exc:
-                return Outcome(peer.node, "unreachable", f"connect {peer.host}:{peer.port}: {exc}")
-            with sock:
-                sent = _push(ctx, sock, header, path)
+            with open_files(path, header.manifest) as fds:  # all of them, before anything goes out
+                try:
+                    sock = connect(ctx, peer)
+                except OSError as exc:
+                    return Outcome(peer.node, "unreachable", f"connect {peer.host}:{peer.port}: {exc}")
+                with sock:
+                    sent = _push(ctx, sock, header, path, fds)
     except UnsafePathError as exc:
         log.warning("refusing to push %s rank %d step %d: %s", job, rank, step, exc)
         return Outcome(peer.node, "failed", f"refused: {exc}")
@@ -132,7 +134,9 @@ def _push_from(
     )
 
 
-def _push(ctx: DataContext, sock: socket.socket, header: StepHeader, path: Beneath) -> tuple[DataReply, int]:
+def _push(
+    ctx: DataContext, sock: socket.socket, header: StepHeader, path: Beneath, fds: list[int]
+) -> tuple[DataReply, int]:
     m = header.manifest
     req = DataRequest(
         op="put",
@@ -154,20 +158,16 @@ def _push(ctx: DataContext, sock: socket.socket, header: StepHeader, path: Benea
         nonlocal sent
         sent += n
 
-    for f in m.files:
-        fd = path.open_fd(f.name)
-        try:
-            send_file(
-                sock,
-                fd,
-                f.size,
-                where=f"{path.where}/{f.name}",
-                bucket=ctx.bucket,
-                on_bytes=on_bytes,
-                method=ctx.config.send_method,
-            )
-        finally:
-            os.close(fd)
+    for f, fd in zip(m.files, fds, strict=True):
+        send_file(
+            sock,
+            fd,
+            f.size,
+            where=f"{path.where}/{f.name}",
+            bucket=ctx.bucket,
+            on_bytes=on_bytes,
+            method=ctx.config.send_method,
+        )
     return recv_frame(sock, DataReply), sent
 
 
