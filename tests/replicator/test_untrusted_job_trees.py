@@ -68,8 +68,9 @@ def plant(root: Path, kind: str) -> Planted:
     elif kind == "step":
         a1.mkdir()
         step_dir(a1, STEP).symlink_to(victim)
-    else:  # A's own COMMIT and manifest, naming a data file that is a link to B's
-        own = write_step(root, A, 1, STEP, world_size=2, sizes=(300_000,), seed=2)
+    else:  # A's own COMMIT and manifest (forged with the sizes and checksums of B's bytes: the worst
+        # case), naming a data file that is a link to B's
+        own = write_step(root, A, 1, STEP, world_size=2, sizes=(300_000,), seed=7)
         (own / "data-00000.bin").unlink()
         (own / "data-00000.bin").symlink_to(victim / "data-00000.bin")
     return Planted(root, kind, step_files(victim))
