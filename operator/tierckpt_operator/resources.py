@@ -36,8 +36,8 @@ JOBSET_GROUP = "jobset.x-k8s.io"
 JOBSET_VERSION = "v1alpha2"
 JOBSETS = "jobsets"
 
-_QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$")
-_BUCKET = re.compile(r"^[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]$")
+_QUANTITY = re.compile(r"[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?")
+_BUCKET = re.compile(r"[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +85,7 @@ class ConfigSpec:
         retention = _obj(backup, "retention")
         replication = _obj(spec, "replication")
         bucket = gcs.get("bucket")
-        if not isinstance(bucket, str) or not _BUCKET.match(bucket):
+        if not isinstance(bucket, str) or not _BUCKET.fullmatch(bucket):
             raise ContractError(f"spec.gcs.bucket {bucket!r} is not a valid bucket name")
         prefix = _str(gcs, "prefix", cls.prefix)
         try:
@@ -93,7 +93,7 @@ class ConfigSpec:
         except FormatError as exc:
             raise ContractError(f"spec.gcs.prefix: {exc}") from exc
         size = ramdisk.get("size", cls.ramdisk_size)
-        if not isinstance(size, str) or not _QUANTITY.match(size):
+        if not isinstance(size, str) or not _QUANTITY.fullmatch(size):
             raise ContractError(f"spec.ramdisk.size {size!r} is not a quantity such as 64Gi")
         mount_root = ramdisk.get("mountRoot", cls.mount_root)
         if not isinstance(mount_root, str) or not mount_root.startswith("/") or ".." in mount_root.split("/"):
