@@ -21,6 +21,7 @@ from tierckpt.protocol.errors import (
     RetryableError,
     SaveInProgressError,
     TierckptError,
+    WorldSizeMismatchError,
 )
 
 if TYPE_CHECKING:
@@ -38,6 +39,7 @@ __all__ = [
     "SaveHandle",
     "SaveInProgressError",
     "TierckptError",
+    "WorldSizeMismatchError",
     "__version__",
 ]
 

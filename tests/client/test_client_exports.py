@@ -18,6 +18,7 @@ EXPECTED = {
     "SaveHandle",
     "SaveInProgressError",
     "TierckptError",
+    "WorldSizeMismatchError",
     "__version__",
 }
 
