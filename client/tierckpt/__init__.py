@@ -20,6 +20,7 @@ from tierckpt.protocol.errors import (
     RamdiskFullError,
     RetryableError,
     SaveInProgressError,
+    StateMismatchError,
     TierckptError,
     WorldSizeMismatchError,
 )
@@ -38,6 +39,7 @@ __all__ = [
     "RetryableError",
     "SaveHandle",
     "SaveInProgressError",
+    "StateMismatchError",
     "TierckptError",
     "WorldSizeMismatchError",
     "__version__",

@@ -17,6 +17,7 @@ EXPECTED = {
     "RetryableError",
     "SaveHandle",
     "SaveInProgressError",
+    "StateMismatchError",
     "TierckptError",
     "WorldSizeMismatchError",
     "__version__",

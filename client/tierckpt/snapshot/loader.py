@@ -181,6 +181,7 @@ class StepLoader:
                 pack_limit=s.pack_limit,
                 timings=timings,
                 bindings=self.bindings,
+                strict=strict,
             )
             timings["total_s"] = time.perf_counter() - start
         finally:

@@ -187,9 +187,19 @@ def _pump(fill: Callable[[memoryview], None], fd: int, size: int, on_bytes: OnBy
     return crc
 
 
-def receive_file(sock: socket.socket, fd: int, size: int, *, where: str, on_bytes: OnBytes = _noop) -> int:
+def receive_file(
+    sock: socket.socket,
+    fd: int,
+    size: int,
+    *,
+    where: str,
+    on_bytes: OnBytes = _noop,
+    pace: OnBytes | None = None,
+) -> int:
     """Receive exactly ``size`` bytes into the open, preallocated file ``fd`` (``stepio.StepWriter``),
-    fsync it, and return their crc32c (``where`` names the file in errors; it stays open)."""
+    fsync it, and return their crc32c (``where`` names the file in errors; it stays open). ``pace``
+    hears every ``recv``'s byte count and may raise (``pacing.RateFloor``): ``on_bytes`` is called per
+    chunk, too coarse to judge a slow sender by."""
     if size == 0:
         return 0
 
@@ -200,6 +210,8 @@ def receive_file(sock: socket.socket, fd: int, size: int, *, where: str, on_byte
             if k == 0:
                 raise ProtocolError(f"connection closed inside {where} ({n - got} bytes of a chunk missing)")
             got += k
+            if pace is not None:
+                pace(k)
 
     crc = _pump(fill, fd, size, on_bytes)
     os.fsync(fd)
