@@ -41,7 +41,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from tierckpt.dcp import RamdiskReader, RamdiskWriter, agreed_step
-from tierckpt.protocol.control import RestoreState, RestoreStatus, read_control, restore_status_name
+from tierckpt.protocol.control import RestoreState, RestoreStatus, read_restore_status
 from tierckpt.protocol.errors import FormatError
 from tierckpt.settings import resolve
 from tierckpt_demo.training import D_IN, D_OUT, LR, WARMUP, EventLog, Net, parse_model_size
@@ -124,7 +124,7 @@ def _own_tier(step: int) -> tuple[str, float]:
     """Where this rank's own step came from (its restore status), and when it was staged."""
     s = resolve()
     try:
-        status = read_control(s.root, s.job, restore_status_name(s.rank), RestoreStatus)
+        status = read_restore_status(s.root, s.job, s.rank)
     except FormatError:
         status = None
     if isinstance(status, RestoreStatus) and status.step == step and status.state is RestoreState.READY:

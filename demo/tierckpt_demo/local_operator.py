@@ -23,8 +23,7 @@ from tierckpt.protocol.control import (
     PeerNode,
     RestorePlan,
     RestoreStatus,
-    read_control,
-    restore_status_name,
+    read_restore_status,
 )
 from tierckpt.protocol.errors import FormatError
 
@@ -135,7 +134,7 @@ class LocalOperator:
         for node in self.nodes:
             for rank in self.ranks_of(node):
                 try:
-                    st = read_control(node.root, self.job, restore_status_name(rank), RestoreStatus)
+                    st = read_restore_status(node.root, self.job, rank)
                 except FormatError:
                     return False
                 if not isinstance(st, RestoreStatus) or st.updated_at < since:

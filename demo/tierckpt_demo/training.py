@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from tierckpt.protocol.codec import Message
-from tierckpt.protocol.control import RestoreState, RestoreStatus, read_control, restore_status_name
+from tierckpt.protocol.control import RestoreState, RestoreStatus, read_restore_status
 from tierckpt.protocol.errors import FormatError
 from tierckpt.protocol.format import rank_dir, read_commit, step_dir
 
@@ -306,7 +306,7 @@ def describe_restore(ckpt: Any, step: int | None) -> tuple[str, int, float]:
     marker = read_commit(step_dir(rank_dir(s.root, s.job, s.rank), step))
     nbytes = marker.total_bytes if marker is not None else 0
     try:
-        status = read_control(s.root, s.job, restore_status_name(s.rank), RestoreStatus)
+        status = read_restore_status(s.root, s.job, s.rank)
     except FormatError:
         status = None
     if isinstance(status, RestoreStatus) and status.step == step and status.state is RestoreState.READY:

@@ -96,7 +96,11 @@ class Daemon:
         self.assignments = AssignmentStore(settings.root, static)
         self.policies = PolicyStore(settings.root)
         self.scanner = InventoryScanner(
-            settings.root, node=settings.node_name, endpoint=settings.api_endpoint, domain=settings.domain
+            settings.root,
+            node=settings.node_name,
+            endpoint=settings.api_endpoint,
+            domain=settings.domain,
+            max_manifest_bytes=settings.max_manifest_bytes,
         )
         self.local_inventory = LocalInventory(self.scanner, backup)
         self.supervisor = WorkerSupervisor(worker_config(settings), on_event=self._on_data_event)

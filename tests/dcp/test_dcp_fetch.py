@@ -15,11 +15,10 @@ from tierckpt.protocol.control import (
     RestoreState,
     Tier,
     fetch_request_name,
-    fetch_status_name,
-    write_control,
+    write_fetch_status,
 )
 from tierckpt.protocol.errors import MissingCheckpointError
-from tierckpt.protocol.format import requests_dir
+from tierckpt.protocol.format import job_dir, requests_dir
 
 JOB = "fetch-job"
 
@@ -36,11 +35,11 @@ def _replicator(root: Path, final: RestoreState, *, beats: int = 3, message: str
         assert (req.job, req.rank, req.step, req.ranks) == (JOB, 2, 7, (4, 5))
         for i in range(beats):
             status = FetchStatus(JOB, 2, req.id, 7, RestoreState.STAGING, i, beats, updated_at=time.time())
-            write_control(root, JOB, fetch_status_name(2), status)
+            write_fetch_status(job_dir(root, JOB), status)
             time.sleep(0.05)
         sources = {4: Tier.PEER, 5: Tier.GCS} if final is RestoreState.READY else {}
         done = FetchStatus(JOB, 2, req.id, 7, final, beats, beats, sources, time.time(), message)
-        write_control(root, JOB, fetch_status_name(2), done)
+        write_fetch_status(job_dir(root, JOB), done)
 
     t = threading.Thread(target=serve)
     t.start()
@@ -49,7 +48,7 @@ def _replicator(root: Path, final: RestoreState, *, beats: int = 3, message: str
 
 def test_a_fetch_waits_for_the_replicators_answer_and_removes_its_request(tmp_path: Path) -> None:
     stale = FetchStatus(JOB, 2, "0" * 32, 7, RestoreState.READY, updated_at=time.time())
-    write_control(tmp_path, JOB, fetch_status_name(2), stale)  # an old answer is not this request's
+    write_fetch_status(job_dir(tmp_path, JOB), stale)  # an old answer is not this request's
     t = _replicator(tmp_path, RestoreState.READY)
     status = fetch_rank_steps(tmp_path, JOB, 2, 7, [5, 4, 5], stall_timeout=5)
     t.join()

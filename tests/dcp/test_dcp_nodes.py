@@ -23,13 +23,13 @@ from tierckpt.protocol.control import (
     NodeInventory,
     RestoreState,
     RestoreStatus,
-    restore_status_name,
-    write_control,
+    write_restore_status,
 )
 from tierckpt.protocol.format import (
     COMMIT_NAME,
     DCP_METADATA_NAME,
     committed_steps,
+    job_dir,
     rank_dir,
     read_manifest,
     replica_rank_dir,
@@ -113,7 +113,7 @@ def test_ranks_agree_on_the_newest_step_every_rank_can_load(tmp_path: Path, job:
     # the operator's plan wins: every node's replicator staged step 1
     for r in range(WORLD):
         status = RestoreStatus(job, r, RestoreState.READY, 1, None, 0, 0, time.time())
-        write_control(_node(base, r // PER_NODE), job, restore_status_name(r), status)
+        write_restore_status(job_dir(_node(base, r // PER_NODE), job), status)
     assert _agreed(base, job, tmp_path) == [1] * WORLD
     run_ranks(WORLD, dn.load_sharded, str(base), PER_NODE, job, 1, ref)
 

@@ -22,8 +22,8 @@ from tierckpt.protocol.control import (
     RestoreState,
     Tier,
     fetch_request_name,
-    fetch_status_name,
-    read_control,
+    read_fetch_status,
+    read_restore_status,
 )
 from tierckpt.protocol.errors import FormatError
 from tierckpt.protocol.format import replica_rank_dir, requests_dir
@@ -114,7 +114,7 @@ async def _answer(requests: FetchRequests, root: Path, rank: int, request_id: st
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         await requests.scan()
-        status = read_control(root, JOB, fetch_status_name(rank), FetchStatus)
+        status = read_fetch_status(root, JOB, rank)
         if (
             isinstance(status, FetchStatus)
             and status.id == request_id
@@ -172,7 +172,7 @@ async def test_planted_links_oversized_and_misnamed_files_are_ignored(tmp_path: 
             await requests.scan()
             await asyncio.sleep(0.05)
         for rank in range(5):
-            assert read_control(tmp_path, JOB, fetch_status_name(rank), FetchStatus) is None, rank
+            assert read_fetch_status(tmp_path, JOB, rank) is None, rank
         # the same for a planted requests directory: a link to another job's tree
         other = tmp_path / "job-b" / "requests"
         other.mkdir(parents=True)
@@ -183,7 +183,7 @@ async def test_planted_links_oversized_and_misnamed_files_are_ignored(tmp_path: 
         os.symlink(other, reqdir)
         await requests.scan()
         await asyncio.sleep(0.1)
-        assert read_control(tmp_path, JOB, fetch_status_name(0), FetchStatus) is None
+        assert read_fetch_status(tmp_path, JOB, 0) is None
     finally:
         await requests.close()
 
@@ -226,7 +226,7 @@ def test_ranks_that_did_not_exist_at_the_plans_step_learn_it_at_once(tmp_path: P
     reshards into them, so they get a ready status with the plan's step instead of waiting for one."""
     from types import SimpleNamespace
 
-    from tierckpt.protocol.control import PeerAssignment, PeerNode, RestoreStatus, restore_status_name
+    from tierckpt.protocol.control import PeerAssignment, PeerNode, RestoreStatus
     from tierckpt_replicator.restore.stage import Stager
 
     nodes = {n: PeerNode(n, f"http://10.0.0.{i}:8470") for i, n in enumerate(("a", "b", "c"))}
@@ -242,9 +242,9 @@ def test_ranks_that_did_not_exist_at_the_plans_step_learn_it_at_once(tmp_path: P
     plan = RestorePlan(JOB, 8, 4, {r: Tier.LOCAL for r in range(4)})
     stager._tell_new_ranks(JOB, plan, assignment, staged=())
     for rank in (4, 5):
-        status = read_control(tmp_path, JOB, restore_status_name(rank), RestoreStatus)
+        status = read_restore_status(tmp_path, JOB, rank)
         assert isinstance(status, RestoreStatus) and (status.state, status.step) == (RestoreState.READY, 8)
     fresh = dataclasses.replace(plan, step=None)
     stager._tell_new_ranks(JOB, fresh, assignment, staged=())
-    status = read_control(tmp_path, JOB, restore_status_name(4), RestoreStatus)
+    status = read_restore_status(tmp_path, JOB, 4)
     assert isinstance(status, RestoreStatus) and status.state is RestoreState.NONE

@@ -22,8 +22,7 @@ from tierckpt.protocol.control import (
     FetchStatus,
     RestoreState,
     fetch_request_name,
-    fetch_status_name,
-    read_control,
+    read_fetch_status,
 )
 from tierckpt.protocol.errors import FormatError, MissingCheckpointError
 from tierckpt.protocol.format import requests_dir, write_atomic
@@ -61,7 +60,7 @@ def fetch_rank_steps(
         last_seen, last_progress = None, started
         while True:
             try:
-                status = read_control(root, job, fetch_status_name(rank), FetchStatus)
+                status = read_fetch_status(root, job, rank)
             except FormatError:  # being replaced
                 status = None
             if isinstance(status, FetchStatus) and status.id == request.id:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import pickle
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -31,6 +30,7 @@ from tierckpt import cuda
 from tierckpt.protocol.errors import CorruptShardError, FormatError, StateMismatchError
 from tierckpt.protocol.format import OBJECTS_NAME, FileEntry, Manifest, TensorEntry, iter_data_files
 from tierckpt.protocol.integrity import crc32c
+from tierckpt.snapshot import objects as pickled
 from tierckpt.snapshot.bindings import BindingCache
 from tierckpt.snapshot.checksum import PendingCrcs, region_crcs, start_file_crcs
 from tierckpt.snapshot.compare import mismatches
@@ -95,7 +95,8 @@ def tensor_views(manifest: Manifest, files: dict[str, MappedFile]) -> list[torch
 
 
 def read_objects(step_path: Path, manifest: Manifest) -> list[Any]:
-    """Unpickle objects.pkl after checking its crc32c (an empty list when the step has none)."""
+    """Unpickle objects.pkl after checking its crc32c (an empty list when the step has none), with the
+    restricted unpickler of ``snapshot.objects``."""
     if manifest.object_count == 0:
         return []
     entry = manifest.file(OBJECTS_NAME)
@@ -106,7 +107,7 @@ def read_objects(step_path: Path, manifest: Manifest) -> list[Any]:
         raise CorruptShardError(f"{path}: missing", path=str(path)) from exc
     if len(body) != entry.size or crc32c(body) != entry.crc32c:
         raise CorruptShardError(f"{path}: does not match its crc32c in the manifest", path=str(path))
-    objects = pickle.loads(body)
+    objects = pickled.loads(body, str(path))  # restricted: the step may come from another tier
     if not isinstance(objects, list) or len(objects) != manifest.object_count:
         raise FormatError(f"{path}: expected a list of {manifest.object_count} objects")
     return objects

@@ -38,7 +38,7 @@ from tierckpt.protocol.control import (
     RestorePlan,
     RestoreState,
     Tier,
-    fetch_status_name,
+    write_fetch_status,
 )
 from tierckpt.protocol.errors import FormatError, RetryableError, TierckptError, UnsafePathError
 from tierckpt.protocol.format import COMMIT_NAME, decode_commit, replica_rank_dir
@@ -359,8 +359,7 @@ class FetchRequests:
     def _write(self, job: str, status: FetchStatus) -> None:
         try:
             with Beneath.open(self.root, job) as tree:
-                tree.makedirs("control")
-                tree.write_atomic(f"control/{fetch_status_name(status.rank)}", status.to_bytes())
+                write_fetch_status(tree, status)
         except (OSError, UnsafePathError) as exc:  # a full ramdisk or a planted link: the next write retries
             log.warning("job %s: cannot write the fetch status of rank %d: %s", job, status.rank, exc)
 
