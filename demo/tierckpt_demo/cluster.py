@@ -41,6 +41,7 @@ from urllib.parse import unquote
 from tierckpt.protocol.client import SyncReplicatorClient
 from tierckpt.protocol.control import PeerAssignment, PeerNode
 from tierckpt.protocol.tokens import TokenFile
+from tierckpt_demo.ports import free_ports
 from tierckpt_demo.tmpfs import mount_tmpfs, unmount
 
 __all__ = ["LocalCluster", "Node", "cleanup_stale", "has_netns"]
@@ -64,14 +65,6 @@ def _run(cmd: Sequence[str], *, check: bool = True) -> subprocess.CompletedProce
     if check and proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}): {proc.stderr.strip()}")
     return proc
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _replicator_command() -> list[str]:
@@ -491,17 +484,10 @@ class LocalCluster:
 
     def _make_loopback_nodes(self) -> None:
         self.bridge_ip = "127.0.0.1"
+        ports = free_ports(3 * self.size)
         for i in range(self.size):
-            self.nodes.append(
-                Node(
-                    self,
-                    i,
-                    ip="127.0.0.1",
-                    api_port=_free_port(),
-                    data_port=_free_port(),
-                    probe_port=_free_port(),
-                )
-            )
+            api, data, probe = ports[3 * i : 3 * i + 3]
+            self.nodes.append(Node(self, i, ip="127.0.0.1", api_port=api, data_port=data, probe_port=probe))
 
     def _make_ramdisk(self, node: Node) -> None:
         node.root.mkdir(parents=True)
@@ -510,7 +496,8 @@ class LocalCluster:
             self._mounts.append(node.root)
 
     def _start_gcs(self) -> None:
-        from tierckpt_demo.fakegcs import FakeGcsServer, FaultProxy, free_port
+        from tierckpt_demo.fakegcs import FakeGcsServer, FaultProxy
+        from tierckpt_demo.ports import free_port
 
         port = free_port(self.bridge_ip)
         if self._count_gcs_reads:

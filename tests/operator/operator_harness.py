@@ -20,7 +20,6 @@ import datetime
 import functools
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -37,6 +36,7 @@ import kmock
 import yaml
 
 from tests.fixtures.shared_data import JOBSET_CRD, require_jobset_crd
+from tierckpt_demo.ports import free_port, free_ports
 from tierckpt_operator.__main__ import build_runtime, run
 from tierckpt_operator.runtime import Runtime
 from tierckpt_operator.settings import Settings
@@ -77,12 +77,6 @@ async def port_open(port: int) -> bool:
         return False
     writer.close()
     return True
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def eventually(check: Callable[[], Awaitable[T] | T], timeout: float = 20.0, what: str = "") -> T:
@@ -187,9 +181,7 @@ class Replicators:
     async def start(self, name: str, zone: str) -> Node:
         root = self.base / name / "ramdisk"
         root.mkdir(parents=True, exist_ok=True)
-        node = Node(
-            name, zone, root, free_port(), free_port(), free_port(), log=self.base / name / "replicator.log"
-        )
+        node = Node(name, zone, root, *free_ports(3), log=self.base / name / "replicator.log")
         exe = Path(sys.executable).with_name("tierckpt-replicator")
         args = [
             str(exe),
