@@ -9,6 +9,7 @@ Every error says what happened and why. The tree::
     ├── MissingCheckpointError no committed step matches the request
     ├── RamdiskFullError       the ramdisk ran out of space (ENOSPC); the partial step was removed
     ├── SaveInProgressError    a save was refused because another is still running (policy "error")
+    ├── ReplicaDivergenceError members of a replica group saved different tensors (policy "raise")
     ├── ContractError          operator/pod/replicator contract data is missing or malformed
     └── RetryableError         a transient failure (peer down, GCS 5xx, timeout); safe to retry
 """
@@ -21,6 +22,7 @@ __all__ = [
     "FormatError",
     "MissingCheckpointError",
     "RamdiskFullError",
+    "ReplicaDivergenceError",
     "RetryableError",
     "SaveInProgressError",
     "TierckptError",
@@ -65,6 +67,18 @@ class SaveInProgressError(TierckptError):
     """A save arrived while another was still running."""
 
 
+class ReplicaDivergenceError(TierckptError):
+    """Members of a replica group saved different tensors at ``step`` (each kept its own copy)."""
+
+    def __init__(self, message: str, *, step: int, differs: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.step = step
+        self.differs = differs
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_replica_divergence_error, (str(self), self.step, self.differs))
+
+
 class ContractError(TierckptError):
     """Data exchanged between operator, pod and replicator is missing or malformed."""
 
@@ -75,3 +89,7 @@ class RetryableError(TierckptError):
 
 def _corrupt_shard_error(message: str, path: str, key: str | None) -> CorruptShardError:
     return CorruptShardError(message, path=path, key=key)
+
+
+def _replica_divergence_error(message: str, step: int, differs: tuple[int, ...]) -> ReplicaDivergenceError:
+    return ReplicaDivergenceError(message, step=step, differs=differs)
