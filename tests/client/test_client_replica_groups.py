@@ -55,7 +55,9 @@ def _check_every_step_verifies(roots: list[Path], ranks_of: dict[int, Path]) -> 
             assert verify_step(step_dir(rank_path, step)).step == step  # raises on a crc mismatch
 
 
-def test_one_node_writes_each_shard_once_and_every_rank_restores_bit_exact(root: Path, tmp_path: Path) -> None:
+def test_one_node_writes_each_shard_once_and_every_rank_restores_bit_exact(
+    root: Path, tmp_path: Path
+) -> None:
     run_ranks(WORLD, sc.save_and_restore, [str(root)], "hsdp", str(tmp_path))
     results = _results(tmp_path)
     groups = {0: (0, 2), 2: (0, 2), 1: (1, 3), 3: (1, 3)}
@@ -70,14 +72,20 @@ def test_one_node_writes_each_shard_once_and_every_rank_restores_bit_exact(root:
             assert record is not None and record.members == groups[rank]
             assert record.group == group_id(groups[rank]) and not record.diverged
             writer = groups[rank][0]
-            assert (record.role, record.source) == (("writer", rank) if rank == writer else ("linked", writer))
+            assert (record.role, record.source) == (
+                ("writer", rank) if rank == writer else ("linked", writer)
+            )
             data = sum(f.size for f in manifest.files if f.name.startswith("data-"))
             assert record.logical_bytes == manifest.total_bytes
-            assert record.written_bytes == (manifest.total_bytes if rank == writer else manifest.total_bytes - data)
+            assert record.written_bytes == (
+                manifest.total_bytes if rank == writer else manifest.total_bytes - data
+            )
             writer_files = _data_files(root, writer, step)
             assert [s.st_ino for s in stats[rank]] == [s.st_ino for s in writer_files]  # hard links
             peer = read_manifest(step_dir(rank_dir(root, sc.JOB, writer), step)).replica
-            assert peer is not None and peer.content == record.content and peer.fingerprint == record.fingerprint
+            assert (
+                peer is not None and peer.content == record.content and peer.fingerprint == record.fingerprint
+            )
     for rank, out in enumerate(results):
         last = out["stats"][-1]
         assert last["role"] == ("writer" if rank in (0, 1) else "linked")
