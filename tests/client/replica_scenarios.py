@@ -83,7 +83,9 @@ def save_and_restore(rank: int, world_size: int, roots: list[str], layout: str, 
     """Save five steps as replica groups, then restore from the ramdisk and by broadcast, bit-exact.
 
     ``roots[rank // (world_size // len(roots))]`` is this rank's ramdisk: one root is one node.
-    ``layout``: ``hsdp`` (groups {0, 2} and {1, 3} from the mesh) or ``ddp`` (one group of four).
+    ``layout``: ``hsdp`` (groups {0, 2} and {1, 3}: the mesh's ``replicate`` group), ``hsdp_dims`` (the
+    same from mesh coordinates, with a process group created among the members) or ``ddp`` (one group of
+    four).
     """
     root = roots[rank // (world_size // len(roots))]
     state, mesh = _shard_state(rank)
@@ -91,6 +93,9 @@ def save_and_restore(rank: int, world_size: int, roots: list[str], layout: str, 
         for t in (state["model"]["weight"], state["model"]["bias"]):
             t.copy_(torch.full_like(t, 3.0))  # every rank the same state (as under DDP)
         group: Any = list(range(world_size))
+    elif layout == "hsdp_dims":  # by mesh coordinates, in a process group of its own
+        group = replica_group_from_mesh(mesh, ("replicate",))
+        assert group.members == (rank % 2, rank % 2 + 2) and group.process_group is None
     else:
         group = replica_group_from_mesh(mesh, "replicate")
     stats = []

@@ -95,7 +95,7 @@ def test_one_node_writes_each_shard_once_and_every_rank_restores_bit_exact(
     _check_every_step_verifies([root], dict.fromkeys(range(WORLD), root))
 
 
-@pytest.mark.parametrize("layout", ["hsdp", "ddp"])
+@pytest.mark.parametrize("layout", ["hsdp", "hsdp_dims", "ddp"])
 def test_two_nodes_hold_one_copy_per_group_each(node_roots: list[Path], tmp_path: Path, layout: str) -> None:
     run_ranks(WORLD, sc.save_and_restore, [str(r) for r in node_roots], layout, str(tmp_path))
     ranks_of = {r: node_roots[r // 2] for r in range(WORLD)}
@@ -106,11 +106,11 @@ def test_two_nodes_hold_one_copy_per_group_each(node_roots: list[Path], tmp_path
         copies = len({(s.st_dev, s.st_ino) for s in stats}) // len(_data_files(root, on_node[0], step))
         # HSDP: groups {0, 2} and {1, 3} span the nodes: each node holds one copy of each group's shard.
         # DDP: one group of four: each node holds one copy in all.
-        assert copies == (2 if layout == "hsdp" else 1), (node, copies)
+        assert copies == (1 if layout == "ddp" else 2), (node, copies)
         for rank in on_node:
             record = read_manifest(step_dir(rank_dir(root, sc.JOB, rank), step)).replica
             assert record is not None and not record.diverged
-            if layout == "hsdp":
+            if layout != "ddp":
                 assert record.role == "writer" and record.members == ((0, 2) if rank % 2 == 0 else (1, 3))
             else:
                 assert record.members == (0, 1, 2, 3)
