@@ -56,7 +56,7 @@ from tierckpt.protocol.format import (
     step_dir,
 )
 from tierckpt.protocol.replica import REPLICA_VERSION, ReplicaRecord, content_key
-from tierckpt.replica_group import BUSY, LEASED, Agreement, Membership, ReplicaGroup
+from tierckpt.replica_group import BUSY, FAILED, LEASED, Agreement, Membership, ReplicaGroup
 from tierckpt.settings import BusyPolicy, Settings, resolve
 from tierckpt.snapshot import agree, loader, rankdir
 from tierckpt.snapshot.commit import RecordFor, StepIdentity, commit_files
@@ -356,24 +356,35 @@ class Checkpointer:
     def _save_in_group(
         self, group: Membership, step: int, state_dict: dict[Any, Any]
     ) -> tuple[SaveHandle, ReplicaDivergenceError | None]:
-        """Agree with the other members, then write (or link) this rank's copy of ``step``."""
-        refusal = self._busy_refusal()
-        flat = flatten(state_dict)
-        protected = self._protected() if self.settings.overlapping else set()
-        plan = self._plan(flat, protected)
-        if not refusal:
-            # Replacing an existing step retires it now, even if another member then refuses the save.
-            reason = rankdir.make_room(self.rank_path, step, self._pool)
-            if reason is not None:
-                log.warning("step %d: %s", step, reason)
-                refusal = LEASED
+        """Agree with the other members, then write (or link) this rank's copy of ``step``.
+
+        An error before the exchange is still taken to it (as a refusal), then raised: the other members
+        skip the save instead of waiting in the collective."""
+        error: Exception | None = None
+        flat, plan, protected = None, None, set()
+        try:
+            refusal = self._busy_refusal()
+            flat = flatten(state_dict)
+            protected = self._protected() if self.settings.overlapping else set()
+            plan = self._plan(flat, protected)
+            if not refusal:
+                # Replacing an existing step retires it now, even if another member then refuses the save.
+                reason = rankdir.make_room(self.rank_path, step, self._pool)
+                if reason is not None:
+                    log.warning("step %d: %s", step, reason)
+                    refusal = LEASED
+        except Exception as exc:
+            error, refusal = exc, FAILED
         agreement = group.agree(
-            flat.keys,
-            flat.tensors,
-            structure=self._structure_of(plan, flat),
+            flat.keys if flat is not None else (),
+            flat.tensors if flat is not None else (),
+            structure=self._structure_of(plan, flat) if plan is not None and flat is not None else 0,
             refusal=refusal,
             last_failed=self._last_failed,
         )
+        if error is not None:
+            raise error
+        assert flat is not None and plan is not None
         self._settle_link(agreement)
         if agreement.refused:
             reason = f"replica group {group.id} skips step {step}: {agreement.refusal_text()}"

@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BUSY",
+    "FAILED",
     "LEASED",
     "Agreement",
     "Membership",
@@ -53,7 +54,13 @@ BUSY = 1
 """A member's previous save is still committing (``on_busy`` is ``skip`` or ``error``)."""
 LEASED = 2
 """A member cannot replace the step: a reader leases its existing copy."""
-_REFUSALS = {BUSY: "its previous save is still committing", LEASED: "its copy of the step is leased"}
+FAILED = 3
+"""A member's save failed before the exchange (it raises the error itself)."""
+_REFUSALS = {
+    BUSY: "its previous save is still committing",
+    LEASED: "its copy of the step is leased",
+    FAILED: "its save failed",
+}
 _NAMED_KEYS = 8
 """Tensors named per member in a divergence report."""
 

@@ -140,6 +140,16 @@ def diverging_member(rank: int, world_size: int, root: str, out: str) -> None:
                 ck.wait()  # the save itself went on, every member with its own copy
             wants[step] = _snapshot(state)
             weight[5, 7] = kept  # back in line: step 3 agrees again
+        # Step 4: rank 3's save fails before the exchange (a DTensor is refused): it raises, its group
+        # skips the step instead of waiting for it, the other group saves.
+        stray = distribute_tensor(torch.zeros(4), mesh, [Replicate(), Replicate()])
+        outcome = "committed"
+        try:
+            handle = ck.save(4, {**state, "stray": stray} if rank == 3 else state, blocking=True)
+            if handle.skipped:
+                outcome = f"skipped: {handle.skip_reason}"
+        except TypeError:
+            outcome = "raised"
         manifest = read_manifest(step_dir(ck.rank_path, 2))
         dist.barrier()
         for broadcast in (False, True):
@@ -148,4 +158,4 @@ def diverging_member(rank: int, world_size: int, root: str, out: str) -> None:
             _assert_restored(dest, wants[2], rank, 2)  # each rank its own bytes, rank 2's drifted ones
     record = manifest.replica
     assert record is not None
-    _report(Path(out), rank, {"raised": raised, "record": dataclasses.asdict(record)})
+    _report(Path(out), rank, {"raised": raised, "record": dataclasses.asdict(record), "step4": outcome})

@@ -127,6 +127,7 @@ def test_two_nodes_hold_one_copy_per_group_each(node_roots: list[Path], tmp_path
 
 
 def test_a_diverging_member_is_reported_and_both_copies_are_kept(root: Path, tmp_path: Path) -> None:
+    """Also: a member whose save fails before the exchange makes its group skip, not hang."""
     run_ranks(WORLD, sc.diverging_member, str(root), str(tmp_path))
     results = _results(tmp_path)
     for rank in (0, 2):  # the group that diverged: both raised, both wrote their own copy
@@ -145,3 +146,7 @@ def test_a_diverging_member_is_reported_and_both_copies_are_kept(root: Path, tmp
     assert results[0]["record"]["content"] != results[2]["record"]["content"]
     s0, s2 = (_data_files(root, r, 3) for r in (0, 2))
     assert [s.st_ino for s in s0] == [s.st_ino for s in s2]  # step 3 agreed again: linked
+    # step 4: rank 3 failed before the exchange; its group skipped, the other group saved
+    assert results[3]["step4"] == "raised"
+    assert results[1]["step4"].startswith("skipped") and "rank 3: its save failed" in results[1]["step4"]
+    assert results[0]["step4"] == results[2]["step4"] == "committed"

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from tierckpt import cuda
-from tierckpt.protocol.errors import FormatError, MissingCheckpointError
+from tierckpt.protocol.errors import FormatError
 from tierckpt.protocol.format import Manifest
 from tierckpt.protocol.replica import content_key
 from tierckpt.replica_group import Membership
@@ -190,7 +190,7 @@ def load_broadcast(
     try:
         manifest = loader.manifests.read(path, step)
         loader.check_identity(path, step, manifest)
-    except (FormatError, MissingCheckpointError) as exc:
+    except Exception as exc:  # reported after the exchange: the other members must not wait for us
         error = exc
     contents = membership.all_gather_object(None if manifest is None else _content(manifest))
     if len(set(contents.values())) != 1 or None in contents.values():
@@ -214,7 +214,7 @@ def load_broadcast(
             targets = _targets(dest, manifest, read_objects(path, manifest), where)
         else:
             targets = _targets(dest, manifest, read_objects(path, manifest), where)
-    except (FormatError, MissingCheckpointError) as exc:
+    except Exception as exc:
         error = exc
     ready = membership.all_gather_object(error is None)
     if not all(ready.values()):
