@@ -257,12 +257,10 @@ class Membership:
         start = time.perf_counter()
         fp = fingerprint(keys, tensors, structure=structure)
         if len(self.order) == 1:
-            rows = {self.rank: [refusal, last_failed, *fp.vector(torch.device("cpu")).tolist()]}
+            rows = {self.rank: fp.vector(torch.device("cpu"), (refusal, last_failed)).tolist()}
             fingerprinted = exchanged = time.perf_counter()
         else:
-            device = self.exchange_device()
-            head = torch.tensor([refusal, last_failed], dtype=torch.int64).to(device)
-            vector = torch.cat([head, fp.vector(device)])
+            vector = fp.vector(self.exchange_device(), (refusal, last_failed))
             fingerprinted = time.perf_counter()
             gathered = torch.stack(self._all_gather(vector)).cpu().tolist()
             rows = dict(zip(self.order, gathered, strict=True))

@@ -63,7 +63,7 @@ def device_digest(buf: torch.Tensor) -> torch.Tensor:
         buf = buf.clone()  # an int64 view needs 8-byte alignment
     words = buf[:n8].view(torch.int64)
     full = words.numel() // _COLS * _COLS
-    length = torch.tensor(n, dtype=torch.int64, device=buf.device)
+    length = torch.full((), n, dtype=torch.int64, device=buf.device)  # a fill kernel: no host copy, no sync
     if full:
         rows = words[:full].view(-1, _COLS)
         a = _fold(rows.sum(dim=1))
@@ -86,12 +86,13 @@ class Fingerprint:
     device: torch.Tensor | None
     """Two int64 words on a CUDA device (None without CUDA tensors), ready once the stream gets there."""
 
-    def vector(self, device: torch.device) -> torch.Tensor:
-        """``[structure, host0, host1, device0, device1]`` as int64 on ``device`` (no host wait)."""
-        head = torch.tensor([self.structure, *self.host], dtype=torch.int64)
+    def vector(self, device: torch.device, prefix: Sequence[int] = ()) -> torch.Tensor:
+        """``[*prefix, structure, host0, host1, device0, device1]`` as int64 on ``device``: one small
+        host-to-device copy; the device words are not waited for."""
+        head = torch.tensor([*prefix, self.structure, *self.host], dtype=torch.int64).to(device)
         if self.device is None:
-            return torch.cat([head, torch.zeros(2, dtype=torch.int64)]).to(device)
-        return torch.cat([head.to(device, non_blocking=False), self.device.to(device)])
+            return torch.cat([head, torch.zeros(2, dtype=torch.int64, device=device)])
+        return torch.cat([head, self.device.to(device)])
 
 
 def _signed(data: bytes) -> int:
@@ -136,17 +137,14 @@ def fingerprint(
 def tensor_digests(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
     """One ``[crc32c, 0]`` (CPU) or device digest (CUDA) row per tensor, as an ``[n, 2]`` int64 tensor on
     ``device``: the slow path that names the tensors two members disagree on."""
-    rows: list[torch.Tensor] = []
+    out = torch.zeros((len(tensors), 2), dtype=torch.int64)
     cpu_index = [i for i, t in enumerate(tensors) if not cuda.is_cuda(t)]
-    crcs = dict(zip(cpu_index, _cpu_crcs([tensors[i] for i in cpu_index]), strict=True))
-    with torch.no_grad():
-        for i, t in enumerate(tensors):
-            if i in crcs:
-                rows.append(torch.tensor([crcs[i], 0], dtype=torch.int64, device=device))
-            elif t.numel() == 0:
-                rows.append(torch.zeros(2, dtype=torch.int64, device=device))
-            else:
-                rows.append(device_digest(_bytes_of(t)).to(device))
-    if not rows:
-        return torch.zeros((0, 2), dtype=torch.int64, device=device)
-    return torch.stack(rows)
+    for i, crc in zip(cpu_index, _cpu_crcs([tensors[i] for i in cpu_index]), strict=True):
+        out[i, 0] = crc
+    out = out.to(device)
+    on_device = [i for i, t in enumerate(tensors) if cuda.is_cuda(t) and t.numel()]
+    if on_device:
+        with torch.no_grad():
+            rows = torch.stack([device_digest(_bytes_of(tensors[i])).to(device) for i in on_device])
+            out[torch.tensor(on_device, dtype=torch.int64).to(device)] = rows
+    return out
