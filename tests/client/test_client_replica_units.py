@@ -299,9 +299,12 @@ def test_a_linked_data_file_is_never_recycled_while_linked(
     assert outside.read_bytes() == content
 
 
-def test_a_released_link_returns_the_slot_to_the_pool(root: Path) -> None:
+def test_a_released_link_returns_the_slot_to_the_pool(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The usual case: the follower retires its link right after the writer retires the step; the writer's
     next save reuses the slot (the same inode, still mapped and prepared)."""
+    # The grace must outlast this thread's way from the commit to the unlink on a loaded machine (the
+    # default 2 s did not always); past it the pool rightly prepares another slot instead.
+    monkeypatch.setattr(pool_module, "SHARED_GRACE", 60.0)
     outside = root / "follower-link.bin"
     with Checkpointer(root=root, job=JOB, keep=1) as ck:
         ck.prepare({"w": torch.zeros(100_000)})

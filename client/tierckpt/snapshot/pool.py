@@ -254,13 +254,22 @@ class SlotPool:
 
     def take(self, step: int, plan: LayoutPlan) -> Slot:
         """A slot fitted to ``plan`` with its files inside ``step-<step>/``: a ready spare if any, else
-        the one being prepared (waiting for it alone), else an unprepared spare or a new slot prepared
-        here. ``RamdiskFullError`` if new space cannot be reserved; nothing is left behind then."""
+        the one being prepared (waiting for it alone), else a shared slot about to be released (for at
+        most ``SHARED_GRACE``), else an unprepared spare or a new slot prepared here.
+        ``RamdiskFullError`` if new space cannot be reserved; nothing is left behind then."""
         path = step_dir(self.rank_path, step)
+        deadline = time.monotonic() + SHARED_GRACE
         with self._cond:
-            self._reclaim_locked()
-            while not self._ready and not self._raw and self._preparing and not self._stopping:
-                self._cond.wait()
+            while True:
+                self._reclaim_locked()
+                if self._ready or self._raw or self._stopping:
+                    break
+                if self._preparing:
+                    self._cond.wait()
+                elif self._shared and time.monotonic() < deadline:
+                    self._cond.wait(_SHARED_POLL)  # the member linking it retires its step any moment
+                else:
+                    break
             slot = self._best(self._ready, plan) or self._best(self._raw, plan)
             if slot is not None:
                 self._lent[id(slot)] = slot
