@@ -21,6 +21,7 @@ from tierckpt.protocol.errors import (
     ReplicaDivergenceError,
     RetryableError,
     SaveInProgressError,
+    StateMismatchError,
     TierckptError,
 )
 
@@ -41,6 +42,7 @@ __all__ = [
     "RetryableError",
     "SaveHandle",
     "SaveInProgressError",
+    "StateMismatchError",
     "TierckptError",
     "__version__",
     "replica_group_from_mesh",

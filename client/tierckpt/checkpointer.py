@@ -24,6 +24,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import errno
+import functools
 import logging
 import os
 import pickle
@@ -45,6 +46,7 @@ from tierckpt.protocol.errors import (
     RamdiskFullError,
     ReplicaDivergenceError,
     SaveInProgressError,
+    StateMismatchError,
 )
 from tierckpt.protocol.format import (
     CommitMarker,
@@ -78,6 +80,14 @@ __all__ = ["WRITER_LOCK", "Checkpointer"]
 log = logging.getLogger(__name__)
 
 _PLAN_CACHE = 4
+_MISMATCH = "mismatch"
+
+
+def _outcome(error: BaseException | None) -> str | None:
+    """What a rank tells the others about its load: None (loaded), a mismatch, or a failure."""
+    if error is None:
+        return None
+    return _MISMATCH if isinstance(error, StateMismatchError) else "failed"
 
 
 @dataclasses.dataclass
@@ -867,6 +877,7 @@ class Checkpointer:
         allow_missing: bool = False,
         verify: bool = True,
         device: torch.device | str | None = None,
+        strict: bool = True,
         broadcast: bool | None = None,
     ) -> int | None:
         """Fill ``state_dict`` in place from a committed step and return that step.
@@ -877,6 +888,11 @@ class Checkpointer:
         next older common step is tried (on all ranks together). Nothing to load raises
         ``MissingCheckpointError``, or returns None with ``allow_missing=True``. New tensors (paths
         the destination lacks) are created on ``device`` (default CPU).
+
+        ``strict`` (default): a destination unlike the checkpoint (a tensor of another shape or dtype,
+        keys holding tensors on one side only; see ``snapshot.compare``) raises ``StateMismatchError``
+        before anything is copied, on every rank, without falling back. ``strict=False``: mismatched
+        tensors are replaced (logged) and missing entries created.
 
         ``broadcast`` (default: the ``broadcast_load`` setting), in a replica group: the lowest member
         reads the step and broadcasts its tensors to the others over the group's process group, when
@@ -896,16 +912,28 @@ class Checkpointer:
         last: BaseException | None = None
         fan_out = self.settings.broadcast_load if broadcast is None else broadcast
         for n, candidate in enumerate(candidates):
-            error = self._try_load(state_dict, candidate, verify=verify, device=device, broadcast=fan_out)
-            ok, failed = agree.all_ok(error is None)
-            if ok:
+            error = self._try_load(
+                state_dict, candidate, verify=verify, device=device, strict=strict, broadcast=fan_out
+            )
+            outcomes = agree.all_gather(_outcome(error))
+            failed = [r for r, o in enumerate(outcomes) if o is not None]
+            if not failed:
                 if n:
                     log.warning("loaded step %d after falling back from step %d", candidate, candidates[0])
                 return candidate
-            last = error or CorruptShardError(
-                f"step {candidate}: rank(s) {failed} could not load their shard", path=str(self.rank_path)
-            )
-            if not fallback:
+            mismatched = [r for r, o in enumerate(outcomes) if o == _MISMATCH]
+            if error is not None:
+                last = error
+            elif mismatched:
+                last = StateMismatchError(
+                    f"step {candidate}: rank(s) {mismatched} found the checkpoint unlike their state "
+                    "(their error names the differences)"
+                )
+            else:
+                last = CorruptShardError(
+                    f"step {candidate}: rank(s) {failed} could not load their shard", path=str(self.rank_path)
+                )
+            if not fallback or mismatched:  # an older step would not fit either
                 raise last
             log.warning("step %d is not loadable (%s); falling back", candidate, last)
         raise MissingCheckpointError(
@@ -919,6 +947,7 @@ class Checkpointer:
         *,
         verify: bool,
         device: torch.device | str | None,
+        strict: bool,
         broadcast: bool = False,
     ) -> BaseException | None:
         path = step_dir(self.rank_path, step)
@@ -926,12 +955,13 @@ class Checkpointer:
         try:
             with leases.hold(self.rank_path, step, f"client-{os.getpid()}", ttl=self.settings.lease_ttl):
                 if broadcast and group is not None and len(group.order) > 1:
-                    load_broadcast(self._loader, group, state_dict, step, path, verify=verify, device=device)
+                    fan_out = functools.partial(load_broadcast, self._loader, group)
+                    fan_out(state_dict, step, path, verify=verify, device=device, strict=strict)
                 else:
-                    self._loader.load(state_dict, step, path, verify=verify, device=device)
+                    self._loader.load(state_dict, step, path, verify=verify, device=device, strict=strict)
             if self._pool.register_cuda:
                 self._registering = self._pool.warm(None)  # pin for later saves, in the background
-        except (FormatError, MissingCheckpointError) as exc:
+        except (FormatError, MissingCheckpointError, StateMismatchError) as exc:
             log.error("could not load step %d: %s", step, exc)
             return exc
         return None

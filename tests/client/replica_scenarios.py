@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-from tierckpt import Checkpointer, ReplicaDivergenceError, replica_group_from_mesh
+from tierckpt import Checkpointer, ReplicaDivergenceError, StateMismatchError, replica_group_from_mesh
 from tierckpt.protocol.format import read_manifest, step_dir
 
 JOB = "replica-test"
@@ -117,6 +117,14 @@ def save_and_restore(rank: int, world_size: int, roots: list[str], layout: str, 
         dest = {}  # nothing to fill in place: broadcast creates every tensor
         assert ck.load(dest, broadcast=True) == STEPS[-1]
         _assert_restored(dest, want, rank, STEPS[-1])
+        dest = _empty_like(state)
+        if rank == world_size - 1:  # a receiver's destination does not fit: every rank raises, none hangs
+            dest["model"]["weight"] = torch.zeros(3)
+        try:
+            ck.load(dest, broadcast=True)
+            raise AssertionError("a strict load into a destination that does not fit succeeded")
+        except StateMismatchError as exc:
+            assert ("model/weight" in str(exc)) == (rank == world_size - 1), str(exc)
     _report(Path(out), rank, {"stats": stats, "broadcast": broadcast_timings})
 
 

@@ -19,6 +19,7 @@ EXPECTED = {
     "RetryableError",
     "SaveHandle",
     "SaveInProgressError",
+    "StateMismatchError",
     "TierckptError",
     "__version__",
     "replica_group_from_mesh",

@@ -35,7 +35,7 @@ from tierckpt.replica_group import Membership
 from tierckpt.snapshot.dtypes import numpy_dtype, torch_dtype
 from tierckpt.snapshot.flatten import restore_into
 from tierckpt.snapshot.loader import StepLoader
-from tierckpt.snapshot.restore import read_objects
+from tierckpt.snapshot.restore import check_structure, read_objects
 
 __all__ = ["load_broadcast"]
 
@@ -181,9 +181,11 @@ def load_broadcast(
     *,
     verify: bool,
     device: torch.device | str | None,
+    strict: bool = True,
 ) -> None:
     """Fill ``dest`` with ``step``: loaded by the group's lowest rank, broadcast to the others (see the
-    module doc). Raises this rank's own error (``FormatError``...) like ``StepLoader.load``."""
+    module doc). Raises this rank's own error (``FormatError``, ``StateMismatchError``...) like
+    ``StepLoader.load``; ``strict`` as there (every member checks its own destination)."""
     start = time.perf_counter()
     manifest: Manifest | None = None
     error: BaseException | None = None
@@ -201,7 +203,7 @@ def load_broadcast(
             membership.id,
             step,
         )
-        loader.load(dest, step, path, verify=verify, device=device)
+        loader.load(dest, step, path, verify=verify, device=device, strict=strict)
         return
     assert manifest is not None
     src = membership.group.members[0]
@@ -209,11 +211,12 @@ def load_broadcast(
     targets: list[torch.Tensor] = []
     where = None if device is None else torch.device(device)
     try:
+        objects = read_objects(path, manifest)
         if sending:
-            loader.load(dest, step, path, verify=verify, device=device)
-            targets = _targets(dest, manifest, read_objects(path, manifest), where)
-        else:
-            targets = _targets(dest, manifest, read_objects(path, manifest), where)
+            loader.load(dest, step, path, verify=verify, device=device, strict=strict)
+        elif strict:
+            check_structure(dest, path, manifest, objects)
+        targets = _targets(dest, manifest, objects, where)
     except Exception as exc:
         error = exc
     ready = membership.all_gather_object(error is None)
