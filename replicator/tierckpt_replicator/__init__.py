@@ -15,8 +15,9 @@ imports the other), ``:`` siblings that may import each other:
    worker), or the bucket (through ``backup.jobs.BackupPort``).
 5. ``replication`` | ``backup``: tier 2 (peer replicas: loop, worker process, data plane) and tier 3
    (GCS backups). Neither knows the other; the daemon tells backup about commits replication saw.
-6. ``watch``: inotify wake-ups for new commits (other nodes' control APIs are reached through
-   ``tierckpt.protocol.client``).
+6. ``watch`` | ``access`` | ``identity``: inotify wake-ups for new commits (other nodes' control APIs
+   are reached through ``tierckpt.protocol.client``); who may do what here (the peer certificate's
+   identity against the job's members); this node's certificate (obtained from the operator, renewed).
 7. ``assignments`` | ``inventory`` | ``policies`` | ``metrics`` | ``settings`` | ``stepio``: peers.json,
    what this node holds, policy.json, Prometheus metrics, the daemon's options, and steps on the
    ramdisk (staging, committing, finding). Each stands on ``tierckpt.protocol``/``tierckpt.planning``

@@ -1,5 +1,5 @@
 """The FastAPI application factory: routes from the endpoint table, request metrics; no interactive docs
-(the OpenAPI document is a /v1 route, behind the token)."""
+(the OpenAPI document is a /v1 route, for authenticated callers only)."""
 
 from __future__ import annotations
 

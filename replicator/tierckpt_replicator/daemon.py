@@ -1,10 +1,11 @@
 """The composition root and lifecycle of the replicator daemon.
 
 ``Daemon`` builds every part and wires them together (what the control API does is
-``tierckpt_replicator.controls.NodeControls``). ``serve(settings)``: build the parts, start the
-replication worker process, the commit watcher and the replication loop, stage restores for the jobs
-already known, then serve the control API (uvicorn with httptools, on the uvloop event loop the
-caller runs) until SIGTERM or SIGINT.
+``tierckpt_replicator.controls.NodeControls``). ``serve(settings)``: obtain this node's certificate
+(``--auth tls``; see ``identity``), build the parts, start the replication worker process, the commit
+watcher, the replication loop and the certificate renewal, stage restores for the jobs already known,
+then serve the control API (uvicorn with httptools, over mutual TLS unless ``--auth token``, on the
+uvloop event loop the caller runs) until SIGTERM or SIGINT.
 Shutdown: back up each job's newest step (bounded by ``preemption_timeout``: a node being preempted
 leaves its newest step in the bucket), stop the API, stop the worker, cancel the loops.
 """
@@ -22,11 +23,16 @@ import httpx
 import uvicorn
 
 from tierckpt.protocol.client import ONE_ATTEMPT, ReplicatorClient
+from tierckpt.protocol.identity import TlsCredentials, TlsFiles
 from tierckpt.protocol.tokens import TokenFile
+from tierckpt_replicator.access import JobMembers
+from tierckpt_replicator.api.auth import Authorizer, PeerAuthorizer, TokenAuthorizer
+from tierckpt_replicator.api.transport import PeerIdentityProtocol
 from tierckpt_replicator.app import create_app
 from tierckpt_replicator.assignments import AssignmentStore, load_static
 from tierckpt_replicator.backup.jobs import BackupPort, load_job_backups
 from tierckpt_replicator.controls import LocalInventory, NodeControls
+from tierckpt_replicator.identity import NodeIdentity
 from tierckpt_replicator.inventory import InventoryScanner, list_jobs
 from tierckpt_replicator.metrics import Metrics
 from tierckpt_replicator.policies import PolicyStore
@@ -43,12 +49,17 @@ __all__ = ["Daemon", "serve", "worker_config"]
 log = logging.getLogger(__name__)
 
 
-def worker_config(settings: Settings) -> WorkerConfig:
-    assert settings.token_file is not None
+def worker_config(settings: Settings, tls: TlsFiles | None = None) -> WorkerConfig:
+    """What the worker process needs: ``tls``, the node's certificate files (``--auth tls``)."""
     return WorkerConfig(
         node=settings.node_name,
         root=str(settings.root),
-        token_file=str(settings.token_file),
+        auth="tls" if settings.auth == "tls" else "token",
+        token_file=str(settings.token_file or ""),
+        tls_cert=str(tls.cert) if tls is not None else "",
+        tls_key=str(tls.key) if tls is not None and tls.key is not None else "",
+        tls_ca=str(tls.ca) if tls is not None else "",
+        peers_file=str(settings.peers_file or ""),
         listen_host=settings.listen_host,
         data_port=settings.data_port,
         holder=settings.holder,
@@ -68,34 +79,53 @@ def worker_config(settings: Settings) -> WorkerConfig:
 
 
 class Daemon:
-    """Every part of one node's replicator, wired together, and their lifecycle."""
+    """Every part of one node's replicator, wired together, and their lifecycle.
+
+    ``identity`` (``--auth tls``): this node's certificate, already obtained (``serve`` does that);
+    without it the daemon loads ``--tls-cert`` (local mode)."""
 
     def __init__(
         self,
         settings: Settings,
         *,
+        identity: NodeIdentity | None = None,
         metrics: Metrics | None = None,
         backup: BackupPort | None = None,
         peer_transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
-        if settings.token_file is None:
-            raise ValueError("--token-file is required: every request must carry the bearer token it holds")
+        settings.check_credentials()
         self.settings = settings
-        self.tokens = TokenFile(settings.token_file)
         self.metrics = metrics or Metrics()
         self.started_at = time.time()
         self.backup = backup
         static = load_static(settings.peers_file) if settings.peers_file else None
         self.assignments = AssignmentStore(settings.root, static)
+        self.identity: NodeIdentity | None = None
+        self.tls: TlsCredentials | None = None
+        self.tokens: TokenFile | None = None
+        auth: Authorizer
+        if settings.auth == "tls":
+            self.identity = identity or NodeIdentity(settings).loaded()
+            self.tls = self.identity.credentials()
+            members = JobMembers(settings.root, self.assignments)
+            auth = PeerAuthorizer(members, settings.node_name, lambda: self._not_after())
+        else:
+            self.tokens = TokenFile(settings.token_file or "")
+            auth = TokenAuthorizer(self.tokens)
         self.policies = PolicyStore(settings.root)
         self.scanner = InventoryScanner(
             settings.root, node=settings.node_name, endpoint=settings.api_endpoint, domain=settings.domain
         )
         self.local_inventory = LocalInventory(self.scanner, backup)
-        self.supervisor = WorkerSupervisor(worker_config(settings), on_event=self._on_data_event)
+        files = self.identity.files if self.identity is not None else None
+        self.supervisor = WorkerSupervisor(worker_config(settings, files), on_event=self._on_data_event)
         # one attempt per question: the callers ask again (restore planning) or next round (reconcile)
         self.peers = ReplicatorClient(
-            token=self.tokens, timeout=settings.inventory_timeout, retry=ONE_ATTEMPT, transport=peer_transport
+            token=self.tokens,
+            tls=self.tls,
+            timeout=settings.inventory_timeout,
+            retry=ONE_ATTEMPT,
+            transport=peer_transport,
         )
         self.watcher = CommitWatcher(settings.root, poll_interval=settings.poll_interval)
         self.replication = ReplicationManager(
@@ -122,7 +152,7 @@ class Daemon:
         )
         self.controls = NodeControls(
             settings=settings,
-            tokens=self.tokens,
+            auth=auth,
             metrics=self.metrics,
             started_at=self.started_at,
             backup=backup,
@@ -145,6 +175,8 @@ class Daemon:
         await self.supervisor.start()
         self.watcher.start()
         self._loops.append(asyncio.create_task(self._replication_loop(), name="replication"))
+        if self.identity is not None:
+            self._loops.append(asyncio.create_task(self.identity.run(self._reload_tls), name="renewal"))
         if self.backup is not None:
             self._loops.append(asyncio.create_task(self._backup_loop(), name="backup-poll"))
         if self.settings.restore_on_start:
@@ -189,6 +221,15 @@ class Daemon:
             await asyncio.wait_for(asyncio.gather(*(one(j) for j in jobs)), self.settings.preemption_timeout)
         except asyncio.TimeoutError:
             log.error("preemption: backups did not finish within %.0fs", self.settings.preemption_timeout)
+
+    def _not_after(self) -> float:
+        return self.identity.not_after if self.identity is not None else float("inf")
+
+    def _reload_tls(self) -> None:
+        """New certificate files: every context of this process (the API server's, the peers client's)
+        loads them, here on the event loop that runs their handshakes. The worker notices by itself."""
+        if self.tls is not None and self.tls.refresh():
+            log.info("reloaded this node's certificate (valid until %s)", time.ctime(self._not_after()))
 
     async def _replication_loop(self) -> None:
         while True:
@@ -249,24 +290,38 @@ class _Server(uvicorn.Server):
         yield
 
 
+def server_config(daemon: Daemon) -> uvicorn.Config:
+    """uvicorn for the daemon's app: over mutual TLS (the node's certificate, client certificates
+    required and verified against the CA, their identity passed to the app) unless ``--auth token``."""
+    settings, tls = daemon.settings, daemon.tls
+    return uvicorn.Config(
+        daemon.app,
+        host=settings.listen_host,
+        port=settings.api_port,
+        http=PeerIdentityProtocol if tls is not None else "httptools",
+        lifespan="off",
+        access_log=False,
+        log_level=settings.log_level.lower(),
+        timeout_graceful_shutdown=5,
+        limit_concurrency=128,
+        # one long-lived context, reloaded in place on renewal (Daemon._reload_tls)
+        ssl_context_factory=(lambda _config, _default: tls.server()) if tls is not None else None,
+    )
+
+
 async def serve(settings: Settings) -> None:
     """Run the daemon until SIGTERM/SIGINT; then back up (bounded), and shut down in order."""
+    settings.check_credentials()
+    identity = None
+    if settings.auth == "tls":
+        identity = NodeIdentity(settings)
+        await identity.obtain()
     metrics = Metrics()
-    daemon = Daemon(settings, metrics=metrics, backup=load_job_backups(settings, metrics.registry))
-    await daemon.start()
-    server = _Server(
-        uvicorn.Config(
-            daemon.app,
-            host=settings.listen_host,
-            port=settings.api_port,
-            http="httptools",
-            lifespan="off",
-            access_log=False,
-            log_level=settings.log_level.lower(),
-            timeout_graceful_shutdown=5,
-            limit_concurrency=128,
-        )
+    daemon = Daemon(
+        settings, identity=identity, metrics=metrics, backup=load_job_backups(settings, metrics.registry)
     )
+    await daemon.start()
+    server = _Server(server_config(daemon))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

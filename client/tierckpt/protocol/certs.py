@@ -29,7 +29,7 @@ from cryptography.hazmat.primitives.asymmetric.types import CertificatePublicKey
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from tierckpt.protocol.errors import FormatError
-from tierckpt.protocol.identity import OPERATOR_ID, node_id, node_server_name
+from tierckpt.protocol.identity import OPERATOR_ID, Peer, node_id, node_server_name, peer_from_id
 
 __all__ = [
     "Authority",
@@ -37,11 +37,13 @@ __all__ = [
     "PublicKey",
     "certificate_pem",
     "csr_public_key",
-    "expiry",
     "issued_by",
+    "matches_key",
+    "named_peer",
     "new_key",
     "node_csr",
     "private_pem",
+    "validity",
     "write_identity",
     "write_private",
 ]
@@ -119,9 +121,30 @@ def _certificates(pem: bytes) -> list[x509.Certificate]:
         raise FormatError(f"not PEM certificates: {exc}") from exc
 
 
-def expiry(pem: bytes) -> float:
-    """When the first certificate of ``pem`` expires (Unix time)."""
-    return _certificates(pem)[0].not_valid_after_utc.timestamp()
+def validity(pem: bytes) -> tuple[float, float]:
+    """When the first certificate of ``pem`` becomes valid and when it expires (Unix times)."""
+    cert = _certificates(pem)[0]
+    return cert.not_valid_before_utc.timestamp(), cert.not_valid_after_utc.timestamp()
+
+
+def named_peer(pem: bytes) -> Peer | None:
+    """The tierckpt identity the first certificate of ``pem`` names (its one SPIFFE URI of our trust
+    domain), or None."""
+    try:
+        cert = _certificates(pem)[0]
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except (FormatError, x509.ExtensionNotFound):
+        return None
+    found = [p for u in san.get_values_for_type(x509.UniformResourceIdentifier) if (p := peer_from_id(u))]
+    return found[0] if len(found) == 1 else None
+
+
+def matches_key(pem: bytes, key: PrivateKey) -> bool:
+    """Whether the first certificate of ``pem`` is for ``key``."""
+    try:
+        return _spki(_certificates(pem)[0].public_key()) == _spki(key.public_key())
+    except FormatError:
+        return False
 
 
 def issued_by(pem: bytes, ca_bundle: bytes) -> bool:

@@ -42,6 +42,7 @@ __all__ = [
     "ca_client_context",
     "node_id",
     "node_server_name",
+    "peer_from_id",
     "peer_of",
 ]
 

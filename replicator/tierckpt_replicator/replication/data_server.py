@@ -2,6 +2,11 @@
 corruption reports (``corrupt``). Blocking sockets, one thread per connection, at most
 ``max_incoming`` transfers at once; everything else is refused as busy (503) before any data moves.
 
+Auth (``--auth tls``): the TLS handshake requires a client certificate of the tierckpt CA; the request
+must name the node that certificate names, and that node must be a member of the job here
+(``tierckpt_replicator.access.data_refusal``), else 403 before anything is read or written. Legacy
+``--auth token``: the request's shared token.
+
 Put: auth → parse and cross-check COMMIT + manifest → already held? (208) → in progress? (409) → room?
 (507, after dropping what retention allows) → preallocate every file (507 on ENOSPC) → ``100
 continue`` → receive with crc32c → all match? commit atomically (200) : drop the staging dir (422).
@@ -29,7 +34,9 @@ from tierckpt.protocol.format import (
     replica_rank_dir,
     step_dir,
 )
-from tierckpt_replicator.replication.context import DataContext, unique_holder
+from tierckpt.protocol.identity import Peer
+from tierckpt_replicator.access import data_refusal
+from tierckpt_replicator.replication.context import DataContext, secure, unique_holder
 from tierckpt_replicator.replication.ipc import DataEvent
 from tierckpt_replicator.replication.replicas import apply_retention, client_headroom, free_bytes, make_room
 from tierckpt_replicator.replication.stream import receive_file, send_file
@@ -131,8 +138,9 @@ class DataServer:
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         slot = self._slots.acquire(blocking=False)
         try:
+            conn, peer = secure(self.ctx, conn)
             req = recv_frame(conn, DataRequest)
-            self._check(req, slot)
+            self._check(req, slot, peer)
             handler = {"put": self._put, "get": self._get, "corrupt": self._corrupt}[req.op]
             handler(conn, req)
         except _Reject as exc:
@@ -150,15 +158,23 @@ class DataServer:
                 self._slots.release()
             _close_gently(conn)
 
-    def _check(self, req: DataRequest, slot: bool) -> None:
-        if not req.token:
-            raise _Reject(Status.UNAUTHORIZED, "missing token")
-        if not self.ctx.tokens.check(req.token):
-            raise _Reject(Status.FORBIDDEN, "invalid token")
+    def _check(self, req: DataRequest, slot: bool, peer: Peer | None) -> None:
+        tokens = self.ctx.tokens
+        if tokens is not None:  # legacy --auth token
+            if not req.token:
+                raise _Reject(Status.UNAUTHORIZED, "missing token")
+            if not tokens.check(req.token):
+                raise _Reject(Status.FORBIDDEN, "invalid token")
+        elif peer is None:
+            raise _Reject(Status.UNAUTHORIZED, "the client certificate names no tierckpt identity")
         try:
             check_job_id(req.job)
         except FormatError as exc:
             raise _Reject(Status.BAD_REQUEST, str(exc)) from exc
+        if tokens is None:
+            why = data_refusal(peer, req.op, req.job, req.node, self.ctx.members, self.ctx.config.node)
+            if why is not None:
+                raise _Reject(Status.FORBIDDEN, why)
         if not (0 <= req.rank < _MAX_INDEX and 0 <= req.step < _MAX_INDEX):
             raise _Reject(Status.BAD_REQUEST, "rank and step must be non-negative integers")
         if not slot:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import ssl
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -88,6 +89,8 @@ def push_step(ctx: DataContext, job: str, rank: int, step: int, peer: PeerAddres
             header = _read_header(path, job, rank, step)
             try:
                 sock = connect(ctx, peer)
+            except ssl.SSLError as exc:
+                return Outcome(peer.node, "unauthorized", f"TLS with {peer.host}:{peer.port}: {exc}")
             except OSError as exc:
                 return Outcome(peer.node, "unreachable", f"connect {peer.host}:{peer.port}: {exc}")
             with sock:
@@ -112,7 +115,7 @@ def _push(ctx: DataContext, sock: socket.socket, header: StepHeader, path: Path)
     m = header.manifest
     req = DataRequest(
         op="put",
-        token=ctx.tokens.text(),
+        token=ctx.token(),
         job=m.job,
         rank=m.rank,
         step=m.step,
@@ -205,14 +208,14 @@ def _download(
 ) -> int:
     try:
         sock = connect(ctx, PeerAddress(source.node, source.host, source.port))
+    except ssl.SSLError as exc:
+        raise _Refused("unauthorized", f"TLS with {source.host}:{source.port}: {exc}") from exc
     except OSError as exc:
         raise _Refused("unreachable", f"connect {source.host}:{source.port}: {exc}") from exc
     with sock:
         send_frame(
             sock,
-            DataRequest(
-                op="get", token=ctx.tokens.text(), job=job, rank=rank, step=step, node=ctx.config.node
-            ),
+            DataRequest(op="get", token=ctx.token(), job=job, rank=rank, step=step, node=ctx.config.node),
         )
         reply = recv_frame(sock, DataReply)
         if reply.status != Status.OK:
@@ -247,9 +250,7 @@ def report_corrupt(
 ) -> bool:
     """Tell the holder its copy failed verification (a few quick tries; True once it answered)."""
     peer = PeerAddress(source.node, source.host, source.port)
-    req = DataRequest(
-        op="corrupt", token=ctx.tokens.text(), job=job, rank=rank, step=step, node=ctx.config.node
-    )
+    req = DataRequest(op="corrupt", token=ctx.token(), job=job, rank=rank, step=step, node=ctx.config.node)
 
     def report() -> DataReply:
         with connect(ctx, peer) as sock:
