@@ -240,6 +240,14 @@ def _must(msg: M | None) -> M:
     return msg
 
 
+def _limits(concurrency: int, named: bool) -> httpx.Limits:
+    """Calls for a named node over TLS get a new connection each: a pooled connection is kept by
+    address, and an address may belong to another node by now (a pod IP reused), while the server's
+    name is verified only in the handshake. (A handshake costs about a millisecond; these calls come
+    seconds apart.)"""
+    return httpx.Limits(max_connections=concurrency, max_keepalive_connections=0 if named else concurrency)
+
+
 def _extensions(req: _Request, tls: bool) -> dict[str, Any] | None:
     """Over TLS, a call for a known node asks for that node's certificate (the server name)."""
     return {"sni_hostname": node_server_name(req.node)} if tls and req.node is not None else None
@@ -290,12 +298,11 @@ class ReplicatorClient(_Client):
     ) -> None:
         super().__init__(token, tls, retry, max_answer_bytes)
         self._slots = asyncio.Semaphore(concurrency)
-        limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
         pools = (False, True) if tls is not None else (False,)
         self._pools = {
             named: httpx.AsyncClient(
                 timeout=timeout,
-                limits=limits,
+                limits=_limits(concurrency, named),
                 transport=transport,
                 trust_env=False,
                 follow_redirects=False,
@@ -426,12 +433,11 @@ class SyncReplicatorClient(_Client):
         transport: httpx.BaseTransport | None = None,
     ) -> None:
         super().__init__(token, tls, retry, max_answer_bytes)
-        limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
         pools = (False, True) if tls is not None else (False,)
         self._pools = {
             named: httpx.Client(
                 timeout=timeout,
-                limits=limits,
+                limits=_limits(concurrency, named),
                 transport=transport,
                 trust_env=False,
                 follow_redirects=False,
