@@ -181,13 +181,14 @@ def ca_client_context(ca: str | os.PathLike[str]) -> ssl.SSLContext:
     return ctx
 
 
-ContextKind = Literal["server", "client", "client-named"]
+ContextKind = Literal["server", "server-open", "client", "client-named"]
 
 
 class TlsCredentials:
-    """Contexts made from ``files``: ``server()`` requires and verifies client certificates;
-    ``client(named=True)`` also verifies the server's name (the node the caller expects, given as the
-    TLS server name); ``client()`` accepts any certificate of the CA.
+    """Contexts made from ``files``: ``server()`` requires and verifies client certificates
+    (``server(clients=False)`` asks for none: the operator's signing endpoint, whose callers have no
+    certificate yet); ``client(named=True)`` also verifies the server's name (the node the caller
+    expects, given as the TLS server name); ``client()`` accepts any certificate of the CA.
 
     Each kind is made once and then reloaded in place by ``refresh()`` when the files change. Call
     ``refresh`` from the thread that runs the handshakes (the event loop): OpenSSL does not guard a
@@ -202,8 +203,8 @@ class TlsCredentials:
         self._stamp = files.stamp()
         self.server()  # fail fast on unreadable or mismatched files
 
-    def server(self) -> ssl.SSLContext:
-        return self._context("server")
+    def server(self, *, clients: bool = True) -> ssl.SSLContext:
+        return self._context("server" if clients else "server-open")
 
     def client(self, *, named: bool = False) -> ssl.SSLContext:
         return self._context("client-named" if named else "client")
@@ -212,8 +213,10 @@ class TlsCredentials:
         with self._lock:
             ctx = self._contexts.get(kind)
             if ctx is None:
-                if kind == "server":
+                if kind in ("server", "server-open"):
                     ctx = _tls13(ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER))
+                    if kind == "server-open":
+                        ctx.verify_mode = ssl.CERT_NONE
                 else:
                     ctx = _tls13(ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT))
                     ctx.check_hostname = kind == "client-named"
