@@ -78,14 +78,19 @@ class NodeIdentity:
         else:
             assert settings.tls_cert is not None
             self.files = TlsFiles(cert=settings.tls_cert, key=settings.tls_key, ca=self.ca)
-        self.not_before = self.not_after = 0.0
+        self.obtained_at = self.not_after = 0.0
 
     def credentials(self) -> TlsCredentials:
         return TlsCredentials(self.files)
 
     @property
     def renew_at(self) -> float:
-        return self.not_before + _RENEW_AT * (self.not_after - self.not_before)
+        """Two thirds of the way from when this process got the certificate to its expiry (from the
+        moment it was obtained, not its notBefore, which the issuer backdates for clock skew)."""
+        return self.obtained_at + _RENEW_AT * (self.not_after - self.obtained_at)
+
+    def _use(self, pem: bytes) -> None:
+        self.obtained_at, self.not_after = time.time(), validity(pem)[1]
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -96,7 +101,7 @@ class NodeIdentity:
             raise ValueError("--issuer-url: obtain() the certificate before the daemon is built")
         try:
             self.credentials()  # the files load and the key matches the certificate
-            self.not_before, self.not_after = validity(self.files.cert.read_bytes())
+            self._use(self.files.cert.read_bytes())
         except (OSError, ssl.SSLError, FormatError) as exc:
             raise ValueError(f"cannot load --tls-cert {self.files.cert}: {exc}") from exc
         return self
@@ -121,7 +126,7 @@ class NodeIdentity:
         while not self.issued:
             await asyncio.sleep(_STATIC_CHECK)
             with contextlib.suppress(OSError, ValueError, FormatError):
-                self.not_before, self.not_after = validity(self.files.cert.read_bytes())
+                self._use(self.files.cert.read_bytes())
             on_renewed()
         while True:
             await asyncio.sleep(max(0.0, self.renew_at - time.time()))
@@ -144,8 +149,11 @@ class NodeIdentity:
         if named_peer(pem) != Peer.of_node(self.node) or not issued_by(pem, ca):
             log.info("the kept certificate is not this node's from the current CA; asking for a new one")
             return False
-        self.not_before, self.not_after = validity(pem)
-        return time.time() < self.renew_at
+        not_before, not_after = validity(pem)
+        if not_after - time.time() <= (1 - _RENEW_AT) * (not_after - not_before):
+            return False  # due for renewal anyway
+        self._use(pem)
+        return True
 
     async def _request_until_issued(self) -> None:
         def failed(attempt: RetryCallState) -> None:
@@ -187,5 +195,5 @@ class NodeIdentity:
         except FormatError as exc:
             raise _Refused(f"unusable answer: {exc}") from exc
         write_identity(self.files.cert, key, pem)
-        self.not_before, self.not_after = validity(pem)
+        self._use(pem)
         log.info("obtained this node's certificate (valid until %s)", time.ctime(self.not_after))

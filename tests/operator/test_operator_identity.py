@@ -4,8 +4,11 @@ other token, pod or request. Served over real HTTPS, with the real Kubernetes ad
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import datetime
 import json
+import socket
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -23,10 +26,12 @@ from tests.operator.operator_harness import (
     REPLICATOR_SA,
     SYSTEM_NS,
     TierckptCA,
+    eventually,
     free_port,
 )
 from tierckpt.protocol.certs import issued_by, matches_key, named_peer, new_key, node_csr
-from tierckpt.protocol.identity import CertificateIssued, CertificateRequest, Peer
+from tierckpt.protocol.client import ReplicatorClient
+from tierckpt.protocol.identity import CertificateIssued, CertificateRequest, Peer, node_server_name
 from tierckpt_operator.credentials import OperatorCredentials
 from tierckpt_operator.issuer import ISSUE_PATH, NodeCertificateIssuer
 from tierckpt_operator.kube import Kube, api_client
@@ -214,3 +219,36 @@ async def test_nothing_else_gets_a_certificate(issuer, case, status, why):
     outcome = {401: "unauthenticated", 403: "refused", 400: "malformed"}[status]
     assert issuer.metrics.node_certificates.labels(outcome)._value.get() == 1
     assert issuer.metrics.node_certificates.labels("issued")._value.get() == 0
+
+
+def presented(port: int, node: str, ca: TierckptCA) -> bytes:
+    """The certificate a replicator port presents now (the harness's operator-role credentials)."""
+    ctx = ca.probe_credentials().client(named=True)
+    with (
+        socket.create_connection(("127.0.0.1", port), timeout=5) as raw,
+        ctx.wrap_socket(raw, server_hostname=node_server_name(node)) as tls,
+    ):
+        return tls.getpeercert(binary_form=True) or b""
+
+
+async def test_certificates_are_renewed_without_a_restart(env, tierckpt_ca):
+    env.settings = dataclasses.replace(env.settings, cert_hours=30 / 3600)  # 30 s: renewed after 20 s
+    n0, n1 = await env.add_nodes(("n0", "a"), ("n1", "b"))
+    await env.start_operator()
+    api = {n.name: await asyncio.to_thread(presented, n.api_port, n.name, tierckpt_ca) for n in (n0, n1)}
+    data = {n.name: await asyncio.to_thread(presented, n.data_port, n.name, tierckpt_ca) for n in (n0, n1)}
+    assert api == data  # one certificate per node, on both ports
+
+    def renewed(node) -> bool:
+        return node.log.read_text().count("obtained this node's certificate") >= 2
+
+    await eventually(lambda: renewed(n0) and renewed(n1), 45, "both nodes renewed their certificates")
+    for node in (n0, n1):  # both ports present the new certificate, without a restart
+        now_api = await asyncio.to_thread(presented, node.api_port, node.name, tierckpt_ca)
+        now_data = await asyncio.to_thread(presented, node.data_port, node.name, tierckpt_ca)
+        assert now_api != api[node.name] and now_data == now_api
+        assert node.proc is not None and node.proc.poll() is None
+    # peers and the operator (its own certificate renewed too) still reach both over mutual TLS
+    async with ReplicatorClient(tls=env.operator.runtime.credentials.client, timeout=5) as op:
+        assert (await op.status(n1.endpoint, node="n1")).node == "n1"
+    assert "reloaded this node's certificate" in n0.log.read_text()
