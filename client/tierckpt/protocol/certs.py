@@ -281,6 +281,15 @@ class Authority:
                 sans.append(x509.DNSName(name))
         return self._issue(public_key, names[0], sans, lifetime, server=True, client=False)
 
+    def _authority_key_id(self) -> x509.AuthorityKeyIdentifier:
+        """The CA's own key identifier, as its certificate states it (verifiers find the issuer by it;
+        Helm's genCA, for one, does not derive it from the key the way RFC 5280 suggests)."""
+        try:
+            ski = self.certificate.extensions.get_extension_for_class(x509.SubjectKeyIdentifier).value
+        except x509.ExtensionNotFound:
+            return x509.AuthorityKeyIdentifier.from_issuer_public_key(self.key.public_key())
+        return x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ski)
+
     def _issue(
         self,
         public_key: PublicKey,
@@ -319,9 +328,6 @@ class Authority:
             )
             .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
             .add_extension(x509.SubjectAlternativeName(sans), critical=False)
-            .add_extension(
-                x509.AuthorityKeyIdentifier.from_issuer_public_key(self.key.public_key()),
-                critical=False,
-            )
+            .add_extension(self._authority_key_id(), critical=False)
             .sign(self.key, hashes.SHA256())
         )
