@@ -2,10 +2,12 @@
 
 ``Daemon`` builds every part and wires them together (what the control API does is
 ``tierckpt_replicator.controls.NodeControls``). ``serve(settings)``: obtain this node's certificate
-(``--auth tls``; see ``identity``), build the parts, start the replication worker process, the commit
+(``--auth tls``; see ``identity``), start the probe server (its own thread and loop,
+``tierckpt_replicator.probes``), build the parts, start the replication worker process, the commit
 watcher, the replication loop and the certificate renewal, stage restores for the jobs already known,
-then serve the control API (uvicorn with httptools, over mutual TLS unless ``--auth token``, on the
-uvloop event loop the caller runs) until SIGTERM or SIGINT.
+then serve the control API (uvicorn with httptools behind ``api.guard``'s deadlines and connection
+limits, over mutual TLS unless ``--auth token``, on the uvloop event loop the caller runs) until
+SIGTERM or SIGINT.
 Shutdown: back up each job's newest step (bounded by ``preemption_timeout``: a node being preempted
 leaves its newest step in the bucket), stop the API, stop the worker, cancel the loops.
 """
@@ -18,6 +20,7 @@ import logging
 import signal
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import uvicorn
@@ -27,8 +30,8 @@ from tierckpt.protocol.identity import TlsCredentials, TlsFiles
 from tierckpt.protocol.tokens import TokenFile
 from tierckpt_replicator.access import JobMembers
 from tierckpt_replicator.api.auth import Authorizer, PeerAuthorizer, TokenAuthorizer
-from tierckpt_replicator.api.transport import PeerIdentityProtocol
-from tierckpt_replicator.app import create_app
+from tierckpt_replicator.api.guard import ApiLimits, guarded_http
+from tierckpt_replicator.app import create_app, create_probe_app
 from tierckpt_replicator.assignments import AssignmentStore, load_static
 from tierckpt_replicator.backup.jobs import BackupPort, load_job_backups
 from tierckpt_replicator.controls import LocalInventory, NodeControls
@@ -36,6 +39,7 @@ from tierckpt_replicator.identity import NodeIdentity
 from tierckpt_replicator.inventory import InventoryScanner, list_jobs
 from tierckpt_replicator.metrics import Metrics
 from tierckpt_replicator.policies import PolicyStore
+from tierckpt_replicator.probes import ProbeServer
 from tierckpt_replicator.replication.ipc import DataEvent, WorkerConfig
 from tierckpt_replicator.replication.manager import ReplicationManager
 from tierckpt_replicator.replication.supervisor import WorkerSupervisor
@@ -68,6 +72,9 @@ def worker_config(settings: Settings, tls: TlsFiles | None = None) -> WorkerConf
         bandwidth_bytes_per_s=settings.bandwidth_limit * 1e6,
         transfer_timeout=settings.transfer_timeout,
         connect_timeout=settings.connect_timeout,
+        handshake_timeout=settings.handshake_timeout,
+        min_transfer_rate=settings.min_transfer_rate * 1e6,
+        connections_per_source=settings.data_connections_per_source,
         max_manifest_bytes=settings.max_manifest_bytes,
         reserve_bytes=settings.reserve_bytes,
         replica_keep=settings.replica_keep,
@@ -167,6 +174,7 @@ class Daemon:
         )
         self._loops: list[asyncio.Task[None]] = []
         self.app = create_app(self.controls)
+        self.probe_app = create_probe_app(self.controls)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -291,36 +299,81 @@ class _Server(uvicorn.Server):
 
 
 def server_config(daemon: Daemon) -> uvicorn.Config:
-    """uvicorn for the daemon's app: over mutual TLS (the node's certificate, client certificates
-    required and verified against the CA, their identity passed to the app) unless ``--auth token``."""
+    """uvicorn for the daemon's app, behind ``api.guard``'s deadlines and connection limits; over mutual
+    TLS unless ``--auth token``: the guard does the handshake (the node's certificate, client
+    certificates required and verified against the CA, their identity passed to the app) within the
+    header deadline, so uvicorn's own ``ssl`` stays off."""
     settings, tls = daemon.settings, daemon.tls
+    http, _ = guarded_http(
+        ApiLimits(
+            "control API",
+            header_timeout=settings.api_header_timeout,
+            body_timeout=settings.api_body_timeout,
+            total=settings.api_max_connections,
+            per_source=settings.api_connections_per_source,
+        ),
+        tls=tls.server if tls is not None else None,  # one context, reloaded in place on renewal
+    )
     return uvicorn.Config(
         daemon.app,
         host=settings.listen_host,
         port=settings.api_port,
-        http=PeerIdentityProtocol if tls is not None else "httptools",
+        http=http,
         lifespan="off",
         access_log=False,
         log_level=settings.log_level.lower(),
         timeout_graceful_shutdown=5,
-        limit_concurrency=128,
-        # one long-lived context, reloaded in place on renewal (Daemon._reload_tls)
-        ssl_context_factory=(lambda _config, _default: tls.server()) if tls is not None else None,
+        limit_concurrency=settings.api_max_connections + 1,  # the guard closes connections past it
     )
+
+
+class _ProbeApp:
+    """The probe server's app: until the daemon is built (while this node's certificate is being
+    obtained) ``/healthz`` is ok and everything else unavailable; then the daemon's probe app."""
+
+    def __init__(self) -> None:
+        self.app: Any = None
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if self.app is not None:
+            await self.app(scope, receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        ok = scope.get("path") == "/healthz"
+        body = b'{"status":"ok"}' if ok else b'{"status":"unavailable"}'
+        headers = [(b"content-type", b"application/json")]
+        await send({"type": "http.response.start", "status": 200 if ok else 503, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
 
 
 async def serve(settings: Settings) -> None:
     """Run the daemon until SIGTERM/SIGINT; then back up (bounded), and shut down in order."""
     settings.check_credentials()
-    identity = None
-    if settings.auth == "tls":
-        identity = NodeIdentity(settings)
-        await identity.obtain()
-    metrics = Metrics()
-    daemon = Daemon(
-        settings, identity=identity, metrics=metrics, backup=load_job_backups(settings, metrics.registry)
+    probe_app = _ProbeApp()
+    probes = ProbeServer(
+        probe_app,
+        host=settings.listen_host,
+        port=settings.probe_port,
+        header_timeout=settings.api_header_timeout,
+        body_timeout=settings.api_body_timeout,
+        log_level=settings.log_level,
     )
-    await daemon.start()
+    probes.start()  # first: /healthz answers while the certificate comes and the worker starts
+    try:
+        identity = None
+        if settings.auth == "tls":
+            identity = NodeIdentity(settings)
+            await identity.obtain()
+        metrics = Metrics()
+        daemon = Daemon(
+            settings, identity=identity, metrics=metrics, backup=load_job_backups(settings, metrics.registry)
+        )
+        probe_app.app = daemon.probe_app  # /readyz says when the daemon is ready
+        await daemon.start()
+    except BaseException:
+        probes.stop()
+        raise
     server = _Server(server_config(daemon))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -341,4 +394,5 @@ async def serve(settings: Settings) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
         await daemon.close()
+        probes.stop()
         log.info("replicator stopped")

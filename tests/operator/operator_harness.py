@@ -204,6 +204,7 @@ class Node:
     root: Path
     api_port: int
     data_port: int
+    probe_port: int
     proc: subprocess.Popen[bytes] | None = None
     log: Path | None = None
     token_file: Path | None = None
@@ -227,7 +228,9 @@ class Replicators:
         """The node's directories and ports (its replicator not started yet)."""
         root = self.base / name / "ramdisk"
         root.mkdir(parents=True, exist_ok=True)
-        node = Node(name, zone, root, free_port(), free_port(), log=self.base / name / "replicator.log")
+        node = Node(
+            name, zone, root, free_port(), free_port(), free_port(), log=self.base / name / "replicator.log"
+        )
         node.token_file = self.base / name / "sa-token"
         self.nodes[name] = node
         return node
@@ -257,6 +260,8 @@ class Replicators:
             str(node.api_port),
             "--data-port",
             str(node.data_port),
+            "--probe-port",
+            str(node.probe_port),
             "--domain",
             zone,
             "--poll-interval",

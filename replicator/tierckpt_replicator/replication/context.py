@@ -23,6 +23,7 @@ from tierckpt.protocol.tokens import TokenFile
 from tierckpt_replicator.access import JobMembers
 from tierckpt_replicator.assignments import AssignmentStore, load_static
 from tierckpt_replicator.replication.ipc import PeerAddress, WorkerConfig
+from tierckpt_replicator.replication.pacing import Deadline
 from tierckpt_replicator.replication.throttle import TokenBucket
 
 __all__ = ["DataContext", "connect", "secure", "unique_holder"]
@@ -100,14 +101,20 @@ def connect(ctx: DataContext, peer: PeerAddress) -> socket.socket:
     return sock
 
 
-def secure(ctx: DataContext, conn: socket.socket) -> tuple[socket.socket, Peer | None]:
+def secure(ctx: DataContext, conn: socket.socket, deadline: Deadline) -> tuple[socket.socket, Peer | None]:
     """The server side of ``connect``: the TLS handshake of an accepted connection (a client certificate
-    of the CA required; ``ssl.SSLError`` otherwise) and the identity it names. Token mode: ``conn`` as
-    it is, no identity. Runs under the socket's current timeout."""
+    of the CA required; ``ssl.SSLError`` otherwise), all of it by ``deadline`` (``TimeoutError``), and
+    the identity the certificate names. Token mode: ``conn`` as it is, no identity."""
     tls = ctx.credentials()
     if tls is None:
         return conn, None
-    wrapped = tls.server().wrap_socket(conn, server_side=True)
+    wrapped = tls.server().wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
+    try:
+        deadline.arm(wrapped)  # one blocking do_handshake: the socket timeout bounds all of it
+        wrapped.do_handshake()
+    except BaseException:
+        wrapped.close()
+        raise
     return wrapped, peer_of(wrapped.getpeercert())
 
 

@@ -200,9 +200,12 @@ def _pump(fill: Callable[[memoryview], None], fd: int, size: int, on_bytes: OnBy
     return crc
 
 
-def receive_file(sock: socket.socket, path: Path, size: int, *, on_bytes: OnBytes = _noop) -> int:
+def receive_file(
+    sock: socket.socket, path: Path, size: int, *, on_bytes: OnBytes = _noop, pace: OnBytes | None = None
+) -> int:
     """Receive exactly ``size`` bytes into ``path`` (made by ``ramdisk.create_preallocated``); return
-    their crc32c."""
+    their crc32c. ``pace`` hears every ``recv``'s byte count and may raise (``pacing.RateFloor``):
+    ``on_bytes`` is called per chunk, too coarse to judge a slow sender by."""
     if size == 0:
         return 0
 
@@ -215,6 +218,8 @@ def receive_file(sock: socket.socket, path: Path, size: int, *, on_bytes: OnByte
                     f"connection closed inside {path.name} ({n - got} bytes of a chunk missing)"
                 )
             got += k
+            if pace is not None:
+                pace(k)
 
     fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
     try:
