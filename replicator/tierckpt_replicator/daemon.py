@@ -375,6 +375,8 @@ async def serve(settings: Settings) -> None:
         probes.stop()
         raise
     server = _Server(server_config(daemon))
+    mode = "mutual TLS, client certificates of the tierckpt CA" if daemon.tls else "legacy bearer token"
+    log.info("control API on %s:%d (%s)", settings.listen_host, settings.api_port, mode)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

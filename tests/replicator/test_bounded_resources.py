@@ -210,8 +210,10 @@ def test_slowloris_on_the_api_does_not_starve_the_probes(cluster):
                 assert time.monotonic() - t0 < 1.0
                 time.sleep(0.1)
         # a real API call, from another node (another source), goes through meanwhile
+        operator = cluster.identity_files("operator")  # the operator's certificate, from c's address
         call = c.run_in_node(
-            [sys.executable, "-c", _STATUS_CALL, b.endpoint, str(cluster.token_file)], timeout=60
+            [sys.executable, "-c", _STATUS_CALL, b.endpoint, b.name, str(operator.cert), str(operator.ca)],
+            timeout=60,
         )
         assert call.stdout.split() == ["200", b.name], call.stderr
         assert trickle.open > 0 and time.monotonic() - started < HEADERS  # still under attack then
@@ -225,8 +227,10 @@ def test_slowloris_on_the_api_does_not_starve_the_probes(cluster):
 
 _STATUS_CALL = """
 import sys, httpx
-token = open(sys.argv[2]).read().strip()
-r = httpx.get(sys.argv[1] + "/v1/status", headers={"Authorization": "Bearer " + token}, timeout=10,
-              trust_env=False)
+from tierckpt.protocol.identity import TlsCredentials, TlsFiles, node_server_name
+endpoint, node, cert, ca = sys.argv[1:5]
+tls = TlsCredentials(TlsFiles(cert=cert, ca=ca)).client(named=True)
+with httpx.Client(verify=tls, timeout=10, trust_env=False) as http:
+    r = http.get(endpoint + "/v1/status", extensions={"sni_hostname": node_server_name(node)})
 print(r.status_code, r.json().get("node"))
 """

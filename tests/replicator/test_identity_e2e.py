@@ -133,7 +133,7 @@ def test_a_node_certificate_cannot_act_as_another_node_or_the_operator(cluster3,
     assert peers.read_bytes() == before
     assert committed(step_dir(rank_dir(a.root, job, 0), 10))
     # C's certificate served where B's endpoint is: A's client refuses it before sending anything
-    impostor = Node(cluster3, 9, ip=c.ip, api_port=c.api_port, data_port=c.data_port)
+    impostor = Node(cluster3, 9, ip=c.ip, api_port=c.api_port, data_port=c.data_port, probe_port=c.probe_port)
     with pytest.raises(ReplicatorError, match=r"(?i)certificate|hostname"):
         cluster3.api.inventory(impostor.endpoint, job, node=b.name)
 

@@ -25,7 +25,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import ssl
+from asyncio import sslproto
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -64,10 +66,11 @@ def guarded_http(
         _raw: asyncio.Transport | None = None
         """The TCP transport while the TLS handshake runs (before uvicorn sees the connection)."""
         _made = False
-        _handshake: asyncio.Task[None] | None = None
+        _early: list[bytes]
         peer: Peer | None = None
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            self._early = []
             peername = transport.get_extra_info("peername")
             source = str(peername[0]) if peername else "?"
             if not connections.admit(source):
@@ -77,25 +80,36 @@ def guarded_http(
             if tls is None:
                 self._made_with(transport)
                 return
-            transport.pause_reading()  # nothing reaches us before the TLS layer is in place
+            # The TLS layer goes in now, before the event loop reads a byte (uvloop starts reading
+            # right after this returns, pause or not, so loop.start_tls, which runs a step later,
+            # would miss the ClientHello): asyncio's own SSL protocol, as loop.start_tls builds it.
             self._raw = transport
             self._arm(limits.header_timeout, "handshake and headers")
-            self._handshake = self.loop.create_task(self._start_tls(transport))
+            waiter: asyncio.Future[None] = self.loop.create_future()
+            layer = sslproto.SSLProtocol(
+                self.loop,
+                self,
+                tls(),
+                waiter,
+                server_side=True,
+                call_connection_made=False,
+                ssl_handshake_timeout=math.ceil(limits.header_timeout),  # our deadline closes it first
+            )
+            transport.set_protocol(layer)
+            layer.connection_made(transport)
+            waiter.add_done_callback(lambda done: self._handshake_done(done, layer))
 
-        async def _start_tls(self, raw: asyncio.Transport) -> None:
-            assert tls is not None
-            try:
-                secured = await self.loop.start_tls(
-                    raw, self, tls(), server_side=True, ssl_handshake_timeout=limits.header_timeout
-                )
-            except (OSError, ssl.SSLError, asyncio.TimeoutError, ConnectionError, RuntimeError) as exc:
+        def _handshake_done(self, done: asyncio.Future[None], layer: sslproto.SSLProtocol) -> None:
+            raw, self._raw = self._raw, None
+            exc = None if done.cancelled() else done.exception()
+            if done.cancelled() or exc is not None or raw is None or raw.is_closing():
                 log.debug("%s: TLS handshake with %s failed: %s", limits.name, self._source, exc)
-                raw.abort()
+                if raw is not None:
+                    raw.abort()
                 return
-            if secured is None or raw.is_closing():
-                return
-            self._raw = None
-            ssl_object = secured.get_extra_info("ssl_object")
+            getter = getattr(layer, "_get_app_transport", None)  # Python 3.11+; 3.10: the attribute
+            secured = getter() if getter is not None else layer._app_transport
+            ssl_object = cast("ssl.SSLObject | None", secured.get_extra_info("ssl_object"))
             self.peer = peer_of(ssl_object.getpeercert()) if ssl_object is not None else None
             self._made_with(secured, armed=True)
 
@@ -104,6 +118,15 @@ def guarded_http(
             self._made = True
             if not armed:
                 self._arm(limits.header_timeout, "headers")
+            early, self._early = self._early, []
+            for data in early:
+                super().data_received(data)
+
+        def data_received(self, data: bytes) -> None:
+            if not self._made:  # the request may arrive with the handshake's end, before start_tls returns
+                self._early.append(data)
+                return
+            super().data_received(data)
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
