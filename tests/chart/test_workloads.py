@@ -129,7 +129,7 @@ def test_replicator_ports_probes_and_credentials() -> None:
         "items": [{"key": "ca.crt", "path": "ca.crt"}],
     }
     assert "token" not in volumes and "secret" not in str(volumes.get("ca"))  # never the CA's key
-    assert rep["readinessProbe"] == {"tcpSocket": {"port": "api"}, "periodSeconds": 10, "timeoutSeconds": 5}
+    assert rep["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "probes"}  # not the mTLS port
     legacy = render({"auth": {"mode": "token"}}).get("DaemonSet")
     legacy_env = _env(_containers(legacy)["replicator"])
     assert legacy_env["TIERCKPT_REPLICATOR_AUTH"] == "token"
