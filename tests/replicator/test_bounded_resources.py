@@ -231,7 +231,7 @@ endpoint, node, cert, ca = sys.argv[1:5]
 tls = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # the operator's mutual TLS (stdlib only: starts fast)
 tls.load_cert_chain(cert)
 tls.load_verify_locations(ca)
-r = httpx.get(endpoint + "/v1/status", verify=tls, timeout=10, trust_env=False,
-              extensions={"sni_hostname": node + ".node.tierckpt.io"})
+with httpx.Client(verify=tls, timeout=10, trust_env=False) as http:
+    r = http.get(endpoint + "/v1/status", extensions={"sni_hostname": node + ".node.tierckpt.io"})
 print(r.status_code, r.json().get("node"))
 """
