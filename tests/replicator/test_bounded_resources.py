@@ -15,6 +15,7 @@ import dataclasses
 import selectors
 import socket
 import struct
+import subprocess
 import sys
 import threading
 import time
@@ -197,6 +198,17 @@ def test_idle_and_trickling_data_connections_do_not_stop_a_push_or_a_restore(clu
 
 def test_slowloris_on_the_api_does_not_starve_the_probes(cluster):
     _, b, c = cluster.nodes
+    # a real API call from another node (another source), with the operator's certificate: its process
+    # starts now, and calls once the attack is on (its start-up is not part of the attack's window)
+    operator = cluster.identity_files("operator")
+    caller = c.popen_in_node(
+        [sys.executable, "-c", _STATUS_CALL, b.endpoint, b.name, str(operator.cert), str(operator.ca)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert caller.stdout is not None and caller.stdout.readline().strip() == "ready"
     with Trickle(b.ip, b.api_port, HEADERS_FOREVER, count=200, interval=0.5) as trickle:
         started = time.monotonic()
         time.sleep(0.5)
@@ -209,13 +221,9 @@ def test_slowloris_on_the_api_does_not_starve_the_probes(cluster):
                 assert probes.get("/metrics").status_code == 200
                 assert time.monotonic() - t0 < 1.0
                 time.sleep(0.1)
-        # a real API call, from another node (another source), goes through meanwhile
-        operator = cluster.identity_files("operator")  # the operator's certificate, from c's address
-        call = c.run_in_node(
-            [sys.executable, "-c", _STATUS_CALL, b.endpoint, b.name, str(operator.cert), str(operator.ca)],
-            timeout=60,
-        )
-        assert call.stdout.split() == ["200", b.name], call.stderr
+        # the real API call goes through meanwhile
+        out, err = caller.communicate("go\n", timeout=60)
+        assert out.split() == ["200", b.name], err
         assert trickle.open > 0 and time.monotonic() - started < HEADERS  # still under attack then
         trickle.wait_all_closed(HEADERS + SLACK)
     refused = [t for t in trickle.lifetimes if t < 1.0]
@@ -228,9 +236,11 @@ def test_slowloris_on_the_api_does_not_starve_the_probes(cluster):
 _STATUS_CALL = """
 import ssl, sys, httpx
 endpoint, node, cert, ca = sys.argv[1:5]
-tls = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # the operator's mutual TLS (stdlib only: starts fast)
+tls = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # the operator's mutual TLS
 tls.load_cert_chain(cert)
 tls.load_verify_locations(ca)
+print("ready", flush=True)
+sys.stdin.readline()
 with httpx.Client(verify=tls, timeout=10, trust_env=False) as http:
     r = http.get(endpoint + "/v1/status", extensions={"sni_hostname": node + ".node.tierckpt.io"})
 print(r.status_code, r.json().get("node"))
