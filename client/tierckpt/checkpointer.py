@@ -38,6 +38,7 @@ from tierckpt.protocol.errors import (
     MissingCheckpointError,
     RamdiskFullError,
     SaveInProgressError,
+    StateMismatchError,
 )
 from tierckpt.protocol.format import CommitMarker, discard_step, rank_dir, step_dir
 from tierckpt.settings import BusyPolicy, Settings, resolve
@@ -58,6 +59,14 @@ __all__ = ["WRITER_LOCK", "Checkpointer"]
 log = logging.getLogger(__name__)
 
 _PLAN_CACHE = 4
+_MISMATCH = "mismatch"
+
+
+def _outcome(error: BaseException | None) -> str | None:
+    """What a rank tells the others about its load: None (loaded), a mismatch, or a failure."""
+    if error is None:
+        return None
+    return _MISMATCH if isinstance(error, StateMismatchError) else "failed"
 
 
 @dataclasses.dataclass
@@ -565,6 +574,7 @@ class Checkpointer:
         allow_missing: bool = False,
         verify: bool = True,
         device: torch.device | str | None = None,
+        strict: bool = True,
     ) -> int | None:
         """Fill ``state_dict`` in place from a committed step and return that step.
 
@@ -574,6 +584,11 @@ class Checkpointer:
         next older common step is tried (on all ranks together). Nothing to load raises
         ``MissingCheckpointError``, or returns None with ``allow_missing=True``. New tensors (paths
         the destination lacks) are created on ``device`` (default CPU).
+
+        ``strict`` (default): a destination unlike the checkpoint (a tensor of another shape or dtype,
+        keys holding tensors on one side only; see ``snapshot.compare``) raises ``StateMismatchError``
+        before anything is copied, on every rank, without falling back. ``strict=False``: mismatched
+        tensors are replaced (logged) and missing entries created.
         """
         self._check_open()
         with contextlib.suppress(Exception):
@@ -588,16 +603,26 @@ class Checkpointer:
             )
         last: BaseException | None = None
         for n, candidate in enumerate(candidates):
-            error = self._try_load(state_dict, candidate, verify=verify, device=device)
-            ok, failed = agree.all_ok(error is None)
-            if ok:
+            error = self._try_load(state_dict, candidate, verify=verify, device=device, strict=strict)
+            outcomes = agree.all_gather(_outcome(error))
+            failed = [r for r, o in enumerate(outcomes) if o is not None]
+            if not failed:
                 if n:
                     log.warning("loaded step %d after falling back from step %d", candidate, candidates[0])
                 return candidate
-            last = error or CorruptShardError(
-                f"step {candidate}: rank(s) {failed} could not load their shard", path=str(self.rank_path)
-            )
-            if not fallback:
+            mismatched = [r for r, o in enumerate(outcomes) if o == _MISMATCH]
+            if error is not None:
+                last = error
+            elif mismatched:
+                last = StateMismatchError(
+                    f"step {candidate}: rank(s) {mismatched} found the checkpoint unlike their state "
+                    "(their error names the differences)"
+                )
+            else:
+                last = CorruptShardError(
+                    f"step {candidate}: rank(s) {failed} could not load their shard", path=str(self.rank_path)
+                )
+            if not fallback or mismatched:  # an older step would not fit either
                 raise last
             log.warning("step %d is not loadable (%s); falling back", candidate, last)
         raise MissingCheckpointError(
@@ -605,15 +630,21 @@ class Checkpointer:
         ) from last
 
     def _try_load(
-        self, state_dict: dict[Any, Any], step: int, *, verify: bool, device: torch.device | str | None
+        self,
+        state_dict: dict[Any, Any],
+        step: int,
+        *,
+        verify: bool,
+        device: torch.device | str | None,
+        strict: bool,
     ) -> BaseException | None:
         path = step_dir(self.rank_path, step)
         try:
             with leases.hold(self.rank_path, step, f"client-{os.getpid()}", ttl=self.settings.lease_ttl):
-                self._loader.load(state_dict, step, path, verify=verify, device=device)
+                self._loader.load(state_dict, step, path, verify=verify, device=device, strict=strict)
             if self._pool.register_cuda:
                 self._registering = self._pool.warm(None)  # pin for later saves, in the background
-        except (FormatError, MissingCheckpointError) as exc:
+        except (FormatError, MissingCheckpointError, StateMismatchError) as exc:
             log.error("could not load step %d: %s", step, exc)
             return exc
         return None

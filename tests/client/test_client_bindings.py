@@ -74,14 +74,14 @@ def test_a_resized_or_retyped_tensor_or_a_changed_container_is_not_bound(root, j
         ck.save(1, saved, blocking=True)
         dest = model_state(1)
         ck.load(dest)
-        dest["model"]["l1.w"].resize_(10)
-        assert ck.load(dest) == 1 and ck.last_load_timings["bound"] == 0.0
+        dest["model"]["l1.w"].resize_(10)  # (strict=False: such destinations are replaced, not refused)
+        assert ck.load(dest, strict=False) == 1 and ck.last_load_timings["bound"] == 0.0
         assert_same(saved, dest)
         dest["model"]["l2.w"].data = dest["model"]["l2.w"].data.double()
-        assert ck.load(dest) == 1 and ck.last_load_timings["bound"] == 0.0
+        assert ck.load(dest, strict=False) == 1 and ck.last_load_timings["bound"] == 0.0
         assert_same(saved, dest)
         dest["list"] = dest["list"][1:]  # the tensor moved away from index 0
-        assert ck.load(dest) == 1 and ck.last_load_timings["bound"] == 0.0
+        assert ck.load(dest, strict=False) == 1 and ck.last_load_timings["bound"] == 0.0
         assert_same(saved, dest)
         dest["pair"] = list(dest["pair"])
         assert ck.load(dest) == 1

@@ -129,6 +129,7 @@ class StepLoader:
         *,
         verify: bool,
         device: torch.device | str | None,
+        strict: bool = True,
     ) -> None:
         start = time.perf_counter()
         timings = self.last_timings = {}
@@ -165,6 +166,7 @@ class StepLoader:
                 pack_limit=s.pack_limit,
                 timings=timings,
                 bindings=self.bindings,
+                strict=strict,
             )
             timings["total_s"] = time.perf_counter() - start
         finally:

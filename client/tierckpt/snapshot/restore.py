@@ -28,18 +28,28 @@ import numpy as np
 import torch
 
 from tierckpt import cuda
-from tierckpt.protocol.errors import CorruptShardError, FormatError
+from tierckpt.protocol.errors import CorruptShardError, FormatError, StateMismatchError
 from tierckpt.protocol.format import OBJECTS_NAME, FileEntry, Manifest, TensorEntry, iter_data_files
 from tierckpt.protocol.integrity import crc32c
 from tierckpt.snapshot.bindings import BindingCache
 from tierckpt.snapshot.checksum import PendingCrcs, region_crcs, start_file_crcs
+from tierckpt.snapshot.compare import mismatches
 from tierckpt.snapshot.copy import copy_cpu, memmove
 from tierckpt.snapshot.dtypes import numpy_dtype, torch_dtype
 from tierckpt.snapshot.flatten import Branch, KeyPath, Leaf, restore_into, restore_leaves
 from tierckpt.snapshot.shardfile import MappedFile
 from tierckpt.snapshot.upload import RestoreStaging, to_device
 
-__all__ = ["load_into", "open_data_files", "read_objects", "tensor_views"]
+__all__ = [
+    "check_structure",
+    "load_into",
+    "open_data_files",
+    "read_objects",
+    "saved_structure",
+    "tensor_views",
+]
+
+_LISTED_MISMATCHES = 20
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +110,42 @@ def read_objects(step_path: Path, manifest: Manifest) -> list[Any]:
     if not isinstance(objects, list) or len(objects) != manifest.object_count:
         raise FormatError(f"{path}: expected a list of {manifest.object_count} objects")
     return objects
+
+
+def saved_structure(manifest: Manifest, objects: Sequence[Any]) -> dict[Any, Any]:
+    """The step's state tree with meta tensors (and zero-stride arrays): shapes and dtypes, no bytes."""
+    entries = manifest.tensors
+
+    def fill(i: int, existing: Any) -> torch.Tensor:
+        return torch.empty(entries[i].shape, dtype=torch_dtype(entries[i].dtype), device="meta")
+
+    def fill_array(i: int, existing: Any) -> np.ndarray:
+        dtype = numpy_dtype(entries[i].dtype)
+        shape = entries[i].shape
+        return np.lib.stride_tricks.as_strided(np.zeros(1, dtype), shape, (0,) * len(shape), writeable=False)
+
+    skeleton: dict[Any, Any] = {}
+    restore_into(
+        skeleton, manifest.tree, fill=fill, fill_array=fill_array, n_tensors=len(entries), objects=objects
+    )
+    return skeleton
+
+
+def check_structure(
+    dest: dict[Any, Any], step_path: Path, manifest: Manifest, objects: Sequence[Any]
+) -> None:
+    """Strict loading: ``StateMismatchError`` naming every difference of structure, shape or dtype between
+    ``dest`` and the step (``snapshot.compare``), before anything is copied."""
+    found = mismatches(dest, saved_structure(manifest, objects))
+    if not found:
+        return
+    listed = "; ".join(found[:_LISTED_MISMATCHES])
+    more = f" (and {len(found) - _LISTED_MISMATCHES} more)" if len(found) > _LISTED_MISMATCHES else ""
+    raise StateMismatchError(
+        f"{step_path}: the checkpoint does not fit the destination: {listed}{more}; nothing was loaded "
+        "(load(..., strict=False) replaces mismatched tensors and adds missing entries instead)",
+        mismatches=tuple(found),
+    )
 
 
 class _Filler:
@@ -297,8 +343,14 @@ def load_into(
     pack_limit: int = 256 << 20,
     timings: dict[str, float] | None = None,
     bindings: BindingCache | None = None,
+    strict: bool = True,
 ) -> None:
     """Fill ``dest`` in place from a committed step whose data files are mapped in ``files``.
+
+    ``strict``: first check that ``dest`` has the step's structure, shapes and dtypes
+    (``check_structure``), raising ``StateMismatchError`` before anything is copied; without it a
+    mismatched tensor is replaced (logged) and missing entries are created. A destination a binding
+    resolves (every saved tensor lands on a tensor of its dtype and shape) is not checked again.
 
     ``views`` (from ``tensor_views``, e.g. cached by the pool) saves building them again;
     ``staging`` (kept by the caller) keeps the device staging of packed small tensors between
@@ -325,6 +377,8 @@ def load_into(
     )
     start = time.perf_counter()
     bound = None if bindings is None else bindings.resolve(manifest, dest)
+    if strict and bound is None:
+        check_structure(dest, step_path, manifest, objects)
     timings["bind_s"] = time.perf_counter() - start
     timings["bound"] = float(bound is not None)
     paths: dict[int, KeyPath] | None = None
