@@ -106,6 +106,8 @@ def guarded_http(
                 log.debug("%s: TLS handshake with %s failed: %s", limits.name, self._source, exc)
                 if raw is not None:
                     raw.abort()
+                self._disarm()
+                self._release()  # the TLS layer tells the application nothing of a failed handshake
                 return
             getter = getattr(layer, "_get_app_transport", None)  # Python 3.11+; 3.10: the attribute
             secured = getter() if getter is not None else layer._app_transport
@@ -130,11 +132,14 @@ def guarded_http(
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
+            self._release()
+            if self._made:
+                super().connection_lost(exc)
+
+        def _release(self) -> None:
             if self._source is not None:
                 connections.release(self._source)
                 self._source = None
-            if self._made:
-                super().connection_lost(exc)
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
