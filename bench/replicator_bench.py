@@ -52,7 +52,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tierckpt.protocol.control import RestoreState, RestoreStatus, read_control, restore_status_name
+from tierckpt.protocol.control import RestoreState, RestoreStatus, read_restore_status
 from tierckpt.protocol.format import (
     commit_step,
     rank_dir,
@@ -262,13 +262,14 @@ _RX_VARIANT = """
 import ctypes, mmap, os, queue, socket, sys, threading, time
 from pathlib import Path
 from tierckpt.protocol.integrity import crc32c_address
-from tierckpt_replicator.replication.stream import CHUNK, _Ring, create_preallocated, receive_file
+from tierckpt_replicator.replication.stream import CHUNK, _Ring, receive_file
+from tierckpt_replicator.stepio import preallocate
 mode, size, port, dest = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4])
 _Ring.take().give_back()  # the worker keeps its buffers between transfers
 s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
 s.bind(("0.0.0.0", port)); s.listen(1); print("ready", flush=True)
 c, _ = s.accept(); c.settimeout(60); t0 = time.perf_counter()
-create_preallocated(dest, size)
+fd = os.open(dest, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644); preallocate(fd, size, str(dest)); os.close(fd)
 
 def behind(base):  # a thread computing the crc32c of each range right after it was written
     ends, state = queue.SimpleQueue(), {"crc": 0, "done": 0}
@@ -280,7 +281,7 @@ def behind(base):  # a thread computing the crc32c of each range right after it 
     return ends, t, state
 
 if mode == "replicator":
-    crc = receive_file(c, dest, size)
+    fd = os.open(dest, os.O_WRONLY); crc = receive_file(c, fd, size, where=str(dest)); os.close(fd)
 else:
     fd = os.open(dest, os.O_RDWR); mm = mmap.mmap(fd, size); head = ctypes.c_char.from_buffer(mm)
     ends, t, state = behind(ctypes.addressof(head)); done = 0
@@ -309,12 +310,13 @@ dest.unlink()
 """
 
 _TX_FILE = """
-import socket, sys
+import os, socket, sys
 from pathlib import Path
 from tierckpt_replicator.replication.stream import send_file
 path, host, port, method = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4]
+fd = os.open(path, os.O_RDONLY)
 with socket.create_connection((host, port)) as s:
-    send_file(s, path, path.stat().st_size, method=method)
+    send_file(s, fd, os.fstat(fd).st_size, where=str(path), method=method)
 """
 
 
@@ -367,7 +369,7 @@ def wait_ready(node: Node, job: str, rank: int, timeout: float = 300) -> Restore
     deadline = time.monotonic() + timeout
     while True:
         try:
-            st = read_control(node.root, job, restore_status_name(rank), RestoreStatus)
+            st = read_restore_status(node.root, job, rank)
         except Exception:
             st = None
         if isinstance(st, RestoreStatus) and st.state in (RestoreState.READY, RestoreState.FAILED):

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from tierckpt.protocol.format import check_holder
+from tierckpt.protocol.format import STATE_DIR_NAME, check_holder
 from tierckpt.protocol.options import env_name, field_type, merge_settings
 
 __all__ = ["ENV_PREFIX", "Settings", "build_parser", "parse_settings"]
@@ -346,7 +346,7 @@ class Settings:
         if self.auth not in ("tls", "token"):
             raise ValueError("--auth must be 'tls' or 'token'")
         if self.identity_dir is None:
-            object.__setattr__(self, "identity_dir", self.root / ".tierckpt" / "identity")
+            object.__setattr__(self, "identity_dir", self.root / STATE_DIR_NAME / "identity")
 
     def check_credentials(self) -> None:
         """``ValueError`` unless the options of the chosen ``--auth`` are given (the daemon needs them;

@@ -21,7 +21,7 @@ from tierckpt.protocol.certs import Authority, new_key, write_identity
 from tierckpt.protocol.client import ONE_ATTEMPT, ReplicatorError, SyncReplicatorClient
 from tierckpt.protocol.control import PeerAssignment, PeerNode
 from tierckpt.protocol.errors import ContractError
-from tierckpt.protocol.format import control_dir, rank_dir, step_dir
+from tierckpt.protocol.format import rank_dir, state_dir, step_dir
 from tierckpt.protocol.identity import TlsCredentials, TlsFiles, node_server_name
 from tierckpt_demo.cluster import LocalCluster, Node
 from tierckpt_demo.step_writer import step_files, write_step
@@ -111,7 +111,7 @@ def test_a_node_certificate_cannot_act_as_another_node_or_the_operator(cluster3,
     assert data_request(c.tls_files, a, forged).status == Status.FORBIDDEN
     assert not step_dir(rank_dir(a.root, job, 1), 99).exists()
     # C tries the operator's endpoints: peers, purge
-    peers = control_dir(a.root, job) / "peers.json"
+    peers = state_dir(a.root, job) / "peers.json"
     before = peers.read_bytes()
     with api_as(cluster3, c.name) as as_c:
         takeover = PeerAssignment.from_bytes(before)
