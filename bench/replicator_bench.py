@@ -7,7 +7,12 @@ Measured in the same run, between the same network namespaces (root) or over loo
 * **data path**: one rank's step pushed from A's tmpfs to B's running replicator (a read-only mapping
   ``sendall``-ed, or ``sendfile``: both sender methods; B preallocates, receives into a ring of
   buffers, crc32c in cache, ``pwrite`` into place, verifies, commits): GB/s and the ratio to raw TCP
-  (target >= 0.8) and to raw TCP into the ramdisk;
+  (target >= 0.8) and to raw TCP into the ramdisk; the cluster runs with ``--auth`` (mutual TLS by
+  default, as deployed);
+* **TLS cost**: the same push to two data servers on B (the worker's ``DataServer``, one over plain
+  TCP with the legacy token, one over mutual TLS with node certificates), interleaved with the raw TCP
+  rounds: GB/s of each, their ratio, and each against raw TCP; plus the time of a tiny step's push
+  (connection set-up, and the TLS handshake where there is one);
 * **receiver variants** (``--receivers``): the replicator's receive loop against two alternatives,
   each into a preallocated file in B's ramdisk with its crc32c: ``recv_into`` straight into a shared
   mapping of the file (one copy; crc right behind on a second thread) and ``splice`` socket -> pipe ->
@@ -57,10 +62,14 @@ from tierckpt.protocol.format import (
 )
 from tierckpt_demo.cluster import LocalCluster, Node, has_netns
 from tierckpt_demo.step_writer import write_step
+from tierckpt_replicator.replication.ipc import WorkerConfig
 
 MiB = 1 << 20
 RAW_PORT = 9555
+PLAIN_PORT, TLS_PORT = 9556, 9557
 RECEIVERS = ("replicator", "mmap", "splice")
+DATA_JOB = "bench_datapath"
+"""The job the data path measurements push: assigned on B only (A's own replicator leaves it alone)."""
 
 
 # ------------------------------------------------------------------------------------------ steps
@@ -129,42 +138,107 @@ import json, sys, time
 from tierckpt_replicator.replication.context import DataContext
 from tierckpt_replicator.replication.ipc import PeerAddress, WorkerConfig
 from tierckpt_replicator.replication.transfer import push_step
-root, token, job, host, port, steps, method = sys.argv[1:8]
-cfg = WorkerConfig(node="bench", root=root, token_file=token, listen_host="127.0.0.1", data_port=0,
-                   holder="bench", transfer_timeout=60.0, send_method=method)
-ctx = DataContext.from_config(cfg)
+config, job, peer, host, port, steps = sys.argv[1:7]
+ctx = DataContext.from_config(WorkerConfig.from_bytes(config.encode()))
 out = []
 for step in json.loads(steps):
-    t0 = time.perf_counter(); o = push_step(ctx, job, 0, step, PeerAddress("b", host, int(port)))
+    t0 = time.perf_counter(); o = push_step(ctx, job, 0, step, PeerAddress(peer, host, int(port)))
     out.append([o.status, o.bytes, time.perf_counter() - t0])
 print(json.dumps(out))
 """
 
+_DATA_SERVER = """
+import sys
+from tierckpt_replicator.replication.context import DataContext
+from tierckpt_replicator.replication.data_server import DataServer
+from tierckpt_replicator.replication.ipc import WorkerConfig
+server = DataServer(DataContext.from_config(WorkerConfig.from_bytes(sys.argv[1].encode())))
+server.start(); print("ready", flush=True); sys.stdin.read(); server.stop()
+"""
+
+
+def node_config(cluster: LocalCluster, node: Node, *, auth: str, method: str, port: int = 0) -> WorkerConfig:
+    """A data plane configuration as ``node``'s worker has it: its certificate (``auth="tls"``) or the
+    cluster's token (a token file is made for the plain runs of a TLS cluster)."""
+    tls = node.tls_files if auth == "tls" else None
+    token = cluster.workdir / "bench-token"
+    if auth == "token" and not token.exists():
+        token.write_text(secrets.token_urlsafe(24))
+    return WorkerConfig(
+        node=node.name,
+        root=str(node.root),
+        listen_host="0.0.0.0",
+        data_port=port,
+        holder=f"bench-{node.name}",
+        transfer_timeout=60.0,
+        send_method="mmap" if method == "mmap" else "sendfile",
+        auth="tls" if auth == "tls" else "token",
+        tls_cert=str(tls.cert) if tls else "",
+        tls_ca=str(tls.ca) if tls else "",
+        token_file=str(token) if auth == "token" else "",
+        peers_file=str(cluster.workdir / "bench-peers.json"),
+    )
+
+
+def assign_data_job(cluster: LocalCluster) -> None:
+    """The data path's job, on B only: A and B are its members there, and A's replicator never sees it."""
+    b = cluster.nodes[1]
+    assignment = cluster.assignment(DATA_JOB)
+    (cluster.workdir / "bench-peers.json").write_bytes(assignment.to_bytes())
+    cluster.api.put_peers(b.endpoint, assignment, node=b.name)
+
+
+class DataServers:
+    """Two of the worker's data servers on B, one per auth mode (plain TCP with the token, mutual TLS),
+    receiving into B's ramdisk beside B's own replicator."""
+
+    def __init__(self, cluster: LocalCluster) -> None:
+        b = cluster.nodes[1]
+        self.procs = {}
+        for auth, port in (("token", PLAIN_PORT), ("tls", TLS_PORT)):
+            config = node_config(cluster, b, auth=auth, method="mmap", port=port).to_bytes().decode()
+            proc = b.popen_in_node(
+                [sys.executable, "-c", _DATA_SERVER, config],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+            self.procs[auth] = proc
+
+    def close(self) -> None:
+        for proc in self.procs.values():
+            with contextlib.suppress(OSError):
+                assert proc.stdin is not None
+                proc.stdin.close()
+            proc.wait(10)
+
 
 def data_path(
-    cluster: LocalCluster, size: int, blob: bytes, repeat: int, method: str = "mmap"
+    cluster: LocalCluster,
+    size: int,
+    blob: bytes,
+    repeat: int,
+    method: str = "mmap",
+    *,
+    auth: str | None = None,
+    port: int | None = None,
 ) -> list[float]:
-    """Bytes per second of push_step A -> B (B's real replicator receives), one per repetition. Timed
-    in full: lease, header, B's preallocation, the bytes, verification and the commit."""
+    """Bytes per second of push_step A -> B, one per repetition: to B's replicator (the cluster's own
+    auth mode), or with ``auth`` to B's data server on ``port``. Timed in full: lease, connection (and
+    TLS handshake), header, B's preallocation, the bytes, verification and the commit."""
     a, b = cluster.nodes[0], cluster.nodes[1]
-    job = "bench_datapath"  # never assigned: A's own replicator leaves it alone
+    auth = auth or cluster.auth
+    job = DATA_JOB
     steps = list(range(1, repeat + 1))
     for s in steps:
         make_step(rank_dir(a.root, job, 0), job, 0, s, size, 1, blob)
+    config = node_config(cluster, a, auth=auth, method=method).to_bytes().decode()
+    dest = str(port or b.data_port)
+    if auth == "token" and port is None:  # B's replicator checks the cluster's own token
+        config = config.replace(str(cluster.workdir / "bench-token"), str(cluster.token_file))
     proc = a.run_in_node(
-        [
-            sys.executable,
-            "-c",
-            _PUSH,
-            str(a.root),
-            str(cluster.token_file),
-            job,
-            b.ip,
-            str(b.data_port),
-            json.dumps(steps),
-            method,
-        ],
-        check=True,
+        [sys.executable, "-c", _PUSH, config, job, b.name, b.ip, dest, json.dumps(steps)], check=True
     )
     rates = []
     for status, nbytes, seconds in json.loads(proc.stdout):
@@ -174,6 +248,12 @@ def data_path(
         for p in (step_dir(rank_dir(a.root, job, 0), s), step_dir(replica_rank_dir(b.root, job, 0), s)):
             subprocess.run(["rm", "-rf", str(p)], check=True)
     return rates
+
+
+def push_latency(cluster: LocalCluster, blob: bytes, auth: str, port: int, repeat: int = 20) -> float:
+    """Median seconds of pushing a 4 KiB step (mostly connection set-up, and the TLS handshake)."""
+    rates = data_path(cluster, 4096, blob[:4096], repeat, "mmap", auth=auth, port=port)
+    return statistics.median(4096 / r for r in rates)
 
 
 # ------------------------------------------------------------------------------------------ receivers
@@ -532,6 +612,13 @@ def main(argv: list[str] | None = None) -> int:
         default="sendfile",
         help="the replicators' --send-method (end to end, training, restore) [sendfile]",
     )
+    p.add_argument(
+        "--auth",
+        choices=("tls", "token"),
+        default="tls",
+        help="the cluster's replicators' --auth (the TLS cost is measured either way) [tls]",
+    )
+    p.add_argument("--skip-tls", action="store_true", help="skip the plain vs TLS data path comparison")
     p.add_argument("--skip-restore", action="store_true", help="skip the restore measurement")
     p.add_argument("--skip-training", action="store_true", help="skip the training slowdown measurement")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
@@ -548,6 +635,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "size_bytes": size,
         "send_method": args.send_method,
+        "auth": args.auth,
     }
     args_rep = [
         "--poll-interval",
@@ -568,11 +656,15 @@ def main(argv: list[str] | None = None) -> int:
         gcs=not args.skip_restore,
         ramdisk_size=ramdisk,
         replicator_args=args_rep,
+        auth=args.auth,
     ) as cluster:
         a, b = cluster.nodes[0], cluster.nodes[1]
         _renice(cluster, 0)  # transfers at the baseline's priority; the training phase restores nice 10
+        assign_data_job(cluster)
+        servers = None if args.skip_tls or cluster.ca is None else DataServers(cluster)
         other = "mmap" if args.send_method == "sendfile" else "sendfile"
         raws, raws_tmpfs, rates, rates_other = [], [], [], []
+        by_auth: dict[str, list[float]] = {"token": [], "tls": []} if servers else {}
         receivers: dict[str, list[float]] = {m: [] for m in RECEIVERS} if args.receivers else {}
         src = make_step(a.root / ".bench-src", "bench_rx", 0, 1, size, 1, blob) / "data-00000.bin"
         src_crc = read_manifest(src.parent).files[0].crc32c
@@ -581,9 +673,29 @@ def main(argv: list[str] | None = None) -> int:
             raws_tmpfs.append(raw_tcp(a, b, size, into_ramdisk=True))
             rates += data_path(cluster, size, blob, 1, method=args.send_method)
             rates_other += data_path(cluster, size, blob, 1, method=other)
+            for auth, out in by_auth.items():
+                port = PLAIN_PORT if auth == "token" else TLS_PORT
+                out += data_path(cluster, size, blob, 1, args.send_method, auth=auth, port=port)
             for mode, out in receivers.items():
                 out.append(receiver_variant(a, b, src, src_crc, mode))
         subprocess.run(["rm", "-rf", str(src.parent.parent)], check=True)
+        if servers is not None:
+            med = statistics.median
+            raw = med(raws)
+            plain, tls = med(by_auth["token"]), med(by_auth["tls"])
+            result["tls"] = {
+                "plain_gbps": plain / 1e9,
+                "tls_gbps": tls / 1e9,
+                "tls_over_plain": tls / plain,
+                "plain_over_raw_tcp": plain / raw,
+                "tls_over_raw_tcp": tls / raw,
+                "small_push_ms": {
+                    auth: push_latency(cluster, blob, auth, PLAIN_PORT if auth == "token" else TLS_PORT) * 1e3
+                    for auth in ("token", "tls")
+                },
+                "rounds_gbps": {k: [r / 1e9 for r in v] for k, v in by_auth.items()},
+            }
+            servers.close()
         e2e = end_to_end(cluster, size, blob, args.repeat)
         med = statistics.median
         result["raw_tcp_gbps"] = med(raws) / 1e9
@@ -636,6 +748,16 @@ def _print_table(r: dict[str, Any]) -> None:
             print(f"  ... sending with {method}{' ' * (14 - len(method))} {gbps:.2f} GB/s")
     for mode, gbps in r.get("receivers_gbps", {}).items():
         print(f"receive loop '{mode}'{' ' * (12 - len(mode))} {gbps:.2f} GB/s  (file in B's ramdisk, crc32c)")
+    if "tls" in r:
+        t = r["tls"]
+        plain, tls = t["plain_over_raw_tcp"], t["tls_over_raw_tcp"]
+        print(f"data path, plain TCP (token)     {t['plain_gbps']:.2f} GB/s = {plain:.2f}x raw TCP")
+        print(
+            f"data path, mutual TLS            {t['tls_gbps']:.2f} GB/s = {tls:.2f}x raw TCP "
+            f"= {t['tls_over_plain']:.2f}x plain"
+        )
+        ms = t["small_push_ms"]
+        print(f"push of a 4 KiB step             {ms['token']:.1f} ms plain, {ms['tls']:.1f} ms TLS")
     print(
         f"commit on A -> replica on B      {r['end_to_end_seconds']:.3f} s  ({r['end_to_end_gbps']:.2f} GB/s)"
     )

@@ -80,6 +80,8 @@ def replicator(tmp_path: Path, gcs: FakeGcsServer) -> Iterator[tuple[str, Path]]
         "n0",
         "--root",
         str(root),
+        "--auth",
+        "token",
         "--token-file",
         str(token),
         "--listen-host",
