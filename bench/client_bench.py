@@ -19,6 +19,16 @@ Run from the repository root: ``PYTHONPATH=client python bench/client_bench.py [
 Peak tmpfs use is about ``(keep + 2) x size`` (the slots and the floor mapping); host memory also holds
 the state (CPU) or a pinned floor buffer (GPU). Use ``--keep 1`` for the largest sizes.
 Only torch, numpy and google-crc32c are needed besides the ``tierckpt`` sources.
+
+Two more modes:
+
+* ``--train``: a training loop saving every N steps (``bench/client_train.py``): overhead against no
+  checkpoints for plain, overlap and device-staged saves and DCP ``async_save``, the blocking time of
+  every save from a cold start; ``--check`` verifies every saved step byte for byte instead of timing.
+* ``--prefault``: the one-time cost of a slot per GiB (pre-fault, ``cudaHostRegister``), a restarted
+  writer's re-mapping of existing pages, a save's D2H into the mapping, and ``Checkpointer`` first and
+  steady saves, on a tmpfs mounted ``huge=never`` and one mounted ``huge=within_size`` (needs root;
+  ``tierckpt_demo`` on the path for the mounts).
 """
 
 from __future__ import annotations
@@ -294,6 +304,139 @@ def bench_dcp(state: dict[str, Any], root: Path, device: str, repeats: int) -> d
     }
 
 
+# ------------------------------------------------------------------------------------------- huge pages
+
+
+def _meminfo(*names: str) -> dict[str, int]:
+    out = {}
+    with open("/proc/meminfo") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in names:
+                out[key] = int(value.split()[0]) << 10
+    return out
+
+
+def bench_prefault(root: Path, gib: float, device: str, repeats: int) -> dict[str, Any]:
+    """Per tmpfs ``huge=`` option: pre-fault, registration, re-mapping after a restart, D2H/H2D into the
+    mapping, and ``Checkpointer`` first/steady save blocking for a state of ``gib``."""
+    from tierckpt_demo.tmpfs import mount_tmpfs, unmount
+
+    out: dict[str, Any] = {"bytes": int(gib * GIB)}
+    with contextlib.suppress(OSError):
+        out["shmem_enabled"] = Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled").read_text().strip()
+    for huge in ("never", "within_size"):
+        mount = mount_tmpfs(root / f"huge-{huge}", f"{int(4 * gib) + 4}g", huge=huge)
+        try:
+            r = _prefault_one(mount, gib, device, repeats)
+        except (OSError, RuntimeError) as exc:
+            r = {"error": repr(exc)}
+        finally:
+            shutil.rmtree(mount, ignore_errors=True)
+            unmount(mount)
+        out[huge] = {k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()}
+    return out
+
+
+def _prefault_one(mount: Path, gib: float, device: str, repeats: int) -> dict[str, Any]:
+    from tierckpt import Checkpointer
+    from tierckpt.snapshot.shardfile import MappedFile
+
+    nbytes = int(gib * GIB)
+    cuda = device == "cuda"
+    index = torch.cuda.current_device() if cuda else None
+    r: dict[str, Any] = {}
+    path = mount / "slot.bin"
+    start = time.perf_counter()
+    f = MappedFile.create(path, nbytes)
+    r["fault_s_per_gib"] = (time.perf_counter() - start) / gib
+    r["shmem_huge_bytes"] = _meminfo("ShmemHugePages").get("ShmemHugePages", 0)
+    if cuda:
+        start = time.perf_counter()
+        r["registered"] = f.register(index)
+        r["register_s_per_gib"] = (time.perf_counter() - start) / gib
+        src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").fill_(3)
+        host = f.buffer
+        d2h = [timed(lambda: host.copy_(src, non_blocking=True), device)[0] for _ in range(repeats)]
+        h2d = [timed(lambda: src.copy_(host, non_blocking=True), device)[0] for _ in range(repeats)]
+        r["d2h_gbps"] = nbytes / median(d2h) / 1e9
+        r["h2d_gbps"] = nbytes / median(h2d) / 1e9
+        del src, host
+    f.close()
+    start = time.perf_counter()  # a restarted writer adopts the file: its pages exist
+    f = MappedFile.open(path, populate=False)
+    f.populate()
+    r["remap_s_per_gib"] = (time.perf_counter() - start) / gib
+    if cuda:
+        start = time.perf_counter()
+        f.register(index)
+        r["reregister_s_per_gib"] = (time.perf_counter() - start) / gib
+    f.close(unlink=True)
+    state = build_state(nbytes, device)
+    with Checkpointer(root=mount / "ck", job="bench", rank=0, world_size=1, keep=2) as ck:
+        start = time.perf_counter()
+        ck.save(0, state).wait()
+        r["first_save_s"] = time.perf_counter() - start
+        start = time.perf_counter()
+        if ck._registering is not None:
+            ck._registering.result()
+        r["spares_ready_s"] = time.perf_counter() - start
+        r["warm_up_slot"] = dict(ck._pool.last_warm_up)
+        steady = []
+        for step in range(1, 2 + repeats):
+            sync(device)
+            start = time.perf_counter()
+            handle = ck.save(step, state)
+            steady.append(time.perf_counter() - start)
+            handle.wait()
+        r["steady_save_s"] = median(steady[1:])
+    return r
+
+
+def bench_register_stall(root: Path, gib: float) -> dict[str, Any]:
+    """Does ``cudaHostRegister`` on a background thread (the warm-up) stall the training thread? The main
+    thread launches tiny kernels back to back and records the longest gap between launches, before and
+    while another thread registers a pre-faulted mapping of ``gib``."""
+    import threading
+
+    from tierckpt.snapshot.shardfile import MappedFile
+
+    f = MappedFile.create(root / "stall.bin", int(gib * GIB))
+    x = torch.zeros(1024, device="cuda")
+    index = torch.cuda.current_device()
+
+    def gaps(seconds: float) -> list[float]:
+        out, last, end = [], time.perf_counter(), time.perf_counter() + seconds
+        while (now := time.perf_counter()) < end:
+            x.add_(1)
+            out.append(now - last)
+            last = now
+            if len(out) % 256 == 0:
+                torch.cuda.synchronize()
+        return out
+
+    quiet = gaps(0.5)
+    took: list[float] = []
+
+    def register() -> None:
+        start = time.perf_counter()
+        f.register(index)
+        took.append(time.perf_counter() - start)
+
+    worker = threading.Thread(target=register)
+    worker.start()
+    busy = gaps(0.2)
+    worker.join()
+    busy += gaps(0.05)
+    f.close(unlink=True)
+    return {
+        "bytes": int(gib * GIB),
+        "register_s": took[0] if took else None,
+        "max_launch_gap_quiet_s": max(quiet),
+        "max_launch_gap_while_registering_s": max(busy),
+    }
+
+
 # ------------------------------------------------------------------------------------------- report
 
 
@@ -379,11 +522,34 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-torch-save", action="store_true", help="skip the torch.save/torch.load baseline")
     p.add_argument("--skip-dcp", action="store_true", help="skip the DCP baselines")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
+    p.add_argument("--train", action="store_true", help="training-loop mode (bench/client_train.py)")
+    p.add_argument("--check", action="store_true", help="with --train: verify every saved step, no timings")
+    p.add_argument("--layers", type=int, default=18, help="with --train: transformer blocks (18: ~0.94 B)")
+    p.add_argument("--every", default="10,100", help="with --train: save every N steps, comma-separated")
+    p.add_argument("--steps", default="60,100", help="with --train: timed steps for each N")
+    p.add_argument(
+        "--dcp-steps", default="20,0", help="with --train: timed steps of the DCP run per N (0: none)"
+    )
+    p.add_argument("--modes", default="plain,overlap,device,dcp", help="with --train: savers to run")
+    p.add_argument("--budget", default="0.5", help="with --train: device_budget (fraction, or bytes)")
+    p.add_argument(
+        "--prefault", action="store_true", help="pre-fault/registration with and without huge pages"
+    )
+    p.add_argument("--stall", action="store_true", help="does background cudaHostRegister stall launches?")
+    p.add_argument("--freeze-gc", action="store_true", help="with --train: gc.freeze() after the set-up")
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device")
     base = args.root or Path("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
     root = Path(tempfile.mkdtemp(prefix="tierckpt-bench-", dir=base))
+    if args.train or args.prefault or args.stall:
+        try:
+            r = _extra_mode(args, root)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        json.dump(r, sys.stdout, indent=1)
+        print()
+        return 0
     try:
         state = build_state(int(args.size_gib * GIB), args.device)
         nbytes = state_bytes(state)
@@ -417,6 +583,44 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print_report(r)
     return 0
+
+
+def _extra_mode(args: argparse.Namespace, root: Path) -> dict[str, Any]:
+    machine = f"{platform.node()}, {os.cpu_count()} CPUs, torch {torch.__version__}"
+    if args.device == "cuda":
+        machine += f", {torch.cuda.get_device_name()}"
+    if args.prefault:
+        return {
+            "machine": machine,
+            "prefault": bench_prefault(root, args.size_gib, args.device, args.repeats),
+        }
+    if args.stall:
+        return {"machine": machine, "stall": bench_register_stall(root, args.size_gib)}
+    sys.path.insert(0, str(Path(__file__).parent))
+    from client_train import ModelSpec, bench_training
+
+    everies = tuple(int(x) for x in args.every.split(","))
+    steps = dict(zip(everies, (int(x) for x in args.steps.split(",")), strict=True))
+    dcp_steps = dict(zip(everies, (int(x) for x in args.dcp_steps.split(",")), strict=True))
+    budget = float(args.budget) if "." in args.budget else int(args.budget)
+    spec = ModelSpec(layers=args.layers)
+    if args.device == "cpu":  # a toy size: the CPU mode only checks that the loop runs
+        spec = ModelSpec(width=64, layers=args.layers, heads=4, vocab=256, seq=32, batch=2)
+    r = bench_training(
+        root,
+        spec,
+        args.device,
+        everies=everies,
+        steps=steps,
+        dcp_steps=dcp_steps,
+        modes=tuple(args.modes.split(",")),
+        budget=budget,
+        check=args.check,
+        freeze_gc=args.freeze_gc,
+        log=lambda line: print(line, file=sys.stderr, flush=True),
+    )
+    r["machine"] = machine
+    return r
 
 
 if __name__ == "__main__":

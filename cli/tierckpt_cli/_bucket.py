@@ -41,9 +41,9 @@ class BucketStep:
 
 
 def _client() -> Any:
+    import google.cloud.storage as storage
     from google.auth.credentials import AnonymousCredentials
     from google.auth.exceptions import DefaultCredentialsError
-    from google.cloud import storage
 
     endpoint = os.environ.get("STORAGE_EMULATOR_HOST")
     try:

@@ -78,15 +78,15 @@ def wait_node_rank(
 
 
 def _render_env(nr: NodeRank) -> str:
-    pairs = {"NODE_RANK": nr.rank}
+    pairs: dict[str, int | str] = {"NODE_RANK": nr.rank}
     if nr.num_nodes is not None:
         pairs["NNODES"] = nr.num_nodes
     if nr.generation is not None:
         pairs["TIERCKPT_ASSIGNMENT_GENERATION"] = nr.generation
     if nr.job is not None:
-        pairs[Env.JOB] = nr.job  # type: ignore[assignment]
+        pairs[Env.JOB] = nr.job
     if nr.coordinator:
-        pairs["MASTER_ADDR"] = nr.coordinator  # type: ignore[assignment]
+        pairs["MASTER_ADDR"] = nr.coordinator
     return "\n".join(f"export {k}={shlex.quote(str(v))}" for k, v in pairs.items())
 
 

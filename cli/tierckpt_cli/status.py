@@ -143,7 +143,7 @@ def _print_job(obj: dict[str, Any]) -> None:
 
 
 def status_command(
-    jobset: str = typer.Argument(None, help="The JobSet's name (omit to list every CheckpointJob)."),
+    jobset: str | None = typer.Argument(None, help="The JobSet's name (omit to list every CheckpointJob)."),
     namespace: str = typer.Option(None, "--namespace", "-n", help="Namespace (default: the context's)."),
     all_namespaces: bool = typer.Option(False, "--all-namespaces", "-A", help="List across namespaces."),
     kubeconfig: str = typer.Option(None, "--kubeconfig", envvar="KUBECONFIG", help="Path to a kubeconfig."),

@@ -20,6 +20,7 @@ from tierckpt.protocol.errors import (
     RamdiskFullError,
     RetryableError,
     SaveInProgressError,
+    StateMismatchError,
     TierckptError,
 )
 
@@ -37,6 +38,7 @@ __all__ = [
     "RetryableError",
     "SaveHandle",
     "SaveInProgressError",
+    "StateMismatchError",
     "TierckptError",
     "__version__",
 ]

@@ -2,10 +2,11 @@
 
 It orchestrates and touches no bytes itself: ``snapshot.flatten`` turns the state into a tree and
 tensors, ``snapshot.layout`` places them, ``snapshot.pool`` hands out pre-faulted (and CUDA-pinned)
-data files, ``snapshot.copy`` fills them, and a background thread checksums and commits
-(``snapshot.commit``), then applies retention and recycles the retired step's files for the next
-save (``snapshot.rankdir``). Loading goes the other way (``snapshot.loader``, ``snapshot.restore``),
-after any replicator finished staging (``snapshot.staging``) and the ranks agreed on a step
+data files and prepares the next ones in the background, ``snapshot.copy`` fills them (or, with device
+staging, ``snapshot.devstage``), and a background thread checksums and commits (``snapshot.commit``),
+then applies retention and recycles the retired step's files for the next save
+(``snapshot.rankdir``). Loading goes the other way (``snapshot.loader``, ``snapshot.restore``), after
+any replicator finished staging (``snapshot.restore_wait``) and the ranks agreed on a step
 (``snapshot.agree``).
 
 API and semantics: docs/client.md. On-disk format: docs/format.md.
@@ -37,12 +38,14 @@ from tierckpt.protocol.errors import (
     MissingCheckpointError,
     RamdiskFullError,
     SaveInProgressError,
+    StateMismatchError,
 )
 from tierckpt.protocol.format import CommitMarker, discard_step, rank_dir, step_dir
 from tierckpt.settings import BusyPolicy, Settings, resolve
 from tierckpt.snapshot import agree, loader, rankdir
 from tierckpt.snapshot.commit import StepIdentity, commit_files
-from tierckpt.snapshot.copy import copy_into
+from tierckpt.snapshot.copy import copy_cpu, copy_into
+from tierckpt.snapshot.devstage import DeviceStager
 from tierckpt.snapshot.dtypes import dtype_name
 from tierckpt.snapshot.flatten import FlatState, flatten
 from tierckpt.snapshot.handle import SaveHandle
@@ -56,6 +59,14 @@ __all__ = ["WRITER_LOCK", "Checkpointer"]
 log = logging.getLogger(__name__)
 
 _PLAN_CACHE = 4
+_MISMATCH = "mismatch"
+
+
+def _outcome(error: BaseException | None) -> str | None:
+    """What a rank tells the others about its load: None (loaded), a mismatch, or a failure."""
+    if error is None:
+        return None
+    return _MISMATCH if isinstance(error, StateMismatchError) else "failed"
 
 
 @dataclasses.dataclass
@@ -75,6 +86,10 @@ class _SaveJob:
     protected: set[int] = dataclasses.field(default_factory=set)
     """Storages that only a registered optimizer's step mutates (overlap mode copies them later)."""
     deferred_ticket: cuda.CopyTicket | None = None
+    staged: cuda.StagedTicket | None = None
+    """Device staging: its copies; the optimizer hook waits for ``staged.release`` only."""
+    source: dict[Any, Any] | None = None
+    """The state dict saved (kept until committed, to bind it for a later load into it)."""
     copied: threading.Event = dataclasses.field(default_factory=threading.Event)
     """Set once every tensor's bytes are in the mapping (or the save failed)."""
     started: float = dataclasses.field(default_factory=time.perf_counter)
@@ -123,11 +138,19 @@ class Checkpointer:
         self._manifests = loader.ManifestCache(capacity=s.keep + 2)
         self._loader = loader.StepLoader(s, self._pool, self._manifests)
         self._packer = SavePacker()
+        self._stager = DeviceStager(s.device_budget) if s.device_staging else None
         self._registering: concurrent.futures.Future[None] | None = None
-        self._optimizers: weakref.WeakKeyDictionary[torch.optim.Optimizer, Any] = weakref.WeakKeyDictionary()
+        """The pool's last warm-up (preparing and pinning slots in the background)."""
+        self._optimizers: weakref.WeakKeyDictionary[torch.optim.Optimizer, list[Any]] = (
+            weakref.WeakKeyDictionary()
+        )
         self._warned_overlap = False
+        self._bound_first: weakref.ref[torch.Tensor] | None = None
         try:
             rankdir.clean_up_after_crash(self.rank_path, s.keep, self._pool)
+            if cuda.in_use():
+                self._pool.use_cuda(cuda.current_device())
+            self._registering = self._pool.warm(None)  # adopted spares: page tables and pinning, off-thread
         except BaseException:
             self._release()
             raise
@@ -159,11 +182,14 @@ class Checkpointer:
         self._closed = True
         self._pool.stop_building()
         self._executor.shutdown(wait=True)
-        for handle in self._optimizers.values():
-            handle.remove()
+        for handles in self._optimizers.values():
+            for handle in handles:
+                handle.remove()
         self._optimizers.clear()
         self._pool.close()
         self._packer.close()
+        if self._stager is not None:
+            self._stager.close()
         self._loader.staging.clear()
         if self._lock_fd >= 0:
             os.close(self._lock_fd)
@@ -200,15 +226,13 @@ class Checkpointer:
         if refused is not None:
             return refused
         flat = flatten(state_dict)
-        protected = self._protected() if self.settings.overlap else set()
+        protected = self._protected() if self.settings.overlapping else set()
         plan = self._plan(flat, protected)
         refused = self._make_room(step)
         if refused is not None:
             return refused
         objects = pickle.dumps(list(flat.objects), protocol=pickle.HIGHEST_PROTOCOL) if flat.objects else None
-        if not self._pool.register_cuda and any(cuda.is_cuda(t) for t in flat.tensors):
-            self._pool.register_cuda = True
-            self._pool.register_all()
+        self._use_cuda(flat)
         path = step_dir(self.rank_path, step)
         try:
             slot = self._pool.take(step, plan)
@@ -216,19 +240,32 @@ class Checkpointer:
             discard_step(path)
             raise
         job = _SaveJob(step, path, slot, plan, flat, objects, SaveHandle(step), [], [], protected)
+        job.source = state_dict
         try:
-            self._start_copies(job)
+            if self._stager is not None:
+                self._start_device_copies(job)
+            else:
+                self._start_copies(job)
         except BaseException:
+            for ticket in job.tickets:  # nothing may still be writing into the slot
+                with contextlib.suppress(Exception):
+                    ticket.synchronize()
             self._pool.forget(slot)
             discard_step(path)
             raise
         self._inflight = job
-        if not job.deferred_cpu and job.deferred_ticket is None:
+        if not job.deferred_cpu and job.deferred_ticket is None and job.staged is None:
             job.handle._set_snapshot()
         self._executor.submit(self._finish, job)
+        self._registering = self._pool.warm(plan)  # spares for the next saves, off the training thread
         if blocking:
             job.handle.wait()
         return job.handle
+
+    def _use_cuda(self, flat: FlatState) -> None:
+        """From the first CUDA tensor on, every slot is pinned (in this thread's device context)."""
+        if not self._pool.register_cuda and any(cuda.is_cuda(t) for t in flat.tensors):
+            self._pool.use_cuda(cuda.current_device())
 
     def _admit(self, step: int) -> SaveHandle | None:
         job = self._inflight
@@ -281,7 +318,7 @@ class Checkpointer:
 
     def _protected(self) -> set[int]:
         """Storages that only a registered optimizer's step mutates (overlap mode defers them)."""
-        out = set()
+        out: set[int] = set()
         for opt in list(self._optimizers):
             for group in opt.param_groups:
                 out.update(p.untyped_storage().data_ptr() for p in group["params"])
@@ -320,6 +357,48 @@ class Checkpointer:
         if not job.deferred_cpu and job.deferred_ticket is None:
             job.copied.set()
 
+    def _start_device_copies(self, job: _SaveJob) -> None:
+        """Device staging: CUDA tensors go through ``DeviceStager`` (no CPU wait unless the budget forces
+        one); CPU tensors (an optimizer's step counters, RNG states) are copied before returning, so the
+        optimizer's hook never waits on the CPU."""
+        assert self._stager is not None
+        views = job.slot.views(job.plan)
+        tensors = job.flat.tensors
+        packed = self._packer.packed(job.plan)
+        protected = job.protected
+        if not protected and not self._warned_overlap:
+            log.info(
+                "device staging without a registered optimizer: every CUDA tensor is staged or copied "
+                "before save returns"
+            )
+            self._warned_overlap = True
+        dsts, srcs, guarded, cpu_now = [], [], [], []
+        for i, t in enumerate(tensors):
+            if i in packed or t.numel() == 0:
+                continue
+            if cuda.is_cuda(t):
+                dsts.append(views[i])
+                srcs.append(t)
+                guarded.append(t.untyped_storage().data_ptr() in protected)
+            else:
+                cpu_now.append(i)
+        files = job.slot.files
+        packs = (
+            self._packer.copies(job.plan, files, tensors, later=False)
+            + self._packer.copies(job.plan, files, tensors, later=True)
+            if packed
+            else []
+        )
+        if srcs or packs:
+            job.staged = self._stager.snapshot(dsts, srcs, guarded, packs)
+            job.tickets.append(job.staged.landed)
+        if cpu_now:
+            copy_cpu([views[i] for i in cpu_now], [tensors[i] for i in cpu_now])
+        if job.staged is not None:
+            job.staged.blocking.synchronize()
+        else:
+            job.copied.set()
+
     def _finish(self, job: _SaveJob) -> None:
         """Commit thread: finish deferred copies, checksum, sync, commit, apply retention."""
         try:
@@ -328,8 +407,13 @@ class Checkpointer:
                 copy_into(
                     [views[i] for i in job.deferred_cpu], [job.flat.tensors[i] for i in job.deferred_cpu]
                 )
+            if job.staged is not None:
+                job.staged.release.synchronize()
+                job.handle._set_snapshot()
             for ticket in job.tickets:
                 ticket.synchronize()
+            if job.staged is not None and self._stager is not None:
+                self._stager.clock.copies_done(job.staged.segments)
             job.handle._set_snapshot()
             job.copied.set()
             snapshot_s = time.perf_counter() - job.started
@@ -347,10 +431,15 @@ class Checkpointer:
             )
             marker = committed.marker
             self._manifests.remember(committed.manifest, marker)
+            self._bind_saved(job)
             job.flat = dataclasses.replace(job.flat, tensors=())  # release the sources
+            job.source = None
             self._pool.committed(job.step, job.slot)
             rankdir.apply_retention(self.rank_path, self.settings.keep, self._pool)
         except BaseException as exc:
+            for ticket in job.tickets:  # nothing may still be writing into the slot or the staging
+                with contextlib.suppress(Exception):
+                    ticket.synchronize()
             job.copied.set()
             self._fail(job, exc)
             return
@@ -361,12 +450,30 @@ class Checkpointer:
             snapshot_s,
             time.perf_counter() - job.started,
         )
-        spares = self._pool.reserve_spares()  # before the next save can start, so it waits for them
         job.handle._set_committed(marker)
+        if not self._closed:
+            self._pool.warm(job.plan)  # e.g. a spare that could not be prepared before
+
+    def _bind_saved(self, job: _SaveJob) -> None:
+        """Remember where the saved dict's tensors are, so a load back into it skips the tree walk.
+
+        Done once, then again only while saves keep passing the same tensor objects (a loop that
+        builds a new state dict for every save never loads into one of those)."""
+        tensors = job.flat.tensors
+        if job.source is None or not tensors:
+            return
+        previous = None if self._bound_first is None else self._bound_first()
+        if self._bound_first is not None and previous is not tensors[0]:
+            return
+        if self._bound_first is not None and self._loader.bindings.resolve_saved(job.source, job.flat):
+            return
         try:
-            self._pool.build_spares(job.plan, spares)
-        except Exception as exc:  # spares are an optimisation; the next save allocates its own
-            log.warning("could not prepare spare slots: %s", exc)
+            again = flatten(job.source, record_paths=True)
+        except Exception as exc:  # the dict changed meanwhile: nothing to bind
+            log.debug("not binding the state saved as step %d: %s", job.step, exc)
+            return
+        if self._loader.bindings.remember_saved(job.source, again, tensors):
+            self._bound_first = weakref.ref(tensors[0])
 
     def _fail(self, job: _SaveJob, exc: BaseException) -> None:
         if isinstance(exc, OSError) and exc.errno == errno.ENOSPC and not isinstance(exc, RamdiskFullError):
@@ -387,36 +494,69 @@ class Checkpointer:
 
     @property
     def last_load_timings(self) -> dict[str, float]:
-        """Phases of the last ``load`` on this rank, in seconds (``manifest_s``, ``map_s``, ``tree_s``,
-        ``h2d_s``, ``verify_wait_s``, ``copy_s``, ``total_s``): what a slow restore spent its time on."""
+        """Phases of the last ``load`` on this rank, in seconds (``manifest_s``, ``map_s``, ``bind_s``,
+        ``tree_s``, ``h2d_s``, ``verify_wait_s``, ``copy_s``, ``total_s``): what a slow restore spent its
+        time on; ``bound`` is 1.0 when the destination's tensors were found without walking the tree."""
         return dict(self._loader.last_timings)
 
     @property
     def device_staging_bytes(self) -> int:
-        """Device memory held for packed copies of small CUDA tensors (save and restore staging)."""
-        return self._packer.device_bytes + self._loader.staging.device_bytes
+        """Device memory held for staging: packed copies of small CUDA tensors (save and restore) and
+        device staging's buffers."""
+        stager = 0 if self._stager is None else self._stager.device_bytes
+        return self._packer.device_bytes + self._loader.staging.device_bytes + stager
 
-    def prepare(self, state_dict: dict[Any, Any]) -> None:
-        """Pre-fault (and pin) all ``keep + 1`` slots for this state's layout now, off the save path."""
+    @property
+    def last_snapshot(self) -> dict[str, float]:
+        """Device staging: how the last save's CUDA bytes were copied (``staged_bytes``, ``direct_bytes``,
+        ``blocking_bytes``, ``wanted_bytes``, ``allowed_bytes``) and the measurements that decided it
+        (``window_s``, ``d2h_gbps``; -1 before the first measurement). Empty without device staging."""
+        return {} if self._stager is None else dict(self._stager.last)
+
+    def prepare(
+        self, state_dict: dict[Any, Any], *, blocking: bool = True
+    ) -> concurrent.futures.Future[None]:
+        """Pre-fault (and pin) all ``keep + 1`` slots for this state's layout, off the save path.
+
+        ``blocking=False`` returns at once: the slots are prepared on a background thread while training
+        starts, and a save arriving meanwhile takes a slot that is ready (or the one being prepared),
+        never a half-prepared one. The returned future completes when every slot is ready.
+        """
         self._check_open()
         flat = flatten(state_dict)
-        if any(cuda.is_cuda(t) for t in flat.tensors):
-            self._pool.register_cuda = True
-            self._pool.register_all()
-        protected = self._protected() if self.settings.overlap else set()
-        self._executor.submit(self._pool.fill_spares, self._plan(flat, protected)).result()
+        self._use_cuda(flat)
+        protected = self._protected() if self.settings.overlapping else set()
+        future = self._registering = self._pool.warm(self._plan(flat, protected))
+        if blocking:
+            future.result()
+        return future
 
     # ------------------------------------------------------------------------------- overlap
 
     def register_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """Overlap mode: ``optimizer.step()`` waits for the snapshot copy of its parameters and state."""
+        """Overlap mode: ``optimizer.step()`` waits for the snapshot copy of its parameters and state.
+
+        With device staging, the hooks also time the GPU between optimizer steps (what the copy can hide).
+        """
         if optimizer in self._optimizers:
             return
-        self._optimizers[optimizer] = optimizer.register_step_pre_hook(self._before_step)
+        handles = [optimizer.register_step_pre_hook(self._before_step)]
+        if self._stager is not None:
+            handles.append(optimizer.register_step_post_hook(self._after_step))
+        self._optimizers[optimizer] = handles
+
+    def _after_step(self, *_: Any) -> None:
+        if self._stager is not None:
+            self._stager.clock.step_finished()
 
     def _before_step(self, *_: Any) -> None:
+        if self._stager is not None:
+            self._stager.clock.step_started()
         job = self._inflight
         if job is None or job.copied.is_set():
+            return
+        if job.staged is not None and not job.deferred_cpu:
+            job.staged.release.block_stream()  # the GPU orders the update after the direct copies only
             return
         if job.deferred_ticket is not None and not job.deferred_cpu:
             job.deferred_ticket.block_stream()  # the GPU orders the update after the copy; no CPU wait
@@ -434,6 +574,7 @@ class Checkpointer:
         allow_missing: bool = False,
         verify: bool = True,
         device: torch.device | str | None = None,
+        strict: bool = True,
     ) -> int | None:
         """Fill ``state_dict`` in place from a committed step and return that step.
 
@@ -443,6 +584,11 @@ class Checkpointer:
         next older common step is tried (on all ranks together). Nothing to load raises
         ``MissingCheckpointError``, or returns None with ``allow_missing=True``. New tensors (paths
         the destination lacks) are created on ``device`` (default CPU).
+
+        ``strict`` (default): a destination unlike the checkpoint (a tensor of another shape or dtype,
+        keys holding tensors on one side only; see ``snapshot.compare``) raises ``StateMismatchError``
+        before anything is copied, on every rank, without falling back. ``strict=False``: mismatched
+        tensors are replaced (logged) and missing entries created.
         """
         self._check_open()
         with contextlib.suppress(Exception):
@@ -457,16 +603,26 @@ class Checkpointer:
             )
         last: BaseException | None = None
         for n, candidate in enumerate(candidates):
-            error = self._try_load(state_dict, candidate, verify=verify, device=device)
-            ok, failed = agree.all_ok(error is None)
-            if ok:
+            error = self._try_load(state_dict, candidate, verify=verify, device=device, strict=strict)
+            outcomes = agree.all_gather(_outcome(error))
+            failed = [r for r, o in enumerate(outcomes) if o is not None]
+            if not failed:
                 if n:
                     log.warning("loaded step %d after falling back from step %d", candidate, candidates[0])
                 return candidate
-            last = error or CorruptShardError(
-                f"step {candidate}: rank(s) {failed} could not load their shard", path=str(self.rank_path)
-            )
-            if not fallback:
+            mismatched = [r for r, o in enumerate(outcomes) if o == _MISMATCH]
+            if error is not None:
+                last = error
+            elif mismatched:
+                last = StateMismatchError(
+                    f"step {candidate}: rank(s) {mismatched} found the checkpoint unlike their state "
+                    "(their error names the differences)"
+                )
+            else:
+                last = CorruptShardError(
+                    f"step {candidate}: rank(s) {failed} could not load their shard", path=str(self.rank_path)
+                )
+            if not fallback or mismatched:  # an older step would not fit either
                 raise last
             log.warning("step %d is not loadable (%s); falling back", candidate, last)
         raise MissingCheckpointError(
@@ -474,15 +630,21 @@ class Checkpointer:
         ) from last
 
     def _try_load(
-        self, state_dict: dict[Any, Any], step: int, *, verify: bool, device: torch.device | str | None
+        self,
+        state_dict: dict[Any, Any],
+        step: int,
+        *,
+        verify: bool,
+        device: torch.device | str | None,
+        strict: bool,
     ) -> BaseException | None:
         path = step_dir(self.rank_path, step)
         try:
             with leases.hold(self.rank_path, step, f"client-{os.getpid()}", ttl=self.settings.lease_ttl):
-                self._loader.load(state_dict, step, path, verify=verify, device=device)
-            if self._pool.register_cuda and (self._registering is None or self._registering.done()):
-                self._registering = self._executor.submit(self._pool.register_all)  # pin for later saves
-        except (FormatError, MissingCheckpointError) as exc:
+                self._loader.load(state_dict, step, path, verify=verify, device=device, strict=strict)
+            if self._pool.register_cuda:
+                self._registering = self._pool.warm(None)  # pin for later saves, in the background
+        except (FormatError, MissingCheckpointError, StateMismatchError) as exc:
             log.error("could not load step %d: %s", step, exc)
             return exc
         return None

@@ -15,12 +15,18 @@
 * ``CopyTicket``: wait on the CPU (``synchronize``) or make a stream wait on the GPU (``block_stream``),
   which is what the overlap mode's optimizer hook does: training continues and only the parameter
   update is ordered after the snapshot copy.
+* ``copy_staged``: the device-staged snapshot (``snapshot.devstage`` plans it): device-to-device copies
+  into a staging buffer on the *current* stream (ordered before anything training queues later, no
+  wait at all), device-to-host copies on the side stream, then the staging buffer drained to the host.
+  Timing events around the copies and the training steps (``mark``) feed the plan of the next save.
+* ``headroom``: device memory the process can take without pushing its own peak into an OOM.
 
 Nothing here is called unless a tensor actually lives on a CUDA device.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable, Sequence
@@ -31,13 +37,20 @@ __all__ = [
     "BOUNCE_BYTES",
     "CopyTicket",
     "PackedCopy",
+    "Segment",
+    "StagedCopies",
+    "StagedTicket",
     "available",
+    "copy_staged",
     "copy_through_bounce",
     "copy_to_device",
     "copy_to_host",
+    "current_device",
     "gather",
+    "headroom",
     "in_use",
     "is_cuda",
+    "mark",
     "register",
     "scatter_from_host",
     "synchronize",
@@ -68,12 +81,19 @@ def is_cuda(tensor: torch.Tensor) -> bool:
     return tensor.device.type == "cuda"
 
 
-def register(address: int, nbytes: int, *, read_only: bool = False) -> bool:
-    """Page-lock ``nbytes`` of host memory at ``address`` for DMA. False (and a log line) if refused."""
+def current_device() -> int | None:
+    """The calling thread's CUDA device, None when this process has not initialised CUDA."""
+    return torch.cuda.current_device() if in_use() else None
+
+
+def register(address: int, nbytes: int, *, read_only: bool = False, device: int | None = None) -> bool:
+    """Page-lock ``nbytes`` of host memory at ``address`` for DMA, in ``device``'s context (a background
+    thread would otherwise create a context on device 0). False (and a log line) if refused."""
     if nbytes == 0 or not available():
         return False
     flags = _HOST_REGISTER_PORTABLE | (_HOST_REGISTER_READ_ONLY if read_only else 0)
-    err = int(torch.cuda.cudart().cudaHostRegister(address, nbytes, flags))
+    with torch.cuda.device(device) if device is not None else contextlib.nullcontext():
+        err = int(torch.cuda.cudart().cudaHostRegister(address, nbytes, flags))
     if err != 0:
         log.warning(
             "cudaHostRegister of %d bytes failed (cudaError %d); copies to it run at pageable speed",
@@ -219,6 +239,124 @@ def copy_to_device(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], *
             _copy_all([dsts[i] for i in indices], [srcs[i] for i in indices])
     if wait:
         synchronize({d.device for d in dsts})
+
+
+def headroom(device: torch.device) -> int:
+    """Bytes of ``device`` memory free now that this process's peak has not needed so far: free in the
+    driver plus what its caching allocator holds, less the allocator's peak. Allocating more than this
+    could make a later training step run out of memory."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return max(0, free + torch.cuda.memory_reserved(device) - torch.cuda.max_memory_reserved(device))
+
+
+def mark() -> torch.cuda.Event | None:
+    """A timing event recorded on the current stream of the current device (None without CUDA)."""
+    if not in_use():
+        return None
+    event = torch.cuda.Event(enable_timing=True)
+    event.record(torch.cuda.current_stream())
+    return event
+
+
+@dataclasses.dataclass
+class StagedCopies:
+    """One device's part of a device-staged snapshot, as ``(destination, source)`` pairs."""
+
+    device: torch.device
+    blocking: list[tuple[torch.Tensor, torch.Tensor]]
+    """Device-to-host copies ``save`` waits for (what neither the budget nor the hook can protect)."""
+    direct: list[tuple[torch.Tensor, torch.Tensor]]
+    """Device-to-host copies the optimizer's next step waits for (on the GPU)."""
+    staged: list[tuple[torch.Tensor, torch.Tensor]]
+    """Device-to-device copies into the staging buffer, on the current stream."""
+    drain: list[tuple[torch.Tensor, torch.Tensor]]
+    """Device-to-host copies out of the staging buffer, once it is filled (a few large runs)."""
+    packs: Sequence[PackedCopy] = ()
+    """Small tensors: gathered on the current stream, moved with the drain."""
+    staging: torch.Tensor | None = None
+    """The staging buffer (kept alive for the side stream)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """A timed run of device-to-host copies: ``nbytes`` between two timing events of the side stream."""
+
+    device: torch.device
+    start: torch.cuda.Event
+    end: torch.cuda.Event
+    nbytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class StagedTicket:
+    """Completion of a device-staged snapshot."""
+
+    blocking: CopyTicket
+    """The copies ``save`` waits for."""
+    release: CopyTicket
+    """The sources may change: the optimizer's pre-step hook makes the current stream wait for it."""
+    landed: CopyTicket
+    """Every byte is in host memory."""
+    started: tuple[tuple[torch.device, torch.cuda.Event], ...]
+    """Timing events on each current stream where the snapshot was taken."""
+    segments: tuple[Segment, ...]
+
+
+def _nbytes(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> int:
+    return sum(src.numel() * src.element_size() for _, src in pairs)
+
+
+def copy_staged(parts: Sequence[StagedCopies]) -> StagedTicket:
+    """Issue a device-staged snapshot (see the module doc); returns at once with its ticket."""
+    blocking, release, landed, started, segments = [], [], [], [], []
+    for part in parts:
+        device = part.device
+        current = torch.cuda.current_stream(device)
+        side = _side_stream(device)
+        with torch.cuda.device(device), torch.no_grad():
+            start = torch.cuda.Event(enable_timing=True)
+            start.record(current)
+            for pack in part.packs:  # tiny fused kernels, ordered before any later update
+                gather(pack.slots, pack.tensors)
+            if part.staged:  # fused multi-tensor copies, one per dtype
+                gather([d for d, _ in part.staged], [s for _, s in part.staged])
+            staged = torch.cuda.Event()
+            staged.record(current)
+            side.wait_event(start)
+            if part.staging is not None:
+                part.staging.record_stream(side)
+            with torch.cuda.stream(side):
+                if part.blocking:
+                    _copy_all([d for d, _ in part.blocking], [s for _, s in part.blocking])
+                    done = torch.cuda.Event()
+                    done.record(side)
+                    blocking.append((device, done))
+                d0 = torch.cuda.Event(enable_timing=True)
+                d0.record(side)
+                if part.direct:
+                    _copy_all([d for d, _ in part.direct], [s for _, s in part.direct])
+                d1 = torch.cuda.Event(enable_timing=True)
+                d1.record(side)
+                release.append((device, d1))
+                side.wait_event(staged)
+                k0 = torch.cuda.Event(enable_timing=True)
+                k0.record(side)
+                for pack in part.packs:
+                    pack.host.copy_(pack.staging, non_blocking=True)
+                if part.drain:
+                    _copy_all([d for d, _ in part.drain], [s for _, s in part.drain])
+                k1 = torch.cuda.Event(enable_timing=True)
+                k1.record(side)
+                landed.append((device, k1))
+        started.append((device, start))
+        packed = sum(p.staging.numel() for p in part.packs)
+        segments += [
+            Segment(device, d0, d1, _nbytes(part.direct)),
+            Segment(device, k0, k1, _nbytes(part.drain) + packed),
+        ]
+    return StagedTicket(
+        CopyTicket(blocking), CopyTicket(release), CopyTicket(landed), tuple(started), tuple(segments)
+    )
 
 
 def synchronize(devices: Sequence[torch.device] | set[torch.device]) -> None:

@@ -51,6 +51,13 @@ class Settings:
     """Copy device tensors on a side stream and return at once; registered optimizers wait before
     stepping. Everything that is not an optimizer's parameter or state is still copied before
     ``save`` returns."""
+    device_staging: bool = False
+    """Overlap mode plus device staging: what the device-to-host copy cannot finish before the
+    optimizer's next step (measured), and every CUDA tensor the optimizer does not own, is first
+    copied into spare device memory, then drained to the ramdisk in the background."""
+    device_budget: int | float = 0.5
+    """Most device memory device staging may hold, per device: bytes (an int), or a fraction (a float
+    in (0, 1]) of the device memory this process's peak has not needed so far."""
     restore_wait: float = 300.0
     """Seconds without progress in the replicator's restore status after which ``load`` stops waiting."""
     replicator_url: str | None = None
@@ -79,6 +86,18 @@ class Settings:
             raise ValueError(f"keep must be at least 1, got {self.keep}")
         if self.on_busy not in _BUSY:
             raise ValueError(f"on_busy must be one of {_BUSY}, got {self.on_busy!r}")
+        budget = self.device_budget
+        if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+            raise ValueError(f"device_budget must be bytes (int) or a fraction (float), got {budget!r}")
+        if isinstance(budget, float) and not 0.0 < budget <= 1.0:
+            raise ValueError(f"device_budget as a fraction must be in (0, 1], got {budget}")
+        if isinstance(budget, int) and budget < 0:
+            raise ValueError(f"device_budget in bytes must be >= 0, got {budget}")
+
+    @property
+    def overlapping(self) -> bool:
+        """Whether saves return before optimizer-owned tensors are copied (overlap or device staging)."""
+        return self.overlap or self.device_staging
 
 
 def _env_int(env: Mapping[str, str], name: str) -> int | None:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from tierckpt_csi.admission import JobUse, admit, mem_available
 from tierckpt_csi.errors import already_exists, failed_precondition, not_found, resource_exhausted
-from tierckpt_csi.mounts import bind_mount, mount_at, read_mountinfo, unmount
+from tierckpt_csi.mounts import MountEntry, bind_mount, mount_at, read_mountinfo, unmount
 from tierckpt_csi.ramdisk import Ramdisk, RamdiskUsage, tree_bytes
 from tierckpt_csi.requests import Publish, check_target
 from tierckpt_csi.volumes import VolumeRecord, VolumeStore
@@ -99,7 +99,7 @@ class NodePlugin:
             self._bind(req, reservation)
             return True
 
-    def _already_published(self, req: Publish, mounts: list) -> bool:
+    def _already_published(self, req: Publish, mounts: list[MountEntry]) -> bool:
         entry = mount_at(req.target, mounts)
         record = self.store.get(req.volume_id)
         if entry is None:

@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import threading
+from collections.abc import Callable
 from concurrent import futures
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -77,7 +78,7 @@ class PluginServer:
 class HealthServer:
     """``/healthz`` (Probe over the real socket), ``/readyz`` and ``/metrics`` on a TCP address."""
 
-    def __init__(self, address: str, *, check: callable, metrics: Metrics | None) -> None:
+    def __init__(self, address: str, *, check: Callable[[], bool], metrics: Metrics | None) -> None:
         host, _, port = address.rpartition(":")
         handler = _handler(check, metrics)
         self._httpd = ThreadingHTTPServer((host or "0.0.0.0", int(port)), handler)
@@ -93,7 +94,7 @@ class HealthServer:
         self._httpd.server_close()
 
 
-def _handler(check, metrics: Metrics | None) -> type[BaseHTTPRequestHandler]:
+def _handler(check: Callable[[], bool], metrics: Metrics | None) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
             if self.path in ("/healthz", "/readyz"):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Protocol, TypeVar
 
 import grpc
 from google.protobuf import wrappers_pb2
@@ -28,7 +28,16 @@ __all__ = ["IdentityService", "Metrics", "NodeService"]
 
 log = logging.getLogger(__name__)
 
-F = TypeVar("F", bound=Callable[..., Any])
+_NodeRPC = csi_pb2.NodeServiceCapability.RPC
+
+
+class _Service(Protocol):
+    metrics: Metrics
+
+
+S = TypeVar("S", bound=_Service)
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
 
 
 class Metrics:
@@ -56,11 +65,13 @@ class Metrics:
         )
 
 
-def _rpc(method: F) -> F:
+def _rpc(
+    method: Callable[[S, Req, grpc.ServicerContext], Resp],
+) -> Callable[[S, Req, grpc.ServicerContext], Resp]:
     """Run an RPC body, turning ``CsiError`` into its status and counting the outcome."""
 
     @functools.wraps(method)
-    def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
+    def wrapper(self: S, request: Req, context: grpc.ServicerContext) -> Resp:
         name = method.__name__
         code = grpc.StatusCode.OK
         try:
@@ -79,7 +90,7 @@ def _rpc(method: F) -> F:
         finally:
             self.metrics.calls.labels(name, code.name).inc()
 
-    return wrapper  # type: ignore[return-value]
+    return wrapper
 
 
 class IdentityService(csi_pb2_grpc.IdentityServicer):
@@ -88,44 +99,51 @@ class IdentityService(csi_pb2_grpc.IdentityServicer):
         self.metrics = metrics
 
     @_rpc
-    def GetPluginInfo(self, request, context):
+    def GetPluginInfo(
+        self, request: csi_pb2.GetPluginInfoRequest, context: grpc.ServicerContext
+    ) -> csi_pb2.GetPluginInfoResponse:
         return csi_pb2.GetPluginInfoResponse(name=Csi.DRIVER, vendor_version=tierckpt.protocol.__version__)
 
     @_rpc
-    def GetPluginCapabilities(self, request, context):
+    def GetPluginCapabilities(
+        self, request: csi_pb2.GetPluginCapabilitiesRequest, context: grpc.ServicerContext
+    ) -> csi_pb2.GetPluginCapabilitiesResponse:
         # A node-only plugin: no CONTROLLER_SERVICE, and volumes are reachable from this node only.
         return csi_pb2.GetPluginCapabilitiesResponse(capabilities=[])
 
     @_rpc
-    def Probe(self, request, context):
+    def Probe(self, request: csi_pb2.ProbeRequest, context: grpc.ServicerContext) -> csi_pb2.ProbeResponse:
         return csi_pb2.ProbeResponse(ready=wrappers_pb2.BoolValue(value=self.plugin.ramdisk.is_mounted()))
 
 
-def _node_capability(kind: int) -> csi_pb2.NodeServiceCapability:
-    return csi_pb2.NodeServiceCapability(rpc=csi_pb2.NodeServiceCapability.RPC(type=kind))
+def _node_capability(kind: _NodeRPC.Type) -> csi_pb2.NodeServiceCapability:
+    return csi_pb2.NodeServiceCapability(rpc=_NodeRPC(type=kind))
 
 
 class NodeService(csi_pb2_grpc.NodeServicer):
-    CAPABILITIES = (
-        csi_pb2.NodeServiceCapability.RPC.GET_VOLUME_STATS,
-        csi_pb2.NodeServiceCapability.RPC.VOLUME_MOUNT_GROUP,
-    )
+    CAPABILITIES = (_NodeRPC.GET_VOLUME_STATS, _NodeRPC.VOLUME_MOUNT_GROUP)
 
     def __init__(self, plugin: NodePlugin, metrics: Metrics) -> None:
         self.plugin = plugin
         self.metrics = metrics
 
     @_rpc
-    def NodeGetCapabilities(self, request, context):
+    def NodeGetCapabilities(
+        self, request: csi_pb2.NodeGetCapabilitiesRequest, context: grpc.ServicerContext
+    ) -> csi_pb2.NodeGetCapabilitiesResponse:
         caps = [_node_capability(c) for c in self.CAPABILITIES]
         return csi_pb2.NodeGetCapabilitiesResponse(capabilities=caps)
 
     @_rpc
-    def NodeGetInfo(self, request, context):
+    def NodeGetInfo(
+        self, request: csi_pb2.NodeGetInfoRequest, context: grpc.ServicerContext
+    ) -> csi_pb2.NodeGetInfoResponse:
         return csi_pb2.NodeGetInfoResponse(node_id=self.plugin.settings.node_id)
 
     @_rpc
-    def NodePublishVolume(self, request, context):
+    def NodePublishVolume(
+        self, request: csi_pb2.NodePublishVolumeRequest, context: grpc.ServicerContext
+    ) -> csi_pb2.NodePublishVolumeResponse:
         settings = self.plugin.settings
         req = parse_publish(
             request, pods_dir=settings.pods_dir, require_namespace=settings.require_namespace_match
@@ -134,14 +152,18 @@ class NodeService(csi_pb2_grpc.NodeServicer):
         return csi_pb2.NodePublishVolumeResponse()
 
     @_rpc
-    def NodeUnpublishVolume(self, request, context):
+    def NodeUnpublishVolume(
+        self, request: csi_pb2.NodeUnpublishVolumeRequest, context: grpc.ServicerContext
+    ) -> csi_pb2.NodeUnpublishVolumeResponse:
         if not request.volume_id:
             raise invalid("volume_id is required")
         self.plugin.unpublish(request.volume_id, request.target_path)
         return csi_pb2.NodeUnpublishVolumeResponse()
 
     @_rpc
-    def NodeGetVolumeStats(self, request, context):
+    def NodeGetVolumeStats(
+        self, request: csi_pb2.NodeGetVolumeStatsRequest, context: grpc.ServicerContext
+    ) -> csi_pb2.NodeGetVolumeStatsResponse:
         if not request.volume_id or not request.volume_path:
             raise invalid("volume_id and volume_path are required")
         stats = self.plugin.volume_stats(request.volume_path)

@@ -89,10 +89,12 @@ def _replicator_command() -> list[str]:
 class Node:
     """One simulated node: its ramdisk, its replicator process and its network."""
 
-    def __init__(self, cluster: LocalCluster, index: int, *, ip: str, api_port: int, data_port: int) -> None:
+    def __init__(
+        self, cluster: LocalCluster, index: int, *, ip: str, api_port: int, data_port: int, probe_port: int
+    ) -> None:
         self.cluster, self.index = cluster, index
         self.name = f"node-{index}"
-        self.ip, self.api_port, self.data_port = ip, api_port, data_port
+        self.ip, self.api_port, self.data_port, self.probe_port = ip, api_port, data_port, probe_port
         self.dir = cluster.workdir / self.name
         self.root = self.dir / "ramdisk"
         self.log_path = self.dir / "replicator.log"
@@ -109,6 +111,11 @@ class Node:
     def endpoint(self) -> str:
         """The control API base URL."""
         return f"http://{self.ip}:{self.api_port}"
+
+    @property
+    def probe_endpoint(self) -> str:
+        """The base URL of /healthz, /readyz and /metrics (the probe server)."""
+        return f"http://{self.ip}:{self.probe_port}"
 
     @property
     def peer_endpoint(self) -> str:
@@ -146,6 +153,8 @@ class Node:
             str(self.api_port),
             "--data-port",
             str(self.data_port),
+            "--probe-port",
+            str(self.probe_port),
             "--advertise-host",
             self.ip,
             "--peers-file",
@@ -450,7 +459,14 @@ class LocalCluster:
         _run(["ip", "addr", "add", f"{self.bridge_ip}/24", "dev", self._bridge])
         _run(["ip", "link", "set", self._bridge, "up"])
         for i in range(self.size):
-            node = Node(self, i, ip=f"{net}.{10 + i}", api_port=API_PORT, data_port=API_PORT + 1)
+            node = Node(
+                self,
+                i,
+                ip=f"{net}.{10 + i}",
+                api_port=API_PORT,
+                data_port=API_PORT + 1,
+                probe_port=API_PORT + 2,
+            )
             self.nodes.append(node)
             ns = node.netns
             assert ns is not None
@@ -466,7 +482,16 @@ class LocalCluster:
     def _make_loopback_nodes(self) -> None:
         self.bridge_ip = "127.0.0.1"
         for i in range(self.size):
-            self.nodes.append(Node(self, i, ip="127.0.0.1", api_port=_free_port(), data_port=_free_port()))
+            self.nodes.append(
+                Node(
+                    self,
+                    i,
+                    ip="127.0.0.1",
+                    api_port=_free_port(),
+                    data_port=_free_port(),
+                    probe_port=_free_port(),
+                )
+            )
 
     def _make_ramdisk(self, node: Node) -> None:
         node.root.mkdir(parents=True)

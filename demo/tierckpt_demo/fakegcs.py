@@ -49,7 +49,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Literal
+from typing import IO, Any, Literal
 
 __all__ = [
     "FakeGcsServer",
@@ -137,7 +137,7 @@ class FakeGcsServer:
         self.log_level = log_level
         self.ready_timeout = ready_timeout
         self._proc: subprocess.Popen[bytes] | None = None
-        self._log_file: Any = None
+        self._log_file: IO[bytes] | None = None
 
     @property
     def url(self) -> str:
@@ -221,7 +221,8 @@ class FakeGcsServer:
         if self.netns is None:
             try:
                 with urllib.request.urlopen(probe_url, timeout=1.0) as resp:
-                    return resp.status == 200
+                    status: int = resp.status
+                    return status == 200
             except (urllib.error.URLError, OSError):
                 return False
         code = f"import urllib.request as u; u.urlopen({probe_url!r}, timeout=1.0)"

@@ -10,7 +10,7 @@ import dataclasses
 import statistics
 
 from rich import box
-from rich.console import Console, Group
+from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
@@ -223,7 +223,7 @@ def scenario_table(report: DemoReport) -> Table:
 
 def render_report(report: DemoReport, console: Console) -> None:
     """Print the final table, the loss curve and any failed check with its detail."""
-    parts: list[object] = [scenario_table(report)]
+    parts: list[RenderableType] = [scenario_table(report)]
     if report.losses:
         steps = sorted(report.losses)
         curve = [report.losses[s] for s in steps]
@@ -255,7 +255,7 @@ def render_report(report: DemoReport, console: Console) -> None:
             style="bold green" if report.ok else "bold red",
         )
     )
-    console.print(Group(*parts))  # type: ignore[arg-type]
+    console.print(Group(*parts))
 
 
 def median(values: list[float]) -> float:

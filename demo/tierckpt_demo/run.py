@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -53,6 +53,8 @@ from tierckpt_demo.training import TrainerEvent, parse_model_size, read_events
 __all__ = ["DemoError", "DemoOptions", "run_demo"]
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 JOB = "tierckpt-demo"
 _MiB = 1 << 20
@@ -183,7 +185,7 @@ class Demo:
         self.workdir = Path(tempfile.mkdtemp(prefix="tierckpt-demo-"))
         self.cluster: Any = None
         self.assignment: PeerAssignment | None = None
-        self.control: Any = None
+        self.control: LocalOperator | None = None
         self.reference = sc.Reference()
         self.results: list[ScenarioResult] = []
         self.timings: dict[str, float] = {}
@@ -302,8 +304,8 @@ class Demo:
             ],
         )
         self._start_launchers()
-        self.control = LocalOperator(self.cluster, JOB, wait=self._wait)
-        self.assignment = self.control.assign_peers(self.o.replicas)
+        self.control = control = LocalOperator(self.cluster, JOB, wait=self._wait)
+        self.assignment = control.assign_peers(self.o.replicas)
         self.timings["setup_s"] = time.monotonic() - t0
         mode = "network namespaces + tmpfs" if self.cluster.netns else "loopback ports + directories"
         peers = ", ".join(f"{n}→{'+'.join(p)}" for n, p in self.assignment.peers.items())
@@ -373,14 +375,18 @@ class Demo:
             self._say(f"{'[green]✔[/]' if c.ok else '[red]✘[/]'} {c.name}: {c.detail}")
 
     def _record(self, events: dict[int, list[TrainerEvent]]) -> None:
-        losses = {e.step: e.loss for e in events.get(0, []) if e.event == "step" and e.loss is not None}
+        losses = {
+            e.step: e.loss
+            for e in events.get(0, [])
+            if e.event == "step" and e.step is not None and e.loss is not None
+        }
         saved = {
             (r, e.step): e.sha256
             for r, evs in events.items()
             for e in evs
             if e.event == "saved" and e.step is not None
         }
-        self.reference.record(losses, saved)  # type: ignore[arg-type]
+        self.reference.record(losses, saved)
 
     # ---------------------------------------------------------------- training segments
 
@@ -473,17 +479,18 @@ class Demo:
     def _wait_segment(self, index: int, segment: sc.Segment) -> dict[int, list[TrainerEvent]]:
         """Follow the segment until every rank is held (or done); returns every rank's events."""
         assert self.trainers is not None
+        trainers = self.trainers
         final = "held" if segment.scenario is not None else "done"
         what = f"segment {index + 1}/{len(self.segments)}: training to step {segment.until}"
         self._phase(what + " (starting processes)", total=segment.until)
         state: dict[str, Any] = {}
 
         def reached() -> dict[int, list[TrainerEvent]] | None:
-            failure = self.trainers.failure()  # type: ignore[union-attr]
+            failure = trainers.failure()
             if failure:
                 raise DemoError(f"{what}: {failure}")
-            events = self.trainers.read()  # type: ignore[union-attr]
-            steps = [e.step for e in events.get(0, []) if e.event == "step"]
+            events = trainers.read()
+            steps = [e.step for e in events.get(0, []) if e.event == "step" and e.step is not None]
             if steps:
                 if "first" not in state:
                     state["first"] = steps[0]
@@ -502,7 +509,7 @@ class Demo:
         )
         return events
 
-    def _wait(self, predicate: Callable[[], Any], what: str, interval: float = 0.1) -> Any:
+    def _wait(self, predicate: Callable[[], T | None], what: str, interval: float = 0.1) -> T:
         deadline = time.monotonic() + self.o.timeout
         while True:
             value = predicate()
@@ -518,11 +525,12 @@ class Demo:
         """Make sure the newest checkpoint reached the tiers the scenario will need."""
         scenario = sc.SCENARIOS[segment.scenario or ""]
         step = segment.expected_restore
-        assert step is not None
+        assert step is not None and self.control is not None
+        control = self.control
         if scenario.needs_replication:
             self._phase(f"waiting for step {step} to reach every peer")
             t0 = time.monotonic()
-            self._wait(lambda: self.control.replicated(step), f"replication of step {step} to the peers")
+            self._wait(lambda: control.replicated(step), f"replication of step {step} to the peers")
             self._say(
                 f"[green]✔[/] step {step} replicated to every peer ({time.monotonic() - t0:.1f} s after "
                 "the processes were held)"
@@ -530,7 +538,7 @@ class Demo:
         if scenario.needs_backup:
             self._phase(f"backing up step {step} to GCS")
             t0 = time.monotonic()
-            url = self.control.backup(step, self.o.timeout)
+            url = control.backup(step, self.o.timeout)
             took = time.monotonic() - t0
             self._say(f"[green]✔[/] step {step} complete in the bucket ({took:.1f} s): {url}")
 
@@ -550,6 +558,7 @@ class Demo:
     def _publish_plan(self, expected: int | None) -> float:
         """The operator's part after a failure: publish the restore plan; it must pick ``expected``."""
         self._phase("publishing a restore plan" if expected is not None else "publishing a fresh-start plan")
+        assert self.control is not None
         plan, at = self.control.publish_plan(self.o.nodes)
         if plan.step != expected:
             raise DemoError(f"the restore plan chose step {plan.step}, expected {expected} ({plan.sources})")

@@ -123,7 +123,8 @@ class Net(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers[:-1]:
             x = torch.tanh(layer(x))
-        return self.layers[-1](x)
+        out: torch.Tensor = self.layers[-1](x)
+        return out
 
 
 def batch_for(seed: int, step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -176,6 +177,11 @@ def state_sha256(state: dict[str, Any]) -> str:
     return h.hexdigest()
 
 
+def _grad(p: torch.nn.Parameter) -> torch.Tensor:
+    assert p.grad is not None, "backward() fills every parameter's gradient"
+    return p.grad
+
+
 def train_step(net: Net, opt: torch.optim.Adam, stats: torch.Tensor, *, seed: int, step: int) -> float:
     """One deterministic data-parallel step; returns the mean loss over ranks."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -184,13 +190,14 @@ def train_step(net: Net, opt: torch.optim.Adam, stats: torch.Tensor, *, seed: in
     loss = torch.nn.functional.mse_loss(net(x), y)
     loss.backward()
     params = [p for p in net.parameters()]
-    flat = torch.cat([p.grad.reshape(-1) for p in params] + [loss.detach().reshape(1)])
+    grads = [_grad(p) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads] + [loss.detach().reshape(1)])
     dist.all_reduce(flat)
     flat /= world
     offset = 0
-    for p in params:
+    for p, g in zip(params, grads, strict=True):
         n = p.numel()
-        p.grad.copy_(flat[offset : offset + n].view_as(p))
+        g.copy_(flat[offset : offset + n].view_as(p))
         offset += n
     for group in opt.param_groups:  # a pure function of the step: nothing to restore
         group["lr"] = LR * min(1.0, step / WARMUP)

@@ -12,7 +12,8 @@ Layers (imports point down; enforced by the import-linter contracts in ``pyproje
   client, ``tierckpt.protocol.client``, configured), ``events`` (Events
   through kopf): the only adapters; ``metrics``.
 * Pure, no I/O: ``clusterview`` (the kopf indices, read-only), ``decisions`` (rank assignment and peer
-  plan), ``injection``, ``status_fields``, ``jobsets``, ``pods``, ``resources``; and ``settings``.
+  plan), ``injection``, ``status_fields``, ``jobsets``, ``pods``, ``resources``; and ``settings``;
+  under them ``kube_rules`` (what Kubernetes accepts in tolerations, node selectors, quantities).
 
 The pure placement algorithms live in ``tierckpt.planning.placement`` (shared with the demo).
 """

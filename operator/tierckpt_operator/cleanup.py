@@ -42,7 +42,7 @@ async def purge_job(
 ) -> PurgeResult:
     """Ask every ready replicator on the configuration's nodes to drop the job."""
     nodes = cluster.nodes()
-    targets = {}
+    targets: dict[str, str] = {}
     for rep in cluster.replicators():
         labels = nodes.get(rep.node)
         if rep.ready and (config is None or labels is None or config.selects(labels)):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 from tierckpt_operator.decisions import JobState
 from tierckpt_operator.jobsets import JobSetInfo
@@ -57,7 +57,11 @@ class CheckpointJobRecord:
     status: Mapping[str, Any] = dataclasses.field(default_factory=dict, compare=False, hash=False)
 
 
-def _one(index: Mapping[Any, Iterable[Any]] | None, key: Any) -> Any:
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+def _one(index: Mapping[K, Iterable[V]] | None, key: K) -> V | None:
     if index is None or key not in index:
         return None
     return next(iter(index[key]), None)
@@ -73,14 +77,16 @@ class ClusterView:
         return self.indices.get(name) if hasattr(self.indices, "get") else self.indices[name]
 
     def jobset(self, namespace: str, name: str) -> JobSetRecord | None:
-        return _one(self._index("tierckpt_jobsets"), (namespace, name))
+        index: Mapping[tuple[str, str], Iterable[JobSetRecord]] | None = self._index("tierckpt_jobsets")
+        return _one(index, (namespace, name))
 
     def jobsets(self) -> list[JobSetRecord]:
         index = self._index("tierckpt_jobsets") or {}
         return [rec for key in index for rec in index[key]]
 
     def config(self, name: str) -> ConfigRecord | None:
-        return _one(self._index("tierckpt_configs"), name)
+        index: Mapping[str, Iterable[ConfigRecord]] | None = self._index("tierckpt_configs")
+        return _one(index, name)
 
     def configs(self) -> list[ConfigRecord]:
         index = self._index("tierckpt_configs") or {}
@@ -112,4 +118,5 @@ class ClusterView:
         return {name: dict(labels) for name in index for labels in index[name]}
 
     def checkpoint_job(self, namespace: str, name: str) -> CheckpointJobRecord | None:
-        return _one(self._index("tierckpt_ckjobs"), (namespace, name))
+        index: Mapping[tuple[str, str], Iterable[CheckpointJobRecord]] | None = self._index("tierckpt_ckjobs")
+        return _one(index, (namespace, name))

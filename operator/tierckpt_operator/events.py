@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import kopf
 
@@ -19,6 +19,8 @@ def post_event(ref: Mapping[str, Any] | None, kind: str, reason: str, message: s
         log.info("%s %s: %s", kind, reason, message)
         return
     try:
-        kopf.event(dict(ref), type=kind, reason=reason, message=message[:1000])
+        # kopf.event takes a kopf.Body, its typed view of a raw object dict: wrap a copy of ours in one.
+        body = kopf.Body(cast("kopf.RawBody", dict(ref)))
+        kopf.event(body, type=kind, reason=reason, message=message[:1000])
     except LookupError:  # outside a running operator (unit tests): log only
         log.info("%s %s: %s", kind, reason, message)

@@ -6,7 +6,10 @@ their pods reach the pod webhook (its objectSelector) and the operator's pod wat
 Pod (on CREATE), ``inject(pod, Injection)``:
 
 * the ramdisk: an inline CSI volume (driver ``Csi.DRIVER``, attributes job id and reservation), or a
-  hostPath ``<host root>/<job id>``; mounted in every container at ``<mountRoot>/<job id>``;
+  hostPath ``<host root>/<job id>``; mounted in every container at ``<mountRoot>/<job id>``. Its
+  name, ``tierckpt-ramdisk``, is reserved: a volume of the pod's own by that name (say a
+  ``hostPath: /``) is REPLACED by ours, and every volumeMount of that name, in any container or init
+  container, becomes exactly ours (our path, no subPath). Likewise ``tierckpt-podinfo``;
 * the downward-API volume with the pod's annotations at ``TIERCKPT_PODINFO_DIR`` (the node rank
   arrives there, see ``tierckpt.protocol.contract.read_podinfo``);
 * the environment of ``tierckpt.protocol.contract.Env``: job id, root, podinfo dir, the node-local replicator
@@ -100,9 +103,10 @@ def inject(pod: dict[str, Any], plan: Injection) -> None:
     meta.setdefault("labels", {})[Labels.MANAGED] = "true"
     meta.setdefault("annotations", {})[Annotations.JOB_ID] = plan.job_id
     spec = pod.setdefault("spec", {})
-    _add_by_name(spec.setdefault("volumes", []), plan.ramdisk_volume())
-    _add_by_name(
-        spec["volumes"],
+    volumes = spec.setdefault("volumes", [])
+    _put_by_name(volumes, plan.ramdisk_volume())
+    _put_by_name(
+        volumes,
         {
             "name": PODINFO_VOLUME,
             "downwardAPI": {
@@ -110,9 +114,17 @@ def inject(pod: dict[str, Any], plan: Injection) -> None:
             },
         },
     )
+    ours = (
+        {"name": RAMDISK_VOLUME, "mountPath": plan.mount_path},
+        {"name": PODINFO_VOLUME, "mountPath": plan.podinfo_dir, "readOnly": True},
+    )
+    for container in spec.get("initContainers") or []:
+        for mount in ours:  # an init container keeps only the mounts of our volumes it asked for
+            if container.get("volumeMounts"):
+                _put_by_name(container["volumeMounts"], mount, add=False)
     for container in spec.get("containers") or []:
-        _add_mount(container, {"name": RAMDISK_VOLUME, "mountPath": plan.mount_path})
-        _add_mount(container, {"name": PODINFO_VOLUME, "mountPath": plan.podinfo_dir, "readOnly": True})
+        for mount in ours:
+            _add_mount(container, mount)
         env = container.setdefault("env", [])
         for var in plan.env():
             _add_by_name(env, var)
@@ -124,11 +136,26 @@ def _add_by_name(items: list[dict[str, Any]], item: dict[str, Any]) -> None:
         items.append(item)
 
 
+def _put_by_name(items: list[dict[str, Any]], item: dict[str, Any], *, add: bool = True) -> None:
+    """``item`` is the one entry of its name: the first entry of that name becomes ``item``, later
+    ones are dropped; without one, ``item`` is appended when ``add``."""
+    named = [i for i, existing in enumerate(items) if existing.get("name") == item["name"]]
+    for i in reversed(named[1:]):
+        del items[i]
+    if named:
+        items[named[0]] = dict(item)
+    elif add:
+        items.append(dict(item))
+
+
 def _add_mount(container: dict[str, Any], mount: dict[str, Any]) -> None:
+    """Our mount replaces any of the same (reserved) name; it is added unless the container already
+    mounts something else at its path (the user's choice for their own container)."""
     mounts = container.setdefault("volumeMounts", [])
-    taken = any(m.get("name") == mount["name"] or m.get("mountPath") == mount["mountPath"] for m in mounts)
-    if not taken:
-        mounts.append(mount)
+    if any(m.get("name") == mount["name"] for m in mounts):
+        _put_by_name(mounts, mount)
+    elif not any(m.get("mountPath") == mount["mountPath"] for m in mounts):
+        mounts.append(dict(mount))
 
 
 def _place(spec: dict[str, Any], plan: Injection) -> None:

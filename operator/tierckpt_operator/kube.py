@@ -11,8 +11,8 @@ from __future__ import annotations
 import asyncio
 import datetime
 import logging
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar, cast
 
 import kubernetes
 from kubernetes.client import ApiException
@@ -22,6 +22,8 @@ from tierckpt_operator import resources
 __all__ = ["Kube", "api_client"]
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 def api_client(server: str = "", kubeconfig: str = "") -> kubernetes.client.ApiClient:
@@ -47,7 +49,7 @@ class Kube:
         self.leases = kubernetes.client.CoordinationV1Api(client)
         self._slots = asyncio.Semaphore(concurrency)
 
-    async def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    async def _call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         async with self._slots:
             return await asyncio.to_thread(fn, *args, **kwargs)
 
@@ -60,7 +62,7 @@ class Kube:
         """Create it; None if it already exists (creation is idempotent)."""
         ns = body["metadata"]["namespace"]
         try:
-            return await self._call(
+            created = await self._call(
                 self.custom.create_namespaced_custom_object,
                 resources.GROUP,
                 resources.VERSION,
@@ -72,6 +74,7 @@ class Kube:
             if exc.status == 409:
                 return None
             raise
+        return _custom_object(created)
 
     async def patch_checkpoint_job_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> bool:
         """Merge-patch the status; False if the CheckpointJob is gone."""
@@ -124,7 +127,7 @@ class Kube:
 
     async def get_jobset(self, namespace: str, name: str) -> dict[str, Any] | None:
         try:
-            return await self._call(
+            found = await self._call(
                 self.custom.get_namespaced_custom_object,
                 resources.JOBSET_GROUP,
                 resources.JOBSET_VERSION,
@@ -136,6 +139,7 @@ class Kube:
             if exc.status == 404:
                 return None
             raise
+        return _custom_object(found)
 
     # ------------------------------------------------------------------------------ pods
 
@@ -189,7 +193,7 @@ class Kube:
             return False
         if current != holder:
             spec["acquireTime"] = stamp
-        patch = {"metadata": {"resourceVersion": lease.metadata.resource_version}, "spec": spec}
+        patch = {"metadata": {"resourceVersion": _resource_version(lease)}, "spec": spec}
         try:
             await self._call(self.leases.patch_namespaced_lease, name, namespace, patch)
             return True
@@ -205,9 +209,20 @@ class Kube:
             if lease.spec is None or lease.spec.holder_identity != holder:
                 return
             patch = {
-                "metadata": {"resourceVersion": lease.metadata.resource_version},
+                "metadata": {"resourceVersion": _resource_version(lease)},
                 "spec": {"holderIdentity": ""},
             }
             await self._call(self.leases.patch_namespaced_lease, name, namespace, patch)
         except ApiException as exc:
             log.warning("could not release lease %s/%s: %s", namespace, name, exc.reason)
+
+
+def _custom_object(obj: object) -> dict[str, Any]:
+    """The client types a custom object as ``object``; it is the decoded JSON body, a dict."""
+    return cast("dict[str, Any]", obj)
+
+
+def _resource_version(lease: kubernetes.client.V1Lease) -> str | None:
+    """The version a patch must match (optimistic concurrency); a Lease read from the server has metadata."""
+    assert lease.metadata is not None
+    return lease.metadata.resource_version

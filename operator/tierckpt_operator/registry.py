@@ -30,7 +30,7 @@ from tierckpt_operator.clusterview import (
 )
 from tierckpt_operator.decisions import JobState
 from tierckpt_operator.events import post_event
-from tierckpt_operator.jobsets import opt_in_value, parse_jobset
+from tierckpt_operator.jobsets import JobSetInfo, opt_in_value, parse_jobset
 from tierckpt_operator.pods import replicator_of, worker_of
 from tierckpt_operator.reconcile import checkpoint_job_body
 from tierckpt_operator.resources import ConfigSpec
@@ -47,6 +47,14 @@ CKJOB = (resources.GROUP, resources.VERSION, resources.JOBS)
 OPTED = {Annotations.ENABLED: kopf.PRESENT}
 ENABLED = {Annotations.ENABLED: "true"}
 MANAGED = {Labels.MANAGED: "true"}
+
+
+def _namespaced(namespace: str | None) -> str:
+    """kopf types a handler's ``namespace`` as optional (cluster-scoped resources have none); every
+    resource whose handlers use it here (JobSets, CheckpointJobs, pods) is namespaced."""
+    if namespace is None:
+        raise kopf.PermanentError("a namespaced resource arrived without a namespace")
+    return namespace
 
 
 def _view(kwargs: dict[str, Any]) -> ClusterView:
@@ -122,7 +130,10 @@ def _configure_kopf(kopf_settings: kopf.OperatorSettings, settings: Settings) ->
 
 def _indices(registry: kopf.OperatorRegistry, settings: Settings) -> None:
     @kopf.index(*JOBSET, id="tierckpt_jobsets", annotations=OPTED, registry=registry)
-    def jobsets(body: kopf.Body, namespace: str, name: str, uid: str, meta: kopf.Meta, **_: Any) -> Any:
+    def jobsets(
+        body: kopf.Body, namespace: str | None, name: str, uid: str, meta: kopf.Meta, **_: Any
+    ) -> Any:
+        namespace = _namespaced(namespace)
         deleting = bool(meta.get("deletionTimestamp"))
         try:
             if not opt_in_value(meta.annotations):
@@ -154,7 +165,10 @@ def _indices(registry: kopf.OperatorRegistry, settings: Settings) -> None:
         return {name: tuple(sorted(labels.items()))}
 
     @kopf.index(*CKJOB, id="tierckpt_ckjobs", registry=registry)
-    def ckjobs(namespace: str, name: str, uid: str, spec: kopf.Spec, status: kopf.Status, **_: Any) -> Any:
+    def ckjobs(
+        namespace: str | None, name: str, uid: str, spec: kopf.Spec, status: kopf.Status, **_: Any
+    ) -> Any:
+        namespace = _namespaced(namespace)
         record = CheckpointJobRecord(
             namespace,
             name,
@@ -193,20 +207,24 @@ def _admission(registry: kopf.OperatorRegistry, settings: Settings, runtime: Run
 def _jobsets(registry: kopf.OperatorRegistry, settings: Settings, runtime: Runtime) -> None:
     @kopf.on.resume(*JOBSET, id="opt-in", annotations=OPTED, registry=registry)
     @kopf.on.create(*JOBSET, id="opt-in", annotations=OPTED, registry=registry)
-    async def opt_in(body: kopf.Body, meta: kopf.Meta, namespace: str, name: str, uid: str, **_: Any) -> None:
+    async def opt_in(
+        body: kopf.Body, meta: kopf.Meta, namespace: str | None, name: str, uid: str, **_: Any
+    ) -> None:
+        namespace = _namespaced(namespace)
         try:
             if not opt_in_value(meta.annotations):
                 return
         except ContractError as exc:
             post_event(body, "Warning", "InvalidAnnotation", str(exc))
             raise kopf.PermanentError(str(exc)) from exc
+        info: JobSetInfo | None
         try:
             info, error = parse_jobset(body, settings.default_config), None
         except ContractError as exc:
             info, error = None, exc
         created = await runtime.kube.create_checkpoint_job(checkpoint_job_body(info, namespace, name, uid))
         runtime.poke((namespace, name))
-        if error is not None:
+        if info is None:
             post_event(body, "Warning", "InvalidJobSet", f"not checkpointed: {error}")
             raise kopf.PermanentError(str(error))
         if created is not None:
@@ -225,7 +243,10 @@ def _jobsets(registry: kopf.OperatorRegistry, settings: Settings, runtime: Runti
         cancellation_timeout=10,
         registry=registry,
     )
-    async def control_loop(namespace: str, name: str, stopped: kopf.DaemonStopped, **kwargs: Any) -> None:
+    async def control_loop(
+        namespace: str | None, name: str, stopped: kopf.DaemonStopped, **kwargs: Any
+    ) -> None:
+        namespace = _namespaced(namespace)
         indices = {k: kwargs[k] for k in INDEX_IDS}
         await runtime.controller((namespace, name)).run(lambda: ClusterView(indices), stopped)
 
@@ -237,15 +258,16 @@ def _jobsets(registry: kopf.OperatorRegistry, settings: Settings, runtime: Runti
         initial_delay=min(5.0, settings.refresh_interval),
         registry=registry,
     )
-    async def refresh(namespace: str, name: str, **kwargs: Any) -> None:
-        ctl = runtime.controllers.get((namespace, name))
+    async def refresh(namespace: str | None, name: str, **kwargs: Any) -> None:
+        ctl = runtime.controllers.get((_namespaced(namespace), name))
         if ctl is not None:
             await ctl.refresh(_view(kwargs))
 
     @kopf.on.delete(*JOBSET, id="cleanup", annotations=ENABLED, retries=5, backoff=5, registry=registry)
     async def cleanup(
-        body: kopf.Body, namespace: str, name: str, uid: str, retry: int, **kwargs: Any
+        body: kopf.Body, namespace: str | None, name: str, uid: str, retry: int, **kwargs: Any
     ) -> None:
+        namespace = _namespaced(namespace)
         cluster = _view(kwargs)
         rec = cluster.jobset(namespace, name)
         info = rec.info if rec is not None else None
@@ -291,10 +313,10 @@ def _configs(registry: kopf.OperatorRegistry, settings: Settings, runtime: Runti
 
 def _wakeups(registry: kopf.OperatorRegistry, settings: Settings, runtime: Runtime) -> None:
     @kopf.on.event("v1", "pods", id="worker-changed", labels=MANAGED, registry=registry)
-    def worker_changed(labels: kopf.Labels, namespace: str, **_: Any) -> None:
+    def worker_changed(labels: kopf.Labels, namespace: str | None, **_: Any) -> None:
         jobset = labels.get(Labels.JOBSET_NAME)
         if jobset:
-            runtime.poke((namespace, jobset))
+            runtime.poke((_namespaced(namespace), jobset))
 
     @kopf.on.event(
         "v1", "pods", id="replicator-changed", labels=settings.replicator_labels, registry=registry
@@ -311,10 +333,10 @@ def _wakeups(registry: kopf.OperatorRegistry, settings: Settings, runtime: Runti
         runtime.configs.poke(_view(kwargs))
 
     @kopf.on.event(*JOBSET, id="jobset-changed", annotations=OPTED, registry=registry)
-    def jobset_changed(namespace: str, name: str, **_: Any) -> None:
-        runtime.poke((namespace, name))
+    def jobset_changed(namespace: str | None, name: str, **_: Any) -> None:
+        runtime.poke((_namespaced(namespace), name))
 
     @kopf.on.event(*CKJOB, id="checkpointjob-changed", registry=registry)
-    def checkpoint_job_changed(namespace: str, name: str, type: str | None, **_: Any) -> None:
+    def checkpoint_job_changed(namespace: str | None, name: str, type: str | None, **_: Any) -> None:
         if type in (None, "ADDED", "DELETED"):  # not our own status writes
-            runtime.poke((namespace, name))
+            runtime.poke((_namespaced(namespace), name))

@@ -14,6 +14,7 @@ from typing import Any
 
 from tierckpt.protocol.bucket_layout import BucketLayout
 from tierckpt.protocol.errors import ContractError, FormatError
+from tierckpt_operator.kube_rules import check_node_selector, check_positive_quantity, check_tolerations
 
 __all__ = [
     "CONFIGS",
@@ -36,7 +37,6 @@ JOBSET_GROUP = "jobset.x-k8s.io"
 JOBSET_VERSION = "v1alpha2"
 JOBSETS = "jobsets"
 
-_QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$")
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]$")
 
 
@@ -92,26 +92,21 @@ class ConfigSpec:
             BucketLayout(prefix)
         except FormatError as exc:
             raise ContractError(f"spec.gcs.prefix: {exc}") from exc
-        size = ramdisk.get("size", cls.ramdisk_size)
-        if not isinstance(size, str) or not _QUANTITY.match(size):
-            raise ContractError(f"spec.ramdisk.size {size!r} is not a quantity such as 64Gi")
+        size = check_positive_quantity(ramdisk.get("size", cls.ramdisk_size), "spec.ramdisk.size")
         mount_root = ramdisk.get("mountRoot", cls.mount_root)
         if not isinstance(mount_root, str) or not mount_root.startswith("/") or ".." in mount_root.split("/"):
             raise ContractError(f"spec.ramdisk.mountRoot {mount_root!r} must be an absolute path")
-        selector = spec.get("nodeSelector") or {}
-        if not isinstance(selector, Mapping) or not all(isinstance(v, str) for v in selector.values()):
-            raise ContractError("spec.nodeSelector must map label names to strings")
-        tolerations = spec.get("tolerations") or []
-        if not isinstance(tolerations, list) or not all(isinstance(t, Mapping) for t in tolerations):
-            raise ContractError("spec.tolerations must be a list of tolerations")
+        # copied into every opted-in pod: checked as Kubernetes would, before anything is copied
+        selector = check_node_selector(spec.get("nodeSelector") or {})
+        tolerations = check_tolerations(spec.get("tolerations") or [])
         return cls(
             name=str(meta.get("name", "")),
             bucket=bucket,
             prefix=prefix,
             ramdisk_size=size,
             mount_root=mount_root.rstrip("/") or "/",
-            node_selector=tuple(sorted(selector.items())),
-            tolerations=tuple(dict(t) for t in tolerations),
+            node_selector=selector,
+            tolerations=tolerations,
             backup=BackupPolicy(
                 interval_steps=_int(backup, "intervalSteps", BackupPolicy.interval_steps, 0),
                 interval_minutes=_int(backup, "intervalMinutes", BackupPolicy.interval_minutes, 0),

@@ -54,7 +54,7 @@ def merge_conditions(
         else:
             merged["lastTransitionTime"] = iso_time(now)
         by_type[c["type"]] = merged
-    order = {t: i for i, t in enumerate(CONDITION_TYPES)}
+    order: dict[object, int] = {t: i for i, t in enumerate(CONDITION_TYPES)}
     return sorted(by_type.values(), key=lambda c: (order.get(c.get("type"), len(order)), str(c.get("type"))))
 
 

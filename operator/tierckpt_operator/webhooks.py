@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import kopf
 
@@ -104,9 +104,15 @@ async def _fetched(fetch: FetchJobSet, namespace: str, name: str, settings: Sett
     return JobSetRecord(namespace, name, info.uid, info=info)
 
 
-def apply_pod(plan: Injection) -> Callable[[dict[str, Any]], None]:
-    return lambda pod: inject(pod, plan)
+def _editable(body: kopf.RawBody) -> dict[str, Any]:
+    """kopf hands a patch function the raw body, typed as a ``TypedDict`` of the known fields; it is a
+    plain dict, which the injection edits in place, arbitrary keys included."""
+    return cast("dict[str, Any]", body)
 
 
-def apply_jobset() -> Callable[[dict[str, Any]], None]:
-    return label_pod_templates
+def apply_pod(plan: Injection) -> kopf.PatchFn:
+    return lambda pod: inject(_editable(pod), plan)
+
+
+def apply_jobset() -> kopf.PatchFn:
+    return lambda jobset: label_pod_templates(_editable(jobset))

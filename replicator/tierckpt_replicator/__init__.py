@@ -9,18 +9,21 @@ imports the other), ``:`` siblings that may import each other:
 
 1. ``__main__``: flags, logging, the event loop.
 2. ``daemon``: the composition root; builds every part below and runs their lifecycle.
-3. ``app`` : ``api`` : ``controls``: the FastAPI control API (routes from ``tierckpt.protocol.api``) and
-   what each call does on this node (``NodeControls``, the ``Controls`` the routes are given).
-4. ``restore``: stage a job's ranks from the best source: the ramdisk, a peer (through the replication
+3. ``probes``: ``/healthz``, ``/readyz`` and ``/metrics`` on a port, thread and event loop of their own.
+4. ``app`` : ``api`` : ``controls``: the FastAPI control API (routes from ``tierckpt.protocol.api``;
+   ``api.guard``: header/body deadlines and connection limits) and what each call does on this node
+   (``NodeControls``, the ``Controls`` the routes are given).
+5. ``restore``: stage a job's ranks from the best source: the ramdisk, a peer (through the replication
    worker), or the bucket (through ``backup.jobs.BackupPort``).
-5. ``replication`` | ``backup``: tier 2 (peer replicas: loop, worker process, data plane) and tier 3
+6. ``replication`` | ``backup``: tier 2 (peer replicas: loop, worker process, data plane) and tier 3
    (GCS backups). Neither knows the other; the daemon tells backup about commits replication saw.
-6. ``watch``: inotify wake-ups for new commits (other nodes' control APIs are reached through
+7. ``watch``: inotify wake-ups for new commits (other nodes' control APIs are reached through
    ``tierckpt.protocol.client``).
-7. ``assignments`` | ``inventory`` | ``policies`` | ``metrics`` | ``settings`` | ``ramdisk``: peers.json,
-   what this node holds, policy.json, Prometheus metrics, the daemon's options, and steps on the
-   ramdisk (staging, committing, finding). Each stands on ``tierckpt.protocol``/``tierckpt.planning``
-   only.
+8. ``assignments`` | ``inventory`` | ``policies`` | ``metrics`` | ``settings`` | ``stepio`` |
+   ``connlimits``: peers.json, what this node holds, policy.json, Prometheus metrics, the daemon's
+   options, steps on the ramdisk (staging, committing, finding), and open connections bounded per
+   source (the data port and the HTTP servers). Each stands on ``tierckpt.protocol``/
+   ``tierckpt.planning`` only.
 """
 
 from tierckpt.protocol import __version__

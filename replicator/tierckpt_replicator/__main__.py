@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import sys
 from collections.abc import Sequence
@@ -31,8 +30,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from tierckpt_replicator.daemon import serve
 
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        runner.run(serve(settings))
+    uvloop.run(serve(settings))  # asyncio.Runner with uvloop's loop (and Python 3.10's equivalent)
     return 0
 
 

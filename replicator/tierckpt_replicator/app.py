@@ -1,5 +1,6 @@
-"""The FastAPI application factory: routes from the endpoint table, request metrics; no interactive docs
-(the OpenAPI document is a /v1 route, behind the token)."""
+"""The FastAPI application factories: the control API (routes from the endpoint table, request metrics;
+no interactive docs: the OpenAPI document is a /v1 route, behind the token) and the probe server's
+(``/healthz``, ``/readyz``, ``/metrics``; see ``tierckpt_replicator.probes``)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import tierckpt_replicator
 from tierckpt_replicator.api.routes import Controls, install_routes
 from tierckpt_replicator.metrics import Metrics
 
-__all__ = ["create_app"]
+__all__ = ["create_app", "create_probe_app"]
 
 
 class _CountRequests:
@@ -49,4 +50,17 @@ def create_app(controls: Controls) -> FastAPI:
     )
     install_routes(app, controls)
     app.add_middleware(_CountRequests, metrics=controls.metrics)
+    return app
+
+
+def create_probe_app(controls: Controls) -> FastAPI:
+    """The probe port's app: the table's endpoints served on ``probes``, nothing else."""
+    app = FastAPI(
+        title="tierckpt replicator probes",
+        version=tierckpt_replicator.__version__,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+    )
+    install_routes(app, controls, "probes")
     return app

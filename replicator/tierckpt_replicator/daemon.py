@@ -1,10 +1,11 @@
 """The composition root and lifecycle of the replicator daemon.
 
 ``Daemon`` builds every part and wires them together (what the control API does is
-``tierckpt_replicator.controls.NodeControls``). ``serve(settings)``: build the parts, start the
-replication worker process, the commit watcher and the replication loop, stage restores for the jobs
-already known, then serve the control API (uvicorn with httptools, on the uvloop event loop the
-caller runs) until SIGTERM or SIGINT.
+``tierckpt_replicator.controls.NodeControls``). ``serve(settings)``: start the probe server (its own
+thread and loop, ``tierckpt_replicator.probes``), build the parts, start the replication worker
+process, the commit watcher and the replication loop, stage restores for the jobs already known, then
+serve the control API (uvicorn with httptools behind ``api.guard``'s deadlines and connection limits,
+on the uvloop event loop the caller runs) until SIGTERM or SIGINT.
 Shutdown: back up each job's newest step (bounded by ``preemption_timeout``: a node being preempted
 leaves its newest step in the bucket), stop the API, stop the worker, cancel the loops.
 """
@@ -23,13 +24,15 @@ import uvicorn
 
 from tierckpt.protocol.client import ONE_ATTEMPT, ReplicatorClient
 from tierckpt.protocol.tokens import TokenFile
-from tierckpt_replicator.app import create_app
+from tierckpt_replicator.api.guard import ApiLimits, guarded_http
+from tierckpt_replicator.app import create_app, create_probe_app
 from tierckpt_replicator.assignments import AssignmentStore, load_static
 from tierckpt_replicator.backup.jobs import BackupPort, load_job_backups
 from tierckpt_replicator.controls import LocalInventory, NodeControls
 from tierckpt_replicator.inventory import InventoryScanner, list_jobs
 from tierckpt_replicator.metrics import Metrics
 from tierckpt_replicator.policies import PolicyStore
+from tierckpt_replicator.probes import ProbeServer
 from tierckpt_replicator.replication.ipc import DataEvent, WorkerConfig
 from tierckpt_replicator.replication.manager import ReplicationManager
 from tierckpt_replicator.replication.supervisor import WorkerSupervisor
@@ -57,6 +60,9 @@ def worker_config(settings: Settings) -> WorkerConfig:
         bandwidth_bytes_per_s=settings.bandwidth_limit * 1e6,
         transfer_timeout=settings.transfer_timeout,
         connect_timeout=settings.connect_timeout,
+        handshake_timeout=settings.handshake_timeout,
+        min_transfer_rate=settings.min_transfer_rate * 1e6,
+        connections_per_source=settings.data_connections_per_source,
         max_manifest_bytes=settings.max_manifest_bytes,
         reserve_bytes=settings.reserve_bytes,
         replica_keep=settings.replica_keep,
@@ -137,6 +143,7 @@ class Daemon:
         )
         self._loops: list[asyncio.Task[None]] = []
         self.app = create_app(self.controls)
+        self.probe_app = create_probe_app(self.controls)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -253,18 +260,40 @@ async def serve(settings: Settings) -> None:
     """Run the daemon until SIGTERM/SIGINT; then back up (bounded), and shut down in order."""
     metrics = Metrics()
     daemon = Daemon(settings, metrics=metrics, backup=load_job_backups(settings, metrics.registry))
-    await daemon.start()
+    probes = ProbeServer(
+        daemon.probe_app,
+        host=settings.listen_host,
+        port=settings.probe_port,
+        header_timeout=settings.api_header_timeout,
+        body_timeout=settings.api_body_timeout,
+        log_level=settings.log_level,
+    )
+    probes.start()  # first: /healthz answers while the worker starts, /readyz says when it is ready
+    try:
+        await daemon.start()
+    except BaseException:
+        probes.stop()
+        raise
+    http, _ = guarded_http(
+        ApiLimits(
+            "control API",
+            header_timeout=settings.api_header_timeout,
+            body_timeout=settings.api_body_timeout,
+            total=settings.api_max_connections,
+            per_source=settings.api_connections_per_source,
+        )
+    )
     server = _Server(
         uvicorn.Config(
             daemon.app,
             host=settings.listen_host,
             port=settings.api_port,
-            http="httptools",
+            http=http,
             lifespan="off",
             access_log=False,
             log_level=settings.log_level.lower(),
             timeout_graceful_shutdown=5,
-            limit_concurrency=128,
+            limit_concurrency=settings.api_max_connections + 1,  # the guard closes connections past it
         )
     )
     stop = asyncio.Event()
@@ -286,4 +315,5 @@ async def serve(settings: Settings) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
         await daemon.close()
+        probes.stop()
         log.info("replicator stopped")

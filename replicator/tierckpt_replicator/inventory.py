@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from tierckpt.protocol.control import NodeInventory, RankHoldings
@@ -72,10 +73,11 @@ class InventoryScanner:
         sizes = {"local": 0, "replica": 0}
         newest_at: dict[int, float] = {}
         base = job_dir(self.root, job)
-        for kind, parent_of, parent in (
+        tiers: tuple[tuple[str, Callable[[int], Path], Path], ...] = (
             ("local", lambda r: rank_dir(self.root, job, r), base),
             ("replica", lambda r: replica_rank_dir(self.root, job, r), base / "replicas"),
-        ):
+        )
+        for kind, parent_of, parent in tiers:
             for rank in ranks_in(parent):
                 steps = []
                 for step in committed_steps(parent_of(rank)):

@@ -57,6 +57,14 @@ class Settings:
     api_port: int = dataclasses.field(
         default=8470, metadata=_opt("TCP port of the control API (FastAPI).", unit="port")
     )
+    probe_port: int = dataclasses.field(
+        default=0,
+        metadata=_opt(
+            "TCP port of /healthz, /readyz and /metrics, served by a server of their own; 0 means "
+            "api-port + 2.",
+            unit="port",
+        ),
+    )
     data_port: int = dataclasses.field(
         default=0,
         metadata=_opt(
@@ -104,6 +112,29 @@ class Settings:
         metadata=_opt("A transfer with no progress for this long is abandoned and retried.", unit="s"),
     )
     connect_timeout: float = dataclasses.field(default=5.0, metadata=_opt("TCP connect timeout.", unit="s"))
+    handshake_timeout: float = dataclasses.field(
+        default=5.0,
+        metadata=_opt(
+            "A data connection must complete its handshake (TLS, then the request) within this "
+            "long, in total; then it is closed. No transfer slot is taken before that.",
+            unit="s",
+        ),
+    )
+    min_transfer_rate: float = dataclasses.field(
+        default=0.064,
+        metadata=_opt(
+            "An incoming transfer slower than this over any --transfer-timeout window is dropped "
+            "(keep it below the senders' --bandwidth-limit); 0 = no floor.",
+            unit="MB/s",
+        ),
+    )
+    data_connections_per_source: int = dataclasses.field(
+        default=8,
+        metadata=_opt(
+            "Open data connections one source address may have; more are closed at once (in total: "
+            "4 x --max-incoming + 8)."
+        ),
+    )
     retry_max: float = dataclasses.field(
         default=60.0, metadata=_opt("Longest backoff between retries of a failed transfer.", unit="s")
     )
@@ -211,6 +242,26 @@ class Settings:
     max_request_bytes: int = dataclasses.field(
         default=1 * MiB, metadata=_opt("Largest control API request body accepted.", unit="bytes")
     )
+    api_header_timeout: float = dataclasses.field(
+        default=10.0,
+        metadata=_opt(
+            "An HTTP request (control API or probes) must send its request line and headers within "
+            "this long of the connection or the request starting; else the connection is closed.",
+            unit="s",
+        ),
+    )
+    api_body_timeout: float = dataclasses.field(
+        default=30.0,
+        metadata=_opt("An HTTP request body must arrive within this long of its headers.", unit="s"),
+    )
+    api_max_connections: int = dataclasses.field(
+        default=128,
+        metadata=_opt("Open control API connections; requests beyond them are answered 503."),
+    )
+    api_connections_per_source: int = dataclasses.field(
+        default=32,
+        metadata=_opt("Open control API connections one source address may have; more are closed at once."),
+    )
     max_manifest_bytes: int = dataclasses.field(
         default=64 * MiB,
         metadata=_opt("Largest manifest (or commit marker) accepted on the data endpoint.", unit="bytes"),
@@ -223,15 +274,30 @@ class Settings:
         check_holder(self.node_name)
         if not self.data_port:
             object.__setattr__(self, "data_port", self.api_port + 1)
+        if not self.probe_port:
+            object.__setattr__(self, "probe_port", self.api_port + 2)
         if not self.advertise_host:
             object.__setattr__(self, "advertise_host", os.environ.get("POD_IP") or _own_address())
-        for name in ("replicas", "concurrency", "max_incoming", "restore_attempts"):
+        for name in (
+            "replicas",
+            "concurrency",
+            "max_incoming",
+            "restore_attempts",
+            "data_connections_per_source",
+            "api_max_connections",
+            "api_connections_per_source",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
         if self.send_method not in ("mmap", "sendfile"):
             raise ValueError("--send-method must be 'mmap' or 'sendfile'")
         if self.replica_keep < 1:
             raise ValueError("--replica-keep must be at least 1")
+        for name in ("handshake_timeout", "api_header_timeout", "api_body_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive")
+        if not self.min_transfer_rate >= 0:
+            raise ValueError("--min-transfer-rate must be 0 or more")
 
     @property
     def api_endpoint(self) -> str:

@@ -54,7 +54,17 @@ COMBOS: dict[str, dict] = {
             "spec": {"ramdisk": {"size": "48Gi"}, "backup": {"intervalMinutes": 10}},
         },
     },
-    "host network, one operator": {"replicator": {"hostNetwork": True}, "operator": {"replicas": 1}},
+    "host network, one operator": {
+        "replicator": {"hostNetwork": True},
+        "operator": {"replicas": 1},
+        "networkPolicy": {"enabled": False},
+    },
+    "watched namespaces, extra egress": {
+        "operator": {"watchNamespaces": ["team-a", "team-b"]},
+        "networkPolicy": {
+            "extraEgress": [{"to": [{"ipBlock": {"cidr": "10.0.0.5/32"}}], "ports": [{"port": 4443}]}]
+        },
+    },
     "custom priority, no quota": {
         "replicator": {"priorityClassName": "", "criticalPodsQuota": False},
         "webhook": {"namespaceSelector": {"matchLabels": {"team": "ml"}}},

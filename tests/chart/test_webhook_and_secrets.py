@@ -186,31 +186,6 @@ def test_upgrade_keeps_the_token_and_certificates(api_server: str) -> None:
     assert _b64(rotated.get("Secret", "tierckpt-token")["data"]["token"]) == b"r" * 40
 
 
-def test_network_policy_admits_only_replicators_operator_and_opted_in_pods() -> None:
-    metrics_peer = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
-    policy = render({"networkPolicy": {"enabled": True, "metricsFrom": [metrics_peer]}}).get("NetworkPolicy")
-    spec = policy["spec"]
-    assert spec["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "replicator"
-    assert spec["policyTypes"] == ["Ingress"]
-    peers, training, metrics = spec["ingress"]
-    assert [p["podSelector"]["matchLabels"]["app.kubernetes.io/component"] for p in peers["from"]] == [
-        "replicator",
-        "operator",
-    ]
-    assert {p["port"] for p in peers["ports"]} == {"api", "data"}
-    assert training["from"] == [
-        {"namespaceSelector": {}, "podSelector": {"matchLabels": {Labels.MANAGED: "true"}}}
-    ]
-    assert [p["port"] for p in training["ports"]] == ["api"]
-    assert metrics["from"] == [metrics_peer] and {p["port"] for p in metrics["ports"]} == {
-        "api",
-        "csi-health",
-    }
-    closed = render({"networkPolicy": {"enabled": True, "allowTrainingPods": False}}).get("NetworkPolicy")
-    assert len(closed["spec"]["ingress"]) == 1
-    assert render().all("NetworkPolicy") == []
-
-
 def test_monitors_select_services_by_labels_and_existing_ports() -> None:
     r = render(
         {

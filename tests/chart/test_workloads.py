@@ -114,6 +114,11 @@ def test_replicator_ports_probes_and_token() -> None:
     ports = {p["name"]: p for p in rep["ports"]}
     assert ports["api"]["containerPort"] == ports["api"]["hostPort"] == 8470
     assert ports["data"]["containerPort"] == 8471 and "hostPort" not in ports["data"]
+    # the probes on a port of their own, never published on the node (defect 4)
+    assert ports["probes"]["containerPort"] == 8472 and "hostPort" not in ports["probes"]
+    assert rep["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "probes"}
+    assert rep["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "probes"}
+    assert _env(rep)["TIERCKPT_REPLICATOR_PROBE_PORT"] == "8472"
     env = _env(rep)
     assert env["TIERCKPT_REPLICATOR_TOKEN_FILE"] == "/var/run/tierckpt/token/token"
     assert _mounts(rep)["token"]["mountPath"] == "/var/run/tierckpt/token"
@@ -122,7 +127,9 @@ def test_replicator_ports_probes_and_token() -> None:
     assert env["TIERCKPT_REPLICATOR_GCS_BUCKET"] == "b-1"
     assert "limits" not in rep["resources"], "a memory limit OOM-kills the replicator as replicas fill tmpfs"
     assert ds["spec"]["template"]["spec"].get("hostNetwork") is None
-    host_net = render({"replicator": {"hostNetwork": True}}).get("DaemonSet")
+    host_net = render({"replicator": {"hostNetwork": True}, "networkPolicy": {"enabled": False}}).get(
+        "DaemonSet"
+    )
     assert host_net["spec"]["template"]["spec"]["hostNetwork"] is True
     assert all("hostPort" not in p for p in _containers(host_net)["replicator"]["ports"])
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tierckpt import Checkpointer, CorruptShardError
+from tierckpt import Checkpointer, CorruptShardError, StateMismatchError
 from tierckpt.protocol.format import discard_step, read_manifest, step_dir
 
 WORLD = 2
@@ -53,6 +53,14 @@ def scenario(root: Path, job: str, rank: int) -> dict:
         dest = {}
         out["fallback"] = ck.load(dest, fallback=True)
         out["fallback_ok"] = bool((dest["w"] == 100.0 * rank + out["fallback"]).all())
+        # rank 1's destination has another shape: every rank raises, none falls back to an older step
+        dest = {"w": torch.zeros(3 if rank == 1 else 256)}
+        try:
+            ck.load(dest, step=1, fallback=True)
+            out["mismatch"] = "loaded"
+        except StateMismatchError as exc:
+            out["mismatch"] = f"StateMismatchError {list(exc.mismatches)}"
+        out["mismatch_untouched"] = bool((dest["w"] == 0).all())
     return out
 
 
@@ -108,3 +116,9 @@ def test_ranks_agree_on_the_newest_common_step_and_fall_back_together(root, job,
         assert out["fallback"] == 1 and out["fallback_ok"], out  # rank 0's step 2 is corrupt
     assert results[0]["strict"] == "CorruptShardError key=w"
     assert results[1]["strict"] == "CorruptShardError key=None"  # told that rank 0 failed
+    assert (
+        results[1]["mismatch"]
+        == "StateMismatchError ['w: checkpoint float32 (256,), destination float32 (3,)']"
+    )
+    assert results[0]["mismatch"] == "StateMismatchError []"  # told that rank 1 did not fit
+    assert results[1]["mismatch_untouched"]  # (rank 0's fitting destination was filled before it was told)

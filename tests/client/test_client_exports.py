@@ -17,6 +17,7 @@ EXPECTED = {
     "RetryableError",
     "SaveHandle",
     "SaveInProgressError",
+    "StateMismatchError",
     "TierckptError",
     "__version__",
 }

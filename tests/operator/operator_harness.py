@@ -167,6 +167,7 @@ class Node:
     root: Path
     api_port: int
     data_port: int
+    probe_port: int
     proc: subprocess.Popen[bytes] | None = None
     log: Path | None = None
 
@@ -186,7 +187,9 @@ class Replicators:
     async def start(self, name: str, zone: str) -> Node:
         root = self.base / name / "ramdisk"
         root.mkdir(parents=True, exist_ok=True)
-        node = Node(name, zone, root, free_port(), free_port(), log=self.base / name / "replicator.log")
+        node = Node(
+            name, zone, root, free_port(), free_port(), free_port(), log=self.base / name / "replicator.log"
+        )
         exe = Path(sys.executable).with_name("tierckpt-replicator")
         args = [
             str(exe),
@@ -204,6 +207,8 @@ class Replicators:
             str(node.api_port),
             "--data-port",
             str(node.data_port),
+            "--probe-port",
+            str(node.probe_port),
             "--domain",
             zone,
             "--poll-interval",

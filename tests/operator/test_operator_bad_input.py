@@ -84,3 +84,42 @@ async def test_jobset_without_indexed_jobs(env):
     await asyncio.sleep(3 * env.settings.resync_interval)
     assert len(events_about(env, "plain", "InvalidJobSet")) == 1
     assert env.operator.thread.is_alive()
+
+
+@pytest.mark.parametrize(
+    ("spec", "what"),
+    [
+        (
+            {"tolerations": [{"key": "gpu", "operator": "Exists", "value": "yes"}]},
+            "spec.tolerations[0].value",
+        ),
+        ({"tolerations": [{"key": "bad key", "operator": "Exists"}]}, "spec.tolerations[0].key"),
+        ({"tolerations": [{"key": "k", "operator": "Exists", "tolerationSeconds": 9}]}, "NoExecute"),
+        ({"nodeSelector": {"a/b/c": "x"}}, "spec.nodeSelector"),
+        ({"ramdisk": {"size": "0"}}, "spec.ramdisk.size"),
+    ],
+)
+async def test_an_invalid_configuration_is_reported_and_copied_nowhere(env, spec, what):
+    """A CheckpointConfiguration the CRD would refuse (the emulator stores it anyway, as an older CRD
+    or an object stored before the schema tightened would): the operator re-checks it, says why on
+    the configuration's status, and no pod gets anything of it (the webhook refuses the pods)."""
+    await env.cluster.config("shady", **spec)
+    await env.start_operator()
+    await env.cluster.create_jobset(NS, jobset_body("shady", [("w", 1, 1)], config="shady"))
+
+    def ready_condition():
+        config = env.cluster.obj("tierckpt.io/v1alpha1/checkpointconfigurations", None, "shady") or {}
+        return cond(config.get("status", {}), "Ready")
+
+    c = await eventually(
+        lambda: (c := ready_condition()) and c.get("reason") == "InvalidSpec" and c, what="status"
+    )
+    assert c["status"] == "False" and what in c["message"]
+    st = await eventually(
+        lambda: (s := ck_status(env, "shady")).get("phase") == "Pending" and s, what="Pending"
+    )
+    assert cond(st, "ConfigResolved")["status"] == "False" and what in cond(st, "ConfigResolved")["message"]
+    with pytest.raises(AdmissionRefused, match="is invalid"):
+        await env.cluster.create_pods(NS, "shady")
+    assert env.cluster.objs("v1/pods", NS) == []
+    assert env.operator.thread.is_alive()

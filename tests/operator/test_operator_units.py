@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from tests.fixtures.kube_rules_cases import BAD_SELECTORS, BAD_TOLERATIONS, GOOD_SELECTORS, GOOD_TOLERATIONS
 from tests.operator.operator_harness import CRD_DIR, load_crds
 from tierckpt.protocol.contract import Annotations
 from tierckpt.protocol.control import (
@@ -94,7 +95,23 @@ def test_invalid_config_names_the_field(spec, field):
         ConfigSpec.from_body({"metadata": {"name": "c"}, "spec": spec})
 
 
-RAMDISK_SIZES = ["64Gi", "1.5Gi", "500M", "1073741824", "7Pi", "0.5Ki", ".5Gi", "1e9", "1Ei", "-1Gi", "64GB"]
+RAMDISK_SIZES = [
+    "64Gi",
+    "1.5Gi",
+    "500M",
+    "1073741824",
+    "7Pi",
+    "0.5Ki",
+    ".5Gi",
+    "1e9",
+    "1Ei",
+    "-1Gi",
+    "64GB",
+    "0",
+    "0Gi",
+    "0.0",
+    "000Mi",
+]
 
 
 @pytest.mark.parametrize("size", RAMDISK_SIZES)
@@ -111,6 +128,35 @@ def test_ramdisk_size_is_what_the_crd_pattern_admits_and_the_csi_driver_reads(si
     else:
         with pytest.raises(ContractError, match=r"spec\.ramdisk\.size"):
             ConfigSpec.from_body(body)
+
+
+@pytest.mark.parametrize("toleration", BAD_TOLERATIONS)
+def test_the_operator_refuses_tolerations_kubernetes_would_refuse(toleration):
+    """The same cases the CRD refuses (tests/chart/test_hardening.py): re-checked before any is copied."""
+    body = {"metadata": {"name": "c"}, "spec": {"gcs": {"bucket": "bkt"}, "tolerations": [toleration]}}
+    with pytest.raises(ContractError, match=r"spec\.tolerations\[0\]"):
+        ConfigSpec.from_body(body)
+
+
+@pytest.mark.parametrize("selector", BAD_SELECTORS)
+def test_the_operator_refuses_node_selectors_kubernetes_would_refuse(selector):
+    body = {"metadata": {"name": "c"}, "spec": {"gcs": {"bucket": "bkt"}, "nodeSelector": selector}}
+    with pytest.raises(ContractError, match=r"spec\.nodeSelector"):
+        ConfigSpec.from_body(body)
+
+
+def test_the_operator_keeps_valid_tolerations_and_selectors():
+    for toleration, selector in zip(GOOD_TOLERATIONS, GOOD_SELECTORS * 3, strict=False):
+        spec = {"gcs": {"bucket": "bkt"}, "tolerations": [toleration], "nodeSelector": selector}
+        cfg = ConfigSpec.from_body({"metadata": {"name": "c"}, "spec": spec})
+        assert cfg.tolerations == (toleration,) and cfg.node_selector == tuple(sorted(selector.items()))
+    with pytest.raises(ContractError, match=r"tolerations\[0\]: unknown field"):
+        ConfigSpec.from_body(
+            {
+                "metadata": {"name": "c"},
+                "spec": {"gcs": {"bucket": "b1b"}, "tolerations": [{"operator": "Exists", "x": 1}]},
+            }
+        )
 
 
 def test_config_selects_nodes_and_domains():
@@ -328,6 +374,40 @@ def test_inject_is_idempotent_and_respects_the_user():
     assert vol["hostPath"] == {"path": "/mnt/rd/ns_j_01234567", "type": "DirectoryOrCreate"}
     terms = once["spec"]["affinity"]["nodeAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
     assert len(terms) == 2 and terms[1]["preference"]["matchFields"][0]["values"] == ["n3"]
+
+
+@pytest.mark.parametrize("mode", ["csi", "hostPath"])
+def test_inject_replaces_a_volume_of_the_reserved_name(mode):
+    plan = Injection(job_id="ns_j_01234567", volume_mode=mode, host_root="/mnt/rd")
+    pod = _pod()
+    pod["spec"]["volumes"] = [
+        {"name": "data", "emptyDir": {}},
+        {"name": "tierckpt-ramdisk", "hostPath": {"path": "/"}},
+        {"name": "tierckpt-podinfo", "hostPath": {"path": "/etc"}},
+    ]
+    pod["spec"]["containers"][0]["volumeMounts"] = [
+        {
+            "name": "tierckpt-ramdisk",
+            "mountPath": "/host",
+            "subPath": "root",
+            "mountPropagation": "Bidirectional",
+        },
+        {"name": "data", "mountPath": "/data"},
+    ]
+    pod["spec"]["initContainers"] = [
+        {"name": "i", "volumeMounts": [{"name": "tierckpt-ramdisk", "mountPath": "/h"}]},
+        {"name": "j"},
+    ]
+    inject(pod, plan)
+    volumes = pod["spec"]["volumes"]
+    assert [v["name"] for v in volumes] == ["data", "tierckpt-ramdisk", "tierckpt-podinfo"]
+    assert volumes[1] == plan.ramdisk_volume() and "downwardAPI" in volumes[2]
+    ours = {"name": "tierckpt-ramdisk", "mountPath": plan.mount_path}
+    assert pod["spec"]["containers"][0]["volumeMounts"][:2] == [ours, {"name": "data", "mountPath": "/data"}]
+    assert pod["spec"]["initContainers"] == [{"name": "i", "volumeMounts": [ours]}, {"name": "j"}]
+    again = copy.deepcopy(pod)
+    inject(again, plan)
+    assert again == pod
 
 
 def test_kopf_json_patch_reproduces_the_injection():

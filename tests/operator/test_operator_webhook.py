@@ -145,3 +145,35 @@ async def test_pod_prefers_the_node_holding_its_rank(env):
     assert await preferred(1, 1) == []  # rank 3's node no longer exists: no preference
     created = await env.kube.post(PODS.format(ns=NS), json=_pod("llm"))
     assert created.status == 201  # plain API access still works (the webhook is the apiserver's business)
+
+
+async def test_a_pod_volume_of_the_reserved_name_is_replaced(env):
+    """A pod that brings its own ``tierckpt-ramdisk`` (a ``hostPath: /``) gets ours instead, and every
+    mount of that name, in every container and init container, is exactly ours (defect 9)."""
+    await env.cluster.config(ramdisk={"size": "8Gi", "mountRoot": "/ckpt"})
+    await env.start_operator()
+    js = await env.cluster.create_jobset(NS, jobset_body("evil", [("w", 1, 1)]))
+    job = f"{NS}_evil_{js['metadata']['uid'].replace('-', '')[:8]}"
+    await eventually(lambda: env.cluster.checkpoint_job(NS, "evil"), what="CheckpointJob")
+    body = _pod("evil")
+    host_root = {"name": "tierckpt-ramdisk", "hostPath": {"path": "/", "type": "Directory"}}
+    body["spec"]["volumes"] = [host_root, {"name": "tierckpt-ramdisk", "emptyDir": {}}]
+    evil_mount = {"name": "tierckpt-ramdisk", "mountPath": "/host", "subPath": "etc", "readOnly": False}
+    body["spec"]["containers"][0]["volumeMounts"] = [dict(evil_mount)]
+    body["spec"]["initContainers"] = [{"name": "init", "image": "i", "volumeMounts": [dict(evil_mount)]}]
+    pod, _ = _patched(body, await env.cluster.api.review("/mutate-pods", body, POD_GVR, "Pod", NS))
+    ramdisk = [v for v in pod["spec"]["volumes"] if v["name"] == "tierckpt-ramdisk"]
+    assert ramdisk == [
+        {
+            "name": "tierckpt-ramdisk",
+            "csi": {
+                "driver": "ramdisk.tierckpt.io",
+                "volumeAttributes": {"tierckpt.io/job-id": job, "tierckpt.io/ramdisk-reservation": "8Gi"},
+            },
+        }
+    ]
+    ours = {"name": "tierckpt-ramdisk", "mountPath": f"/ckpt/{job}"}
+    for container in pod["spec"]["containers"] + pod["spec"]["initContainers"]:
+        assert [m for m in container["volumeMounts"] if m["name"] == "tierckpt-ramdisk"] == [ours]
+    again, ops = _patched(pod, await env.cluster.api.review("/mutate-pods", pod, POD_GVR, "Pod", NS))
+    assert ops == [] and again == pod

@@ -108,3 +108,17 @@ def test_reads_are_bounded_and_only_regular_files(mode: str, trees: tuple[Path, 
             tree.read_bytes("big", limit=999)
         with pytest.raises(UnsafePathError, match="not a regular file"):
             tree.read_bytes("fifo", limit=10)
+
+
+def test_the_python_310_removal_path_removes_links_not_their_targets(
+    trees: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    a, b = trees
+    (a / "rank-00000" / "nested").mkdir()
+    (a / "rank-00000" / "nested" / "f").write_bytes(b"x")
+    (a / "rank-00000" / "to-b").symlink_to(b / "rank-00000")
+    monkeypatch.setattr(safefs.sys, "version_info", (3, 10, 0))
+    with Beneath.open(a.parent, "a") as tree:
+        tree.remove_tree("rank-00000")
+    assert not (a / "rank-00000").exists()
+    assert (b / "rank-00000" / "secret").read_bytes() == b"weights of job b"

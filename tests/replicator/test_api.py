@@ -95,15 +95,24 @@ async def test_every_control_route_needs_the_token(api, method, path):
 
 
 async def test_probes_are_open_and_say_nothing(api):
-    client, _ = api
-    assert (await client.get("/healthz")).json() == {"status": "ok"}
-    ready = await client.get("/readyz")
-    assert ready.status_code == 503 and ready.json() == {"status": "unavailable"}  # no worker running
-    metrics = await client.get("/metrics")
-    assert metrics.status_code == 200 and "tierckpt_replicator_worker_up" in metrics.text
-    assert TOKEN not in metrics.text and "ramdisk" not in metrics.text
-    for hidden in ("/docs", "/openapi.json", "/redoc"):
-        assert (await client.get(hidden)).status_code == 404
+    client, daemon = api
+    transport = httpx.ASGITransport(app=daemon.probe_app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://probes") as probes:
+        for c in (client, probes):  # the probes answer on both ports
+            assert (await c.get("/healthz")).json() == {"status": "ok"}
+            ready = await c.get("/readyz")
+            assert ready.status_code == 503 and ready.json() == {"status": "unavailable"}  # no worker
+        metrics = await probes.get("/metrics")
+        assert metrics.status_code == 200 and "tierckpt_replicator_worker_up" in metrics.text
+        assert TOKEN not in metrics.text and "ramdisk" not in metrics.text
+        assert (await client.get("/metrics")).status_code == 404  # not on the API port
+        for hidden in ("/docs", "/openapi.json", "/redoc"):
+            assert (await client.get(hidden)).status_code == 404
+            assert (await probes.get(hidden)).status_code == 404
+        for ep in ENDPOINTS:  # nothing of the API on the probe port
+            if ep.auth:
+                path = ep.url_path(**{p: JOB for p in ep.path_params})
+                assert (await probes.request(ep.method, path, headers=AUTH)).status_code in (404, 405)
 
 
 @pytest.mark.parametrize("job", ["..", ".hidden", "-rf", "a b", "a%2F..%2Fb", "x" * 300, "%2e%2e"])

@@ -15,7 +15,7 @@ import jsonschema
 import pytest
 from fastapi.routing import APIRoute
 
-from tierckpt.protocol.api import ENDPOINTS, STATUS_MEANINGS
+from tierckpt.protocol.api import ENDPOINTS, STATUS_MEANINGS, Port, served_on
 from tierckpt.protocol.codec import Message
 from tierckpt.protocol.control import (
     BackupResult,
@@ -55,14 +55,17 @@ async def http(daemon: Daemon) -> AsyncIterator[httpx.AsyncClient]:
         yield client
 
 
-def test_the_app_serves_exactly_the_table(daemon: Daemon):
-    routes = [r for r in daemon.app.routes if isinstance(r, APIRoute)]
+@pytest.mark.parametrize("port", ["api", "probes"])
+def test_the_app_serves_exactly_the_table(daemon: Daemon, port: Port):
+    app = daemon.app if port == "api" else daemon.probe_app
+    served = served_on(port)
+    routes = [r for r in app.routes if isinstance(r, APIRoute)]
     assert sorted((m, r.path) for r in routes for m in r.methods) == sorted(
-        (ep.method, ep.path) for ep in ENDPOINTS
+        (ep.method, ep.path) for ep in served
     )
-    assert len(routes) == len(ENDPOINTS)  # nothing else: no docs UI, no default /openapi.json
+    assert len(routes) == len(served)  # nothing else: no docs UI, no default /openapi.json
     by_name = {r.name: r for r in routes}
-    for ep in ENDPOINTS:
+    for ep in served:
         route = by_name[ep.name]
         assert (route.path, route.methods, route.status_code) == (ep.path, {ep.method}, ep.status)
         handler = route.endpoint.handler  # type: ignore[attr-defined]
@@ -116,13 +119,14 @@ async def test_openapi_document_describes_every_endpoint(http: httpx.AsyncClient
     resp = await http.get("/v1/openapi.json", headers=AUTH)
     assert resp.status_code == 200
     doc = resp.json()
-    assert doc["openapi"].startswith("3.1") and set(doc["paths"]) == {ep.path for ep in ENDPOINTS}
+    api_port = served_on("api")
+    assert doc["openapi"].startswith("3.1") and set(doc["paths"]) == {ep.path for ep in api_port}
     assert doc["components"]["securitySchemes"]["bearerToken"] == {
         "type": "http",
         "scheme": "bearer",
         "description": "the content of the replicator's --token-file",
     }
-    for ep in ENDPOINTS:
+    for ep in api_port:
         op = doc["paths"][ep.path][ep.method.lower()]
         assert op["operationId"] == ep.name and op["summary"] == ep.summary
         assert set(op["responses"]) == {str(s) for s in (ep.status, *ep.errors)}, ep.name

@@ -8,6 +8,7 @@ import json
 import socket
 import struct
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -347,7 +348,12 @@ def test_a_sender_that_stalls_mid_stream_is_dropped_after_the_transfer_timeout(m
 def test_busy_receiver_says_so(make_peer):
     a, b = make_peer("a"), make_peer("b", max_incoming=1)
     write_step(a.root, JOB, 0, 1, sizes=(1024,))
-    hold = socket.create_connection(("127.0.0.1", b.server.port), timeout=5)  # occupies the only slot
+    hold = socket.create_connection(("127.0.0.1", b.server.port), timeout=5)
+    # an authorized transfer that stalls after its request occupies the only slot (an idle connection
+    # does not: test_bounded_resources.py)
+    send_frame(
+        hold, DataRequest(op="put", token=TOKEN, job=JOB, rank=0, step=9, commit_size=9, manifest_size=9)
+    )
     try:
         LocalWait.until(lambda: b.server._slots._value == 0)
         assert push_step(a.ctx, JOB, 0, 1, b.address).status == "busy"
@@ -382,23 +388,112 @@ def test_concurrent_puts_of_one_step_commit_once(make_peer):
 class LocalWait:
     @staticmethod
     def until(predicate, timeout: float = 10.0) -> None:
-        import time
-
         deadline = time.monotonic() + timeout
         while not predicate():
             assert time.monotonic() < deadline, "condition not met in time"
             time.sleep(0.01)
 
 
-def test_idle_connections_are_bounded(make_peer):
-    b = make_peer("b", max_incoming=1)
-    idle = [socket.create_connection(("127.0.0.1", b.server.port), timeout=5) for _ in range(12)]
+def closed_at_once(port: int) -> bool:
+    """A new connection to ``port`` is closed without a word (an orderly close or a reset)."""
     try:
-        LocalWait.until(lambda: b.server._connections._value == 0)
-        extra = socket.create_connection(("127.0.0.1", b.server.port), timeout=5)
-        with extra:
-            assert extra.recv(1) == b""  # closed at once: an idle crowd cannot exhaust the node
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+            return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+@pytest.mark.parametrize(("per_source", "total"), [(100, 12), (3, 3)])
+def test_idle_connections_are_bounded(make_peer, per_source, total):
+    """In total (4 x max_incoming + 8) and per source address: an idle crowd cannot exhaust the node."""
+    b = make_peer("b", max_incoming=1, connections_per_source=per_source)
+    idle = [socket.create_connection(("127.0.0.1", b.server.port), timeout=5) for _ in range(total)]
+    try:
+        LocalWait.until(lambda: b.server.connections.open == total)
+        assert closed_at_once(b.server.port)
+        assert b.server.connections.open == total
     finally:
         for s in idle:
             s.close()
-    LocalWait.until(lambda: b.server._connections._value == 12)  # and the slots come back
+    LocalWait.until(lambda: b.server.connections.open == 0)  # and the connections are released
+
+
+def closed_within(sock: socket.socket, seconds: float) -> float:
+    """Seconds until the server closes ``sock`` (which sends nothing more), at most ``seconds``."""
+    start = time.monotonic()
+    sock.settimeout(seconds)
+    try:
+        while sock.recv(1 << 16):
+            pass
+    except ConnectionResetError:
+        pass
+    return time.monotonic() - start
+
+
+def test_idle_connections_hold_no_transfer_slot(make_peer):
+    """Slots are taken after the request is authorized: max_incoming idle connections block nothing."""
+    a, b = make_peer("a"), make_peer("b", max_incoming=2, handshake_timeout=30.0)
+    write_step(a.root, JOB, 0, 1, sizes=(1 << 20,))
+    idle = [socket.create_connection(("127.0.0.1", b.server.port), timeout=5) for _ in range(4)]
+    try:
+        LocalWait.until(lambda: b.server.connections.open == 4)
+        assert push_step(a.ctx, JOB, 0, 1, b.address).status == "ok"
+        wrong = socket.create_connection(("127.0.0.1", b.server.port), timeout=5)
+        with wrong:  # an unauthorized request is refused before it could take a slot either
+            send_frame(wrong, DataRequest(op="get", token="nope", job=JOB, rank=0, step=1))
+            assert recv_frame(wrong, DataReply).status == Status.FORBIDDEN
+        assert b.server._slots._value == 2
+    finally:
+        for s in idle:
+            s.close()
+
+
+def test_a_trickled_request_is_closed_at_the_handshake_deadline(make_peer):
+    """One deadline for the whole request frame, not a timeout per recv: a byte every 0.2 s (well
+    inside the 5 s transfer timeout) does not keep the connection past 1 s."""
+    b = make_peer("b", handshake_timeout=1.0)
+    sock = socket.create_connection(("127.0.0.1", b.server.port), timeout=5)
+    with sock:
+        frame = b"TKR1" + struct.pack("!I", 1000) + b"x" * 1000
+        start = time.monotonic()
+        for byte in frame:
+            try:
+                sock.send(bytes([byte]))
+            except OSError:
+                break
+            time.sleep(0.2)
+            if time.monotonic() - start > 4:
+                break
+        lived = time.monotonic() - start + closed_within(sock, 3)
+    assert 0.9 <= lived <= 3.0
+
+
+def test_a_sender_below_the_rate_floor_is_dropped(make_peer):
+    """Authorized, then trickling its data: dropped after one window below the floor, nothing kept."""
+    a, b = make_peer("a"), make_peer("b", transfer_timeout=1.0, min_transfer_rate=64 << 10)
+    src = write_step(a.root, JOB, 0, 2, sizes=(1 << 20,))
+    commit, manifest = (src / "COMMIT").read_bytes(), (src / "manifest.json").read_bytes()
+    sock = socket.create_connection(("127.0.0.1", b.server.port), timeout=5)
+    with sock:
+        req = DataRequest(
+            op="put",
+            token=TOKEN,
+            job=JOB,
+            rank=0,
+            step=2,
+            commit_size=len(commit),
+            manifest_size=len(manifest),
+        )
+        send_frame(sock, req, commit + manifest)
+        assert recv_frame(sock, DataReply).status == Status.CONTINUE
+        start = time.monotonic()
+        try:
+            for _ in range(40):  # 100 bytes every 0.1 s: 1 kB/s, far below 64 KiB/s
+                sock.send(b"x" * 100)
+                time.sleep(0.1)
+        except OSError:
+            pass
+        lived = time.monotonic() - start + closed_within(sock, 3)
+    assert lived <= 3.0
+    LocalWait.until(lambda: b.server._slots._value == b.ctx.config.max_incoming)
+    assert not replica(b, 0, 2).exists() and no_leftovers(b.root)

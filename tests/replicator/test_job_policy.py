@@ -89,6 +89,8 @@ def replicator(tmp_path: Path, gcs: FakeGcsServer) -> Iterator[tuple[str, Path]]
         str(api_port),
         "--data-port",
         str(free_port()),
+        "--probe-port",
+        str(free_port()),
         "--gcs-bucket",
         NODE_BUCKET,
         "--gcs-endpoint",

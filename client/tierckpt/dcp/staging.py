@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
@@ -71,7 +71,7 @@ class StagingCache:
         staged = _copy_state_dict(state_dict, self._cache)
         if not self.reuse:
             self._cache = None
-        return _deepcopy_objects(staged)
+        return cast("dict[str, Any]", _deepcopy_objects(staged))  # a dict copies to a dict
 
     def close(self) -> None:
         self._cache, self._signature = None, None

@@ -227,7 +227,9 @@ def assign_ranks(
     rank_nodes = [""] * world_size
     for pod, rank in state.ranks.items():
         rank_nodes[rank] = nodes[pod]
-    sticky, moved, fresh = [], [], []
+    sticky: list[int] = []
+    moved: list[int] = []
+    fresh: list[int] = []
     for rank, node in enumerate(rank_nodes):
         before = previous.get(rank)
         (fresh if before is None else sticky if before.node == node else moved).append(rank)
@@ -261,11 +263,11 @@ class _Assigning:
             by_node[previous[rank].node].append(rank)
         rest = []
         for m in pending:
-            rank = next((r for r in by_node.get(m.node, ()) if r not in self.taken), None)
-            if rank is None:
+            free = next((r for r in by_node.get(m.node, ()) if r not in self.taken), None)
+            if free is None:
                 rest.append(m)
             else:
-                self._give(m, rank)
+                self._give(m, free)
         return rest
 
     def fill_vacated_by_domain(

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import urllib.parse
+from typing import Literal
 
 from tierckpt.protocol.codec import Message
 from tierckpt.protocol.control import (
@@ -35,6 +36,7 @@ __all__ = [
     "METRICS",
     "OPENAPI",
     "PATH_PARAMS",
+    "PORTS",
     "PURGE",
     "PUT_PEERS",
     "PUT_POLICY",
@@ -45,8 +47,10 @@ __all__ = [
     "STATUS_MEANINGS",
     "Endpoint",
     "PathParam",
+    "Port",
     "QueryFlag",
     "endpoint",
+    "served_on",
 ]
 
 
@@ -66,6 +70,12 @@ class QueryFlag:
     name: str
     description: str
 
+
+Port = Literal["api", "probes"]
+"""Which of the replicator's HTTP servers serves an endpoint: ``api`` (``--api-port``: the operator,
+peers and training pods) or ``probes`` (``--probe-port``: kubelet probes and Prometheus, a server of
+its own that connections to the API port cannot starve)."""
+PORTS: tuple[Port, ...] = ("api", "probes")
 
 PATH_PARAMS = {
     "job": PathParam(
@@ -114,6 +124,8 @@ class Endpoint:
     auth: bool = True
     """Whether the bearer token is required (every ``/v1`` route; the probes are open)."""
     media_type: str = "application/json"
+    ports: tuple[Port, ...] = ("api",)
+    """The servers that serve it (``PORTS``)."""
 
     @property
     def path_params(self) -> tuple[str, ...]:
@@ -225,7 +237,16 @@ OPENAPI = Endpoint(
     "The OpenAPI 3.1 document of this API (request and response schemas of every endpoint).",
 )
 HEALTHZ = Endpoint(
-    "healthz", "GET", "/healthz", None, None, 200, (), 'Liveness: always {"status": "ok"}.', auth=False
+    "healthz",
+    "GET",
+    "/healthz",
+    None,
+    None,
+    200,
+    (),
+    'Liveness: always {"status": "ok"}.',
+    auth=False,
+    ports=PORTS,
 )
 READYZ = Endpoint(
     "readyz",
@@ -237,6 +258,7 @@ READYZ = Endpoint(
     (503,),
     'Readiness: {"status": "ok"} once the data endpoint listens, else 503 {"status": "unavailable"}.',
     auth=False,
+    ports=PORTS,
 )
 METRICS = Endpoint(
     "metrics",
@@ -246,9 +268,10 @@ METRICS = Endpoint(
     None,
     200,
     (),
-    "Prometheus metrics (no tokens, paths or hosts).",
+    "Prometheus metrics (no tokens, paths or hosts); on the probe port only.",
     auth=False,
     media_type="text/plain",
+    ports=("probes",),
 )
 
 ENDPOINTS: tuple[Endpoint, ...] = (
@@ -265,7 +288,12 @@ ENDPOINTS: tuple[Endpoint, ...] = (
     READYZ,
     METRICS,
 )
-"""Every endpoint of the replicator's HTTP server, nothing else."""
+"""Every endpoint of the replicator's HTTP servers (``Endpoint.ports`` says which), nothing else."""
+
+
+def served_on(port: Port) -> tuple[Endpoint, ...]:
+    """The endpoints the ``port`` server serves."""
+    return tuple(ep for ep in ENDPOINTS if port in ep.ports)
 
 
 def endpoint(name: str) -> Endpoint:
@@ -282,6 +310,8 @@ def _check_table() -> None:
         raise AssertionError("control API endpoints must have unique names and (method, path)")
     for ep in ENDPOINTS:
         unknown = set(ep.path_params) - set(PATH_PARAMS)
+        if not ep.ports or not set(ep.ports) <= set(PORTS) or (ep.auth and ep.ports != ("api",)):
+            raise AssertionError(f"control API endpoint {ep.name}: bad ports {ep.ports}")
         if unknown or not set(ep.errors) <= set(STATUS_MEANINGS) or ep.status not in STATUS_MEANINGS:
             raise AssertionError(f"control API endpoint {ep.name}: undeclared parameter or status")
 

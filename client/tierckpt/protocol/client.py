@@ -315,9 +315,13 @@ class ReplicatorClient(_Client):
 
     async def _call(self, req: _Request, cls: type[M]) -> M | None:
         try:
-            status, content = await tenacity.AsyncRetrying(**self.retry.tenacity_args())(self._checked, req)
+            # tenacity's __call__ cannot infer the wrapped function's result: the annotation supplies it
+            result: tuple[int, bytes] = await tenacity.AsyncRetrying(**self.retry.tenacity_args())(
+                self._checked, req
+            )
         except _Transient as exc:
             raise _gave_up(req, exc) from exc
+        status, content = result
         return _decode(req, status, content, cls)
 
     async def _checked(self, req: _Request) -> tuple[int, bytes]:

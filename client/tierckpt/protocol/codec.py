@@ -11,7 +11,6 @@ No pickle, ever.
 
 from __future__ import annotations
 
-import functools
 import json
 from typing import Any, ClassVar, TypeVar
 
@@ -54,10 +53,16 @@ class Message(Record):
         return decode_bytes(cls, data)
 
 
-@functools.cache
-def _adapter(cls: type) -> pydantic.TypeAdapter[Any]:
-    """Building a validator is slow; each message class builds it once."""
-    return pydantic.TypeAdapter(cls)
+_adapters: dict[type[Message], pydantic.TypeAdapter[Any]] = {}
+
+
+def _adapter(cls: type[T]) -> pydantic.TypeAdapter[T]:
+    """Building a validator is slow; each message class builds it once (a plain dict rather than
+    ``functools.cache``, whose ``Hashable`` argument mypy does not accept a class object for)."""
+    adapter = _adapters.get(cls)
+    if adapter is None:
+        adapter = _adapters[cls] = pydantic.TypeAdapter(cls)
+    return adapter
 
 
 def _envelope(cls: type[Message]) -> bytes:
@@ -101,7 +106,7 @@ def decode_bytes(cls: type[T], data: bytes | str) -> T:
             f"{cls.KIND}: unsupported version {version!r} (this build reads up to {cls.VERSION})"
         )
     try:
-        return _adapter(cls).validate_json(data)  # type: ignore[no-any-return]
+        return _adapter(cls).validate_json(data)
     except pydantic.ValidationError as exc:
         raise FormatError(f"{cls.KIND}: {_first_error(exc)}") from exc
 

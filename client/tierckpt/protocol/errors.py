@@ -7,6 +7,8 @@ Every error says what happened and why. The tree::
     │   ├── CorruptShardError  bytes on disk do not match their crc32c; names the tensor and the file
     │   └── UnsafePathError    a path in a job's tree is a symlink or leads out of the tree
     ├── MissingCheckpointError no committed step matches the request
+    ├── StateMismatchError     a strict load: the checkpoint's structure, shapes or dtypes differ from the
+    │                          destination's (nothing was copied)
     ├── RamdiskFullError       the ramdisk ran out of space (ENOSPC); the partial step was removed
     ├── SaveInProgressError    a save was refused because another is still running (policy "error")
     ├── ContractError          operator/pod/replicator contract data is missing or malformed
@@ -23,6 +25,7 @@ __all__ = [
     "RamdiskFullError",
     "RetryableError",
     "SaveInProgressError",
+    "StateMismatchError",
     "TierckptError",
     "UnsafePathError",
 ]
@@ -57,6 +60,21 @@ class MissingCheckpointError(TierckptError):
     """No committed step matches the request."""
 
 
+class StateMismatchError(TierckptError, ValueError):
+    """A strict load found the destination's structure, shapes or dtypes unlike the checkpoint's.
+
+    ``mismatches`` lists each difference (``"model/w: checkpoint float32 (4, 2), destination float32
+    (4, 3)"``). Raised before any byte is copied, so the destination is untouched.
+    """
+
+    def __init__(self, message: str, *, mismatches: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.mismatches = tuple(mismatches)
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_state_mismatch_error, (str(self), self.mismatches))
+
+
 class RamdiskFullError(TierckptError, OSError):
     """The ramdisk has no space left; the partial step was cleaned up."""
 
@@ -75,3 +93,7 @@ class RetryableError(TierckptError):
 
 def _corrupt_shard_error(message: str, path: str, key: str | None) -> CorruptShardError:
     return CorruptShardError(message, path=path, key=key)
+
+
+def _state_mismatch_error(message: str, mismatches: tuple[str, ...]) -> StateMismatchError:
+    return StateMismatchError(message, mismatches=mismatches)

@@ -12,6 +12,7 @@ import functools
 import glob
 import os
 from collections.abc import Callable, Iterable
+from typing import cast
 
 import google_crc32c
 
@@ -31,9 +32,10 @@ _READ_CHUNK = 8 << 20
 
 def crc32c(data: bytes | bytearray | memoryview, crc: int = 0) -> int:
     """crc32c of ``data``, continuing from ``crc`` (0 to start)."""
+    # google_crc32c's C extension has no stubs (its functions read as Any); both return the crc as int.
     if crc == 0:
-        return google_crc32c.value(data)
-    return google_crc32c.extend(crc, data)
+        return cast(int, google_crc32c.value(data))
+    return cast(int, google_crc32c.extend(crc, data))
 
 
 @functools.lru_cache(maxsize=1)

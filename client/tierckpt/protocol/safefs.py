@@ -13,6 +13,7 @@ reading and writing small files, listing, creating, renaming and removing.
 
 from __future__ import annotations
 
+import _ctypes
 import contextlib
 import ctypes
 import errno
@@ -20,6 +21,7 @@ import functools
 import os
 import shutil
 import stat
+import sys
 from collections.abc import Iterator
 
 from tierckpt.protocol.errors import FormatError, UnsafePathError
@@ -38,13 +40,13 @@ class _OpenHow(ctypes.Structure):
 
 
 @functools.cache
-def _syscall() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+def _syscall() -> _ctypes.CFuncPtr | None:
     try:
         fn = ctypes.CDLL(None, use_errno=True).syscall
     except (OSError, AttributeError):
         return None
     fn.restype = ctypes.c_long
-    return fn  # type: ignore[no-any-return]
+    return fn
 
 
 @functools.cache
@@ -113,6 +115,24 @@ def _is_link(dirfd: int, name: str) -> bool:
         return stat.S_ISLNK(os.stat(name, dir_fd=dirfd, follow_symlinks=False).st_mode)
     except OSError:
         return False
+
+
+def _rmtree_at(dirfd: int, name: str) -> None:
+    """Remove directory ``name`` of ``dirfd`` and its contents; links inside are unlinked, never followed."""
+    if sys.version_info >= (3, 11):
+        shutil.rmtree(name, dir_fd=dirfd)  # an fd-based walk, safe against links (3.11 has dir_fd)
+        return
+    fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dirfd)
+    try:
+        for entry in os.listdir(fd):
+            st = os.stat(entry, dir_fd=fd, follow_symlinks=False)
+            if stat.S_ISDIR(st.st_mode):
+                _rmtree_at(fd, entry)
+            else:
+                os.unlink(entry, dir_fd=fd)
+    finally:
+        os.close(fd)
+    os.rmdir(name, dir_fd=dirfd)
 
 
 class Beneath:
@@ -340,7 +360,7 @@ class Beneath:
             return
         try:
             if stat.S_ISDIR(st.st_mode):
-                shutil.rmtree(name, dir_fd=pfd)  # fd-based walk: links inside are unlinked, not followed
+                _rmtree_at(pfd, name)
             else:
                 os.unlink(name, dir_fd=pfd)
         finally:

@@ -98,7 +98,9 @@ def copy_cpu(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None
     Large contiguous tensors are cut into pieces that the calling thread and ``workers - 1`` helper
     threads ``memmove`` in parallel; the rest goes through one ``torch._foreach_copy_`` meanwhile.
     """
-    pieces, small_dst, small_src = [], [], []
+    pieces: list[tuple[int, int, int]] = []
+    small_dst: list[torch.Tensor] = []
+    small_src: list[torch.Tensor] = []
     workers = _copy_workers()
     for dst, src in zip(dsts, srcs, strict=True):
         if _raw_copyable(dst, src):

@@ -9,6 +9,12 @@ docs/format.md, "State tree".
 ``restore_into`` rebuilds the saved structure inside the caller's dict, *in place*: tensors that are
 already at the same path with the same dtype and shape are filled (so parameters and optimizer
 state keep their identity and device), containers of the same type are updated, the rest is created.
+
+Both can record, for every tensor node, its ``KeyPath``: the container kinds and keys that lead to it
+from the root, which ``bindings`` uses to find the same tensors again without walking. ``restore_into``
+can also record the ``Leaf``s: every subtree that is not a tensor and not a container filled in place
+that holds tensors (scalars, objects, arrays, tuples), with where it sits in the tree, so that
+``restore_leaves`` restores just those next time (the tensors being bound already).
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import collections
 import dataclasses
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -25,7 +31,18 @@ import torch
 from tierckpt.protocol.errors import FormatError
 from tierckpt.snapshot.dtypes import dtype_name, numpy_dtype
 
-__all__ = ["ArrayFiller", "FlatState", "TensorFiller", "flatten", "restore_into", "storable_tensor"]
+__all__ = [
+    "ArrayFiller",
+    "Branch",
+    "FlatState",
+    "KeyPath",
+    "Leaf",
+    "TensorFiller",
+    "flatten",
+    "restore_into",
+    "restore_leaves",
+    "storable_tensor",
+]
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +54,30 @@ TensorFiller = Callable[[int, Any], Any]
 """``(tensor index, what the destination holds at that path) -> the value to put there``."""
 ArrayFiller = Callable[[int, Any], np.ndarray]
 """The same for ``ndarray`` nodes: returns the array to put there (the existing one, when it fits)."""
+KeyPath = tuple[tuple[Any, Any], ...]
+"""``((kind, key), ...)`` from the root: ``kind`` is the type of the container holding ``key`` (``dict``,
+``OrderedDict``, ``list``) or ``(tuple, length)``; the last key holds the tensor."""
+TreePath = tuple[tuple[int, Any], ...]
+"""Where a node sits in the state tree: ``(position in the parent's items, key node)`` per level (the
+key node is ``_NO_KEY`` below lists and tuples), checked when the path is followed in another tree."""
+_NO_KEY = ("no key",)
+
+
+@dataclasses.dataclass(frozen=True)
+class Leaf:
+    """A subtree to restore as a whole: ``where`` in the destination, ``at`` in the tree."""
+
+    where: KeyPath
+    at: TreePath
+
+
+@dataclasses.dataclass(frozen=True)
+class Branch:
+    """A container filled in place that holds tensors: ``at`` in the tree, with ``items`` children (so a
+    tree that gained or lost a key there is told apart)."""
+
+    at: TreePath
+    items: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +88,8 @@ class FlatState:
     keys: tuple[str, ...]
     tensors: tuple[torch.Tensor, ...]
     objects: tuple[Any, ...]
+    paths: dict[int, KeyPath] | None = None
+    """With ``flatten(..., record_paths=True)``: the key path of every tensor node (not ndarrays)."""
 
 
 def storable_tensor(value: Any) -> bool:
@@ -54,10 +97,10 @@ def storable_tensor(value: Any) -> bool:
     if type(value) not in (torch.Tensor, torch.nn.Parameter):
         return False
     return (
-        value.layout == torch.strided
+        value.layout is torch.strided
         and not value.is_quantized
         and not value.is_nested
-        and value.device.type != "meta"
+        and not value.is_meta
         and dtype_name(value.dtype) is not None
     )
 
@@ -67,11 +110,13 @@ def _storable_array(value: Any) -> bool:
 
 
 class _Flattener:
-    def __init__(self) -> None:
+    def __init__(self, *, record_paths: bool = False) -> None:
         self.keys: list[str] = []
         self.tensors: list[torch.Tensor] = []
         self.objects: list[Any] = []
         self._seen_keys: set[str] = set()
+        self.paths: dict[int, KeyPath] | None = {} if record_paths else None
+        self._where: list[tuple[Any, Any]] = []
 
     def _key(self, path: tuple[str, ...]) -> str:
         key = "/".join(path) or "."
@@ -98,6 +143,8 @@ class _Flattener:
             return value if abs(value) <= _MAX_JSON_INT else {"t": "int", "v": str(value)}
         if kind is float:
             return {"t": "float", "v": value.hex()}
+        if self.paths is not None and kind in (dict, collections.OrderedDict, list, tuple):
+            return self._recorded(value, path, kind)
         if kind is dict or kind is collections.OrderedDict:
             items = [[self.key_node(k), self.node(v, (*path, _path_part(k)))] for k, v in value.items()]
             return {"t": "dict" if kind is dict else "odict", "v": items}
@@ -105,7 +152,10 @@ class _Flattener:
             items = [self.node(v, (*path, str(i))) for i, v in enumerate(value)]
             return {"t": "list" if kind is list else "tuple", "v": items}
         if storable_tensor(value):
-            node: dict[str, Any] = {"t": "tensor", "i": self._add_tensor(value, path)}
+            index = self._add_tensor(value, path)
+            if self.paths is not None:
+                self.paths[index] = tuple(self._where)
+            node: dict[str, Any] = {"t": "tensor", "i": index}
             if kind is torch.nn.Parameter:
                 node["param"] = True
             if value.requires_grad:
@@ -123,6 +173,24 @@ class _Flattener:
             log.debug("%s: %s is pickled into objects.pkl", "/".join(path), kind.__name__)
         return self._add_object(value)
 
+    def _recorded(self, value: Any, path: tuple[str, ...], kind: type) -> Any:
+        """``node`` for a container, keeping ``_where`` (the key path) up to date for its children."""
+        where = self._where
+        if kind is dict or kind is collections.OrderedDict:
+            items = []
+            for k, v in value.items():
+                where.append((kind, k))
+                items.append([self.key_node(k), self.node(v, (*path, _path_part(k)))])
+                where.pop()
+            return {"t": "dict" if kind is dict else "odict", "v": items}
+        holder = list if kind is list else (tuple, len(value))
+        out = []
+        for i, v in enumerate(value):
+            where.append((holder, i))
+            out.append(self.node(v, (*path, str(i))))
+            where.pop()
+        return {"t": "list" if kind is list else "tuple", "v": out}
+
     def key_node(self, key: Any) -> Any:
         kind = type(key)
         if kind in _SCALARS or kind in (int, float):
@@ -136,13 +204,16 @@ def _path_part(key: Any) -> str:
     return key if type(key) is str else str(key) if type(key) is int else repr(key)
 
 
-def flatten(state: dict[Any, Any]) -> FlatState:
-    """Flatten a state dict (a ``dict`` or ``OrderedDict``) into tree, tensors and objects."""
+def flatten(state: dict[Any, Any], *, record_paths: bool = False) -> FlatState:
+    """Flatten a state dict (a ``dict`` or ``OrderedDict``) into tree, tensors and objects
+    (``record_paths``: and the key path of each tensor)."""
     if type(state) not in (dict, collections.OrderedDict):
         raise TypeError(f"a state dict must be a dict or OrderedDict, not {type(state).__name__}")
-    f = _Flattener()
+    f = _Flattener(record_paths=record_paths)
     tree = f.node(state, ())
-    return FlatState(tree=tree, keys=tuple(f.keys), tensors=tuple(f.tensors), objects=tuple(f.objects))
+    return FlatState(
+        tree=tree, keys=tuple(f.keys), tensors=tuple(f.tensors), objects=tuple(f.objects), paths=f.paths
+    )
 
 
 # ------------------------------------------------------------------------------------------ restore
@@ -150,12 +221,22 @@ def flatten(state: dict[Any, Any]) -> FlatState:
 
 class _Builder:
     def __init__(
-        self, fill: TensorFiller, n_tensors: int, objects: Sequence[Any], fill_array: ArrayFiller | None
+        self,
+        fill: TensorFiller,
+        n_tensors: int,
+        objects: Sequence[Any],
+        fill_array: ArrayFiller | None,
+        paths: dict[int, KeyPath] | None = None,
+        leaves: list[Leaf | Branch] | None = None,
     ) -> None:
         self.fill = fill
         self.fill_array = fill_array or self._array_from_tensor
         self.n_tensors = n_tensors
         self.objects = objects
+        self.paths = paths
+        self.leaves = leaves if paths is not None else None
+        self._where: list[tuple[Any, Any]] = []
+        self._at: list[tuple[int, Any]] = []
 
     def value(self, node: Any, existing: Any) -> Any:
         if node is None or type(node) in (bool, int, str):
@@ -190,7 +271,10 @@ class _Builder:
 
     def _tensor(self, node: dict[str, Any], existing: Any) -> Any:
         dest = existing if isinstance(existing, torch.Tensor) else None
-        value = self.fill(self._index(node, self.n_tensors), dest)
+        index = self._index(node, self.n_tensors)
+        value = self.fill(index, dest)
+        if self.paths is not None:
+            self.paths[index] = tuple(self._where)
         if value is dest:
             return value
         if node.get("param"):
@@ -203,7 +287,7 @@ class _Builder:
         return self.fill_array(self._index(node, self.n_tensors), existing)
 
     def _array_from_tensor(self, i: int, existing: Any) -> np.ndarray:
-        array = self.fill(i, None).cpu().numpy()
+        array: np.ndarray = self.fill(i, None).cpu().numpy()
         if (
             type(existing) is np.ndarray
             and existing.shape == array.shape
@@ -211,7 +295,7 @@ class _Builder:
             and existing.flags.writeable
         ):
             np.copyto(existing, array)
-            return existing
+            return cast("np.ndarray", existing)
         return array
 
     def _items(self, node: dict[str, Any]) -> list[Any]:
@@ -220,37 +304,75 @@ class _Builder:
             raise FormatError(f"state tree {node['t']} node without a list of items")
         return items
 
+    def _child(
+        self, holder: Any, key: Any, node: Any, existing: Any, at: int = 0, key_node: Any = _NO_KEY
+    ) -> Any:
+        """``value`` for a child at ``key`` (item ``at`` of the tree node) of a container of kind
+        ``holder``, recording its key path and, if it is a leaf, the leaf."""
+        if self.paths is None:
+            return self.value(node, existing)
+        self._where.append((holder, key))
+        self._at.append((at, key_node))
+        tensors = len(self.paths)
+        try:
+            value = self.value(node, existing)
+            if self.leaves is not None and not (type(node) is dict and node.get("t") == "tensor"):
+                held = len(self.paths) > tensors
+                if held and value is existing and type(value) in (dict, collections.OrderedDict, list):
+                    self.leaves.append(Branch(tuple(self._at), len(node["v"])))
+                else:
+                    self.leaves.append(Leaf(tuple(self._where), tuple(self._at)))
+            return value
+        finally:
+            self._where.pop()
+            self._at.pop()
+
     def _list(self, node: dict[str, Any], existing: Any) -> list[Any]:
         items = self._items(node)
         if type(existing) is not list:
-            return [self.value(v, None) for v in items]
+            return [self._child(list, i, v, None, i) for i, v in enumerate(items)]
         for i, child in enumerate(items):
             if i < len(existing):
-                existing[i] = self.value(child, existing[i])
+                existing[i] = self._child(list, i, child, existing[i], i)
             else:
-                existing.append(self.value(child, None))
+                existing.append(self._child(list, i, child, None, i))
         del existing[len(items) :]
         return existing
 
     def _tuple(self, node: dict[str, Any], existing: Any) -> tuple[Any, ...]:
         items = self._items(node)
         old = existing if type(existing) in (tuple, list) and len(existing) == len(items) else None
-        return tuple(self.value(v, None if old is None else old[i]) for i, v in enumerate(items))
+        holder = (tuple, len(items))
+        return tuple(
+            self._child(holder, i, v, None if old is None else old[i], i) for i, v in enumerate(items)
+        )
 
     def _mapping(self, node: dict[str, Any], existing: Any, kind: type) -> Any:
-        target = existing if type(existing) is kind else kind()
-        for pair in self._items(node):
+        target: Any = existing if type(existing) is kind else kind()
+        for at, pair in enumerate(self._items(node)):
             if type(pair) is not list or len(pair) != 2:
                 raise FormatError(f"state tree {node['t']} item is not a [key, value] pair")
-            key = self.value(pair[0], None)
-            target[key] = self.value(pair[1], target.get(key))
+            key = self._key(pair[0])
+            target[key] = self._child(kind, key, pair[1], target.get(key), at, pair[0])
         return target
 
+    def _key(self, node: Any) -> Any:
+        """A dict key (never recorded: keys hold no tensors and are no leaves of their own)."""
+        if self.paths is None:
+            return self.value(node, None)
+        paths, leaves, self.paths, self.leaves = self.paths, self.leaves, None, None
+        try:
+            return self.value(node, None)
+        finally:
+            self.paths, self.leaves = paths, leaves
+
     def _dict(self, node: dict[str, Any], existing: Any) -> dict[Any, Any]:
-        return self._mapping(node, existing, dict)
+        return cast("dict[Any, Any]", self._mapping(node, existing, dict))
 
     def _odict(self, node: dict[str, Any], existing: Any) -> collections.OrderedDict[Any, Any]:
-        return self._mapping(node, existing, collections.OrderedDict)
+        return cast(
+            "collections.OrderedDict[Any, Any]", self._mapping(node, existing, collections.OrderedDict)
+        )
 
 
 def restore_into(
@@ -261,15 +383,76 @@ def restore_into(
     n_tensors: int,
     objects: Sequence[Any],
     fill_array: ArrayFiller | None = None,
+    paths: dict[int, KeyPath] | None = None,
+    leaves: list[Leaf | Branch] | None = None,
 ) -> None:
     """Rebuild ``tree`` inside ``dest`` in place; ``fill(i, existing)`` supplies tensor ``i`` (< n_tensors).
 
     ``fill_array`` supplies ``ndarray`` nodes (default: ``fill(i, None)`` as numpy, copied into an
     existing array of the same shape and dtype). Keys of ``dest`` the checkpoint lacks stay as they are.
+    ``paths`` (a dict) receives the key path of every tensor node; ``leaves`` (with ``paths``) the leaves
+    and branches (the root included).
     """
     if not isinstance(tree, dict) or tree.get("t") not in ("dict", "odict"):
         raise FormatError("the state tree's root is not a dict")
     if not isinstance(dest, dict):
         raise TypeError(f"load fills a dict in place, not a {type(dest).__name__}")
-    builder = _Builder(fill, n_tensors, objects, fill_array)
+    builder = _Builder(fill, n_tensors, objects, fill_array, paths, leaves)
     builder._mapping(tree, dest, type(dest))
+    if leaves is not None:
+        leaves.append(Branch((), len(tree.get("v") or ())))
+
+
+def _follow(tree: Any, at: TreePath) -> Any:
+    """The node at ``at`` in ``tree``, or ``_NO_KEY`` where the tree does not have the recorded keys."""
+    node = tree
+    for position, key_node in at:
+        items = node.get("v") if type(node) is dict else None
+        if type(items) is not list or not 0 <= position < len(items):
+            return _NO_KEY
+        item = items[position]
+        if key_node is _NO_KEY:
+            node = item
+        elif type(item) is list and len(item) == 2 and item[0] == key_node:
+            node = item[1]
+        else:
+            return _NO_KEY
+    return node
+
+
+def restore_leaves(
+    tree: Any,
+    leaves: Sequence[tuple[Any, Any, TreePath]],
+    branches: Sequence[Branch],
+    *,
+    fill: TensorFiller,
+    n_tensors: int,
+    objects: Sequence[Any],
+    fill_array: ArrayFiller | None = None,
+) -> bool:
+    """Restore only ``(container, key, at)`` leaves: the subtree of ``tree`` at ``at`` goes to
+    ``container[key]`` (as ``restore_into`` would put it). False, before changing anything, when
+    ``tree`` differs from the recorded one: a path without the recorded keys, or a branch with more or
+    fewer items."""
+    for branch in branches:
+        node = _follow(tree, branch.at)
+        if type(node) is not dict or type(node.get("v")) is not list or len(node["v"]) != branch.items:
+            return False
+    nodes = []
+    for _, _, at in leaves:
+        node = _follow(tree, at)
+        if node is _NO_KEY:
+            return False
+        nodes.append(node)
+    builder = _Builder(fill, n_tensors, objects, fill_array)
+    for (container, key, _), node in zip(leaves, nodes, strict=True):
+        try:
+            existing = container[key]
+        except (KeyError, IndexError):
+            existing = None
+        value = builder.value(node, existing)
+        if type(container) is list and key == len(container):
+            container.append(value)
+        else:
+            container[key] = value
+    return True

@@ -3,7 +3,8 @@
 ``candidates`` waits for the replicator's staging (``restore_wait``), then agrees with the other ranks
 (``agree``) on the steps every rank holds, newest first. ``StepLoader.load`` reads one step into the
 caller's state dict through the slot pool's mappings (so the pages are shared with later saves and
-pinned for CUDA), reusing manifests this process already decoded.
+pinned for CUDA), reusing manifests this process already decoded and, for a destination of the same
+structure, the destinations of its tensors (``bindings``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from tierckpt.protocol.format import MANIFEST_NAME, CommitMarker, Manifest, read
 from tierckpt.protocol.integrity import crc32c
 from tierckpt.settings import Settings
 from tierckpt.snapshot import agree, restore_wait
+from tierckpt.snapshot.bindings import BindingCache
 from tierckpt.snapshot.pool import SlotPool
 from tierckpt.snapshot.rankdir import scan_steps
 from tierckpt.snapshot.restore import load_into, open_data_files
@@ -99,8 +101,9 @@ class StepLoader:
         self.pool = pool
         self.manifests = manifests
         self.staging = RestoreStaging()
+        self.bindings = BindingCache()
         self.last_timings: dict[str, float] = {}
-        """Phases of the last load in seconds: manifest, map, tree, h2d, verify_wait, copy, total."""
+        """Phases of the last load in seconds: manifest, map, bind, tree, h2d, verify_wait, copy, total."""
 
     def _check_identity(self, path: Path, step: int, manifest: Manifest) -> None:
         s = self.settings
@@ -126,14 +129,15 @@ class StepLoader:
         *,
         verify: bool,
         device: torch.device | str | None,
+        strict: bool = True,
     ) -> None:
         start = time.perf_counter()
         timings = self.last_timings = {}
         manifest = self.manifests.read(path, step)
         self._check_identity(path, step, manifest)
         timings["manifest_s"] = time.perf_counter() - start
-        if cuda.in_use():
-            self.pool.register_cuda = True  # pinned later, off the restore path (Checkpointer.load)
+        if cuda.in_use() and not self.pool.register_cuda:
+            self.pool.use_cuda(cuda.current_device())  # pinned later, off the restore path (pool.warm)
         opened: dict[str, MappedFile] = {}
         slot = self.pool.slot_of(step) or self.pool.adopt_step(step, path, manifest, register=False)
         if slot is not None:
@@ -161,6 +165,8 @@ class StepLoader:
                 pack_bytes=s.pack_bytes,
                 pack_limit=s.pack_limit,
                 timings=timings,
+                bindings=self.bindings,
+                strict=strict,
             )
             timings["total_s"] = time.perf_counter() - start
         finally:

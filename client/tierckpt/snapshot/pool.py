@@ -1,22 +1,30 @@
 """The slot pool: data files that stay mapped, pre-faulted and pinned across saves, and move between steps.
 
 A *slot* is the set of mapped data files of one step. With ``keep`` retained steps and one save in
-flight, a rank needs ``keep + 1`` slots; after the first save the pool builds the missing ones in the
-background (``fill_spares``), so later saves allocate, fault and pin nothing. When retention retires
-a step (its COMMIT already removed, under the lease lock) its files are renamed into
-``<rank dir>/.spare/<n>/`` and become a spare; the next save renames them into its own step
-directory. The mappings follow the inodes, so nothing is re-faulted or re-registered. Spares left by
-an earlier process are adopted (mapped lazily: their pages already exist, only page tables are built).
+flight, a rank needs ``keep + 1`` slots. When retention retires a step (its COMMIT already removed,
+under the lease lock) its files are renamed into ``<rank dir>/.spare/<n>/`` and become a spare; the
+next save renames them into its own step directory. The mappings follow the inodes, so nothing is
+re-faulted or re-registered.
+
+Warm-up (``warm``) prepares the missing slots on one background thread, off the training thread:
+spares adopted from an earlier process first (their tmpfs pages still exist, so only page tables are
+built and the mapping pinned: nothing is zeroed again), then new ones sized for the layout. A spare
+becomes *ready* only once it is completely prepared (fitted, pre-faulted and, for CUDA users,
+registered); ``take`` hands out ready spares only, so a save never sees a half-prepared slot. A save
+that finds none ready waits for the one being prepared (which is sooner than preparing its own),
+never for the rest; with nothing being prepared it prepares its own.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import itertools
 import logging
 import os
 import shutil
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -94,9 +102,17 @@ class Slot:
             self._read = (manifest, tensor_views(manifest, {f.path.name: f for f in self.files}))
         return self._read[1]
 
-    def register(self) -> None:
+    def register(self, device: int | None = None) -> None:
         for f in self.files:
-            f.register()
+            f.register(device)
+
+    def populate(self) -> None:
+        for f in self.files:
+            f.populate()
+
+    @property
+    def registered(self) -> bool:
+        return all(f.registered for f in self.files)
 
     def close(self, *, unlink: bool = False) -> None:
         self._views, self._layout, self._read = [], None, None
@@ -106,27 +122,59 @@ class Slot:
 
 
 class SlotPool:
-    """Slots of one rank directory: those of retained steps, and spares. Thread-safe."""
+    """Slots of one rank directory: those of retained steps, those lent to saves in flight, and spares.
+
+    Thread-safe: the training thread takes slots, the commit thread returns and recycles them, the
+    warm-up thread prepares spares.
+    """
 
     def __init__(self, rank_path: Path, *, target: int) -> None:
         self.rank_path = rank_path
         self.target = target
         """Slots worth keeping: ``keep + 1``."""
         self.register_cuda = False
-        """Set once a save involves CUDA tensors: every slot is then pinned for DMA."""
+        """Set once a save or load involves CUDA tensors: every slot is then pinned for DMA."""
+        self.cuda_device: int | None = None
+        """The CUDA device whose context pins the slots (background threads otherwise use device 0)."""
+        self.last_warm_up: dict[str, float] = {}
+        """What the last slot the warm-up prepared cost, in seconds and bytes (``fault_s``,
+        ``register_s``, ``bytes``): the one-time price of a slot."""
         self._by_step: dict[int, Slot] = {}
-        self._spares: list[Slot] = []
-        self._building = 0
+        self._lent: dict[int, Slot] = {}
+        """Slots taken by saves not yet committed or forgotten, by ``id``."""
+        self._ready: list[Slot] = []
+        self._raw: list[Slot] = []
+        """Adopted or retired slots whose mappings are not prepared yet."""
+        self._on_disk: set[int] = set()
+        """Committed steps an earlier process left that this pool has not mapped: slots to come back
+        through retention (so the warm-up builds none in their stead)."""
+        self._preparing = 0
         self._stopping = False
         self._cond = threading.Condition()
         self._ids = itertools.count()
+        self._warmer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tierckpt-warm")
+        self._warming: concurrent.futures.Future[None] | None = None
+        self._warm_active = False
+        self._warm_plan: LayoutPlan | None = None
+
+    def use_cuda(self, device: int | None) -> None:
+        """Pin every slot from now on, in ``device``'s context (the training thread's device)."""
+        self.cuda_device = device
+        self.register_cuda = True
 
     # ---------------------------------------------------------------------------------- adoption
 
-    def adopt_spares(self, committed_count: int) -> None:
-        """Adopt ``.spare/*`` left by an earlier process (up to what the pool needs); delete the rest."""
+    def adopt_spares(self, committed_count: int, committed: Sequence[int] = ()) -> None:
+        """Adopt ``.spare/*`` left by an earlier process (up to what the pool needs); delete the rest.
+
+        They are mapped lazily; ``warm`` (or the save that takes one) builds their page tables. The
+        ``committed`` steps on disk count as slots too: they return as spares when retention retires them.
+        """
+        with self._cond:
+            self._on_disk.update(committed)
         root = self.rank_path / SPARE_DIR
         room = max(0, self.target - committed_count)
+        adopted = []
         for d in sorted(root.iterdir()) if root.is_dir() else []:
             names = sorted(n for n in os.listdir(d) if n.startswith("data-"))
             if room == 0 or names != [data_file_name(i) for i in range(len(names))] or not names:
@@ -138,9 +186,11 @@ class SlotPool:
                 log.warning("dropping spare %s: %s", d, exc)
                 shutil.rmtree(d, ignore_errors=True)
                 continue
-            self._spares.append(Slot(d, files))
+            adopted.append(Slot(d, files))
             room -= 1
-        log.debug("adopted %d spare slot(s) in %s", len(self._spares), self.rank_path)
+        with self._cond:
+            self._raw.extend(adopted)
+        log.debug("adopted %d spare slot(s) in %s", len(adopted), self.rank_path)
 
     def slot_of(self, step: int) -> Slot | None:
         with self._cond:
@@ -152,7 +202,7 @@ class SlotPool:
         """Map a committed step's data files (read-write when permitted) and track them as its slot.
 
         ``register`` (default: ``register_cuda``) pins them now; a load passes False (it reads an
-        unpinned mapping through bounce buffers) and leaves the pinning to ``register_all`` later.
+        unpinned mapping through bounce buffers) and leaves the pinning to ``warm`` later.
         """
         with self._cond:
             if step in self._by_step:
@@ -174,26 +224,30 @@ class SlotPool:
             return None
         slot = Slot(path, files)
         if register:
-            slot.register()
+            slot.register(self.cuda_device)
         with self._cond:
             self._by_step[step] = slot
+            self._on_disk.discard(step)
         return slot
 
     # ---------------------------------------------------------------------------------- saving
 
     def take(self, step: int, plan: LayoutPlan) -> Slot:
-        """A slot fitted to ``plan`` with its files inside ``step-<step>/``: a spare if any, else new.
-
-        ``RamdiskFullError`` if new space cannot be reserved; nothing is left behind then.
-        """
+        """A slot fitted to ``plan`` with its files inside ``step-<step>/``: a ready spare if any, else
+        the one being prepared (waiting for it alone), else an unprepared spare or a new slot prepared
+        here. ``RamdiskFullError`` if new space cannot be reserved; nothing is left behind then."""
         path = step_dir(self.rank_path, step)
         with self._cond:
-            while not self._spares and self._building:
+            while not self._ready and not self._raw and self._preparing and not self._stopping:
                 self._cond.wait()
-            slot = self._best_spare(plan)
+            slot = self._best(self._ready, plan) or self._best(self._raw, plan)
+            if slot is not None:
+                self._lent[id(slot)] = slot
         if slot is None:
             slot = Slot(path)
             path.mkdir(parents=True, exist_ok=True)
+            with self._cond:
+                self._lent[id(slot)] = slot
         else:
             spare_dir = slot.directory
             slot.move_to(path)
@@ -201,29 +255,139 @@ class SlotPool:
                 os.rmdir(spare_dir)
         try:
             slot.views(plan)
+            slot.populate()
             if self.register_cuda:
-                slot.register()
+                slot.register(self.cuda_device)
         except BaseException:
-            slot.close(unlink=True)
+            self.forget(slot)
             raise
         return slot
 
-    def _best_spare(self, plan: LayoutPlan) -> Slot | None:
-        if not self._spares:
+    @staticmethod
+    def _best(spares: list[Slot], plan: LayoutPlan) -> Slot | None:
+        if not spares:
             return None
         want = [f.size for f in plan.files]
-        for i, s in enumerate(self._spares):
+        for i, s in enumerate(spares):
             if [f.size for f in s.files] == want:
-                return self._spares.pop(i)
-        return self._spares.pop()
+                return spares.pop(i)
+        return spares.pop()
 
     def committed(self, step: int, slot: Slot) -> None:
         with self._cond:
+            self._lent.pop(id(slot), None)
             self._by_step[step] = slot
 
     def forget(self, slot: Slot) -> None:
         """A failed save's slot: unmap it and delete its files."""
+        with self._cond:
+            self._lent.pop(id(slot), None)
+            self._cond.notify_all()
         slot.close(unlink=True)
+
+    # ---------------------------------------------------------------------------------- warm-up
+
+    def _count(self) -> int:
+        slots = len(self._by_step) + len(self._lent) + len(self._ready) + len(self._raw) + self._preparing
+        return slots + len(self._on_disk)
+
+    def warm(self, plan: LayoutPlan | None) -> concurrent.futures.Future[None]:
+        """Prepare, in the background, the adopted spares and then new spares sized for ``plan`` until
+        the pool holds ``target`` slots; also pin (CUDA users) committed slots a load mapped unpinned.
+
+        Returns at once; the future completes when the pool is warm. One warm-up runs at a time: a
+        call while one runs returns it (with ``plan`` taken over for the slots it has yet to build).
+        """
+        with self._cond:
+            if plan is not None:
+                self._warm_plan = plan
+            if self._warm_active and self._warming is not None:
+                return self._warming  # it looks at the plan again before each slot
+            self._warm_active = True
+            self._warming = self._warmer.submit(self._warm_up)
+            return self._warming
+
+    def fill_spares(self, plan: LayoutPlan) -> None:
+        """Prepare every slot the pool lacks now (blocking)."""
+        self.warm(plan).result()
+
+    def _warm_up(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    if self._stopping:
+                        break
+                    if self._raw:
+                        slot: Slot | None = self._raw.pop(0)
+                    elif self._warm_plan is not None and self._count() < self.target:
+                        slot = None
+                    else:
+                        break
+                    self._preparing += 1
+                    plan = self._warm_plan
+                ready = None
+                try:
+                    ready = self._prepare(slot, plan)
+                finally:
+                    with self._cond:
+                        self._preparing -= 1
+                        if ready is not None:
+                            self._ready.append(ready)
+                        self._cond.notify_all()
+                if ready is None:
+                    break
+        finally:
+            with self._cond:
+                self._warm_active = False
+        if self.register_cuda and not self._stopping:
+            with self._cond:
+                committed = list(self._by_step.values())
+            for slot in committed:  # mapped unpinned by a load: pin for later saves and loads
+                slot.register(self.cuda_device)
+
+    def _prepare(self, slot: Slot | None, plan: LayoutPlan | None) -> Slot | None:
+        """Make ``slot`` (or a new slot for ``plan``) ready: fitted, pre-faulted, pinned. None on failure."""
+        new = slot is None
+        if slot is None:
+            directory = self.rank_path / SPARE_DIR / f"{next(self._ids):06d}-{os.getpid()}-new"
+            slot = Slot(directory)
+        try:
+            start = time.perf_counter()
+            if new:
+                slot.directory.mkdir(parents=True, exist_ok=True)
+            if plan is not None:
+                slot.views(plan)  # sized for the layout; the save that takes it finds its views built
+            slot.populate()
+            faulted = time.perf_counter()
+            if self.register_cuda:
+                slot.register(self.cuda_device)
+            self.last_warm_up = {
+                "fault_s": faulted - start,
+                "register_s": time.perf_counter() - faulted,
+                "bytes": float(slot.nbytes),
+            }
+        except (RamdiskFullError, OSError) as exc:
+            directory = slot.directory
+            slot.close(unlink=True)
+            if new:
+                shutil.rmtree(directory, ignore_errors=True)
+            log.warning("could not prepare a spare slot (%s); the next save prepares its own", exc)
+            return None
+        log.debug(
+            "prepared a %s slot of %d bytes in %.3f s (fault %.3f s, register %.3f s)",
+            "new" if new else "adopted",
+            slot.nbytes,
+            self.last_warm_up["fault_s"] + self.last_warm_up["register_s"],
+            self.last_warm_up["fault_s"],
+            self.last_warm_up["register_s"],
+        )
+        return slot
+
+    def stop_building(self) -> None:
+        """Make the warm-up stop after the slot it is preparing (closing)."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
 
     # ---------------------------------------------------------------------------------- recycling
 
@@ -231,7 +395,9 @@ class SlotPool:
         """Turn a retired step (COMMIT already gone) into a spare, or delete it if not needed."""
         with self._cond:
             slot = self._by_step.pop(step, None)
-            wanted = len(self._by_step) + len(self._spares) + self._building < self.target
+            self._on_disk.discard(step)
+            wanted = self._count() < self.target
+        prepared = slot is not None
         if slot is None and wanted:
             slot = self._map_retired(path)
         if slot is not None and wanted:
@@ -243,7 +409,7 @@ class SlotPool:
                 slot.close(unlink=True)
             else:
                 with self._cond:
-                    self._spares.append(slot)
+                    (self._ready if prepared else self._raw).append(slot)
                     self._cond.notify_all()
         elif slot is not None:
             slot.close()
@@ -260,69 +426,40 @@ class SlotPool:
         except OSError:
             return None
 
-    def reserve_spares(self) -> int:
-        """Claim the spares still missing (so ``take`` waits for them instead of building its own)."""
-        with self._cond:
-            need = max(0, self.target - len(self._by_step) - len(self._spares) - self._building)
-            self._building += need
-            return need
-
-    def build_spares(self, plan: LayoutPlan, count: int) -> None:
-        """Build ``count`` reserved spares sized for ``plan`` (off the training thread)."""
-        for built in range(count):
-            slot = None if self._stopping else self._build_spare(plan)
-            with self._cond:
-                self._building -= 1 if slot is not None else count - built
-                if slot is not None:
-                    self._spares.append(slot)
-                self._cond.notify_all()
-            if slot is None:
-                return
-
-    def fill_spares(self, plan: LayoutPlan) -> None:
-        """Build spares sized for ``plan`` until the pool holds ``target`` slots."""
-        self.build_spares(plan, self.reserve_spares())
-
-    def _build_spare(self, plan: LayoutPlan) -> Slot | None:
-        directory = self.rank_path / SPARE_DIR / f"{next(self._ids):06d}-{os.getpid()}-new"
-        slot = Slot(directory)
-        try:
-            directory.mkdir(parents=True, exist_ok=True)
-            slot.views(plan)
-            if self.register_cuda:
-                slot.register()
-        except (RamdiskFullError, OSError) as exc:
-            slot.close(unlink=True)
-            shutil.rmtree(directory, ignore_errors=True)
-            log.warning("could not pre-allocate a spare slot (%s); the next save allocates its own", exc)
-            return None
-        return slot
-
-    def stop_building(self) -> None:
-        """Make ``build_spares`` stop early (closing)."""
-        self._stopping = True
-
     def trim(self) -> None:
         """Delete spares beyond ``target`` slots (e.g. while leases hold extra steps)."""
         with self._cond:
-            extra = len(self._by_step) + len(self._spares) - self.target
-            drop = [self._spares.pop() for _ in range(max(0, min(extra, len(self._spares))))]
+            extra = self._count() - self.target
+            drop = []
+            for spares in (self._raw, self._ready):
+                while extra > 0 and spares:
+                    drop.append(spares.pop())
+                    extra -= 1
         for slot in drop:
             directory = slot.directory
             slot.close(unlink=True)
             shutil.rmtree(directory, ignore_errors=True)
 
     def register_all(self) -> None:
-        """Pin every slot's files (those already pinned cost nothing); safe on a background thread."""
+        """Pin every idle slot's files (those already pinned cost nothing); safe on a background thread."""
         with self._cond:
-            slots = [*self._by_step.values(), *self._spares]
+            slots = [*self._by_step.values(), *self._ready]
         for slot in slots:
-            slot.register()
+            slot.register(self.cuda_device)
+
+    @property
+    def ready_spares(self) -> int:
+        """Spares completely prepared now."""
+        with self._cond:
+            return len(self._ready)
 
     def close(self) -> None:
-        """Unmap everything; files stay on disk (steps remain readable, spares are adopted next time)."""
+        """Stop the warm-up, unmap everything; files stay on disk (steps remain readable, spares are
+        adopted next time)."""
+        self.stop_building()
+        self._warmer.shutdown(wait=True)
         with self._cond:
-            slots = [*self._by_step.values(), *self._spares]
-            self._by_step, self._spares = {}, []
+            slots = [*self._by_step.values(), *self._ready, *self._raw, *self._lent.values()]
+            self._by_step, self._ready, self._raw, self._lent = {}, [], [], {}
         for slot in slots:
             slot.close()

@@ -122,7 +122,7 @@ def clean_up_after_crash(rank_path: Path, keep: int, pool: SlotPool) -> None:
     for step in plan.discard:
         log.warning("removing step %d of %s: never committed (left by a crashed save)", step, rank_path)
         discard_step(step_dir(rank_path, step))
-    pool.adopt_spares(committed_count=len(plan.kept) + len(plan.held))
+    pool.adopt_spares(committed_count=len(plan.kept) + len(plan.held), committed=(*plan.kept, *plan.held))
     for step in plan.retire:
         pool.recycle(step, step_dir(rank_path, step))
 

@@ -8,6 +8,10 @@ CPUs (``checksum.start_file_crcs``), started *before* the GPU copies so it overl
 compared with the manifest's file crc; only on a mismatch are per-tensor crcs computed, to name the
 damaged tensor (or the padding) in ``CorruptShardError``. CPU destinations are copied only after
 the check, so a corrupt step leaves their bytes alone.
+
+With a ``bindings.BindingCache`` whose binding for this structure still holds in the destination,
+every copy is issued before the tree walk (``_Filler.prefill``), and the walk then only restores what
+is not a tensor, while the copies run; otherwise the walk records a binding for the next load.
 """
 
 from __future__ import annotations
@@ -18,23 +22,34 @@ import pickle
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
 
 from tierckpt import cuda
-from tierckpt.protocol.errors import CorruptShardError, FormatError
+from tierckpt.protocol.errors import CorruptShardError, FormatError, StateMismatchError
 from tierckpt.protocol.format import OBJECTS_NAME, FileEntry, Manifest, TensorEntry, iter_data_files
 from tierckpt.protocol.integrity import crc32c
+from tierckpt.snapshot.bindings import BindingCache
 from tierckpt.snapshot.checksum import PendingCrcs, region_crcs, start_file_crcs
+from tierckpt.snapshot.compare import mismatches
 from tierckpt.snapshot.copy import copy_cpu, memmove
 from tierckpt.snapshot.dtypes import numpy_dtype, torch_dtype
-from tierckpt.snapshot.flatten import restore_into
+from tierckpt.snapshot.flatten import Branch, KeyPath, Leaf, restore_into, restore_leaves
 from tierckpt.snapshot.shardfile import MappedFile
 from tierckpt.snapshot.upload import RestoreStaging, to_device
 
-__all__ = ["load_into", "open_data_files", "read_objects", "tensor_views"]
+__all__ = [
+    "check_structure",
+    "load_into",
+    "open_data_files",
+    "read_objects",
+    "saved_structure",
+    "tensor_views",
+]
+
+_LISTED_MISMATCHES = 20
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +112,42 @@ def read_objects(step_path: Path, manifest: Manifest) -> list[Any]:
     return objects
 
 
+def saved_structure(manifest: Manifest, objects: Sequence[Any]) -> dict[Any, Any]:
+    """The step's state tree with meta tensors (and zero-stride arrays): shapes and dtypes, no bytes."""
+    entries = manifest.tensors
+
+    def fill(i: int, existing: Any) -> torch.Tensor:
+        return torch.empty(entries[i].shape, dtype=torch_dtype(entries[i].dtype), device="meta")
+
+    def fill_array(i: int, existing: Any) -> np.ndarray:
+        dtype = numpy_dtype(entries[i].dtype)
+        shape = entries[i].shape
+        return np.lib.stride_tricks.as_strided(np.zeros(1, dtype), shape, (0,) * len(shape), writeable=False)
+
+    skeleton: dict[Any, Any] = {}
+    restore_into(
+        skeleton, manifest.tree, fill=fill, fill_array=fill_array, n_tensors=len(entries), objects=objects
+    )
+    return skeleton
+
+
+def check_structure(
+    dest: dict[Any, Any], step_path: Path, manifest: Manifest, objects: Sequence[Any]
+) -> None:
+    """Strict loading: ``StateMismatchError`` naming every difference of structure, shape or dtype between
+    ``dest`` and the step (``snapshot.compare``), before anything is copied."""
+    found = mismatches(dest, saved_structure(manifest, objects))
+    if not found:
+        return
+    listed = "; ".join(found[:_LISTED_MISMATCHES])
+    more = f" (and {len(found) - _LISTED_MISMATCHES} more)" if len(found) > _LISTED_MISMATCHES else ""
+    raise StateMismatchError(
+        f"{step_path}: the checkpoint does not fit the destination: {listed}{more}; nothing was loaded "
+        "(load(..., strict=False) replaces mismatched tensors and adds missing entries instead)",
+        mismatches=tuple(found),
+    )
+
+
 class _Filler:
     """Supplies tensor ``i`` for ``restore_into``; ``finish`` moves the bytes in.
 
@@ -135,6 +186,7 @@ class _Filler:
         self.device = device
         self.cpu: list[tuple[int, torch.Tensor]] = []
         self.gpu: list[tuple[int, torch.Tensor]] = []
+        self.bound: dict[int, torch.Tensor] = {}
 
     def check(self, indices: Sequence[int], crcs: Sequence[int]) -> None:
         for i, crc in zip(indices, crcs, strict=True):
@@ -178,6 +230,32 @@ class _Filler:
             self.gpu.append((i, target))
         return target
 
+    def prefill(self, targets: Sequence[tuple[int, torch.Tensor]]) -> None:
+        """A binding gave every tensor's destination: start all host-to-device copies now (CPU ones wait
+        for the check, as always); the walk then only hands the same tensors back (``bound_fill``)."""
+        self.bound = dict(targets)
+        gpu = [(i, t) for i, t in targets if cuda.is_cuda(t)]
+        self.cpu.extend((i, t) for i, t in targets if not cuda.is_cuda(t))
+        if gpu:
+            to_device(
+                self.manifest,
+                self.files,
+                self.views,
+                gpu,
+                staging=self.staging,
+                pack_bytes=self.pack_bytes,
+                pack_limit=self.pack_limit,
+                memcpy=memmove,
+                wait=False,
+            )
+            self.early.update(t.device for _, t in gpu)
+
+    def bound_fill(self, i: int, existing: Any) -> torch.Tensor:
+        target = self.bound.get(i)
+        if target is not None and target is existing:
+            return target
+        return self(i, existing)  # the tree differs from the bound one here (same keys): as without
+
     def array(self, i: int, existing: Any) -> np.ndarray:
         """An ``ndarray`` node: fill the existing array when it fits, else a new one (always on CPU)."""
         src = self.views[i]
@@ -190,7 +268,7 @@ class _Filler:
         )
         if fits:
             self.cpu.append((i, torch.from_numpy(existing)))
-            return existing
+            return cast("np.ndarray", existing)
         target = torch.empty(src.shape, dtype=src.dtype)
         self.cpu.append((i, target))
         return target.numpy()
@@ -264,13 +342,21 @@ def load_into(
     pack_bytes: int = 1 << 20,
     pack_limit: int = 256 << 20,
     timings: dict[str, float] | None = None,
+    bindings: BindingCache | None = None,
+    strict: bool = True,
 ) -> None:
     """Fill ``dest`` in place from a committed step whose data files are mapped in ``files``.
 
+    ``strict``: first check that ``dest`` has the step's structure, shapes and dtypes
+    (``check_structure``), raising ``StateMismatchError`` before anything is copied; without it a
+    mismatched tensor is replaced (logged) and missing entries are created. A destination a binding
+    resolves (every saved tensor lands on a tensor of its dtype and shape) is not checked again.
+
     ``views`` (from ``tensor_views``, e.g. cached by the pool) saves building them again;
     ``staging`` (kept by the caller) keeps the device staging of packed small tensors between
-    loads. ``timings`` receives the phases in seconds (``tree_s``, ``h2d_s``, ``verify_wait_s``,
-    ``copy_s``).
+    loads; ``bindings`` (kept by the caller) the destinations of this structure's tensors.
+    ``timings`` receives the phases in seconds (``bind_s``, ``tree_s``, ``h2d_s``, ``verify_wait_s``,
+    ``copy_s``) and ``bound`` (1.0 when a binding spared the tree walk its tensor work).
     """
     if manifest.manifest_kind != "state_dict":
         raise FormatError(f"{step_path}: a {manifest.manifest_kind!r} step; load it through tierckpt.dcp")
@@ -290,13 +376,45 @@ def load_into(
         timings=timings,
     )
     start = time.perf_counter()
-    filler.start_verify()  # the checksums run during the tree walk and the copies
+    bound = None if bindings is None else bindings.resolve(manifest, dest)
+    if strict and bound is None:
+        check_structure(dest, step_path, manifest, objects)
+    timings["bind_s"] = time.perf_counter() - start
+    timings["bound"] = float(bound is not None)
+    paths: dict[int, KeyPath] | None = None
+    leaves: list[Leaf | Branch] | None = None
     try:
-        restore_into(
-            dest, manifest.tree, fill=filler, fill_array=filler.array, n_tensors=len(views), objects=objects
-        )
-        timings["tree_s"] = time.perf_counter() - start
+        if bound is not None:
+            filler.prefill(bound.tensors)  # every copy starts before the checksums compete for the CPUs
+        filler.start_verify()  # the checksums run during the rest and the copies
+        walk = bound is None or bound.leaves is None
+        if not walk:
+            assert bound is not None and bound.leaves is not None
+            walk = not restore_leaves(
+                manifest.tree,
+                bound.leaves,
+                bound.branches,
+                fill=filler.bound_fill,
+                fill_array=filler.array,
+                n_tensors=len(views),
+                objects=objects,
+            )
+        if walk:
+            paths, leaves = ({}, []) if bindings is not None else (None, None)
+            restore_into(
+                dest,
+                manifest.tree,
+                fill=filler if bound is None else filler.bound_fill,
+                fill_array=filler.array,
+                n_tensors=len(views),
+                objects=objects,
+                paths=paths,
+                leaves=leaves,
+            )
+        timings["tree_s"] = time.perf_counter() - start - timings["bind_s"]
         filler.finish()
     except BaseException:
         filler.abandon()
         raise
+    if paths is not None and leaves is not None and bindings is not None:
+        bindings.remember_loaded(manifest, dest, paths, leaves)

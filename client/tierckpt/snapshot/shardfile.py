@@ -5,11 +5,21 @@ Space is reserved with ``posix_fallocate`` before anything is mapped, so a full 
 is then populated (``MADV_POPULATE_WRITE``, or touching each page on older kernels), so copies into
 it never fault. A ``MappedFile`` keeps its mapping when the file is renamed (the mapping follows the
 inode), which is how data files are recycled from a retired step into a new one.
+
+Pre-faulting is the one-time cost of a slot (docs/client.md, "Warm-up"). ``MADV_POPULATE_WRITE`` is
+issued through ctypes, which releases the GIL (``mmap.madvise`` holds it for the whole call, so a
+background warm-up would freeze the training thread), in 64 MiB pieces spread over a few threads:
+zeroing fresh tmpfs pages is the cost, and it scales with cores. Mappings are advised
+``MADV_HUGEPAGE`` first, which a tmpfs mounted ``huge=advise`` honours; a ``huge=within_size`` mount
+(the chart's and the rig's default) uses 2 MiB pages anyway.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import ctypes
+import ctypes.util
 import errno
 import logging
 import mmap
@@ -31,6 +41,86 @@ log = logging.getLogger(__name__)
 PAGE = mmap.PAGESIZE
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 _MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
+_MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
+_HUGE = 2 << 20
+_PIECE = 64 << 20
+"""Pre-fault granularity: a multiple of the huge page size, large enough that a call costs nothing."""
+_PARALLEL_MIN = 256 << 20
+"""Mappings smaller than this are pre-faulted by the calling thread alone."""
+
+_libc: ctypes.CDLL | None = None
+_fault_pool: concurrent.futures.ThreadPoolExecutor | None = None
+_fault_lock = threading.Lock()
+
+
+def _madvise() -> ctypes._CFuncPtr:  # type: ignore[name-defined]
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        _libc.madvise.restype = ctypes.c_int
+    return _libc.madvise
+
+
+def fault_workers() -> int:
+    """Threads that pre-fault one mapping: half the CPUs, at most 8 (training keeps the rest)."""
+    return min(8, max(1, (os.cpu_count() or 2) // 2))
+
+
+def _faulters() -> concurrent.futures.ThreadPoolExecutor:
+    global _fault_pool
+    with _fault_lock:
+        if _fault_pool is None:
+            _fault_pool = concurrent.futures.ThreadPoolExecutor(
+                max(1, fault_workers() - 1), thread_name_prefix="tierckpt-fault"
+            )
+        return _fault_pool
+
+
+def _forget_pool_after_fork() -> None:
+    global _fault_pool, _fault_lock
+    _fault_pool, _fault_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pool_after_fork)
+
+
+def _advise(address: int, length: int, advice: int) -> None:
+    """``madvise`` through ctypes (GIL released); raises ``OSError`` with the errno on failure."""
+    if _madvise()(address, length, advice) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"madvise({advice}): {os.strerror(err)}")
+
+
+def _advise_pieces(address: int, length: int, advice: int) -> None:
+    """``madvise`` of ``[address, address + length)`` in ``_PIECE`` pieces over the fault threads."""
+    if length < _PARALLEL_MIN or fault_workers() == 1:
+        _advise(address, length, advice)
+        return
+    pieces = iter([(address + o, min(_PIECE, length - o)) for o in range(0, length, _PIECE)])
+    lock = threading.Lock()
+
+    def drain() -> None:
+        while True:
+            with lock:
+                piece = next(pieces, None)
+            if piece is None:
+                return
+            _advise(*piece, advice)
+
+    futures = [_faulters().submit(drain) for _ in range(fault_workers() - 1)]
+    error: BaseException | None = None
+    try:
+        drain()
+    except BaseException as exc:  # let the helpers finish before reporting
+        error = exc
+    for f in futures:
+        try:
+            f.result()
+        except BaseException as exc:
+            error = error or exc
+    if error is not None:
+        raise error
 
 
 def allocate(fd: int, offset: int, length: int, path: Path) -> None:
@@ -50,14 +140,20 @@ def allocate(fd: int, offset: int, length: int, path: Path) -> None:
         os.ftruncate(fd, offset + length)
 
 
-def _populate(mm: mmap.mmap, start: int, length: int, *, write: bool) -> None:
-    """Fault in the pages of ``[start, start + length)`` now, so later copies never fault."""
+def _populate(mm: mmap.mmap, address: int, start: int, length: int, *, write: bool) -> None:
+    """Fault in the pages of ``[start, start + length)`` now, so later copies never fault.
+
+    ``address`` is where ``mm`` is mapped. Kernels without ``MADV_POPULATE_*`` (before 5.14) touch
+    one byte per page instead (single-threaded, holding the GIL).
+    """
     start_page = start - start % PAGE
     length += start - start_page
     if length <= 0:
         return
+    with contextlib.suppress(OSError):  # a hint: refused where the kernel has no shmem THP
+        _advise(address + start_page, length, _MADV_HUGEPAGE)
     try:
-        mm.madvise(_MADV_POPULATE_WRITE if write else _MADV_POPULATE_READ, start_page, length)
+        _advise_pieces(address + start_page, length, _MADV_POPULATE_WRITE if write else _MADV_POPULATE_READ)
         return
     except OSError as exc:
         if exc.errno not in (errno.EINVAL, errno.ENOSYS):
@@ -127,7 +223,7 @@ class MappedFile:
     def populate(self) -> None:
         """Fault in every page now (a no-op once done)."""
         if not self.populated and self._mm is not None:
-            _populate(self._mm, 0, self.size, write=self.writable)
+            _populate(self._mm, self.address, 0, self.size, write=self.writable)
         self.populated = True
 
     @property
@@ -158,18 +254,21 @@ class MappedFile:
         """The file's current size on disk (differs from ``size`` only if someone else changed it)."""
         return os.fstat(self._fd).st_size
 
-    def register(self) -> bool:
-        """Pin the mapping for CUDA DMA (once); False when CUDA is unavailable or refuses."""
+    def register(self, device: int | None = None) -> bool:
+        """Pin the mapping for CUDA DMA (once), in ``device``'s context; False when CUDA is unavailable
+        or refuses, or the file is closed."""
         with self._register_lock:
-            if not self.registered and self.size:
-                self.registered = cuda.register(self.address, self.size, read_only=not self.writable)
+            if not self.registered and self.size and self._mm is not None:
+                self.registered = cuda.register(
+                    self.address, self.size, read_only=not self.writable, device=device
+                )
             return self.registered
 
     def _unregister(self) -> None:
-        with self._register_lock:
-            if self.registered:
-                cuda.unregister(self.address)
-                self.registered = False
+        """Unpin (caller holds ``_register_lock``)."""
+        if self.registered:
+            cuda.unregister(self.address)
+            self.registered = False
 
     def _drop_views(self) -> None:
         self._buffer = None
@@ -183,7 +282,8 @@ class MappedFile:
         if not self.writable:
             raise ValueError(f"{self.path} is mapped read-only")
         was_registered = self.registered
-        self._unregister()
+        with self._register_lock:
+            self._unregister()
         self._drop_views()
         old = self.size
         if size > old:
@@ -196,7 +296,7 @@ class MappedFile:
             self._mm.resize(size)
             self.size = size
         if size > old and self.populated:
-            _populate(self._mapping, old, size - old, write=True)
+            _populate(self._mapping, self.address, old, size - old, write=True)
         if was_registered:
             self.register()
 
@@ -218,14 +318,15 @@ class MappedFile:
 
     def close(self, *, unlink: bool = False) -> None:
         """Unregister, unmap and close; optionally delete the file."""
-        self._unregister()
-        self._drop_views()
-        if self._mm is not None:
-            try:
-                self._mm.close()
-            except BufferError:
-                log.warning("%s: views of the mapping are still alive; leaving it mapped", self.path)
-            self._mm = None
+        with self._register_lock:  # not while a background thread pins it
+            self._unregister()
+            self._drop_views()
+            if self._mm is not None:
+                try:
+                    self._mm.close()
+                except BufferError:
+                    log.warning("%s: views of the mapping are still alive; leaving it mapped", self.path)
+                self._mm = None
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1

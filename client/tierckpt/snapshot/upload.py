@@ -132,8 +132,10 @@ def to_device(
     pack_bytes: int,
     pack_limit: int,
     memcpy: Callable[[int, int, int], None],
+    wait: bool = True,
 ) -> None:
-    """Copy tensor ``i``'s bytes (``views[i]``, in ``files``) into each CUDA ``target``; returns when done."""
+    """Copy tensor ``i``'s bytes (``views[i]``, in ``files``) into each CUDA ``target``; returns when done
+    (``wait=False``: once issued, except copies through bounce buffers, which are done by then)."""
     entries = manifest.tensors
     small = [
         (i, t.device, entries[i].file, entries[i].offset, entries[i].length)
@@ -172,4 +174,5 @@ def to_device(
                 if not files[run.file].registered:
                     with torch.cuda.device(stage.device):
                         cuda.gather([by_index[i] for i in run.indices], slots)
-    cuda.synchronize({t.device for _, t in targets})
+    if wait:
+        cuda.synchronize({t.device for _, t in targets})

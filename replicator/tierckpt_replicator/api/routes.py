@@ -59,12 +59,13 @@ class Controls(Protocol):
     def ready(self) -> tuple[bool, str]: ...
 
 
-def install_routes(app: FastAPI, c: Controls) -> None:
-    """One route per table endpoint, and the OpenAPI document they make up."""
+def install_routes(app: FastAPI, c: Controls, port: api.Port = "api") -> None:
+    """One route per endpoint of the table that ``port`` serves; the API also gets its OpenAPI
+    document (the probe server serves only the open probes and metrics)."""
     table = handlers(c, app)
     if set(table) != {ep.name for ep in api.ENDPOINTS}:
         raise AssertionError(f"handlers {sorted(table)} do not match the endpoint table")
-    for ep in api.ENDPOINTS:
+    for ep in api.served_on(port):
         app.add_api_route(
             ep.path,
             _route(ep, table[ep.name], c.tokens),
@@ -75,7 +76,8 @@ def install_routes(app: FastAPI, c: Controls) -> None:
             response_class=PlainTextResponse if ep.media_type.startswith("text/") else JSONResponse,
             **route_docs(ep),
         )
-    install_openapi(app)
+    if port == "api":
+        install_openapi(app)
 
 
 def _route(ep: api.Endpoint, handler: Handler, tokens: TokenFile) -> Callable[[Request], Awaitable[Response]]:

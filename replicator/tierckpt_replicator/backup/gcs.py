@@ -29,14 +29,14 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
+import google.cloud.storage as storage
 import google_crc32c
 import requests
 import urllib3
 from google.api_core import exceptions as api_exceptions
+from google.api_core.retry import Retry
 from google.auth import exceptions as auth_exceptions
 from google.auth.credentials import AnonymousCredentials
-from google.cloud import exceptions as cloud_exceptions
-from google.cloud import storage
 from google.cloud.storage.exceptions import DataCorruption, InvalidResponse
 from google.cloud.storage.retry import DEFAULT_RETRY
 
@@ -74,8 +74,8 @@ class RetryPolicy:
     multiplier: float = 2.0
     deadline: float = 300.0
 
-    def api_core(self) -> Any:
-        retry = DEFAULT_RETRY.with_delay(
+    def api_core(self) -> Retry:
+        retry: Retry = DEFAULT_RETRY.with_delay(
             initial=self.initial, maximum=self.maximum, multiplier=self.multiplier
         )
         return retry.with_timeout(self.deadline)
@@ -166,7 +166,7 @@ class GcsStore:
 
     def get_bytes(self, key: str, *, max_size: int) -> bytes:
         with _errors(key):
-            data = self._bucket.blob(key).download_as_bytes(
+            data: bytes = self._bucket.blob(key).download_as_bytes(
                 start=0,
                 end=max_size,
                 raw_download=True,
@@ -215,7 +215,7 @@ class GcsStore:
             "GET", self._media_url(key), headers=headers, params=params, stream=True, timeout=self._timeout
         ) as response:
             if response.status_code not in (200, 206):
-                raise cloud_exceptions.from_http_response(response)
+                raise api_exceptions.from_http_response(response)
             if response.status_code == 200 and begin != 0:
                 raise StoreError(f"gs://{self.bucket}/{key}: the server ignored the byte range")
             sink.generation = sink.generation or response.headers.get("x-goog-generation", "")

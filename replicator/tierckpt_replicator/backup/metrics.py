@@ -21,45 +21,57 @@ class BackupMetrics:
     _lock = threading.Lock()
 
     def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
-        kw = {"registry": registry}
         self.bytes_uploaded = Counter(
-            "tierckpt_backup_uploaded_bytes", "Shard bytes uploaded to the bucket by this node.", **kw
+            "tierckpt_backup_uploaded_bytes",
+            "Shard bytes uploaded to the bucket by this node.",
+            registry=registry,
         )
         self.bytes_downloaded = Counter(
-            "tierckpt_backup_downloaded_bytes", "Shard bytes restored from the bucket by this node.", **kw
+            "tierckpt_backup_downloaded_bytes",
+            "Shard bytes restored from the bucket by this node.",
+            registry=registry,
         )
         self.upload_seconds = Histogram(
             "tierckpt_backup_upload_seconds",
             "Time to upload this node's share of one step.",
             buckets=_SECONDS_BUCKETS,
-            **kw,
+            registry=registry,
         )
         self.restore_seconds = Histogram(
             "tierckpt_backup_restore_seconds",
             "Time to restore one rank of one step from the bucket.",
             buckets=_SECONDS_BUCKETS,
-            **kw,
+            registry=registry,
         )
         self.failures = Counter(
-            "tierckpt_backup_failures", "Failed backup operations, by operation.", ["op"], **kw
+            "tierckpt_backup_failures", "Failed backup operations, by operation.", ["op"], registry=registry
         )
         self.ranks_uploaded = Counter(
-            "tierckpt_backup_ranks_uploaded", "Rank steps this node uploaded and committed.", **kw
+            "tierckpt_backup_ranks_uploaded",
+            "Rank steps this node uploaded and committed.",
+            registry=registry,
         )
         self.steps_completed = Counter(
-            "tierckpt_backup_steps_completed", "Steps this node marked complete in the bucket.", **kw
+            "tierckpt_backup_steps_completed",
+            "Steps this node marked complete in the bucket.",
+            registry=registry,
         )
         self.steps_deleted = Counter(
-            "tierckpt_backup_steps_deleted", "Steps deleted from the bucket by retention or purge.", **kw
+            "tierckpt_backup_steps_deleted",
+            "Steps deleted from the bucket by retention or purge.",
+            registry=registry,
         )
         self.last_step = Gauge(
-            "tierckpt_backup_last_complete_step", "Newest complete step in the bucket.", ["job"], **kw
+            "tierckpt_backup_last_complete_step",
+            "Newest complete step in the bucket.",
+            ["job"],
+            registry=registry,
         )
         self.last_success = Gauge(
             "tierckpt_backup_last_success_timestamp_seconds",
             "When this node last finished uploading its share of a step, per job.",
             ["job"],
-            **kw,
+            registry=registry,
         )
 
     @classmethod

@@ -2,6 +2,13 @@
 corruption reports (``corrupt``). Blocking sockets, one thread per connection, at most
 ``max_incoming`` transfers at once; everything else is refused as busy (503) before any data moves.
 
+Bounded before authentication: a connection is admitted only within the per-source and total
+connection limits (``SourceLimits``); its handshake (the request frame) must be complete within ONE
+deadline (``handshake_timeout``), else it is closed; the request is authorized, and only THEN is a
+transfer slot taken. So idle or trickling connections hold no slot, and every source has at most its
+share of connections. During a transfer the sender must keep up ``min_transfer_rate`` over every
+``transfer_timeout`` window (``pacing.RateFloor``), not merely send a byte before each timeout.
+
 Put: auth → parse and cross-check COMMIT + manifest → already held? (208) → in progress? (409) → room?
 (507, after dropping what retention allows) → preallocate every file (507 on ENOSPC) → ``100
 continue`` → receive with crc32c → all match? commit atomically (200) : drop the staging dir (422).
@@ -12,11 +19,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
+import struct
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from tierckpt.protocol import leases
 from tierckpt.protocol.errors import CorruptShardError, FormatError, MissingCheckpointError, RamdiskFullError
@@ -29,8 +37,10 @@ from tierckpt.protocol.format import (
     replica_rank_dir,
     step_dir,
 )
+from tierckpt_replicator.connlimits import SourceLimits
 from tierckpt_replicator.replication.context import DataContext, unique_holder
 from tierckpt_replicator.replication.ipc import DataEvent
+from tierckpt_replicator.replication.pacing import Deadline, RateFloor
 from tierckpt_replicator.replication.replicas import apply_retention, client_headroom, free_bytes, make_room
 from tierckpt_replicator.replication.stream import receive_file, send_file
 from tierckpt_replicator.replication.wire import (
@@ -70,8 +80,11 @@ class DataServer:
 
     def __init__(self, ctx: DataContext) -> None:
         self.ctx = ctx
-        self._slots = threading.BoundedSemaphore(ctx.config.max_incoming)
-        self._connections = threading.BoundedSemaphore(4 * ctx.config.max_incoming + 8)
+        cfg = ctx.config
+        self._slots = threading.BoundedSemaphore(cfg.max_incoming)
+        self.connections = SourceLimits(
+            "data endpoint", total=4 * cfg.max_incoming + 8, per_source=cfg.connections_per_source
+        )
         self._claims: set[tuple[str, int, int]] = set()
         self._claims_lock = threading.Lock()
         self._listener: socket.socket | None = None
@@ -80,7 +93,7 @@ class DataServer:
     @property
     def port(self) -> int:
         assert self._listener is not None
-        return self._listener.getsockname()[1]
+        return cast(int, self._listener.getsockname()[1])  # (host, port) of an inet socket
 
     def start(self) -> None:
         cfg = self.ctx.config
@@ -110,9 +123,9 @@ class DataServer:
                     return
                 time.sleep(0.05)
                 continue
-            if not self._connections.acquire(blocking=False):  # idle or hostile connections: bounded
-                log.warning("data %s: too many open connections; closing this one", addr[0])
-                conn.close()
+            source = addr[0]
+            if not self.connections.admit(source):  # idle or hostile connections: bounded
+                _close_now(conn)
                 continue
             threading.Thread(
                 target=self._serve_counted, args=(conn, addr), name="data-conn", daemon=True
@@ -122,17 +135,20 @@ class DataServer:
         try:
             self._serve(conn, addr)
         finally:
-            self._connections.release()
+            self.connections.release(addr[0])
 
     # ------------------------------------------------------------------ one connection
 
     def _serve(self, conn: socket.socket, addr: tuple[str, int]) -> None:
-        conn.settimeout(self.ctx.config.transfer_timeout)
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        slot = self._slots.acquire(blocking=False)
+        slot = False
         try:
-            req = recv_frame(conn, DataRequest)
-            self._check(req, slot)
+            conn, req = self._handshake(conn)
+            self._authorize(req)
+            slot = self._slots.acquire(blocking=False)
+            if not slot:
+                raise _Reject(Status.BUSY, f"already serving {self.ctx.config.max_incoming} transfers")
+            conn.settimeout(self.ctx.config.transfer_timeout)  # a silent peer: caught within a window
             handler = {"put": self._put, "get": self._get, "corrupt": self._corrupt}[req.op]
             handler(conn, req)
         except _Reject as exc:
@@ -141,6 +157,8 @@ class DataServer:
         except ProtocolError as exc:
             log.warning("data %s: %s", addr[0], exc)
             self._reply(conn, DataReply(status=exc.status or Status.BAD_REQUEST, message=str(exc)))
+        except TimeoutError as exc:
+            log.warning("data %s: closed: %s", addr[0], exc)
         except OSError as exc:
             log.warning("data %s: connection failed: %s", addr[0], exc)
         except Exception:  # a bug must not kill the server thread silently
@@ -150,7 +168,15 @@ class DataServer:
                 self._slots.release()
             _close_gently(conn)
 
-    def _check(self, req: DataRequest, slot: bool) -> None:
+    def _handshake(self, conn: socket.socket) -> tuple[socket.socket, DataRequest]:
+        """The connection's handshake, all of it under one deadline. With TLS, the TLS handshake goes
+        here, before the frame: wrap ``conn`` without handshaking on connect and drive
+        ``do_handshake`` with ``deadline.arm(conn)`` before each step, so the deadline bounds it all."""
+        deadline = Deadline(self.ctx.config.handshake_timeout, "the request")
+        return conn, recv_frame(conn, DataRequest, deadline=deadline)
+
+    def _authorize(self, req: DataRequest) -> None:
+        """Whether ``req`` may be served at all, before it takes a transfer slot."""
         if not req.token:
             raise _Reject(Status.UNAUTHORIZED, "missing token")
         if not self.ctx.tokens.check(req.token):
@@ -161,8 +187,11 @@ class DataServer:
             raise _Reject(Status.BAD_REQUEST, str(exc)) from exc
         if not (0 <= req.rank < _MAX_INDEX and 0 <= req.step < _MAX_INDEX):
             raise _Reject(Status.BAD_REQUEST, "rank and step must be non-negative integers")
-        if not slot:
-            raise _Reject(Status.BUSY, f"already serving {self.ctx.config.max_incoming} transfers")
+
+    def _floor(self) -> RateFloor:
+        """The minimum rate of what a peer sends from now on (one per phase we wait on the peer in)."""
+        cfg = self.ctx.config
+        return RateFloor(cfg.min_transfer_rate, cfg.transfer_timeout)
 
     @staticmethod
     def _reply(conn: socket.socket, reply: DataReply, payload: bytes = b"") -> None:
@@ -215,8 +244,9 @@ class DataServer:
         for what, size in (("commit", req.commit_size), ("manifest", req.manifest_size)):
             if not 0 < size <= limit:
                 raise _Reject(Status.TOO_LARGE, f"{what} size {size} outside 1..{limit}")
-        commit_bytes = recv_exact(conn, req.commit_size)
-        manifest_bytes = recv_exact(conn, req.manifest_size)
+        floor = self._floor()
+        commit_bytes = recv_exact(conn, req.commit_size, progress=floor)
+        manifest_bytes = recv_exact(conn, req.manifest_size, progress=floor)
         try:
             return parse_header(commit_bytes, manifest_bytes, job=req.job, rank=req.rank, step=req.step)
         except FormatError as exc:
@@ -227,7 +257,7 @@ class DataServer:
         try:
             writer.prepare()
             send_frame(conn, DataReply(status=Status.CONTINUE))
-            _receive_all(conn, writer)
+            _receive_all(conn, writer, self._floor())
             writer.commit()
             return Status.OK, "committed"
         except RamdiskFullError as exc:
@@ -340,11 +370,18 @@ def _close_gently(conn: socket.socket) -> None:
     conn.close()
 
 
-def _receive_all(conn: socket.socket, writer: StepWriter) -> None:
+def _close_now(conn: socket.socket) -> None:
+    """Close a connection over a limit at once, with a reset (no TIME_WAIT kept for it)."""
+    with contextlib.suppress(OSError):
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    conn.close()
+
+
+def _receive_all(conn: socket.socket, writer: StepWriter, floor: RateFloor) -> None:
     """Receive every file; a crc mismatch is raised only after the stream is drained (protocol in sync)."""
     bad: CorruptShardError | None = None
     for f in writer.header.manifest.files:
-        crc = receive_file(conn, writer.path(f.name), f.size)
+        crc = receive_file(conn, writer.path(f.name), f.size, pace=floor)
         try:
             writer.record(f.name, crc)
         except CorruptShardError as exc:

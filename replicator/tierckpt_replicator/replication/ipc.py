@@ -66,6 +66,10 @@ class WorkerConfig(Message):
     bandwidth_bytes_per_s: float = 0.0
     transfer_timeout: float = 30.0
     connect_timeout: float = 5.0
+    handshake_timeout: float = 5.0
+    min_transfer_rate: float = 64 << 10
+    """Bytes per second an incoming transfer must average over every ``transfer_timeout`` window."""
+    connections_per_source: int = 8
     max_manifest_bytes: int = 64 << 20
     reserve_bytes: int = 64 << 20
     replica_keep: int = 2
@@ -184,7 +188,8 @@ def decode_line(line: bytes) -> Message:
         obj = json.loads(line)
     except ValueError as exc:
         raise FormatError(f"worker channel: not JSON ({exc})") from exc
-    cls = MESSAGES.get(obj.get("kind")) if isinstance(obj, dict) else None
+    kind = obj.get("kind") if isinstance(obj, dict) else None
+    cls = MESSAGES.get(kind) if isinstance(kind, str) else None
     if cls is None:
         raise FormatError(f"worker channel: unknown message {str(obj)[:80]!r}")
     return decode(cls, obj)

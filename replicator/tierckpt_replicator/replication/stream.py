@@ -184,14 +184,21 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
         data, offset = data[n:], offset + n
 
 
-def receive_file(sock: socket.socket, path: Path, size: int, *, on_bytes: OnBytes = _noop) -> int:
+def receive_file(
+    sock: socket.socket, path: Path, size: int, *, on_bytes: OnBytes = _noop, pace: OnBytes | None = None
+) -> int:
     """Receive exactly ``size`` bytes into ``path`` (made by ``stepio.create_preallocated``); return
-    their crc32c. Works on any socket with ``recv_into``, TLS (``ssl.SSLSocket``) included."""
+    their crc32c. Works on any socket with ``recv_into``, TLS (``ssl.SSLSocket``) included. ``pace``
+    hears every ``recv``'s byte count before the bytes are written and may raise
+    (``pacing.RateFloor``)."""
     if size == 0:
         return 0
 
     def recv_into(view: memoryview) -> int:
-        return sock.recv_into(view, len(view))
+        k = sock.recv_into(view, len(view))
+        if pace is not None and k:
+            pace(k)
+        return k
 
     fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
     try:

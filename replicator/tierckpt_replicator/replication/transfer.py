@@ -269,7 +269,7 @@ def report_corrupt(
         after=failed,
         retry_error_callback=lambda _: None,  # every try failed
     )
-    reply = attempts(report)
+    reply: DataReply | None = attempts(report)  # None: retry_error_callback, every try failed
     if reply is None:
         return False
     log.info("reported corrupt copy to %s: %s", source.node, reply.message)

@@ -22,10 +22,12 @@ from __future__ import annotations
 import dataclasses
 import socket
 import struct
+from collections.abc import Callable
 from typing import ClassVar, Literal, TypeVar
 
 from tierckpt.protocol.codec import Message
 from tierckpt.protocol.errors import FormatError, RetryableError
+from tierckpt_replicator.replication.pacing import Deadline
 
 __all__ = [
     "MAGIC",
@@ -115,27 +117,40 @@ def send_frame(sock: socket.socket, msg: Message, payload: bytes = b"") -> None:
     sock.sendall(_HEADER.pack(MAGIC, len(body)) + body + payload)
 
 
-def recv_exact(sock: socket.socket, n: int) -> bytes:
-    """Exactly ``n`` bytes, or ``ProtocolError`` if the peer closes first."""
+def recv_exact(
+    sock: socket.socket,
+    n: int,
+    *,
+    deadline: Deadline | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> bytes:
+    """Exactly ``n`` bytes, or ``ProtocolError`` if the peer closes first. With ``deadline``, every
+    byte must have arrived by then; ``progress`` hears each received byte count (``RateFloor``).
+    Either raises ``TimeoutError``."""
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
     while got < n:
+        if deadline is not None:
+            deadline.arm(sock)
         k = sock.recv_into(view[got:])
         if k == 0:
             raise ProtocolError(f"connection closed after {got} of {n} bytes")
         got += k
+        if progress is not None:
+            progress(k)
     return bytes(buf)
 
 
-def recv_frame(sock: socket.socket, cls: type[M]) -> M:
-    """One frame decoded as ``cls``; a bad magic, size or body raises ``ProtocolError`` (status 400)."""
-    magic, size = _HEADER.unpack(recv_exact(sock, _HEADER.size))
+def recv_frame(sock: socket.socket, cls: type[M], *, deadline: Deadline | None = None) -> M:
+    """One frame decoded as ``cls``; a bad magic, size or body raises ``ProtocolError`` (status 400).
+    With ``deadline`` the whole frame must have arrived by then (``TimeoutError``)."""
+    magic, size = _HEADER.unpack(recv_exact(sock, _HEADER.size, deadline=deadline))
     if magic != MAGIC:
         raise ProtocolError(f"bad frame magic {magic!r}", Status.BAD_REQUEST)
     if size > MAX_FRAME:
         raise ProtocolError(f"frame of {size} bytes exceeds {MAX_FRAME}", Status.TOO_LARGE)
     try:
-        return cls.from_bytes(recv_exact(sock, size))
+        return cls.from_bytes(recv_exact(sock, size, deadline=deadline))
     except FormatError as exc:
         raise ProtocolError(f"malformed {cls.KIND}: {exc}", Status.BAD_REQUEST) from exc

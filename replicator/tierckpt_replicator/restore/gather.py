@@ -90,7 +90,8 @@ async def compute_plan(
         before_sleep=asking_again,
         retry_error_callback=_result,  # after the last round, its plan is believed
     )
-    plan, inventories = await rounds(ask_all)
+    result: tuple[RestorePlan, list[NodeInventory]] = await rounds(ask_all)  # tenacity infers no result type
+    plan, inventories = result
     log.info(
         "restore %s: step %s from %d of %d inventories (%s)",
         job,

@@ -220,8 +220,11 @@ class Stager:
                 retry_error_callback=_result,  # the last round's (None, why)
             )
             started = time.monotonic()
-            async with sem:
-                tier, why = await rounds(self._try_sources, job, rank, step, plan, assignment, rep)
+            async with sem:  # (tenacity infers no result type: the annotation gives it)
+                result: tuple[Tier | None, str] = await rounds(
+                    self._try_sources, job, rank, step, plan, assignment, rep
+                )
+            tier, why = result
             if tier is not None:
                 self.metrics.restore_seconds.observe(time.monotonic() - started)
                 self._done(job, rank, rep, RestoreState.READY, tier, f"staged from {tier.value}")

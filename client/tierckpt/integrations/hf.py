@@ -1,0 +1,213 @@
+"""Hugging Face ``Trainer`` whose checkpoints go to the node's RAM disk and resume exactly.
+
+::
+
+    from tierckpt.integrations.hf import TierckptTrainer
+
+    trainer = TierckptTrainer(model=model, args=TrainingArguments(save_steps=100, ...), train_dataset=ds)
+    trainer.train()      # resumes from the newest step every rank holds, if there is one
+
+``TierckptTrainer`` is ``transformers.Trainer`` with its checkpointing moved into tierckpt, at the two
+places the Trainer itself checkpoints:
+
+* **saving**: ``_save_checkpoint`` (called on every rank whenever ``save_strategy``/``save_steps`` say
+  so) saves one step per rank with ``tierckpt.Checkpointer``: the model's ``state_dict``, optimizer, LR
+  scheduler, AMP ``GradScaler``, this rank's RNG states and the ``TrainerState`` (with the states of
+  stateful callbacks), instead of writing ``checkpoint-N`` directories;
+* **resuming**: ``train()`` (with ``resume_from_checkpoint`` None or True) loads the newest step every rank
+  holds into the model in place, strictly (a model of another architecture raises
+  ``tierckpt.StateMismatchError`` before anything is copied), and hands the rest to the Trainer's own
+  resume path: the ``TrainerState`` is staged as ``trainer_state.json`` in a private temporary directory
+  passed on as ``resume_from_checkpoint``, so the Trainer computes the epoch and the batches to skip
+  (the data position) exactly as for its own checkpoints, and the loading methods it calls
+  (``_load_from_checkpoint``, ``_load_optimizer_and_scheduler``, ``_load_scaler``,
+  ``_load_rng_state``) take the states from that step. A path given as ``resume_from_checkpoint``
+  resumes from that ``checkpoint-N`` directory as usual.
+
+A ``TrainerCallback`` alone cannot do this: the Trainer decides the data position from the checkpoint
+it resumes, before any callback runs. The methods overridden are private to ``transformers``; the
+tests run them against the pinned version. DeepSpeed and FSDP runs of the Trainer keep their own
+checkpoint engines (refused here with a clear error): for FSDP with tierckpt use Accelerate
+(``tierckpt.integrations.accelerate``) or DCP.
+
+``TierckptTrainer(..., tierckpt={"root": ..., "job": ..., "keep": 2, "resume": True})`` overrides the
+``$TIERCKPT_ROOT``/``$TIERCKPT_JOB`` defaults; other keys go to ``tierckpt.Checkpointer``. Mix
+``TierckptTrainerMixin`` into another ``Trainer`` subclass (``class T(TierckptTrainerMixin, SFTTrainer)``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import tempfile
+from typing import TYPE_CHECKING, Any
+
+__all__ = ["TierckptTrainer", "TierckptTrainerMixin"]
+
+log = logging.getLogger(__name__)
+
+_STATE_NAME = "trainer_state.json"  # the name transformers reads the TrainerState from
+
+
+class TierckptTrainerMixin:
+    """The tierckpt checkpointing of ``TierckptTrainer``, for any ``transformers.Trainer`` subclass."""
+
+    def __init__(self, *args: Any, tierckpt: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        options = dict(tierckpt or {})
+        self.tierckpt_resume: bool = bool(options.pop("resume", True))
+        self.tierckpt_options = options
+        self.tierckpt_restored_step: int | None = None
+        """The step ``train()`` resumed from (None: started fresh or from a directory)."""
+        self._tierckpt: Any = None
+        self._tierckpt_loaded: dict[str, Any] | None = None
+        self._tierckpt_dir: str | None = None
+
+    # ------------------------------------------------------------------------------- the checkpointer
+
+    def _tierckpt_checkpointer(self) -> Any:
+        if self._tierckpt is None:
+            if self.is_deepspeed_enabled or self.is_fsdp_enabled:  # type: ignore[attr-defined]
+                raise NotImplementedError(
+                    "TierckptTrainer does not checkpoint DeepSpeed or FSDP runs of the Trainer (they write "
+                    "their own checkpoint files); use tierckpt.integrations.accelerate or tierckpt.dcp"
+                )
+            from tierckpt.checkpointer import Checkpointer
+
+            args = self.args  # type: ignore[attr-defined]
+            options = {"keep": 2, **self.tierckpt_options}
+            self._tierckpt = Checkpointer(rank=args.process_index, world_size=args.world_size, **options)
+        return self._tierckpt
+
+    def _tierckpt_state(self) -> dict[str, Any]:
+        scaler = getattr(self.accelerator, "scaler", None)  # type: ignore[attr-defined]
+        from tierckpt.integrations.rng import collect_rng_states
+
+        return {
+            "model": self.model.state_dict(),  # type: ignore[attr-defined]
+            "optimizer": self.optimizer.state_dict(),  # type: ignore[attr-defined]
+            "scheduler": self.lr_scheduler.state_dict(),  # type: ignore[attr-defined]
+            "scaler": None if scaler is None else scaler.state_dict(),
+            "rng": collect_rng_states(),
+            "trainer_state": json.dumps(dataclasses.asdict(self.state)),  # type: ignore[attr-defined]
+        }
+
+    # ------------------------------------------------------------------------------- saving
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        """Where the Trainer saves ``checkpoint-N``: save the step to the ramdisk instead (every rank)."""
+        from transformers.trainer_callback import ExportableState
+
+        if self.hp_search_backend is None and trial is None:  # type: ignore[attr-defined]
+            self.store_flos()  # type: ignore[attr-defined]
+        state = self.state  # type: ignore[attr-defined]
+        for cb in [*self.callback_handler.callbacks, self.control]:  # type: ignore[attr-defined]
+            if isinstance(cb, ExportableState):  # as the Trainer records them before saving its state
+                name = type(cb).__name__
+                if isinstance(state.stateful_callbacks.get(name), list):
+                    state.stateful_callbacks[name].append(cb.state())
+                else:
+                    state.stateful_callbacks[name] = cb.state()
+        self._tierckpt_checkpointer().save(state.global_step, self._tierckpt_state())
+        log.info("saved step %d to the ramdisk", state.global_step)
+
+    # ------------------------------------------------------------------------------- resuming
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        """``Trainer.train``; None or True first resume from the newest step on the ramdisk, if any."""
+        try:
+            if resume_from_checkpoint in (None, True) and self.tierckpt_resume:
+                staged = self._tierckpt_restore()
+                if staged is not None:
+                    resume_from_checkpoint = staged
+            return super().train(resume_from_checkpoint, *args, **kwargs)  # type: ignore[misc]
+        finally:
+            self._tierckpt_loaded = None
+            if self._tierckpt_dir is not None:
+                shutil.rmtree(self._tierckpt_dir, ignore_errors=True)
+                self._tierckpt_dir = None
+            if self._tierckpt is not None:
+                self._tierckpt.close()
+                self._tierckpt = None
+
+    def _tierckpt_restore(self) -> str | None:
+        """Load the newest common step (the model in place); stage its TrainerState for the Trainer."""
+        loaded: dict[str, Any] = {
+            "model": self.model.state_dict(),  # type: ignore[attr-defined]
+            "optimizer": {},
+            "scheduler": {},
+            "scaler": None,
+            "rng": None,
+            "trainer_state": None,
+        }
+        step = self._tierckpt_checkpointer().load(loaded, allow_missing=True)
+        self.tierckpt_restored_step = step
+        if step is None:
+            return None
+        self._tierckpt_loaded = loaded
+        self._tierckpt_dir = tempfile.mkdtemp(prefix="tierckpt-hf-")
+        with open(os.path.join(self._tierckpt_dir, _STATE_NAME), "w") as f:
+            f.write(loaded["trainer_state"])
+        log.info("resuming from step %d of the ramdisk", step)
+        return self._tierckpt_dir
+
+    def _restoring(self, checkpoint: str | None) -> dict[str, Any] | None:
+        return self._tierckpt_loaded if checkpoint is not None and checkpoint == self._tierckpt_dir else None
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        if self._restoring(resume_from_checkpoint) is None:
+            super()._load_from_checkpoint(resume_from_checkpoint, model)  # type: ignore[misc]
+        # else: the weights were loaded in place by _tierckpt_restore
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        loaded = self._restoring(checkpoint)
+        if loaded is None:
+            super()._load_optimizer_and_scheduler(checkpoint)  # type: ignore[misc]
+            return
+        self.optimizer.load_state_dict(loaded["optimizer"])  # type: ignore[attr-defined]
+        self.lr_scheduler.load_state_dict(loaded["scheduler"])  # type: ignore[attr-defined]
+
+    def _load_scaler(self, checkpoint: str | None) -> None:
+        loaded = self._restoring(checkpoint)
+        if loaded is None:
+            super()._load_scaler(checkpoint)  # type: ignore[misc]
+            return
+        scaler = getattr(self.accelerator, "scaler", None)  # type: ignore[attr-defined]
+        if scaler is not None and loaded["scaler"]:
+            scaler.load_state_dict(loaded["scaler"])
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        loaded = self._restoring(checkpoint)
+        if loaded is None:
+            super()._load_rng_state(checkpoint)  # type: ignore[misc]
+            return
+        from tierckpt.integrations.rng import set_rng_states
+
+        set_rng_states(loaded["rng"])
+
+
+if TYPE_CHECKING:
+    from transformers import Trainer
+
+    class TierckptTrainer(TierckptTrainerMixin, Trainer):
+        """Built on first use by ``__getattr__`` (importing this module does not import transformers)."""
+
+
+def __getattr__(name: str) -> Any:
+    if name != "TierckptTrainer":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from transformers import Trainer
+
+    trainer = type(
+        "TierckptTrainer",
+        (TierckptTrainerMixin, Trainer),
+        {
+            "__doc__": "``transformers.Trainer`` checkpointing to the node's RAM disk (see the module).",
+            "__module__": __name__,
+        },
+    )
+    globals()[name] = trainer
+    return trainer

@@ -1,0 +1,162 @@
+"""Warm from the first save: slots are prepared in the background, and a save never sees a half-prepared one.
+
+The warm-up thread is held inside the pre-fault of a chosen slot (a gate on the real pre-fault), so a
+save arrives exactly while that slot is half-prepared.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+from tests.client.client_helpers import assert_same
+from tierckpt import Checkpointer
+from tierckpt.protocol.format import step_dir
+from tierckpt.snapshot import shardfile
+from tierckpt.snapshot.pool import SPARE_DIR
+from tierckpt.snapshot.shardfile import MappedFile
+
+
+def state_of(value: float) -> dict:
+    return {
+        "w": torch.full((2 << 20,), value),
+        "b": [torch.full((100,), value) for _ in range(5)],
+        "n": value,
+    }
+
+
+class WarmGate:
+    """Holds the warm-up thread in the pre-fault of its ``hold``-th slot until ``release``."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, hold: int) -> None:
+        self.hold = hold
+        self.slots_started = 0
+        self.holding = threading.Event()
+        self.released = threading.Event()
+        real = shardfile._populate
+
+        def populate(mm, address, start, length, *, write):
+            if threading.current_thread().name.startswith("tierckpt-warm"):
+                self.slots_started += 1
+                if self.slots_started == self.hold:
+                    self.holding.set()
+                    assert self.released.wait(30)
+            real(mm, address, start, length, write=write)
+
+        monkeypatch.setattr(shardfile, "_populate", populate)
+
+    def release(self) -> None:
+        self.released.set()
+
+
+def files_of(ck: Checkpointer, step: int) -> list[MappedFile]:
+    slot = ck._pool.slot_of(step)
+    assert slot is not None
+    return slot.files
+
+
+def test_prepare_without_blocking_returns_at_once_and_a_save_takes_a_ready_slot(root, job, monkeypatch):
+    gate = WarmGate(monkeypatch, hold=2)  # the first slot gets ready, the second stays half-prepared
+    state = state_of(1.0)
+    with Checkpointer(root=root, job=job, keep=2) as ck:
+        future = ck.prepare(state, blocking=False)
+        assert gate.holding.wait(30) and not future.done()
+        assert ck._pool.ready_spares == 1
+        start = time.perf_counter()
+        ck.save(1, state, blocking=True)  # takes the ready slot; never waits for the held one
+        assert time.perf_counter() - start < 10 and not future.done()
+        assert all(f.populated and f.size == f.disk_size() for f in files_of(ck, 1))
+        half = [d for d in (ck.rank_path / SPARE_DIR).iterdir() if d.name.endswith("-new")]
+        assert half, "the half-prepared slot stays a spare"
+        gate.release()
+        future.result(30)
+        dest = {}
+        assert ck.load(dest) == 1
+    assert_same(state, dest)
+
+
+def test_a_save_during_warm_up_waits_for_the_slot_being_prepared_not_a_half_one(root, job, monkeypatch):
+    gate = WarmGate(monkeypatch, hold=1)  # nothing is ready: the first slot is half-prepared
+    state = state_of(2.0)
+    with Checkpointer(root=root, job=job, keep=2) as ck:
+        future = ck.prepare(state, blocking=False)
+        assert gate.holding.wait(30)
+        created = []
+        real_create = MappedFile.create
+
+        def create(cls, path, size):
+            created.append(path)
+            return real_create(path, size)
+
+        monkeypatch.setattr(MappedFile, "create", classmethod(create))
+        saver = threading.Thread(target=lambda: ck.save(1, state, blocking=True))
+        saver.start()
+        saver.join(0.5)
+        assert saver.is_alive(), "the save must not take the half-prepared slot"
+        gate.release()
+        saver.join(30)
+        assert not saver.is_alive()
+        future.result(30)
+        assert all(f.populated for f in files_of(ck, 1))
+        assert not [p for p in created if p.parent == step_dir(ck.rank_path, 1)], "it used the warmed slot"
+        dest = {}
+        assert ck.load(dest) == 1
+    assert_same(state, dest)
+
+
+def test_after_the_first_save_the_spares_are_prepared_in_the_background(root, job, monkeypatch):
+    state = state_of(3.0)
+    with Checkpointer(root=root, job=job, keep=2) as ck:
+        ck.save(1, state, blocking=True)
+        ck._registering.result(30)
+        assert ck._pool.ready_spares == 2  # keep + 1 slots: the committed one and two spares
+        on_training_thread = []
+        real_create = MappedFile.create
+
+        def create(cls, path, size):
+            if threading.current_thread() is threading.main_thread():
+                on_training_thread.append(path)
+            return real_create(path, size)
+
+        monkeypatch.setattr(MappedFile, "create", classmethod(create))
+        for step in range(2, 6):
+            ck.save(step, state_of(float(step)), blocking=True)
+        assert on_training_thread == [], "no save after the first creates or faults a data file"
+        dest = {}
+        assert ck.load(dest) == 5
+    assert_same(state_of(5.0), dest)
+
+
+def test_a_restarted_writer_reuses_the_slots_on_the_ramdisk_without_faulting_new_pages(root, job):
+    state = state_of(4.0)
+    with Checkpointer(root=root, job=job, keep=2) as ck:
+        for step in range(1, 5):
+            ck.save(step, state, blocking=True)
+        spare = next((ck.rank_path / SPARE_DIR).iterdir()) / "data-00000.bin"
+        spare_inode = os.stat(spare).st_ino
+    with Checkpointer(root=root, job=job, keep=2) as ck:
+        ck._registering.result(30)  # the adopted spare was prepared in the background
+        assert ck._pool.ready_spares == 1
+        ck.save(5, state, blocking=True)
+        assert os.stat(step_dir(ck.rank_path, 5) / "data-00000.bin").st_ino == spare_inode
+        dest = {}
+        assert ck.load(dest) == 5
+    assert_same(state, dest)
+
+
+def test_close_during_warm_up_stops_it_and_keeps_what_is_committed(root, job, monkeypatch):
+    gate = WarmGate(monkeypatch, hold=2)
+    state = state_of(5.0)
+    ck = Checkpointer(root=root, job=job, keep=2)
+    ck.save(1, state, blocking=True)
+    assert gate.holding.wait(30)
+    threading.Timer(0.2, gate.release).start()
+    ck.close()  # waits for the slot being prepared, then stops
+    with Checkpointer(root=root, job=job, keep=2) as again:
+        dest = {}
+        assert again.load(dest) == 1
+    assert_same(state, dest)

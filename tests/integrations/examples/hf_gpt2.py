@@ -1,0 +1,80 @@
+"""A tiny GPT-2 (config built here, nothing downloaded) trained by ``TierckptTrainer``, under torchrun.
+
+Run by tests/integrations/test_hf.py. The region between the ``snippet`` markers is the Hugging Face
+example of docs/integration.md (kept identical by tests/integrations/test_docs_snippets.py).
+``PAUSE_AT``: hold training after that step until the process is killed. Rank 0 writes the final
+weights to ``$RESULT``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainingArguments
+
+# --8<-- [start:snippet]
+from tierckpt.integrations.hf import TierckptTrainer
+
+# --8<-- [end:snippet]
+
+
+class TokenDataset(torch.utils.data.Dataset):
+    """Random token sequences (a fixed seed): language modelling on noise, enough to move the weights."""
+
+    def __init__(self, n: int = 48, length: int = 16) -> None:
+        self.tokens = torch.randint(0, 64, (n, length), generator=torch.Generator().manual_seed(0))
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.tokens[i], "labels": self.tokens[i]}
+
+
+class PauseAt(TrainerCallback):
+    def __init__(self, step: int, marker: Path) -> None:
+        self.step, self.marker = step, marker
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.global_step == self.step:
+            self.marker.with_name(f"{self.marker.name}.{args.process_index}").touch()
+            while True:
+                time.sleep(0.05)
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2))
+    dataset = TokenDataset()
+    callbacks = []
+    if os.environ.get("PAUSE_AT"):
+        callbacks.append(PauseAt(int(os.environ["PAUSE_AT"]), Path(os.environ["RESULT"] + ".paused.0")))
+
+    # --8<-- [start:snippet]
+    args = TrainingArguments(
+        output_dir="out",
+        max_steps=16,
+        per_device_train_batch_size=4,
+        save_strategy="steps",
+        save_steps=4,  # each save goes to the ramdisk: $TIERCKPT_ROOT/$TIERCKPT_JOB
+        use_cpu=True,
+        report_to="none",
+    )
+    trainer = TierckptTrainer(model=model, args=args, train_dataset=dataset, callbacks=callbacks)
+    trainer.train()  # resumes from the newest step every rank holds
+    # --8<-- [end:snippet]
+
+    if trainer.args.process_index == 0:
+        torch.save(
+            {"weights": model.state_dict(), "restored_step": trainer.tierckpt_restored_step},
+            os.environ["RESULT"],
+        )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,232 @@
+"""Nothing sent before authentication can stall a node: real replicator processes on three network
+namespaces (tierckpt_demo.cluster), attacked from the host's address on the bridge.
+
+* Data port: idle and trickling connections hold no transfer slot, so a real push to the assigned peer
+  and a real restore fetch from it go through while they are open; each trickler is closed at the
+  handshake deadline; the node stays healthy.
+* Control API: 200 connections trickling their headers (slowloris) do not starve the probes, which
+  have a port and server of their own; a real API call from another node still succeeds; every
+  trickling connection is closed by the header deadline (or at once, past the per-source limit).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import selectors
+import socket
+import struct
+import sys
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from tests.fixtures.cluster import (
+    TEST_REPLICATOR_ARGS,
+    commit_everywhere,
+    committed,
+    new_job,
+    replica_path,
+    wait_restored,
+)
+from tierckpt.protocol.control import RestoreState, Tier
+from tierckpt.protocol.format import rank_dir, step_dir
+from tierckpt_demo.cluster import LocalCluster, has_netns
+from tierckpt_demo.step_writer import step_files
+from tierckpt_replicator.replication.wire import MAGIC
+
+pytestmark = [
+    pytest.mark.root,
+    pytest.mark.e2e,
+    pytest.mark.slow,
+    pytest.mark.skipif(not has_netns(), reason="needs root and network namespaces (a source per node)"),
+]
+
+HANDSHAKE = 2.0
+HEADERS = 2.0
+API_PER_SOURCE = 32
+SLACK = 2.5
+"""How late a deadline's close may come on this shared 2-core machine (the accept loop, the reaper)."""
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[LocalCluster]:
+    args = (
+        *TEST_REPLICATOR_ARGS,
+        "--handshake-timeout",
+        str(HANDSHAKE),
+        "--api-header-timeout",
+        str(HEADERS),
+        "--api-body-timeout",
+        str(HEADERS),
+        "--api-connections-per-source",
+        str(API_PER_SOURCE),
+    )
+    with LocalCluster(nodes=3, job=new_job("bounded"), k=1, ramdisk_size="96m", replicator_args=args) as c:
+        yield c
+
+
+@dataclasses.dataclass
+class Trickle:
+    """``count`` connections to ``host:port``, each sending ``payload`` one byte every ``interval``
+    seconds from one thread; with ``reconnect``, a closed connection is replaced by a new one.
+    ``lifetimes``: how long each closed connection lived (0 for one refused at connect)."""
+
+    host: str
+    port: int
+    payload: bytes
+    count: int
+    interval: float = 0.5
+    reconnect: bool = False
+    lifetimes: list[float] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._stop = threading.Event()
+        self._open: dict[socket.socket, tuple[float, int]] = {}  # socket -> (opened at, bytes sent)
+        self._selector = selectors.DefaultSelector()
+        self._thread = threading.Thread(target=self._run, name="trickle", daemon=True)
+
+    @property
+    def open(self) -> int:
+        return len(self._open)
+
+    def __enter__(self) -> Trickle:
+        for _ in range(self.count):
+            self._connect()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        for sock in list(self._open):
+            self._selector.unregister(sock)
+            sock.close()
+        self._open.clear()
+
+    def _connect(self) -> None:
+        try:
+            sock = socket.create_connection((self.host, self.port), timeout=2)
+        except OSError:  # refused or reset during the handshake: closed at once
+            self.lifetimes.append(0.0)
+            return
+        sock.setblocking(False)
+        self._open[sock] = (time.monotonic(), 0)
+        self._selector.register(sock, selectors.EVENT_READ)
+
+    def _closed(self, sock: socket.socket) -> None:
+        opened, _ = self._open.pop(sock)
+        self.lifetimes.append(time.monotonic() - opened)
+        self._selector.unregister(sock)
+        sock.close()
+        if self.reconnect and not self._stop.is_set():
+            self._connect()
+
+    def _run(self) -> None:
+        next_byte = time.monotonic()
+        while not self._stop.is_set():
+            for key, _ in self._selector.select(timeout=max(0.0, next_byte - time.monotonic())):
+                sock = key.fileobj
+                assert isinstance(sock, socket.socket)
+                try:
+                    if sock.recv(1 << 16):
+                        continue  # an answer (a refusal): the close follows
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    pass
+                self._closed(sock)
+            if time.monotonic() < next_byte:
+                continue
+            next_byte = time.monotonic() + self.interval
+            for sock, (opened, sent) in list(self._open.items()):
+                try:
+                    sock.send(self.payload[sent % len(self.payload) : sent % len(self.payload) + 1])
+                    self._open[sock] = (opened, sent + 1)
+                except OSError:
+                    self._closed(sock)
+
+    def wait_all_closed(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while self.open and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not self.open, f"{self.open} trickling connections still open after {timeout}s"
+
+
+# a request frame whose body never ends (one byte at a time), and HTTP headers that never end
+FRAME = MAGIC + struct.pack("!I", 60000) + b"x" * 60000
+HEADERS_FOREVER = b"GET /v1/status HTTP/1.1\r\nHost: replicator\r\nX-Slow: " + b"a" * 60000
+
+
+def healthy(cluster: LocalCluster, node) -> bool:
+    probes = httpx.get(f"{node.probe_endpoint}/readyz", timeout=2, trust_env=False)
+    return node.running and probes.status_code == 200 and cluster.api.status(node.endpoint).node == node.name
+
+
+def test_idle_and_trickling_data_connections_do_not_stop_a_push_or_a_restore(cluster):
+    a, b, _ = cluster.nodes
+    job = new_job("idle")
+    cluster.assign(job)
+    # the attacker is the host (its address on the bridge): a source of its own, like a pod
+    with Trickle(b.ip, b.data_port, FRAME, count=6, interval=0.5, reconnect=True) as trickle:
+        time.sleep(0.5)  # the crowd is connected before the push starts (more than --max-incoming)
+        sources = commit_everywhere(cluster, job, 10)
+        # the push goes to the ASSIGNED peer (b), not around it: b served it despite the crowd
+        replica = replica_path(b, job, 0, 10)
+        cluster.wait_for(lambda: committed(replica), timeout=20, what=f"rank 0's replica on {b.name}")
+        assert step_files(replica) == step_files(sources[0])
+        # a restore fetch from b, while the crowd goes on: a loses its ramdisk and comes back
+        a.kill_replicator()
+        a.wipe_ramdisk()
+        a.start_replicator()
+        cluster.assign(job, generation=2)
+        st = wait_restored(a, job, 0, timeout=30)
+        assert st.state == RestoreState.READY and st.source == Tier.PEER and st.step == 10
+        assert step_files(step_dir(rank_dir(a.root, job, 0), 10)) == step_files(sources[0])
+        assert trickle.open > 0  # still being attacked all along
+        # every one of the crowd is dropped at the handshake deadline (and replaced: reconnect)
+        cluster.wait_for(lambda: len(trickle.lifetimes) >= 6, timeout=HANDSHAKE + SLACK + 1, what="drops")
+    # every trickler was closed at the handshake deadline (never earlier, never much later)
+    lived = [t for t in trickle.lifetimes if t > 0]
+    assert len(lived) >= 6, trickle.lifetimes
+    assert all(HANDSHAKE - 0.3 <= t <= HANDSHAKE + SLACK for t in lived), trickle.lifetimes
+    assert healthy(cluster, b)
+
+
+def test_slowloris_on_the_api_does_not_starve_the_probes(cluster):
+    _, b, c = cluster.nodes
+    with Trickle(b.ip, b.api_port, HEADERS_FOREVER, count=200, interval=0.5) as trickle:
+        started = time.monotonic()
+        time.sleep(0.5)
+        assert trickle.open >= API_PER_SOURCE - 2  # the attack is on: up to its per-source share is held
+        with httpx.Client(base_url=b.probe_endpoint, timeout=2, trust_env=False) as probes:
+            for _ in range(5):
+                t0 = time.monotonic()
+                assert probes.get("/healthz").status_code == 200
+                assert probes.get("/readyz").status_code == 200
+                assert probes.get("/metrics").status_code == 200
+                assert time.monotonic() - t0 < 1.0
+                time.sleep(0.1)
+        # a real API call, from another node (another source), goes through meanwhile
+        call = c.run_in_node(
+            [sys.executable, "-c", _STATUS_CALL, b.endpoint, str(cluster.token_file)], timeout=60
+        )
+        assert call.stdout.split() == ["200", b.name], call.stderr
+        assert trickle.open > 0 and time.monotonic() - started < HEADERS  # still under attack then
+        trickle.wait_all_closed(HEADERS + SLACK)
+    refused = [t for t in trickle.lifetimes if t < 1.0]
+    held = [t for t in trickle.lifetimes if t >= 1.0]
+    assert len(refused) >= 200 - API_PER_SOURCE  # past the per-source limit: closed at once
+    assert held and all(HEADERS - 0.3 <= t <= HEADERS + SLACK for t in held), trickle.lifetimes
+    assert healthy(cluster, b)
+
+
+_STATUS_CALL = """
+import sys, httpx
+token = open(sys.argv[2]).read().strip()
+r = httpx.get(sys.argv[1] + "/v1/status", headers={"Authorization": "Bearer " + token}, timeout=10,
+              trust_env=False)
+print(r.status_code, r.json().get("node"))
+"""
