@@ -73,12 +73,8 @@ def workdir(huge: str) -> Iterator[Path]:
     mounted = False
     try:
         if can_mount():
-            mount_tmpfs(base, "4g")
+            mount_tmpfs(base, "4g", huge=huge)
             mounted = True
-            if huge != "never":
-                import subprocess
-
-                subprocess.run(["mount", "-o", f"remount,huge={huge}", str(base)], check=True)
         yield base
     finally:
         if mounted:

@@ -653,6 +653,7 @@ def training_slowdown(
     loader.stop.set()
     loader.active.set()
     loader.join()
+    loader.cleanup()
     if loader.error is not None:
         raise loader.error
     phases: dict[str, list[float]] = {"idle": [], "replicating": []}
@@ -727,6 +728,12 @@ class _Load(threading.Thread):
             self._run()
         except BaseException as exc:
             self.error = exc
+
+    def cleanup(self) -> None:
+        """Remove the template and the steps committed (the next run starts from an empty rank)."""
+        subprocess.run(["rm", "-rf", str(self.template)], check=True)
+        for old in self.parent.glob("step-*"):
+            subprocess.run(["rm", "-rf", str(old)], check=False)
 
     def _run(self) -> None:
         step = self.first + 1

@@ -3,15 +3,17 @@ rebuild it, at ``(k + m) / k`` times its size instead of the ``1 + m`` times of 
 
 **Library**: PyECLib (OpenStack Swift's binding of liberasurecode) with its ISA-L Cauchy Reed-Solomon
 backend (``isa_l_rs_cauchy``); both ship inside the wheels (x86-64 and aarch64), the coding is SIMD and
-runs without the GIL. Measured on the 2-vCPU dev VM per CPU-second, coding 256 MiB in stripes of
-k x 256 KiB (bench/erasure_bench.py, docs/benchmarks.md): ISA-L encodes ~7-9 GB/s and decodes
-~10-14 GB/s for (k, m) = (2, 1) and (4, 2); zfec 1.6.0.0 does ~1.3-2.7 GB/s both ways (and its
-``Decoder.decode`` wrote into the immutable ``bytes`` of a parity block passed to it: a second decode of
-the same blocks returned garbage); reed-solomon-leopard encodes fast but decodes at ~2 GB/s and holds
-the GIL; liberasurecode's own ``liberasurecode_rs_vand`` is 5-10x slower than ISA-L. Coding a whole
-256 MiB buffer in one call is ~10x slower for every library (each call faults in fresh output pages),
-hence the stripes. Cauchy rather than ``isa_l_rs_vand``: ISA-L's Vandermonde matrix is not invertible
-for every loss pattern once ``m >= 5``; Cauchy always is, at the same speed.
+runs without the GIL. Measured on the 2-vCPU dev VM (bench/erasure_bench.py --compare, docs/benchmarks.md),
+coding stripes of k x 256 KiB, GB per CPU-second, encode / decode with m data fragments lost: ISA-L
+Cauchy 13.1 / 18.2 for (k, m) = (2, 1) and 11.2 / 15.8 for (4, 2); zfec 1.6.0.0 2.7 / 2.8 and
+1.4 / 1.4 (and its ``Decoder.decode`` wrote into the immutable ``bytes`` of a parity block passed to
+it: a second decode of the same blocks returned garbage); reed-solomon-leopard 12.8 / 1.9 and
+9.7 / 2.2 (and it holds the GIL); liberasurecode's own ``liberasurecode_rs_vand`` 7.7 / 9.9 and
+1.2 / 0.7. Coding a whole 256 MiB buffer in one call gives 0.4-0.8 for every library (each call faults
+in fresh output pages), hence the stripes. Cauchy rather than ``isa_l_rs_vand`` (as fast): ISA-L's
+Vandermonde matrix is not invertible for every loss pattern once ``m >= 5`` (measured: 10 of the first
+3001 patterns of 5 lost fragments failed to decode with k=10, m=5, 20 with k=8, m=6); Cauchy decoded
+them all.
 
 **Layout**: the step's files, concatenated in manifest order, are cut into stripes of
 ``k * PIECE`` bytes (the last one shorter). Each stripe is encoded into ``k + m`` pieces: a 80-byte

@@ -1,19 +1,40 @@
 """Moving shard bytes with bounded memory and one pass of verification.
 
 Sending (``send_file``): ``socket.sendfile`` (the kernel sends straight from the tmpfs page cache;
-the default), or, with ``method="mmap"``, a read-only mapping handed to ``sendall`` in 4 MiB slices.
-Measured on this project's development VM (2 vCPUs, Linux 6.18, veth; bench/replicator_bench.py):
-sendfile moves a 256 MiB step 5-18% faster (median 11%, 14 runs) and costs the sender ~0.3
-CPU-s/GiB against ~0.5 for the mapping. Both go in chunks so the token bucket and the progress
-callback see every few MiB.
+the default), or, with ``method="mmap"``, a read-only mapping handed to ``sendall`` in 4 MiB slices;
+on a TLS socket the bytes are read into a 1 MiB block and sent from there (they must reach user space
+to be encrypted). Measured on the development VM (2 vCPUs, Linux 6.18, veth; bench/replicator_bench.py):
+sendfile moves a 256 MiB step 5-18% faster than the mapping (median 11%, 14 runs). Chunks let the
+token bucket and the progress callback act every few MiB.
 
-Receiving (``receive_file``): the destination is preallocated first (a full ramdisk fails before a
-byte is read). Bytes are ``recv_into``-ed a ring of three 4 MiB buffers; a second thread computes each
-chunk's crc32c while it is still in cache and ``pwrite``-s it into place. Writing whole pages
-through ``pwrite`` spares tmpfs the zeroing of preallocated pages that a write through a shared
-mapping costs on the first touch of each page, so receiving straight into a mapping of the file is
-slower despite its single copy (measured: ~0.65 vs ~0.85 CPU-s/GiB, 1.16 vs 0.91 GB/s); so is
-``splice`` socket -> pipe -> file (1.06 GB/s). At most the ring is in memory.
+Receiving (``receive_file``, ``copy_file``): the destination was preallocated
+(``stepio.create_preallocated``: a full ramdisk fails before a byte is read). One thread
+``recv_into``-s a 1 MiB block, takes its crc32c while it is in cache (C on its address: no copy, no
+GIL) and ``pwrite``-s it into place: the two copies any receiver writing a file makes, plus the crc.
+Works on TLS sockets. Receive loops measured side by side on the dev VM (256 MiB, veth; the
+receiver's CPU-seconds per GiB into a small-page / a huge-page tmpfs; interleaved rounds under a
+load average of 5 to 10, so ranges):
+
+================================================  ============  ===========================================
+receive loop                                      CPU-s/GiB     why it lost (or won)
+================================================  ============  ===========================================
+plain recv_into + pwrite, no crc (raw baseline)   0.64-0.68 /   the floor: TCP receive 0.22-0.25, page
+                                                  0.27-0.29     allocation 0.27-0.29, copy 0.12-0.14
+ring of 3 x 4 MiB, crc + pwrite on a 2nd thread   0.83-0.91 /   hand-offs between threads, 4 MiB blocks
+(until 2026-11)                                   0.42-0.46     fall out of cache between the passes
+**one thread, 1 MiB block (this module)**         0.65-0.74 /   = the floor + crc32c (0.04)
+                                                  0.28
+one thread, 256 KiB / 4 MiB block                 0.90 / 0.31   more calls / out of cache
+recv_into a shared mapping of the file            0.98-1.05 /   tmpfs zeroes each page on its first
+                                                  0.29-0.32     touch through a mapping, plus a fault
+splice socket -> pipe (1 MiB) -> file, crc32c     0.84-0.94 /   no user-space copy, but the crc32c must
+read back from a mapping (or pread)               0.26-0.31     read the pages back
+================================================  ============  ===========================================
+
+So the receiver is at its floor: the data path's receiver spends what ``recv_into`` + ``pwrite`` spends
+plus the crc32c. What remains between it and raw TCP into the ramdisk is the sender reading the
+ramdisk (``sendfile`` of small tmpfs pages: ~0.4 CPU-s/GiB against ~0.2 for a cached buffer) and the
+protocol's fixed costs (lease, header, commit). Ratios and figures: docs/benchmarks.md.
 """
 
 from __future__ import annotations
