@@ -583,9 +583,11 @@ def bytes_out(node: Node) -> float:
     """Step bytes ``node``'s replicator has sent so far (its ``/metrics``)."""
     import httpx
 
-    text = httpx.get(f"{node.endpoint}/metrics", timeout=10).text
+    text = httpx.get(f"{node.probe_endpoint}/metrics", timeout=10).text
     m = re.search(r'^tierckpt_replicator_transfer_bytes_total\{direction="out"\} (\S+)$', text, re.M)
-    return float(m.group(1)) if m else 0.0
+    if m is None and "tierckpt_replicator_transfer_bytes" not in text:
+        raise RuntimeError(f"{node.name}: no transfer_bytes_total in its /metrics")
+    return float(m.group(1)) if m else 0.0  # the label appears with the first transfer
 
 
 def _renice(cluster: LocalCluster, nice: int) -> None:
