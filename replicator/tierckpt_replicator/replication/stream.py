@@ -68,7 +68,7 @@ __all__ = [
 CHUNK = 4 << 20
 """Bytes per send call (the token bucket and the progress callback see every few MiB)."""
 BLOCK = 1 << 20
-"""Receive buffer: each block is checksummed and written while it is still in the CPU's cache."""
+"""Receive block (and TLS send block): each is checksummed and written while it is in the CPU's cache."""
 
 OnBytes = Callable[[int], None]
 SendMethod = Literal["mmap", "sendfile"]
