@@ -34,9 +34,11 @@ Every transfer path is measured once per round and rounds are interleaved, so a 
 machine's load hits all of them; figures are medians over rounds.
 
 The ramdisks are tmpfs mounts; ``--huge`` sets their ``huge=`` option: ``within_size`` (default: what
-the chart's CSI driver mounts, ``ramdisk.hugePages``), or ``never`` (the demo's plain tmpfs, where
-allocating and writing 4 KiB pages costs several times more CPU). In loopback mode the cluster
-lives under ``$TMPDIR``: point it at a tmpfs (bench/device_replication.sh does).
+the chart's CSI driver and the demo rig mount), or ``never`` (4 KiB pages, where allocating and writing
+pages costs several times more CPU; the steadier choice on a VM whose virtio-balloon reports free pages
+to the host, where each fresh huge page faults on the host at its first touch, as on the dev VM). In
+loopback mode the cluster lives under ``$TMPDIR``: point it at a tmpfs (bench/device_replication.sh
+does).
 
 Run as root from the repository root: ``.venv/bin/python bench/replicator_bench.py [--size-mib 256]
 [--stages] [--receivers] [--json]``. Needs about 4x ``--size-mib`` of RAM for the ramdisks plus 3x

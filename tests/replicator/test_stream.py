@@ -25,7 +25,9 @@ SIZES = [1, BLOCK - 1, BLOCK, 3 * BLOCK + 12_345]
 
 @pytest.fixture(scope="module")
 def cert(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A throwaway self-signed certificate and key (PEM) for localhost."""
+    """A throwaway self-signed certificate and key (PEM) for localhost (``cryptography`` comes with
+    google-auth, a dependency of the replicator extra)."""
+    pytest.importorskip("cryptography")
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
