@@ -65,7 +65,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tierckpt.protocol.control import RestoreState, RestoreStatus, read_control, restore_status_name
+from tierckpt.protocol.control import RestoreState, RestoreStatus, read_restore_status
 from tierckpt.protocol.format import (
     commit_step,
     rank_dir,
@@ -298,7 +298,7 @@ import ctypes, mmap, os, queue, socket, ssl, sys, threading, time
 from pathlib import Path
 from tierckpt.protocol.integrity import crc32c_address
 from tierckpt_replicator.replication.stream import BLOCK, receive_file
-from tierckpt_replicator.stepio import create_preallocated
+from tierckpt_replicator.stepio import preallocate
 mode, size, port, dest, cert = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4]), sys.argv[5]
 s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
 s.bind(("0.0.0.0", port)); s.listen(1); print("ready", flush=True)
@@ -307,7 +307,7 @@ if mode == "tls":
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER); ctx.load_cert_chain(cert)
     c = ctx.wrap_socket(c, server_side=True)
 t0 = time.perf_counter()
-create_preallocated(dest, size)
+fd = os.open(dest, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644); preallocate(fd, size, str(dest)); os.close(fd)
 
 def behind(base):  # a thread computing the crc32c of each range right after it was written
     ends, state = queue.SimpleQueue(), {"crc": 0, "done": 0}
@@ -319,7 +319,7 @@ def behind(base):  # a thread computing the crc32c of each range right after it 
     return ends, t, state
 
 if mode in ("replicator", "tls"):
-    crc = receive_file(c, dest, size)
+    fd = os.open(dest, os.O_WRONLY); crc = receive_file(c, fd, size, where=str(dest)); os.close(fd)
 else:
     fd = os.open(dest, os.O_RDWR); mm = mmap.mmap(fd, size); head = ctypes.c_char.from_buffer(mm)
     ends, t, state = behind(ctypes.addressof(head)); done = 0
@@ -348,7 +348,7 @@ dest.unlink()
 """
 
 _TX_FILE = """
-import socket, ssl, sys
+import os, socket, ssl, sys
 from pathlib import Path
 from tierckpt_replicator.replication.stream import send_file
 path, host, port, method, tls = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5]
@@ -357,7 +357,8 @@ with socket.create_connection((host, port)) as s:
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
         ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
         s = ctx.wrap_socket(s)
-    send_file(s, path, path.stat().st_size, method=method)
+    fd = os.open(path, os.O_RDONLY)
+    send_file(s, fd, os.fstat(fd).st_size, where=str(path), method=method)
     try:  # until the receiver hangs up: closing over unread bytes (a TLS ticket) would reset the stream
         s.recv(1)
     except OSError:
@@ -489,7 +490,7 @@ def wait_ready(node: Node, job: str, rank: int, timeout: float = 300) -> Restore
     deadline = time.monotonic() + timeout
     while True:
         try:
-            st = read_control(node.root, job, restore_status_name(rank), RestoreStatus)
+            st = read_restore_status(node.root, job, rank)
         except Exception:
             st = None
         if isinstance(st, RestoreStatus) and st.state in (RestoreState.READY, RestoreState.FAILED):

@@ -21,6 +21,7 @@ from tierckpt_cli._common import (
 __all__ = ["demo_command"]
 
 _SCENARIOS = "local,peer,gcs"
+_DCP_SCENARIOS = "local,peer,gcs,shrink"
 
 
 def _scenarios(text: str) -> tuple[str, ...]:
@@ -34,7 +35,7 @@ def _scenarios(text: str) -> tuple[str, ...]:
 
 
 def demo_command(
-    nodes: int = typer.Option(4, "--nodes", "-n", min=1, max=64, help="Simulated nodes (one rank each)."),
+    nodes: int = typer.Option(4, "--nodes", "-n", min=1, max=64, help="Simulated nodes."),
     model_size: str = typer.Option(
         "small",
         "--model-size",
@@ -43,8 +44,23 @@ def demo_command(
     ),
     steps: int = typer.Option(40, "--steps", min=1, help="Training steps in all."),
     checkpoint_every: int = typer.Option(5, "--checkpoint-every", min=2, help="Steps between checkpoints."),
-    scenarios: str = typer.Option(
-        _SCENARIOS, "--scenarios", help="Comma list of failures to inject, in order."
+    scenarios: str | None = typer.Option(
+        None,
+        "--scenarios",
+        help=f"Comma list of failures to inject, in order ({_SCENARIOS}; with --dcp {_DCP_SCENARIOS}).",
+    ),
+    dcp: bool = typer.Option(
+        False,
+        "--dcp",
+        help="An FSDP2 model checkpointed through PyTorch DCP (several ranks per node), with a 'shrink' "
+        "scenario: a node lost for good, the job resumes on fewer ranks, resharded.",
+    ),
+    procs_per_node: int | None = typer.Option(
+        None,
+        "--procs-per-node",
+        min=1,
+        max=16,
+        help="Training processes per node (1; 2 with --dcp).",
     ),
     keep_workdir: bool = typer.Option(False, "--keep-workdir", help="Keep events and logs (path printed)."),
     as_json: bool = typer.Option(
@@ -67,7 +83,10 @@ def demo_command(
         300.0, "--timeout", min=5.0, help="Longest wait for one phase [s].", hidden=True
     ),
 ) -> None:
-    """Run a local cluster, train a small model, break it three ways, and check every recovery."""
+    """Run a local cluster, train a small model, break it three ways, and check every recovery.
+
+    With --dcp the model is sharded with FSDP2 and checkpointed through PyTorch DCP, and a fourth failure
+    shrinks the job: it resumes on fewer nodes, resharding the checkpoint from the peers."""
     with cli_errors():
         from tierckpt_demo.report import render_report
         from tierckpt_demo.run import DemoOptions, run_demo
@@ -77,13 +96,15 @@ def demo_command(
             model_size=model_size,
             steps=steps,
             checkpoint_every=checkpoint_every,
-            scenarios=_scenarios(scenarios),
+            scenarios=_scenarios(scenarios or (_DCP_SCENARIOS if dcp else _SCENARIOS)),
             keep_workdir=keep_workdir,
             seed=seed,
             replicas=replicas,
             netns=False if loopback else None,
             timeout=timeout,
             flip_bit=flip_bit,
+            dcp=dcp,
+            procs_per_node=procs_per_node or (2 if dcp else 1),
         )
         try:
             options.validate()

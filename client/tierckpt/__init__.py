@@ -22,6 +22,7 @@ from tierckpt.protocol.errors import (
     SaveInProgressError,
     StateMismatchError,
     TierckptError,
+    WorldSizeMismatchError,
 )
 
 if TYPE_CHECKING:
@@ -40,6 +41,7 @@ __all__ = [
     "SaveInProgressError",
     "StateMismatchError",
     "TierckptError",
+    "WorldSizeMismatchError",
     "__version__",
 ]
 

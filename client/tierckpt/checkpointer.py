@@ -21,7 +21,6 @@ import dataclasses
 import errno
 import logging
 import os
-import pickle
 import threading
 import time
 import weakref
@@ -43,6 +42,7 @@ from tierckpt.protocol.errors import (
 from tierckpt.protocol.format import CommitMarker, discard_step, rank_dir, step_dir
 from tierckpt.settings import BusyPolicy, Settings, resolve
 from tierckpt.snapshot import agree, loader, rankdir
+from tierckpt.snapshot import objects as pickled
 from tierckpt.snapshot.commit import StepIdentity, commit_files
 from tierckpt.snapshot.copy import copy_cpu, copy_into
 from tierckpt.snapshot.devstage import DeviceStager
@@ -231,7 +231,7 @@ class Checkpointer:
         refused = self._make_room(step)
         if refused is not None:
             return refused
-        objects = pickle.dumps(list(flat.objects), protocol=pickle.HIGHEST_PROTOCOL) if flat.objects else None
+        objects = pickled.dumps(list(flat.objects)) if flat.objects else None
         self._use_cuda(flat)
         path = step_dir(self.rank_path, step)
         try:
@@ -580,15 +580,18 @@ class Checkpointer:
 
         Without ``step``, the newest step every rank holds (agreed over torch.distributed when it is
         initialised, or named by the replicator's restore plan). Checksums are verified unless
-        ``verify=False``. A corrupt step raises ``CorruptShardError``, or with ``fallback=True`` the
-        next older common step is tried (on all ranks together). Nothing to load raises
-        ``MissingCheckpointError``, or returns None with ``allow_missing=True``. New tensors (paths
-        the destination lacks) are created on ``device`` (default CPU).
+        ``verify=False``. A corrupt step (a checksum mismatch, a missing or short file) raises
+        ``CorruptShardError``, or with ``fallback=True`` the next older common step is tried (on all
+        ranks together). Nothing to load raises ``MissingCheckpointError``, or returns None with
+        ``allow_missing=True``. New tensors (paths the destination lacks) are created on ``device``
+        (default CPU).
 
         ``strict`` (default): a destination unlike the checkpoint (a tensor of another shape or dtype,
         keys holding tensors on one side only; see ``snapshot.compare``) raises ``StateMismatchError``
-        before anything is copied, on every rank, without falling back. ``strict=False``: mismatched
-        tensors are replaced (logged) and missing entries created.
+        before anything is copied, on every rank, without falling back; a step saved with another world
+        size raises ``WorldSizeMismatchError`` (like a corrupt step, on every rank). ``strict=False``:
+        mismatched tensors are replaced (logged), missing entries created, and a shard of another world
+        size loaded as is.
         """
         self._check_open()
         with contextlib.suppress(Exception):
@@ -638,6 +641,8 @@ class Checkpointer:
         device: torch.device | str | None,
         strict: bool,
     ) -> BaseException | None:
+        """Load one step; the error that made it fail, if one did. Every failure of the step's files is
+        returned, never raised, so every rank reaches the agreement (``agree.all_ok``) that follows."""
         path = step_dir(self.rank_path, step)
         try:
             with leases.hold(self.rank_path, step, f"client-{os.getpid()}", ttl=self.settings.lease_ttl):
@@ -647,4 +652,7 @@ class Checkpointer:
         except (FormatError, MissingCheckpointError, StateMismatchError) as exc:
             log.error("could not load step %d: %s", step, exc)
             return exc
+        except OSError as exc:  # a file the step needs is gone or unreadable: the step is corrupt
+            log.error("could not load step %d: %s", step, exc)
+            return CorruptShardError(f"step {step}: {exc}", path=str(getattr(exc, "filename", None) or path))
         return None

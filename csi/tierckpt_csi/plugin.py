@@ -2,7 +2,9 @@
 
 ``NodePlugin`` is the logic behind the CSI Node service, free of gRPC types except the checked
 ``Publish`` request. All mutations run under one lock: kubelet may call concurrently, and admission
-needs a consistent view of the node's reservations.
+needs a consistent view of the node's reservations. Every publish is admitted: a job's later volume
+that asks for no more than the job already holds changes nothing; one that asks for more is admitted
+with its larger reservation (or refused), so no pod can grow a job's reservation past admission.
 """
 
 from __future__ import annotations
@@ -94,7 +96,8 @@ class NodePlugin:
                 return False
             live = self.store.live(mounts, self.ramdisk.device)
             reservation = self.reservation_of(req.reservation)
-            if req.job not in {r.job for r in live}:
+            held = max((r.reservation for r in live if r.job == req.job), default=None)
+            if held is None or reservation > held:  # a new job, or a job asking for more: admitted again
                 self._admit(req.job, reservation, live)
             self._bind(req, reservation)
             return True

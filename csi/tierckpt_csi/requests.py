@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from pathlib import Path, PurePosixPath
 
 from tierckpt.protocol.contract import Csi
@@ -26,6 +27,12 @@ EPHEMERAL = "csi.storage.k8s.io/ephemeral"
 POD_NAME = "csi.storage.k8s.io/pod.name"
 POD_NAMESPACE = "csi.storage.k8s.io/pod.namespace"
 POD_UID = "csi.storage.k8s.io/pod.uid"
+
+MAX_GID = 2**32 - 2
+"""The largest group id (``(gid_t)-1`` means "no change" to chown)."""
+_GID_RE = re.compile(r"[0-9]{1,10}")
+_UID_RE = re.compile(r"[0-9A-Za-z-]{1,64}")
+_DNS_LABEL_RE = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")
 
 _SINGLE_NODE_MODES = {
     csi_pb2.VolumeCapability.AccessMode.SINGLE_NODE_WRITER,
@@ -72,7 +79,8 @@ def check_target(target_path: str, pods_dir: Path, pod_uid: str = "") -> Path:
 
 
 def _safe_name(name: str) -> bool:
-    return bool(name) and "/" not in name and name not in (".", "..")
+    """A pod uid: ASCII letters, digits and dashes (Kubernetes uids are UUIDs)."""
+    return bool(_UID_RE.fullmatch(name))
 
 
 def _check_capability(req: csi_pb2.NodePublishVolumeRequest) -> int | None:
@@ -89,8 +97,8 @@ def _check_capability(req: csi_pb2.NodePublishVolumeRequest) -> int | None:
     if cap.mount.fs_type not in ("", "tmpfs"):
         raise invalid(f"fs_type {cap.mount.fs_type!r} is not supported (the ramdisk is tmpfs)")
     group = cap.mount.volume_mount_group
-    if group and not group.isdigit():
-        raise invalid(f"volume_mount_group {group!r} is not a numeric gid")
+    if group and not (_GID_RE.fullmatch(group) and int(group) <= MAX_GID):  # ASCII digits: "²" is not a gid
+        raise invalid(f"volume_mount_group {group!r} is not a numeric gid in 0..{MAX_GID}")
     return int(group) if group else None
 
 
@@ -140,6 +148,8 @@ def parse_publish(
     namespace, uid = ctx.get(POD_NAMESPACE, ""), ctx.get(POD_UID, "")
     if not namespace or not uid:
         raise invalid("pod namespace and uid are missing: the CSIDriver object needs podInfoOnMount: true")
+    if not _DNS_LABEL_RE.fullmatch(namespace):
+        raise invalid(f"pod namespace {namespace!r} is not a Kubernetes namespace name")
     mount_group = _check_capability(req)
     return Publish(
         volume_id=req.volume_id,

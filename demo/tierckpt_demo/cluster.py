@@ -36,6 +36,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote
 
 from tierckpt.protocol.client import SyncReplicatorClient
 from tierckpt.protocol.control import PeerAssignment, PeerNode
@@ -47,6 +48,8 @@ __all__ = ["LocalCluster", "Node", "cleanup_stale", "has_netns"]
 log = logging.getLogger(__name__)
 
 API_PORT = 8470
+_RANK_OBJECT = re.compile(r"/steps/[0-9]{12,}/rank-[0-9]{5,}/")
+"""An object of one rank's step in the bucket (``tierckpt.protocol.bucket_layout``)."""
 _PREFIX = "tck"
 _WORKDIR_PREFIX = "tierckpt-cluster-"
 
@@ -165,7 +168,7 @@ class Node:
             self.domain,
         ]
         if c.gcs is not None:
-            args += ["--gcs-bucket", c.bucket, "--gcs-endpoint", c.gcs.url]
+            args += ["--gcs-bucket", c.bucket, "--gcs-endpoint", c.gcs_url]
         return args + list(c.replicator_args) + self.extra_args
 
     def start_replicator(self, *, wait: bool = True) -> None:
@@ -346,6 +349,7 @@ class LocalCluster:
         replicator_args: Sequence[str] = (),
         env: dict[str, str] | None = None,
         start: bool = True,
+        count_gcs_reads: bool = False,
     ) -> None:
         if nodes < 1:
             raise ValueError("a cluster needs at least one node")
@@ -361,7 +365,10 @@ class LocalCluster:
         self._api: SyncReplicatorClient | None = None
         self.nodes: list[Node] = []
         self.gcs: Any = None
+        self.gcs_proxy: Any = None
+        """With ``count_gcs_reads``: the ``FaultProxy`` every replicator reaches the bucket through."""
         self._want_gcs = gcs
+        self._count_gcs_reads = count_gcs_reads
         self._mounts: list[Path] = []
         self._namespaces: list[str] = []
         self._bridge: str | None = None
@@ -432,6 +439,9 @@ class LocalCluster:
         if self.gcs is not None:
             with contextlib.suppress(Exception):
                 self.gcs.stop()
+        if self.gcs_proxy is not None:
+            with contextlib.suppress(Exception):
+                self.gcs_proxy.close()
         for mount in reversed(self._mounts):
             unmount(mount)
         for ns in self._namespaces:
@@ -500,10 +510,34 @@ class LocalCluster:
             self._mounts.append(node.root)
 
     def _start_gcs(self) -> None:
-        from tierckpt_demo.fakegcs import FakeGcsServer, free_port
+        from tierckpt_demo.fakegcs import FakeGcsServer, FaultProxy, free_port
 
-        self.gcs = FakeGcsServer(host=self.bridge_ip, port=free_port(self.bridge_ip)).start()
+        port = free_port(self.bridge_ip)
+        if self._count_gcs_reads:
+            self.gcs_proxy = FaultProxy((self.bridge_ip, port), host=self.bridge_ip)
+        url = self.gcs_proxy.url if self.gcs_proxy is not None else None
+        self.gcs = FakeGcsServer(host=self.bridge_ip, port=port, external_url=url).start()
         self.gcs.create_bucket(self.bucket)
+
+    @property
+    def gcs_url(self) -> str:
+        """Where the replicators reach the bucket (through the counting proxy when there is one)."""
+        return str(self.gcs_proxy.url if self.gcs_proxy is not None else self.gcs.url)
+
+    def bucket_rank_reads(self, since: float, until: float | None = None) -> int:
+        """Downloads of ranks' step objects (data files, manifests, COMMITs) by the replicators between
+        ``since`` and ``until`` (wall clock); 0 without ``count_gcs_reads``."""
+        if self.gcs_proxy is None:
+            return 0
+        end = time.time() if until is None else until
+        return sum(
+            1
+            for hit in self.gcs_proxy.hits
+            if hit.method == "GET"
+            and since <= hit.at <= end
+            and "alt=media" in hit.target
+            and _RANK_OBJECT.search(unquote(hit.target))
+        )
 
     # ---------------------------------------------------------------- assignments
 

@@ -3,7 +3,8 @@
 Importing torch takes seconds of CPU; four ranks importing it at once on a small machine take half
 a minute, and the demo restarts its ranks four times. So each node runs one launcher process
 (``python -m tierckpt_demo.launcher``, inside the node's network namespace) that imports torch and
-tierckpt once, then forks a fresh training process (``tierckpt_demo.training``) on request. A forked
+tierckpt once, then forks a fresh training process (``tierckpt_demo.training``, or with ``--module``
+the DCP demo's ``tierckpt_demo.dcp_training``) on request. A forked
 process shares nothing with earlier ones but the imported code: its state, its process group and its
 torch.distributed connections are its own, and killing it is a real crash (SIGKILL).
 
@@ -14,9 +15,11 @@ The launcher reads ``LaunchRequest`` lines on stdin and writes ``LauncherEvent``
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import ctypes
 import dataclasses
+import importlib
 import os
 import select
 import signal
@@ -61,7 +64,11 @@ class LauncherEvent(Message):
 # ------------------------------------------------------------------------------------- the launcher
 
 
-def _child(request: LaunchRequest) -> None:
+_MODULES = ("tierckpt_demo.training", "tierckpt_demo.dcp_training")
+"""What a launcher may run (``--module``): the native demo's trainer, or the DCP demo's."""
+
+
+def _child(request: LaunchRequest, module: str) -> None:
     """In the forked process: become the training process described by ``request``; never returns."""
     code = 1
     try:
@@ -77,9 +84,7 @@ def _child(request: LaunchRequest) -> None:
         os.dup2(out, 2)
         os.environ.clear()
         os.environ.update(request.env)
-        from tierckpt_demo import training
-
-        training.main(list(request.argv))
+        importlib.import_module(module).main(list(request.argv))
         code = 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
@@ -109,7 +114,7 @@ def _reap(children: set[int]) -> None:
                 _emit(LauncherEvent("exited", pid=pid, status=code))
 
 
-def _serve() -> None:
+def _serve(module: str) -> None:
     children: set[int] = set()
     _emit(LauncherEvent("ready", pid=os.getpid()))
     buffered = b""
@@ -128,7 +133,7 @@ def _serve() -> None:
                 request = LaunchRequest.from_bytes(line)
                 pid = os.fork()
                 if pid == 0:
-                    _child(request)
+                    _child(request, module)
                 children.add(pid)
                 _emit(LauncherEvent("started", pid=pid))
     finally:
@@ -137,17 +142,19 @@ def _serve() -> None:
                 os.killpg(pid, signal.SIGKILL)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     """Pre-import what the training processes need, then serve launch requests."""
+    parser = argparse.ArgumentParser(prog="python -m tierckpt_demo.launcher")
+    parser.add_argument("--module", choices=_MODULES, default=_MODULES[0], help="the trainer to run")
+    module = parser.parse_args(argv).module
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the orchestrator decides when we stop
     import torch
     import torch.distributed
 
-    import tierckpt_demo.training  # noqa: F401
-
+    importlib.import_module(module)
     # Its first call imports torch's compiler stack (seconds of CPU): pay that once, here.
     torch.use_deterministic_algorithms(True)
-    _serve()
+    _serve(module)
 
 
 # ------------------------------------------------------------------------------------- the client side
@@ -156,9 +163,10 @@ def main() -> None:
 class Launcher:
     """The orchestrator's handle on one node's launcher process."""
 
-    def __init__(self, popen: Any, argv_prefix: Sequence[str] = ()) -> None:
-        """``popen(cmd, **kwargs)`` starts a process where the training processes must run (a node)."""
-        cmd = [*argv_prefix, sys.executable, "-m", "tierckpt_demo.launcher"]
+    def __init__(self, popen: Any, argv_prefix: Sequence[str] = (), module: str = _MODULES[0]) -> None:
+        """``popen(cmd, **kwargs)`` starts a process where the training processes must run (a node);
+        ``module``: the trainer it runs (``tierckpt_demo.training`` or ``tierckpt_demo.dcp_training``)."""
+        cmd = [*argv_prefix, sys.executable, "-m", "tierckpt_demo.launcher", "--module", module]
         self.proc: subprocess.Popen[bytes] = popen(
             cmd,
             stdin=subprocess.PIPE,

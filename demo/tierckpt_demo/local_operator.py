@@ -23,8 +23,7 @@ from tierckpt.protocol.control import (
     PeerNode,
     RestorePlan,
     RestoreStatus,
-    read_control,
-    restore_status_name,
+    read_restore_status,
 )
 from tierckpt.protocol.errors import FormatError
 
@@ -35,47 +34,71 @@ BUCKET_PREFIX = "tierckpt"
 
 
 class LocalOperator:
-    """Operator duties for one job on a ``LocalCluster`` (one process rank per node)."""
+    """Operator duties for one job on a ``LocalCluster``: ``procs_per_node`` process ranks on each of the
+    job's nodes (all of the cluster's, until ``shrink`` drops some)."""
 
     def __init__(
-        self, cluster: Any, job: str, *, wait: Callable[[Callable[[], Any], str, float], Any]
+        self,
+        cluster: Any,
+        job: str,
+        *,
+        wait: Callable[[Callable[[], Any], str, float], Any],
+        procs_per_node: int = 1,
     ) -> None:
         """``wait(predicate, what, interval)`` polls until ``predicate()`` is true (the caller's deadline)."""
         self.cluster, self.job, self._wait = cluster, job, wait
+        self.procs_per_node = procs_per_node
+        self.nodes: list[Any] = list(cluster.nodes)
+        """The nodes the job runs on, in node-rank order."""
         self.assignment: PeerAssignment | None = None
+
+    def ranks_of(self, node: Any) -> range:
+        """The process ranks ``node`` runs now (its node rank's block)."""
+        n, p = self.nodes.index(node), self.procs_per_node
+        return range(n * p, (n + 1) * p)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.nodes) * self.procs_per_node
 
     def assign_peers(self, k: int, generation: int = 2) -> PeerAssignment:
         """Peers from ``tierckpt.planning.placement`` across the nodes' failure domains, sent to every
-        replicator
-        (and written where a restarted replicator reads its static assignment)."""
-        nodes = self.cluster.nodes
+        replicator of the job (and written where a restarted replicator reads its static assignment)."""
+        nodes = self.nodes
         self.assignment = PeerAssignment(
             job=self.job,
             generation=generation,
             nodes={n.name: PeerNode(name=n.name, endpoint=n.peer_endpoint, domain=n.domain) for n in nodes},
             peers=plan_node_peers({n.name: n.domain for n in nodes}, k),
-            node_ranks={n.name: n.index for n in nodes},
-            procs_per_node=1,
+            node_ranks={n.name: i for i, n in enumerate(nodes)},
+            procs_per_node=self.procs_per_node,
         )
         self.cluster.peers_file.write_bytes(self.assignment.to_bytes())
         for node in nodes:
             self.cluster.api.put_peers(node.endpoint, self.assignment)
         return self.assignment
 
+    def shrink(self, lost: list[str], k: int) -> PeerAssignment:
+        """The job goes on without the ``lost`` nodes (a smaller world): a new assignment for the rest."""
+        assert self.assignment is not None
+        self.nodes = [n for n in self.nodes if n.name not in lost]
+        return self.assign_peers(k, self.assignment.generation + 1)
+
     def inventories(self) -> list[NodeInventory]:
         api = self.cluster.api
-        found = [api.inventory(n.endpoint, self.job, node=n.name) for n in self.cluster.nodes]
+        found = [api.inventory(n.endpoint, self.job, node=n.name) for n in self.nodes]
         return [inv for inv in found if inv is not None]
 
     def replicated(self, step: int) -> bool:
         """Whether every rank's ``step`` is on every one of its node's peers."""
         assert self.assignment is not None
         inv = {i.node: i for i in self.inventories()}
-        for node in self.cluster.nodes:
+        for node in self.nodes:
             for peer in self.assignment.peers.get(node.name, ()):
-                holding = inv[peer].ranks.get(node.index)
-                if holding is None or step not in holding.replica:
-                    return False
+                for rank in self.ranks_of(node):
+                    holding = inv[peer].ranks.get(rank)
+                    if holding is None or step not in holding.replica:
+                        return False
         return True
 
     def backup(self, step: int, timeout: float) -> str:
@@ -86,33 +109,34 @@ class LocalOperator:
         def one(node: Any) -> BackupResult:
             return self.cluster.api.backup(node.endpoint, self.job, timeout=timeout)  # type: ignore[no-any-return]
 
-        with concurrent.futures.ThreadPoolExecutor(len(self.cluster.nodes)) as pool:
-            list(pool.map(one, self.cluster.nodes))
+        with concurrent.futures.ThreadPoolExecutor(len(self.nodes)) as pool:
+            list(pool.map(one, self.nodes))
         bucket = self.cluster.gcs.client().bucket(self.cluster.bucket)
         key = BucketLayout(BUCKET_PREFIX).complete_key(self.job, step)
         url = f"gs://{self.cluster.bucket}/{key}"
         self._wait(lambda: bucket.blob(key).exists(), url, 0.25)
         return url
 
-    def publish_plan(self, world_size: int) -> tuple[RestorePlan, float]:
-        """The restore plan from every node's inventory, sent to every node; returns it with the time it
-        was decided, once every node has started staging."""
+    def publish_plan(self, world_size: int | None) -> tuple[RestorePlan, float]:
+        """The restore plan from every node's inventory (steps of ``world_size`` ranks; None: any), sent
+        to every node; returns it with the time it was decided, once every node has started staging."""
         assert self.assignment is not None
         at = time.time()
         plan = choose_restore(
             self.inventories(), world_size, job=self.job, generation=self.assignment.generation, decided_at=at
         )
-        for node in self.cluster.nodes:
+        for node in self.nodes:
             self.cluster.api.put_restore_plan(node.endpoint, plan)
         self._wait(lambda: self._staging_started(at), "the replicators to start staging", 0.1)
         return plan, at
 
     def _staging_started(self, since: float) -> bool:
-        for node in self.cluster.nodes:
-            try:
-                st = read_control(node.root, self.job, restore_status_name(node.index), RestoreStatus)
-            except FormatError:
-                return False
-            if not isinstance(st, RestoreStatus) or st.updated_at < since:
-                return False
+        for node in self.nodes:
+            for rank in self.ranks_of(node):
+                try:
+                    st = read_restore_status(node.root, self.job, rank)
+                except FormatError:
+                    return False
+                if not isinstance(st, RestoreStatus) or st.updated_at < since:
+                    return False
         return True

@@ -63,6 +63,12 @@ class RankResult(Record):
     """The same hash, recorded by the run that saved this step."""
     lost: bool = False
     """This rank's node was wiped by the scenario."""
+    fetched: tuple[int, ...] = ()
+    """(DCP) ranks whose step the load had its node's replicator fetch (a reshard reads other ranks)."""
+    fetched_bytes: int = 0
+    """(DCP) bytes the replicator reported moving for this rank's fetch requests."""
+    fetch_s: float = 0.0
+    """(DCP) time this rank's load waited for them (included in ``load_s``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +93,17 @@ class ScenarioResult(Record):
     replayed_steps: int
     """Steps recomputed after the restore whose losses were compared with the first run."""
     checks: tuple[Check, ...]
+    world_size: int = 0
+    """Ranks after the restore (the DCP demo's ``shrink`` has fewer than before)."""
+    fetched: tuple[int, ...] = ()
+    """(DCP) ranks whose step some node had its replicator fetch for the load."""
+    bucket_reads: int = 0
+    """Objects of ranks' steps read from the bucket between the restore plan and the last restore."""
+    fetched_bytes: int = 0
+    """(DCP) bytes fetched for the ranks' requests, summed over ranks (a step two ranks of one node
+    both need is fetched once but counted for each)."""
+    fetch_s: float = 0.0
+    """(DCP) the longest wait of one rank for its fetches."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +121,9 @@ class DemoConfig(Record):
     seed: int
     peers: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
     """Node -> the nodes holding replicas of its ranks (from ``tierckpt.planning.placement``)."""
+    procs_per_node: int = 1
+    checkpointing: str = "native"
+    """``native`` (``Checkpointer``) or ``dcp`` (FSDP2 state through ``dcp.async_save``/``dcp.load``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,7 +182,8 @@ def tier_groups(ranks: tuple[RankResult, ...] | list[RankResult]) -> list[tuple[
 
 
 def _tiers(s: ScenarioResult) -> Text:
-    """e.g. ``local 0 2-3`` / ``peer 1``; a rank that came from the wrong tier is listed in red."""
+    """e.g. ``local 0 2-3`` / ``peer 1``; a rank that came from the wrong tier is listed in red. A DCP
+    reshard adds ``fetch 4-5``: the ranks whose steps were fetched to the nodes that lacked them."""
     text = Text()
     for tier, ranks in tier_groups(s.ranks):
         if text:
@@ -172,6 +193,9 @@ def _tiers(s: ScenarioResult) -> Text:
         wrong = [r.rank for r in ranks if r.tier != r.expected_tier]
         if wrong:
             text.append(" " + rank_ranges(wrong), style="bold red")
+    if s.fetched:
+        text.append("\nfetch ", style="blue")
+        text.append(rank_ranges(list(s.fetched)))
     return text
 
 
@@ -216,7 +240,8 @@ def scenario_table(report: DemoReport) -> Table:
         )
     table.caption = (
         "save: median time one save blocked training. restore: staging + load, slowest rank. "
-        "bit-exact: restored state and replayed losses equal the first run's."
+        "bit-exact: restored state and replayed losses equal the first run's"
+        + (" (after a reshard, losses within 1e-5)." if report.config.checkpointing == "dcp" else ".")
     )
     return table
 
@@ -235,11 +260,15 @@ def render_report(report: DemoReport, console: Console) -> None:
             )
         )
     c = report.config
+    state = (
+        f"{_mib(c.state_bytes)} per checkpoint sharded over the ranks (FSDP2, DCP)"
+        if c.checkpointing == "dcp"
+        else f"{_mib(c.state_bytes)} per rank per checkpoint"
+    )
     parts.append(
         Text(
             f"{c.nodes} nodes ({c.network}), {c.world_size} ranks, {c.model_params:,} parameters, "
-            f"{_mib(c.state_bytes)} per rank per checkpoint, every {c.checkpoint_every} steps; "
-            f"total {report.timings.get('total_s', 0):.1f} s",
+            f"{state}, every {c.checkpoint_every} steps; total {report.timings.get('total_s', 0):.1f} s",
             style="dim",
         )
     )

@@ -95,10 +95,23 @@ class DemoOptions:
     """Longest wait for any one phase, in seconds."""
     flip_bit: bool = False
     """Negative control: rank 0 flips one bit of its state after the first restore; checks must fail."""
+    procs_per_node: int = 1
+    """Training processes per node (the DCP demo runs several, sharded with FSDP2)."""
+    dcp: bool = False
+    """Checkpoint an FSDP2 model through PyTorch DCP (``tierckpt_demo.dcp_demo``) instead of
+    ``Checkpointer``; adds the ``shrink`` scenario (the job resumes on fewer nodes, resharded)."""
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.procs_per_node
 
     def validate(self) -> None:
-        if self.nodes < 1:
-            raise ValueError("--nodes must be at least 1")
+        if self.nodes < 1 or self.procs_per_node < 1:
+            raise ValueError("--nodes and the processes per node must be at least 1")
+        if "shrink" in self.scenarios and not self.dcp:
+            raise ValueError("the shrink scenario needs --dcp: native checkpoints do not reshard")
+        if self.dcp:
+            self._validate_dcp()
         if self.nodes < 2 and any(s != "local" for s in self.scenarios):
             raise ValueError("the peer and gcs scenarios need at least 2 nodes")
         if self.checkpoint_every < 2:
@@ -110,6 +123,19 @@ class DemoOptions:
             raise ValueError(
                 f"{self.nodes} nodes with --model-size {self.model_size} need about {need / _GiB:.1f} GiB of "
                 f"memory and {have / _GiB:.1f} GiB is available: use a smaller --model-size or fewer --nodes"
+            )
+
+    def _validate_dcp(self) -> None:
+        from tierckpt_demo.dcp_training import GLOBAL_BATCH
+
+        shrinks = self.scenarios.count("shrink")
+        if self.nodes - shrinks < 1:
+            raise ValueError(f"{shrinks} shrink scenario(s) need more than {self.nodes} node(s)")
+        worlds = {(self.nodes - i) * self.procs_per_node for i in range(shrinks + 1)}
+        if any(GLOBAL_BATCH % w for w in worlds):
+            raise ValueError(
+                f"the DCP demo splits a batch of {GLOBAL_BATCH} rows over the ranks: world sizes "
+                f"{sorted(worlds)} must divide it (e.g. --nodes 3 with 2 processes per node)"
             )
 
     def memory_needed(self, state_bytes: int) -> int:
@@ -176,6 +202,13 @@ def _free_port() -> int:
 class Demo:
     """One run of the demo; ``run()`` returns the report (and never leaves anything behind)."""
 
+    trainer_module = "tierckpt_demo.training"
+    checkpointing = "native"
+    """What the report calls the checkpoint path (``Checkpointer``, or ``dcp``)."""
+    reshards = False
+    """Whether a restore may change the world size (DCP): the restore plan then takes any world size."""
+    """The module each training process runs (``tierckpt_demo.dcp_demo`` runs the DCP one)."""
+
     def __init__(self, options: DemoOptions, console: Console) -> None:
         options.validate()
         self.o = options
@@ -191,6 +224,10 @@ class Demo:
         self.timings: dict[str, float] = {}
         self.trainers: Trainers | None = None
         self.lost: tuple[str, ...] = ()
+        self.rank_nodes: dict[int, str] = {}
+        """Rank -> the node that ran it when the last failure struck (where its step was)."""
+        self._peers_before: dict[str, tuple[str, ...]] = {}
+        """The peers in force when the last failure struck."""
         self.run_checks: list[Check] = []
         self.launchers: dict[int, Launcher] = {}
         self._launchers_ready = False
@@ -206,6 +243,13 @@ class Demo:
         self._t0 = time.monotonic()
 
     # ---------------------------------------------------------------- top level
+
+    @property
+    def _operator(self) -> LocalOperator:
+        """The demo's stand-in operator (it exists once the cluster is up)."""
+        if self.control is None:
+            raise RuntimeError("the local operator is not running yet")
+        return self.control
 
     def run(self) -> DemoReport:
         started = self._t0 = time.monotonic()
@@ -226,7 +270,7 @@ class Demo:
         names = [n.name for n in self.cluster.nodes] if self.cluster else []
         config = DemoConfig(
             nodes=self.o.nodes,
-            world_size=self.o.nodes,
+            world_size=self.o.world_size,
             network="netns" if self.cluster is not None and self.cluster.netns else "loopback",
             model_params=self.shape.params,
             state_bytes=self.shape.state_bytes,
@@ -235,6 +279,8 @@ class Demo:
             scenarios=self.o.scenarios,
             seed=self.o.seed,
             peers=dict(self.assignment.peers) if self.assignment else {n: () for n in names},
+            procs_per_node=self.o.procs_per_node,
+            checkpointing=self.checkpointing,
         )
         ran_all = len(self.results) == len(self.o.scenarios)
         checks = self.run_checks
@@ -282,9 +328,10 @@ class Demo:
             self.o.nodes,
             job=JOB,
             k=self.o.replicas,
-            procs_per_node=1,
+            procs_per_node=self.o.procs_per_node,
             ramdisk_size=self._ramdisk_size(),
             gcs=True,
+            count_gcs_reads=True,
             domains=min(self.o.domains, self.o.nodes),
             netns=self.o.netns,
             replicator_args=[
@@ -304,14 +351,17 @@ class Demo:
             ],
         )
         self._start_launchers()
-        self.control = control = LocalOperator(self.cluster, JOB, wait=self._wait)
+        self.control = control = LocalOperator(
+            self.cluster, JOB, wait=self._wait, procs_per_node=self.o.procs_per_node
+        )
         self.assignment = control.assign_peers(self.o.replicas)
         self.timings["setup_s"] = time.monotonic() - t0
         mode = "network namespaces + tmpfs" if self.cluster.netns else "loopback ports + directories"
         peers = ", ".join(f"{n}→{'+'.join(p)}" for n, p in self.assignment.peers.items())
+        ranks = f" x {self.o.procs_per_node} ranks" if self.o.procs_per_node > 1 else ""
         self._say(
-            f"[green]✔[/] cluster up in {self.timings['setup_s']:.1f} s: {self.o.nodes} nodes ({mode}), "
-            f"peers {peers}" + (f"; workdir {self.workdir}" if self.o.keep_workdir else "")
+            f"[green]✔[/] cluster up in {self.timings['setup_s']:.1f} s: {self.o.nodes} nodes{ranks} "
+            f"({mode}), peers {peers}" + (f"; workdir {self.workdir}" if self.o.keep_workdir else "")
         )
         self._say(
             f"  model: {self.shape.params:,} parameters, {self.shape.state_bytes / _MiB:.1f} MiB "
@@ -369,7 +419,10 @@ class Demo:
     def _finish(self, events: dict[int, list[TrainerEvent]]) -> None:
         finals = {r: e.sha256 for r, evs in events.items() for e in evs if e.event == "done"}
         self.run_checks = sc.check_run(
-            steps=self.o.steps, losses=self.reference.losses, final_models=finals, world_size=self.o.nodes
+            steps=self.o.steps,
+            losses=self.reference.losses,
+            final_models=finals,
+            world_size=self._operator.world_size,
         )
         for c in self.run_checks:
             self._say(f"{'[green]✔[/]' if c.ok else '[red]✘[/]'} {c.name}: {c.detail}")
@@ -391,33 +444,34 @@ class Demo:
     # ---------------------------------------------------------------- training segments
 
     def _launch(self, index: int, segment: sc.Segment) -> Trainers:
-        nodes = self.cluster.nodes
+        nodes = self._operator.nodes
         port = 29500 + index if self.cluster.netns else _free_port()
         seg_dir = self.workdir / f"segment-{index}"
         seg_dir.mkdir()
-        trainers = Trainers(self.launchers, {}, {}, {})
+        trainers = Trainers({}, {}, {}, {})
         for node in nodes:
-            rank = node.index
-            trainers.events[rank] = seg_dir / f"events-rank-{rank:05d}.jsonl"
-            trainers.logs[rank] = seg_dir / f"rank-{rank:05d}.log"
-            argv = [
-                "--events",
-                str(trainers.events[rank]),
-                "--model-size",
-                self.o.model_size,
-                "--seed",
-                str(self.o.seed),
-                "--until",
-                str(segment.until),
-                "--checkpoint-every",
-                str(self.o.checkpoint_every),
-            ]
-            if segment.scenario is not None:
-                argv.append("--hold")
-            if self.o.flip_bit and index == 1 and rank == 0:
-                argv.append("--flip-restored-bit")
-            env = {**os.environ, **self._trainer_env(node, rank, nodes[0].ip, port)}
-            trainers.pids[rank] = self.launchers[rank].launch(argv, env, str(trainers.logs[rank]))
+            for local, rank in enumerate(self._operator.ranks_of(node)):
+                trainers.launchers[rank] = self.launchers[node.index]
+                trainers.events[rank] = seg_dir / f"events-rank-{rank:05d}.jsonl"
+                trainers.logs[rank] = seg_dir / f"rank-{rank:05d}.log"
+                argv = [
+                    "--events",
+                    str(trainers.events[rank]),
+                    "--model-size",
+                    self.o.model_size,
+                    "--seed",
+                    str(self.o.seed),
+                    "--until",
+                    str(segment.until),
+                    "--checkpoint-every",
+                    str(self.o.checkpoint_every),
+                ]
+                if segment.scenario is not None:
+                    argv.append("--hold")
+                if self.o.flip_bit and index == 1 and rank == 0:
+                    argv.append("--flip-restored-bit")
+                env = {**os.environ, **self._trainer_env(node, rank, local, nodes[0].ip, port)}
+                trainers.pids[rank] = trainers.launchers[rank].launch(argv, env, str(trainers.logs[rank]))
         return trainers
 
     def _start_launchers(self) -> None:
@@ -425,7 +479,9 @@ class Demo:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
         prefix = self._node_files() if self.cluster.netns and shutil.which("unshare") else []
         for node in self.cluster.nodes:
-            self.launchers[node.index] = Launcher(partial(node.popen_in_node, env=env), prefix)
+            self.launchers[node.index] = Launcher(
+                partial(node.popen_in_node, env=env), prefix, module=self.trainer_module
+            )
 
     def _node_files(self) -> list[str]:
         """A command prefix giving the training processes the nodes' own /etc/hosts and resolv.conf.
@@ -460,16 +516,17 @@ class Demo:
                 launcher.wait_ready(self.o.timeout)
             self._launchers_ready = True
 
-    def _trainer_env(self, node: Any, rank: int, master_ip: str, port: int) -> dict[str, str]:
+    def _trainer_env(self, node: Any, rank: int, local: int, master_ip: str, port: int) -> dict[str, str]:
         return {
             "MASTER_ADDR": master_ip,
             "MASTER_PORT": str(port),
             "RANK": str(rank),
-            "LOCAL_RANK": "0",
-            "WORLD_SIZE": str(self.o.nodes),
+            "LOCAL_RANK": str(local),
+            "WORLD_SIZE": str(self._operator.world_size),
             "GLOO_SOCKET_IFNAME": "eth0" if self.cluster.netns else "lo",
             "TIERCKPT_ROOT": str(node.root),
             "TIERCKPT_JOB": JOB,
+            "TIERCKPT_NODE_NAME": node.name,
             "TIERCKPT_REPLICATOR_URL": node.endpoint,
             "TIERCKPT_RESTORE_WAIT": str(int(self.o.timeout)),
             "OMP_NUM_THREADS": "1",
@@ -543,14 +600,21 @@ class Demo:
             self._say(f"[green]✔[/] step {step} complete in the bucket ({took:.1f} s): {url}")
 
     def _break(self, scenario: str) -> tuple[str, ...]:
-        """Inject the failure; returns the wiped nodes (already replaced by fresh, empty ones)."""
+        """Inject the failure; returns the wiped nodes (replaced by fresh, empty ones, except when the job
+        shrinks: then it goes on without them)."""
         assert self.assignment is not None
-        victim = self.cluster.nodes[0 if scenario == "gcs" else min(1, self.o.nodes - 1)].name
+        nodes = self._operator.nodes
+        self.rank_nodes = {r: n.name for n in nodes for r in self._operator.ranks_of(n)}
+        self._peers_before = dict(self.assignment.peers)
+        victim = {"gcs": nodes[0], "shrink": nodes[-1]}.get(scenario, nodes[min(1, len(nodes) - 1)]).name
         lost = sc.lost_nodes(scenario, victim, self.assignment.peers)
         for name in lost:
             node = self.cluster.node(name)
             node.kill_replicator()
             node.wipe_ramdisk()
+        if scenario == "shrink":
+            self.assignment = self._operator.shrink(list(lost), self.o.replicas)
+            return lost
         for name in lost:
             self.cluster.node(name).start_replicator()
         return lost
@@ -559,7 +623,7 @@ class Demo:
         """The operator's part after a failure: publish the restore plan; it must pick ``expected``."""
         self._phase("publishing a restore plan" if expected is not None else "publishing a fresh-start plan")
         assert self.control is not None
-        plan, at = self.control.publish_plan(self.o.nodes)
+        plan, at = self._operator.publish_plan(None if self.reshards else self._operator.world_size)
         if plan.step != expected:
             raise DemoError(f"the restore plan chose step {plan.step}, expected {expected} ({plan.sources})")
         return at
@@ -578,8 +642,8 @@ class Demo:
         ``before``: the events of the segment the failure ended (its saves' blocking times).
         """
         assert self.assignment is not None and previous.scenario is not None
-        rank_nodes = {n.index: n.name for n in self.cluster.nodes}
-        expected = sc.expected_tiers(rank_nodes, self.assignment.peers, self.lost)
+        rank_nodes = {r: self.rank_nodes.get(r, "") for r in events}
+        expected = sc.expected_tiers(rank_nodes, self._peers_before, self.lost)
         ranks = [self._rank_result(r, rank_nodes[r], expected[r], events[r], plan_at) for r in sorted(events)]
         replayed = {
             e.step: e.loss
@@ -587,8 +651,17 @@ class Demo:
             if e.event == "step" and e.loss is not None and e.step is not None and e.step <= previous.until
         }
         checks, compared = sc.check_recovery(
-            expected_step=previous.expected_restore, ranks=ranks, reference=self.reference, replayed=replayed
+            expected_step=previous.expected_restore,
+            ranks=ranks,
+            reference=self.reference,
+            replayed=replayed,
+            tolerance=self._loss_tolerance(previous),
         )
+        restored_at = max(
+            (e.time for evs in events.values() for e in evs if e.event == "restored"), default=0.0
+        )
+        bucket_reads = self.cluster.bucket_rank_reads(plan_at, restored_at)
+        checks += self._recovery_checks(previous.scenario, ranks, bucket_reads)
         saves = [e.seconds for evs in before.values() for e in evs if e.event == "saved"]
         result = ScenarioResult(
             name=previous.scenario,
@@ -605,14 +678,28 @@ class Demo:
             restore_s=max((r.restore_s for r in ranks), default=0.0),
             replayed_steps=compared,
             checks=tuple(checks),
+            world_size=len(ranks),
+            fetched=tuple(sorted({f for r in ranks for f in r.fetched})),
+            bucket_reads=bucket_reads,
+            fetched_bytes=sum(r.fetched_bytes for r in ranks),
+            fetch_s=max((r.fetch_s for r in ranks), default=0.0),
         )
         self.results.append(result)
         tiers = ", ".join(f"{t} {rank_ranges([r.rank for r in rs])}" for t, rs in tier_groups(ranks))
         head = f"{result.name}: restored step {result.restored_step} ({tiers}) in {result.restore_s:.2f} s"
         if result.ok:
-            self._say(f"[green]✔[/] {head}; state bit-exact, {compared} replayed losses identical")
+            extra = [c.detail for c in checks if c.name not in ("step", "tier", "state")]
+            self._say(f"[green]✔[/] {head}; state bit-exact; " + "; ".join(extra))
         else:
             self._say(f"[red]✘[/] {head}; " + "; ".join(c.detail for c in checks if not c.ok))
+
+    def _loss_tolerance(self, previous: sc.Segment) -> float:
+        """Relative difference allowed between replayed and first losses (0: bit for bit)."""
+        return 0.0
+
+    def _recovery_checks(self, scenario: str, ranks: list[RankResult], bucket_reads: int) -> list[Check]:
+        """Checks beyond step, tier, state and loss (the DCP demo adds its own)."""
+        return []
 
     def _rank_result(
         self, rank: int, node: str, expected: str, events: list[TrainerEvent], plan_at: float
@@ -636,6 +723,9 @@ class Demo:
             restored.sha256,
             reference,
             lost,
+            restored.fetched,
+            restored.fetched_bytes,
+            restored.fetch_s,
         )
 
 
@@ -674,4 +764,8 @@ def _signals_ignored() -> Iterator[None]:
 
 def run_demo(options: DemoOptions, console: Console) -> DemoReport:
     """Run the whole demo and return its report; raises ``ValueError`` for unusable options."""
+    if options.dcp:
+        from tierckpt_demo.dcp_demo import DcpDemo
+
+        return DcpDemo(options, console).run()
     return Demo(options, console).run()

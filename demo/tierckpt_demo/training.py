@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from tierckpt.protocol.codec import Message
-from tierckpt.protocol.control import RestoreState, RestoreStatus, read_control, restore_status_name
+from tierckpt.protocol.control import RestoreState, RestoreStatus, read_restore_status
 from tierckpt.protocol.errors import FormatError
 from tierckpt.protocol.format import rank_dir, read_commit, step_dir
 
@@ -234,6 +234,12 @@ class TrainerEvent(Message):
     staged_at: float = 0.0
     """``restored``: when the replicator reported the step staged (0: nothing was staged)."""
     message: str = ""
+    fetched: tuple[int, ...] = ()
+    """``restored`` (DCP): ranks whose step the load had the replicator fetch to this node."""
+    fetched_bytes: int = 0
+    """``restored`` (DCP): bytes the replicator moved for those fetches."""
+    fetch_s: float = 0.0
+    """``restored`` (DCP): time the load waited for them."""
 
 
 class EventLog:
@@ -300,7 +306,7 @@ def describe_restore(ckpt: Any, step: int | None) -> tuple[str, int, float]:
     marker = read_commit(step_dir(rank_dir(s.root, s.job, s.rank), step))
     nbytes = marker.total_bytes if marker is not None else 0
     try:
-        status = read_control(s.root, s.job, restore_status_name(s.rank), RestoreStatus)
+        status = read_restore_status(s.root, s.job, s.rank)
     except FormatError:
         status = None
     if isinstance(status, RestoreStatus) and status.step == step and status.state is RestoreState.READY:

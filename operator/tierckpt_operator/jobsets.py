@@ -19,7 +19,7 @@ from tierckpt.protocol.errors import ContractError
 
 __all__ = ["JobSetInfo", "check_jobset", "opt_in_value", "parse_jobset"]
 
-_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
+_NAME = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +62,7 @@ def check_jobset(body: Mapping[str, Any], default_config: str = "default") -> tu
     annotations = meta.get("annotations") or {}
     opt_in_value(annotations)
     config = annotations.get(Annotations.CONFIG, default_config)
-    if not isinstance(config, str) or not _NAME.match(config):
+    if not isinstance(config, str) or not _NAME.fullmatch(config):
         raise ContractError(
             f"annotation {Annotations.CONFIG}={config!r} is invalid: it must name a CheckpointConfiguration"
         )

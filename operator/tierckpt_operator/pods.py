@@ -7,14 +7,18 @@ planners never touch raw bodies.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Mapping
 from typing import Any
 
 from tierckpt.planning.placement import JobShape, Worker
 from tierckpt.protocol.contract import Annotations, Labels
-from tierckpt.protocol.errors import ContractError
+from tierckpt.protocol.control import check_endpoint, check_node_name
+from tierckpt.protocol.errors import ContractError, FormatError
 
 __all__ = ["ReplicatorPod", "WorkerPod", "replicator_of", "worker_of"]
+
+log = logging.getLogger(__name__)
 
 _FINISHED = ("Succeeded", "Failed")
 
@@ -128,6 +132,12 @@ def replicator_of(body: Mapping[str, Any], port: int) -> ReplicatorPod | None:
         host = status.get("podIP") or status.get("hostIP")
         endpoint = f"http://{f'[{host}]' if host and ':' in host else host}:{port}" if host else ""
     if not node or not endpoint:
+        return None
+    try:
+        check_node_name(node)
+        check_endpoint(endpoint.rstrip("/"))
+    except FormatError as exc:  # never copied into a peer assignment
+        log.warning("ignoring replicator pod %s: %s", meta.get("name", "?"), exc)
         return None
     conditions = {c.get("type"): c.get("status") for c in status.get("conditions") or []}
     ready = (

@@ -37,7 +37,7 @@ JOBSET_GROUP = "jobset.x-k8s.io"
 JOBSET_VERSION = "v1alpha2"
 JOBSETS = "jobsets"
 
-_BUCKET = re.compile(r"^[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]$")
+_BUCKET = re.compile(r"[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +85,7 @@ class ConfigSpec:
         retention = _obj(backup, "retention")
         replication = _obj(spec, "replication")
         bucket = gcs.get("bucket")
-        if not isinstance(bucket, str) or not _BUCKET.match(bucket):
+        if not isinstance(bucket, str) or not _BUCKET.fullmatch(bucket):
             raise ContractError(f"spec.gcs.bucket {bucket!r} is not a valid bucket name")
         prefix = _str(gcs, "prefix", cls.prefix)
         try:

@@ -19,11 +19,16 @@ imports the other), ``:`` siblings that may import each other:
    (GCS backups). Neither knows the other; the daemon tells backup about commits replication saw.
 7. ``watch``: inotify wake-ups for new commits (other nodes' control APIs are reached through
    ``tierckpt.protocol.client``).
-8. ``assignments`` | ``inventory`` | ``policies`` | ``metrics`` | ``settings`` | ``stepio`` |
-   ``connlimits``: peers.json, what this node holds, policy.json, Prometheus metrics, the daemon's
-   options, steps on the ramdisk (staging, committing, finding), and open connections bounded per
-   source (the data port and the HTTP servers). Each stands on ``tierckpt.protocol``/
-   ``tierckpt.planning`` only.
+8. ``assignments`` | ``inventory`` | ``policies`` | ``metrics`` | ``settings`` | ``connlimits``:
+   peers.json, what this node holds, policy.json, Prometheus metrics, the daemon's options, and open
+   connections bounded per source (the data port and the HTTP servers).
+9. ``stepio``: job trees on the ramdisk, confined (``tierckpt.protocol.safefs.Beneath``: no symlink a
+   pod plants is followed), and steps in them (staging, committing, finding). It stands on
+   ``tierckpt.protocol``/``tierckpt.planning`` only.
+
+The replicator's own state (peers.json, policy.json, restore.json) lives in
+``<ramdisk>/.tierckpt/jobs/<job>/`` (``tierckpt.protocol.format.state_dir``), never in the job directory
+a pod can write; everything it reads from a job directory is treated as untrusted input.
 """
 
 from tierckpt.protocol import __version__

@@ -1,4 +1,5 @@
-"""Peer assignments: ``control/peers.json`` per job, newest generation wins.
+"""Peer assignments: ``peers.json`` in each job's state directory (``format.state_dir``, which no pod
+can reach: a pod-written ``<job>/control/peers.json`` is never read), newest generation wins.
 
 The operator sends them through ``PUT /v1/jobs/{job}/peers``; in local mode a static file
 (``--peers-file``) seeds the job it names. A ``PeerNode.endpoint`` is the node's control API
@@ -17,7 +18,7 @@ from pathlib import Path
 
 from tierckpt.protocol.control import PeerAssignment, PeerNode, read_control, write_control
 from tierckpt.protocol.errors import ContractError, FormatError
-from tierckpt.protocol.format import control_dir
+from tierckpt.protocol.format import state_dir
 
 __all__ = ["AssignmentStore", "data_endpoint", "load_static"]
 
@@ -55,7 +56,7 @@ class AssignmentStore:
         self._cache: dict[str, tuple[int, PeerAssignment]] = {}
 
     def get(self, job: str) -> PeerAssignment | None:
-        path = control_dir(self.root, job) / PeerAssignment.FILE
+        path = state_dir(self.root, job) / PeerAssignment.FILE
         try:
             stamp = os.stat(path).st_mtime_ns
         except FileNotFoundError:
@@ -91,7 +92,7 @@ class AssignmentStore:
         if self.static is None or self.static.job != job:
             return None
         with self._lock:
-            if not (control_dir(self.root, job) / PeerAssignment.FILE).exists():
+            if not (state_dir(self.root, job) / PeerAssignment.FILE).exists():
                 write_control(self.root, job, PeerAssignment.FILE, self.static)
                 log.info("job %s: seeded peers.json from the static peers file", job)
         return self.static

@@ -9,6 +9,7 @@ replication, backup service) are built and run by the composition root, ``tierck
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
@@ -28,8 +29,8 @@ from tierckpt.protocol.control import (
     read_control,
     write_control,
 )
-from tierckpt.protocol.errors import FormatError
-from tierckpt.protocol.format import discard_step, job_dir, rank_dir, ranks_in, replica_rank_dir, step_dirs
+from tierckpt.protocol.errors import FormatError, UnsafePathError
+from tierckpt.protocol.format import check_job_id, discard_step, state_dir, step_names
 from tierckpt.protocol.tokens import TokenFile
 from tierckpt_replicator.assignments import AssignmentStore
 from tierckpt_replicator.backup.jobs import BackupPort
@@ -39,8 +40,10 @@ from tierckpt_replicator.policies import PolicyStore
 from tierckpt_replicator.replication.manager import ReplicationManager
 from tierckpt_replicator.replication.replicas import free_bytes
 from tierckpt_replicator.replication.supervisor import WorkerSupervisor
+from tierckpt_replicator.restore.requests import FetchRequests
 from tierckpt_replicator.restore.stage import Stager
 from tierckpt_replicator.settings import Settings
+from tierckpt_replicator.stepio import open_job, rank_trees
 from tierckpt_replicator.watch import CommitWatcher
 
 __all__ = ["LocalInventory", "NodeControls", "remove_job_tree"]
@@ -104,6 +107,7 @@ class NodeControls:
     watcher: CommitWatcher
     replication: ReplicationManager
     stager: Stager
+    requests: FetchRequests | None = None
 
     async def inventory(self, job: str) -> NodeInventory:
         return await self.local_inventory(job)
@@ -177,13 +181,15 @@ class NodeControls:
 
     async def purge(self, job: str, *, bucket: bool = False) -> bool:
         self.stager.forget(job)
+        if self.requests is not None:
+            self.requests.forget(job)
         if bucket and self.backup is not None:  # first: the job's policy on disk names its bucket
             await self.backup.delete_job(job)
             log.info("job %s: purged its backups from the bucket", job)
-        path = job_dir(self.settings.root, job)
-        existed = path.exists()
+        root = self.settings.root
+        existed = os.path.lexists(root / check_job_id(job)) or state_dir(root, job).exists()
         if existed:
-            await asyncio.to_thread(remove_job_tree, self.settings.root, job)
+            await asyncio.to_thread(remove_job_tree, root, job)
             log.info("job %s: purged from this node's ramdisk", job)
         # forgotten once the steps are gone, so no loop sees them as new (and backs them up) meanwhile
         self.replication.forget(job)
@@ -251,17 +257,29 @@ class NodeControls:
 
 
 def remove_job_tree(root: Path, job: str) -> None:
-    """Delete a job's steps (each COMMIT first, so nothing half-deleted looks committed), then the rest."""
-    base = job_dir(root, job)
-    for parent in [rank_dir(root, job, r) for r in ranks_in(base)] + [
-        replica_rank_dir(root, job, r) for r in ranks_in(base / "replicas")
-    ]:
-        for path in step_dirs(parent).values():
-            discard_step(path)
-    shutil.rmtree(base, ignore_errors=True)
-    if base.exists():  # e.g. a mount point: its contents are gone, the directory stays
-        for child in base.iterdir():
-            shutil.rmtree(child, ignore_errors=True) if child.is_dir() else child.unlink(missing_ok=True)
+    """Delete a job's steps (each COMMIT first, so nothing half-deleted looks committed), then the rest,
+    then the replicator's state of the job. Only what lies beneath the job's own directory is removed:
+    a symlink in it (to another job's rank, say) is unlinked, never followed."""
+    try:
+        tree = open_job(root, job)
+    except (FileNotFoundError, NotADirectoryError):
+        tree = None
+    except UnsafePathError:  # the job entry itself is a link: remove the link, nothing it points at
+        (root / check_job_id(job)).unlink()
+        tree = None
+    if tree is not None:
+        with tree:
+            for copy in ("primary", "replica"):
+                for parent in rank_trees(tree, copy).values():
+                    for name in step_names(parent).values():
+                        with contextlib.suppress(OSError, FormatError):
+                            discard_step(parent.at(name))
+            for name in tree.listdir():  # the directory itself may be a mount point: it stays
+                with contextlib.suppress(OSError):
+                    tree.remove_tree(name)
+        with contextlib.suppress(OSError):
+            os.rmdir(root / job)
+    shutil.rmtree(state_dir(root, job), ignore_errors=True)
 
 
 def _last_error(backup: BackupPort | None, job: str) -> str:

@@ -37,6 +37,7 @@ from tierckpt_replicator.replication.ipc import DataEvent, WorkerConfig
 from tierckpt_replicator.replication.manager import ReplicationManager
 from tierckpt_replicator.replication.supervisor import WorkerSupervisor
 from tierckpt_replicator.replication.transfer import outcome_status
+from tierckpt_replicator.restore.requests import FetchRequests
 from tierckpt_replicator.restore.stage import Stager
 from tierckpt_replicator.settings import Settings
 from tierckpt_replicator.watch import CommitWatcher
@@ -95,7 +96,11 @@ class Daemon:
         self.assignments = AssignmentStore(settings.root, static)
         self.policies = PolicyStore(settings.root)
         self.scanner = InventoryScanner(
-            settings.root, node=settings.node_name, endpoint=settings.api_endpoint, domain=settings.domain
+            settings.root,
+            node=settings.node_name,
+            endpoint=settings.api_endpoint,
+            domain=settings.domain,
+            max_manifest_bytes=settings.max_manifest_bytes,
         )
         self.local_inventory = LocalInventory(self.scanner, backup)
         self.supervisor = WorkerSupervisor(worker_config(settings), on_event=self._on_data_event)
@@ -126,6 +131,16 @@ class Daemon:
             own_inventory=self.local_inventory,
             backup=backup,
         )
+        self.requests = FetchRequests(
+            root=settings.root,
+            node=settings.node_name,
+            assignments=self.assignments,
+            supervisor=self.supervisor,
+            peers=self.peers,
+            own_inventory=self.local_inventory,
+            plan_of=self.stager.plans.get,
+            backup=backup,
+        )
         self.controls = NodeControls(
             settings=settings,
             tokens=self.tokens,
@@ -140,6 +155,7 @@ class Daemon:
             watcher=self.watcher,
             replication=self.replication,
             stager=self.stager,
+            requests=self.requests,
         )
         self._loops: list[asyncio.Task[None]] = []
         self.app = create_app(self.controls)
@@ -169,6 +185,7 @@ class Daemon:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await self.stager.close()
+        await self.requests.close()
         await self.replication.close()
         self.watcher.close()
         await self.supervisor.stop()
@@ -201,6 +218,7 @@ class Daemon:
         while True:
             try:
                 self.watcher.refresh()
+                await self.requests.scan()
                 await self.replication.run_pass()
                 self._update_gauges()
             except Exception:

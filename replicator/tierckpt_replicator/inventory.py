@@ -1,7 +1,9 @@
 """What this node holds: committed primaries and replicas per job and rank, as a ``NodeInventory``.
 
-Scanning reads only directory listings and COMMIT markers; a step's world size comes from its manifest,
-read once and cached by the manifest's crc32c (which the COMMIT marker records).
+Scanning reads only directory listings and COMMIT markers, confined to each job's tree
+(``stepio.open_job``: a ``rank-*`` entry or step directory that is a symlink is refused, never
+followed); a step's world size comes from its manifest, read once and cached by the manifest's crc32c
+(which the COMMIT marker records).
 """
 
 from __future__ import annotations
@@ -11,22 +13,13 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 from tierckpt.protocol.control import NodeInventory, RankHoldings
 from tierckpt.protocol.errors import FormatError
-from tierckpt.protocol.format import (
-    check_job_id,
-    committed_steps,
-    job_dir,
-    rank_dir,
-    ranks_in,
-    read_commit,
-    read_manifest,
-    replica_rank_dir,
-    step_dir,
-)
+from tierckpt.protocol.format import STATE_DIR_NAME, check_job_id, committed_steps, read_commit, read_manifest
+from tierckpt.protocol.safefs import Beneath
+from tierckpt_replicator.stepio import Copy, open_job, rank_trees, step_name
 
 __all__ = ["Holdings", "InventoryScanner", "list_jobs"]
 
@@ -34,17 +27,19 @@ log = logging.getLogger(__name__)
 
 
 def list_jobs(root: Path) -> list[str]:
-    """Job ids with a directory under ``root`` (names that are not valid job ids are ignored)."""
-    try:
-        names = os.listdir(root)
-    except FileNotFoundError:
-        return []
-    out = []
-    for name in sorted(names):
-        with contextlib.suppress(FormatError):
-            if (root / check_job_id(name)).is_dir():
-                out.append(name)
-    return out
+    """Job ids with a directory under ``root`` or state of the replicator's (names that are not valid
+    job ids, and entries that are not directories themselves, are ignored)."""
+    out = set()
+    for parent in (root, root / STATE_DIR_NAME / "jobs"):
+        try:
+            entries = list(os.scandir(parent))
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        for entry in entries:
+            with contextlib.suppress(FormatError, OSError):
+                if entry.is_dir(follow_symlinks=False):
+                    out.add(check_job_id(entry.name))
+    return sorted(out)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,8 +58,11 @@ class Holdings:
 
 
 class InventoryScanner:
-    def __init__(self, root: Path, *, node: str, endpoint: str, domain: str = "") -> None:
+    def __init__(
+        self, root: Path, *, node: str, endpoint: str, domain: str = "", max_manifest_bytes: int = 64 << 20
+    ) -> None:
         self.root, self.node, self.endpoint, self.domain = root, node, endpoint, domain
+        self.max_manifest_bytes = max_manifest_bytes
         self._world_sizes: dict[tuple[str, int], int] = {}
 
     def holdings(self, job: str) -> Holdings:
@@ -72,41 +70,42 @@ class InventoryScanner:
         world_sizes: dict[int, int] = {}
         sizes = {"local": 0, "replica": 0}
         newest_at: dict[int, float] = {}
-        base = job_dir(self.root, job)
-        tiers: tuple[tuple[str, Callable[[int], Path], Path], ...] = (
-            ("local", lambda r: rank_dir(self.root, job, r), base),
-            ("replica", lambda r: replica_rank_dir(self.root, job, r), base / "replicas"),
-        )
-        for kind, parent_of, parent in tiers:
-            for rank in ranks_in(parent):
-                steps = []
-                for step in committed_steps(parent_of(rank)):
-                    info = self._step_info(step_dir(parent_of(rank), step))
-                    if info is None:
-                        continue
-                    total, ws, committed_at = info
-                    steps.append(step)
-                    sizes[kind] += total
-                    world_sizes.setdefault(step, ws)
-                    if kind == "local":
-                        newest_at[rank] = committed_at
-                h = ranks.get(rank, RankHoldings())
-                ranks[rank] = dataclasses.replace(h, **{kind: tuple(steps)})
+        try:
+            tree = open_job(self.root, job)
+        except (FileNotFoundError, NotADirectoryError):
+            return Holdings(ranks, world_sizes, 0, 0, newest_at)
+        with tree:
+            tiers: tuple[tuple[str, Copy], ...] = (("local", "primary"), ("replica", "replica"))
+            for kind, copy in tiers:
+                for rank, parent in rank_trees(tree, copy).items():
+                    steps = []
+                    for step in committed_steps(parent):
+                        info = self._step_info(parent.at(step_name(step)))
+                        if info is None:
+                            continue
+                        total, ws, committed_at = info
+                        steps.append(step)
+                        sizes[kind] += total
+                        world_sizes.setdefault(step, ws)
+                        if kind == "local":
+                            newest_at[rank] = committed_at
+                    h = ranks.get(rank, RankHoldings())
+                    ranks[rank] = dataclasses.replace(h, **{kind: tuple(steps)})
         return Holdings(ranks, world_sizes, sizes["local"], sizes["replica"], newest_at)
 
-    def _step_info(self, path: Path) -> tuple[int, int, float] | None:
+    def _step_info(self, step: Beneath) -> tuple[int, int, float] | None:
         try:
-            marker = read_commit(path)
+            marker = read_commit(step)
             if marker is None:
                 return None
-            key = (str(path), marker.manifest_crc32c)
+            key = (step.where, marker.manifest_crc32c)
             ws = self._world_sizes.get(key)
             if ws is None:
-                ws = read_manifest(path).world_size
+                ws = read_manifest(step, limit=self.max_manifest_bytes).world_size
                 self._world_sizes[key] = ws
             return marker.total_bytes, ws, marker.committed_at
         except (FormatError, OSError) as exc:
-            log.warning("skipping unreadable step %s: %s", path, exc)
+            log.warning("skipping unreadable step %s: %s", step.where, exc)
             return None
 
     def inventory(self, job: str, *, gcs: tuple[int, ...] = (), now: float | None = None) -> NodeInventory:
@@ -123,5 +122,5 @@ class InventoryScanner:
         )
 
     def forget(self, job: str) -> None:
-        prefix = str(job_dir(self.root, job)) + os.sep
+        prefix = f"{self.root / check_job_id(job)}/"
         self._world_sizes = {k: v for k, v in self._world_sizes.items() if not k[0].startswith(prefix)}

@@ -1,5 +1,5 @@
-"""Per-job policies: ``control/policy.json`` (``tierckpt.protocol.control.JobPolicy``), newest generation
-wins.
+"""Per-job policies: ``policy.json`` in each job's state directory (``format.state_dir``, out of every
+pod's reach; ``tierckpt.protocol.control.JobPolicy``), newest generation wins.
 
 The operator sends one with ``PUT /v1/jobs/{job}/policy`` whenever a job's CheckpointConfiguration
 is first resolved or edited. The file is the only state: every reader (the API, the backup router)
@@ -15,7 +15,7 @@ from pathlib import Path
 
 from tierckpt.protocol.control import JobPolicy, read_control, write_control
 from tierckpt.protocol.errors import FormatError
-from tierckpt.protocol.format import control_dir
+from tierckpt.protocol.format import state_dir
 
 __all__ = ["PolicyStore"]
 
@@ -32,7 +32,7 @@ class PolicyStore:
 
     def get(self, job: str) -> JobPolicy | None:
         """The job's policy, or None without one (an unreadable file is logged and counts as none)."""
-        path = control_dir(self.root, job) / JobPolicy.FILE
+        path = state_dir(self.root, job) / JobPolicy.FILE
         try:
             stamp = os.stat(path).st_mtime_ns
         except FileNotFoundError:

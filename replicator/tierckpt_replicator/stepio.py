@@ -1,9 +1,14 @@
-"""Steps on this node's ramdisk: where received and restored steps land, and how they are committed
-(stage, verify, commit, rename), and where committed copies are found.
+"""Steps on this node's ramdisk: where received and restored steps land, how they are committed
+(stage, verify, commit, rename), and where committed copies are found, all inside job trees that a
+training pod can write.
+
+Every access goes through the job's ``tierckpt.protocol.safefs.Beneath`` (``open_job``): no symlink
+a pod plants (a ``rank-*`` entry, a step directory, a data file, ``leases``, ``replicas``) is ever
+followed; a path through one raises ``UnsafePathError``, which the callers log as a refusal.
 
 A step being received is written into ``<rank dir>/.incoming-<step>-<nonce>/``, invisible to every
-reader (``format.step_dirs`` only sees ``step-NNN``). Once every file's crc32c matched the manifest,
-the manifest and then the COMMIT marker are written (``format.write_atomic``, COMMIT last, byte for
+reader (``format.step_names`` only sees ``step-NNN``). Once every file's crc32c matched the manifest,
+the manifest and then the COMMIT marker are written (``Beneath.write_atomic``, COMMIT last, byte for
 byte the source's own), and the directory is renamed to ``step-NNN``. A failure at any point removes
 the staging directory and leaves every committed step untouched.
 
@@ -19,45 +24,96 @@ import errno
 import logging
 import os
 import secrets
-import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Literal
 
-from tierckpt.protocol.errors import CorruptShardError, FormatError, RamdiskFullError
+from tierckpt.protocol.errors import CorruptShardError, FormatError, RamdiskFullError, UnsafePathError
 from tierckpt.protocol.format import (
+    COMMIT_LIMIT,
     COMMIT_NAME,
     MANIFEST_NAME,
     CommitMarker,
     Manifest,
+    check_job_id,
     committed_steps,
     decode_commit,
     discard_step,
-    fsync_dir,
-    rank_dir,
     ranks_in,
     read_commit,
     read_manifest,
-    replica_rank_dir,
-    step_dir,
-    write_atomic,
 )
 from tierckpt.protocol.integrity import crc32c, crc32c_file
+from tierckpt.protocol.safefs import Beneath
 
 __all__ = [
     "INCOMING_PREFIX",
+    "REPLICAS",
+    "Copy",
     "StepHeader",
     "StepWriter",
     "create_preallocated",
     "find_committed",
+    "newest_committed",
+    "open_files",
+    "open_job",
     "parse_header",
     "preallocate",
+    "rank_name",
+    "rank_tree",
+    "rank_trees",
+    "read_header",
     "remove_stale_incoming",
+    "step_name",
     "verify_step",
 ]
 
 log = logging.getLogger(__name__)
 
 INCOMING_PREFIX = ".incoming-"
+REPLICAS = "replicas"
+Copy = Literal["primary", "replica"]
+
+
+def rank_name(rank: int) -> str:
+    return f"rank-{rank:05d}"
+
+
+def step_name(step: int) -> str:
+    return f"step-{step:012d}"
+
+
+def open_job(root: Path, job: str, *, create: bool = False) -> Beneath:
+    """The job's directory under the ramdisk ``root`` as a confined tree (``FileNotFoundError`` if it
+    does not exist and ``create`` is false)."""
+    return Beneath.open(root, check_job_id(job), create=create)
+
+
+def rank_tree(job: Beneath, copy: Copy, rank: int) -> Beneath:
+    """The view of rank ``rank``'s directory of the given copy (it may not exist yet)."""
+    return job.at(rank_name(rank) if copy == "primary" else f"{REPLICAS}/{rank_name(rank)}")
+
+
+def rank_trees(job: Beneath, copy: Copy) -> dict[int, Beneath]:
+    """Rank -> the view of its directory, for every rank directory of ``copy`` in ``job``. An entry that
+    is a symlink (or anything but a directory) is refused with a warning, never followed."""
+    parent = job if copy == "primary" else job.at(REPLICAS)
+    out = {}
+    try:
+        ranks = ranks_in(parent)
+        for rank in ranks:
+            if parent.is_dir(rank_name(rank)):
+                out[rank] = parent.at(rank_name(rank))
+            else:
+                log.warning(
+                    "refusing %s/%s: a symlink or not a directory (never followed)",
+                    parent.where,
+                    rank_name(rank),
+                )
+    except UnsafePathError as exc:
+        log.warning("refusing %s: %s", parent.where, exc)
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,26 +144,43 @@ def parse_header(commit_bytes: bytes, manifest_bytes: bytes, *, job: str, rank: 
     return StepHeader(commit_bytes, manifest_bytes, marker, manifest)
 
 
-class StepWriter:
-    """Stage one step under ``parent`` (a rank dir); ``commit()`` makes it exist, ``abort()`` removes it."""
+def read_header(step: Beneath, *, job: str, rank: int, step_no: int, limit: int) -> StepHeader:
+    """A committed step's COMMIT and manifest, read confined (a manifest over ``limit`` bytes is refused)
+    and cross-checked like one received."""
+    commit_bytes = step.read_bytes(COMMIT_NAME, limit=COMMIT_LIMIT)
+    marker = decode_commit(commit_bytes, f"{step.where}/{COMMIT_NAME}")
+    if marker.manifest_size > limit:
+        raise FormatError(f"{step.where}: a manifest of {marker.manifest_size} bytes exceeds {limit}")
+    manifest_bytes = step.read_bytes(MANIFEST_NAME, limit=marker.manifest_size + 1)
+    return parse_header(commit_bytes, manifest_bytes, job=job, rank=rank, step=step_no)
 
-    def __init__(self, parent: Path, header: StepHeader) -> None:
+
+class StepWriter:
+    """Stage one step under ``parent`` (a rank directory's view); ``commit()`` makes it exist,
+    ``abort()`` removes it."""
+
+    def __init__(self, parent: Beneath, header: StepHeader) -> None:
         self.parent = parent
         self.header = header
-        self.final = step_dir(parent, header.manifest.step)
-        parent.mkdir(parents=True, exist_ok=True)
-        self.dir = parent / f"{INCOMING_PREFIX}{header.manifest.step:012d}-{secrets.token_hex(4)}"
-        self.dir.mkdir()
+        self.final = step_name(header.manifest.step)
+        parent.makedirs()
+        self.name = f"{INCOMING_PREFIX}{header.manifest.step:012d}-{secrets.token_hex(4)}"
+        parent.mkdir(self.name)
+        self.dir = parent.at(self.name)
         self._crcs: dict[str, int] = {}
 
     def prepare(self) -> None:
         """Create every file at its full size now, so a full ramdisk fails before any byte moves."""
         for f in self.header.manifest.files:
-            create_preallocated(self.dir / f.name, f.size)
+            create_preallocated(self.dir, f.name, f.size)
 
-    def path(self, name: str) -> Path:
-        self.header.manifest.file(name)  # only files the manifest lists
-        return self.dir / name
+    def open(self, name: str) -> int:
+        """A write descriptor of staged file ``name`` (a file the manifest lists; the caller closes it)."""
+        self.header.manifest.file(name)
+        return self.dir.open_fd(name, os.O_WRONLY)
+
+    def where(self, name: str) -> str:
+        return f"{self.dir.where}/{name}"
 
     def record(self, name: str, crc: int) -> None:
         """Note the crc32c computed while ``name`` was written; a mismatch raises ``CorruptShardError``."""
@@ -116,29 +189,31 @@ class StepWriter:
             raise CorruptShardError(
                 f"{name} of step {self.header.manifest.step} rank {self.header.manifest.rank}: crc32c "
                 f"{crc:08x}, manifest says {want:08x}",
-                path=str(self.path(name)),
+                path=self.where(name),
             )
         self._crcs[name] = crc
 
-    def commit(self) -> Path:
-        """Write manifest then COMMIT (the source's bytes), rename into place. Returns the step dir."""
+    def commit(self) -> Beneath:
+        """Write manifest then COMMIT (the source's bytes), rename into place. Returns the step's view."""
         missing = [f.name for f in self.header.manifest.files if f.name not in self._crcs]
         if missing:
             raise FormatError(f"cannot commit: files not received {missing}")
-        write_atomic(self.dir / MANIFEST_NAME, self.header.manifest_bytes)
-        write_atomic(self.dir / COMMIT_NAME, self.header.commit_bytes)
-        if self.final.exists():
-            if read_commit(self.final) is not None:
-                log.info("%s already committed meanwhile; dropping the duplicate", self.final)
-                self.abort()
-                return self.final
-            discard_step(self.final)  # a torn leftover of an earlier attempt
-        os.rename(self.dir, self.final)
-        fsync_dir(self.parent)
-        return self.final
+        self.dir.write_atomic(MANIFEST_NAME, self.header.manifest_bytes)
+        self.dir.write_atomic(COMMIT_NAME, self.header.commit_bytes)
+        final = self.parent.at(self.final)
+        if self.parent.exists(self.final):
+            with contextlib.suppress(FormatError):
+                if read_commit(final) is not None:
+                    log.info("%s already committed meanwhile; dropping the duplicate", final.where)
+                    self.abort()
+                    return final
+            discard_step(final)  # a torn leftover of an earlier attempt (or something planted: unlinked)
+        self.parent.rename(self.name, self.final)
+        return final
 
     def abort(self) -> None:
-        shutil.rmtree(self.dir, ignore_errors=True)
+        with contextlib.suppress(OSError, UnsafePathError):
+            self.parent.remove_tree(self.name)
 
     def __enter__(self) -> StepWriter:
         return self
@@ -148,34 +223,64 @@ class StepWriter:
             self.abort()
 
 
-def find_committed(root: Path, job: str, rank: int, step: int) -> Path | None:
-    """This node's committed copy of a step: its primary if it has one, else its replica."""
-    for parent in (rank_dir(root, job, rank), replica_rank_dir(root, job, rank)):
-        path = step_dir(parent, step)
-        with contextlib.suppress(FormatError):
+def find_committed(job: Beneath, rank: int, step: int) -> tuple[Beneath, Beneath] | None:
+    """This node's committed copy of a step, as the views of its rank directory and its step directory:
+    its primary if it has one, else its replica. A copy reached through a symlink is not found."""
+    for copy in ("primary", "replica"):
+        parent = rank_tree(job, copy, rank)
+        path = parent.at(step_name(step))
+        try:
             if read_commit(path) is not None:
-                return path
+                return parent, path
+        except UnsafePathError as exc:
+            log.warning("refusing the %s copy of rank %d step %d: %s", copy, rank, step, exc)
+        except FormatError:
+            continue
     return None
 
 
-def verify_step(path: Path) -> list[str]:
+@contextlib.contextmanager
+def open_files(step: Beneath, manifest: Manifest) -> Iterator[list[int]]:
+    """Read descriptors of every file of a step, in manifest order, each a regular file of the manifest's
+    size reached through no symlink; opened all before any is used, so a refusal comes before a byte of
+    the step moves. Closed at the end of the block."""
+    fds: list[int] = []
+    try:
+        for f in manifest.files:
+            fds.append(step.open_fd(f.name))
+            size = os.fstat(fds[-1]).st_size
+            if size != f.size:
+                raise FormatError(f"{step.where}/{f.name}: {size} bytes on disk, manifest says {f.size}")
+        yield fds
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def verify_step(path: Beneath, *, limit: int) -> list[str]:
     """Re-read a committed step and check every file against the manifest; returns the problems."""
     try:
-        manifest = read_manifest(path)
+        manifest = read_manifest(path, limit=limit)
     except FormatError as exc:
         return [str(exc)]
     problems = []
     for f in manifest.files:
-        p = path / f.name
         try:
-            size = p.stat().st_size
+            fd = path.open_fd(f.name)
         except FileNotFoundError:
             problems.append(f"{f.name} is missing")
             continue
-        if size != f.size:
-            problems.append(f"{f.name} has {size} bytes, manifest says {f.size}")
-        elif crc32c_file(p) != f.crc32c:
-            problems.append(f"{f.name} fails its crc32c")
+        except UnsafePathError as exc:
+            problems.append(str(exc))
+            continue
+        try:
+            size = os.fstat(fd).st_size
+            if size != f.size:
+                problems.append(f"{f.name} has {size} bytes, manifest says {f.size}")
+            elif crc32c_file(fd) != f.crc32c:
+                problems.append(f"{f.name} fails its crc32c")
+        finally:
+            os.close(fd)
     return problems
 
 
@@ -184,34 +289,31 @@ def remove_stale_incoming(root: Path, max_age: float = 0.0) -> int:
     removed = 0
     now = time.time()
     try:
-        jobs = [p for p in root.iterdir() if p.is_dir()]
+        names = os.listdir(root)
     except FileNotFoundError:
         return 0
-    for job in jobs:
-        parents = [job / f"rank-{r:05d}" for r in ranks_in(job)]
-        parents += [job / "replicas" / f"rank-{r:05d}" for r in ranks_in(job / "replicas")]
-        for parent in parents:
-            for entry in _incoming(parent):
-                with contextlib.suppress(FileNotFoundError):
-                    if now - entry.stat().st_mtime >= max_age:
-                        shutil.rmtree(entry, ignore_errors=True)
-                        removed += 1
+    for name in names:
+        try:
+            job = open_job(root, name)
+        except (FormatError, OSError):  # not a job (``.tierckpt``, a file, a link): not ours to clean
+            continue
+        with job:
+            for copy in ("primary", "replica"):
+                for parent in rank_trees(job, copy).values():
+                    for entry, st in parent.entries():
+                        if entry.startswith(INCOMING_PREFIX) and now - st.st_mtime >= max_age:
+                            with contextlib.suppress(OSError, UnsafePathError):
+                                parent.remove_tree(entry)
+                                removed += 1
     return removed
 
 
-def _incoming(parent: Path) -> list[Path]:
-    try:
-        return [parent / n for n in os.listdir(parent) if n.startswith(INCOMING_PREFIX)]
-    except (FileNotFoundError, NotADirectoryError):
-        return []
-
-
-def newest_committed(parent: Path) -> int | None:
+def newest_committed(parent: Beneath) -> int | None:
     steps = committed_steps(parent)
     return steps[-1] if steps else None
 
 
-def preallocate(fd: int, size: int, path: Path) -> None:
+def preallocate(fd: int, size: int, where: str) -> None:
     """Reserve ``size`` bytes now; ENOSPC becomes ``RamdiskFullError``."""
     if size <= 0:
         return
@@ -219,16 +321,17 @@ def preallocate(fd: int, size: int, path: Path) -> None:
         os.posix_fallocate(fd, 0, size)
     except OSError as exc:
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise RamdiskFullError(f"no room for {size} bytes at {path}") from exc
+            raise RamdiskFullError(f"no room for {size} bytes at {where}") from exc
         if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
             raise
         os.ftruncate(fd, size)
 
 
-def create_preallocated(path: Path, size: int) -> None:
-    """Create ``path`` holding ``size`` reserved bytes (``RamdiskFullError`` if they do not fit)."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+def create_preallocated(tree: Beneath, name: str, size: int) -> None:
+    """Create file ``name`` of ``tree`` (exclusively, never through a link) holding ``size`` reserved
+    bytes (``RamdiskFullError`` if they do not fit)."""
+    fd = tree.open_fd(name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
     try:
-        preallocate(fd, size, path)
+        preallocate(fd, size, f"{tree.where}/{name}")
     finally:
         os.close(fd)

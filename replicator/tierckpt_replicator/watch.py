@@ -1,10 +1,10 @@
 """Notice new commits in the ramdisk with almost no overhead: inotify as a wake-up, a rescan as truth.
 
 ``CommitWatcher`` watches the root, each job dir, each rank dir and every not-yet-committed step dir
-(COMMIT arrives there by rename). Any event wakes ``wait()``; the caller then rescans the ramdisk, which
-is the source of truth, and calls ``refresh()`` to watch the directories that appeared. Without inotify
-(or if it fails) ``wait()`` simply returns every ``poll_interval`` seconds; it always does anyway, as a
-safety net. Works on tmpfs.
+(COMMIT arrives there by rename), and each job's ``requests`` dir (fetch requests of training ranks).
+Any event wakes ``wait()``; the caller then rescans the ramdisk, which is the source of truth, and calls
+``refresh()`` to watch the directories that appeared. Without inotify (or if it fails) ``wait()`` simply
+returns every ``poll_interval`` seconds; it always does anyway, as a safety net. Works on tmpfs.
 
 inotify comes from ``inotify_simple`` (a thin wrapper over the syscalls): its descriptor goes straight
 into the event loop (``add_reader``), and each directory gets a narrow mask (entries created, moved in,
@@ -17,12 +17,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from pathlib import Path
 
 from inotify_simple import INotify, flags
 
-from tierckpt.protocol.format import job_dir, rank_dir, ranks_in, read_commit, step_dirs
+from tierckpt.protocol.errors import FormatError
+from tierckpt.protocol.format import read_commit, step_names
 from tierckpt_replicator.inventory import list_jobs
+from tierckpt_replicator.stepio import open_job, rank_trees
 
 __all__ = ["CommitWatcher"]
 
@@ -77,22 +80,37 @@ class CommitWatcher:
         if self._inotify is None:
             return
         try:
-            for path in self._watch_list():
-                with contextlib.suppress(FileNotFoundError, NotADirectoryError):  # it went away meanwhile
-                    self._inotify.add_watch(path, _MASK)
+            self._inotify.add_watch(self.root, _MASK)
+            for job in list_jobs(self.root):
+                self._watch_job(job)
         except OSError as exc:
             log.warning("inotify watch failed (%s); relying on polling", exc)
 
-    def _watch_list(self) -> list[Path]:
-        paths = [self.root]
-        for job in list_jobs(self.root):
-            base = job_dir(self.root, job)
-            paths.append(base)
-            for rank in ranks_in(base):
-                rd = rank_dir(self.root, job, rank)
-                paths.append(rd)
-                for path in step_dirs(rd).values():
+    def _watch_job(self, job: str) -> None:
+        """Watch the job dir, its requests dir, its rank dirs and its uncommitted step dirs, each through
+        the descriptor of a confined open (``/proc/self/fd/N`` names exactly the directory opened): a
+        directory a pod replaced by a symlink is never watched through the link."""
+        assert self._inotify is not None
+        try:
+            tree = open_job(self.root, job)
+        except (FileNotFoundError, NotADirectoryError, FormatError):
+            return
+        with tree:
+            dirs = [tree]
+            if tree.is_dir("requests"):
+                dirs.append(tree.at("requests"))  # a training rank's fetch request (restore.requests)
+            for rank in rank_trees(tree, "primary").values():
+                dirs.append(rank)
+                for name in step_names(rank).values():
                     with contextlib.suppress(Exception):
-                        if read_commit(path) is None:
-                            paths.append(path)
-        return [p for p in paths if p.is_dir()]
+                        if read_commit(rank.at(name)) is None:
+                            dirs.append(rank.at(name))
+            for d in dirs:
+                with contextlib.suppress(
+                    FileNotFoundError, NotADirectoryError, FormatError
+                ):  # gone meanwhile
+                    fd = d.open_fd("", os.O_RDONLY | os.O_DIRECTORY)
+                    try:
+                        self._inotify.add_watch(f"/proc/self/fd/{fd}", _MASK)
+                    finally:
+                        os.close(fd)

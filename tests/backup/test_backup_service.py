@@ -30,6 +30,7 @@ from tierckpt_replicator.backup.service import BackupService
 from tierckpt_replicator.backup.settings import BackupSettings
 from tierckpt_replicator.backup.store import TransientStoreError, UploadCorrupted
 from tierckpt_replicator.backup.uploader import StaleStepError
+from tierckpt_replicator.stepio import open_job
 
 pytestmark = pytest.mark.e2e
 
@@ -50,8 +51,8 @@ class SpyStore:
         with self._lock:
             self.ops.append((op, key))
 
-    def upload_file(self, key: str, path: Path, **kw: object):  # type: ignore[no-untyped-def]
-        info = self.inner.upload_file(key, path, **kw)  # type: ignore[arg-type]
+    def upload_file(self, key: str, fd: int, **kw: object):  # type: ignore[no-untyped-def]
+        info = self.inner.upload_file(key, fd, **kw)  # type: ignore[arg-type]
         self._log("upload", key)
         return info
 
@@ -169,9 +170,10 @@ async def test_completion_is_written_last_and_only_once(
     services = {n: make_service(spies[n], roots[n], n, takeover_after=1e9) for n in roots}
     # Upload each node's share without completing, then let both nodes complete at the same moment.
     for svc in services.values():
-        share = svc._my_share(JOB, 10, 4, svc._local_copies(JOB, 10, ()), None, False)
-        for r in share:
-            svc.uploader.upload_rank(JOB, svc._local_copies(JOB, 10, ())[r])
+        with open_job(svc.root, JOB) as tree:
+            local = svc._local_copies(tree, 10, ())
+            for r in svc._my_share(JOB, 10, 4, local, None, False):
+                svc.uploader.upload_rank(JOB, local[r][1])
     results: dict[str, bool] = {}
 
     def complete(node: str) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 from google.api_core import exceptions as api_exceptions
@@ -15,6 +16,7 @@ from tierckpt.protocol.integrity import crc32c
 from tierckpt_demo.fakegcs import FakeGcsServer, FaultProxy, FaultRule
 from tierckpt_replicator.backup.gcs import GcsSettings, GcsStore, RetryPolicy, crc32c_b64, crc32c_from_b64
 from tierckpt_replicator.backup.store import (
+    ObjectInfo,
     ObjectNotFound,
     PreconditionFailed,
     StoreError,
@@ -33,6 +35,15 @@ def blob_file(tmp_path: Path) -> tuple[Path, bytes]:
     return path, data
 
 
+def _upload(store: GcsStore, key: str, path: Path, **kw: Any) -> ObjectInfo:
+    """``upload_file`` of a whole file (the store reads the descriptor the caller opened)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return store.upload_file(key, fd, **kw)
+    finally:
+        os.close(fd)
+
+
 def _download(store: GcsStore, key: str, size: int, tmp_path: Path, start: int = 0) -> tuple[bytes, int]:
     out = tmp_path / f"dl-{start}"
     out.write_bytes(b"\0" * size)
@@ -46,9 +57,9 @@ def _download(store: GcsStore, key: str, size: int, tmp_path: Path, start: int =
 
 def test_resumable_upload_crc_checked_and_ranged_download(store: GcsStore, blob_file, tmp_path: Path) -> None:
     path, data = blob_file
-    info = store.upload_file("a/b/data", path, crc32c=crc32c(data))
+    info = _upload(store, "a/b/data", path, crc32c=crc32c(data))
     assert (info.size, info.crc32c) == (len(data), crc32c(data))
-    region = store.upload_file("a/b/region", path, offset=1000, length=300 * KiB)
+    region = _upload(store, "a/b/region", path, offset=1000, length=300 * KiB)
     assert region.crc32c == crc32c(data[1000 : 1000 + 300 * KiB])
     got, crc = _download(store, "a/b/data", len(data), tmp_path)
     assert got == data and crc == crc32c(data)
@@ -90,7 +101,7 @@ def test_5xx_and_resets_are_retried_with_backoff(
     proxy.add_rule(FaultRule(action="status", status=503, method="POST", times=2))
     proxy.add_rule(FaultRule(action="reset_midway", method="PUT", after_bytes=100 * KiB, skip=1, times=1))
     proxy.add_rule(FaultRule(action="status", status=500, method="PUT", skip=3, times=1))
-    assert store.upload_file("k", path, crc32c=crc32c(data)).crc32c == crc32c(data)
+    assert _upload(store, "k", path, crc32c=crc32c(data)).crc32c == crc32c(data)
     proxy.add_rule(FaultRule(action="status", status=502, method="GET", times=2))
     proxy.add_rule(FaultRule(action="reset", method="GET", times=1))
     assert _download(store, "k", len(data), tmp_path)[0] == data
@@ -103,7 +114,7 @@ def test_a_download_cut_short_resumes_from_the_last_byte(
 ) -> None:
     path, data = blob_file
     store = make_store(proxy.url, bucket)
-    store.upload_file("big", path)
+    _upload(store, "big", path)
     proxy.add_rule(FaultRule(action="cut_response", method="GET", path="alt=media", after_bytes=3 * MiB + 5))
     got, crc = _download(store, "big", len(data) - 100, tmp_path, start=50)
     assert got == data[50:-50] and crc == crc32c(data[50:-50])
@@ -201,7 +212,7 @@ def test_server_side_rejections_are_translated(blob_file, exc: Exception, expect
     path, data = blob_file
     store = GcsStore(GcsSettings(bucket="b", retry=FAST_RETRY), client=_FakeClient(_RejectingBlob(exc)))
     with pytest.raises(expected):
-        store.upload_file("k", path, crc32c=crc32c(data))
+        _upload(store, "k", path, crc32c=crc32c(data))
 
 
 def test_a_stored_object_with_the_wrong_crc_is_deleted_and_refused(store: GcsStore, blob_file) -> None:
@@ -209,7 +220,7 @@ def test_a_stored_object_with_the_wrong_crc_is_deleted_and_refused(store: GcsSto
     crc32c and computes its own), so the store's own comparison is what catches a rotted local file."""
     path, data = blob_file
     with pytest.raises(UploadCorrupted):
-        store.upload_file("rotten", path, crc32c=crc32c(data) ^ 1)
+        _upload(store, "rotten", path, crc32c=crc32c(data) ^ 1)
     assert store.stat("rotten") is None
 
 

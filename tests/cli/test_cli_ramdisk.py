@@ -17,6 +17,7 @@ from pathlib import Path
 from tests.cli.cli_helpers import JOB, assert_clean_error, cli, cli_process, save_steps
 from tierckpt.checkpointer import Checkpointer
 from tierckpt.protocol import leases
+from tierckpt.protocol.control import RestorePlan, Tier, write_control
 from tierckpt.protocol.format import COMMIT_NAME, MANIFEST_NAME, read_commit, replica_rank_dir, step_dir
 
 # ------------------------------------------------------------------------------------- ls
@@ -199,6 +200,17 @@ def test_gc_keeps_the_newest_and_leased_steps(ramdisk: Path) -> None:
     assert _committed(ramdisk / JOB / "rank-00001") == [30]
     leases.release(rank0, lease)
     assert cli("verify", str(ramdisk), "--json").json()["ok"] is True
+
+
+def test_gc_keeps_the_step_of_the_replicators_restore_plan_and_ls_skips_its_state(ramdisk: Path) -> None:
+    plan = RestorePlan(job=JOB, step=10, world_size=2, sources={0: Tier.LOCAL, 1: Tier.LOCAL}, generation=1)
+    write_control(ramdisk, JOB, RestorePlan.FILE, plan)  # in <root>/.tierckpt/jobs/<job>/, not the job dir
+    result = cli("gc", str(ramdisk), "--keep", "1", "--json")
+    assert result.code == 0, result.output
+    by_rank = {r["rank"]: r for r in result.json()["ranks"]}
+    assert (by_rank[0]["kept"], by_rank[0]["held"], by_rank[0]["removed"]) == ([30], [10], [20])
+    listed = cli("ls", str(ramdisk), "--json").json()
+    assert {s["job"] for s in listed["steps"]} == {JOB}  # the state directory is not a job
 
 
 def test_gc_leaves_a_live_writer_alone(tmp_path: Path) -> None:

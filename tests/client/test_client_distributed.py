@@ -64,7 +64,29 @@ def scenario(root: Path, job: str, rank: int) -> dict:
     return out
 
 
-def child(root: Path, job: str, rank: int, results: Path) -> None:
+def missing_file_scenario(root: Path, job: str, rank: int) -> dict:
+    """Rank 1's newest step lost a data file: both ranks refuse it, then fall back to the previous one."""
+    out: dict = {}
+    with Checkpointer(root=root, job=job, keep=3) as ck:
+        for step in (1, 2):
+            ck.save(step, state(rank, step), blocking=True)
+        if rank == 1:
+            newest = step_dir(ck.rank_path, 2)
+            (newest / read_manifest(newest).files[0].name).unlink()
+    dist.barrier()
+    with Checkpointer(root=root, job=job, keep=3) as ck:  # a restarted job: nothing of step 2 is mapped
+        try:
+            ck.load({})
+            out["strict"] = "loaded"
+        except CorruptShardError as exc:
+            out["strict"] = f"CorruptShardError {exc}"
+        dest: dict = {}
+        out["fallback"] = ck.load(dest, fallback=True)
+        out["bit_exact"] = bool(torch.equal(dest["w"], state(rank, 1)["w"])) and dest["step"] == 1
+    return out
+
+
+def child(root: Path, job: str, rank: int, results: Path, scenario=scenario) -> None:
     code = 1
     try:
         torch.set_num_threads(1)
@@ -85,13 +107,13 @@ def child(root: Path, job: str, rank: int, results: Path) -> None:
         os._exit(code)
 
 
-@pytest.mark.slow
-def test_ranks_agree_on_the_newest_common_step_and_fall_back_together(root, job, tmp_path):
+def run_ranks(root: Path, job: str, tmp_path: Path, scenario=scenario) -> list[dict]:
+    """``scenario`` on ``WORLD`` forked ranks over gloo; every rank's result."""
     pids = []
     for rank in range(WORLD):
         pid = os.fork()
         if pid == 0:
-            child(root, job, rank, tmp_path)
+            child(root, job, rank, tmp_path, scenario)
         pids.append(pid)
     deadline = time.monotonic() + 90
     codes = {}
@@ -109,7 +131,12 @@ def test_ranks_agree_on_the_newest_common_step_and_fall_back_together(root, job,
     errors = [p.read_text() for p in tmp_path.glob("rank-*.error")]
     assert not errors, errors[0]
     assert sorted(codes.values()) == [0] * WORLD, codes
-    results = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(WORLD)]
+    return [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(WORLD)]
+
+
+@pytest.mark.slow
+def test_ranks_agree_on_the_newest_common_step_and_fall_back_together(root, job, tmp_path):
+    results = run_ranks(root, job, tmp_path)
     for rank, out in enumerate(results):
         assert out["identity"] == [rank, WORLD]
         assert out["agreed"] == 2 and out["agreed_ok"], out  # rank 1 has no step 3
@@ -122,3 +149,14 @@ def test_ranks_agree_on_the_newest_common_step_and_fall_back_together(root, job,
     )
     assert results[0]["mismatch"] == "StateMismatchError []"  # told that rank 1 did not fit
     assert results[1]["mismatch_untouched"]  # (rank 0's fitting destination was filled before it was told)
+
+
+@pytest.mark.slow
+def test_a_missing_file_on_one_rank_makes_every_rank_fall_back_bit_exact(root, job, tmp_path):
+    """Defect 7: the missing file used to escape as FileNotFoundError on rank 1 before the ranks agreed,
+    leaving rank 0 waiting in the collective."""
+    results = run_ranks(root, job, tmp_path, missing_file_scenario)
+    assert results[1]["strict"].startswith("CorruptShardError") and "missing" in results[1]["strict"]
+    assert results[0]["strict"].startswith("CorruptShardError") and "rank(s) [1]" in results[0]["strict"]
+    for out in results:
+        assert out["fallback"] == 1 and out["bit_exact"], out

@@ -19,6 +19,7 @@ EXPECTED = {
     "SaveInProgressError",
     "StateMismatchError",
     "TierckptError",
+    "WorldSizeMismatchError",
     "__version__",
 }
 

@@ -96,11 +96,14 @@ def test_numpy_arrays_round_trip_as_arrays_and_fill_in_place():
     assert out["a"].dtype == odd.dtype and flat.objects
 
 
-def test_distributed_tensors_are_refused_with_a_pointer_to_dcp():
-    class DTensor(torch.Tensor):
+def test_sharded_tensors_are_refused_with_a_pointer_to_dcp():
+    """A ShardedTensor (the older distributed tensor) is refused; DTensors are saved as local shards
+    (tests/client/test_client_dtensor.py)."""
+
+    class ShardedTensor(torch.Tensor):
         pass
 
-    fake = torch.Tensor._make_subclass(DTensor, torch.zeros(2))
+    fake = torch.Tensor._make_subclass(ShardedTensor, torch.zeros(2))
     with pytest.raises(TypeError, match=r"tierckpt\.dcp"):
         flatten({"w": fake})
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from tierckpt import Checkpointer, RetryableError
-from tierckpt.protocol.control import RestoreState, RestoreStatus, Tier, restore_status_name, write_control
+from tierckpt.protocol.control import RestoreState, RestoreStatus, Tier, write_restore_status
+from tierckpt.protocol.format import job_dir
 from tierckpt.snapshot.restore_wait import USE_LOCAL, restore_target, wait_for_restore
 
 
@@ -30,7 +31,7 @@ def status(
 
 
 def publish(root, job, st: RestoreStatus) -> None:
-    write_control(root, job, restore_status_name(0), st)
+    write_restore_status(job_dir(root, job), st)
 
 
 def test_no_status_and_no_replicator_means_no_wait(root, job):

@@ -153,6 +153,28 @@ def test_overcommitted_ramdisk_is_resource_exhausted(node: Node) -> None:
         assert mounts_at(b.target_path) == 1
 
 
+def test_every_publish_is_admitted_a_second_volume_cannot_grow_the_reservation(node: Node) -> None:
+    """Defect 5: a pod of an admitted job mounting another volume of that job with a bigger reservation
+    went unchecked, and the node then refused every other job."""
+    with thread_plugin(node) as c:  # 64 MiB ramdisk
+        c.node.NodePublishVolume(publish_request(node, JOB_A, reservation="8Mi"))
+        same = publish_request(node, JOB_A, reservation="8Mi")
+        c.node.NodePublishVolume(same)  # the same reservation again: nothing to admit
+        greedy = publish_request(node, JOB_A, reservation="1Gi")
+        code, details = _code(c.node.NodePublishVolume, greedy)
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "only 64.0Mi" in details
+        assert not os.path.exists(greedy.target_path)
+        hog = publish_request(node, JOB_A, reservation="60Mi")
+        b = publish_request(node, JOB_B, reservation="40Mi")
+        c.node.NodePublishVolume(b)  # job A still holds 8 MiB: B fits
+        assert _code(c.node.NodePublishVolume, hog)[0] == grpc.StatusCode.RESOURCE_EXHAUSTED  # 60 + 40 > 64
+        assert mounts_at(b.target_path) == 1 and mounts_at(same.target_path) == 1
+        grown = publish_request(node, JOB_A, reservation="20Mi")
+        c.node.NodePublishVolume(grown)  # more, but it fits next to B: admitted with 20 MiB
+        third = publish_request(node, "team-a_extra_11111111", reservation="8Mi")
+        assert _code(c.node.NodePublishVolume, third)[0] == grpc.StatusCode.RESOURCE_EXHAUSTED  # 20+40+8 > 64
+
+
 def test_reservations_that_fit_are_admitted_together(node: Node) -> None:
     with thread_plugin(node) as c:
         a = publish_request(node, JOB_A, reservation="40Mi")
@@ -205,6 +227,18 @@ BAD_PUBLISHES = {
     ),
     "staging path": lambda r: setattr(r, "staging_target_path", "/var/lib/kubelet/plugins/x"),
     "non-numeric group": lambda r: setattr(r.volume_capability.mount, "volume_mount_group", "wheel"),
+    "superscript-digit group": lambda r: setattr(r.volume_capability.mount, "volume_mount_group", "\u00b2"),
+    "arabic-digit group": lambda r: setattr(r.volume_capability.mount, "volume_mount_group", "\u0662\u0660"),
+    "negative group": lambda r: setattr(r.volume_capability.mount, "volume_mount_group", "-1"),
+    "group past the gid range": lambda r: setattr(
+        r.volume_capability.mount, "volume_mount_group", "4294967295"
+    ),
+    "huge group": lambda r: setattr(r.volume_capability.mount, "volume_mount_group", "9" * 40),
+    "reservation 1e400": lambda r: r.volume_context.__setitem__(Csi.RESERVATION, "1e400"),
+    "reservation NaN": lambda r: r.volume_context.__setitem__(Csi.RESERVATION, "NaN"),
+    "job id with a newline": lambda r: r.volume_context.__setitem__(Csi.JOB_ID, "team-a_llama_0a1b2c3d\n"),
+    "job id with unicode digits": lambda r: r.volume_context.__setitem__(Csi.JOB_ID, "team-a_llama_\u0661"),
+    "pod uid with a slash": lambda r: r.volume_context.__setitem__("csi.storage.k8s.io/pod.uid", "a/b"),
 }
 
 

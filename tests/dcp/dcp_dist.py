@@ -23,6 +23,7 @@ _PRELOAD = [
     "torch.distributed.checkpoint.state_dict",
     "tierckpt.dcp",
     "tests.dcp.dcp_scenarios",
+    "tests.dcp.dcp_nodes",
 ]
 
 

@@ -165,6 +165,34 @@ def save_sharded(
         torch.save(full, ref)
 
 
+def async_save_sharded_thrice(rank: int, world_size: int, root: str, job: str, refs: str) -> None:
+    """Three async saves of a training FSDP2 model through one writer, on a process group of their own;
+    training goes on while each is written. From the second on, staging goes straight into the slot the
+    save commits (the state is laid out as before). Rank 0 keeps the full state of each step."""
+    model, opt = _model(world_size, seed=0)
+    saves = dist.new_group(backend="gloo")
+    in_place = []
+    with RamdiskWriter(root, job, keep=3) as writer:
+        for step in (1, 2, 3):
+            torch.manual_seed(100 + step)
+            model(torch.randn(4, 8)).pow(2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            msd, osd = get_state_dict(model, opt)
+            state = {"model": msd, "optim": osd, "extra": {"step": step}}
+            full = _full(state)
+            response = dcp.async_save(state, checkpoint_id=step, storage_writer=writer, process_group=saves)
+            torch.manual_seed(7)  # training goes on while the step is written
+            model(torch.randn(4, 8)).pow(2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            getattr(response, "upload_completion", response).result()
+            in_place.append(writer.staged_in_place)
+            if rank == 0:
+                torch.save(full, os.path.join(refs, f"step-{step}.pt"))
+    assert in_place == [False, True, True], in_place
+
+
 def load_sharded(rank: int, world_size: int, root: str, job: str, step: int, ref: str) -> None:
     """A fresh FSDP2 model at another world size loads the checkpoint; values equal the saved ones."""
     model, opt = _model(world_size, seed=1234)

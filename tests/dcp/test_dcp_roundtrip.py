@@ -41,6 +41,16 @@ def test_async_save_of_fsdp2_state_reshards_on_load(ramdisk: Path, job: str, tmp
     run_ranks(3, sc.load_sharded, str(ramdisk), job, 60, ref)
 
 
+def test_async_saves_stage_straight_into_the_ramdisk_and_stay_training_safe(
+    ramdisk: Path, job: str, tmp_path: Path
+) -> None:
+    """The second and third async saves stage into the slots they commit (no host copy in between);
+    every step holds the state as it was when its save was called, bit-exact."""
+    run_ranks(2, sc.async_save_sharded_thrice, str(ramdisk), job, str(tmp_path))
+    for step in (1, 2, 3):
+        run_ranks(2, sc.load_sharded, str(ramdisk), job, step, str(tmp_path / f"step-{step}.pt"))
+
+
 @pytest.mark.parametrize(("saved_at", "loaded_at"), [(4, 2), (2, 3), (4, 1)])
 def test_fsdp2_state_reshards_on_load(
     ramdisk: Path, job: str, tmp_path: Path, saved_at: int, loaded_at: int

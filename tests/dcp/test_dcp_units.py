@@ -23,12 +23,12 @@ from torch.distributed.checkpoint.metadata import (
 from tierckpt.dcp import RamdiskReader, RamdiskWriter
 from tierckpt.dcp._paths import parse_step_id
 from tierckpt.dcp._store import plan_dcp_retention
-from tierckpt.dcp.metadata import DcpMetadata, ItemLocation, decode_metadata, encode_metadata
+from tierckpt.dcp.metadata import DcpMetadata, decode_metadata, encode_metadata
 from tierckpt.protocol.errors import ContractError, FormatError
 from tierckpt.protocol.format import committed_steps, rank_dir, step_dir
 
 
-def _metadata(planner_data: object) -> tuple[Metadata, dict[MetadataIndex, ItemLocation]]:
+def _metadata(planner_data: object) -> tuple[Metadata, dict[MetadataIndex, tuple[int, ...]]]:
     chunks = [
         ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([3, 4])),
         ChunkStorageMetadata(torch.Size([3, 0]), torch.Size([2, 4])),
@@ -44,50 +44,91 @@ def _metadata(planner_data: object) -> tuple[Metadata, dict[MetadataIndex, ItemL
         ),
         "obj": BytesStorageMetadata(),
     }
-    locs = {
-        MetadataIndex("w", [0, 0], 0): ItemLocation(0, "data-00000.bin", 0, 24, 11),
-        MetadataIndex("w", [3, 0], 1): ItemLocation(1, "data-00000.bin", 512, 16, 22, manifest_crc32c=99),
-        MetadataIndex("scalar", []): ItemLocation(0, "data-00000.bin", 256, 8, 33),
-        MetadataIndex("obj"): ItemLocation(0, "data-00001.bin", 0, 1261, 44),
+    holders = {
+        MetadataIndex("w", [0, 0], 0): (0,),
+        MetadataIndex("w", [3, 0], 1): (1,),
+        MetadataIndex("scalar", [], 0): (0, 2),  # replicated: written by rank 0, a copy on rank 2's node
+        MetadataIndex("obj"): (0, 3),
     }
     md = Metadata(
         sdm,
         planner_data=planner_data,
-        storage_data=locs,
+        storage_data=holders,
         storage_meta=StorageMeta("7", "s-1"),
         version="1.0.0",
     )
-    return md, locs
+    return md, holders
 
 
 @pytest.mark.parametrize(
     "planner_data", [None, {"w": ("model", "w"), "obj": ("extra", 0, "obj")}, {"any": [1, "x"]}]
 )
 def test_metadata_round_trips_through_typed_json(planner_data: object) -> None:
-    md, locs = _metadata(planner_data)
-    record = encode_metadata(md, locs, job="j", step=7, world_size=2, coordinator=0)
+    md, holders = _metadata(planner_data)
+    record = encode_metadata(md, holders, job="j", step=7, world_size=4, coordinator=0, save_id="s-1")
     body = record.to_bytes()
     assert json.loads(body)["kind"] == "tierckpt.dcp-metadata"
     back = decode_metadata(DcpMetadata.from_bytes(body))
     assert back.state_dict_metadata == md.state_dict_metadata
-    assert back.storage_data == locs
+    assert back.storage_data == holders
     assert back.planner_data == planner_data
     assert back.version == "1.0.0" and back.storage_meta.checkpoint_id == "7"
-    assert DcpMetadata.from_bytes(body).ranks == {1: 99}
+    decoded = DcpMetadata.from_bytes(body)
+    assert decoded.save_id == "s-1" and decoded.ranks_with_data == [0, 1, 2, 3]
 
 
 def test_metadata_refuses_what_json_cannot_hold() -> None:
-    md, locs = _metadata({"w": object()})
+    md, holders = _metadata({"w": object()})
     with pytest.raises(FormatError, match="cannot be stored as JSON"):
-        encode_metadata(md, locs, job="j", step=7, world_size=2, coordinator=0)
-    md, locs = _metadata(None)
-    locs[MetadataIndex("ghost", [0])] = ItemLocation(0, "data-00000.bin", 0, 1, 1)
+        encode_metadata(md, holders, job="j", step=7, world_size=2, coordinator=0)
+    md, holders = _metadata(None)
+    holders[MetadataIndex("ghost", [0])] = (0,)
     with pytest.raises(FormatError, match="no entry"):
-        encode_metadata(md, locs, job="j", step=7, world_size=2, coordinator=0)
+        encode_metadata(md, holders, job="j", step=7, world_size=2, coordinator=0)
     record = encode_metadata(*_metadata(None), job="j", step=7, world_size=2, coordinator=0).to_dict()
     record["entries"][0]["tensor"]["properties"]["dtype"] = "float128"
     with pytest.raises(FormatError, match="float128"):
         decode_metadata(DcpMetadata.from_dict(record))
+    record["entries"][0]["tensor"]["properties"]["dtype"] = "bfloat16"
+    record["entries"][0]["items"]["copies"] = {"5": [1]}
+    with pytest.raises(FormatError, match="does not exist"):
+        DcpMetadata.from_dict(record)
+
+
+def test_metadata_of_the_previous_format_still_decodes() -> None:
+    """Version 1 listed file, offset, length and crc per item (now in each holder's manifest)."""
+    v1 = {
+        "kind": "tierckpt.dcp-metadata",
+        "version": 1,
+        "job": "j",
+        "step": 3,
+        "world_size": 2,
+        "coordinator": 0,
+        "entries": [
+            {
+                "fqn": "x",
+                "tensor": {
+                    "properties": {"dtype": "float32"},
+                    "size": [4],
+                    "chunk_count": 2,
+                    "chunk_offsets": [0, 2],
+                    "chunk_sizes": [2, 2],
+                },
+                "items": {
+                    "index_offsets": [0, 2],
+                    "index_hints": [0, 1],
+                    "ranks": [0, 1],
+                    "files": [0, 0],
+                    "offsets": [0, 0],
+                    "lengths": [8, 8],
+                    "crc32c": [1, 2],
+                },
+            }
+        ],
+        "ranks": {"1": 12345},
+    }
+    md = decode_metadata(DcpMetadata.from_dict(v1))
+    assert md.storage_data == {MetadataIndex("x", [0]): (0,), MetadataIndex("x", [2]): (1,)}
 
 
 def test_step_ids() -> None:
@@ -152,6 +193,34 @@ def test_repeated_saves_keep_n_checkpoints_and_reuse_pages(ramdisk: Path, job: s
     got = {"w": torch.zeros(1 << 16), "step": 0}
     dcp.load(got, storage_reader=RamdiskReader(ramdisk, job), no_dist=True)
     assert got["step"] == 5 and bool((got["w"] == 5.0).all())
+
+
+def test_async_staging_goes_into_the_slot_when_the_layout_is_known(ramdisk: Path, job: str) -> None:
+    """From the second async save on, staging fills the slot the save commits; an object whose pickled
+    size changes moves no tensor; a changed structure stages into host buffers again. Every step holds
+    the state at the moment its save was called."""
+    state = {"w": torch.arange(1 << 14, dtype=torch.float32), "t": torch.ones(3, 5).t(), "meta": {"n": 1}}
+    wanted: dict[int, dict[str, object]] = {}
+    used = []
+    with RamdiskWriter(ramdisk, job, keep=5) as writer:
+        for step in range(1, 6):
+            if step == 4:
+                state["extra"] = torch.zeros(7)  # a new key: the layout changes
+            wanted[step] = {
+                k: v.clone() if isinstance(v, torch.Tensor) else dict(v) for k, v in state.items()
+            }
+            response = dcp.async_save(state, checkpoint_id=step, storage_writer=writer, no_dist=True)
+            state["w"].add_(1)  # training goes on
+            state["t"].mul_(2)
+            state["meta"]["n"] = 10**step  # its pickle grows
+            getattr(response, "upload_completion", response).result()
+            used.append(writer.staged_in_place)
+    assert used == [False, True, True, False, True]
+    for step, want in wanted.items():
+        got = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else {"n": 0} for k, v in want.items()}
+        dcp.load(got, checkpoint_id=step, storage_reader=RamdiskReader(ramdisk, job), no_dist=True)
+        for k, v in want.items():
+            assert torch.equal(got[k], v) if isinstance(v, torch.Tensor) else got[k] == v, (step, k)
 
 
 def test_steps_being_read_are_leased(ramdisk: Path, job: str) -> None:

@@ -22,10 +22,9 @@ from tierckpt.protocol.control import (
     PeerAssignment,
     RestorePlan,
     RestoreState,
-    RestoreStatus,
     Tier,
     read_control,
-    restore_status_name,
+    read_restore_status,
 )
 from tierckpt.protocol.format import committed_steps, job_dir, rank_dir
 from tierckpt_demo.step_writer import write_step
@@ -201,11 +200,7 @@ async def test_first_start_restart_and_node_replacement(env):
     assert policies_as_configured(env, job, ["n6"])  # the replacement got the policy too
     rank = first["n2"]
     staged = await eventually(
-        lambda: (
-            (s := read_control(n6.root, job, restore_status_name(rank), RestoreStatus))
-            and s.state == RestoreState.READY
-            and s
-        ),
+        lambda: (s := read_restore_status(n6.root, job, rank)) and s.state == RestoreState.READY and s,
         40,
         "the replacement node staged its rank",
     )

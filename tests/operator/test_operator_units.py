@@ -329,6 +329,18 @@ def test_replicator_of():
     unready["status"]["conditions"][0]["status"] = "False"
     assert not replicator_of(unready, 8470).ready
     assert replicator_of({"metadata": {}, "spec": {}, "status": {}}, 8470) is None
+    for endpoint in (
+        "http://evil.example:8470/steal",
+        "file:///etc/passwd",
+        "http://10.0.0.7:8470\n",
+        "http://u@h:1",
+    ):
+        bad = copy.deepcopy(base)
+        bad["metadata"]["annotations"] = {Annotations.REPLICATOR_ENDPOINT: endpoint}
+        assert replicator_of(bad, 8470) is None, endpoint  # never copied into a peer assignment
+    bad_node = copy.deepcopy(base)
+    bad_node["spec"]["nodeName"] = "n1\n"
+    assert replicator_of(bad_node, 8470) is None
 
 
 # ------------------------------------------------------------------------------------ injection

@@ -23,9 +23,9 @@ from tierckpt.protocol.control import (
     RestoreStatus,
     Tier,
     read_control,
-    restore_status_name,
+    read_restore_status,
 )
-from tierckpt.protocol.format import control_dir
+from tierckpt.protocol.format import state_dir
 from tierckpt_demo.step_writer import write_step
 from tierckpt_replicator.daemon import Daemon
 from tierckpt_replicator.settings import Settings
@@ -91,7 +91,7 @@ async def test_every_control_route_needs_the_token(api, method, path):
         if status == 401:
             assert resp.headers["www-authenticate"] == "Bearer"
     assert (daemon.settings.root / JOB / "rank-00000").is_dir()  # DELETE refused: nothing purged
-    assert not (control_dir(daemon.settings.root, JOB) / "peers.json").exists()
+    assert not (state_dir(daemon.settings.root, JOB) / "peers.json").exists()
 
 
 async def test_probes_are_open_and_say_nothing(api):
@@ -145,7 +145,7 @@ async def test_peers_newer_generation_only(api):
     client, daemon = api
     url = f"/v1/jobs/{JOB}/peers"
     assert (await client.put(url, headers=AUTH, content=assignment(2).to_bytes())).status_code == 200
-    path = control_dir(daemon.settings.root, JOB) / "peers.json"
+    path = state_dir(daemon.settings.root, JOB) / "peers.json"
     stored = path.read_bytes()
     for generation in (2, 1):
         resp = await client.put(url, headers=AUTH, content=assignment(generation).to_bytes())
@@ -172,7 +172,7 @@ async def test_peers_newer_generation_only(api):
 async def test_malformed_peers_change_nothing(api, body):
     client, daemon = api
     await client.put(f"/v1/jobs/{JOB}/peers", headers=AUTH, content=assignment(5).to_bytes())
-    path = control_dir(daemon.settings.root, JOB) / "peers.json"
+    path = state_dir(daemon.settings.root, JOB) / "peers.json"
     before = path.read_bytes()
     resp = await client.put(f"/v1/jobs/{JOB}/peers", headers=AUTH, content=body)
     assert resp.status_code == 400, resp.text
@@ -208,7 +208,7 @@ async def test_restore_plan_stages_a_local_step(api):
     assert read_control(root, JOB, RestorePlan.FILE, RestorePlan) == plan
 
     async def ready(rank: int) -> RestoreStatus | None:
-        st = read_control(root, JOB, restore_status_name(rank), RestoreStatus)
+        st = read_restore_status(root, JOB, rank)
         return st if st is not None and st.state == RestoreState.READY else None
 
     for rank in (0, 1):
@@ -217,7 +217,7 @@ async def test_restore_plan_stages_a_local_step(api):
                 break
             await asyncio.sleep(0.02)
         assert st is not None and st.step == 40 and st.source == Tier.LOCAL
-    assert read_control(root, JOB, restore_status_name(2), RestoreStatus) is None  # not this node's rank
+    assert read_restore_status(root, JOB, 2) is None  # not this node's rank
     older = RestorePlan(job=JOB, step=30, world_size=4, sources={}, generation=0)
     resp = await client.put(f"/v1/jobs/{JOB}/restore-plan", headers=AUTH, content=older.to_bytes())
     assert resp.status_code == 409
@@ -277,7 +277,7 @@ def policy(generation: int = 1, job: str = JOB, **fields: object) -> JobPolicy:
 async def test_policy_is_stored_newer_generation_wins(api):
     client, daemon = api
     url = f"/v1/jobs/{JOB}/policy"
-    path = control_dir(daemon.settings.root, JOB) / JobPolicy.FILE
+    path = state_dir(daemon.settings.root, JOB) / JobPolicy.FILE
     resp = await client.put(url, headers=AUTH, content=policy(5).to_bytes())
     assert resp.status_code == 200 and JobPolicy.from_bytes(resp.content) == policy(5)
     assert JobPolicy.from_bytes(path.read_bytes()) == policy(5)
@@ -316,7 +316,7 @@ async def test_policy_is_stored_newer_generation_wins(api):
 async def test_malformed_policies_change_nothing(api, body):
     client, daemon = api
     await client.put(f"/v1/jobs/{JOB}/policy", headers=AUTH, content=policy(3).to_bytes())
-    path = control_dir(daemon.settings.root, JOB) / JobPolicy.FILE
+    path = state_dir(daemon.settings.root, JOB) / JobPolicy.FILE
     before = path.read_bytes()
     resp = await client.put(f"/v1/jobs/{JOB}/policy", headers=AUTH, content=body)
     assert resp.status_code == 400, resp.text

@@ -7,10 +7,13 @@ job id on the shared cluster and leaves every node running and reachable.
 
 from __future__ import annotations
 
+import dataclasses
 import http.client
 import json
+import os
 import socket
 import threading
+import time
 
 import httpx
 import pytest
@@ -25,8 +28,8 @@ from tests.fixtures.cluster import (
 )
 from tierckpt.protocol.api import ENDPOINTS
 from tierckpt.protocol.bucket_layout import BucketLayout
-from tierckpt.protocol.control import BackupResult, RestorePlan, RestoreState, Tier
-from tierckpt.protocol.format import committed_steps, control_dir, rank_dir, replica_rank_dir, step_dir
+from tierckpt.protocol.control import BackupResult, PeerNode, RestorePlan, RestoreState, Tier
+from tierckpt.protocol.format import committed_steps, rank_dir, replica_rank_dir, state_dir, step_dir
 from tierckpt_demo.step_writer import step_files, write_step
 from tierckpt_replicator.backup.gcs import GcsSettings, GcsStore
 from tierckpt_replicator.replication.wire import DataReply, DataRequest, Status, recv_frame, send_frame
@@ -332,7 +335,7 @@ def test_requests_without_the_token_or_malformed_change_nothing(cluster3):
             assert raw.request(ep.method, path, content=newer).status_code == 401
             bad = {"Authorization": "Bearer nope"}
             assert raw.request(ep.method, path, content=newer, headers=bad).status_code == 403
-        peers = control_dir(a.root, job) / "peers.json"
+        peers = state_dir(a.root, job) / "peers.json"
         assert json.loads(peers.read_bytes())["generation"] == 1
         auth = {"Authorization": f"Bearer {cluster3.token}"}
         resp = raw.put(f"/v1/jobs/{job}/peers", content=b'{"kind":"tierckpt.peers"', headers=auth)
@@ -376,3 +379,80 @@ def test_sigterm_backs_up_the_newest_step(cluster3):
         node.wait_ready()
     inv = cluster3.api.inventory(cluster3.nodes[0].endpoint, job)
     assert inv is not None and 80 in inv.gcs
+
+
+class Listener:
+    """An attacker's port on the bridge: counts the connections it gets (and keeps what they send)."""
+
+    def __init__(self, host: str) -> None:
+        self.sock = socket.create_server((host, 0))
+        self.port = self.sock.getsockname()[1]
+        self.seen: list[bytes] = []
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                conn.settimeout(2)
+                try:
+                    self.seen.append(conn.recv(1 << 16))
+                except OSError:
+                    self.seen.append(b"")
+
+
+def test_a_pod_written_control_file_steers_nothing(cluster3):
+    """Defect 1: a pod rewrites ``control/peers.json`` in its job directory to name its own endpoint; the
+    replicators keep the operator's assignment and never connect there (no token leaves the node)."""
+    job = new_job("steer")
+    real = cluster3.assign(job)
+    api, data = Listener(cluster3.bridge_ip), Listener(cluster3.bridge_ip)
+    evil = PeerNode("evil", f"http://{cluster3.bridge_ip}:{api.port}/?data={data.port}")
+    forged = dataclasses.replace(
+        real,
+        generation=10**6,
+        nodes={**real.nodes, "evil": evil},
+        peers={n: ("evil",) for n in real.nodes},
+    )
+    for node in cluster3.nodes:  # what the pod on each node writes into its job directory
+        (node.root / job / "control").mkdir(parents=True, exist_ok=True)
+        (node.root / job / "control" / "peers.json").write_bytes(forged.to_bytes())
+    commit_everywhere(cluster3, job, 5)
+    for rank in range(cluster3.size):
+        wait_replicated(cluster3, job, rank, 5)  # a pass under the operator's assignment ran
+    time.sleep(3)  # and a reconcile (every 2 s here), which asks the peers' APIs
+    assert api.seen == [] and data.seen == [], "a replicator connected to the endpoint the pod named"
+    for node in cluster3.nodes:
+        status = next(j for j in cluster3.api.status(node.endpoint).jobs if j.job == job)
+        assert status.generation == real.generation
+
+
+def test_links_into_another_job_are_refused_and_the_node_keeps_serving(cluster3):
+    """Defect 2 on a real node: job A's pod links a rank directory into job B. A's inventory, replicas,
+    backup and purge touch nothing of B; the replicator says why and keeps serving."""
+    a = cluster3.nodes[0]
+    tenant, victim = new_job("tenant"), new_job("victim")
+    cluster3.assign(tenant)
+    secret = write_step(a.root, victim, 0, 7, sizes=(200_000,), seed=11)
+    before = step_files(secret)
+    commit_everywhere(cluster3, tenant, 7)
+    rank_dir(a.root, tenant, 9).symlink_to(rank_dir(a.root, victim, 0))  # "rank 9" of the tenant is B's
+    inv = cluster3.api.inventory(a.endpoint, tenant)
+    assert inv is not None and 9 not in inv.ranks and inv.ranks[0].local == (7,)
+    for rank in range(cluster3.size):
+        wait_replicated(cluster3, job=tenant, rank=rank, step=7)
+    time.sleep(1.5)  # another pass
+    assert not any(replica_rank_dir(n.root, tenant, 9).exists() for n in cluster3.nodes)
+    assert cluster3.api.backup(a.endpoint, tenant, timeout=60).step == 7
+    store = GcsStore(GcsSettings(bucket=cluster3.bucket, endpoint=cluster3.gcs.url))
+    uploaded = store.list(BucketLayout("tierckpt").rank_dir(tenant, 7, 9))[0]
+    assert uploaded == []
+    assert cluster3.api.purge(a.endpoint, tenant) is not None
+    assert not os.path.lexists(a.root / tenant)
+    assert step_files(secret) == before and committed_steps(rank_dir(a.root, victim, 0)) == [7]
+    assert "refusing" in a.log_text() and "never followed" in a.log_text()
+    assert cluster3.api.ready(a.endpoint)
+    assert cluster3.api.inventory(a.endpoint, victim).ranks[0].local == (7,)

@@ -16,6 +16,7 @@ import pytest
 from tierckpt.protocol.client import ONE_ATTEMPT, ReplicatorClient, api_base
 from tierckpt.protocol.control import PeerAssignment, PeerNode
 from tierckpt.protocol.errors import ContractError
+from tierckpt.protocol.format import state_dir
 from tierckpt.protocol.tokens import TokenFile
 from tierckpt_demo.step_writer import write_step
 from tierckpt_replicator.assignments import AssignmentStore, data_endpoint
@@ -101,7 +102,7 @@ def test_peer_endpoints():
 def test_assignment_store_keeps_the_newest_generation(tmp_path: Path):
     static = PeerAssignment(job="j1", generation=1, nodes={"a": PeerNode("a", "http://a:1")}, peers={})
     store = AssignmentStore(tmp_path, static)
-    assert store.get("j1") == static and (tmp_path / "j1" / "control" / "peers.json").exists()
+    assert store.get("j1") == static and (state_dir(tmp_path, "j1") / "peers.json").exists()
     assert store.get("other") is None
     assert store.put(dataclasses.replace(static, generation=1)) == (False, static)
     newer = dataclasses.replace(static, generation=4)

@@ -189,6 +189,7 @@ def test_a_corrupt_primary_is_never_encoded(tmp_path):
 
 def test_decode_writes_into_preallocated_files(tmp_path):
     """Restores decode into a staging dir whose files ``create_preallocated`` already reserved."""
+    from tierckpt.protocol.safefs import Beneath
     from tierckpt_replicator.stepio import create_preallocated
 
     step = _step(tmp_path, (10_000, 3), 2)
@@ -196,8 +197,9 @@ def test_decode_writes_into_preallocated_files(tmp_path):
     em = encode_step(step, tmp_path / "f", 2, 1, piece=PIECE)
     out = tmp_path / "out"
     out.mkdir()
-    for f in em.files:
-        create_preallocated(out / f.name, f.size)
+    with Beneath.open(out) as tree:
+        for f in em.files:
+            create_preallocated(tree, f.name, f.size)
     decode_step(em, {i: tmp_path / "f" / fragment_name(i) for i in (1, 2)}, out)
     assert {n: (out / n).read_bytes() for n in original} == original
 

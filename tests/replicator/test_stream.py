@@ -16,11 +16,45 @@ import pytest
 
 from tierckpt.protocol.errors import FormatError, RamdiskFullError
 from tierckpt.protocol.integrity import crc32c
-from tierckpt_replicator.replication.stream import BLOCK, copy_file, receive_file, send_file
+from tierckpt_replicator.replication import stream
+from tierckpt_replicator.replication.stream import BLOCK
 from tierckpt_replicator.replication.wire import ProtocolError
-from tierckpt_replicator.stepio import create_preallocated
+from tierckpt_replicator.stepio import preallocate
 
 SIZES = [1, BLOCK - 1, BLOCK, 3 * BLOCK + 12_345]
+
+
+# The stream functions take open descriptors (the replicator opens files through its safefs trees);
+# these open plain test files for them.
+
+
+@contextlib.contextmanager
+def _opened(path: Path, flags: int) -> Iterator[int]:
+    fd = os.open(path, flags | os.O_CLOEXEC)
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def create_preallocated(path: Path, size: int) -> None:
+    with _opened(path, os.O_RDWR | os.O_CREAT | os.O_EXCL) as fd:
+        preallocate(fd, size, str(path))
+
+
+def send_file(sock: socket.socket, path: Path, size: int, **kwargs) -> None:
+    with _opened(path, os.O_RDONLY) as fd:
+        stream.send_file(sock, fd, size, where=str(path), **kwargs)
+
+
+def receive_file(sock: socket.socket, path: Path, size: int, **kwargs) -> int:
+    with _opened(path, os.O_WRONLY) as fd:
+        return stream.receive_file(sock, fd, size, where=path.name, **kwargs)
+
+
+def copy_file(src: Path, dst: Path, size: int) -> int:
+    with _opened(src, os.O_RDONLY) as fin, _opened(dst, os.O_WRONLY) as fout:
+        return stream.copy_file(fin, fout, size, where=str(src))
 
 
 @pytest.fixture(scope="module")
@@ -164,15 +198,14 @@ def test_copy_file_of_a_source_that_shrinks_midway(tmp_path, monkeypatch):
     src, dst = tmp_path / "src.bin", tmp_path / "dst.bin"
     _file(src, 3 * BLOCK)
     create_preallocated(dst, 3 * BLOCK)
-    real_open = open
+    real_preadv = os.preadv
 
-    def shrinking_open(path, *args, **kwargs):  # the file is truncated right after it was opened
-        f = real_open(path, *args, **kwargs)
-        if Path(path) == src:
+    def shrinking_preadv(fd, buffers, offset):  # the file is truncated after its size was checked
+        if offset == 0:
             os.truncate(src, BLOCK)
-        return f
+        return real_preadv(fd, buffers, offset)
 
-    monkeypatch.setattr("builtins.open", shrinking_open)
+    monkeypatch.setattr(stream.os, "preadv", shrinking_preadv)
     with pytest.raises(FormatError, match="shrank while being copied"):
         copy_file(src, dst, 3 * BLOCK)
 

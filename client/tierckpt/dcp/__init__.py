@@ -11,11 +11,18 @@ like native ones, and FSDP2/DTensor state dicts reshard on load under another wo
     dcp.save(state_dict, checkpoint_id=step, storage_writer=RamdiskWriter())
     dcp.load(state_dict, checkpoint_id=step, storage_reader=RamdiskReader())
 
+On several nodes, every rank asks ``agreed_step()`` which step to load (the same answer everywhere)::
+
+    step = agreed_step()
+    if step is not None:
+        dcp.load(state_dict, checkpoint_id=step, storage_reader=RamdiskReader())
+
 ``full_state_dict(root, job, step)`` reads a whole checkpoint, unsharded, into one process. See docs/dcp.md.
 """
 
+from tierckpt.dcp.agree import agreed_step
 from tierckpt.dcp.export import full_state_dict
 from tierckpt.dcp.reader import RamdiskReader, dcp_steps
 from tierckpt.dcp.writer import RamdiskWriter
 
-__all__ = ["RamdiskReader", "RamdiskWriter", "dcp_steps", "full_state_dict"]
+__all__ = ["RamdiskReader", "RamdiskWriter", "agreed_step", "dcp_steps", "full_state_dict"]

@@ -6,10 +6,10 @@ DCP's own ``FileSystemWriter`` pickles ``Metadata``. We store the same object gr
 * ``entries``: one ``EntryRecord`` per state-dict key, in DCP's order. A tensor entry carries its
   ``TensorProperties`` (dtype, layout, requires_grad, memory_format, pin_memory), its global size and its
   chunks (offsets, sizes); an entry without ``tensor`` is ``BytesStorageMetadata`` (a pickled user object).
-  Its ``items`` say where each saved item (``MetadataIndex``: fqn, offset, index hint) is: process
-  ``rank``, data file, ``offset``, ``length`` and ``crc32c``, as columns (big jobs have 10^5 chunks).
-* ``ranks``: for every rank that wrote data, the crc32c of its committed manifest, so a reader can tell
-  that rank's step is the one this checkpoint was saved with.
+  Its ``items`` say who holds each saved item (``MetadataIndex``: fqn, offset, index hint): the process
+  rank DCP chose to write it, and the ranks holding identical copies, as columns (big jobs have 10^5
+  chunks). Each holder's manifest says where in its step the bytes are, and their crc32c.
+* ``save_id``: the coordinator's id of this save, recorded in every rank's manifest too.
 * ``planner_data``: the default planner's flatten mapping (fqn -> object path) or any JSON value.
 
 Pure: no I/O. ``encode_metadata`` / ``decode_metadata`` convert to and from ``torch``'s ``Metadata``.
@@ -49,10 +49,13 @@ __all__ = [
     "data_file_index",
     "decode_metadata",
     "encode_metadata",
+    "item_holders",
     "tensor_dtype_name",
 ]
 
-METADATA_VERSION = 1
+METADATA_VERSION = 2
+"""2: items list their holder ranks; where the bytes are is in each holder's manifest (1 also listed
+file, offset, length and crc32c per item; such files still decode)."""
 
 
 # ------------------------------------------------------------------------------ torch enum names
@@ -117,25 +120,29 @@ class LocationsRecord(Record):
     """The saved items of one entry, one column per field (arrays keep big jobs' metadata fast to load).
 
     Item ``i`` is ``MetadataIndex(fqn, index_offsets[i*ndim:(i+1)*ndim], hint)`` (offset None and
-    ``ndim`` 0 for objects; hint ``-1`` means None), stored in rank ``ranks[i]``'s step directory at
-    ``data-<files[i]:05d>.bin[offsets[i]:offsets[i]+lengths[i]]`` with crc32c ``crc32c[i]``.
+    ``ndim`` 0 for objects; hint ``-1`` means None), written by process rank ``ranks[i]`` (the rank DCP
+    chose); ``copies[i]``, when present, lists the other ranks that hold an identical copy (one on each
+    node that would otherwise lack it). Each holder's manifest says where the bytes are: the entry keyed
+    ``item_key(index)`` gives the data file, offset, length and crc32c.
     """
 
     index_offsets: tuple[int, ...] = ()
     index_hints: tuple[int, ...] = ()
     ranks: tuple[int, ...] = ()
-    files: tuple[int, ...] = ()
-    offsets: tuple[int, ...] = ()
-    lengths: tuple[int, ...] = ()
-    crc32c: tuple[int, ...] = ()
+    copies: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         n = len(self.ranks)
-        columns = (self.index_hints, self.files, self.offsets, self.lengths, self.crc32c)
-        if any(len(c) != n for c in columns):
+        if len(self.index_hints) != n:
             raise FormatError("item location columns have different lengths")
-        if any(v < 0 for c in (self.ranks, self.files, self.offsets, self.lengths) for v in c):
-            raise FormatError("item locations must be non-negative")
+        if (n and min(self.ranks) < 0) or any(c and min(c) < 0 for c in self.copies.values()):
+            raise FormatError("item ranks must be non-negative")
+        if self.copies and not 0 <= min(self.copies) <= max(self.copies) < n:
+            raise FormatError("a copy names an item that does not exist")
+
+    def holders(self, i: int) -> tuple[int, ...]:
+        """Every rank holding item ``i``: the writer DCP chose first, then the copies."""
+        return (self.ranks[i], *self.copies.get(i, ()))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,8 +158,7 @@ class EntryRecord(Record):
 class ItemLocation:
     """Where one saved item's bytes are: ``file[offset:offset+length]`` of ``rank``'s step directory.
 
-    The ``storage_data`` of DCP's ``WriteResult`` and of a decoded ``Metadata``. ``manifest_crc32c`` is the
-    crc of the writing rank's committed manifest (None for the coordinator, which commits last).
+    The ``storage_data`` of DCP's ``WriteResult`` (what the coordinator's ``finish`` checks).
     """
 
     rank: int
@@ -160,7 +166,6 @@ class ItemLocation:
     offset: int
     length: int
     crc32c: int
-    manifest_crc32c: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,10 +185,12 @@ class StorageMetaRecord(Record):
 
 @dataclasses.dataclass(frozen=True)
 class DcpMetadata(Message):
-    """``dcp-metadata.json``: the global metadata of one DCP save, written by the coordinator.
+    """``dcp-metadata.json``: the global metadata of one DCP save.
 
-    ``ranks`` maps each rank that wrote data (other than the coordinator) to the crc32c of its committed
-    manifest, so a reader can tell that rank's step is the one this checkpoint was saved with.
+    The coordinator builds it while planning (before any byte is written) and hands it to one rank of
+    every node, which writes it into its own step: every node holds the metadata of its ranks' steps.
+    ``save_id`` is the coordinator's id of this save; every rank's manifest records the same one, so a
+    reader can tell that a rank's step is the one this checkpoint was saved with.
     """
 
     KIND = "tierckpt.dcp-metadata"
@@ -194,14 +201,17 @@ class DcpMetadata(Message):
     world_size: int
     coordinator: int
     entries: tuple[EntryRecord, ...]
-    ranks: dict[int, int] = dataclasses.field(default_factory=dict)
+    save_id: str = ""
     planner_data: PlannerDataRecord | None = None
     storage_meta: StorageMetaRecord | None = None
     dcp_version: str | None = None
 
     @property
     def ranks_with_data(self) -> list[int]:
-        return sorted({r for e in self.entries for r in e.items.ranks})
+        """Every rank that holds at least one item (as DCP's writer or as a copy)."""
+        ranks = {r for e in self.entries for r in e.items.ranks}
+        ranks.update(r for e in self.entries for c in e.items.copies.values() for r in c)
+        return sorted(ranks)
 
 
 # ------------------------------------------------------------------------------ encode
@@ -224,23 +234,23 @@ def _tensor_record(md: TensorStorageMetadata) -> TensorRecord:
 
 
 def _locations_record(
-    fqn: str, ndim: int | None, items: list[tuple[MetadataIndex, ItemLocation]]
+    fqn: str, ndim: int | None, items: list[tuple[MetadataIndex, tuple[int, ...]]]
 ) -> LocationsRecord:
     """Columns of one entry's items; ``ndim`` None for an object entry (its items have no offset)."""
-    cols: dict[str, list[int]] = {k: [] for k in ("io", "ih", "r", "f", "o", "l", "c")}
-    for index, loc in items:
+    offsets: list[int] = []
+    hints: list[int] = []
+    ranks: list[int] = []
+    copies: dict[int, tuple[int, ...]] = {}
+    for i, (index, holders) in enumerate(items):
         offset = None if index.offset is None else tuple(index.offset)
         if (offset is None) != (ndim is None) or (offset is not None and len(offset) != ndim):
             raise FormatError(f"item {fqn!r}: index offset {offset} does not fit its entry ({ndim} dims)")
-        offset = offset or ()
-        cols["io"].extend(offset)
-        cols["ih"].append(-1 if index.index is None else index.index)
-        cols["r"].append(loc.rank)
-        cols["f"].append(data_file_index(loc.file))
-        cols["o"].append(loc.offset)
-        cols["l"].append(loc.length)
-        cols["c"].append(loc.crc32c)
-    return LocationsRecord(*(tuple(cols[k]) for k in ("io", "ih", "r", "f", "o", "l", "c")))
+        offsets.extend(offset or ())
+        hints.append(-1 if index.index is None else index.index)
+        ranks.append(holders[0])
+        if len(holders) > 1:
+            copies[i] = tuple(holders[1:])
+    return LocationsRecord(tuple(offsets), tuple(hints), tuple(ranks), copies)
 
 
 def _planner_data_record(data: Any) -> PlannerDataRecord | None:
@@ -270,20 +280,21 @@ def _storage_meta_record(meta: StorageMeta | None) -> StorageMetaRecord | None:
 
 def encode_metadata(
     metadata: Metadata,
-    locations: dict[MetadataIndex, ItemLocation],
+    holders: dict[MetadataIndex, tuple[int, ...]],
     *,
     job: str,
     step: int,
     world_size: int,
     coordinator: int,
+    save_id: str = "",
 ) -> DcpMetadata:
-    """The typed record of ``metadata``, with ``locations`` (all ranks' write results) as its storage data."""
-    by_fqn: dict[str, list[tuple[MetadataIndex, ItemLocation]]] = {}
-    ranks: dict[int, int] = {}
-    for index, loc in locations.items():
-        by_fqn.setdefault(index.fqn, []).append((index, loc))
-        if loc.manifest_crc32c is not None:
-            ranks[loc.rank] = loc.manifest_crc32c
+    """The typed record of ``metadata`` (its entries, planner data and storage meta); ``holders`` gives,
+    for every saved item, the ranks holding it: the one DCP chose first, then its copies."""
+    by_fqn: dict[str, list[tuple[MetadataIndex, tuple[int, ...]]]] = {}
+    for index, ranks in holders.items():
+        if not ranks:
+            raise FormatError(f"saved item {index.fqn!r} has no holder")
+        by_fqn.setdefault(index.fqn, []).append((index, ranks))
     unknown = set(by_fqn) - set(metadata.state_dict_metadata)
     if unknown:
         raise FormatError(f"saved items {sorted(unknown)[:5]} have no entry in the DCP metadata")
@@ -295,14 +306,15 @@ def encode_metadata(
             tensor, ndim = None, None
         else:
             raise FormatError(f"DCP metadata entry {fqn!r} has unsupported type {type(md).__name__}")
-        entries.append(EntryRecord(fqn, tensor, _locations_record(fqn, ndim, by_fqn.get(fqn, []))))
+        items = sorted(by_fqn.get(fqn, []), key=lambda it: -1 if it[0].index is None else it[0].index)
+        entries.append(EntryRecord(fqn, tensor, _locations_record(fqn, ndim, items)))
     return DcpMetadata(
         job=job,
         step=step,
         world_size=world_size,
         coordinator=coordinator,
         entries=tuple(entries),
-        ranks=ranks,
+        save_id=save_id,
         planner_data=_planner_data_record(metadata.planner_data),
         storage_meta=_storage_meta_record(metadata.storage_meta),
         dcp_version=metadata.version,
@@ -332,17 +344,18 @@ def _storage_type(t: TensorRecord | None) -> TensorStorageMetadata | BytesStorag
     return TensorStorageMetadata(properties=_properties(t.properties), size=torch.Size(t.size), chunks=chunks)
 
 
-def _add_locations(out: dict[MetadataIndex, ItemLocation], e: EntryRecord, ranks: dict[int, int]) -> None:
+def item_holders(e: EntryRecord) -> dict[MetadataIndex, tuple[int, ...]]:
+    """Every item of one entry -> the ranks holding it (DCP's writer first)."""
     ndim = 0 if e.tensor is None else len(e.tensor.size)
     items = e.items
     if len(items.index_offsets) != ndim * len(items.ranks):
         raise FormatError(f"entry {e.fqn!r}: item offsets do not match its {ndim} dimensions")
-    for i, rank in enumerate(items.ranks):
+    out = {}
+    for i in range(len(items.ranks)):
         offset = None if e.tensor is None else items.index_offsets[i * ndim : (i + 1) * ndim]
         hint = items.index_hints[i]
-        index = MetadataIndex(e.fqn, offset, None if hint < 0 else hint)
-        file, crc = data_file_name(items.files[i]), items.crc32c[i]
-        out[index] = ItemLocation(rank, file, items.offsets[i], items.lengths[i], crc, ranks.get(rank))
+        out[MetadataIndex(e.fqn, offset, None if hint < 0 else hint)] = items.holders(i)
+    return out
 
 
 def _planner_data(r: PlannerDataRecord | None) -> Any:
@@ -352,10 +365,10 @@ def _planner_data(r: PlannerDataRecord | None) -> Any:
 
 
 def decode_metadata(record: DcpMetadata) -> Metadata:
-    """``torch``'s ``Metadata``; its ``storage_data`` maps each ``MetadataIndex`` to an ``ItemLocation``."""
-    storage_data: dict[MetadataIndex, ItemLocation] = {}
+    """``torch``'s ``Metadata``; its ``storage_data`` maps each ``MetadataIndex`` to its holder ranks."""
+    storage_data: dict[MetadataIndex, tuple[int, ...]] = {}
     for e in record.entries:
-        _add_locations(storage_data, e, record.ranks)
+        storage_data.update(item_holders(e))
     sm = record.storage_meta
     storage_meta = None if sm is None else StorageMeta(sm.checkpoint_id, sm.save_id, None, list(sm.modules))
     return Metadata(

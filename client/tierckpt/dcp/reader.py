@@ -3,14 +3,18 @@
 DCP's call order, and what each call does here:
 
 1. (all ranks) ``reset(checkpoint_id)``: the step to load (None: the newest complete one found here).
-2. (all ranks) ``read_metadata``: find the coordinator's committed step (primary or replica copy), check
-   ``dcp-metadata.json`` against its manifest, decode it into DCP's ``Metadata``.
-3. (all ranks) ``set_up_storage_reader``; 4./5. planning needs nothing from storage.
-6. (all ranks) ``read_data``: for each item, open (and lease) the writing rank's committed step (under
-   ``<root>/<job>/rank-NNNNN`` or ``<root>/<job>/replicas/rank-NNNNN``), map the data file, verify the
-   item's crc32c, and copy its bytes once into the destination tensor (resharding through DCP's plan).
+2. (all ranks) ``read_metadata``: find a committed step of the checkpoint that carries its metadata on
+   this node (one rank of every node writes it; primary or replica copy), check ``dcp-metadata.json``
+   against that step's manifest, decode it into DCP's ``Metadata``.
+3. (all ranks) ``set_up_storage_reader``; 4. ``prepare_local_plan``: for every item this rank reads,
+   pick a rank holding it whose step is on this node (the writer DCP chose, or a copy). Items that no
+   rank of this node holds (a reshard across nodes, or a node that lost its copies) are fetched first:
+   the reader asks the node's replicator for those ranks' steps (``tierckpt.dcp.fetch``) and waits.
+5. (all ranks) ``read_data``: for each item, open (and lease) the holding rank's committed step (under
+   ``<root>/<job>/rank-NNNNN`` or ``<root>/<job>/replicas/rank-NNNNN``), find the item in its manifest,
+   map the data file, verify the item's crc32c, and copy its bytes once into the destination tensor
+   (resharding through DCP's plan).
 
-Any rank's data may be read by any rank: loading under a different world size reads other ranks' chunks.
 A crc mismatch raises ``CorruptShardError`` naming the item and the file (DCP wraps it in its
 ``CheckpointException``; see ``docs/dcp.md``).
 """
@@ -21,6 +25,7 @@ import contextlib
 import io
 import logging
 import os
+import time
 import uuid
 from collections import defaultdict
 from pathlib import Path
@@ -38,6 +43,7 @@ from tierckpt.protocol.errors import CorruptShardError, FormatError, MissingChec
 from tierckpt.protocol.format import (
     DCP_METADATA_NAME,
     Manifest,
+    TensorEntry,
     committed_steps,
     job_dir,
     rank_dir,
@@ -51,7 +57,8 @@ from tierckpt.settings import resolve
 from tierckpt.snapshot.shardfile import MappedFile
 
 from ._paths import find_rank_step, parse_step_id, require_step_id
-from .metadata import DcpMetadata, ItemLocation, decode_metadata
+from .fetch import fetch_rank_steps
+from .metadata import DcpMetadata, decode_metadata, item_holders
 from .writer import item_key
 
 __all__ = ["RamdiskReader", "dcp_steps"]
@@ -66,7 +73,8 @@ def _all_rank_dirs(root: Path, job: str) -> list[Path]:
 
 
 def dcp_steps(root: str | os.PathLike[str], job: str) -> list[int]:
-    """Steps (newest first) for which some rank on this root holds a committed step; candidates only."""
+    """Steps (newest first) for which some rank on this root holds a committed step; candidates only.
+    Which step to load on several nodes is ``tierckpt.dcp.agreed_step``'s answer, not this node's list."""
     steps: set[int] = set()
     for d in _all_rank_dirs(Path(root), job):
         steps.update(committed_steps(d))
@@ -74,12 +82,19 @@ def dcp_steps(root: str | os.PathLike[str], job: str) -> list[int]:
 
 
 class _RankStep:
-    """One writing rank's committed step, checked against the checkpoint's metadata when opened."""
+    """One holding rank's committed step, checked against the checkpoint's metadata when opened."""
 
     def __init__(self, path: Path, manifest: Manifest) -> None:
         self.path = path
         self.manifest = manifest
+        self.entries: dict[str, TensorEntry] = {t.key: t for t in manifest.tensors}
         self._checked: set[str] = set()
+
+    def entry(self, key: str) -> TensorEntry:
+        try:
+            return self.entries[key]
+        except KeyError:
+            raise FormatError(f"{self.path}: item {key!r} is not in this step's manifest") from None
 
     def open(self, name: str, *, needed: int) -> MappedFile:
         """Map a data file; fault it all in up front when at least half of it (``needed`` bytes) is read."""
@@ -105,24 +120,44 @@ class RamdiskReader(StorageReader):
         job: the job id (default ``$TIERCKPT_JOB``, else ``"local"``).
         step: the step to load; ``dcp.load(..., checkpoint_id=step)`` sets it per load. None loads the
             newest step whose metadata and data are all present on this root (on several nodes, pass
-            the step explicitly so every rank loads the same one).
+            the step ``tierckpt.dcp.agreed_step()`` returns, so every rank loads the same one).
+        fetch: ask the node's replicator for steps of other ranks this load needs and this node lacks
+            (default: when a replicator is configured, ``$TIERCKPT_REPLICATOR_URL``). False: such a
+            load fails with ``MissingCheckpointError`` naming the ranks.
     """
 
     def __init__(
-        self, root: str | os.PathLike[str] | None = None, job: str | None = None, step: int | None = None
+        self,
+        root: str | os.PathLike[str] | None = None,
+        job: str | None = None,
+        step: int | None = None,
+        *,
+        fetch: bool | None = None,
     ) -> None:
         super().__init__()
         where = resolve(root=root, job=job)
         self.root, self.job = where.root, where.job
+        self.fetch = bool(where.replicator_url) if fetch is None else fetch
+        self.stall_timeout = where.restore_wait
         self.requested_step = None if step is None else require_step_id(step)
         """The step asked for (None: the newest complete one); ``step`` is the one the last load resolved."""
         self.step = self.requested_step
         self.load_id = str(uuid.uuid4())
+        self.fetched: tuple[int, ...] = ()
+        """Ranks whose step the last load had the replicator bring to this node."""
+        self.bytes_read = 0
+        """Stored bytes the last load read (each item once)."""
+        self.fetched_bytes = 0
+        """Bytes the replicator reported moving for the last load's requests (0: nothing fetched)."""
+        self.fetch_seconds = 0.0
+        """Time the last load waited for its requests to be answered."""
         self._record: DcpMetadata | None = None
-        self._storage: dict[MetadataIndex, ItemLocation] = {}
+        self._holders: dict[MetadataIndex, tuple[int, ...]] = {}
         self._chunks: dict[tuple[str, tuple[int, ...]], tuple[torch.Size, torch.dtype]] = {}
         self._steps: dict[int, _RankStep] = {}
         self._manifests: dict[Path, Manifest] = {}
+        self._present: dict[int, Path | None] = {}
+        self._chosen: dict[MetadataIndex, int] = {}
 
     # ------------------------------------------------------------------ identity
 
@@ -142,7 +177,9 @@ class RamdiskReader(StorageReader):
     # ------------------------------------------------------------------ metadata
 
     def read_metadata(self) -> Metadata:  # no **kwargs: DCP must not fall back to rank-local metadata
-        self._record, self._storage, self._chunks, self._steps, self._manifests = None, {}, {}, {}, {}
+        self._record, self._holders, self._chunks, self._steps = None, {}, {}, {}
+        self._manifests, self._present, self._chosen, self.fetched, self.bytes_read = {}, {}, {}, (), 0
+        self.fetched_bytes, self.fetch_seconds = 0, 0.0
         if self.requested_step is not None:
             record = self._load_record(self.requested_step)
         else:
@@ -154,26 +191,35 @@ class RamdiskReader(StorageReader):
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
-    def _coordinator_step(self, step: int) -> tuple[Path, Manifest]:
-        """The committed step (primary or replica) that carries the DCP metadata of ``step``."""
-        seen = False
+    def _metadata_step(self, step: int) -> tuple[Path, Manifest] | None:
+        """A committed step of ``step`` on this root (any rank, primary or replica) carrying the metadata."""
         for d in _all_rank_dirs(self.root, self.job):
             path = d / f"step-{step:012d}"
             try:
-                if read_commit(path) is None:
+                if not (path / DCP_METADATA_NAME).exists() or read_commit(path) is None:
                     continue
                 manifest = self._manifest(path)
             except FormatError as exc:
                 log.warning("skipping %s while looking for DCP metadata: %s", path, exc)
                 continue
-            seen = True
             if manifest.manifest_kind == "dcp" and manifest.extra.get("dcp", {}).get("metadata"):
                 return path, manifest
+        return None
+
+    def _metadata_carrier(self, step: int, *, fetch: bool) -> tuple[Path, Manifest]:
+        """The step carrying the metadata of ``step``; fetched (rank 0's, which always carries it) when
+        this node has none and ``fetch``."""
+        found = self._metadata_step(step)
+        if found is None and fetch:
+            self._fetch([0], step)
+            found = self._metadata_step(step)
+        if found is not None:
+            return found
         where = job_dir(self.root, self.job)
-        if seen:
+        if step in dcp_steps(self.root, self.job):
             raise MissingCheckpointError(
-                f"step {step} under {where} has no committed DCP metadata: the coordinator's (rank 0's) step "
-                "is not on this node, its save did not finish, or it is not a DCP checkpoint"
+                f"step {step} under {where} has no committed DCP metadata on this node: its save did not "
+                "finish, it is not a DCP checkpoint, or the ranks carrying it are on other nodes"
             )
         raise MissingCheckpointError(f"no committed step {step} under {where}")
 
@@ -183,8 +229,8 @@ class RamdiskReader(StorageReader):
             self._manifests[path] = read_manifest(path)
         return self._manifests[path]
 
-    def _load_record(self, step: int) -> DcpMetadata:
-        path, manifest = self._coordinator_step(step)
+    def _load_record(self, step: int, *, fetch: bool = True) -> DcpMetadata:
+        path, manifest = self._metadata_carrier(step, fetch=fetch and self.fetch)
         entry = manifest.file(DCP_METADATA_NAME)
         file = path / DCP_METADATA_NAME
         body = file.read_bytes()
@@ -203,17 +249,21 @@ class RamdiskReader(StorageReader):
         return record
 
     def _newest_complete_record(self) -> DcpMetadata:
+        """The newest step of which this node holds the metadata and a copy of every item."""
         for step in dcp_steps(self.root, self.job):
             try:
-                record = self._load_record(step)
+                record = self._load_record(step, fetch=False)
             except MissingCheckpointError:
                 continue
             missing = [
-                r for r in record.ranks_with_data if find_rank_step(self.root, self.job, r, step) is None
+                e.fqn
+                for e in record.entries
+                for holders in item_holders(e).values()
+                if not any(find_rank_step(self.root, self.job, r, step) for r in holders)
             ]
             if not missing:
                 return record
-            log.info("DCP step %d is incomplete here (ranks %s missing); trying older steps", step, missing)
+            log.info("DCP step %d is incomplete here (%s missing); trying older steps", step, missing[:3])
         raise MissingCheckpointError(f"no complete DCP checkpoint under {job_dir(self.root, self.job)}")
 
     # ------------------------------------------------------------------ planning
@@ -223,7 +273,7 @@ class RamdiskReader(StorageReader):
     ) -> None:
         if not isinstance(metadata.storage_data, dict):
             raise FormatError("DCP metadata has no storage data: it was not saved by RamdiskWriter")
-        self._storage = metadata.storage_data
+        self._holders = metadata.storage_data
         self._chunks = {
             (fqn, tuple(c.offsets)): (c.sizes, md.properties.dtype)
             for fqn, md in metadata.state_dict_metadata.items()
@@ -232,46 +282,89 @@ class RamdiskReader(StorageReader):
         }
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        """Pick a holder on this node for every item this rank reads; fetch those this node lacks."""
+        self._choose(plan.items, fetch=self.fetch)
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         return plans
 
+    def _present_here(self, rank: int) -> bool:
+        if rank not in self._present:
+            assert self.step is not None
+            self._present[rank] = find_rank_step(self.root, self.job, rank, self.step)
+        return self._present[rank] is not None
+
+    def _choose(self, items: list[ReadItem], *, fetch: bool) -> None:
+        missing: set[int] = set()
+        pending: list[MetadataIndex] = []
+        for req in items:
+            index = req.storage_index
+            if index in self._chosen:
+                continue
+            holders = self._holders_of(index)
+            here = next((r for r in holders if self._present_here(r)), None)
+            if here is not None:
+                self._chosen[index] = here
+                continue
+            missing.add(next((r for r in holders if r in missing), holders[0]))
+            pending.append(index)
+        if not missing:
+            return
+        assert self.step is not None
+        if not fetch:
+            rank = min(missing)
+            raise MissingCheckpointError(
+                f"rank {rank}'s step {self.step} is not on this node (not in "
+                f"{rank_dir(self.root, self.job, rank)} nor among replicas; ranks {sorted(missing)} are "
+                "missing): loading this DCP checkpoint needs their data here (docs/dcp.md)"
+            )
+        self._fetch(sorted(missing), self.step)
+        self.fetched = tuple(sorted({*self.fetched, *missing}))
+        self._present = {}
+        self._choose([r for r in items if r.storage_index in set(pending)], fetch=False)
+
+    def _fetch(self, ranks: list[int], step: int) -> None:
+        rank = resolve(root=self.root, job=self.job).rank
+        started = time.monotonic()
+        status = fetch_rank_steps(self.root, self.job, rank, step, ranks, stall_timeout=self.stall_timeout)
+        self.fetch_seconds += time.monotonic() - started
+        self.fetched_bytes += status.bytes_done
+
+    def _holders_of(self, index: MetadataIndex) -> tuple[int, ...]:
+        try:
+            return self._holders[index]
+        except KeyError:
+            raise FormatError(f"item {item_key(index)!r} is not in the checkpoint's metadata") from None
+
     # ------------------------------------------------------------------ reading
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        by_file: dict[tuple[int, str], list[ReadItem]] = defaultdict(list)
+        self._choose(plan.items, fetch=False)
+        by_rank: dict[int, list[ReadItem]] = defaultdict(list)
         for req in plan.items:
-            loc = self._location(req)
-            by_file[(loc.rank, loc.file)].append(req)
+            by_rank[self._chosen[req.storage_index]].append(req)
         with contextlib.ExitStack() as leased:
-            held: set[int] = set()
-            for (rank, name), reqs in sorted(by_file.items()):
+            for rank, reqs in sorted(by_rank.items()):
                 step = self._rank_step(rank)
-                if rank not in held:
-                    held.add(rank)
-                    _hold_lease(leased, step.path)
-                needed = sum(
-                    {(loc := self._storage[r.storage_index]).offset: loc.length for r in reqs}.values()
-                )
-                mapped = step.open(name, needed=needed)
-                try:
-                    verified: set[MetadataIndex] = set()
-                    for req in sorted(reqs, key=lambda r: self._storage[r.storage_index].offset):
-                        self._read_item(req, mapped, verified, planner)
-                finally:
-                    mapped.close()
+                _hold_lease(leased, step.path)
+                by_file: dict[str, list[tuple[ReadItem, TensorEntry]]] = defaultdict(list)
+                for req in reqs:
+                    entry = step.entry(item_key(req.storage_index))
+                    by_file[entry.file].append((req, entry))
+                for name, entries in sorted(by_file.items()):
+                    needed = sum({e.offset: e.length for _, e in entries}.values())
+                    self.bytes_read += needed
+                    mapped = step.open(name, needed=needed)
+                    try:
+                        verified: set[str] = set()
+                        for req, entry in sorted(entries, key=lambda it: it[1].offset):
+                            self._read_item(req, entry, mapped, verified, planner)
+                    finally:
+                        mapped.close()
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
-
-    def _location(self, req: ReadItem) -> ItemLocation:
-        try:
-            return self._storage[req.storage_index]
-        except KeyError:
-            raise FormatError(
-                f"item {item_key(req.storage_index)!r} is not in the checkpoint's metadata"
-            ) from None
 
     def _rank_step(self, rank: int) -> _RankStep:
         if rank in self._steps:
@@ -285,11 +378,9 @@ class RamdiskReader(StorageReader):
                 "loading this DCP checkpoint needs that rank's data here (docs/dcp.md)"
             )
         manifest = self._manifest(path)
-        want = self._record.ranks.get(rank)
-        marker = read_commit(path)
-        if manifest.manifest_kind != "dcp" or (
-            want is not None and marker and marker.manifest_crc32c != want
-        ):
+        want = self._record.save_id
+        got = manifest.extra.get("dcp", {}).get("save_id") if isinstance(manifest.extra, dict) else None
+        if manifest.manifest_kind != "dcp" or (want and got != want):
             raise FormatError(
                 f"{path} is not the step rank {rank} wrote for this DCP checkpoint (rewritten since?)"
             )
@@ -297,25 +388,24 @@ class RamdiskReader(StorageReader):
         return self._steps[rank]
 
     def _read_item(
-        self, req: ReadItem, mapped: MappedFile, verified: set[MetadataIndex], planner: LoadPlanner
+        self, req: ReadItem, entry: TensorEntry, mapped: MappedFile, verified: set[str], planner: LoadPlanner
     ) -> None:
-        loc = self._storage[req.storage_index]
-        key = item_key(req.storage_index)
-        if loc.offset + loc.length > mapped.size:
+        key = entry.key
+        if entry.offset + entry.length > mapped.size:
             raise CorruptShardError(
                 f"{mapped.path}: item {key!r} runs past the end of the file", path=str(mapped.path), key=key
             )
-        region = mapped.buffer[loc.offset : loc.offset + loc.length]
-        if req.storage_index not in verified:
-            actual = crc32c_address(region.data_ptr(), loc.length) if loc.length else 0
-            if actual != loc.crc32c:
+        region = mapped.buffer[entry.offset : entry.offset + entry.length]
+        if key not in verified:
+            actual = crc32c_address(region.data_ptr(), entry.length) if entry.length else 0
+            if actual != entry.crc32c:
                 raise CorruptShardError(
-                    f"{mapped.path}: item {key!r} (bytes {loc.offset}..{loc.offset + loc.length}) has crc32c "
-                    f"{actual:08x}, expected {loc.crc32c:08x}: the shard is corrupt",
+                    f"{mapped.path}: item {key!r} (bytes {entry.offset}..{entry.offset + entry.length}) has "
+                    f"crc32c {actual:08x}, expected {entry.crc32c:08x}: the shard is corrupt",
                     path=str(mapped.path),
                     key=key,
                 )
-            verified.add(req.storage_index)
+            verified.add(key)
         if req.type == LoadItemType.BYTE_IO:
             planner.load_bytes(req, io.BytesIO(region.numpy().tobytes()))
             return

@@ -6,15 +6,19 @@ DCP checkpoints exactly like native ones. DCP's call order, and what each call d
 
 1. (all ranks) ``reset(checkpoint_id)``: the step to write (``checkpoint_id`` names it; see
    ``parse_step_id``), unless the writer was built with ``step=``.
-2. (all ranks) ``set_up_storage_writer``: learn the role; resolve rank and world size.
-3. (all ranks) ``prepare_local_plan``: refuse an existing committed step unless ``overwrite=True``.
-4. (coordinator) ``prepare_global_plan``: check that all ranks save the same step from distinct ranks,
-   and tell every rank which checkpoints are complete (for retention).
+2. (all ranks) ``set_up_storage_writer``: learn the role; resolve rank, world size and node.
+3. (all ranks) ``prepare_local_plan``: refuse an existing committed step unless ``overwrite=True``;
+   tell the coordinator this rank's node and which items it holds.
+4. (coordinator) ``prepare_global_plan``: check that all ranks save the same step from distinct ranks;
+   give every node a copy of the replicated items DCP left to another node (``copies``); build the
+   global metadata from the plans (``tierckpt.dcp.metadata``) and hand it to one rank of every node;
+   tell every rank which checkpoints are complete (for retention).
 5. (all ranks) ``write_data``: copy every item straight into the rank's mapped data file (pages reused
-   from a retired step when possible), crc32c each item in place; a non-coordinator rank then commits
-   its step (complete and self-describing on its own) and applies retention.
-6. (coordinator) ``finish``: write the global metadata as typed JSON (``dcp-metadata.json``, see
-   ``tierckpt.dcp.metadata``), then commit its own step last. The coordinator only gets here when every
+   from a retired step when possible), crc32c each item in place, write the metadata if this rank
+   carries it for its node; a non-coordinator rank then commits its step (complete and
+   self-describing on its own) and applies retention.
+6. (coordinator) ``finish``: check that DCP's metadata is the one planned and that every copy of an
+   item holds the same bytes, then commit its own step last. The coordinator only gets here when every
    rank's ``write_data`` succeeded, so its COMMIT marks the whole DCP checkpoint complete.
 
 A failure removes this rank's partial step; a full ramdisk raises ``RamdiskFullError``.
@@ -22,6 +26,7 @@ A failure removes this rank's partial step; a full ramdisk raises ``RamdiskFullE
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import logging
@@ -29,10 +34,12 @@ import os
 import threading
 import time
 import uuid
+from collections import ChainMap
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
@@ -40,7 +47,7 @@ from torch.futures import Future
 
 from tierckpt import cuda
 from tierckpt.protocol import leases
-from tierckpt.protocol.errors import SaveInProgressError
+from tierckpt.protocol.errors import FormatError, SaveInProgressError
 from tierckpt.protocol.format import (
     DCP_METADATA_NAME,
     FileEntry,
@@ -61,8 +68,11 @@ from tierckpt.snapshot.copy import copy_into
 from tierckpt.snapshot.layout import LayoutPlan, TensorSpec, plan_layout
 from tierckpt.snapshot.pool import Slot
 
+from ._node import node_identity
 from ._paths import parse_step_id, require_step_id
 from ._store import RankStore
+from .copies import add_node_copies
+from .inplace import Staged, Template, stage_into_slot
 from .metadata import ItemLocation, encode_metadata, tensor_dtype_name
 from .staging import StagingCache
 
@@ -78,6 +88,9 @@ _OVERLAP_GRACE = 1.0
 """Seconds a new save waits for the previous one's thread to end before calling it an overlap."""
 _COPY_BATCH = 256 << 20
 """Resolve and copy items in batches of about this many bytes (DCP asks to resolve lazily)."""
+_STAGING_STEP = 10**18 - 1
+"""The step directory an async save's slot waits in between staging and ``write_data`` (which moves it
+to the real step: the step is not known while staging). Never committed, so no reader sees it."""
 
 
 def item_key(index: MetadataIndex) -> str:
@@ -89,18 +102,27 @@ def item_key(index: MetadataIndex) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class _LocalPlanData:
-    """``SavePlan.storage_data`` of a rank's local plan: what the coordinator checks."""
+    """``SavePlan.storage_data`` of a rank's local plan: what the coordinator checks and plans with."""
 
     rank: int
     step: int
+    node: str
+    items: list[WriteItem]
+    """The plan's own item list (the same object, so pickling sends it once): what the rank holds
+    before DCP's deduplication."""
 
 
 @dataclasses.dataclass(frozen=True)
 class _GlobalPlanData:
-    """``SavePlan.storage_data`` the coordinator sends back: checkpoints complete before this save."""
+    """``SavePlan.storage_data`` the coordinator sends back."""
 
     step: int
     complete: tuple[int, ...]
+    """Checkpoints complete before this save (for retention)."""
+    save_id: str
+    """The coordinator's id of this save, recorded in every rank's manifest."""
+    metadata: bytes | None = None
+    """The encoded ``DcpMetadata``, for the one rank of each node that writes it into its step."""
 
 
 @dataclasses.dataclass
@@ -112,11 +134,18 @@ class _Save:
     world_size: int
     is_coordinator: bool
     path: Path
+    node: str
     owner: threading.Thread = dataclasses.field(default_factory=threading.current_thread)
     slot: Slot | None = None
     files: list[FileEntry] = dataclasses.field(default_factory=list)
     tensors: list[TensorEntry] = dataclasses.field(default_factory=list)
     objects: list[int] = dataclasses.field(default_factory=list)
+    save_id: str = ""
+    """The coordinator's save id (from the global plan)."""
+    has_metadata: bool = False
+    planned: tuple[Metadata, dict[MetadataIndex, tuple[int, ...]]] | None = None
+    """Coordinator: the metadata built while planning and each item's holders, which ``finish`` checks
+    DCP's metadata and the write results against."""
 
 
 class RamdiskWriter(StorageWriter):
@@ -159,6 +188,12 @@ class RamdiskWriter(StorageWriter):
         self._save: _Save | None = None
         self._stores: dict[int, RankStore] = {}
         self._staging = StagingCache(reuse=cache_staging)
+        self._template: Template | None = None
+        """This rank's last write layout: the next async save stages straight into a slot laid out so."""
+        self._staged: Staged | None = None
+        self._spare: dict[str, torch.Tensor] = {}
+        self.staged_in_place = False
+        """Whether the last save's staging (``dcp.async_save``) went straight into the slot it committed."""
 
     def __getstate__(self) -> dict[str, Any]:
         # DCP's process-based async executor pickles the writer: mappings stay in this process.
@@ -167,6 +202,9 @@ class RamdiskWriter(StorageWriter):
             "_stores": {},
             "_save": None,
             "_staging": StagingCache(reuse=self._staging.reuse),
+            "_template": None,
+            "_staged": None,
+            "_spare": {},
         }
 
     # ------------------------------------------------------------------ identity
@@ -190,10 +228,12 @@ class RamdiskWriter(StorageWriter):
 
     def close(self) -> None:
         """Unmap the data files kept for reuse (files stay; the next writer adopts them), drop staging."""
+        self._release_staged()
         for store in self._stores.values():
             store.close()
         self._stores = {}
         self._staging.close()
+        self._spare = {}
 
     # ------------------------------------------------------------------ AsyncStager (dcp.async_save)
 
@@ -202,8 +242,32 @@ class RamdiskWriter(StorageWriter):
         return self._synchronize_after_execute
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """A training-safe host copy of ``state_dict`` for ``dcp.async_save`` (buffers reused)."""
+        """A training-safe copy of ``state_dict`` for ``dcp.async_save``: straight into the ramdisk slot the
+        save will commit when the state is laid out like the last save (``tierckpt.dcp.inplace``), else
+        into host buffers that are reused."""
+        self._wait_for_previous()
+        self._release_staged()
+        if self._staging.reuse and self._template is not None:
+            who = resolve(root=self.root, job=self.job, rank=self._rank, world_size=self._world_size)
+            store = self._store_at(rank_dir(self.root, self.job, who.rank), who.rank)
+            self._register_cuda(store)
+            got = stage_into_slot(
+                state_dict, self._template, lambda plan: store.take(_STAGING_STEP, plan), self._spare
+            )
+            if got is not None:
+                staged, self._staged = got
+                return staged
+            log.info("rank %d: the state changed structure; staging into host buffers this time", who.rank)
         return self._staging.stage(state_dict)
+
+    def _release_staged(self) -> None:
+        """Give up a staged slot its save never wrote (the save failed before ``write_data``)."""
+        staged, self._staged = self._staged, None
+        if staged is not None:
+            where = staged.slot.directory
+            staged.slot.close(unlink=True)
+            with contextlib.suppress(OSError):
+                where.rmdir()
 
     def synchronize_staging(self) -> None:
         """Staging is blocking: nothing to wait for."""
@@ -224,7 +288,8 @@ class RamdiskWriter(StorageWriter):
         self._abandon_unfinished()
         who = resolve(root=self.root, job=self.job, rank=self._rank, world_size=self._world_size)
         path = step_dir(rank_dir(self.root, self.job, who.rank), self.step)
-        self._save = _Save(self.step, who.rank, who.world_size, bool(is_coordinator), path)
+        node = node_identity(self.root, path.parent.parent)
+        self._save = _Save(self.step, who.rank, who.world_size, bool(is_coordinator), path, node)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         save = self._current()
@@ -238,50 +303,99 @@ class RamdiskWriter(StorageWriter):
                 raise FileExistsError(
                     f"step {save.step} of rank {save.rank} is leased (being read or copied): not overwriting"
                 )
-        return dataclasses.replace(plan, storage_data=_LocalPlanData(save.rank, save.step))
+        if not plan.usable:
+            raise ValueError(_PLAN_CACHING)
+        return dataclasses.replace(
+            plan, storage_data=_LocalPlanData(save.rank, save.step, save.node, plan.items)
+        )
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         save = self._current()
-        infos = [p.storage_data for p in plans if isinstance(p.storage_data, _LocalPlanData)]
-        steps = {i.step for i in infos}
+        infos = [p.storage_data for p in plans]
+        if not all(p.usable and isinstance(i, _LocalPlanData) for p, i in zip(plans, infos, strict=True)):
+            raise ValueError(_PLAN_CACHING)
+        locals_ = [i for i in infos if isinstance(i, _LocalPlanData)]
+        steps = {i.step for i in locals_}
         if len(steps) > 1:
             raise ValueError(f"ranks disagree on the step to save ({sorted(steps)}); pass one checkpoint_id")
-        ranks = [i.rank for i in infos]
+        ranks = [i.rank for i in locals_]
         if len(set(ranks)) != len(ranks):
             raise ValueError(f"two processes save as the same rank (ranks {sorted(ranks)}); check rank=")
+        nodes = [i.node for i in locals_]
+        copies = add_node_copies([p.items for p in plans], [i.items for i in locals_], ranks, nodes)
+        _, md = create_default_global_save_plan(plans, rewrite_index_hints=False)
+        mappings = [p.planner_data for p in plans]
+        if all(isinstance(m, dict) for m in mappings):
+            md.planner_data = dict(ChainMap(*mappings))  # what DefaultSavePlanner records
+        md.storage_meta = StorageMeta(checkpoint_id=str(save.step), save_id=self.save_id)
+        md.version = _DCP_VERSION
+        record = encode_metadata(
+            md,
+            copies.holders,
+            job=self.job,
+            step=save.step,
+            world_size=save.world_size,
+            coordinator=save.rank,
+            save_id=self.save_id,
+        )
+        save.planned = (md, copies.holders)
+        body = record.to_bytes()
+        carrier: dict[str, int] = {}  # the lowest rank of each node writes the metadata there
+        for i in sorted(range(len(plans)), key=lambda i: ranks[i]):
+            carrier.setdefault(nodes[i], i)
+        carriers = set(carrier.values())
         complete = tuple(s for s in committed_steps(save.path.parent) if s != save.step)
-        info = _GlobalPlanData(save.step, complete)
-        return [dataclasses.replace(p, storage_data=info) for p in plans]
+        log.debug(
+            "DCP step %d: %d ranks on %d node(s); %d bytes of copies so every node holds its replicated "
+            "items; %d bytes of metadata",
+            save.step,
+            len(plans),
+            len(carrier),
+            copies.added_bytes,
+            len(body),
+        )
+        return [
+            dataclasses.replace(
+                p,
+                items=copies.items[i],
+                storage_data=_GlobalPlanData(
+                    save.step, complete, self.save_id, body if i in carriers else None
+                ),
+            )
+            for i, p in enumerate(plans)
+        ]
 
     # ------------------------------------------------------------------ writing
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         save = self._current()
+        info = plan.storage_data
+        if getattr(planner, "_enable_plan_caching", False) or not (
+            isinstance(info, _GlobalPlanData) and info.step == save.step
+        ):
+            raise ValueError(_PLAN_CACHING)
+        save.save_id = info.save_id
         store = self._store(save)
         if save.path.exists():  # an uncommitted leftover, or a step we were told to overwrite
             if (stale := store.pool.slot_of(save.step)) is not None:
                 store.forget(stale)
             discard_step(save.path)
         try:
-            results = self._write_items(save, store, plan.items, planner)
+            results = self._write_items(save, store, _layout_order(plan.items), planner)
+            if info.metadata is not None:
+                write_atomic(save.path / DCP_METADATA_NAME, info.metadata)
+                save.files.append(FileEntry(DCP_METADATA_NAME, len(info.metadata), crc32c(info.metadata)))
+                save.has_metadata = True
             if not save.is_coordinator:
-                manifest_crc = commit_step(save.path, self._manifest(save)).manifest_crc32c
-                results = [
-                    dataclasses.replace(
-                        r, storage_data=dataclasses.replace(r.storage_data, manifest_crc32c=manifest_crc)
-                    )
-                    for r in results
-                ]
+                commit_step(save.path, self._manifest(save))
         except BaseException:
             if save.slot is not None:
                 store.forget(save.slot)
             discard_step(save.path)
             raise
         if not save.is_coordinator:
-            info = plan.storage_data
-            fresh = isinstance(info, _GlobalPlanData) and info.step == save.step  # not a cached plan
             assert save.slot is not None
-            store.committed(save.step, save.slot, info.complete if fresh else None)
+            store.committed(save.step, save.slot, info.complete)
             log.info("rank %d committed DCP step %d at %s", save.rank, save.step, save.path)
             self._save = None
         fut: Future[list[WriteResult]] = Future()
@@ -295,22 +409,34 @@ class RamdiskWriter(StorageWriter):
             i: _object_bytes(it, planner.resolve_data(it)) for i, it in enumerate(items) if _is_object(it)
         }
         plan = plan_layout([_spec(it, objects.get(i)) for i, it in enumerate(items)])
-        if not store.pool.register_cuda and cuda.available() and torch.cuda.is_initialized():
-            store.pool.register_cuda = True  # device tensors copy straight into pinned ramdisk pages
-            store.pool.register_all()
+        self._register_cuda(store)
         t0 = time.perf_counter()
-        save.slot = store.take(save.step, plan)
+        staged, self._staged = self._staged, None
+        self.staged_in_place = staged is not None and staged.plan == plan
+        if staged is not None and staged.plan == plan:  # staged in place: most bytes are there already
+            placeholder = staged.slot.directory
+            staged.slot.move_to(save.path)
+            with contextlib.suppress(OSError):
+                placeholder.rmdir()
+            save.slot, plan, staged = staged.slot, staged.plan, None
+        else:
+            save.slot = store.take(save.step, plan)
         views = save.slot.views(plan)
-        _copy_items(views, items, planner, objects)
+        copied = _copy_items(views, items, planner, objects)
+        if staged is not None:  # staged for another layout: its bytes were copied from it, it can go
+            self._staged = staged
+            self._release_staged()
         crcs, save.files = checksum_slot(plan, save.slot.files)
         for f in save.slot.files:
             f.sync()
         self._record(save, items, plan, crcs)
+        self._template = Template(plan, tuple(it.index for it in items))
         log.debug(
-            "rank %d wrote %d DCP items (%d bytes) in %.3fs",
+            "rank %d wrote %d DCP items (%d bytes, %d copied here) in %.3fs",
             save.rank,
             len(items),
             plan.total_bytes,
+            copied,
             time.perf_counter() - t0,
         )
         return [
@@ -321,6 +447,12 @@ class RamdiskWriter(StorageWriter):
             )
             for it, p, crc in zip(items, plan.placements, crcs, strict=True)
         ]
+
+    @staticmethod
+    def _register_cuda(store: RankStore) -> None:
+        if not store.pool.register_cuda and cuda.available() and torch.cuda.is_initialized():
+            store.pool.register_cuda = True  # device tensors copy straight into pinned ramdisk pages
+            store.pool.register_all()
 
     def _record(self, save: _Save, items: list[WriteItem], plan: LayoutPlan, crcs: list[int]) -> None:
         save.objects = [i for i, it in enumerate(items) if _is_object(it)]
@@ -333,10 +465,11 @@ class RamdiskWriter(StorageWriter):
         extra: dict[str, Any] = {
             "version": DCP_FORMAT_VERSION,
             "coordinator": save.is_coordinator,
-            "save_id": self.save_id,
+            "save_id": save.save_id,
+            "node": save.node,
             "objects": save.objects,
         }
-        if save.is_coordinator:
+        if save.has_metadata:
             extra["metadata"] = DCP_METADATA_NAME
         return Manifest(
             job=self.job,
@@ -354,23 +487,11 @@ class RamdiskWriter(StorageWriter):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         save = self._current()
-        locations = {wr.index: wr.storage_data for rank_results in results for wr in rank_results}
-        metadata.storage_data = locations
         metadata.storage_meta = self.storage_meta()
         metadata.version = _DCP_VERSION
         store = self._store(save)
         try:
-            record = encode_metadata(
-                metadata,
-                locations,
-                job=self.job,
-                step=save.step,
-                world_size=save.world_size,
-                coordinator=save.rank,
-            )
-            body = record.to_bytes()
-            write_atomic(save.path / DCP_METADATA_NAME, body)
-            save.files.append(FileEntry(DCP_METADATA_NAME, len(body), crc32c(body)))
+            _check_finished(save, metadata, results)
             commit_step(save.path, self._manifest(save))
         except BaseException:
             if save.slot is not None:
@@ -384,20 +505,22 @@ class RamdiskWriter(StorageWriter):
             save.rank,
             save.step,
             len(metadata.state_dict_metadata),
-            len(locations),
+            sum(len(r) for r in results),
             len(results),
             save.path,
         )
         self._save = None
 
     def _store(self, save: _Save) -> RankStore:
-        if save.rank not in self._stores:
-            self._stores[save.rank] = RankStore(save.path.parent, keep=self.keep)
-        return self._stores[save.rank]
+        return self._store_at(save.path.parent, save.rank)
 
-    def _abandon_unfinished(self) -> None:
-        """Forget the previous save: refuse if it still runs on another thread; if it was the coordinator's
-        and never reached ``finish`` (another rank failed), remove its step."""
+    def _store_at(self, rank_path: Path, rank: int) -> RankStore:
+        if rank not in self._stores:
+            self._stores[rank] = RankStore(rank_path, keep=self.keep)
+        return self._stores[rank]
+
+    def _wait_for_previous(self) -> None:
+        """Refuse to start while the previous save still runs on another thread (after a short grace)."""
         prev = self._save
         if prev is not None and prev.owner is not threading.current_thread():
             prev.owner.join(timeout=_OVERLAP_GRACE)
@@ -406,7 +529,12 @@ class RamdiskWriter(StorageWriter):
                     f"step {prev.step} is still being saved through this writer on thread {prev.owner.name}; "
                     "wait for its async_save future before starting the next save"
                 )
-        self._save = None
+
+    def _abandon_unfinished(self) -> None:
+        """Forget the previous save: refuse if it still runs on another thread; if it was the coordinator's
+        and never reached ``finish`` (another rank failed), remove its step."""
+        self._wait_for_previous()
+        prev, self._save = self._save, None
         if prev is not None and prev.is_coordinator and prev.path.exists() and not _committed(prev.path):
             log.warning("removing DCP step %d of rank %d: its save did not finish", prev.step, prev.rank)
             if prev.slot is not None:
@@ -417,6 +545,52 @@ class RamdiskWriter(StorageWriter):
         if self._save is None:
             raise RuntimeError("RamdiskWriter used outside dcp.save (set_up_storage_writer was not called)")
         return self._save
+
+
+_PLAN_CACHING = (
+    "RamdiskWriter needs a fresh global plan on every save (the coordinator records which node holds "
+    "what, and hands the metadata to every node): DefaultSavePlanner(enable_plan_caching=True) is not "
+    "supported"
+)
+
+
+def _check_finished(save: _Save, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+    """The checkpoint is the one planned: DCP's metadata equals the metadata every node already holds,
+    every item was written by exactly its planned holders, and every copy of an item has the same bytes."""
+    if save.planned is None:
+        raise RuntimeError("finish without a global plan from this coordinator")
+    planned, holders = save.planned
+    if metadata.state_dict_metadata != planned.state_dict_metadata:
+        fqn = next(
+            (k for k, v in metadata.state_dict_metadata.items() if planned.state_dict_metadata.get(k) != v),
+            "(an entry DCP dropped)",
+        )
+        raise FormatError(
+            f"DCP step {save.step}: DCP's metadata for {fqn!r} differs from the one planned and written on "
+            "every node (a planner that changes the metadata after planning is not supported)"
+        )
+    if metadata.planner_data != planned.planner_data:
+        raise FormatError(
+            f"DCP step {save.step}: DCP's planner data differs from the one written on every node"
+        )
+    written: dict[MetadataIndex, list[ItemLocation]] = {}
+    for rank_results in results:
+        for wr in rank_results:
+            written.setdefault(wr.index, []).append(wr.storage_data)
+    if written.keys() != holders.keys():
+        raise FormatError(f"DCP step {save.step}: the items written are not the items planned")
+    for index, locs in written.items():
+        if sorted(loc.rank for loc in locs) != sorted(holders[index]):
+            raise FormatError(
+                f"DCP step {save.step}: {item_key(index)!r} was not written by its planned ranks"
+            )
+        if len(locs) > 1 and len({loc.crc32c for loc in locs}) > 1:
+            ranks = sorted(loc.rank for loc in locs)
+            raise FormatError(
+                f"DCP step {save.step}: {item_key(index)!r} is held by ranks {ranks} with different bytes. "
+                "DCP saves a key held by several ranks once, assuming it is the same everywhere; keep "
+                "state that differs between ranks under keys of its own"
+            )
 
 
 def _committed(path: Path) -> bool:
@@ -458,23 +632,43 @@ def _tensor_source(item: WriteItem, data: Any) -> torch.Tensor:
     return data.detach()
 
 
+def _layout_order(items: list[WriteItem]) -> list[WriteItem]:
+    """Tensors first, then objects (each group in plan order): an object whose pickled size changes from
+    save to save then moves no tensor, and the next async save can stage every tensor in place."""
+    return [it for it in items if not _is_object(it)] + [it for it in items if _is_object(it)]
+
+
 def _copy_items(
     views: list[torch.Tensor], items: list[WriteItem], planner: SavePlanner, objects: dict[int, bytes]
-) -> None:
-    """Resolve items lazily, in batches, and copy each into its view of the mapped data file."""
+) -> int:
+    """Resolve items lazily, in batches, and copy each into its view of the mapped data file, unless it is
+    that view already (staged in place). Returns the bytes copied."""
     batch_views: list[torch.Tensor] = []
     batch_srcs: list[torch.Tensor] = []
-    batch_bytes = 0
+    batch_bytes = copied = 0
     for i, (view, item) in enumerate(zip(views, items, strict=True)):
         if i in objects:
             src = torch.frombuffer(bytearray(objects.pop(i)), dtype=torch.uint8) if view.numel() else view
         else:
             src = _tensor_source(item, planner.resolve_data(item))
-        batch_views.append(view)
-        batch_srcs.append(src)
-        batch_bytes += view.numel() * view.element_size()
-        if batch_bytes >= _COPY_BATCH or i == len(items) - 1:
+        if not _in_place(src, view):
+            batch_views.append(view)
+            batch_srcs.append(src)
+            batch_bytes += view.numel() * view.element_size()
+        if batch_views and (batch_bytes >= _COPY_BATCH or i == len(items) - 1):
             ticket = copy_into(batch_views, batch_srcs)
             if ticket is not None:
                 ticket.synchronize()
+            copied += batch_bytes
             batch_views, batch_srcs, batch_bytes = [], [], 0
+    return copied
+
+
+def _in_place(src: torch.Tensor, view: torch.Tensor) -> bool:
+    return (
+        src.device.type == "cpu"
+        and src.data_ptr() == view.data_ptr()
+        and src.dtype == view.dtype
+        and src.shape == view.shape
+        and src.is_contiguous()
+    )

@@ -46,25 +46,26 @@ __all__ = [
 LAYOUT_VERSION = 1
 
 _DNS = r"[a-z0-9](?:[a-z0-9.-]{0,251}[a-z0-9])?"
-_K8S_JOB_RE = re.compile(rf"^({_DNS})_({_DNS})_([a-z0-9]{{8}})$")
+_K8S_JOB_RE = re.compile(rf"({_DNS})_({_DNS})_([a-z0-9]{{8}})")
 """The shape ``contract.job_id_for`` produces; its parts contain no ``_``, so the split is unique."""
-_PREFIX_RE = re.compile(r"^[A-Za-z0-9_.-]+(?:/[A-Za-z0-9_.-]+)*$")
-_STEP_PART = r"(\d{12,})"
-_RANK_PART = r"(\d{5,})"
-_PART_RE = re.compile(r"^\d{3}$")
+_PREFIX_RE = re.compile(r"[A-Za-z0-9_.-]+(?:/[A-Za-z0-9_.-]+)*")
+_STEP_PART = r"([0-9]{12,})"
+_RANK_PART = r"([0-9]{5,})"
+_PART_RE = re.compile(r"[0-9]{3}")
+"""Every pattern here is matched whole (``re.fullmatch``) and ASCII only (``[0-9]``, not ``\\d``)."""
 
 KeyKind = Literal["complete", "started", "rank_commit", "rank_file", "part", "other"]
 
 
 def split_job_id(job: str) -> tuple[str, str, str] | None:
     """``(namespace, jobset, uid8)`` for an id made by ``contract.job_id_for``, else None."""
-    m = _K8S_JOB_RE.match(job)
+    m = _K8S_JOB_RE.fullmatch(job)
     return (m.group(1), m.group(2), m.group(3)) if m else None
 
 
 def _check_prefix(prefix: str) -> str:
     prefix = prefix.strip("/")
-    if prefix and (not _PREFIX_RE.match(prefix) or any(p in (".", "..") for p in prefix.split("/"))):
+    if prefix and (not _PREFIX_RE.fullmatch(prefix) or any(p in (".", "..") for p in prefix.split("/"))):
         raise FormatError(f"invalid bucket prefix {prefix!r}: use [A-Za-z0-9_.-] path segments")
     return prefix
 
@@ -105,7 +106,7 @@ def parse_gs_url(url: str) -> tuple[str, str]:
     if not url.startswith("gs://"):
         raise FormatError(f"{url!r} is not a gs:// URL")
     bucket, _, prefix = url[5:].partition("/")
-    if not re.match(r"^[a-z0-9][a-z0-9._-]{1,221}[a-z0-9]$", bucket):
+    if not re.fullmatch(r"[a-z0-9][a-z0-9._-]{1,221}[a-z0-9]", bucket):
         raise FormatError(f"invalid bucket name {bucket!r}")
     return bucket, _check_prefix(prefix)
 
@@ -184,15 +185,15 @@ class BucketLayout:
 
     def step_of_dir(self, job: str, dir_prefix: str) -> int | None:
         """The step of a ``steps/<step>/`` prefix as returned by a delimiter listing."""
-        m = re.match(re.escape(self.steps_dir(job)) + _STEP_PART + "/$", dir_prefix)
+        m = re.fullmatch(re.escape(self.steps_dir(job)) + _STEP_PART + "/", dir_prefix)
         return int(m.group(1)) if m else None
 
     def step_of_complete(self, job: str, key: str) -> int | None:
-        m = re.match(re.escape(self.complete_dir(job)) + _STEP_PART + r"\.json$", key)
+        m = re.fullmatch(re.escape(self.complete_dir(job)) + _STEP_PART + r"\.json", key)
         return int(m.group(1)) if m else None
 
     def rank_of_commit(self, job: str, step: int, key: str) -> int | None:
-        m = re.match(re.escape(self.rank_commits_dir(job, step)) + _RANK_PART + r"\.json$", key)
+        m = re.fullmatch(re.escape(self.rank_commits_dir(job, step)) + _RANK_PART + r"\.json", key)
         return int(m.group(1)) if m else None
 
 
@@ -210,14 +211,14 @@ def _rank(rank: int) -> str:
 
 def _classify(job: str, parts: list[str]) -> ParsedKey:
     other = ParsedKey(job, "other")
-    if len(parts) == 2 and parts[0] == "complete" and (m := re.match(_STEP_PART + r"\.json$", parts[1])):
+    if len(parts) == 2 and parts[0] == "complete" and (m := re.fullmatch(_STEP_PART + r"\.json", parts[1])):
         return ParsedKey(job, "complete", step=int(m.group(1)))
     if len(parts) < 3 or parts[0] != "steps" or not re.fullmatch(_STEP_PART, parts[1]):
         return other
     step = int(parts[1])
     if parts[2:] == ["started.json"]:
         return ParsedKey(job, "started", step=step)
-    if len(parts) == 4 and parts[2] == "ranks" and (m := re.match(_RANK_PART + r"\.json$", parts[3])):
+    if len(parts) == 4 and parts[2] == "ranks" and (m := re.fullmatch(_RANK_PART + r"\.json", parts[3])):
         return ParsedKey(job, "rank_commit", step=step, rank=int(m.group(1)))
     m = re.fullmatch(r"rank-" + _RANK_PART, parts[2])
     if not m:
@@ -225,7 +226,7 @@ def _classify(job: str, parts: list[str]) -> ParsedKey:
     rank = int(m.group(1))
     if len(parts) == 4:
         return ParsedKey(job, "rank_file", step=step, rank=rank, file=parts[3])
-    if len(parts) == 6 and parts[3] == ".parts" and _PART_RE.match(parts[5]):
+    if len(parts) == 6 and parts[3] == ".parts" and _PART_RE.fullmatch(parts[5]):
         return ParsedKey(job, "part", step=step, rank=rank, file=parts[4], part=int(parts[5]))
     return other
 

@@ -173,7 +173,7 @@ def _build(
 
 
 def _check_size(req: _Request, declared: str | None, limit: int) -> None:
-    if declared is not None and declared.isdigit() and int(declared) > limit:
+    if declared is not None and re.fullmatch(r"[0-9]{1,19}", declared) and int(declared) > limit:
         raise ContractError(
             f"replicator {req.endpoint}: {req.what}: answer of {declared} bytes exceeds {limit}"
         )

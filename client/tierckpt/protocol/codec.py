@@ -4,14 +4,18 @@ Every message type is a frozen dataclass deriving from ``Message``, with a class
 ``VERSION``; the records nested in messages derive from ``Record``. ``encode`` writes
 ``{"kind": ..., "version": ..., **fields}``; ``decode`` checks both, then validates the fields with
 pydantic against the type hints, strictly: a wrong type, a missing field, a NaN or infinite number,
-a malformed or too deeply nested document all raise ``FormatError``. Unknown fields are ignored
-(forward compatible within a major version). The dataclasses' own ``__post_init__`` checks run too.
-No pickle, ever.
+an integer outside the signed 64-bit range (in any typed field, dict keys included; fields typed
+``Any``, such as a manifest's state tree, carry the user's own values and are exempt), a malformed or
+too deeply nested document all raise ``FormatError``. Unknown fields are ignored (forward compatible
+within a major version). The dataclasses' own ``__post_init__`` checks run too. No pickle, ever.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import json
+import typing
 from typing import Any, ClassVar, TypeVar
 
 import pydantic
@@ -106,9 +110,55 @@ def decode_bytes(cls: type[T], data: bytes | str) -> T:
             f"{cls.KIND}: unsupported version {version!r} (this build reads up to {cls.VERSION})"
         )
     try:
-        return _adapter(cls).validate_json(data)
+        msg = _adapter(cls).validate_json(data)
     except pydantic.ValidationError as exc:
         raise FormatError(f"{cls.KIND}: {_first_error(exc)}") from exc
+    _check_ints(msg, cls.KIND)
+    return msg
+
+
+INT_MIN, INT_MAX = -(1 << 63), (1 << 63) - 1
+"""The range of every integer in a message (a field's own check may narrow it)."""
+_SCALARS = (str, bytes, float, bool, enum.Enum)
+
+_int_fields: dict[type[Any], tuple[str, ...]] = {}
+
+
+def _fields_to_check(cls: type[Any]) -> tuple[str, ...]:
+    """The fields of a record that may hold integers: all but those typed ``Any`` or a plain scalar."""
+    names = _int_fields.get(cls)
+    if names is None:
+        try:
+            hints = typing.get_type_hints(cls)
+        except Exception:  # a hint that cannot be resolved at run time: check the field's value anyway
+            hints = {}
+        names = tuple(
+            f.name
+            for f in dataclasses.fields(cls)
+            if not (
+                hints.get(f.name) is Any
+                or (isinstance(hints.get(f.name), type) and issubclass(hints[f.name], _SCALARS))
+            )
+        )
+        _int_fields[cls] = names
+    return names
+
+
+def _check_ints(value: Any, where: str) -> None:
+    """``FormatError`` if an integer in ``value`` (a decoded message) is outside ``INT_MIN..INT_MAX``."""
+    if type(value) is int:
+        if not INT_MIN <= value <= INT_MAX:
+            raise FormatError(f"{where}: an integer of {value.bit_length()} bits exceeds the 64-bit range")
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            _check_ints(item, where)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_ints(key, where)
+            _check_ints(item, where)
+    elif isinstance(value, Record):  # every record is a dataclass
+        for name in _fields_to_check(type(value)):
+            _check_ints(getattr(value, name), f"{where}: {name}")
 
 
 class _WireSchema(pydantic.json_schema.GenerateJsonSchema):

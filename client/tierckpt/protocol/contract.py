@@ -110,13 +110,13 @@ class Csi:
     """Default host path of the node ramdisk (a tmpfs mounted once, surviving driver restarts)."""
 
 
-_DNS_RE = re.compile(r"^[a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?$")
+_DNS_RE = re.compile(r"[a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?")
 
 
 def job_id_for(namespace: str, name: str, uid: str) -> str:
     """The job id of a JobSet: unique across namespaces and re-creations, and a safe path component."""
     for what, value in (("namespace", namespace), ("name", name)):
-        if not _DNS_RE.match(value or ""):
+        if not _DNS_RE.fullmatch(value or ""):
             raise ContractError(f"JobSet {what} {value!r} is not a DNS-1123 name")
     short = re.sub(r"[^a-z0-9]", "", uid.lower())[:8]
     if len(short) < 8:
@@ -126,14 +126,14 @@ def job_id_for(namespace: str, name: str, uid: str) -> str:
 
 # ------------------------------------------------------------------------------- downward API file
 
-_PODINFO_LINE = re.compile(r'^([^=]+)="(.*)"$')
+_PODINFO_LINE = re.compile(r'([^=]+)="(.*)"')
 
 
 def parse_podinfo(text: str) -> dict[str, str]:
     """Parse the kubelet's downward-API ``annotations`` file: ``key="value"`` lines, Go-quoted."""
     out: dict[str, str] = {}
     for line in text.splitlines():
-        m = _PODINFO_LINE.match(line.strip())
+        m = _PODINFO_LINE.fullmatch(line.strip())
         if m:
             out[m.group(1)] = bytes(m.group(2), "utf-8").decode("unicode_escape")
     return out

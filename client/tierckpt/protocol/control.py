@@ -1,6 +1,8 @@
 """THE control messages between operator, replicators and training pods (spec: docs/replicator.md).
 
-The control files in ``<root>/<job>/control/`` and the control API's bodies are these typed messages:
+The replicator's state files (``format.state_dir``: ``<root>/.tierckpt/jobs/<job>/``, where no pod can
+write), the restore progress it writes for the client (``<root>/<job>/control/``) and the control API's
+bodies are these typed messages:
 the peer assignment (``PeerAssignment``), the job's restore plan (``RestorePlan``), per-rank restore
 progress (``RestoreStatus``), the job's backup and replication policy (``JobPolicy``), what a node
 holds (``NodeInventory``, from which anyone computes the same restore step with
@@ -8,15 +10,18 @@ holds (``NodeInventory``, from which anyone computes the same restore step with
 actions (``BackupResult``, ``RestoreAccepted``, ``PurgeResult``). Which endpoint carries which
 message: ``tierckpt.protocol.api``.
 
-Pure data and encoding, plus atomic reads and writes of the control files. No network.
+Pure data and encoding, plus atomic reads and writes of the state and progress files. No network.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import ipaddress
+import math
 import os
 import re
+import urllib.parse
 from pathlib import Path
 from typing import ClassVar
 
@@ -24,10 +29,14 @@ from tierckpt.protocol.bucket_layout import BucketLayout
 from tierckpt.protocol.codec import Message, Record
 from tierckpt.protocol.contract import CONTRACT_VERSION
 from tierckpt.protocol.errors import ContractError, FormatError
-from tierckpt.protocol.format import control_dir, write_atomic
+from tierckpt.protocol.format import Dir, as_tree, check_job_id, control_dir, state_dir, write_atomic
 
 __all__ = [
+    "MAX_FETCH_RANKS",
+    "MAX_GENERATION",
     "BackupResult",
+    "FetchRequest",
+    "FetchStatus",
     "JobPolicy",
     "JobStatus",
     "NodeInventory",
@@ -41,9 +50,18 @@ __all__ = [
     "RestoreState",
     "RestoreStatus",
     "Tier",
+    "check_endpoint",
+    "check_generation",
+    "check_node_name",
+    "fetch_request_name",
+    "fetch_status_name",
     "read_control",
+    "read_fetch_status",
+    "read_restore_status",
     "restore_status_name",
     "write_control",
+    "write_fetch_status",
+    "write_restore_status",
 ]
 
 
@@ -66,6 +84,71 @@ class Tier(str, enum.Enum):
 _TIER_COST = {Tier.LOCAL: 0, Tier.REPLICA: 1, Tier.PEER: 2, Tier.GCS: 3}
 
 
+MAX_GENERATION = (1 << 53) - 1
+"""The largest generation a peer assignment, restore plan or policy may carry (exact in every JSON
+reader, and far from anything a counter reaches)."""
+_NODE_NAME_RE = re.compile(r"[A-Za-z0-9]([A-Za-z0-9_.-]{0,251}[A-Za-z0-9])?")
+_HOST_LABEL_RE = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
+
+
+def check_generation(what: str, generation: int) -> int:
+    if not 0 <= generation <= MAX_GENERATION:
+        raise FormatError(f"{what}: generation must be in 0..2**53-1")
+    return generation
+
+
+def check_node_name(name: str) -> str:
+    """A node name: 1-253 of ``[A-Za-z0-9_.-]``, alphanumeric at both ends (Kubernetes node names fit)."""
+    if not isinstance(name, str) or not _NODE_NAME_RE.fullmatch(name):
+        raise FormatError(f"invalid node name {name!r}")
+    return name
+
+
+def _valid_host(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        pass
+    labels = host.rstrip(".").split(".") if len(host) <= 253 else []
+    return bool(labels) and all(_HOST_LABEL_RE.fullmatch(label) for label in labels)
+
+
+def check_endpoint(endpoint: str) -> str:
+    """A replicator endpoint: ``http(s)://host:port`` (a DNS name or an IP literal, a port 1-65535),
+    optionally ``/?data=PORT``; no credentials, other path, query or fragment. ``""``: not known (yet);
+    nothing is sent to such a node."""
+    if endpoint == "":
+        return endpoint
+    try:
+        parts = urllib.parse.urlsplit(endpoint)
+        port = parts.port
+        query = urllib.parse.parse_qs(parts.query, keep_blank_values=True, strict_parsing=bool(parts.query))
+    except ValueError as exc:
+        raise FormatError(f"peer endpoint {endpoint!r} is not http(s)://host:port ({exc})") from exc
+    host = parts.hostname or ""
+    data = query.pop("data", None)
+    ok = (
+        re.fullmatch(r"[\x21-\x7e]{1,512}", endpoint) is not None  # printable ASCII, no spaces or newlines
+        and parts.scheme in ("http", "https")
+        and port is not None
+        and 0 < port < 65536
+        and _valid_host(host)
+        and parts.username is None
+        and parts.password is None
+        and parts.path in ("", "/")
+        and not parts.fragment
+        and not query
+        and (
+            data is None
+            or (len(data) == 1 and re.fullmatch(r"[0-9]{1,5}", data[0]) and 0 < int(data[0]) < 65536)
+        )
+    )
+    if not ok:
+        raise FormatError(f"peer endpoint {endpoint!r} is not http(s)://host:port[/?data=PORT]")
+    return endpoint
+
+
 @dataclasses.dataclass(frozen=True)
 class PeerNode(Record):
     name: str
@@ -75,6 +158,14 @@ class PeerNode(Record):
     (local mode, where the ports are not adjacent). API clients use only ``scheme://host:port``."""
     domain: str = ""
     """The node's failure domain (the configured label's value)."""
+
+    def __post_init__(self) -> None:
+        check_node_name(self.name)
+        check_endpoint(self.endpoint)
+
+
+_MAX_NODE_RANK = (1 << 31) - 1
+_MAX_PROCS_PER_NODE = 1 << 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,10 +190,22 @@ class PeerAssignment(Message):
     """Training processes per node (torchrun ``--nproc-per-node``); 0 = derive from the world size."""
 
     def __post_init__(self) -> None:
+        check_job_id(self.job)
+        check_generation("peer assignment", self.generation)
+        for name, peer in self.nodes.items():
+            if name != peer.name:
+                raise FormatError(f"peer assignment: node {name!r} is named {peer.name!r} inside")
         for node, targets in self.peers.items():
             unknown = [t for t in (node, *targets) if t not in self.nodes]
             if unknown:
                 raise FormatError(f"peer assignment names unknown nodes {unknown}")
+        unknown = [n for n in self.node_ranks if n not in self.nodes]
+        if unknown:
+            raise FormatError(f"peer assignment gives node ranks to unknown nodes {unknown}")
+        if any(r < 0 or r > _MAX_NODE_RANK for r in self.node_ranks.values()):
+            raise FormatError(f"peer assignment: node ranks must be in 0..{_MAX_NODE_RANK}")
+        if not 0 <= self.procs_per_node <= _MAX_PROCS_PER_NODE:
+            raise FormatError(f"peer assignment: procs_per_node must be in 0..{_MAX_PROCS_PER_NODE}")
 
     def process_ranks(self, node: str, world_size: int = 0) -> tuple[int, ...]:
         """The process ranks that run on ``node``: torchrun's contiguous block of its node rank.
@@ -170,6 +273,14 @@ class RestorePlan(Message):
     generation: int = 0
     decided_at: float = 0.0
 
+    def __post_init__(self) -> None:
+        check_job_id(self.job)
+        check_generation("restore plan", self.generation)
+        if self.step is not None and self.step < 0:
+            raise FormatError("restore plan: step must not be negative")
+        if self.world_size < 0 or any(r < 0 for r in self.sources):
+            raise FormatError("restore plan: world size and ranks must not be negative")
+
 
 class RestoreState(str, enum.Enum):
     PENDING = "pending"
@@ -202,7 +313,74 @@ class RestoreStatus(Message):
     message: str = ""
 
 
-_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]$")
+MAX_FETCH_RANKS = 1 << 16
+"""Most rank-steps one ``FetchRequest`` may name (a request names at most the step's world size)."""
+_REQUEST_ID_RE = re.compile(r"[0-9a-f]{32}")
+
+
+@dataclasses.dataclass(frozen=True)
+class FetchRequest(Message):
+    """``<job>/requests/fetch-rank-<rank:05d>.json``: a training rank asks its node's replicator for
+    other ranks' committed steps (a DCP load under another sharding reads them).
+
+    Written by the client, so the replicator treats it as untrusted: it fetches only committed steps of
+    the job whose directory holds the file, only a step the job's restore plan or some inventory
+    names, and only ranks below that step's world size. Each named ``(rank, step)`` ends up committed
+    on this node (as a replica, if it is not a primary here); several requests naming the same one
+    share one fetch. Progress: ``FetchStatus`` in ``control/fetch-rank-<rank:05d>.json``.
+    """
+
+    KIND = "tierckpt.fetch-request"
+    VERSION = CONTRACT_VERSION
+
+    job: str
+    rank: int
+    """The requesting process rank (the file is named after it)."""
+    id: str
+    """32 lowercase hex digits, new for every request: the status that answers it carries the same."""
+    step: int
+    ranks: tuple[int, ...]
+    """The ranks whose ``step`` is needed on this node, each once."""
+    requested_at: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not _REQUEST_ID_RE.fullmatch(self.id):
+            raise FormatError("fetch request: id must be 32 lowercase hex digits")
+        if self.rank < 0 or self.step < 0 or any(r < 0 for r in self.ranks):
+            raise FormatError("fetch request: ranks and step must not be negative")
+        if len(self.ranks) > MAX_FETCH_RANKS or len(set(self.ranks)) != len(self.ranks):
+            raise FormatError(f"fetch request: at most {MAX_FETCH_RANKS} distinct ranks")
+
+
+@dataclasses.dataclass(frozen=True)
+class FetchStatus(Message):
+    """``control/fetch-rank-<rank:05d>.json``: the replicator's progress on one ``FetchRequest``.
+
+    ``ready``: every named rank-step is committed on this node; ``failed``: one cannot be fetched
+    (``message`` says why). The client waits while ``updated_at`` keeps moving, as for restores.
+    """
+
+    KIND = "tierckpt.fetch-status"
+    VERSION = CONTRACT_VERSION
+
+    job: str
+    rank: int
+    id: str
+    """The ``FetchRequest.id`` this answers."""
+    step: int
+    state: RestoreState
+    bytes_done: int = 0
+    bytes_total: int = 0
+    sources: dict[int, Tier] = dataclasses.field(default_factory=dict)
+    """Rank -> where its step came from (``local`` when it was already on this node)."""
+    updated_at: float = 0.0
+    message: str = ""
+
+
+_BUCKET_RE = re.compile(r"[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]")
+_MAX_KEEP = 1 << 20
+_MAX_MINUTES = 60 * 24 * 366 * 100
+"""A century: longer backup intervals are certainly a mistake."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,14 +420,21 @@ class JobPolicy(Message):
     """The CheckpointConfiguration it came from (informational)."""
 
     def __post_init__(self) -> None:
-        if self.bucket and not _BUCKET_RE.match(self.bucket):
+        check_job_id(self.job)
+        check_generation("job policy", self.generation)
+        if self.bucket and not _BUCKET_RE.fullmatch(self.bucket):
             raise FormatError(f"job policy: {self.bucket!r} is not a valid bucket name")
         BucketLayout(self.prefix)  # raises FormatError for an unsafe prefix
-        if self.keep_last < 1:
-            raise FormatError("job policy: keep_last must be at least 1")
-        for name in ("generation", "backup_interval_steps", "backup_interval_minutes", "keep_every"):
-            if getattr(self, name) < 0:
-                raise FormatError(f"job policy: {name} must not be negative")
+        if not 1 <= self.keep_last <= _MAX_KEEP:
+            raise FormatError(f"job policy: keep_last must be in 1..{_MAX_KEEP}")
+        for name, top in (
+            ("backup_interval_steps", MAX_GENERATION),
+            ("backup_interval_minutes", _MAX_MINUTES),
+            ("keep_every", MAX_GENERATION),
+        ):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and 0 <= value <= top):
+                raise FormatError(f"job policy: {name} must be a finite number in 0..{top}")
         if not 0 <= self.replication_factor <= 8:
             raise FormatError("job policy: replication_factor must be in [0, 8]")
 
@@ -258,24 +443,80 @@ def restore_status_name(rank: int) -> str:
     return f"restore-rank-{rank:05d}.json"
 
 
-def write_control(root: str | os.PathLike[str], job: str, name: str, msg: Message) -> Path:
-    """Atomically write a control file into ``<root>/<job>/control/``."""
-    if "/" in name or name.startswith("."):
+def fetch_request_name(rank: int) -> str:
+    """The file name of rank ``rank``'s ``FetchRequest`` in ``<job>/requests/``."""
+    return f"fetch-rank-{rank:05d}.json"
+
+
+def fetch_status_name(rank: int) -> str:
+    """The file name of the ``FetchStatus`` answering rank ``rank`` in ``<job>/control/``."""
+    return f"fetch-rank-{rank:05d}.json"
+
+
+_CONTROL_LIMIT = 16 << 20
+"""The largest state or progress file read."""
+
+
+def _check_name(name: str) -> str:
+    if "/" in name or name.startswith(".") or not name:
         raise ContractError(f"invalid control file name {name!r}")
-    d = control_dir(root, job)
-    d.mkdir(parents=True, exist_ok=True)
-    path = d / name
+    return name
+
+
+def write_control(root: str | os.PathLike[str], job: str, name: str, msg: Message) -> Path:
+    """Atomically write one of the replicator's state files (``format.state_dir``: no pod can write
+    there; ``root`` is the node ramdisk, trusted)."""
+    d = state_dir(root, job)
+    d.mkdir(parents=True, exist_ok=True, mode=0o700)
+    path = d / _check_name(name)
     write_atomic(path, msg.to_bytes())
     return path
 
 
 def read_control(root: str | os.PathLike[str], job: str, name: str, cls: type[Message]) -> Message | None:
-    """Read a control file, or None if absent. A malformed file raises ``FormatError``."""
+    """Read one of the replicator's state files, or None if absent. A malformed file raises
+    ``FormatError``."""
     try:
-        body = (control_dir(root, job) / name).read_bytes()
+        body = (state_dir(root, job) / _check_name(name)).read_bytes()
     except FileNotFoundError:
         return None
     return cls.from_bytes(body)
+
+
+def write_restore_status(job_tree: Dir, status: RestoreStatus) -> None:
+    """Write ``control/restore-rank-N.json`` in the job's directory (``job_tree``: the replicator passes
+    the job's ``Beneath``), atomically and through no link: the pod can write the directory too."""
+    with as_tree(job_tree) as job:
+        job.makedirs("control")
+        job.write_atomic(f"control/{restore_status_name(status.rank)}", status.to_bytes())
+
+
+def write_fetch_status(job_tree: Dir, status: FetchStatus) -> None:
+    """Write ``control/fetch-rank-N.json`` in the job's directory, as ``write_restore_status`` does."""
+    with as_tree(job_tree) as job:
+        job.makedirs("control")
+        job.write_atomic(f"control/{fetch_status_name(status.rank)}", status.to_bytes())
+
+
+def read_fetch_status(root: str | os.PathLike[str], job: str, rank: int) -> FetchStatus | None:
+    """The replicator's answer to ``rank``'s fetch request, or None if there is none yet."""
+    try:
+        with as_tree(control_dir(root, job)) as control:
+            body = control.read_bytes(fetch_status_name(rank), limit=_CONTROL_LIMIT)
+    except FileNotFoundError:
+        return None
+    return FetchStatus.from_bytes(body)
+
+
+def read_restore_status(root: str | os.PathLike[str], job: str, rank: int) -> RestoreStatus | None:
+    """The restore progress the replicator wrote for ``rank``, or None if there is none yet. A
+    malformed file raises ``FormatError``."""
+    try:
+        with as_tree(control_dir(root, job)) as control:
+            body = control.read_bytes(restore_status_name(rank), limit=_CONTROL_LIMIT)
+    except FileNotFoundError:
+        return None
+    return RestoreStatus.from_bytes(body)
 
 
 @dataclasses.dataclass(frozen=True)

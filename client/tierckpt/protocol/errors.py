@@ -4,8 +4,9 @@ Every error says what happened and why. The tree::
 
     TierckptError
     ├── FormatError            a file does not follow the on-ramdisk format (bad JSON, wrong version)
-    │   ├── CorruptShardError  bytes on disk do not match their crc32c; names the tensor and the file
-    │   └── UnsafePathError    a path in a job's tree is a symlink or leads out of the tree
+    │   ├── CorruptShardError  bytes on disk do not match their crc32c (or are missing, or short)
+    │   ├── UnsafePathError    a path in a job's tree is a symlink or leads out of the tree
+    │   └── WorldSizeMismatchError  a strict load: the step was saved by a job of another world size
     ├── MissingCheckpointError no committed step matches the request
     ├── StateMismatchError     a strict load: the checkpoint's structure, shapes or dtypes differ from the
     │                          destination's (nothing was copied)
@@ -28,6 +29,7 @@ __all__ = [
     "StateMismatchError",
     "TierckptError",
     "UnsafePathError",
+    "WorldSizeMismatchError",
 ]
 
 
@@ -54,6 +56,11 @@ class CorruptShardError(FormatError):
 
 class UnsafePathError(FormatError):
     """A path inside a job's tree passes through a symlink or leads out of it (refused, never followed)."""
+
+
+class WorldSizeMismatchError(FormatError):
+    """A strict load found the step saved with another world size than the job's (a rank's shard of
+    another partition of the state); nothing was copied."""
 
 
 class MissingCheckpointError(TierckptError):

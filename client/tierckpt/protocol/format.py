@@ -5,15 +5,24 @@ Layout under a root directory (the node ramdisk; in a pod, the job's bind mount)
     <root>/<job>/rank-<rank:05d>/step-<step:012d>/
         data-<n:05d>.bin     tensor bytes, each tensor at an aligned offset
         objects.pkl          pickled non-tensor user objects (optional)
-        dcp-metadata.json    DCP steps, coordinator rank only: the global DCP metadata (typed JSON)
+        dcp-metadata.json    DCP steps, one rank per node: the global DCP metadata (typed JSON)
         manifest.json        Manifest: every tensor's key, dtype, shape, file, offset, length, crc32c
         COMMIT               CommitMarker, written last and atomically
     <root>/<job>/rank-<rank:05d>/leases/<step:012d>.<holder>.json    Lease
     <root>/<job>/replicas/rank-<rank:05d>/step-.../                 copies held for peers, same format
-    <root>/<job>/control/                                        control files (tierckpt.protocol.control)
+    <root>/<job>/control/restore-rank-<rank:05d>.json            restore progress, for the client
+    <root>/<job>/control/fetch-rank-<rank:05d>.json              fetch progress, for the client
+    <root>/<job>/requests/                                       what training ranks ask their replicator
+    <root>/.tierckpt/jobs/<job>/                                 the replicator's own state (peers, policy,
+                                                                 restore plan): never inside a pod's view
 
 A step directory without a valid COMMIT does not exist to readers. This module owns the types, the
 paths, their encoding, and the small-file I/O of the commit protocol; it never touches tensor bytes.
+
+Every file access here goes through ``tierckpt.protocol.safefs.Beneath``: a reader is given a tree
+(``Dir``: a ``Beneath``, or a plain path, opened as a ``Beneath`` of its parent), and follows no
+symlink beneath it. Daemons pass the ``Beneath`` of a job directory (or a view into it); the client
+passes its own paths.
 """
 
 from __future__ import annotations
@@ -23,30 +32,35 @@ import dataclasses
 import json
 import os
 import re
-import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeAlias
 
 from tierckpt.protocol.codec import Message, Record
-from tierckpt.protocol.errors import FormatError
+from tierckpt.protocol.errors import FormatError, UnsafePathError
 from tierckpt.protocol.integrity import crc32c
+from tierckpt.protocol.safefs import Beneath
 
 __all__ = [
     "ALIGNMENT",
+    "COMMIT_LIMIT",
     "COMMIT_NAME",
     "DCP_METADATA_NAME",
     "FORMAT_VERSION",
     "JOB_ID_PATTERN",
+    "MANIFEST_LIMIT",
     "MANIFEST_NAME",
     "OBJECTS_NAME",
+    "STATE_DIR_NAME",
     "CommitMarker",
+    "Dir",
     "FileEntry",
     "Lease",
     "Manifest",
     "TensorEntry",
     "align_up",
+    "as_tree",
     "check_job_id",
     "commit_step",
     "committed_steps",
@@ -62,8 +76,11 @@ __all__ = [
     "read_commit",
     "read_manifest",
     "replica_rank_dir",
+    "requests_dir",
+    "state_dir",
     "step_dir",
     "step_dirs",
+    "step_names",
     "write_atomic",
 ]
 
@@ -76,15 +93,28 @@ COMMIT_NAME = "COMMIT"
 OBJECTS_NAME = "objects.pkl"
 DCP_METADATA_NAME = "dcp-metadata.json"
 """DCP steps only: the coordinator's typed-JSON DCP ``Metadata`` (see tierckpt.dcp.metadata)."""
-_TMP_SUFFIX = ".tmp"
+STATE_DIR_NAME = ".tierckpt"
+"""The replicator's own directory under the ramdisk root; job ids never start with ".", so it is never a
+job, and no pod ever sees it (pods get their job directory only)."""
+COMMIT_LIMIT = 64 << 10
+"""The largest COMMIT marker read (one is ~300 bytes)."""
+MANIFEST_LIMIT = 1 << 30
+"""The largest manifest read unless the reader names a smaller limit (daemons do)."""
 
 JOB_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,252}$"
-"""A valid job id, as a regular expression (also the control API's ``{job}`` path parameter)."""
+"""A valid job id, as a regular expression (also the control API's ``{job}`` path parameter); always
+matched whole (``re.fullmatch``: ``$`` alone would accept a trailing newline)."""
 _JOB_RE = re.compile(JOB_ID_PATTERN)
-_RANK_RE = re.compile(r"^rank-(\d{5,})$")
-_STEP_RE = re.compile(r"^step-(\d{12,})$")
-_HOLDER_RE = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
-_DATA_RE = re.compile(r"^data-\d{5}\.bin$")
+_RANK_RE = re.compile(r"rank-([0-9]{5,})")
+_STEP_RE = re.compile(r"step-([0-9]{12,})")
+_HOLDER_RE = re.compile(r"[A-Za-z0-9_.-]{1,128}")
+_DATA_RE = re.compile(r"data-[0-9]{5}\.bin")
+_MAX_INDEX = (1 << 63) - 1
+"""Ranks, steps and file indices fit a signed 64-bit integer."""
+
+Dir: TypeAlias = str | os.PathLike[str] | Beneath
+"""A directory a format function works in: a confined tree (``Beneath``, or a view of one), or a path
+(opened as a tree: the path's parent is followed as given, nothing at or below the path is)."""
 
 ManifestKind = Literal["state_dict", "dcp"]
 
@@ -100,20 +130,20 @@ def check_job_id(job: str) -> str:
 
 
 def _check_nonneg(name: str, value: int) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise FormatError(f"invalid {name} {value!r}: must be a non-negative integer")
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= _MAX_INDEX:
+        raise FormatError(f"invalid {name} {value!r}: must be a non-negative 64-bit integer")
     return value
 
 
 def check_holder(holder: str) -> str:
-    if not isinstance(holder, str) or not _HOLDER_RE.match(holder):
+    if not isinstance(holder, str) or not _HOLDER_RE.fullmatch(holder):
         raise FormatError(f"invalid lease holder {holder!r}: use 1-128 of [A-Za-z0-9_.-]")
     return holder
 
 
 def check_file_name(name: str) -> str:
     """A file named in a manifest must be a plain data or objects file: no separators, no traversal."""
-    if name not in (OBJECTS_NAME, DCP_METADATA_NAME) and not _DATA_RE.match(name):
+    if name not in (OBJECTS_NAME, DCP_METADATA_NAME) and not _DATA_RE.fullmatch(name):
         raise FormatError(f"invalid shard file name {name!r}")
     return name
 
@@ -144,7 +174,21 @@ def replica_rank_dir(root: str | os.PathLike[str], job: str, rank: int) -> Path:
 
 
 def control_dir(root: str | os.PathLike[str], job: str) -> Path:
+    """The client-visible control directory: the replicator writes restore progress there, nothing
+    else in it is read by anyone."""
     return job_dir(root, job) / "control"
+
+
+def requests_dir(root: str | os.PathLike[str], job: str) -> Path:
+    """Where training ranks leave requests for their node's replicator (``control.FetchRequest``); the
+    replicator treats everything in it as untrusted input."""
+    return job_dir(root, job) / "requests"
+
+
+def state_dir(root: str | os.PathLike[str], job: str) -> Path:
+    """The replicator's own state of ``job`` (peer assignment, policy, restore plan): outside the job
+    directory, where no pod can write."""
+    return Path(root) / STATE_DIR_NAME / "jobs" / check_job_id(job)
 
 
 def step_dir(rank_path: str | os.PathLike[str], step: int) -> Path:
@@ -156,31 +200,50 @@ def lease_dir(rank_path: str | os.PathLike[str]) -> Path:
 
 
 def parse_step_name(name: str) -> int | None:
-    m = _STEP_RE.match(name)
-    return int(m.group(1)) if m else None
+    m = _STEP_RE.fullmatch(name)
+    return int(m.group(1)) if m and int(m.group(1)) <= _MAX_INDEX else None
 
 
-def ranks_in(parent: str | os.PathLike[str]) -> list[int]:
-    """Ranks that have a ``rank-NNNNN`` directory under ``parent`` (a job dir or its replicas dir)."""
+def _parse_rank_name(name: str) -> int | None:
+    m = _RANK_RE.fullmatch(name)
+    return int(m.group(1)) if m and int(m.group(1)) <= _MAX_INDEX else None
+
+
+@contextlib.contextmanager
+def as_tree(where: Dir) -> Iterator[Beneath]:
+    """``where`` as a confined tree: a ``Beneath`` as it is; a path as a view of its last component
+    beneath its parent (``FileNotFoundError`` if the parent does not exist)."""
+    if isinstance(where, Beneath):
+        yield where
+        return
+    path = Path(where)
+    with Beneath.open(path.parent) as parent:
+        yield parent.at(path.name) if path.name else parent
+
+
+def ranks_in(parent: Dir) -> list[int]:
+    """Ranks that have a ``rank-NNNNN`` entry under ``parent`` (a job dir or its replicas dir)."""
     try:
-        names = os.listdir(parent)
-    except FileNotFoundError:
+        with as_tree(parent) as tree:
+            names = tree.listdir()
+    except (FileNotFoundError, NotADirectoryError):
         return []
-    return sorted(int(m.group(1)) for n in names if (m := _RANK_RE.match(n)))
+    return sorted(r for n in names if (r := _parse_rank_name(n)) is not None)
+
+
+def step_names(rank: Dir) -> dict[int, str]:
+    """Step -> the name of its directory in ``rank``, for every step directory present (committed or not)."""
+    try:
+        with as_tree(rank) as tree:
+            names = tree.listdir()
+    except (FileNotFoundError, NotADirectoryError):
+        return {}
+    return {step: n for n in names if (step := parse_step_name(n)) is not None}
 
 
 def step_dirs(rank_path: str | os.PathLike[str]) -> dict[int, Path]:
-    """Every step directory present, committed or not."""
-    try:
-        names = os.listdir(rank_path)
-    except FileNotFoundError:
-        return {}
-    out = {}
-    for n in names:
-        step = parse_step_name(n)
-        if step is not None:
-            out[step] = Path(rank_path) / n
-    return out
+    """Every step directory present, committed or not, as paths."""
+    return {step: Path(rank_path) / name for step, name in step_names(rank_path).items()}
 
 
 # --------------------------------------------------------------------------------------------- types
@@ -318,30 +381,23 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
 
 
 def write_atomic(path: str | os.PathLike[str], data: bytes) -> None:
-    """Write ``data`` to a temporary name, fsync it, rename it over ``path``, fsync the directory."""
+    """Write ``data`` to a temporary name, fsync it, rename it over ``path``, fsync the directory
+    (``Beneath.write_atomic`` in ``path``'s directory: the temporary file is created exclusively, never
+    through a link)."""
     path = Path(path)
-    tmp = path.with_name(path.name + _TMP_SUFFIX)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.fsync(fd)
-    except BaseException:
-        os.close(fd)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    os.close(fd)
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
+    with Beneath.open(path.parent) as parent:
+        parent.write_atomic(path.name, data)
 
 
-def commit_step(step_path: str | os.PathLike[str], manifest: Manifest) -> CommitMarker:
+def commit_step(step_path: Dir, manifest: Manifest) -> CommitMarker:
     """Write the manifest, then the commit marker. Data files must already be complete and synced."""
-    step_path = Path(step_path)
     body = manifest.to_bytes()
-    write_atomic(step_path / MANIFEST_NAME, body)
+    with as_tree(step_path) as step:
+        return _commit_in(step, manifest, body)
+
+
+def _commit_in(step: Beneath, manifest: Manifest, body: bytes) -> CommitMarker:
+    step.write_atomic(MANIFEST_NAME, body)
     marker = CommitMarker(
         job=manifest.job,
         rank=manifest.rank,
@@ -352,7 +408,7 @@ def commit_step(step_path: str | os.PathLike[str], manifest: Manifest) -> Commit
         committed_at=time.time(),
     )
     body = _encode_marker(marker)
-    write_atomic(step_path / COMMIT_NAME, body)
+    step.write_atomic(COMMIT_NAME, body)
     return CommitMarker.from_bytes(body)
 
 
@@ -376,55 +432,83 @@ def decode_commit(body: bytes, where: str = COMMIT_NAME) -> CommitMarker:
     return marker
 
 
-def read_commit(step_path: str | os.PathLike[str]) -> CommitMarker | None:
+def read_commit(step_path: Dir) -> CommitMarker | None:
     """The step's commit marker, or None if the step is not committed."""
-    path = Path(step_path) / COMMIT_NAME
     try:
-        body = path.read_bytes()
+        with as_tree(step_path) as step:
+            body = step.read_bytes(COMMIT_NAME, limit=COMMIT_LIMIT)
+            where = f"{step.where}/{COMMIT_NAME}"
     except (FileNotFoundError, NotADirectoryError):
         return None
-    return decode_commit(body, str(path))
+    return decode_commit(body, where)
 
 
-def read_manifest(step_path: str | os.PathLike[str]) -> Manifest:
-    """The manifest of a committed step, checked against its commit marker."""
-    step_path = Path(step_path)
-    marker = read_commit(step_path)
+def read_manifest(step_path: Dir, *, limit: int = MANIFEST_LIMIT) -> Manifest:
+    """The manifest of a committed step, checked against its commit marker (a manifest of more than
+    ``limit`` bytes raises ``FormatError`` without being read)."""
+    with as_tree(step_path) as step:
+        return _read_manifest_in(step, limit)
+
+
+def _read_manifest_in(step: Beneath, limit: int) -> Manifest:
+    marker = read_commit(step)
     if marker is None:
-        raise FormatError(f"{step_path} is not committed")
+        raise FormatError(f"{step.where} is not committed")
+    if marker.manifest_size > limit:
+        raise FormatError(
+            f"{step.where}: a manifest of {marker.manifest_size} bytes exceeds the limit of {limit}"
+        )
     try:
-        body = (step_path / MANIFEST_NAME).read_bytes()
+        # one byte more than the marker says: a longer file is read far enough to fail the check below
+        body = step.read_bytes(MANIFEST_NAME, limit=marker.manifest_size + 1)
     except FileNotFoundError as exc:
-        raise FormatError(f"{step_path}: committed but {MANIFEST_NAME} is missing") from exc
+        raise FormatError(f"{step.where}: committed but {MANIFEST_NAME} is missing") from exc
+    except FormatError as exc:
+        if isinstance(exc, UnsafePathError):
+            raise
+        raise FormatError(
+            f"{step.where}/{MANIFEST_NAME}: does not match its commit marker (corrupt)"
+        ) from exc
     if len(body) != marker.manifest_size or crc32c(body) != marker.manifest_crc32c:
-        raise FormatError(f"{step_path / MANIFEST_NAME}: does not match its commit marker (corrupt)")
+        raise FormatError(f"{step.where}/{MANIFEST_NAME}: does not match its commit marker (corrupt)")
     manifest = Manifest.from_bytes(body)
     if manifest.step != marker.step or manifest.rank != marker.rank:
-        raise FormatError(f"{step_path}: manifest and commit marker disagree on step or rank")
+        raise FormatError(f"{step.where}: manifest and commit marker disagree on step or rank")
     return manifest
 
 
-def committed_steps(rank_path: str | os.PathLike[str]) -> list[int]:
-    """Steps whose commit marker is present and readable, oldest first."""
+def committed_steps(rank_path: Dir) -> list[int]:
+    """Steps whose commit marker is present and readable, oldest first (a step directory that is a
+    symlink, or whose COMMIT is one, is not readable)."""
     out = []
-    for step, path in step_dirs(rank_path).items():
+    with contextlib.ExitStack() as stack:
         try:
-            marker = read_commit(path)
-        except FormatError:
-            continue
-        if marker is not None and marker.step == step:
-            out.append(step)
+            rank = stack.enter_context(as_tree(rank_path))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        for step, name in step_names(rank).items():
+            try:
+                marker = read_commit(rank.at(name))
+            except FormatError:
+                continue
+            if marker is not None and marker.step == step:
+                out.append(step)
     return sorted(out)
 
 
-def discard_step(step_path: str | os.PathLike[str]) -> None:
-    """Remove a step: the commit marker first (so it stops existing at once), then everything else."""
-    step_path = Path(step_path)
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(step_path / COMMIT_NAME)
-        fsync_dir(step_path)
-    shutil.rmtree(step_path, ignore_errors=True)
+def discard_step(step_path: Dir) -> None:
+    """Remove a step: the commit marker first (so it stops existing at once), then everything else. A
+    step directory that is a symlink is unlinked, never followed."""
+    try:
+        with as_tree(step_path) as step:
+            with contextlib.suppress(FileNotFoundError, NotADirectoryError, UnsafePathError):
+                step.unlink(COMMIT_NAME, missing_ok=False)
+                step.fsync()
+            with contextlib.suppress(OSError):
+                step.remove_tree()
+    except (FileNotFoundError, NotADirectoryError):
+        return
 
 
 def iter_data_files(manifest: Manifest) -> Iterator[FileEntry]:
-    return (f for f in manifest.files if _DATA_RE.match(f.name))
+    return (f for f in manifest.files if _DATA_RE.fullmatch(f.name))

@@ -88,10 +88,11 @@ def crc32c_hex(value: int) -> str:
     return f"{value:08x}"
 
 
-def crc32c_file(path: str | os.PathLike[str], *, offset: int = 0, length: int | None = None) -> int:
-    """crc32c of a file region, read in bounded chunks."""
+def crc32c_file(path: str | os.PathLike[str] | int, *, offset: int = 0, length: int | None = None) -> int:
+    """crc32c of a file region, read in bounded chunks (``path`` may be an open descriptor: it is read
+    from ``offset`` and left open)."""
     crc = 0
-    with open(path, "rb", buffering=0) as f:
+    with open(path, "rb", buffering=0, closefd=not isinstance(path, int)) as f:
         f.seek(offset)
         remaining = length
         while remaining is None or remaining > 0:

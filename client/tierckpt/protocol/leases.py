@@ -8,6 +8,9 @@ Acquiring and retiring are serialised by an exclusive ``flock`` on ``<rank dir>/
 retention removes a step's COMMIT only while holding it and after checking the leases, and
 ``acquire`` writes the lease and re-checks the COMMIT while holding it. So a reader either gets a
 lease on a step that stays, or learns at once that the step is gone; it never sees files vanish.
+
+A rank directory is a ``format.Dir``: the client passes its path, a daemon the ``Beneath`` view of a
+rank in a job tree, so no lease file, lock or temporary file is ever reached through a symlink.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from tierckpt.protocol.errors import FormatError, MissingCheckpointError
-from tierckpt.protocol.format import Lease, check_holder, lease_dir, read_commit, step_dir, write_atomic
+from tierckpt.protocol.format import Dir, Lease, as_tree, check_holder, lease_dir, read_commit
+from tierckpt.protocol.safefs import Beneath
 
 __all__ = [
     "LOCK_NAME",
@@ -42,115 +46,132 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 LOCK_NAME = ".lock"
+LEASES = "leases"
 DEFAULT_TTL = 60.0
+_LEASE_LIMIT = 4096
+"""The largest lease file read (one is ~150 bytes)."""
 
 
 def lease_path(rank_path: str | os.PathLike[str], step: int, holder: str) -> Path:
-    return lease_dir(rank_path) / f"{step:012d}.{check_holder(holder)}.json"
+    return lease_dir(rank_path) / _lease_name(step, holder)
+
+
+def _lease_name(step: int, holder: str) -> str:
+    return f"{step:012d}.{check_holder(holder)}.json"
 
 
 @contextlib.contextmanager
-def lock(rank_path: str | os.PathLike[str]) -> Iterator[None]:
+def lock(rank_path: Dir) -> Iterator[None]:
     """Hold the rank directory's lease lock (exclusive ``flock``) for the ``with`` block."""
-    d = lease_dir(rank_path)
-    d.mkdir(parents=True, exist_ok=True)
-    fd = os.open(d / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)  # closing releases the flock
+    with as_tree(rank_path) as rank:
+        rank.makedirs(LEASES)
+        fd = rank.open_fd(f"{LEASES}/{LOCK_NAME}", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # closing releases the flock
 
 
-def _write(rank_path: str | os.PathLike[str], step: int, holder: str, ttl: float) -> Lease:
+def _write(rank: Beneath, step: int, holder: str, ttl: float) -> Lease:
     lease = Lease(
         step=step, holder=holder, pid=os.getpid(), host=socket.gethostname(), expires_at=time.time() + ttl
     )
-    write_atomic(lease_path(rank_path, step, holder), lease.to_bytes())
+    rank.write_atomic(f"{LEASES}/{_lease_name(step, holder)}", lease.to_bytes())
     return lease
 
 
-def acquire(rank_path: str | os.PathLike[str], step: int, holder: str, *, ttl: float = DEFAULT_TTL) -> Lease:
+def _step(rank: Beneath, step: int) -> Beneath:
+    return rank.at(f"step-{step:012d}")
+
+
+def acquire(rank_path: Dir, step: int, holder: str, *, ttl: float = DEFAULT_TTL) -> Lease:
     """Lease a committed step for ``ttl`` seconds; ``MissingCheckpointError`` if it is not committed."""
-    if not Path(rank_path).is_dir():
-        raise MissingCheckpointError(f"{rank_path} does not exist")
-    with lock(rank_path):
-        if read_commit(step_dir(rank_path, step)) is None:
-            raise MissingCheckpointError(f"step {step} is not committed in {rank_path}")
-        return _write(rank_path, step, holder, ttl)
+    try:
+        with as_tree(rank_path) as rank:
+            if not rank.is_dir():
+                raise MissingCheckpointError(f"{rank.where} does not exist")
+            with lock(rank):
+                if read_commit(_step(rank, step)) is None:
+                    raise MissingCheckpointError(f"step {step} is not committed in {rank.where}")
+                return _write(rank, step, holder, ttl)
+    except FileNotFoundError as exc:
+        raise MissingCheckpointError(f"{rank_path} does not exist") from exc
 
 
-def renew(rank_path: str | os.PathLike[str], lease: Lease, *, ttl: float = DEFAULT_TTL) -> Lease:
+def renew(rank_path: Dir, lease: Lease, *, ttl: float = DEFAULT_TTL) -> Lease:
     """Extend a lease. ``MissingCheckpointError`` if the lease lapsed and the step is gone meanwhile."""
-    with lock(rank_path):
-        if not lease_path(rank_path, lease.step, lease.holder).exists() and (
-            read_commit(step_dir(rank_path, lease.step)) is None
+    with as_tree(rank_path) as rank, lock(rank):
+        if not rank.exists(f"{LEASES}/{_lease_name(lease.step, lease.holder)}") and (
+            read_commit(_step(rank, lease.step)) is None
         ):
             raise MissingCheckpointError(f"lease on step {lease.step} lapsed and the step is gone")
-        return _write(rank_path, lease.step, lease.holder, ttl)
+        return _write(rank, lease.step, lease.holder, ttl)
 
 
-def release(rank_path: str | os.PathLike[str], lease: Lease) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(lease_path(rank_path, lease.step, lease.holder))
+def release(rank_path: Dir, lease: Lease) -> None:
+    with contextlib.suppress(FileNotFoundError), as_tree(rank_path) as rank:
+        rank.unlink(f"{LEASES}/{_lease_name(lease.step, lease.holder)}")
 
 
-def _read_all(rank_path: str | os.PathLike[str]) -> Iterator[tuple[Path, Lease | None]]:
-    d = lease_dir(rank_path)
-    try:
-        names = sorted(os.listdir(d))
-    except FileNotFoundError:
-        return
-    for name in names:
+def _read_all(rank: Beneath) -> Iterator[tuple[str, Lease | None]]:
+    """``(name, lease)`` of every lease file; None for one that is malformed or misnamed."""
+    for name in sorted(rank.listdir(LEASES)):
         if not name.endswith(".json"):
             continue
-        path = d / name
+        where = f"{rank.where}/{LEASES}/{name}"
         try:
-            lease = Lease.from_bytes(path.read_bytes())
+            lease = Lease.from_bytes(rank.read_bytes(f"{LEASES}/{name}", limit=_LEASE_LIMIT))
         except FileNotFoundError:
             continue
         except FormatError as exc:
-            log.warning("ignoring malformed lease %s: %s", path, exc)
-            yield path, None
+            log.warning("ignoring malformed lease %s: %s", where, exc)
+            yield name, None
             continue
         if name != f"{lease.step:012d}.{lease.holder}.json":
             log.warning(
-                "ignoring lease %s: its content names step %s holder %s", path, lease.step, lease.holder
+                "ignoring lease %s: its content names step %s holder %s", where, lease.step, lease.holder
             )
-            yield path, None
+            yield name, None
             continue
-        yield path, lease
+        yield name, lease
 
 
-def active(rank_path: str | os.PathLike[str], *, now: float | None = None) -> list[Lease]:
+def active(rank_path: Dir, *, now: float | None = None) -> list[Lease]:
     """Unexpired leases of a rank directory."""
     now = time.time() if now is None else now
-    return [lease for _, lease in _read_all(rank_path) if lease is not None and not lease.expired(now)]
+    try:
+        with as_tree(rank_path) as rank:
+            return [lease for _, lease in _read_all(rank) if lease is not None and not lease.expired(now)]
+    except FileNotFoundError:
+        return []
 
 
-def leased_steps(rank_path: str | os.PathLike[str], *, now: float | None = None) -> set[int]:
+def leased_steps(rank_path: Dir, *, now: float | None = None) -> set[int]:
     return {lease.step for lease in active(rank_path, now=now)}
 
 
-def purge_expired(rank_path: str | os.PathLike[str], *, now: float | None = None) -> int:
+def purge_expired(rank_path: Dir, *, now: float | None = None) -> int:
     """Delete expired and malformed lease files; returns how many were removed."""
     now = time.time() if now is None else now
     removed = 0
-    for path, lease in _read_all(rank_path):
-        if lease is None or lease.expired(now):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
-                removed += 1
+    try:
+        with as_tree(rank_path) as rank:
+            for name, lease in list(_read_all(rank)):
+                if lease is None or lease.expired(now):
+                    with contextlib.suppress(FileNotFoundError):
+                        rank.unlink(f"{LEASES}/{name}", missing_ok=False)
+                        removed += 1
+    except FileNotFoundError:
+        return removed
     return removed
 
 
 class LeaseHolder:
     """A lease kept alive by a background thread until ``release()`` (or the end of a ``with`` block)."""
 
-    def __init__(
-        self, rank_path: str | os.PathLike[str], step: int, holder: str, *, ttl: float = DEFAULT_TTL
-    ):
-        self.rank_path = Path(rank_path)
+    def __init__(self, rank_path: Dir, step: int, holder: str, *, ttl: float = DEFAULT_TTL):
+        self.rank_path = rank_path if isinstance(rank_path, Beneath) else Path(rank_path)
         self.ttl = ttl
         self.lease = acquire(rank_path, step, holder, ttl=ttl)
         self._stop = threading.Event()
@@ -182,8 +203,6 @@ class LeaseHolder:
         self.release()
 
 
-def hold(
-    rank_path: str | os.PathLike[str], step: int, holder: str, *, ttl: float = DEFAULT_TTL
-) -> LeaseHolder:
+def hold(rank_path: Dir, step: int, holder: str, *, ttl: float = DEFAULT_TTL) -> LeaseHolder:
     """``with leases.hold(rank_dir, step, "me"):`` lease a step, renewing it until the block ends."""
     return LeaseHolder(rank_path, step, holder, ttl=ttl)

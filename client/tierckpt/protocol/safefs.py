@@ -139,11 +139,15 @@ class Beneath:
     """A directory, and every path beneath it, reachable without following a symlink.
 
     Open with ``Beneath.open(trusted_root, "job")``: ``trusted_root`` is the caller's own directory
-    (followed as given); ``"job"`` and every later path are resolved strictly beneath it.
+    (followed as given); ``"job"`` and every later path are resolved strictly beneath it. ``at(rel)``
+    is a view of a directory beneath, sharing this one's descriptor (no file is opened for it): every
+    path given to the view is resolved beneath the tree's own directory, ``rel`` included.
     """
 
-    def __init__(self, fd: int, where: str) -> None:
+    def __init__(self, fd: int, where: str, *, prefix: str = "", owner: bool = True) -> None:
         self._fd = fd
+        self._prefix = prefix
+        self._owner = owner
         self.where = where
         """A readable name of the directory, for messages."""
 
@@ -152,7 +156,7 @@ class Beneath:
         """``root/rel`` as a confined directory (``create``: make the missing directories of ``rel``)."""
         rootfd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
-            top = cls(rootfd, os.fspath(root))
+            top = cls(rootfd, os.fspath(root), owner=False)
             return top.sub(rel, create=create) if rel else cls(os.dup(rootfd), top.where)
         finally:
             os.close(rootfd)
@@ -160,9 +164,10 @@ class Beneath:
     # ------------------------------------------------------------------ lifecycle
 
     def close(self) -> None:
-        if self._fd >= 0:
+        """Close the directory (a view closes nothing: its tree owns the descriptor)."""
+        if self._owner and self._fd >= 0:
             os.close(self._fd)
-            self._fd = -1
+        self._fd = -1
 
     def __enter__(self) -> Beneath:
         return self
@@ -174,24 +179,37 @@ class Beneath:
         with contextlib.suppress(Exception):
             self.close()
 
+    def __repr__(self) -> str:
+        return f"Beneath({self.where!r})"
+
     def fileno(self) -> int:
         return self._fd
+
+    def _rel(self, rel: str | os.PathLike[str]) -> str:
+        """``rel`` as a path relative to the descriptor (refusing absolute and climbing paths)."""
+        parts = _parts(rel)
+        return "/".join([self._prefix, *parts] if self._prefix else parts)
 
     def _name(self, rel: str) -> str:
         return f"{self.where}/{rel}" if rel else self.where
 
     # ------------------------------------------------------------------ directories
 
+    def at(self, rel: str) -> Beneath:
+        """A view of directory ``rel`` beneath this one (valid while this tree is open). Nothing is
+        opened or checked now: each use of the view resolves its path, confined, as every call does."""
+        return Beneath(self._fd, self._name(rel), prefix=self._rel(rel), owner=False)
+
     def sub(self, rel: str, *, create: bool = False) -> Beneath:
-        """The directory ``rel`` beneath this one, itself confined."""
+        """The directory ``rel`` beneath this one, with a descriptor of its own, itself confined."""
         if create:
             self.makedirs(rel)
-        fd = _openat(self._fd, rel, os.O_RDONLY | os.O_DIRECTORY, 0)
+        fd = _openat(self._fd, self._rel(rel), os.O_RDONLY | os.O_DIRECTORY, 0)
         return Beneath(fd, self._name(rel))
 
-    def makedirs(self, rel: str, mode: int = 0o755) -> None:
+    def makedirs(self, rel: str = "", mode: int = 0o755) -> None:
         """Create ``rel`` and its missing parents, refusing to pass through a symlink."""
-        parts = _parts(rel)
+        parts = _parts(self._rel(rel))
         for i in range(1, len(parts) + 1):
             head = "/".join(parts[:i])
             try:
@@ -208,10 +226,18 @@ class Beneath:
                 os.close(pfd)
             os.close(_openat(self._fd, head, os.O_RDONLY | os.O_DIRECTORY, 0))  # not a link planted meanwhile
 
+    def mkdir(self, rel: str, mode: int = 0o755) -> None:
+        """Create directory ``rel`` (its parent must exist); ``FileExistsError`` if anything is there."""
+        pfd, name = self._parent(rel)
+        try:
+            os.mkdir(name, mode, dir_fd=pfd)
+        finally:
+            os.close(pfd)
+
     def listdir(self, rel: str = "") -> list[str]:
         """Names in directory ``rel`` ([] if it does not exist)."""
         try:
-            fd = _openat(self._fd, rel, os.O_RDONLY | os.O_DIRECTORY, 0)
+            fd = _openat(self._fd, self._rel(rel), os.O_RDONLY | os.O_DIRECTORY, 0)
         except (FileNotFoundError, NotADirectoryError):
             return []
         try:
@@ -222,7 +248,7 @@ class Beneath:
     def entries(self, rel: str = "") -> Iterator[tuple[str, os.stat_result]]:
         """``(name, lstat)`` of every entry of directory ``rel``; symlinks show as symlinks."""
         try:
-            fd = _openat(self._fd, rel, os.O_RDONLY | os.O_DIRECTORY, 0)
+            fd = _openat(self._fd, self._rel(rel), os.O_RDONLY | os.O_DIRECTORY, 0)
         except (FileNotFoundError, NotADirectoryError):
             return
         try:
@@ -234,28 +260,44 @@ class Beneath:
 
     # ------------------------------------------------------------------ files
 
+    def _parent(self, rel: str) -> tuple[int, str]:
+        """A descriptor of ``rel``'s parent directory (the caller closes it) and ``rel``'s last name."""
+        full = self._rel(rel)
+        parent, _, name = full.rpartition("/")
+        if not name:
+            raise UnsafePathError(f"{self._name(rel)} names the tree's own directory")
+        return _openat(self._fd, parent, os.O_RDONLY | os.O_DIRECTORY, 0), name
+
     def open_fd(self, rel: str, flags: int = os.O_RDONLY, mode: int = 0o644) -> int:
-        """A descriptor of ``rel`` (a regular file unless ``flags`` say directory)."""
+        """A descriptor of ``rel``: a regular file (created with ``os.O_CREAT`` in ``flags``, never
+        through a link), or a directory when ``flags`` say ``os.O_DIRECTORY``."""
         # O_NONBLOCK: opening a planted FIFO must not hang; it is refused below (no effect on files)
-        fd = _openat(self._fd, rel, flags | os.O_NONBLOCK, mode)
+        fd = _openat(self._fd, self._rel(rel), flags | os.O_NONBLOCK, mode)
         if not flags & os.O_DIRECTORY and not stat.S_ISREG(os.fstat(fd).st_mode):
             os.close(fd)
             raise UnsafePathError(f"{self._name(rel)} is not a regular file")
         os.set_blocking(fd, True)
         return fd
 
-    def stat(self, rel: str) -> os.stat_result:
+    def stat(self, rel: str = "") -> os.stat_result:
         """``lstat`` of ``rel``; the directories on the way are confined like every open."""
-        parent, _, name = rel.rpartition("/")
-        if not name:
+        full = self._rel(rel)
+        if not full:
             return os.fstat(self._fd)
-        fd = _openat(self._fd, parent, os.O_RDONLY | os.O_DIRECTORY, 0)
+        pfd, name = self._parent(rel)
         try:
-            return os.stat(name, dir_fd=fd, follow_symlinks=False)
+            return os.stat(name, dir_fd=pfd, follow_symlinks=False)
         finally:
-            os.close(fd)
+            os.close(pfd)
 
-    def exists(self, rel: str) -> bool:
+    def is_dir(self, rel: str = "") -> bool:
+        """Whether ``rel`` is a directory itself (a symlink to one is not)."""
+        try:
+            return stat.S_ISDIR(self.stat(rel).st_mode)
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+
+    def exists(self, rel: str = "") -> bool:
         try:
             self.stat(rel)
         except (FileNotFoundError, NotADirectoryError):
@@ -288,8 +330,7 @@ class Beneath:
         The temporary file is created exclusively and never through a link, so nothing planted in the
         directory can redirect the write.
         """
-        parent, _, name = rel.rpartition("/")
-        pfd = _openat(self._fd, parent, os.O_RDONLY | os.O_DIRECTORY, 0)
+        pfd, name = self._parent(rel)
         tmp = f"{name}{_TMP_SUFFIX}"
         try:
             with contextlib.suppress(FileNotFoundError):
@@ -314,9 +355,9 @@ class Beneath:
             os.close(pfd)
 
     def unlink(self, rel: str, *, missing_ok: bool = True) -> None:
-        parent, _, name = rel.rpartition("/")
+        """Remove the file (or link) ``rel``."""
         try:
-            pfd = _openat(self._fd, parent, os.O_RDONLY | os.O_DIRECTORY, 0)
+            pfd, name = self._parent(rel)
         except FileNotFoundError:
             if missing_ok:
                 return
@@ -331,11 +372,9 @@ class Beneath:
 
     def rename(self, src: str, dst: str) -> None:
         """Rename ``src`` to ``dst``, both beneath this directory (a link at ``src`` moves as a link)."""
-        sparent, _, sname = src.rpartition("/")
-        dparent, _, dname = dst.rpartition("/")
-        sfd = _openat(self._fd, sparent, os.O_RDONLY | os.O_DIRECTORY, 0)
+        sfd, sname = self._parent(src)
         try:
-            dfd = _openat(self._fd, dparent, os.O_RDONLY | os.O_DIRECTORY, 0)
+            dfd, dname = self._parent(dst)
             try:
                 os.rename(sname, dname, src_dir_fd=sfd, dst_dir_fd=dfd)
                 os.fsync(dfd)
@@ -344,30 +383,26 @@ class Beneath:
         finally:
             os.close(sfd)
 
-    def remove_tree(self, rel: str) -> None:
-        """Remove ``rel`` and everything below it; a symlink is removed itself, never followed."""
-        parent, _, name = rel.rpartition("/")
-        if not name:
-            raise UnsafePathError(f"refusing to remove {self.where} itself")
+    def remove_tree(self, rel: str = "") -> None:
+        """Remove ``rel`` (for a view, ``""`` is the view's own directory) and everything below it; a
+        symlink is removed itself, never followed. Nothing there: nothing to do."""
         try:
-            pfd = _openat(self._fd, parent, os.O_RDONLY | os.O_DIRECTORY, 0)
+            pfd, name = self._parent(rel)
         except FileNotFoundError:
             return
         try:
             st = os.stat(name, dir_fd=pfd, follow_symlinks=False)
-        except FileNotFoundError:
-            os.close(pfd)
-            return
-        try:
             if stat.S_ISDIR(st.st_mode):
                 _rmtree_at(pfd, name)
             else:
                 os.unlink(name, dir_fd=pfd)
+        except FileNotFoundError:
+            return
         finally:
             os.close(pfd)
 
     def fsync(self, rel: str = "") -> None:
-        fd = _openat(self._fd, rel, os.O_RDONLY | os.O_DIRECTORY, 0)
+        fd = _openat(self._fd, self._rel(rel), os.O_RDONLY | os.O_DIRECTORY, 0)
         try:
             os.fsync(fd)
         finally:

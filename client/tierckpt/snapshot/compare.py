@@ -21,7 +21,7 @@ Non-tensor leaves (hyper-parameters, counters, strings) may differ: they are sta
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import Any
 
 import numpy as np
@@ -56,8 +56,8 @@ def _path(parts: tuple[str, ...]) -> str:
     return "/".join(parts) or "."
 
 
-def _walk(dest: Any, saved: Any, parts: tuple[str, ...]) -> Iterator[str]:
-    if dest is None:
+def _walk(dest: Any, saved: Any, parts: tuple[str, ...], skip: Collection[int]) -> Iterator[str]:
+    if dest is None or id(saved) in skip:
         return
     if isinstance(saved, _ARRAYS) or isinstance(dest, _ARRAYS):
         same = (
@@ -75,7 +75,7 @@ def _walk(dest: Any, saved: Any, parts: tuple[str, ...]) -> Iterator[str]:
                 yield f"{_path((*parts, str(key)))}: in the destination, not in the checkpoint"
         for key, value in saved.items():
             if key in dest:
-                yield from _walk(dest[key], value, (*parts, str(key)))
+                yield from _walk(dest[key], value, (*parts, str(key)), skip)
             elif dest and isinstance(dest, collections.OrderedDict) and _holds_tensors(value):
                 yield f"{_path((*parts, str(key)))}: in the checkpoint, not in the destination"
         return
@@ -84,13 +84,16 @@ def _walk(dest: Any, saved: Any, parts: tuple[str, ...]) -> Iterator[str]:
             yield f"{_path(parts)}: checkpoint has {len(saved)} items, destination {len(dest)}"
             return
         for i, (d, s) in enumerate(zip(dest, saved)):  # noqa: B905 - an empty destination is filled
-            yield from _walk(d, s, (*parts, str(i)))
+            yield from _walk(d, s, (*parts, str(i)), skip)
         return
     empty = isinstance(dest, (dict, list, tuple)) and not dest  # filled with whatever was saved
     if not empty and (_holds_tensors(dest) or _holds_tensors(saved)):
         yield f"{_path(parts)}: checkpoint {_describe(saved)}, destination {_describe(dest)}"
 
 
-def mismatches(dest: Any, saved: Any) -> list[str]:
-    """Every structural difference between ``dest`` and the checkpoint's ``saved`` tree (see module doc)."""
-    return list(_walk(dest, saved, ()))
+def mismatches(dest: Any, saved: Any, *, skip: Collection[int] = ()) -> list[str]:
+    """Every structural difference between ``dest`` and the checkpoint's ``saved`` tree (see module doc).
+
+    ``skip``: ``id``s of nodes of ``saved`` not to compare (DTensor shards: their layout is checked,
+    strictly and with a message that points to DCP, when they are filled)."""
+    return list(_walk(dest, saved, (), skip))

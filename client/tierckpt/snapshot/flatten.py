@@ -15,6 +15,10 @@ from the root, which ``bindings`` uses to find the same tensors again without wa
 can also record the ``Leaf``s: every subtree that is not a tensor and not a container filled in place
 that holds tensors (scalars, objects, arrays, tuples), with where it sits in the tree, so that
 ``restore_leaves`` restores just those next time (the tensors being bound already).
+
+A ``DTensor`` (FSDP2, tensor parallel) is stored as its local shard with a ``{"t": "dtensor"}`` node
+describing its mesh and placements, and restored only into a DTensor of the same layout
+(``snapshot.dtensor``).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import numpy as np
 import torch
 
 from tierckpt.protocol.errors import FormatError
+from tierckpt.snapshot import dtensor
 from tierckpt.snapshot.dtypes import dtype_name, numpy_dtype
 
 __all__ = [
@@ -48,7 +53,7 @@ log = logging.getLogger(__name__)
 
 _MAX_JSON_INT = 2**53 - 1
 _SCALARS = (type(None), bool, str)
-_DIST_TENSOR_TYPES = ("DTensor", "ShardedTensor")
+_SHARDED_TENSOR = "ShardedTensor"
 
 TensorFiller = Callable[[int, Any], Any]
 """``(tensor index, what the destination holds at that path) -> the value to put there``."""
@@ -164,9 +169,11 @@ class _Flattener:
         if _storable_array(value):
             array = value if value.flags.c_contiguous and value.flags.writeable else value.copy(order="C")
             return {"t": "ndarray", "i": self._add_tensor(torch.from_numpy(array), path)}
-        if isinstance(value, torch.Tensor) and kind.__name__ in _DIST_TENSOR_TYPES:
+        if dtensor.is_dtensor(value):
+            return self._dtensor(value, path)
+        if isinstance(value, torch.Tensor) and kind.__name__ == _SHARDED_TENSOR:
             raise TypeError(
-                f"{'/'.join(path)}: a {kind.__name__} is a shard of a distributed tensor; save it through "
+                f"{'/'.join(path)}: a ShardedTensor is a shard of a distributed tensor; save it through "
                 "torch.distributed.checkpoint with tierckpt.dcp, not Checkpointer.save"
             )
         if isinstance(value, torch.Tensor):
@@ -190,6 +197,21 @@ class _Flattener:
             out.append(self.node(v, (*path, str(i))))
             where.pop()
         return {"t": "list" if kind is list else "tuple", "v": out}
+
+    def _dtensor(self, value: Any, path: tuple[str, ...]) -> dict[str, Any]:
+        """This rank's local shard, as an ordinary tensor of the step, with the layout it belongs to."""
+        local = dtensor.local_shard(value)
+        if not storable_tensor(local):
+            raise TypeError(f"{'/'.join(path)}: a DTensor whose local shard is a {type(local).__name__}")
+        node = {
+            "t": "dtensor",
+            "i": self._add_tensor(local, path),
+            "key": "/".join(path),
+            **dtensor.describe(value),
+        }
+        if value.requires_grad:
+            node["rg"] = True
+        return node
 
     def key_node(self, key: Any) -> Any:
         kind = type(key)
@@ -282,6 +304,18 @@ class _Builder:
         if node.get("rg"):
             value.requires_grad_(True)
         return value
+
+    def _dtensor(self, node: dict[str, Any], existing: Any) -> Any:
+        """Fill the destination DTensor's local shard in place; any other destination is an error."""
+        i = self._index(node, self.n_tensors)
+        key = str(node.get("key", f"tensor {i}"))
+        problem = dtensor.mismatch(node, existing)
+        if problem is None:
+            local = dtensor.local_shard(existing)
+            if self.fill(i, local) is local:
+                return existing
+            problem = "its local shard differs in shape or dtype from the one saved"
+        raise dtensor.layout_error(key, problem)
 
     def _ndarray(self, node: dict[str, Any], existing: Any) -> Any:
         return self.fill_array(self._index(node, self.n_tensors), existing)

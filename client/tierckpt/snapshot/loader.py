@@ -20,7 +20,12 @@ import torch
 
 from tierckpt import cuda
 from tierckpt.planning.common_step import common_steps
-from tierckpt.protocol.errors import CorruptShardError, FormatError, MissingCheckpointError
+from tierckpt.protocol.errors import (
+    CorruptShardError,
+    FormatError,
+    MissingCheckpointError,
+    WorldSizeMismatchError,
+)
 from tierckpt.protocol.format import MANIFEST_NAME, CommitMarker, Manifest, read_commit, read_manifest
 from tierckpt.protocol.integrity import crc32c
 from tierckpt.settings import Settings
@@ -105,7 +110,7 @@ class StepLoader:
         self.last_timings: dict[str, float] = {}
         """Phases of the last load in seconds: manifest, map, bind, tree, h2d, verify_wait, copy, total."""
 
-    def _check_identity(self, path: Path, step: int, manifest: Manifest) -> None:
+    def _check_identity(self, path: Path, step: int, manifest: Manifest, *, strict: bool) -> None:
         s = self.settings
         if (manifest.job, manifest.rank, manifest.step) != (s.job, s.rank, step):
             raise FormatError(
@@ -113,8 +118,15 @@ class StepLoader:
                 f"expected job {s.job} rank {s.rank} step {step}"
             )
         if manifest.world_size != s.world_size:
+            if strict:
+                raise WorldSizeMismatchError(
+                    f"step {step} was saved with world size {manifest.world_size}, the job now has "
+                    f"{s.world_size}: rank {s.rank}'s shard holds another partition of the state "
+                    "(load(..., strict=False) loads it as is)"
+                )
             log.warning(
-                "step %d was saved with world size %d, the job now has %d; loading rank %d's shard as is",
+                "step %d was saved with world size %d, the job now has %d; loading rank %d's shard as is "
+                "(strict=False)",
                 step,
                 manifest.world_size,
                 s.world_size,
@@ -131,10 +143,13 @@ class StepLoader:
         device: torch.device | str | None,
         strict: bool = True,
     ) -> None:
+        """Fill ``state_dict`` from ``step`` at ``path``. A missing or short data file raises
+        ``CorruptShardError``; ``strict``: a step of another world size raises
+        ``WorldSizeMismatchError``."""
         start = time.perf_counter()
         timings = self.last_timings = {}
         manifest = self.manifests.read(path, step)
-        self._check_identity(path, step, manifest)
+        self._check_identity(path, step, manifest, strict=strict)
         timings["manifest_s"] = time.perf_counter() - start
         if cuda.in_use() and not self.pool.register_cuda:
             self.pool.use_cuda(cuda.current_device())  # pinned later, off the restore path (pool.warm)

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from tierckpt.protocol.errors import RamdiskFullError
+from tierckpt.protocol.errors import CorruptShardError, RamdiskFullError
 from tierckpt.protocol.format import Manifest, data_file_name, fsync_dir, iter_data_files, step_dir
 from tierckpt.snapshot.dtypes import torch_dtype
 from tierckpt.snapshot.layout import LayoutPlan
@@ -211,7 +211,12 @@ class SlotPool:
         files = []
         try:
             for entry in iter_data_files(manifest):  # CUDA users fault pages by copying (or pinning)
-                files.append(MappedFile.open(path / entry.name, populate=not self.register_cuda))
+                try:
+                    files.append(MappedFile.open(path / entry.name, populate=not self.register_cuda))
+                except FileNotFoundError as exc:  # a step that lost a file is corrupt: callers fall back
+                    raise CorruptShardError(
+                        f"{path / entry.name}: missing", path=str(path / entry.name)
+                    ) from exc
         except BaseException:
             for f in files:
                 f.close()

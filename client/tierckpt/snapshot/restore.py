@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import pickle
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -31,6 +30,7 @@ from tierckpt import cuda
 from tierckpt.protocol.errors import CorruptShardError, FormatError, StateMismatchError
 from tierckpt.protocol.format import OBJECTS_NAME, FileEntry, Manifest, TensorEntry, iter_data_files
 from tierckpt.protocol.integrity import crc32c
+from tierckpt.snapshot import objects as pickled
 from tierckpt.snapshot.bindings import BindingCache
 from tierckpt.snapshot.checksum import PendingCrcs, region_crcs, start_file_crcs
 from tierckpt.snapshot.compare import mismatches
@@ -95,7 +95,8 @@ def tensor_views(manifest: Manifest, files: dict[str, MappedFile]) -> list[torch
 
 
 def read_objects(step_path: Path, manifest: Manifest) -> list[Any]:
-    """Unpickle objects.pkl after checking its crc32c (an empty list when the step has none)."""
+    """Unpickle objects.pkl after checking its crc32c (an empty list when the step has none), with the
+    restricted unpickler of ``snapshot.objects``."""
     if manifest.object_count == 0:
         return []
     entry = manifest.file(OBJECTS_NAME)
@@ -106,18 +107,24 @@ def read_objects(step_path: Path, manifest: Manifest) -> list[Any]:
         raise CorruptShardError(f"{path}: missing", path=str(path)) from exc
     if len(body) != entry.size or crc32c(body) != entry.crc32c:
         raise CorruptShardError(f"{path}: does not match its crc32c in the manifest", path=str(path))
-    objects = pickle.loads(body)
+    objects = pickled.loads(body, str(path))  # restricted: the step may come from another tier
     if not isinstance(objects, list) or len(objects) != manifest.object_count:
         raise FormatError(f"{path}: expected a list of {manifest.object_count} objects")
     return objects
 
 
-def saved_structure(manifest: Manifest, objects: Sequence[Any]) -> dict[Any, Any]:
-    """The step's state tree with meta tensors (and zero-stride arrays): shapes and dtypes, no bytes."""
+def saved_structure(manifest: Manifest, objects: Sequence[Any]) -> tuple[dict[Any, Any], set[int]]:
+    """The step's state tree with meta tensors (and zero-stride arrays): shapes and dtypes, no bytes; and
+    the ``id``s of the meta tensors that stand for DTensor shards (their layout is checked when filled)."""
     entries = manifest.tensors
+    shards = _dtensor_indices(manifest.tree)
+    shard_ids: set[int] = set()
 
     def fill(i: int, existing: Any) -> torch.Tensor:
-        return torch.empty(entries[i].shape, dtype=torch_dtype(entries[i].dtype), device="meta")
+        meta = torch.empty(entries[i].shape, dtype=torch_dtype(entries[i].dtype), device="meta")
+        if i in shards:
+            shard_ids.add(id(meta))
+        return meta
 
     def fill_array(i: int, existing: Any) -> np.ndarray:
         dtype = numpy_dtype(entries[i].dtype)
@@ -126,9 +133,34 @@ def saved_structure(manifest: Manifest, objects: Sequence[Any]) -> dict[Any, Any
 
     skeleton: dict[Any, Any] = {}
     restore_into(
-        skeleton, manifest.tree, fill=fill, fill_array=fill_array, n_tensors=len(entries), objects=objects
+        skeleton,
+        _local_shards(manifest.tree),
+        fill=fill,
+        fill_array=fill_array,
+        n_tensors=len(entries),
+        objects=objects,
     )
-    return skeleton
+    return skeleton, shard_ids
+
+
+def _local_shards(node: Any) -> Any:
+    """The tree with each DTensor node as a plain tensor node of its local shard."""
+    if isinstance(node, dict):
+        if node.get("t") == "dtensor":
+            return {"t": "tensor", "i": node["i"]}
+        return {k: _local_shards(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_local_shards(v) for v in node]
+    return node
+
+
+def _dtensor_indices(node: Any) -> set[int]:
+    if isinstance(node, dict):
+        found = {int(node["i"])} if node.get("t") == "dtensor" else set()
+        return found.union(*(_dtensor_indices(v) for v in node.values()))
+    if isinstance(node, list):
+        return set().union(*(_dtensor_indices(v) for v in node))
+    return set()
 
 
 def check_structure(
@@ -136,7 +168,8 @@ def check_structure(
 ) -> None:
     """Strict loading: ``StateMismatchError`` naming every difference of structure, shape or dtype between
     ``dest`` and the step (``snapshot.compare``), before anything is copied."""
-    found = mismatches(dest, saved_structure(manifest, objects))
+    skeleton, shards = saved_structure(manifest, objects)
+    found = mismatches(dest, skeleton, skip=shards)
     if not found:
         return
     listed = "; ".join(found[:_LISTED_MISMATCHES])

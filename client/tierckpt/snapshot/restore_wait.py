@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from tierckpt.protocol.control import RestoreState, RestoreStatus, read_control, restore_status_name
+from tierckpt.protocol.control import RestoreState, RestoreStatus, read_restore_status
 from tierckpt.protocol.errors import RetryableError
 
 __all__ = ["USE_LOCAL", "restore_target", "wait_for_restore"]
@@ -40,13 +40,11 @@ def wait_for_restore(
     sleep: Callable[[float], None] = time.sleep,
 ) -> RestoreStatus | None:
     """Wait for the replicator's restore status of ``rank`` to settle; None when there is none."""
-    name = restore_status_name(rank)
     last_seen: float | None = None
     last_progress = clock()
     announced = False
     while True:
-        status = read_control(root, job, name, RestoreStatus)
-        assert status is None or isinstance(status, RestoreStatus)
+        status = read_restore_status(root, job, rank)
         if status is None and not expect_replicator:
             return None
         if status is not None:

@@ -25,7 +25,6 @@ import io
 import logging
 import os
 from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
@@ -134,15 +133,15 @@ class GcsStore:
         return self.settings.bucket
 
     def upload_file(
-        self, key: str, path: Path, *, offset: int = 0, length: int | None = None, crc32c: int | None = None
+        self, key: str, fd: int, *, offset: int = 0, length: int | None = None, crc32c: int | None = None
     ) -> ObjectInfo:
         blob = self._bucket.blob(key, chunk_size=self.settings.chunk_size)
         if crc32c is not None:
             blob.crc32c = crc32c_b64(crc32c)  # GCS rejects the upload server side if the bytes differ
-        with _errors(key), open(path, "rb", buffering=0) as f:
-            size = os.fstat(f.fileno()).st_size - offset if length is None else length
+        with _errors(key):
+            size = os.fstat(fd).st_size - offset if length is None else length
             blob.upload_from_file(
-                _Region(f.fileno(), offset, size),
+                _Region(fd, offset, size),
                 size=size,
                 checksum="crc32c",
                 retry=self._retry,

@@ -2,7 +2,7 @@
 (``JobBackups``).
 
 Each job is backed up by the ``BackupService`` of its *effective* settings: the node's flags
-(``--gcs-*``, ``--backup-*``, ``node_backup_settings``) overridden by the job's ``control/policy.json``
+(``--gcs-*``, ``--backup-*``, ``node_backup_settings``) overridden by the job's ``policy.json``
 (``JobPolicy``, sent by the operator from the CheckpointConfiguration; ``effective_settings``).
 Services are built on first use, one per distinct settings (bucket, prefix, schedule, retention), which
 is when google-cloud-storage is first imported: this module imports no other part of the backup
@@ -15,13 +15,13 @@ import asyncio
 import dataclasses
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client import CollectorRegistry
 
 from tierckpt.protocol.control import JobPolicy
 from tierckpt.protocol.errors import MissingCheckpointError
+from tierckpt.protocol.format import Dir
 from tierckpt_replicator.policies import PolicyStore
 from tierckpt_replicator.settings import Settings
 
@@ -60,7 +60,7 @@ class BackupPort(Protocol):
         job: str,
         step: int,
         rank: int,
-        dest_rank_dir: Path,
+        dest_rank_dir: Dir,
         progress: Callable[[int], None] | None = None,
     ) -> None: ...
 
@@ -207,7 +207,7 @@ class JobBackups:
         job: str,
         step: int,
         rank: int,
-        dest_rank_dir: Path,
+        dest_rank_dir: Dir,
         progress: Callable[[int], None] | None = None,
     ) -> None:
         svc = self.service(job)

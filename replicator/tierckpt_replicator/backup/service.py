@@ -39,22 +39,15 @@ from tierckpt.protocol import leases
 from tierckpt.protocol.bucket_layout import BucketLayout
 from tierckpt.protocol.control import PeerAssignment, read_control
 from tierckpt.protocol.errors import FormatError, MissingCheckpointError, TierckptError
-from tierckpt.protocol.format import (
-    committed_steps,
-    job_dir,
-    parse_step_name,
-    rank_dir,
-    ranks_in,
-    read_manifest,
-    replica_rank_dir,
-)
+from tierckpt.protocol.format import Dir, committed_steps, read_manifest
+from tierckpt.protocol.safefs import Beneath
 from tierckpt_replicator.backup.catalog import Catalog
 from tierckpt_replicator.backup.metrics import BackupMetrics
 from tierckpt_replicator.backup.restorer import Restorer
 from tierckpt_replicator.backup.spread import assign_uploads
 from tierckpt_replicator.backup.store import ObjectStore
 from tierckpt_replicator.backup.uploader import Uploader
-from tierckpt_replicator.stepio import find_committed
+from tierckpt_replicator.stepio import find_committed, open_job, rank_trees
 
 __all__ = ["BackupService", "BackupStatus"]
 
@@ -198,11 +191,12 @@ class BackupService:
         job: str,
         step: int,
         rank: int,
-        dest_rank_dir: Path,
+        dest_rank_dir: Dir,
         progress: ProgressCallback | None = None,
     ) -> None:
         """Download ``rank`` of the complete ``step``, verify every byte's crc32c, and commit it as
-        ``dest_rank_dir/step-<step>`` in the client format (manifest and COMMIT byte for byte the
+        ``dest_rank_dir/step-<step>`` (the view of the rank's directory in its job tree, or a path) in
+        the client format (manifest and COMMIT byte for byte the
         originals). ``progress(bytes_done)`` is called on the event loop as bytes arrive
         (throttled) and once at the end. Raises ``MissingCheckpointError`` if the step is not complete in
         the bucket, ``CorruptShardError`` on any checksum mismatch (nothing is committed),
@@ -212,7 +206,7 @@ class BackupService:
         fetching[step] += 1
         started = time.monotonic()
         try:
-            await self._run(self.restorer.fetch_rank, job, step, rank, Path(dest_rank_dir), relay.add)
+            await self._run(self.restorer.fetch_rank, job, step, rank, dest_rank_dir, relay.add)
         except BaseException:
             self.metrics.failures.labels(op="restore").inc()
             raise
@@ -320,10 +314,30 @@ class BackupService:
         placed: Mapping[int, tuple[str, ...]] | None = None,
     ) -> bool:
         """Upload this node's share of ``step``; True if the step is complete in the bucket afterwards."""
-        local = self._local_copies(job, step, hint)
+        try:
+            tree = open_job(self.root, job)
+        except FileNotFoundError:
+            return False
+        with tree:
+            return self._backup_step_in(tree, job, step, reason, started_at, hint, all_local, placed)
+
+    def _backup_step_in(
+        self,
+        tree: Beneath,
+        job: str,
+        step: int,
+        reason: str,
+        started_at: float | None,
+        hint: Iterable[int],
+        all_local: bool,
+        placed: Mapping[int, tuple[str, ...]] | None,
+    ) -> bool:
+        local = self._local_copies(tree, step, hint)
         if not local:
             return False
-        world_size = read_manifest(next(iter(local.values()))).world_size
+        world_size = read_manifest(
+            next(iter(local.values()))[1], limit=self.settings.max_manifest_bytes
+        ).world_size
         mine = self._my_share(job, step, world_size, local, started_at, all_local, placed)
         if mine or started_at is None:  # also with no share here: a started backup is visible, so
             # its missing ranks are taken over even if no rank's assigned uploader holds a copy
@@ -331,7 +345,7 @@ class BackupService:
         if mine:
             log.info("backing up step %d of %s (%s): ranks %s of %d", step, job, reason, mine, world_size)
             started = time.monotonic()
-            with _leases({r: local[r] for r in mine}, self._holder, self.settings.lease_ttl) as held:
+            with _leases({r: local[r] for r in mine}, step, self._holder, self.settings.lease_ttl) as held:
                 self._upload_ranks(job, held)
             self.metrics.upload_seconds.observe(time.monotonic() - started)
             self._set_status(job, last_uploaded=step, last_success_at=self.clock(), last_error="")
@@ -346,7 +360,7 @@ class BackupService:
         job: str,
         step: int,
         world_size: int,
-        local: Mapping[int, Path],
+        local: Mapping[int, object],
         started_at: float | None,
         all_local: bool,
         placed: Mapping[int, tuple[str, ...]] | None = None,
@@ -387,7 +401,7 @@ class BackupService:
                 mine |= orphans
         return sorted(mine)
 
-    def _upload_ranks(self, job: str, paths: Mapping[int, Path]) -> None:
+    def _upload_ranks(self, job: str, paths: Mapping[int, Beneath]) -> None:
         """Upload several ranks at once (their files share the transfer pool); raise the first failure
         after all have finished, so every rank that can be committed is."""
         errors = []
@@ -418,27 +432,31 @@ class BackupService:
 
     # ------------------------------------------------------------------------------------ local data
 
-    def _local_copies(self, job: str, step: int, hint: Iterable[int]) -> dict[int, Path]:
-        """Rank -> this node's committed copy of ``step`` (primary preferred over replica). Scans the
-        ramdisk: the daemon reports its primaries, but replicas held here are uploaded too."""
-        jd = job_dir(self.root, job)
-        ranks = set(hint) | set(ranks_in(jd)) | set(ranks_in(jd / "replicas"))
+    def _local_copies(
+        self, tree: Beneath, step: int, hint: Iterable[int]
+    ) -> dict[int, tuple[Beneath, Beneath]]:
+        """Rank -> this node's committed copy of ``step`` in the job tree (the views of its rank and
+        step directories; primary preferred over replica). Scans the ramdisk: the daemon reports its
+        primaries, but replicas held here are uploaded too."""
+        ranks = set(hint) | set(rank_trees(tree, "primary")) | set(rank_trees(tree, "replica"))
         out = {}
         for r in sorted(ranks):
-            path = find_committed(self.root, job, r, step)
-            if path is not None:
-                out[r] = path
+            found = find_committed(tree, r, step)
+            if found is not None:
+                out[r] = found
         return out
 
     def _newest_local(self, job: str) -> int | None:
         """The newest step committed for every primary rank here (replicas if the node has none)."""
-        jd = job_dir(self.root, job)
-        primaries = [rank_dir(self.root, job, r) for r in ranks_in(jd)]
-        replicas = [replica_rank_dir(self.root, job, r) for r in ranks_in(jd / "replicas")]
-        for parents in (primaries, replicas):
-            step = newest_common_step(committed_steps(p) for p in parents)
-            if step is not None:
-                return step
+        try:
+            tree = open_job(self.root, job)
+        except FileNotFoundError:
+            return None
+        with tree:
+            for copy in ("primary", "replica"):
+                step = newest_common_step(committed_steps(p) for p in rank_trees(tree, copy).values())
+                if step is not None:
+                    return step
         return None
 
     # ------------------------------------------------------------------------------------ plumbing
@@ -481,19 +499,19 @@ def _assign(job: str, step: int, holders: tuple[tuple[int, tuple[str, ...]], ...
 
 
 @contextlib.contextmanager
-def _leases(paths: Mapping[int, Path], holder: str, ttl: float) -> Iterator[dict[int, Path]]:
-    """Lease each step dir (renewed in the background) so retention leaves it alone while it is read.
-    Yields the ranks whose step still existed when leased."""
+def _leases(
+    copies: Mapping[int, tuple[Beneath, Beneath]], step: int, holder: str, ttl: float
+) -> Iterator[dict[int, Beneath]]:
+    """Lease each rank's copy of ``step`` (renewed in the background) so retention leaves it alone while
+    it is read. Yields rank -> the step's view, for the ranks whose step still existed when leased."""
     with contextlib.ExitStack() as stack:
         held = {}
-        for r, path in paths.items():
-            step = parse_step_name(path.name)
-            assert step is not None
+        for r, (rank, path) in copies.items():
             try:
-                stack.enter_context(leases.hold(path.parent, step, holder, ttl=ttl))
+                stack.enter_context(leases.hold(rank, step, holder, ttl=ttl))
             except MissingCheckpointError:
                 log.warning(
-                    "rank %d step %d vanished from %s before it could be uploaded", r, step, path.parent
+                    "rank %d step %d vanished from %s before it could be uploaded", r, step, rank.where
                 )
                 continue
             held[r] = path

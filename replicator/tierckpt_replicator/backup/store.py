@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Protocol
 
 from tierckpt.protocol.errors import RetryableError, TierckptError
@@ -65,9 +64,10 @@ class ObjectStore(Protocol):
     """One bucket. Keys are full object names (built by ``tierckpt.protocol.bucket_layout``)."""
 
     def upload_file(
-        self, key: str, path: Path, *, offset: int = 0, length: int | None = None, crc32c: int | None = None
+        self, key: str, fd: int, *, offset: int = 0, length: int | None = None, crc32c: int | None = None
     ) -> ObjectInfo:
-        """Resumable upload of ``path[offset:offset+length]`` (to the end if ``length`` is None).
+        """Resumable upload of bytes ``offset:offset+length`` of the open file ``fd`` (to the end if
+        ``length`` is None; the descriptor stays open: the caller opened it confined to its job tree).
 
         With ``crc32c``, the object must end up with exactly that checksum (GCS also checks it server
         side); otherwise it is deleted and ``UploadCorrupted`` raised. Overwrites an existing object.

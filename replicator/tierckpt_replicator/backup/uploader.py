@@ -9,6 +9,9 @@ right size and crc32c (an earlier, interrupted attempt) are not uploaded again.
 If a rank commit for the same step and rank already exists with a different manifest (a step number
 saved again by a later attempt of the job), the newer save wins while the step is incomplete; a
 complete step is never touched.
+
+The step is read through its job's confined tree (a ``Beneath`` view): a data file, COMMIT or manifest
+that a pod replaced by a symlink is refused (``UnsafePathError``), so no other job's bytes are uploaded.
 """
 
 from __future__ import annotations
@@ -17,14 +20,24 @@ import concurrent.futures as cf
 import dataclasses
 import logging
 import math
+import os
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 from tierckpt.protocol.bucket_layout import BucketLayout, RankBackup
 from tierckpt.protocol.errors import CorruptShardError, FormatError, TierckptError
-from tierckpt.protocol.format import COMMIT_NAME, MANIFEST_NAME, CommitMarker, FileEntry, Manifest
+from tierckpt.protocol.format import (
+    COMMIT_LIMIT,
+    COMMIT_NAME,
+    MANIFEST_NAME,
+    CommitMarker,
+    Dir,
+    FileEntry,
+    Manifest,
+    as_tree,
+)
 from tierckpt.protocol.integrity import crc32c
+from tierckpt.protocol.safefs import Beneath
 from tierckpt_replicator.backup.catalog import Catalog
 from tierckpt_replicator.backup.store import ObjectInfo, ObjectNotFound, ObjectStore, PreconditionFailed
 
@@ -83,13 +96,18 @@ class Uploader:
         self.max_manifest_bytes = max_manifest_bytes
         self.on_bytes = on_bytes or (lambda n: None)
 
-    def upload_rank(self, job: str, step_path: Path) -> RankUpload:
-        """Upload the committed step at ``step_path`` (a primary or replica step dir of ``job``)."""
+    def upload_rank(self, job: str, step_path: Dir) -> RankUpload:
+        """Upload the committed step at ``step_path`` (the view of a primary or replica step dir of
+        ``job`` in its job tree, or a path)."""
+        with as_tree(step_path) as step:
+            return self._upload_rank(job, step)
+
+    def _upload_rank(self, job: str, step_path: Beneath) -> RankUpload:
         self._check_stop(job)
         commit_bytes, manifest_bytes, marker, manifest = self._read_local(step_path)
         rank, step = manifest.rank, manifest.step
         if manifest.job != job:
-            raise FormatError(f"{step_path} belongs to job {manifest.job!r}, not {job!r}")
+            raise FormatError(f"{step_path.where} belongs to job {manifest.job!r}, not {job!r}")
         existing = self._existing_commit(job, step, rank)
         if existing is not None:
             if existing.manifest_crc32c == marker.manifest_crc32c:
@@ -135,19 +153,18 @@ class Uploader:
         if self.should_stop(job):
             raise UploadCancelled(f"uploads of job {job} were cancelled")
 
-    def _read_local(self, step_path: Path) -> tuple[bytes, bytes, CommitMarker, Manifest]:
-        commit_bytes = (step_path / COMMIT_NAME).read_bytes()
+    def _read_local(self, step_path: Beneath) -> tuple[bytes, bytes, CommitMarker, Manifest]:
+        where = step_path.where
+        commit_bytes = step_path.read_bytes(COMMIT_NAME, limit=COMMIT_LIMIT)
         marker = CommitMarker.from_bytes(commit_bytes)
         if marker.manifest_size > self.max_manifest_bytes:
-            raise FormatError(f"{step_path}: manifest of {marker.manifest_size} bytes is over the limit")
-        manifest_bytes = (step_path / MANIFEST_NAME).read_bytes()
+            raise FormatError(f"{where}: manifest of {marker.manifest_size} bytes is over the limit")
+        manifest_bytes = step_path.read_bytes(MANIFEST_NAME, limit=marker.manifest_size + 1)
         if len(manifest_bytes) != marker.manifest_size or crc32c(manifest_bytes) != marker.manifest_crc32c:
-            raise CorruptShardError(
-                f"{step_path / MANIFEST_NAME} does not match its commit marker", path=str(step_path)
-            )
+            raise CorruptShardError(f"{where}/{MANIFEST_NAME} does not match its commit marker", path=where)
         manifest = Manifest.from_bytes(manifest_bytes)
         if (manifest.step, manifest.rank) != (marker.step, marker.rank):
-            raise FormatError(f"{step_path}: manifest and commit marker disagree on step or rank")
+            raise FormatError(f"{where}: manifest and commit marker disagree on step or rank")
         return commit_bytes, manifest_bytes, marker, manifest
 
     def _existing_commit(self, job: str, step: int, rank: int) -> RankBackup | None:
@@ -172,7 +189,7 @@ class Uploader:
         job: str,
         step: int,
         rank: int,
-        step_path: Path,
+        step_path: Beneath,
         files: tuple[FileEntry, ...],
         present: dict[str, ObjectInfo],
     ) -> int:
@@ -196,12 +213,12 @@ class Uploader:
             sent += f.size
             slices = plan_slices(f.size, self.slice_size)
             if len(slices) == 1:
-                futures.append(self.pool.submit(self._put, job, key, step_path / f.name, 0, f.size, f.crc32c))
+                futures.append(self.pool.submit(self._put, job, key, step_path, f.name, 0, f.size, f.crc32c))
                 continue
             parts = [self.layout.part_key(job, step, rank, f.name, i) for i in range(len(slices))]
             composed.append((f, parts))
             for part, (off, length) in zip(parts, slices, strict=True):
-                futures.append(self.pool.submit(self._put, job, part, step_path / f.name, off, length, None))
+                futures.append(self.pool.submit(self._put, job, part, step_path, f.name, off, length, None))
         try:
             _wait_all(futures)
             _wait_all(
@@ -215,21 +232,27 @@ class Uploader:
             cf.wait([self.pool.submit(self.store.delete, p) for p in leftovers])
         return sent
 
-    def _put(self, job: str, key: str, path: Path, offset: int, length: int, crc: int | None) -> None:
+    def _put(
+        self, job: str, key: str, step: Beneath, name: str, offset: int, length: int, crc: int | None
+    ) -> None:
         self._check_stop(job)
-        self.store.upload_file(key, path, offset=offset, length=length, crc32c=crc)
+        fd = step.open_fd(name)  # a regular file of the step, reached through no symlink
+        try:
+            self.store.upload_file(key, fd, offset=offset, length=length, crc32c=crc)
+        finally:
+            os.close(fd)
         self.on_bytes(length)
 
-    def _compose(self, job: str, step: int, rank: int, path: Path, f: FileEntry, parts: list[str]) -> None:
+    def _compose(self, job: str, step: int, rank: int, path: Beneath, f: FileEntry, parts: list[str]) -> None:
         """Compose a file's slices and check the result against the manifest's size and crc32c."""
         key = self.layout.rank_file_key(job, step, rank, f.name)
         info = self.store.compose(key, parts)
         if info.crc32c != f.crc32c or info.size != f.size:
             self.store.delete(key)
             raise CorruptShardError(
-                f"{path / f.name}: composed object has crc32c {info.crc32c} size {info.size}, "
+                f"{path.where}/{f.name}: composed object has crc32c {info.crc32c} size {info.size}, "
                 f"manifest says {f.crc32c:08x} size {f.size}",
-                path=str(path / f.name),
+                path=f"{path.where}/{f.name}",
             )
 
 

@@ -12,31 +12,33 @@ share of connections. During a transfer the sender must keep up ``min_transfer_r
 Put: auth → parse and cross-check COMMIT + manifest → already held? (208) → in progress? (409) → room?
 (507, after dropping what retention allows) → preallocate every file (507 on ENOSPC) → ``100
 continue`` → receive with crc32c → all match? commit atomically (200) : drop the staging dir (422).
+
+Every file is reached through the job's confined tree (``stepio.open_job``): a symlink a pod planted in
+its job directory (a rank, a step, a data file) is refused (422, logged), never followed.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import socket
 import struct
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any, cast
 
 from tierckpt.protocol import leases
-from tierckpt.protocol.errors import CorruptShardError, FormatError, MissingCheckpointError, RamdiskFullError
-from tierckpt.protocol.format import (
-    COMMIT_NAME,
-    MANIFEST_NAME,
-    check_job_id,
-    discard_step,
-    read_commit,
-    replica_rank_dir,
-    step_dir,
+from tierckpt.protocol.errors import (
+    CorruptShardError,
+    FormatError,
+    MissingCheckpointError,
+    RamdiskFullError,
+    UnsafePathError,
 )
+from tierckpt.protocol.format import check_job_id, discard_step, read_commit
+from tierckpt.protocol.safefs import Beneath
 from tierckpt_replicator.connlimits import SourceLimits
 from tierckpt_replicator.replication.context import DataContext, unique_holder
 from tierckpt_replicator.replication.ipc import DataEvent
@@ -56,7 +58,12 @@ from tierckpt_replicator.stepio import (
     StepHeader,
     StepWriter,
     find_committed,
+    open_files,
+    open_job,
     parse_header,
+    rank_tree,
+    read_header,
+    step_name,
     verify_step,
 )
 
@@ -157,6 +164,12 @@ class DataServer:
         except ProtocolError as exc:
             log.warning("data %s: %s", addr[0], exc)
             self._reply(conn, DataReply(status=exc.status or Status.BAD_REQUEST, message=str(exc)))
+        except UnsafePathError as exc:  # something a pod planted in its job tree: refused, not followed
+            log.warning("data %s: refused: %s", addr[0], exc)
+            self._reply(conn, DataReply(status=Status.CORRUPT, message=f"refused: {exc}"))
+        except FormatError as exc:
+            log.warning("data %s: unreadable local copy: %s", addr[0], exc)
+            self._reply(conn, DataReply(status=Status.CORRUPT, message=f"unreadable local copy: {exc}"))
         except TimeoutError as exc:
             log.warning("data %s: closed: %s", addr[0], exc)
         except OSError as exc:
@@ -214,18 +227,19 @@ class DataServer:
 
     def _put(self, conn: socket.socket, req: DataRequest) -> None:
         header = self._read_header(conn, req)
-        parent = replica_rank_dir(self.ctx.root, req.job, req.rank)
-        if read_commit(step_dir(parent, req.step)) is not None:
-            self._reply(conn, DataReply(status=Status.ALREADY, message="replica already committed"))
-            return
-        total = header.manifest.total_bytes
-        with self._claim((req.job, req.rank, req.step)):
-            self._ensure_room(req.job, total + len(header.commit_bytes) + len(header.manifest_bytes))
-            started = time.monotonic()
-            status, message = self._receive_replica(conn, req, StepWriter(parent, header))
-            if status == Status.OK:  # before the reply: once the sender hears "committed", retention ran
-                apply_retention(self.ctx.root, req.job, self.ctx.config.replica_keep)
-            self._reply(conn, DataReply(status=status, message=message, total_bytes=total))
+        with open_job(self.ctx.root, req.job, create=True) as job:
+            parent = rank_tree(job, "replica", req.rank)
+            if read_commit(parent.at(step_name(req.step))) is not None:
+                self._reply(conn, DataReply(status=Status.ALREADY, message="replica already committed"))
+                return
+            total = header.manifest.total_bytes
+            with self._claim((req.job, req.rank, req.step)):
+                self._ensure_room(req.job, total + len(header.commit_bytes) + len(header.manifest_bytes))
+                started = time.monotonic()
+                status, message = self._receive_replica(conn, req, StepWriter(parent, header))
+                if status == Status.OK:  # before the reply: once the sender hears "committed", retention ran
+                    apply_retention(self.ctx.root, req.job, self.ctx.config.replica_keep)
+                self._reply(conn, DataReply(status=status, message=message, total_bytes=total))
         seconds = time.monotonic() - started
         log.info(
             "replica %s rank %d step %d from %s: %s (%d bytes, %.2fs)",
@@ -291,30 +305,46 @@ class DataServer:
     # ------------------------------------------------------------------ get
 
     def _get(self, conn: socket.socket, req: DataRequest) -> None:
-        path = find_committed(self.ctx.root, req.job, req.rank, req.step)
-        if path is None:
-            raise _Reject(Status.NOT_FOUND, f"no committed copy of {req.job} rank {req.rank} step {req.step}")
+        missing = _Reject(Status.NOT_FOUND, f"no committed copy of {req.job} rank {req.rank} step {req.step}")
+        try:
+            job = open_job(self.ctx.root, req.job)
+        except FileNotFoundError:
+            raise missing from None
+        with job:
+            found = find_committed(job, req.rank, req.step)
+            if found is None:
+                raise missing
+            rank, path = found
+            self._send_step(conn, req, rank, path)
+
+    def _send_step(self, conn: socket.socket, req: DataRequest, rank: Beneath, path: Beneath) -> None:
         started = time.monotonic()
         try:
-            lease = leases.hold(path.parent, req.step, unique_holder(self.ctx.config.holder))
+            lease = leases.hold(rank, req.step, unique_holder(self.ctx.config.holder))
         except MissingCheckpointError as exc:
             raise _Reject(Status.NOT_FOUND, "the step was deleted meanwhile") from exc
         with lease:
-            commit_bytes = (path / COMMIT_NAME).read_bytes()
-            manifest_bytes = (path / MANIFEST_NAME).read_bytes()
             try:
-                header = parse_header(commit_bytes, manifest_bytes, job=req.job, rank=req.rank, step=req.step)
+                header = read_header(
+                    path,
+                    job=req.job,
+                    rank=req.rank,
+                    step_no=req.step,
+                    limit=self.ctx.config.max_manifest_bytes,
+                )
             except FormatError as exc:
                 raise _Reject(Status.CORRUPT, f"local copy unreadable: {exc}") from exc
-            reply = DataReply(
-                status=Status.OK,
-                commit_size=len(commit_bytes),
-                manifest_size=len(manifest_bytes),
-                total_bytes=header.manifest.total_bytes,
-            )
-            send_frame(conn, reply, commit_bytes + manifest_bytes)
-            for f in header.manifest.files:
-                send_file(conn, path / f.name, f.size, method=self.ctx.config.send_method)
+            with open_files(path, header.manifest) as fds:  # all of them, before a byte goes out
+                reply = DataReply(
+                    status=Status.OK,
+                    commit_size=len(header.commit_bytes),
+                    manifest_size=len(header.manifest_bytes),
+                    total_bytes=header.manifest.total_bytes,
+                )
+                send_frame(conn, reply, header.commit_bytes + header.manifest_bytes)
+                for f, fd in zip(header.manifest.files, fds, strict=True):
+                    where = f"{path.where}/{f.name}"
+                    send_file(conn, fd, f.size, where=where, method=self.ctx.config.send_method)
         seconds = time.monotonic() - started
         log.info(
             "served %s rank %d step %d to %s (%d bytes, %.2fs)",
@@ -330,10 +360,29 @@ class DataServer:
     # ------------------------------------------------------------------ corrupt
 
     def _corrupt(self, conn: socket.socket, req: DataRequest) -> None:
-        path = step_dir(replica_rank_dir(self.ctx.root, req.job, req.rank), req.step)
         message = "no replica held"
-        if read_commit(path) is not None:
-            problems = verify_step(Path(path))
+        try:
+            job = open_job(self.ctx.root, req.job)
+        except FileNotFoundError:
+            job = None
+        with contextlib.ExitStack() as stack:
+            if job is not None:
+                stack.enter_context(job)
+                message = self._check_reported(job, req)
+        self._event(req, Status.OK, message=message)
+        self._reply(conn, DataReply(status=Status.OK, message=message))
+
+    def _check_reported(self, job: Beneath, req: DataRequest) -> str:
+        """Re-verify the replica a peer reported corrupt; drop it if it is. Returns what was found."""
+        path = rank_tree(job, "replica", req.rank).at(step_name(req.step))
+        message = "no replica held"
+        try:
+            committed = read_commit(path) is not None
+        except FormatError as exc:  # an unreadable COMMIT, or a symlink planted as the step: dropped
+            discard_step(path)
+            return f"replica dropped: {exc}"
+        if committed:
+            problems = verify_step(path, limit=self.ctx.config.max_manifest_bytes)
             if problems:
                 discard_step(path)
                 message = f"replica dropped: {'; '.join(problems)}"
@@ -347,8 +396,7 @@ class DataServer:
                 )
             else:
                 message = "replica verified intact"
-        self._event(req, Status.OK, message=message)
-        self._reply(conn, DataReply(status=Status.OK, message=message))
+        return message
 
 
 def _close_gently(conn: socket.socket) -> None:
@@ -381,7 +429,11 @@ def _receive_all(conn: socket.socket, writer: StepWriter, floor: RateFloor) -> N
     """Receive every file; a crc mismatch is raised only after the stream is drained (protocol in sync)."""
     bad: CorruptShardError | None = None
     for f in writer.header.manifest.files:
-        crc = receive_file(conn, writer.path(f.name), f.size, pace=floor)
+        fd = writer.open(f.name)
+        try:
+            crc = receive_file(conn, fd, f.size, where=writer.where(f.name), pace=floor)
+        finally:
+            os.close(fd)
         try:
             writer.record(f.name, crc)
         except CorruptShardError as exc:

@@ -103,7 +103,8 @@ class FetchSource(Record):
 
 @dataclasses.dataclass(frozen=True)
 class FetchTask(Message):
-    """Stage ``job``/``rank``/``step`` as this node's primary from the first source that works."""
+    """Stage ``job``/``rank``/``step`` on this node from the first source that works: as its primary
+    (a restore of the node's own ranks), or as a replica (another rank's step a load here reads)."""
 
     KIND = "tierckpt.fetch-task"
 
@@ -112,6 +113,7 @@ class FetchTask(Message):
     rank: int
     step: int
     sources: tuple[FetchSource, ...]
+    into: Literal["primary", "replica"] = "primary"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,28 +16,20 @@ from pathlib import Path
 from tierckpt.protocol import leases
 from tierckpt.protocol.control import RestorePlan, read_control
 from tierckpt.protocol.errors import FormatError
-from tierckpt.protocol.format import (
-    check_job_id,
-    committed_steps,
-    discard_step,
-    job_dir,
-    rank_dir,
-    ranks_in,
-    read_commit,
-    replica_rank_dir,
-    step_dir,
-)
+from tierckpt.protocol.format import committed_steps, discard_step, read_commit
+from tierckpt.protocol.safefs import Beneath
+from tierckpt_replicator.inventory import list_jobs
 from tierckpt_replicator.replication.replica_retention import replicas_to_drop
+from tierckpt_replicator.stepio import open_job, rank_trees, step_name
 
 __all__ = ["apply_retention", "client_headroom", "free_bytes", "held_replicas", "make_room", "pinned_steps"]
 
 log = logging.getLogger(__name__)
 
 
-def held_replicas(root: Path, job: str) -> dict[int, list[int]]:
-    """Rank -> committed replica steps this node holds for ``job``."""
-    parent = job_dir(root, job) / "replicas"
-    return {r: committed_steps(replica_rank_dir(root, job, r)) for r in ranks_in(parent)}
+def held_replicas(job: Beneath) -> dict[int, list[int]]:
+    """Rank -> committed replica steps this node holds in the job tree ``job``."""
+    return {r: committed_steps(tree) for r, tree in rank_trees(job, "replica").items()}
 
 
 def pinned_steps(root: Path, job: str) -> set[int]:
@@ -51,18 +43,26 @@ def pinned_steps(root: Path, job: str) -> set[int]:
 
 def apply_retention(root: Path, job: str, keep: int) -> list[tuple[int, int]]:
     """Drop the replicas retention allows; returns the ``(rank, step)`` dropped."""
-    held = held_replicas(root, job)
-    leased = {r: leases.leased_steps(replica_rank_dir(root, job, r)) for r in held}
-    drop = replicas_to_drop(held, keep=keep, pinned=pinned_steps(root, job), leased=leased)
+    try:
+        tree = open_job(root, job)
+    except FileNotFoundError:
+        return []
     dropped = []
-    for rank, steps in drop.items():
-        parent = replica_rank_dir(root, job, rank)
-        with leases.lock(parent):  # a reader leasing meanwhile either sees the step stay or learns it is gone
-            now_leased = leases.leased_steps(parent)
-            for step in steps:
-                if step not in now_leased:
-                    discard_step(step_dir(parent, step))
-                    dropped.append((rank, step))
+    with tree:
+        ranks = rank_trees(tree, "replica")
+        held = {r: committed_steps(t) for r, t in ranks.items()}
+        leased = {r: leases.leased_steps(ranks[r]) for r in held}
+        drop = replicas_to_drop(held, keep=keep, pinned=pinned_steps(root, job), leased=leased)
+        for rank, steps in drop.items():
+            parent = ranks[rank]
+            with leases.lock(
+                parent
+            ):  # a reader leasing meanwhile either sees the step stay or learns it is gone
+                now_leased = leases.leased_steps(parent)
+                for step in steps:
+                    if step not in now_leased:
+                        discard_step(parent.at(step_name(step)))
+                        dropped.append((rank, step))
     if dropped:
         log.info("job %s: dropped old replicas %s", job, dropped)
     return dropped
@@ -81,19 +81,16 @@ def free_bytes(root: Path) -> int:
 def client_headroom(root: Path) -> int:
     """Room the client needs for its next save: the newest committed step of every local rank."""
     total = 0
-    try:
-        jobs = [n for n in os.listdir(root) if (root / n).is_dir()]
-    except FileNotFoundError:
-        return 0
-    for job in jobs:
+    for job in list_jobs(root):
         try:
-            check_job_id(job)
-        except FormatError:
+            tree = open_job(root, job)
+        except (FileNotFoundError, NotADirectoryError, FormatError):
             continue
-        for rank in ranks_in(job_dir(root, job)):
-            steps = committed_steps(rank_dir(root, job, rank))
-            if steps:
-                with contextlib.suppress(FormatError):
-                    marker = read_commit(step_dir(rank_dir(root, job, rank), steps[-1]))
-                    total += marker.total_bytes if marker else 0
+        with tree:
+            for rank in rank_trees(tree, "primary").values():
+                steps = committed_steps(rank)
+                if steps:
+                    with contextlib.suppress(FormatError):
+                        marker = read_commit(rank.at(step_name(steps[-1])))
+                        total += marker.total_bytes if marker else 0
     return total

@@ -35,6 +35,10 @@ So the receiver is at its floor: the data path's receiver spends what ``recv_int
 plus the crc32c. What remains between it and raw TCP into the ramdisk is the sender reading the
 ramdisk (``sendfile`` of small tmpfs pages: ~0.4 CPU-s/GiB against ~0.2 for a cached buffer) and the
 protocol's fixed costs (lease, header, commit). Ratios and figures: docs/benchmarks.md.
+
+Every function takes open descriptors, never paths: the callers open files through the job's
+``Beneath`` (``tierckpt_replicator.stepio``), so no byte is read from or written to a file reached
+through a symlink a pod planted.
 """
 
 from __future__ import annotations
@@ -48,7 +52,6 @@ import queue
 import socket
 import ssl
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import BinaryIO, Literal
 
 from tierckpt.protocol.errors import FormatError, RamdiskFullError
@@ -107,27 +110,29 @@ class _Buffer:
 
 def send_file(
     sock: socket.socket,
-    path: Path,
+    fd: int,
     size: int,
     *,
+    where: str,
     bucket: TokenBucket | None = None,
     on_bytes: OnBytes = _noop,
     method: SendMethod = "sendfile",
 ) -> None:
-    """Send exactly ``size`` bytes of ``path``; a file of another size raises ``FormatError``. On a TLS
-    socket the bytes must pass through user space to be encrypted whatever ``method`` says: they are
-    read into a buffer and sent from there (``SSLSocket.sendfile`` would go 8 KiB at a time, and a
-    mapping could not be closed while a failed TLS send's traceback still holds a view of it)."""
-    with open(path, "rb", buffering=0) as f:
+    """Send exactly ``size`` bytes of the open file ``fd`` (``where`` names it in errors; it stays
+    open); a file of another size raises ``FormatError``. On a TLS socket the bytes must pass through
+    user space to be encrypted whatever ``method`` says: they are read into a block and sent from
+    there (``SSLSocket.sendfile`` would go 8 KiB at a time, and a mapping could not be closed while a
+    failed TLS send's traceback still holds a view of it)."""
+    with open(fd, "rb", buffering=0, closefd=False) as f:
         actual = os.fstat(f.fileno()).st_size
         if actual != size:
-            raise FormatError(f"{path}: {actual} bytes on disk, manifest says {size}")
+            raise FormatError(f"{where}: {actual} bytes on disk, manifest says {size}")
         if size == 0:
             return
         if isinstance(sock, ssl.SSLSocket):
-            _send_read(sock, f, path, size, bucket, on_bytes)
+            _send_read(sock, f, where, size, bucket, on_bytes)
         elif method == "sendfile":
-            _send_spliced(sock, f, path, size, bucket, on_bytes)
+            _send_spliced(sock, f, where, size, bucket, on_bytes)
         else:
             with mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as mm, memoryview(mm) as view:
                 for offset in range(0, size, CHUNK):
@@ -139,13 +144,13 @@ def send_file(
 
 
 def _send_read(
-    sock: socket.socket, f: BinaryIO, path: Path, size: int, bucket: TokenBucket | None, on_bytes: OnBytes
+    sock: socket.socket, f: BinaryIO, where: str, size: int, bucket: TokenBucket | None, on_bytes: OnBytes
 ) -> None:
     with _Buffer.borrowed() as buf:
         for offset in range(0, size, BLOCK):
             n = min(BLOCK, size - offset)
             if os.preadv(f.fileno(), [buf.view[:n]], offset) != n:
-                raise FormatError(f"{path} shrank while being sent")
+                raise FormatError(f"{where} shrank while being sent")
             if bucket is not None:
                 bucket.take(n)
             sock.sendall(buf.view[:n])
@@ -153,7 +158,7 @@ def _send_read(
 
 
 def _send_spliced(
-    sock: socket.socket, f: BinaryIO, path: Path, size: int, bucket: TokenBucket | None, on_bytes: OnBytes
+    sock: socket.socket, f: BinaryIO, where: str, size: int, bucket: TokenBucket | None, on_bytes: OnBytes
 ) -> None:
     offset = 0
     while offset < size:
@@ -162,7 +167,7 @@ def _send_spliced(
             bucket.take(n)
         sent = sock.sendfile(f, offset, n)
         if sent <= 0:
-            raise ProtocolError(f"sendfile of {path} stalled at byte {offset}")
+            raise ProtocolError(f"sendfile of {where} stalled at byte {offset}")
         offset += sent
         on_bytes(sent)
 
@@ -206,12 +211,18 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
 
 
 def receive_file(
-    sock: socket.socket, path: Path, size: int, *, on_bytes: OnBytes = _noop, pace: OnBytes | None = None
+    sock: socket.socket,
+    fd: int,
+    size: int,
+    *,
+    where: str,
+    on_bytes: OnBytes = _noop,
+    pace: OnBytes | None = None,
 ) -> int:
-    """Receive exactly ``size`` bytes into ``path`` (made by ``stepio.create_preallocated``); return
-    their crc32c. Works on any socket with ``recv_into``, TLS (``ssl.SSLSocket``) included. ``pace``
-    hears every ``recv``'s byte count before the bytes are written and may raise
-    (``pacing.RateFloor``)."""
+    """Receive exactly ``size`` bytes into the open, preallocated file ``fd`` (``stepio.StepWriter``),
+    fsync it, and return their crc32c (``where`` names the file in errors; it stays open). Works on
+    any socket with ``recv_into``, TLS (``ssl.SSLSocket``) included. ``pace`` hears every ``recv``'s
+    byte count before the bytes are written and may raise (``pacing.RateFloor``)."""
     if size == 0:
         return 0
 
@@ -221,39 +232,35 @@ def receive_file(
             pace(k)
         return k
 
-    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
-    try:
-        crc = _stream_into(
-            recv_into,
-            fd,
-            size,
-            on_bytes,
-            lambda missing: ProtocolError(f"connection closed inside {path.name} ({missing} bytes missing)"),
-        )
-        os.fsync(fd)
-        return crc
-    finally:
-        os.close(fd)
+    crc = _stream_into(
+        recv_into,
+        fd,
+        size,
+        on_bytes,
+        lambda missing: ProtocolError(f"connection closed inside {where} ({missing} bytes missing)"),
+    )
+    os.fsync(fd)
+    return crc
 
 
-def copy_file(src: Path, dst: Path, size: int, *, on_bytes: OnBytes = _noop) -> int:
-    """Copy ``src`` into ``dst`` (made by ``stepio.create_preallocated``); return the crc32c read."""
-    actual = os.path.getsize(src)
+def copy_file(src: int, dst: int, size: int, *, where: str, on_bytes: OnBytes = _noop) -> int:
+    """Copy the open file ``src`` into the open, preallocated file ``dst``, fsync it, and return the
+    crc32c read (``where`` names the source in errors; both stay open)."""
+    actual = os.fstat(src).st_size
     if actual != size:
-        raise FormatError(f"{src}: {actual} bytes on disk, manifest says {size}")
+        raise FormatError(f"{where}: {actual} bytes on disk, manifest says {size}")
     if size == 0:
         return 0
-    with open(src, "rb", buffering=0) as fin:
-        fd = os.open(dst, os.O_WRONLY | os.O_CLOEXEC)
-        try:
-            crc = _stream_into(
-                fin.readinto,
-                fd,
-                size,
-                on_bytes,
-                lambda missing: FormatError(f"{src} shrank while being copied"),
-            )
-            os.fsync(fd)
-            return crc
-        finally:
-            os.close(fd)
+    offset = 0
+
+    def read_into(view: memoryview) -> int:
+        nonlocal offset
+        k = os.preadv(src, [view], offset)
+        offset += k
+        return k
+
+    crc = _stream_into(
+        read_into, dst, size, on_bytes, lambda _: FormatError(f"{where} shrank while being copied")
+    )
+    os.fsync(dst)
+    return crc

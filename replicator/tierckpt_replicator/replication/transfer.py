@@ -2,32 +2,34 @@
 
 ``push_step`` copies this node's primary of a step to one peer (``put``), holding a lease on the
 primary throughout. ``fetch_step`` stages a step as this node's primary from a local replica (a copy
-within the ramdisk) or from a peer (``get``), verifying every file's crc32c as it arrives; a corrupt
-copy is reported to its holder, which re-verifies and drops it. Both return an ``Outcome`` and never
-raise for the failures a network or a peer can cause.
+within the ramdisk) or from a peer (``get``), or as a replica from a peer (another rank's step that a
+load on this node reads), verifying every file's crc32c as it arrives; a corrupt copy is reported to
+its holder, which re-verifies and drops it. Both return an ``Outcome`` and never raise for the failures
+a network, a peer or a tampered job tree can cause: every file is read and written through the job's
+confined tree (``stepio.open_job``), so a symlink a pod planted is refused ("failed", logged), never
+followed.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 from tenacity import RetryCallState, Retrying, retry_if_exception_type, stop_after_attempt, wait_incrementing
 
 from tierckpt.protocol import leases
-from tierckpt.protocol.errors import CorruptShardError, FormatError, MissingCheckpointError, RamdiskFullError
-from tierckpt.protocol.format import (
-    COMMIT_NAME,
-    MANIFEST_NAME,
-    discard_step,
-    rank_dir,
-    read_commit,
-    replica_rank_dir,
-    step_dir,
+from tierckpt.protocol.errors import (
+    CorruptShardError,
+    FormatError,
+    MissingCheckpointError,
+    RamdiskFullError,
+    UnsafePathError,
 )
+from tierckpt.protocol.format import discard_step, read_commit
+from tierckpt.protocol.safefs import Beneath
 from tierckpt_replicator.replication.context import DataContext, connect, unique_holder
 from tierckpt_replicator.replication.ipc import FetchSource, Outcome, OutcomeStatus, PeerAddress
 from tierckpt_replicator.replication.stream import copy_file, receive_file, send_file
@@ -40,7 +42,17 @@ from tierckpt_replicator.replication.wire import (
     recv_frame,
     send_frame,
 )
-from tierckpt_replicator.stepio import StepHeader, StepWriter, parse_header
+from tierckpt_replicator.stepio import (
+    Copy,
+    StepHeader,
+    StepWriter,
+    open_files,
+    open_job,
+    parse_header,
+    rank_tree,
+    read_header,
+    step_name,
+)
 
 __all__ = ["fetch_step", "outcome_status", "push_step", "report_corrupt"]
 
@@ -65,10 +77,8 @@ def outcome_status(status: int) -> OutcomeStatus:
     return _STATUS_NAMES.get(status, "failed")
 
 
-def _read_header(path: Path, job: str, rank: int, step: int) -> StepHeader:
-    return parse_header(
-        (path / COMMIT_NAME).read_bytes(), (path / MANIFEST_NAME).read_bytes(), job=job, rank=rank, step=step
-    )
+def _read_header(ctx: DataContext, path: Beneath, job: str, rank: int, step: int) -> StepHeader:
+    return read_header(path, job=job, rank=rank, step_no=step, limit=ctx.config.max_manifest_bytes)
 
 
 # ------------------------------------------------------------------------------------ push
@@ -77,21 +87,39 @@ def _read_header(path: Path, job: str, rank: int, step: int) -> StepHeader:
 def push_step(ctx: DataContext, job: str, rank: int, step: int, peer: PeerAddress) -> Outcome:
     """Copy this node's primary of ``job``/``rank``/``step`` to ``peer``."""
     started = time.monotonic()
-    parent = rank_dir(ctx.root, job, rank)
-    path = step_dir(parent, step)
+    try:
+        tree = open_job(ctx.root, job)
+    except FileNotFoundError:
+        return Outcome(peer.node, "missing", "the job has no directory here")
+    with tree:
+        parent = rank_tree(tree, "primary", rank)
+        return _push_from(ctx, parent, job, rank, step, peer, started)
+
+
+def _push_from(
+    ctx: DataContext, parent: Beneath, job: str, rank: int, step: int, peer: PeerAddress, started: float
+) -> Outcome:
+    path = parent.at(step_name(step))
     try:
         lease = leases.hold(parent, step, unique_holder(ctx.config.holder))
     except MissingCheckpointError:
         return Outcome(peer.node, "missing", "the primary is no longer committed")
+    except UnsafePathError as exc:
+        log.warning("refusing to push %s rank %d step %d: %s", job, rank, step, exc)
+        return Outcome(peer.node, "failed", f"refused: {exc}")
     try:
         with lease:
-            header = _read_header(path, job, rank, step)
-            try:
-                sock = connect(ctx, peer)
-            except OSError as exc:
-                return Outcome(peer.node, "unreachable", f"connect {peer.host}:{peer.port}: {exc}")
-            with sock:
-                sent = _push(ctx, sock, header, path)
+            header = _read_header(ctx, path, job, rank, step)
+            with open_files(path, header.manifest) as fds:  # all of them, before anything goes out
+                try:
+                    sock = connect(ctx, peer)
+                except OSError as exc:
+                    return Outcome(peer.node, "unreachable", f"connect {peer.host}:{peer.port}: {exc}")
+                with sock:
+                    sent = _push(ctx, sock, header, path, fds)
+    except UnsafePathError as exc:
+        log.warning("refusing to push %s rank %d step %d: %s", job, rank, step, exc)
+        return Outcome(peer.node, "failed", f"refused: {exc}")
     except FormatError as exc:
         return Outcome(peer.node, "failed", f"local primary unreadable: {exc}")
     except (OSError, ProtocolError) as exc:
@@ -108,7 +136,9 @@ def push_step(ctx: DataContext, job: str, rank: int, step: int, peer: PeerAddres
     )
 
 
-def _push(ctx: DataContext, sock: socket.socket, header: StepHeader, path: Path) -> tuple[DataReply, int]:
+def _push(
+    ctx: DataContext, sock: socket.socket, header: StepHeader, path: Beneath, fds: list[int]
+) -> tuple[DataReply, int]:
     m = header.manifest
     req = DataRequest(
         op="put",
@@ -130,9 +160,15 @@ def _push(ctx: DataContext, sock: socket.socket, header: StepHeader, path: Path)
         nonlocal sent
         sent += n
 
-    for f in m.files:
+    for f, fd in zip(m.files, fds, strict=True):
         send_file(
-            sock, path / f.name, f.size, bucket=ctx.bucket, on_bytes=on_bytes, method=ctx.config.send_method
+            sock,
+            fd,
+            f.size,
+            where=f"{path.where}/{f.name}",
+            bucket=ctx.bucket,
+            on_bytes=on_bytes,
+            method=ctx.config.send_method,
         )
     return recv_frame(sock, DataReply), sent
 
@@ -141,17 +177,35 @@ def _push(ctx: DataContext, sock: socket.socket, header: StepHeader, path: Path)
 
 
 def fetch_step(
-    ctx: DataContext, job: str, rank: int, step: int, source: FetchSource, on_progress: OnProgress
+    ctx: DataContext,
+    job: str,
+    rank: int,
+    step: int,
+    source: FetchSource,
+    on_progress: OnProgress,
+    *,
+    into: str = "primary",
 ) -> Outcome:
-    """Stage ``job``/``rank``/``step`` as this node's committed primary from ``source``."""
+    """Stage ``job``/``rank``/``step`` on this node from ``source``: as its committed primary, or
+    (``into="replica"``) as a committed replica, unless a committed copy is here already."""
     started = time.monotonic()
-    if read_commit(step_dir(rank_dir(ctx.root, job, rank), step)) is not None:
-        return Outcome(source.node, "already", "already a local primary")
+    kinds: tuple[Copy, ...] = ("primary", "replica") if into == "replica" else ("primary",)
     try:
-        if source.kind == "replica":
-            nbytes = _copy_replica(ctx, job, rank, step, on_progress)
-        else:
-            nbytes = _download(ctx, job, rank, step, source, on_progress)
+        with open_job(ctx.root, job, create=True) as tree:
+            for kind in kinds:
+                if read_commit(rank_tree(tree, kind, rank).at(step_name(step))) is not None:
+                    return Outcome(
+                        source.node, "already", f"already committed here as a {kind} ({into} wanted)"
+                    )
+            if source.kind == "replica":
+                if into == "replica":
+                    raise _Refused("missing", "no committed local replica")
+                nbytes = _copy_replica(ctx, tree, job, rank, step, on_progress)
+            else:
+                nbytes = _download(ctx, tree, job, rank, step, source, on_progress, into)
+    except UnsafePathError as exc:
+        log.warning("refusing to stage %s rank %d step %d: %s", job, rank, step, exc)
+        return Outcome(source.node, "failed", f"refused: {exc}")
     except RamdiskFullError as exc:
         return Outcome(source.node, "full", str(exc))
     except CorruptShardError as exc:
@@ -176,21 +230,23 @@ class _Refused(Exception):
         self.status = status
 
 
-def _copy_replica(ctx: DataContext, job: str, rank: int, step: int, on_progress: OnProgress) -> int:
-    parent = replica_rank_dir(ctx.root, job, rank)
-    src = step_dir(parent, step)
+def _copy_replica(
+    ctx: DataContext, tree: Beneath, job: str, rank: int, step: int, on_progress: OnProgress
+) -> int:
+    parent = rank_tree(tree, "replica", rank)
+    src = parent.at(step_name(step))
     try:
         lease = leases.hold(parent, step, unique_holder(ctx.config.holder))
     except MissingCheckpointError as exc:
         raise _Refused("missing", "no committed local replica") from exc
     with lease:
-        header = _read_header(src, job, rank, step)
+        header = _read_header(ctx, src, job, rank, step)
         total, done = header.manifest.total_bytes, 0
         try:
-            with StepWriter(rank_dir(ctx.root, job, rank), header) as writer:
+            with StepWriter(rank_tree(tree, "primary", rank), header) as writer:
                 writer.prepare()
                 for f in header.manifest.files:
-                    writer.record(f.name, copy_file(src / f.name, writer.path(f.name), f.size))
+                    writer.record(f.name, _copy_one(src, writer, f.name, f.size))
                     done += f.size
                     on_progress(done, total)
                 writer.commit()
@@ -200,8 +256,28 @@ def _copy_replica(ctx: DataContext, job: str, rank: int, step: int, on_progress:
     return total
 
 
+def _copy_one(src: Beneath, writer: StepWriter, name: str, size: int) -> int:
+    """Copy file ``name`` of the step ``src`` into the writer's staging; returns its crc32c."""
+    sfd = src.open_fd(name)
+    try:
+        dfd = writer.open(name)
+        try:
+            return copy_file(sfd, dfd, size, where=f"{src.where}/{name}")
+        finally:
+            os.close(dfd)
+    finally:
+        os.close(sfd)
+
+
 def _download(
-    ctx: DataContext, job: str, rank: int, step: int, source: FetchSource, on_progress: OnProgress
+    ctx: DataContext,
+    tree: Beneath,
+    job: str,
+    rank: int,
+    step: int,
+    source: FetchSource,
+    on_progress: OnProgress,
+    into: str,
 ) -> int:
     try:
         sock = connect(ctx, PeerAddress(source.node, source.host, source.port))
@@ -234,10 +310,16 @@ def _download(
             done += n
             on_progress(done, total)
 
-        with StepWriter(rank_dir(ctx.root, job, rank), header) as writer:
+        kind: Copy = "replica" if into == "replica" else "primary"
+        with StepWriter(rank_tree(tree, kind, rank), header) as writer:
             writer.prepare()
             for f in header.manifest.files:
-                writer.record(f.name, receive_file(sock, writer.path(f.name), f.size, on_bytes=on_bytes))
+                fd = writer.open(f.name)
+                try:
+                    crc = receive_file(sock, fd, f.size, where=writer.where(f.name), on_bytes=on_bytes)
+                finally:
+                    os.close(fd)
+                writer.record(f.name, crc)
             writer.commit()
     return total
 

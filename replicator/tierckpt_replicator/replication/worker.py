@@ -103,7 +103,7 @@ def run_fetch(ctx: DataContext, task: FetchTask) -> TaskResult:
             ctx.emit(TaskProgress(id=task.id, bytes_done=done, bytes_total=total))
 
     for source in task.sources:
-        out = fetch_step(ctx, task.job, task.rank, task.step, source, progress)
+        out = fetch_step(ctx, task.job, task.rank, task.step, source, progress, into=task.into)
         outcomes.append(out)
         log.log(
             logging.INFO if out.status in ("ok", "already") else logging.WARNING,

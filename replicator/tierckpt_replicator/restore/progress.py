@@ -2,7 +2,9 @@
 
 ``ProgressReporter`` rewrites the file when the state changes, at most every ``min_interval`` seconds
 while bytes move, and every ``heartbeat`` seconds regardless (``updated_at`` keeps moving while a
-source is retried), so the client waits on progress, not on a fixed timeout.
+source is retried), so the client waits on progress, not on a fixed timeout. The file is in the job
+directory (the client reads it), so it is written through the job's confined tree: exclusive temporary
+file, no symlink followed (``control.write_restore_status``).
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tierckpt.protocol.control import RestoreState, RestoreStatus, Tier, restore_status_name, write_control
+from tierckpt.protocol.control import RestoreState, RestoreStatus, Tier, write_restore_status
+from tierckpt.protocol.errors import FormatError
+from tierckpt_replicator.stepio import open_job
 
 __all__ = ["ProgressReporter"]
 
@@ -62,10 +66,11 @@ class ProgressReporter:
 
     def _write(self) -> None:
         try:
-            write_control(self.root, self.job, restore_status_name(self.rank), self.status)
+            with open_job(self.root, self.job, create=True) as tree:
+                write_restore_status(tree, self.status)
             self._written = time.monotonic()
-        except OSError as exc:  # a full ramdisk must not stop staging; the next write retries
-            log.warning("cannot write restore status of rank %d: %s", self.rank, exc)
+        except (OSError, FormatError) as exc:  # a full ramdisk (or a planted link) must not stop staging
+            log.warning("cannot write restore status of %s rank %d: %s", self.job, self.rank, exc)
 
     async def __aenter__(self) -> ProgressReporter:
         self._beat = asyncio.create_task(self._heartbeat())

@@ -10,7 +10,8 @@ as a committed primary ``<job>/rank-N/step-S/``, so the client loads it as local
    a corrupt copy is reported to its holder and the next source is tried;
 4. the bucket, through the backup service.
 
-Progress goes to ``control/restore-rank-N.json`` (see ``progress``). Each rank makes up to
+Progress goes to ``<job>/control/restore-rank-N.json`` (see ``progress``); the plan comes from the
+job's state directory (``restore.json``), never from the job directory a pod can write. Each rank makes up to
 ``restore_attempts`` rounds over the sources (tenacity: 1 s between rounds, doubling to ``retry_max``)
 before it is marked ``failed``.
 """
@@ -37,18 +38,12 @@ from tierckpt.protocol.control import (
     RestoreStatus,
     Tier,
     read_control,
-    write_control,
+    restore_status_name,
+    write_restore_status,
 )
-from tierckpt.protocol.errors import FormatError, RetryableError, TierckptError
-from tierckpt.protocol.format import (
-    control_dir,
-    job_dir,
-    rank_dir,
-    ranks_in,
-    read_commit,
-    replica_rank_dir,
-    step_dir,
-)
+from tierckpt.protocol.errors import FormatError, RetryableError, TierckptError, UnsafePathError
+from tierckpt.protocol.format import read_commit
+from tierckpt.protocol.safefs import Beneath
 from tierckpt_replicator.assignments import AssignmentStore, data_endpoint
 from tierckpt_replicator.backup.jobs import BackupPort
 from tierckpt_replicator.metrics import Metrics
@@ -57,6 +52,7 @@ from tierckpt_replicator.replication.supervisor import WorkerSupervisor
 from tierckpt_replicator.restore.gather import compute_plan
 from tierckpt_replicator.restore.progress import ProgressReporter
 from tierckpt_replicator.settings import Settings
+from tierckpt_replicator.stepio import Copy, open_job, rank_tree, rank_trees, step_name
 
 __all__ = ["Stager", "invalidate_statuses", "published_plan"]
 
@@ -64,7 +60,8 @@ log = logging.getLogger(__name__)
 
 
 def published_plan(root: Path, job: str, assignment: PeerAssignment | None) -> RestorePlan | None:
-    """The operator's plan in ``control/restore.json``, unless an older assignment generation made it."""
+    """The operator's plan (``restore.json`` in the job's state directory), unless an older assignment
+    generation made it."""
     try:
         plan = read_control(root, job, RestorePlan.FILE, RestorePlan)
     except FormatError as exc:
@@ -83,25 +80,41 @@ def published_plan(root: Path, job: str, assignment: PeerAssignment | None) -> R
     return plan
 
 
+_STATUS_LIMIT = 1 << 20
+
+
 def invalidate_statuses(root: Path, job: str) -> None:
     """Turn every existing restore status of ``job`` back to ``pending`` (a new staging run begins)."""
-    for path in sorted(control_dir(root, job).glob("restore-rank-*.json")):
-        try:
-            old = RestoreStatus.from_bytes(path.read_bytes())
-        except (OSError, FormatError):
-            continue
-        if old.state != RestoreState.PENDING:
-            fresh = dataclasses.replace(
-                old,
-                state=RestoreState.PENDING,
-                step=None,
-                source=None,
-                bytes_done=0,
-                bytes_total=0,
-                updated_at=time.time(),
-                message="restore restarting",
-            )
-            write_control(root, job, path.name, fresh)
+    try:
+        tree = open_job(root, job)
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    with tree:
+        for name in sorted(tree.listdir("control") if tree.is_dir("control") else ()):
+            if name.startswith("restore-rank-") and name.endswith(".json"):
+                _invalidate(tree, name)
+
+
+def _invalidate(tree: Beneath, name: str) -> None:
+    try:
+        old = RestoreStatus.from_bytes(tree.read_bytes(f"control/{name}", limit=_STATUS_LIMIT))
+    except (OSError, FormatError):
+        return
+    if name != restore_status_name(old.rank):
+        return
+    if old.state != RestoreState.PENDING:
+        fresh = dataclasses.replace(
+            old,
+            state=RestoreState.PENDING,
+            step=None,
+            source=None,
+            bytes_done=0,
+            bytes_total=0,
+            updated_at=time.time(),
+            message="restore restarting",
+        )
+        with contextlib.suppress(OSError, FormatError):
+            write_restore_status(tree, fresh)
 
 
 class Stager:
@@ -171,6 +184,7 @@ class Stager:
             ranks = self._ranks(job, plan, assignment)
             self.states[job] = {r: RestoreState.PENDING for r in ranks}
             log.info("restore %s: step %s for ranks %s", job, plan.step, list(ranks))
+            self._tell_new_ranks(job, plan, assignment, ranks)
             sem = asyncio.Semaphore(self.settings.concurrency)
             await asyncio.gather(*(self._stage_rank(job, r, plan, assignment, sem) for r in ranks))
         except asyncio.CancelledError:
@@ -181,7 +195,11 @@ class Stager:
     def _ranks(self, job: str, plan: RestorePlan, assignment: PeerAssignment | None) -> tuple[int, ...]:
         ranks = assignment.process_ranks(self.node, plan.world_size) if assignment is not None else ()
         if not ranks:  # no node rank known: the ranks whose primaries live here
-            ranks = tuple(ranks_in(job_dir(self.settings.root, job)))
+            try:
+                with open_job(self.settings.root, job) as tree:
+                    ranks = tuple(rank_trees(tree, "primary"))
+            except (FileNotFoundError, NotADirectoryError):
+                ranks = ()
             if ranks:
                 log.warning(
                     "restore %s: no node rank for %s in peers.json; staging local ranks %s",
@@ -190,6 +208,24 @@ class Stager:
                     list(ranks),
                 )
         return ranks
+
+    def _tell_new_ranks(
+        self, job: str, plan: RestorePlan, assignment: PeerAssignment | None, staged: tuple[int, ...]
+    ) -> None:
+        """The ranks this node runs now that did not exist when the plan's step was saved (the job grew):
+        nothing of theirs to stage, but they learn the step at once (a DCP load reshards into them)."""
+        now = assignment.process_ranks(self.node) if assignment is not None else ()
+        for rank in (r for r in now if r not in staged):
+            rep = ProgressReporter(self.settings.root, job, rank)
+            if plan.step is None:
+                rep.finish(RestoreState.NONE, message="no step is restorable: start fresh")
+            else:
+                rep.update(step=plan.step)
+                rep.finish(
+                    RestoreState.READY,
+                    message=f"rank {rank} has nothing to stage: {plan.world_size} ranks saved it",
+                )
+            self.states.setdefault(job, {})[rank] = rep.status.state
 
     async def _stage_rank(
         self,
@@ -249,8 +285,7 @@ class Stager:
         assignment: PeerAssignment | None,
         rep: ProgressReporter,
     ) -> tuple[Tier | None, str]:
-        root = self.settings.root
-        if read_commit(step_dir(rank_dir(root, job, rank), step)) is not None:
+        if self._committed(job, "primary", rank, step):
             return Tier.LOCAL, ""
         reasons = []
         sources = self._sources(job, rank, step, plan, assignment)
@@ -270,9 +305,8 @@ class Stager:
         self, job: str, rank: int, step: int, plan: RestorePlan, assignment: PeerAssignment | None
     ) -> tuple[FetchSource, ...]:
         out = []
-        with contextlib.suppress(FormatError):
-            if read_commit(step_dir(replica_rank_dir(self.settings.root, job, rank), step)) is not None:
-                out.append(FetchSource(kind="replica", node=self.node))
+        if self._committed(job, "replica", rank, step):
+            out.append(FetchSource(kind="replica", node=self.node))
         if assignment is not None:
             holders = plan.holders.get(rank) or tuple(sorted(assignment.nodes))
             for name in holders:
@@ -307,18 +341,32 @@ class Stager:
         try:
             if step not in await self.backup.complete_steps(job):
                 return None, f"step {step} is not complete in the bucket"
-            await self.backup.fetch_rank(
-                job,
-                step,
-                rank,
-                rank_dir(self.settings.root, job, rank),
-                lambda done: rep.update(bytes_done=done),
-            )
+            with open_job(self.settings.root, job, create=True) as tree:
+                await self.backup.fetch_rank(
+                    job,
+                    step,
+                    rank,
+                    rank_tree(tree, "primary", rank),
+                    lambda done: rep.update(bytes_done=done),
+                )
         except (TierckptError, OSError) as exc:
             return None, f"bucket: {exc}"
-        if read_commit(step_dir(rank_dir(self.settings.root, job, rank), step)) is None:
+        if not self._committed(job, "primary", rank, step):
             return None, "bucket: fetch_rank returned without a committed step"
         return Tier.GCS, ""
+
+    def _committed(self, job: str, copy: Copy, rank: int, step: int) -> bool:
+        """Whether this node holds a committed ``copy`` of the step (reached through no symlink)."""
+        try:
+            with open_job(self.settings.root, job) as tree:
+                return read_commit(rank_tree(tree, copy, rank).at(step_name(step))) is not None
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+        except UnsafePathError as exc:
+            log.warning("restore %s rank %d: refusing the %s copy of step %d: %s", job, rank, copy, step, exc)
+            return False
+        except FormatError:
+            return False
 
 
 def _result(attempt: RetryCallState) -> tuple[Tier | None, str]:
