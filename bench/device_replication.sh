@@ -10,7 +10,8 @@
 # The device's image already has torch, anyio, httpx, h11, idna, click, prometheus-client, psutil,
 # uvloop and annotated-doc; the replicator's other dependencies travel as wheels (cp312, x86-64):
 # fastapi, starlette, pydantic, pydantic-core, typing-inspection, annotated-types, typing-extensions,
-# uvicorn, httptools, google-crc32c, inotify-simple, tenacity and pyeclib (versions: constraints.txt).
+# uvicorn, httptools, google-crc32c, inotify-simple, tenacity, pyeclib, and cryptography with cffi and
+# pycparser (the cluster's CA and node certificates: it runs mutual TLS) (versions: constraints.txt).
 # Carry .whl with the call (run's `carry: [".whl"]`; about 6 MiB); add `echo /.whl/ >> .git/info/exclude`.
 #
 # Network namespaces are used when `ip netns` works there, else the nodes are loopback ports; either
@@ -20,7 +21,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 WHEELS=(
   fastapi starlette pydantic pydantic_core typing-inspection annotated-types typing-extensions
-  uvicorn httptools google-crc32c inotify-simple tenacity pyeclib
+  uvicorn httptools google-crc32c inotify-simple tenacity pyeclib cryptography cffi pycparser
 )
 
 if [ "${1:-}" = download ]; then

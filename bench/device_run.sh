@@ -2,8 +2,10 @@
 # Run the GPU tests and the GPU benchmarks on the device machine (Python 3.12 with CUDA torch), all in
 # one call, each part under its own time limit. Writes at most 8 files to $OUT (JSON results, one log)
 # and prints a short summary.
-# Usage there: bash bench/device_run.sh [parts]   parts: tests train stall prefault restore (default: all)
+# Usage there: bash bench/device_run.sh [parts]   parts: tests train stall prefault restore (default: all),
+#   and dp (replica groups on every GPU, 2 or more: bench/dp_bench.py; not in the default)
 #   SIZES="1 4 16"        restore/save sizes in GiB      HUGE=within_size   the ramdisk's huge= option
+#   DP_SIZES="1 4"        dp: state sizes per rank in GiB
 #   TRAIN_ARGS="..."      extra arguments for the training loop (e.g. --layers 4 --steps 30,100)
 # Missing Python packages are installed from wheels in $WHEELS (default .whl or ../wheels).
 set -uo pipefail
@@ -64,6 +66,15 @@ if [[ $parts == *restore* ]]; then
       --json > "$OUT/client-cuda-${s}g.json" 2>> "$OUT/bench.log"
     echo "rc=$?"
     py 't=d["tierckpt"]; print(json.dumps({"floor": d["floor"], "checks": d["checks"], **{k: t.get(k) for k in ("first_blocking_s", "warmup_blocking_s", "steady_blocking_s", "restore_warm_s", "restore_warm_noverify_s", "restore_cold_s", "restore_warm_phases", "cold_background_register_s")}}))' "$OUT/client-cuda-${s}g.json"
+    rm -rf ${RD:?}/*
+  done
+fi
+if [[ $parts == *dp* ]]; then
+  for s in ${DP_SIZES:-1 4}; do
+    echo "== replica groups ${s} GiB per rank: save once per node; restore own copies vs load once + broadcast"
+    timeout 300 python3 bench/dp_bench.py --size-gib "$s" --root $RD > "$OUT/dp-${s}g.json" 2>> "$OUT/bench.log"
+    echo "rc=$?"
+    py 'print(json.dumps({k: d.get(k) for k in ("machine", "save", "ramdisk", "digest_gbps", "floors", "restore_warm_s", "restore_cold_s", "restored_ok")}, indent=1))' "$OUT/dp-${s}g.json"
     rm -rf ${RD:?}/*
   done
 fi

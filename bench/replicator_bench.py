@@ -14,13 +14,20 @@ Measured in the same run, between the same network namespaces (root) or over loo
   (what the replicator's I/O costs on both ends, without its crc32c and protocol);
 * **data path**: one rank's step pushed from A's ramdisk to B's running replicator (``sendfile`` and
   the ``mmap`` sender; B preallocates, receives with crc32c, verifies, commits): GB/s and its ratio
-  to each baseline (target >= 0.8 of raw TCP into the ramdisk);
+  to each baseline (target >= 0.8 of raw TCP into the ramdisk); the cluster runs with ``--auth``
+  (mutual TLS with node certificates by default, as deployed; a TLS socket sends from a read block
+  whatever the send method);
+* **TLS cost** (unless ``--skip-tls``; needs the cluster's CA, so ``--auth tls``): the same push to two
+  of the worker's data servers on B (``DataServer``, one over plain TCP with the legacy token, one over
+  mutual TLS with node certificates), interleaved with the other rounds: GB/s and CPU of each, their
+  ratio, and each against raw TCP; plus the time of a tiny step's push (connection set-up, and the TLS
+  handshake where there is one);
 * **receive stages** (``--stages``): what B's receiver does per GiB, each stage alone in B's
   ramdisk (allocating pages, copying into allocated pages, crc32c) next to raw TCP's receive cost:
   the budget that bounds the ratio on this machine;
 * **receiver variants** (``--receivers``): the replicator's receive loop against a shared mapping of
   the file (``recv_into`` straight into the pages) and ``splice`` socket -> pipe -> file, and over
-  TLS (``ssl``, when a certificate can be made: what TLS costs);
+  TLS (``ssl`` with B's node certificate, when the cluster has a CA: what TLS costs the loop);
 * **end to end**: a step committed in A's ramdisk until its replica is committed on B;
 * **restore**: node A lost, time until its rank is staged back from its peer, versus from the bucket
   (fake-gcs-server, memory backend, on this machine) when the peer is lost too;
@@ -75,11 +82,16 @@ from tierckpt.protocol.format import (
 )
 from tierckpt_demo.cluster import LocalCluster, Node, has_netns
 from tierckpt_demo.step_writer import write_step
+from tierckpt_replicator.replication.ipc import WorkerConfig
 
 MiB = 1 << 20
 GiB = 1 << 30
 RAW_PORT = 9555
+SERVER_PORTS = {"token": 9556, "tls": 9557}
+"""The ports of the TLS cost's data servers on B, per auth mode."""
 RECEIVERS = ("replicator", "mmap", "splice")
+DATA_JOB = "bench_datapath"
+"""The job the data path measurements push: assigned on B only (A's own replicator leaves it alone)."""
 TRAIN_CONFIGS = ("unprotected", "nice10", "idle", "cap")
 
 
@@ -109,15 +121,16 @@ def mount_of(path: Path) -> str:
     return found
 
 
-def tree_cpu(node: Node) -> float:
-    """CPU-seconds so far of a node's replicator processes (the daemon and its worker)."""
+def tree_cpu(pid: int | None) -> float:
+    """CPU-seconds so far of process ``pid`` and its descendants (a replicator: the daemon and its
+    worker; a data server)."""
     import psutil
 
-    if node.proc is None:
+    if pid is None:
         return 0.0
     total = 0.0
     with contextlib.suppress(psutil.Error):
-        root = psutil.Process(node.proc.pid)
+        root = psutil.Process(pid)
         for p in [root, *root.children(recursive=True)]:
             with contextlib.suppress(psutil.Error):
                 t = p.cpu_times()
@@ -203,48 +216,147 @@ import json, resource, sys, time
 from tierckpt_replicator.replication.context import DataContext
 from tierckpt_replicator.replication.ipc import PeerAddress, WorkerConfig
 from tierckpt_replicator.replication.transfer import push_step
-root, token, job, host, port, steps, method = sys.argv[1:8]
-cfg = WorkerConfig(node="bench", root=root, token_file=token, listen_host="127.0.0.1", data_port=0,
-                   holder="bench", transfer_timeout=60.0, send_method=method)
-ctx = DataContext.from_config(cfg)
+config, job, peer, host, port, steps = sys.argv[1:7]
+ctx = DataContext.from_config(WorkerConfig.from_bytes(config.encode()))
 out = []
 for step in json.loads(steps):
     r0 = resource.getrusage(resource.RUSAGE_SELF); t0 = time.perf_counter()
-    o = push_step(ctx, job, 0, step, PeerAddress("b", host, int(port)))
+    o = push_step(ctx, job, 0, step, PeerAddress(peer, host, int(port)))
     t1 = time.perf_counter(); r1 = resource.getrusage(resource.RUSAGE_SELF)
     out.append([o.status, o.bytes, t1 - t0, r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime])
 print(json.dumps(out))
 """
 
+_DATA_SERVER = """
+import sys
+from tierckpt_replicator.replication.context import DataContext
+from tierckpt_replicator.replication.data_server import DataServer
+from tierckpt_replicator.replication.ipc import WorkerConfig
+server = DataServer(DataContext.from_config(WorkerConfig.from_bytes(sys.argv[1].encode())))
+server.start(); print("ready", flush=True); sys.stdin.read(); server.stop()
+"""
 
-def data_path(cluster: LocalCluster, size: int, blob: bytes, method: str) -> Rate:
-    """push_step A -> B (B's real replicator receives), timed in full: lease, header, B's
-    preallocation, the bytes, verification and the commit."""
+
+def node_config(
+    cluster: LocalCluster, node: Node, *, auth: str, method: str, port: int = 0, token: Path | None = None
+) -> WorkerConfig:
+    """A data plane configuration as ``node``'s worker has it: its certificate (``auth="tls"``) or a
+    token file (``auth="token"``: ``token``, else one made for the plain runs of a TLS cluster)."""
+    tls = node.tls_files if auth == "tls" else None
+    if auth == "token" and token is None:
+        token = cluster.workdir / "bench-token"
+        if not token.exists():
+            token.write_text(secrets.token_urlsafe(24))
+    return WorkerConfig(
+        node=node.name,
+        root=str(node.root),
+        listen_host="0.0.0.0",
+        data_port=port,
+        holder=f"bench-{node.name}",
+        transfer_timeout=60.0,
+        send_method="mmap" if method == "mmap" else "sendfile",
+        auth="tls" if auth == "tls" else "token",
+        tls_cert=str(tls.cert) if tls else "",
+        tls_ca=str(tls.ca) if tls else "",
+        token_file=str(token) if auth == "token" else "",
+        peers_file=str(cluster.workdir / "bench-peers.json"),
+    )
+
+
+def assign_data_job(cluster: LocalCluster) -> None:
+    """The data path's job, on B only: A and B are its members there, and A's replicator never sees it."""
+    b = cluster.nodes[1]
+    assignment = cluster.assignment(DATA_JOB)
+    (cluster.workdir / "bench-peers.json").write_bytes(assignment.to_bytes())
+    cluster.api.put_peers(b.endpoint, assignment, node=b.name)
+
+
+class DataServers:
+    """Two of the worker's data servers on B, one per auth mode (plain TCP with the token, mutual TLS),
+    receiving into B's ramdisk beside B's own replicator (ports: ``SERVER_PORTS``)."""
+
+    def __init__(self, cluster: LocalCluster) -> None:
+        b = cluster.nodes[1]
+        self.procs: dict[str, subprocess.Popen[str]] = {}
+        for auth, port in SERVER_PORTS.items():
+            config = node_config(cluster, b, auth=auth, method="mmap", port=port).to_bytes().decode()
+            proc = b.popen_in_node(
+                [sys.executable, "-c", _DATA_SERVER, config],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+            self.procs[auth] = proc
+
+    def close(self) -> None:
+        for proc in self.procs.values():
+            with contextlib.suppress(OSError):
+                assert proc.stdin is not None
+                proc.stdin.close()
+            proc.wait(10)
+
+
+def data_path(
+    cluster: LocalCluster,
+    size: int,
+    blob: bytes,
+    method: str,
+    *,
+    repeat: int = 1,
+    servers: DataServers | None = None,
+    auth: str | None = None,
+) -> list[Rate]:
+    """push_step A -> B, one ``Rate`` per repetition: to B's real replicator (the cluster's own auth
+    mode), or with ``servers`` to B's data server for ``auth``. Timed in full: lease, connection (and
+    TLS handshake), header, B's preallocation, the bytes, verification and the commit. The sender's CPU
+    is the push's own; the receiver's is its process tree's over the run, shared evenly by the steps."""
     a, b = cluster.nodes[0], cluster.nodes[1]
-    job = "bench_datapath"  # never assigned: A's own replicator leaves it alone
-    make_step(rank_dir(a.root, job, 0), job, 0, 1, size, 1, blob)
-    cpu0 = tree_cpu(b)
+    job = DATA_JOB
+    steps = list(range(1, repeat + 1))
+    for s in steps:
+        make_step(rank_dir(a.root, job, 0), job, 0, s, size, 1, blob)
+    if servers is None:  # B's replicator, which checks the cluster's own credentials
+        auth = cluster.auth
+        config = node_config(cluster, a, auth=auth, method=method, token=cluster.token_file)
+        dest, receiver = b.data_port, b.proc.pid if b.proc is not None else None
+    else:
+        assert auth is not None, "pushing to a data server needs its auth mode"
+        config = node_config(cluster, a, auth=auth, method=method)
+        dest, receiver = SERVER_PORTS[auth], servers.procs[auth].pid
+    cpu0 = tree_cpu(receiver)
     proc = a.run_in_node(
         [
             sys.executable,
             "-c",
             _PUSH,
-            str(a.root),
-            str(cluster.token_file),
+            config.to_bytes().decode(),
             job,
+            b.name,
             b.ip,
-            str(b.data_port),
-            "[1]",
-            method,
+            str(dest),
+            json.dumps(steps),
         ],
         check=True,
     )
-    rx_cpu = tree_cpu(b) - cpu0
-    [(status, nbytes, seconds, tx_cpu)] = json.loads(proc.stdout)
-    assert status == "ok", status
-    for p in (step_dir(rank_dir(a.root, job, 0), 1), step_dir(replica_rank_dir(b.root, job, 0), 1)):
-        subprocess.run(["rm", "-rf", str(p)], check=True)  # free the ramdisks for what follows
-    return Rate(nbytes / seconds, rx_cpu / (size / GiB), tx_cpu / (size / GiB))
+    rx_cpu = (tree_cpu(receiver) - cpu0) / len(steps)
+    rates = []
+    for status, nbytes, seconds, tx_cpu in json.loads(proc.stdout):
+        assert status == "ok", status
+        rates.append(Rate(nbytes / seconds, rx_cpu / (size / GiB), tx_cpu / (size / GiB)))
+    for s in steps:  # free the ramdisks for what follows
+        for p in (step_dir(rank_dir(a.root, job, 0), s), step_dir(replica_rank_dir(b.root, job, 0), s)):
+            subprocess.run(["rm", "-rf", str(p)], check=True)
+    return rates
+
+
+def push_latency(
+    cluster: LocalCluster, blob: bytes, servers: DataServers, auth: str, repeat: int = 20
+) -> float:
+    """Median seconds of pushing a 4 KiB step to B's data server for ``auth`` (mostly connection
+    set-up, and the TLS handshake)."""
+    rates = data_path(cluster, 4096, blob[:4096], "mmap", repeat=repeat, servers=servers, auth=auth)
+    return statistics.median(4096 / r.bps for r in rates)
 
 
 # ------------------------------------------------------------------------------------------ stages
@@ -369,7 +481,7 @@ with socket.create_connection((host, port)) as s:
 def receiver_variant(a: Node, b: Node, src: Path, want_crc: int, mode: str, cert: str = "") -> float:
     """Bytes per second of one receive loop (``replicator``, ``tls``, ``mmap`` or ``splice``) from A's
     ramdisk file into a preallocated file in B's ramdisk, its crc32c checked; timed from the
-    connection on (the TLS handshake excluded)."""
+    connection on (the TLS handshake excluded). ``cert``: the PEM file (key included) B serves TLS with."""
     size = src.stat().st_size
     rx = b.popen_in_node(
         [sys.executable, "-c", _RX_VARIANT, mode, str(size), str(RAW_PORT), str(b.root / ".bench-rx"), cert],
@@ -385,77 +497,6 @@ def receiver_variant(a: Node, b: Node, src: Path, want_crc: int, mode: str, cert
     rx.wait()
     assert int(crc) == want_crc, f"{mode}: crc32c {int(crc):08x}, want {want_crc:08x}"
     return float(rate)
-
-
-def self_signed_cert(directory: Path) -> str:
-    """A PEM file with a throwaway key and certificate, or "" when neither ``cryptography`` nor the
-    ``openssl`` command can make one (the TLS variant is then skipped)."""
-    pem = directory / "bench-tls.pem"
-    with contextlib.suppress(ImportError):
-        import datetime
-
-        from cryptography import x509
-        from cryptography.hazmat.primitives import hashes, serialization
-        from cryptography.hazmat.primitives.asymmetric import ec
-        from cryptography.x509.oid import NameOID
-
-        key = ec.generate_private_key(ec.SECP256R1())
-        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "bench")])
-        now = datetime.datetime.now(datetime.timezone.utc)
-        cert = (
-            x509.CertificateBuilder()
-            .subject_name(name)
-            .issuer_name(name)
-            .public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .sign(key, hashes.SHA256())
-        )
-        pem.write_bytes(
-            key.private_bytes(
-                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-            )
-            + cert.public_bytes(serialization.Encoding.PEM)
-        )
-        return str(pem)
-    key, crt = directory / "bench-tls.key", directory / "bench-tls.crt"
-    made = (
-        subprocess.run(
-            [
-                "openssl",
-                "req",
-                "-x509",
-                "-newkey",
-                "ec",
-                "-pkeyopt",
-                "ec_paramgen_curve:prime256v1",
-                "-nodes",
-                "-subj",
-                "/CN=bench",
-                "-days",
-                "1",
-                "-keyout",
-                str(key),
-                "-out",
-                str(crt),
-            ],
-            capture_output=True,
-            check=False,
-        )
-        if shutil_which("openssl")
-        else None
-    )
-    if made is None or made.returncode != 0:
-        return ""
-    pem.write_bytes(key.read_bytes() + crt.read_bytes())
-    return str(pem)
-
-
-def shutil_which(name: str) -> str | None:
-    import shutil
-
-    return shutil.which(name)
 
 
 # ------------------------------------------------------------------------------------------ end to end
@@ -806,6 +847,13 @@ def main(argv: list[str] | None = None) -> int:
         default="sendfile",
         help="the replicators' --send-method (end to end, training, restore) [sendfile]",
     )
+    p.add_argument(
+        "--auth",
+        choices=("tls", "token"),
+        default="tls",
+        help="the cluster's replicators' --auth (TLS cost and the 'tls' receive loop need tls) [tls]",
+    )
+    p.add_argument("--skip-tls", action="store_true", help="skip the plain vs TLS data server comparison")
     p.add_argument("--skip-restore", action="store_true", help="skip the restore measurement")
     p.add_argument("--skip-training", action="store_true", help="skip the training slowdown measurement")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
@@ -827,6 +875,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "size_bytes": size,
         "send_method": args.send_method,
+        "auth": args.auth,
     }
     args_rep = [
         "--poll-interval",
@@ -848,6 +897,7 @@ def main(argv: list[str] | None = None) -> int:
         ramdisk_size=ramdisk,
         replicator_args=args_rep,
         netns=netns,
+        auth=args.auth,
     ) as cluster:
         a, b = cluster.nodes[0], cluster.nodes[1]
         if netns and args.huge != "keep":
@@ -855,6 +905,8 @@ def main(argv: list[str] | None = None) -> int:
                 subprocess.run(["mount", "-o", f"remount,huge={args.huge}", str(node.root)], check=True)
         result["machine"]["ramdisk"] = mount_of(b.root)
         _renice(cluster, 0)  # transfers at the baselines' priority; the training runs set their own
+        assign_data_job(cluster)
+        servers = None if args.skip_tls or cluster.ca is None else DataServers(cluster)
         other = "mmap" if args.send_method == "sendfile" else "sendfile"
         rounds: dict[str, list[Rate]] = {
             "raw_tcp": [],
@@ -863,9 +915,10 @@ def main(argv: list[str] | None = None) -> int:
             "raw_sendfile_into_ramdisk": [],
             "data_path": [],
             f"data_path_{other}": [],
+            **({f"data_server_{auth}": [] for auth in SERVER_PORTS} if servers else {}),
         }
         receivers: dict[str, list[float]] = {m: [] for m in RECEIVERS} if args.receivers else {}
-        cert = self_signed_cert(cluster.workdir) if args.receivers else ""
+        cert = str(b.tls_files.cert) if args.receivers and cluster.ca is not None else ""
         if cert:
             receivers["tls"] = []
         src = make_step(a.root / ".bench-src", "bench_rx", 0, 1, size, 1, blob) / "data-00000.bin"
@@ -875,8 +928,12 @@ def main(argv: list[str] | None = None) -> int:
             rounds["raw_tcp_into_ramdisk"].append(raw_tcp(a, b, size, "ramdisk"))
             rounds["raw_tcp_into_preallocated"].append(raw_tcp(a, b, size, "preallocated"))
             rounds["raw_sendfile_into_ramdisk"].append(raw_tcp(a, b, size, "ramdisk", src))
-            rounds["data_path"].append(data_path(cluster, size, blob, args.send_method))
-            rounds[f"data_path_{other}"].append(data_path(cluster, size, blob, other))
+            rounds["data_path"] += data_path(cluster, size, blob, args.send_method)
+            rounds[f"data_path_{other}"] += data_path(cluster, size, blob, other)
+            for auth in SERVER_PORTS if servers else ():
+                rounds[f"data_server_{auth}"] += data_path(
+                    cluster, size, blob, args.send_method, servers=servers, auth=auth
+                )
             for mode, out in receivers.items():
                 out.append(receiver_variant(a, b, src, src_crc, mode, cert))
         subprocess.run(["rm", "-rf", str(src.parent.parent)], check=True)
@@ -899,6 +956,24 @@ def main(argv: list[str] | None = None) -> int:
         result["data_path_over_raw_tcp_into_ramdisk_rounds"] = [
             d.bps / r.bps for d, r in zip(rounds["data_path"], rounds["raw_tcp_into_ramdisk"], strict=True)
         ]
+        if servers is not None:
+            plain, tls, raw = (
+                t["data_server_token"]["gbps"],
+                t["data_server_tls"]["gbps"],
+                t["raw_tcp"]["gbps"],
+            )
+            result["tls"] = {
+                "plain_gbps": plain,
+                "tls_gbps": tls,
+                "tls_over_plain": tls / plain,
+                "plain_over_raw_tcp": plain / raw,
+                "tls_over_raw_tcp": tls / raw,
+                "small_push_ms": {
+                    auth: push_latency(cluster, blob, servers, auth) * 1e3 for auth in SERVER_PORTS
+                },
+                "rounds_gbps": {auth: t[f"data_server_{auth}"]["rounds_gbps"] for auth in SERVER_PORTS},
+            }
+            servers.close()
         result["receivers_gbps"] = {m: med(v) / 1e9 for m, v in receivers.items()}
         if args.stages:
             result["receive_stages_cpu_s_per_gib"] = receive_stages(a, b, size)
@@ -940,10 +1015,12 @@ def _print_table(r: dict[str, Any]) -> None:
         "raw_tcp_into_ramdisk": "raw TCP into B's ramdisk (alloc. timed)",
         "raw_tcp_into_preallocated": "raw TCP into a preallocated file (alloc. untimed)",
         "raw_sendfile_into_ramdisk": "raw sendfile A's ramdisk -> B's ramdisk",
+        "data_server_token": "data server on B, plain TCP (token)",
+        "data_server_tls": "data server on B, mutual TLS",
     }
     for name, x in t.items():
         label = labels.get(name) or (
-            f"replication data path ({r['send_method']})"
+            f"replication data path ({r['send_method']}, {r.get('auth', 'token')})"
             if name == "data_path"
             else f"  ... sending with {name.removeprefix('data_path_')}"
         )
@@ -964,6 +1041,13 @@ def _print_table(r: dict[str, Any]) -> None:
             f"{recv:.2f} + page allocation {s['allocate_pages']:.2f} + copy into the pages "
             f"{s['copy_into_allocated_pages']:.2f} + crc32c {s['crc32c_in_cache']:.2f} = {floor:.2f}; "
             f"the data path's receiver spent {t['data_path']['rx_cpu_s_per_gib']:.2f}"
+        )
+    if "tls" in r:
+        x, ms = r["tls"], r["tls"]["small_push_ms"]
+        print(
+            f"TLS cost: mutual TLS = {x['tls_over_plain']:.2f}x plain TCP (data servers on B; "
+            f"{x['tls_over_raw_tcp']:.2f}x and {x['plain_over_raw_tcp']:.2f}x raw TCP); push of a 4 KiB "
+            f"step {ms['token']:.1f} ms plain, {ms['tls']:.1f} ms TLS"
         )
     for mode, gbps in r.get("receivers_gbps", {}).items():
         print(f"receive loop '{mode}'{' ' * (12 - len(mode))} {gbps:.2f} GB/s  (file in B's ramdisk, crc32c)")

@@ -3,8 +3,8 @@
 The training library: what a training pod needs. It imports no daemon, tool or service framework;
 the daemons import only its kernel (``tierckpt.protocol`` and ``tierckpt.planning``).
 
-``Checkpointer`` and ``SaveHandle`` are imported on first use, so that importing the kernel
-(the replicator, the CLI) does not import torch.
+``Checkpointer``, ``SaveHandle``, ``ReplicaGroup`` and ``replica_group_from_mesh`` are imported on first
+use, so that importing the kernel (the replicator, the CLI) does not import torch.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from tierckpt.protocol.errors import (
     FormatError,
     MissingCheckpointError,
     RamdiskFullError,
+    ReplicaDivergenceError,
     RetryableError,
     SaveInProgressError,
     StateMismatchError,
@@ -27,6 +28,7 @@ from tierckpt.protocol.errors import (
 
 if TYPE_CHECKING:
     from tierckpt.checkpointer import Checkpointer
+    from tierckpt.replica_group import ReplicaGroup, replica_group_from_mesh
     from tierckpt.snapshot.handle import SaveHandle
 
 __all__ = [
@@ -36,6 +38,8 @@ __all__ = [
     "FormatError",
     "MissingCheckpointError",
     "RamdiskFullError",
+    "ReplicaDivergenceError",
+    "ReplicaGroup",
     "RetryableError",
     "SaveHandle",
     "SaveInProgressError",
@@ -43,9 +47,15 @@ __all__ = [
     "TierckptError",
     "WorldSizeMismatchError",
     "__version__",
+    "replica_group_from_mesh",
 ]
 
-_LAZY = {"Checkpointer": "tierckpt.checkpointer", "SaveHandle": "tierckpt.snapshot.handle"}
+_LAZY = {
+    "Checkpointer": "tierckpt.checkpointer",
+    "ReplicaGroup": "tierckpt.replica_group",
+    "SaveHandle": "tierckpt.snapshot.handle",
+    "replica_group_from_mesh": "tierckpt.replica_group",
+}
 
 
 def __getattr__(name: str) -> Any:

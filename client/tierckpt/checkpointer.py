@@ -9,6 +9,11 @@ then applies retention and recycles the retired step's files for the next save
 any replicator finished staging (``snapshot.restore_wait``) and the ranks agreed on a step
 (``snapshot.agree``).
 
+With a replica group (``replica_group``), every save first agrees with the other members on their
+fingerprints (``replica_group``); a member that does not write for its node then commits by linking the
+writer's files (``snapshot.linked``) instead of copying, and ``load(broadcast=True)`` reads on one
+member and broadcasts (``snapshot.fanout``).
+
 API and semantics: docs/client.md. On-disk format: docs/format.md.
 """
 
@@ -19,11 +24,13 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import errno
+import functools
 import logging
 import os
 import threading
 import time
 import weakref
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,20 +43,34 @@ from tierckpt.protocol.errors import (
     FormatError,
     MissingCheckpointError,
     RamdiskFullError,
+    ReplicaDivergenceError,
     SaveInProgressError,
     StateMismatchError,
 )
-from tierckpt.protocol.format import CommitMarker, discard_step, rank_dir, step_dir
+from tierckpt.protocol.format import (
+    CommitMarker,
+    FileEntry,
+    TensorEntry,
+    discard_step,
+    job_dir,
+    rank_dir,
+    step_dir,
+)
+from tierckpt.protocol.replica import REPLICA_VERSION, ReplicaRecord, content_key
+from tierckpt.replica_group import BUSY, FAILED, LEASED, Agreement, Membership, ReplicaGroup
 from tierckpt.settings import BusyPolicy, Settings, resolve
 from tierckpt.snapshot import agree, loader, rankdir
 from tierckpt.snapshot import objects as pickled
-from tierckpt.snapshot.commit import StepIdentity, commit_files
+from tierckpt.snapshot.commit import RecordFor, StepIdentity, commit_files
 from tierckpt.snapshot.copy import copy_cpu, copy_into
 from tierckpt.snapshot.devstage import DeviceStager
 from tierckpt.snapshot.dtypes import dtype_name
+from tierckpt.snapshot.fanout import load_broadcast
+from tierckpt.snapshot.fingerprint import structure_digest
 from tierckpt.snapshot.flatten import FlatState, flatten
 from tierckpt.snapshot.handle import SaveHandle
 from tierckpt.snapshot.layout import LayoutPlan, TensorSpec, plan_layout
+from tierckpt.snapshot.linked import commit_linked
 from tierckpt.snapshot.packing import SavePacker, pack_groups
 from tierckpt.snapshot.pool import Slot, SlotPool
 from tierckpt.snapshot.rankdir import WRITER_LOCK
@@ -93,6 +114,26 @@ class _SaveJob:
     copied: threading.Event = dataclasses.field(default_factory=threading.Event)
     """Set once every tensor's bytes are in the mapping (or the save failed)."""
     started: float = dataclasses.field(default_factory=time.perf_counter)
+    record: RecordFor | None = None
+    """Replica groups: builds the step's replica record."""
+
+
+@dataclasses.dataclass
+class _LinkedJob:
+    """A replica-group save committed by linking the node writer's files (nothing to copy)."""
+
+    step: int
+    path: Path
+    source: int
+    fingerprint: str
+    keys: tuple[str, ...]
+    tree: Any
+    object_count: int
+    objects: bytes | None
+    record: RecordFor
+    handle: SaveHandle
+    cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
+    """Set when the source member reports that its save of this step failed."""
 
 
 class Checkpointer:
@@ -102,6 +143,11 @@ class Checkpointer:
     ``TIERCKPT_JOB``, ``TIERCKPT_RANK``, ``TIERCKPT_WORLD_SIZE``), then torch.distributed, then
     torchrun's ``RANK``/``WORLD_SIZE``, then rank 0 of 1. Other options: see ``settings.Settings``.
     Holds an exclusive lock on its rank directory until ``close()``.
+
+    ``replica_group``: the ranks holding the same tensors as this one (a list of ranks, or a
+    ``ReplicaGroup``, e.g. ``replica_group_from_mesh(mesh, "replicate")``). Its members construct their
+    Checkpointers together and save the same steps together; on each node one of them writes, the
+    others link its files (docs/client.md, "Replica groups").
     """
 
     def __init__(
@@ -114,6 +160,7 @@ class Checkpointer:
         keep: int = 2,
         on_busy: BusyPolicy = "wait",
         overlap: bool = False,
+        replica_group: ReplicaGroup | Sequence[int] | None = None,
         **options: Any,
     ) -> None:
         self.settings: Settings = resolve(
@@ -134,6 +181,14 @@ class Checkpointer:
         self._pool = SlotPool(self.rank_path, target=s.keep + 1)
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tierckpt-commit")
         self._inflight: _SaveJob | None = None
+        self._linking: _LinkedJob | None = None
+        self._last: SaveHandle | None = None
+        """The newest save that was not skipped (what ``wait`` waits for)."""
+        self._last_failed = -1
+        """The newest step whose save failed (replica groups tell the other members)."""
+        self._last_save: dict[str, Any] = {}
+        self._structure: tuple[LayoutPlan, int] | None = None
+        self._group: Membership | None = None
         self._plans: collections.OrderedDict[tuple[Any, ...], LayoutPlan] = collections.OrderedDict()
         self._manifests = loader.ManifestCache(capacity=s.keep + 2)
         self._loader = loader.StepLoader(s, self._pool, self._manifests)
@@ -147,6 +202,16 @@ class Checkpointer:
         self._warned_overlap = False
         self._bound_first: weakref.ref[torch.Tensor] | None = None
         try:
+            if replica_group is not None:
+                self._group = Membership.resolve(
+                    ReplicaGroup.of(replica_group),
+                    rank=s.rank,
+                    world_size=s.world_size,
+                    job_path=job_dir(s.root, s.job),
+                    rank_path_of=lambda r: rank_dir(s.root, s.job, r),
+                )
+                if not self._group.writer:
+                    self._pool.target = 0  # its steps link the node writer's files: no slots of its own
             rankdir.clean_up_after_crash(self.rank_path, s.keep, self._pool)
             if cuda.in_use():
                 self._pool.use_cuda(cuda.current_device())
@@ -218,10 +283,27 @@ class Checkpointer:
         Checksums, sync and commit continue in the background (``handle.wait()`` or
         ``blocking=True`` waits for them). At most one save is in flight; another one arriving
         meanwhile waits, is skipped or raises, per ``on_busy``.
+
+        In a replica group, a collective over the group: the members compare fingerprints, and a
+        member that links its node writer's files returns without copying anything. Members whose
+        tensors differ each write their own copy; with ``on_divergence="raise"``, ``save`` then raises
+        ``ReplicaDivergenceError`` after the snapshot (the save still commits: ``wait()``).
         """
         self._check_open()
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"step must be a non-negative integer, got {step!r}")
+        divergence: ReplicaDivergenceError | None = None
+        if self._group is None:
+            handle = self._save_alone(step, state_dict)
+        else:
+            handle, divergence = self._save_in_group(self._group, step, state_dict)
+        if blocking:
+            handle.wait()
+        if divergence is not None:
+            raise divergence
+        return handle
+
+    def _save_alone(self, step: int, state_dict: dict[Any, Any]) -> SaveHandle:
         refused = self._admit(step)
         if refused is not None:
             return refused
@@ -231,15 +313,30 @@ class Checkpointer:
         refused = self._make_room(step)
         if refused is not None:
             return refused
+        return self._start(step, state_dict, flat, plan, protected)
+
+    def _start(
+        self,
+        step: int,
+        state_dict: dict[Any, Any],
+        flat: FlatState,
+        plan: LayoutPlan,
+        protected: set[int],
+        record: RecordFor | None = None,
+    ) -> SaveHandle:
+        """Take a slot and start copying ``flat`` into it; the commit thread finishes the save."""
         objects = pickled.dumps(list(flat.objects)) if flat.objects else None
         self._use_cuda(flat)
         path = step_dir(self.rank_path, step)
         try:
             slot = self._pool.take(step, plan)
         except BaseException:
+            self._last_failed = step
             discard_step(path)
             raise
-        job = _SaveJob(step, path, slot, plan, flat, objects, SaveHandle(step), [], [], protected)
+        job = _SaveJob(
+            step, path, slot, plan, flat, objects, SaveHandle(step), [], [], protected, record=record
+        )
         job.source = state_dict
         try:
             if self._stager is not None:
@@ -247,6 +344,7 @@ class Checkpointer:
             else:
                 self._start_copies(job)
         except BaseException:
+            self._last_failed = step
             for ticket in job.tickets:  # nothing may still be writing into the slot
                 with contextlib.suppress(Exception):
                     ticket.synchronize()
@@ -254,13 +352,202 @@ class Checkpointer:
             discard_step(path)
             raise
         self._inflight = job
+        self._last = job.handle
         if not job.deferred_cpu and job.deferred_ticket is None and job.staged is None:
             job.handle._set_snapshot()
         self._executor.submit(self._finish, job)
         self._registering = self._pool.warm(plan)  # spares for the next saves, off the training thread
-        if blocking:
-            job.handle.wait()
+        nbytes = sum(f.size for f in plan.files) + len(objects or b"")
+        self._last_save = {"step": step, "role": "writer", "written_bytes": nbytes, "logical_bytes": nbytes}
         return job.handle
+
+    # ------------------------------------------------------------------------------- replica groups
+
+    def _save_in_group(
+        self, group: Membership, step: int, state_dict: dict[Any, Any]
+    ) -> tuple[SaveHandle, ReplicaDivergenceError | None]:
+        """Agree with the other members, then write (or link) this rank's copy of ``step``.
+
+        An error before the exchange is still taken to it (as a refusal), then raised: the other members
+        skip the save instead of waiting in the collective."""
+        error: Exception | None = None
+        flat, plan, protected = None, None, set()
+        try:
+            refusal = self._busy_refusal()
+            flat = flatten(state_dict)
+            protected = self._protected() if self.settings.overlapping else set()
+            plan = self._plan(flat, protected)
+            if not refusal:
+                # Replacing an existing step retires it now, even if another member then refuses the save.
+                reason = rankdir.make_room(self.rank_path, step, self._pool)
+                if reason is not None:
+                    log.warning("step %d: %s", step, reason)
+                    refusal = LEASED
+        except Exception as exc:
+            error, refusal = exc, FAILED
+        agreement = group.agree(
+            flat.keys if flat is not None else (),
+            flat.tensors if flat is not None else (),
+            structure=self._structure_of(plan, flat) if plan is not None and flat is not None else 0,
+            refusal=refusal,
+            last_failed=self._last_failed,
+        )
+        if error is not None:
+            raise error
+        assert flat is not None and plan is not None
+        self._settle_link(agreement)
+        if agreement.refused:
+            reason = f"replica group {group.id} skips step {step}: {agreement.refusal_text()}"
+            if self.settings.on_busy == "error":
+                raise SaveInProgressError(reason)
+            log.info("skipped the save of step %d: %s", step, reason)
+            return SaveHandle.skipped_save(step, reason), None
+        divergence = self._report_divergence(group, step, agreement) if agreement.diverged else None
+        record = self._record_for(group, agreement)
+        if agreement.source is None:
+            handle = self._start(step, state_dict, flat, plan, protected, record=record)
+        else:
+            handle = self._start_linked(step, flat, plan, agreement, record)
+        self._last_save.update(
+            group=group.id,
+            source=self.settings.rank if agreement.source is None else agreement.source,
+            diverged=agreement.diverged,
+            fingerprint_s=agreement.fingerprint_s,
+            exchange_s=agreement.exchange_s,
+        )
+        return handle, divergence
+
+    def _busy_refusal(self) -> int:
+        """``BUSY`` when the previous save still commits and ``on_busy`` does not wait (0 otherwise).
+
+        Decided by the group together: one member skipping alone would leave the others waiting."""
+        job = self._inflight
+        if job is None or job.handle.done():
+            return 0
+        if self.settings.on_busy == "wait":
+            with contextlib.suppress(Exception):  # its failure belongs to its own handle
+                job.handle.wait()
+            return 0
+        return BUSY
+
+    def _structure_of(self, plan: LayoutPlan, flat: FlatState) -> int:
+        """The structure hash of the fingerprint, once per plan (the same plan: the same keys and shapes)."""
+        if self._structure is None or self._structure[0] is not plan:
+            self._structure = (plan, structure_digest(flat.keys, flat.tensors))
+        return self._structure[1]
+
+    def _settle_link(self, agreement: Agreement) -> None:
+        """Before a new save: finish the previous linked save (abandoned if its source reported its save
+        of that step failed; the source, having waited for its own commit, knows by now)."""
+        job = self._linking
+        if job is None or job.handle.done():
+            return
+        if agreement.failed.get(job.source) == job.step:
+            job.cancelled.set()
+        with contextlib.suppress(Exception):
+            job.handle.wait()
+
+    def _record_for(self, group: Membership, agreement: Agreement) -> RecordFor:
+        source, rank = agreement.source, self.settings.rank
+
+        def record(
+            files: tuple[FileEntry, ...], tensors: tuple[TensorEntry, ...], linked: int
+        ) -> ReplicaRecord:
+            total = sum(f.size for f in files)
+            return ReplicaRecord(
+                version=REPLICA_VERSION,
+                group=group.id,
+                members=group.group.members,
+                role="writer" if source is None else "linked",
+                source=rank if source is None else source,
+                node=group.node,
+                fingerprint=agreement.fingerprint,
+                diverged=agreement.diverged,
+                differs=agreement.differs,
+                content=content_key(files, tensors),
+                written_bytes=total - linked,
+                logical_bytes=total,
+            )
+
+        return record
+
+    def _report_divergence(
+        self, group: Membership, step: int, agreement: Agreement
+    ) -> ReplicaDivergenceError | None:
+        classes = " | ".join(str(list(c)) for c in agreement.classes)
+        named = "; ".join(
+            f"rank {m} differs in {', '.join(keys)}" for m, keys in sorted(agreement.differing_keys.items())
+        )
+        message = (
+            f"replica group {group.id}: the members' tensors differ at step {step} (equal fingerprints: "
+            f"{classes}){': ' + named if named else ''}; every member keeps its own copy. A replica that "
+            "drifted apart is a training bug (a missed gradient all-reduce, a rank-dependent update)"
+        )
+        log.error("rank %d: %s", self.settings.rank, message)
+        if self.settings.on_divergence == "raise":
+            return ReplicaDivergenceError(message, step=step, differs=agreement.differs)
+        return None
+
+    def _start_linked(
+        self, step: int, flat: FlatState, plan: LayoutPlan, agreement: Agreement, record: RecordFor
+    ) -> SaveHandle:
+        """A follower's save: nothing to copy, the commit thread links the node writer's files."""
+        assert agreement.source is not None
+        objects = pickled.dumps(list(flat.objects)) if flat.objects else None
+        handle = SaveHandle(step)
+        handle._set_snapshot()  # training may go on at once: no byte of the state is read any more
+        job = _LinkedJob(
+            step,
+            step_dir(self.rank_path, step),
+            agreement.source,
+            agreement.fingerprint,
+            flat.keys,
+            flat.tree,
+            len(flat.objects),
+            objects,
+            record,
+            handle,
+        )
+        self._linking = job
+        self._last = handle
+        self._executor.submit(self._finish_linked, job)
+        logical = sum(f.size for f in plan.files) + len(objects or b"")
+        self._last_save = {
+            "step": step,
+            "role": "linked",
+            "written_bytes": len(objects or b""),
+            "logical_bytes": logical,
+        }
+        return handle
+
+    def _finish_linked(self, job: _LinkedJob) -> None:
+        """Commit thread: wait for the source member's commit, link its files, commit this rank's step."""
+        s = self.settings
+        try:
+            committed = commit_linked(
+                job.path,
+                StepIdentity(s.job, s.rank, s.world_size, job.step),
+                step_dir(rank_dir(s.root, s.job, job.source), job.step),
+                fingerprint=job.fingerprint,
+                keys=job.keys,
+                tree=job.tree,
+                objects=job.objects,
+                object_count=job.object_count,
+                record=job.record,
+                timeout=s.replica_timeout,
+                cancelled=job.cancelled,
+            )
+            self._manifests.remember(committed.manifest, committed.marker)
+            rankdir.apply_retention(self.rank_path, s.keep, self._pool)
+        except BaseException as exc:
+            self._last_failed = job.step
+            log.error("save of step %d failed, nothing was committed: %s", job.step, exc)
+            with contextlib.suppress(Exception):
+                discard_step(job.path)
+            job.handle._set_failed(exc)
+            return
+        log.debug("step %d committed by linking the files of rank %d", job.step, job.source)
+        job.handle._set_committed(committed.marker)
 
     def _use_cuda(self, flat: FlatState) -> None:
         """From the first CUDA tensor on, every slot is pinned (in this thread's device context)."""
@@ -428,6 +715,7 @@ class Checkpointer:
                 objects=job.objects,
                 object_count=len(job.flat.objects),
                 workers=s.crc_workers,
+                replica=job.record,
             )
             marker = committed.marker
             self._manifests.remember(committed.manifest, marker)
@@ -480,6 +768,7 @@ class Checkpointer:
             exc = RamdiskFullError(
                 errno.ENOSPC, f"ramdisk full while committing step {job.step}", str(job.path)
             )
+        self._last_failed = job.step
         log.error("save of step %d failed, nothing was committed: %s", job.step, exc)
         with contextlib.suppress(Exception):
             self._pool.forget(job.slot)
@@ -489,8 +778,22 @@ class Checkpointer:
 
     def wait(self, timeout: float | None = None) -> CommitMarker | None:
         """Wait for the save in flight (if any) to commit; returns its marker or raises its error."""
-        job = self._inflight
-        return None if job is None else job.handle.wait(timeout)
+        handle = self._last
+        return None if handle is None else handle.wait(timeout)
+
+    @property
+    def last_save(self) -> dict[str, Any]:
+        """What the last save (not skipped) did: ``step``, ``role`` (``writer``: wrote its files;
+        ``linked``: linked its node writer's), ``written_bytes`` and ``logical_bytes`` (what it wrote,
+        and what a save without deduplication writes: its manifest's replica record says the same once
+        committed); in a replica group also ``group``, ``source``, ``diverged``, ``fingerprint_s`` and
+        ``exchange_s`` (the training thread's cost of comparing fingerprints)."""
+        return dict(self._last_save)
+
+    @property
+    def replica_group(self) -> ReplicaGroup | None:
+        """This rank's replica group (None without one)."""
+        return None if self._group is None else self._group.group
 
     @property
     def last_load_timings(self) -> dict[str, float]:
@@ -575,6 +878,7 @@ class Checkpointer:
         verify: bool = True,
         device: torch.device | str | None = None,
         strict: bool = True,
+        broadcast: bool | None = None,
     ) -> int | None:
         """Fill ``state_dict`` in place from a committed step and return that step.
 
@@ -592,6 +896,10 @@ class Checkpointer:
         size raises ``WorldSizeMismatchError`` (like a corrupt step, on every rank). ``strict=False``:
         mismatched tensors are replaced (logged), missing entries created, and a shard of another world
         size loaded as is.
+
+        ``broadcast`` (default: the ``broadcast_load`` setting), in a replica group: the lowest member
+        reads the step and broadcasts its tensors to the others over the group's process group, when
+        every member holds it with the same content (``snapshot.fanout``).
         """
         self._check_open()
         with contextlib.suppress(Exception):
@@ -605,8 +913,11 @@ class Checkpointer:
                 f"no committed step {'' if step is None else step} that every rank holds in {self.rank_path}"
             )
         last: BaseException | None = None
+        fan_out = self.settings.broadcast_load if broadcast is None else broadcast
         for n, candidate in enumerate(candidates):
-            error = self._try_load(state_dict, candidate, verify=verify, device=device, strict=strict)
+            error = self._try_load(
+                state_dict, candidate, verify=verify, device=device, strict=strict, broadcast=fan_out
+            )
             outcomes = agree.all_gather(_outcome(error))
             failed = [r for r, o in enumerate(outcomes) if o is not None]
             if not failed:
@@ -640,13 +951,19 @@ class Checkpointer:
         verify: bool,
         device: torch.device | str | None,
         strict: bool,
+        broadcast: bool = False,
     ) -> BaseException | None:
         """Load one step; the error that made it fail, if one did. Every failure of the step's files is
         returned, never raised, so every rank reaches the agreement (``agree.all_ok``) that follows."""
         path = step_dir(self.rank_path, step)
+        group = self._group
         try:
             with leases.hold(self.rank_path, step, f"client-{os.getpid()}", ttl=self.settings.lease_ttl):
-                self._loader.load(state_dict, step, path, verify=verify, device=device, strict=strict)
+                if broadcast and group is not None and len(group.order) > 1:
+                    fan_out = functools.partial(load_broadcast, self._loader, group)
+                    fan_out(state_dict, step, path, verify=verify, device=device, strict=strict)
+                else:
+                    self._loader.load(state_dict, step, path, verify=verify, device=device, strict=strict)
             if self._pool.register_cuda:
                 self._registering = self._pool.warm(None)  # pin for later saves, in the background
         except (FormatError, MissingCheckpointError, StateMismatchError) as exc:

@@ -25,11 +25,13 @@ from tierckpt.protocol.contract import Env
 from tierckpt.protocol.errors import ContractError
 from tierckpt.protocol.format import check_job_id
 
-__all__ = ["DEFAULT_JOB", "BusyPolicy", "Settings", "resolve"]
+__all__ = ["DEFAULT_JOB", "BusyPolicy", "DivergencePolicy", "Settings", "resolve"]
 
 BusyPolicy = Literal["wait", "skip", "error"]
+DivergencePolicy = Literal["log", "raise"]
 DEFAULT_JOB = "local"
 _BUSY = ("wait", "skip", "error")
+_DIVERGENCE = ("log", "raise")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +79,15 @@ class Settings:
     """Seconds a lease taken by ``load`` lasts (renewed while loading)."""
     writer_lock_timeout: float = 60.0
     """Seconds to wait for another process still holding this rank's writer lock."""
+    on_divergence: DivergencePolicy = "log"
+    """Replica groups: members whose tensors differ at a save are always reported (an error in the log,
+    ``diverged`` in the manifest) and each keeps its own copy; ``raise`` also raises
+    ``ReplicaDivergenceError`` from ``save`` once the snapshot is taken."""
+    replica_timeout: float = 300.0
+    """Replica groups: seconds a member that links the node writer's files waits for its COMMIT."""
+    broadcast_load: bool = False
+    """Replica groups: ``load`` reads each step on one member and broadcasts it to the others over the
+    group's process group (``load(broadcast=...)`` overrides it per call)."""
 
     def __post_init__(self) -> None:
         check_job_id(self.job)
@@ -86,6 +97,10 @@ class Settings:
             raise ValueError(f"keep must be at least 1, got {self.keep}")
         if self.on_busy not in _BUSY:
             raise ValueError(f"on_busy must be one of {_BUSY}, got {self.on_busy!r}")
+        if self.on_divergence not in _DIVERGENCE:
+            raise ValueError(f"on_divergence must be one of {_DIVERGENCE}, got {self.on_divergence!r}")
+        if not self.replica_timeout > 0:
+            raise ValueError(f"replica_timeout must be positive, got {self.replica_timeout!r}")
         budget = self.device_budget
         if isinstance(budget, bool) or not isinstance(budget, (int, float)):
             raise ValueError(f"device_budget must be bytes (int) or a fraction (float), got {budget!r}")

@@ -13,14 +13,21 @@ root, nodes are loopback ports and plain directories (no link faults then)::
         a.restart_replicator()                 # a replaced node: stages its ranks back
 
 Every name is unique per run (the owner's pid is part of it), everything is torn down on exit, on
-exceptions and on Ctrl-C, and ``cleanup_stale()`` removes what a killed run left behind. The token
-is generated per cluster. Peers default to a ring (node i sends to the next ``k`` nodes).
+exceptions and on Ctrl-C, and ``cleanup_stale()`` removes what a killed run left behind. Peers default
+to a ring (node i sends to the next ``k`` nodes).
+
+Credentials, as on Kubernetes (``auth="tls"``, the default): the cluster makes a CA in its workdir
+(``cluster.ca``), a certificate for each node (its key in a 0600 file) and one for the operator's role,
+which the cluster's API client (``cluster.api``) presents; every control and data connection is mutual
+TLS. ``cluster.issue(name)`` makes more (say, a node certificate for an attacker's test).
+``auth="token"`` runs the legacy shared-token mode instead (``cluster.token``).
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import datetime
 import ipaddress
 import logging
 import os
@@ -38,9 +45,12 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
 
+from tierckpt.protocol.certs import Authority, new_key, write_identity
 from tierckpt.protocol.client import SyncReplicatorClient
 from tierckpt.protocol.control import PeerAssignment, PeerNode
+from tierckpt.protocol.identity import TlsCredentials, TlsFiles
 from tierckpt.protocol.tokens import TokenFile
+from tierckpt_demo.ports import free_ports
 from tierckpt_demo.tmpfs import mount_tmpfs, unmount
 
 __all__ = ["LocalCluster", "Node", "cleanup_stale", "has_netns"]
@@ -48,6 +58,7 @@ __all__ = ["LocalCluster", "Node", "cleanup_stale", "has_netns"]
 log = logging.getLogger(__name__)
 
 API_PORT = 8470
+CERT_LIFETIME = datetime.timedelta(days=7)
 _RANK_OBJECT = re.compile(r"/steps/[0-9]{12,}/rank-[0-9]{5,}/")
 """An object of one rank's step in the bucket (``tierckpt.protocol.bucket_layout``)."""
 _PREFIX = "tck"
@@ -64,14 +75,6 @@ def _run(cmd: Sequence[str], *, check: bool = True) -> subprocess.CompletedProce
     if check and proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}): {proc.stderr.strip()}")
     return proc
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _replicator_command() -> list[str]:
@@ -113,7 +116,12 @@ class Node:
     @property
     def endpoint(self) -> str:
         """The control API base URL."""
-        return f"http://{self.ip}:{self.api_port}"
+        return f"{self.cluster.scheme}://{self.ip}:{self.api_port}"
+
+    @property
+    def tls_files(self) -> TlsFiles:
+        """The node's certificate (with its key) and the CA bundle (``auth="tls"``)."""
+        return self.cluster.identity_files(self.name)
 
     @property
     def probe_endpoint(self) -> str:
@@ -143,13 +151,17 @@ class Node:
 
     def replicator_args(self) -> list[str]:
         c = self.cluster
+        if c.auth == "tls":
+            files = self.tls_files
+            auth = ["--auth", "tls", "--tls-ca", str(files.ca), "--tls-cert", str(files.cert)]
+        else:
+            auth = ["--auth", "token", "--token-file", str(c.token_file)]
         args = [
             "--node-name",
             self.name,
             "--root",
             str(self.root),
-            "--token-file",
-            str(c.token_file),
+            *auth,
             "--listen-host",
             "0.0.0.0" if self.netns else "127.0.0.1",
             "--api-port",
@@ -235,7 +247,7 @@ class Node:
         raise TimeoutError(f"{self.name}: replicator not ready after {timeout}s:\n{self.log_text()}")
 
     def _probe_ready(self) -> bool:
-        return self.cluster.api.ready(self.endpoint, timeout=1.0)
+        return self.cluster.api.ready(self.endpoint, timeout=1.0, node=self.name)
 
     def log_text(self) -> str:
         try:
@@ -332,6 +344,7 @@ class LocalCluster:
     ``i*p .. i*p+p-1``). ``ramdisk_size``: tmpfs size per node (``mount -o size=``). ``gcs``: start a
     fake-gcs-server (memory backend) with bucket ``bucket``. ``domains``: number of failure domains the
     nodes are spread over round-robin (0: none). ``replicator_args``: extra flags for every replicator.
+    ``auth``: "tls" (a CA and certificates in the workdir; mutual TLS everywhere) or "token" (legacy).
     """
 
     def __init__(
@@ -348,11 +361,15 @@ class LocalCluster:
         netns: bool | None = None,
         replicator_args: Sequence[str] = (),
         env: dict[str, str] | None = None,
+        auth: str = "tls",
         start: bool = True,
         count_gcs_reads: bool = False,
     ) -> None:
         if nodes < 1:
             raise ValueError("a cluster needs at least one node")
+        if auth not in ("tls", "token"):
+            raise ValueError("auth must be 'tls' or 'token'")
+        self.auth = auth
         self.size, self.job, self.k, self.procs_per_node = nodes, job, k, procs_per_node
         self.ramdisk_size, self.bucket, self.domains = ramdisk_size, bucket, domains
         self.netns = has_netns() if netns is None else netns
@@ -376,14 +393,21 @@ class LocalCluster:
         self.workdir = Path(tempfile.mkdtemp(prefix=f"{_WORKDIR_PREFIX}{os.getpid()}-"))
         self.token_file = self.workdir / "token"
         self.peers_file = self.workdir / "peers.json"
+        self.tls_dir = self.workdir / "tls"
+        self.ca: Authority | None = None
         atexit.register(self.close)
         if start:
             self.start()
 
     @property
+    def scheme(self) -> str:
+        return "https" if self.auth == "tls" else "http"
+
+    @property
     def api(self) -> SyncReplicatorClient:
-        """The control API client (``tierckpt.protocol.client``) with the cluster's token: call it with
-        a node's ``endpoint``, e.g. ``cluster.api.status(node.endpoint)``."""
+        """The control API client (``tierckpt.protocol.client``) with the operator's credentials (the
+        operator's certificate, or the cluster's token): call it with a node's ``endpoint``, e.g.
+        ``cluster.api.status(node.endpoint, node=node.name)``."""
         if self._api is None:
             raise RuntimeError("the cluster is not started")
         return self._api
@@ -395,10 +419,16 @@ class LocalCluster:
 
     def start(self) -> LocalCluster:
         try:
-            fd = os.open(self.token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.write(self.token + "\n")
-            self._api = SyncReplicatorClient(token=TokenFile(self.token_file), timeout=10.0)
+            if self.auth == "tls":
+                self._make_credentials()
+                self._api = SyncReplicatorClient(
+                    tls=TlsCredentials(self.identity_files("operator")), timeout=10.0
+                )
+            else:
+                fd = os.open(self.token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                with os.fdopen(fd, "w") as f:
+                    f.write(self.token + "\n")
+                self._api = SyncReplicatorClient(token=TokenFile(self.token_file), timeout=10.0)
             if self.netns:
                 stale = cleanup_stale()
                 if stale:
@@ -451,6 +481,37 @@ class LocalCluster:
         shutil.rmtree(self.workdir, ignore_errors=True)
         atexit.unregister(self.close)
 
+    # ---------------------------------------------------------------- credentials
+
+    def _make_credentials(self) -> None:
+        """The CA, and a certificate for every node and for the operator's role."""
+        self.tls_dir.mkdir(mode=0o700)
+        self.ca = Authority.create("tierckpt-demo-ca")
+        (self.tls_dir / "ca.crt").write_bytes(self.ca.pem)
+        for i in range(self.size):
+            self.issue(f"node-{i}")
+        self.issue("operator", role="operator")
+
+    def identity_files(self, name: str) -> TlsFiles:
+        """The files ``issue(name)`` wrote."""
+        return TlsFiles(cert=self.tls_dir / f"{name}.pem", ca=self.tls_dir / "ca.crt")
+
+    def issue(
+        self, name: str, *, role: str = "node", lifetime: datetime.timedelta = CERT_LIFETIME
+    ) -> TlsFiles:
+        """A key and a certificate from the cluster's CA, in one 0600 file: for node ``name``, or (role
+        "operator") the operator's client certificate."""
+        if self.ca is None:
+            raise RuntimeError("the cluster has no CA (auth='token')")
+        key = new_key()
+        if role == "operator":
+            cert = self.ca.operator_certificate(key.public_key(), lifetime)
+        else:
+            cert = self.ca.node_certificate(key.public_key(), name, lifetime)
+        files = self.identity_files(name)
+        write_identity(files.cert, key, cert)
+        return files
+
     # ---------------------------------------------------------------- building
 
     def _subnet(self) -> str:
@@ -491,17 +552,10 @@ class LocalCluster:
 
     def _make_loopback_nodes(self) -> None:
         self.bridge_ip = "127.0.0.1"
+        ports = free_ports(3 * self.size)
         for i in range(self.size):
-            self.nodes.append(
-                Node(
-                    self,
-                    i,
-                    ip="127.0.0.1",
-                    api_port=_free_port(),
-                    data_port=_free_port(),
-                    probe_port=_free_port(),
-                )
-            )
+            api, data, probe = ports[3 * i : 3 * i + 3]
+            self.nodes.append(Node(self, i, ip="127.0.0.1", api_port=api, data_port=data, probe_port=probe))
 
     def _make_ramdisk(self, node: Node) -> None:
         node.root.mkdir(parents=True)
@@ -510,7 +564,8 @@ class LocalCluster:
             self._mounts.append(node.root)
 
     def _start_gcs(self) -> None:
-        from tierckpt_demo.fakegcs import FakeGcsServer, FaultProxy, free_port
+        from tierckpt_demo.fakegcs import FakeGcsServer, FaultProxy
+        from tierckpt_demo.ports import free_port
 
         port = free_port(self.bridge_ip)
         if self._count_gcs_reads:
@@ -566,7 +621,7 @@ class LocalCluster:
         assignment = self.assignment(job, generation, **kwargs)
         for node in self.nodes:
             if node.running:
-                self.api.put_peers(node.endpoint, assignment)
+                self.api.put_peers(node.endpoint, assignment, node=node.name)
         return assignment
 
     def ranks_of(self, node: Node) -> range:

@@ -51,13 +51,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any, Literal
 
+from tierckpt_demo.ports import free_port
+
 __all__ = [
     "FakeGcsServer",
     "FaultProxy",
     "FaultRule",
     "ProxyHit",
     "binary_path",
-    "free_port",
     "gcs_behind_proxy",
 ]
 
@@ -86,13 +87,6 @@ def binary_path() -> Path:
     if arch is None or not binary.exists():
         raise RuntimeError(f"no bundled fake-gcs-server binary for {system}/{platform.machine()} at {binary}")
     return binary
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free on ``host`` right now (bind to 0, read it back, release it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def _check_port_free(host: str, port: int) -> None:

@@ -75,7 +75,7 @@ class LocalOperator:
         )
         self.cluster.peers_file.write_bytes(self.assignment.to_bytes())
         for node in nodes:
-            self.cluster.api.put_peers(node.endpoint, self.assignment)
+            self.cluster.api.put_peers(node.endpoint, self.assignment, node=node.name)
         return self.assignment
 
     def shrink(self, lost: list[str], k: int) -> PeerAssignment:
@@ -107,7 +107,7 @@ class LocalOperator:
         from tierckpt.protocol.bucket_layout import BucketLayout
 
         def one(node: Any) -> BackupResult:
-            return self.cluster.api.backup(node.endpoint, self.job, timeout=timeout)  # type: ignore[no-any-return]
+            return self.cluster.api.backup(node.endpoint, self.job, timeout=timeout, node=node.name)  # type: ignore[no-any-return]
 
         with concurrent.futures.ThreadPoolExecutor(len(self.nodes)) as pool:
             list(pool.map(one, self.nodes))
@@ -126,7 +126,7 @@ class LocalOperator:
             self.inventories(), world_size, job=self.job, generation=self.assignment.generation, decided_at=at
         )
         for node in self.nodes:
-            self.cluster.api.put_restore_plan(node.endpoint, plan)
+            self.cluster.api.put_restore_plan(node.endpoint, plan, node=node.name)
         self._wait(lambda: self._staging_started(at), "the replicators to start staging", 0.1)
         return plan, at
 

@@ -22,7 +22,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -39,6 +38,7 @@ from tierckpt.protocol.text import rank_ranges
 from tierckpt_demo import scenarios as sc
 from tierckpt_demo.launcher import Launcher, kill_process_group
 from tierckpt_demo.local_operator import LocalOperator
+from tierckpt_demo.ports import free_port
 from tierckpt_demo.report import (
     Check,
     DemoConfig,
@@ -188,12 +188,6 @@ def _tail(path: Path, lines: int = 15) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except FileNotFoundError:
         return "(no log)"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # ------------------------------------------------------------------------------------- the demo
@@ -445,7 +439,7 @@ class Demo:
 
     def _launch(self, index: int, segment: sc.Segment) -> Trainers:
         nodes = self._operator.nodes
-        port = 29500 + index if self.cluster.netns else _free_port()
+        port = 29500 + index if self.cluster.netns else free_port()
         seg_dir = self.workdir / f"segment-{index}"
         seg_dir.mkdir()
         trainers = Trainers({}, {}, {}, {})

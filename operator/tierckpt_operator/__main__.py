@@ -1,25 +1,32 @@
-"""``tierckpt-operator``: settings -> runtime -> (leader election) -> kopf, plus /healthz, /readyz, /metrics.
+"""``tierckpt-operator``: settings -> runtime -> (leader election) -> kopf, plus /healthz, /readyz, /metrics
+and (``--auth tls``) the node certificate signing endpoint.
 
-The composition root: ``build_runtime`` opens the API adapters and builds the runtime that every
-handler is given; nothing else constructs a collaborator. With ``--leader-election`` every replica
-starts as a standby serving only the admission webhook; the one that takes the Lease restarts kopf
-with the full set of handlers, and exits if it loses the Lease.
+The composition root: ``build_runtime`` loads the CA, issues the operator's own certificates, opens the
+API adapters and builds the runtime that every handler is given; nothing else constructs a
+collaborator. With ``--leader-election`` every replica starts as a standby serving only the admission
+webhook (and the signing endpoint, which every replica serves); the one that takes the Lease restarts
+kopf with the full set of handlers, and exits if it loses the Lease.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import datetime
 import logging
 import os
 import signal
 import socket
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import kopf
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from tierckpt_operator.credentials import OperatorCredentials
+from tierckpt_operator.issuer import NodeCertificateIssuer
 from tierckpt_operator.kube import Kube, api_client
 from tierckpt_operator.leader import LeaseElector
 from tierckpt_operator.metrics import Metrics
@@ -34,9 +41,36 @@ log = logging.getLogger("tierckpt_operator")
 
 
 def build_runtime(settings: Settings) -> Runtime:
-    """The runtime with its adapters open: the Kubernetes API client and the replicators' client."""
+    """The runtime with its adapters open: the Kubernetes API client and the replicators' client (with
+    the operator's own certificate, issued here from the CA, unless ``--auth token``)."""
+    settings.check_credentials()
+    credentials = None
+    if settings.auth == "tls":
+        credentials = OperatorCredentials(
+            Path(settings.ca_cert_file),
+            Path(settings.ca_key_file),
+            Path(settings.ca_bundle_file or settings.ca_cert_file),
+            server_names=[n.strip() for n in settings.issuer_names.split(",") if n.strip()],
+            lifetime=datetime.timedelta(hours=settings.cert_hours),
+        )
     kube = Kube(api_client(settings.server, settings.kubeconfig), settings.api_concurrency)
-    return Runtime(settings, kube, replicator_client(settings), Metrics())
+    client = replicator_client(settings, credentials.client if credentials is not None else None)
+    return Runtime(settings, kube, client, Metrics(), credentials=credentials)
+
+
+async def _identity(runtime: Runtime) -> tuple[list[asyncio.Task[None]], web.AppRunner | None]:
+    """--auth tls: the certificates' renewal, the signing endpoint, and the CA ConfigMap if asked for."""
+    s, credentials = runtime.settings, runtime.credentials
+    if credentials is None:
+        return [], None
+    tasks = [asyncio.create_task(credentials.run(), name="certificate-renewal")]
+    if s.ca_configmap:
+        bundle = Path(s.ca_bundle_file or s.ca_cert_file).read_text()
+        await runtime.kube.publish_configmap(s.namespace, s.ca_configmap, {"ca.crt": bundle})
+    runner = None
+    if s.issuer_port:
+        runner = await NodeCertificateIssuer(s, runtime.kube, credentials, runtime.metrics).start()
+    return tasks, runner
 
 
 async def _probes(runtime: Runtime, ready: asyncio.Event) -> web.AppRunner | None:
@@ -87,12 +121,21 @@ async def run(runtime: Runtime, stop: asyncio.Event | None = None, *, signals: b
             loop.add_signal_handler(sig, stop.set)
     ready = asyncio.Event()
     probes = await _probes(runtime, ready)
+    identity_tasks: list[asyncio.Task[None]] = []
+    issuer = None
     try:
+        identity_tasks, issuer = await _identity(runtime)
         if not settings.leader_election:
             await _kopf(runtime, "leader", stop, ready)
             return 0
         return await _elected(runtime, stop, ready)
     finally:
+        for task in identity_tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if issuer is not None:
+            await issuer.cleanup()
         await runtime.close()
         if probes is not None:
             await probes.cleanup()
@@ -142,6 +185,11 @@ async def _first(events: tuple[asyncio.Event, ...], then: asyncio.Event) -> None
 
 def main(argv: Sequence[str] | None = None) -> None:
     settings = parse_settings(argv)
+    try:
+        settings.check_credentials()
+    except ValueError as exc:
+        print(f"tierckpt-operator: {exc}", file=sys.stderr)
+        sys.exit(2)
     logging.basicConfig(
         level=getattr(logging, settings.log_level.upper(), logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -48,7 +48,7 @@ async def purge_job(
         if rep.ready and (config is None or labels is None or config.selects(labels)):
             targets.setdefault(rep.node, rep.endpoint)
     results = await asyncio.gather(
-        *(client.purge(ep, job_id) for ep in targets.values()), return_exceptions=True
+        *(client.purge(ep, job_id, node=node) for node, ep in targets.items()), return_exceptions=True
     )
     purged, failed = [], {}
     for node, result in zip(targets, results, strict=True):
@@ -61,7 +61,7 @@ async def purge_job(
         backups = False
         for node in sorted(purged) or sorted(targets):
             try:
-                await client.purge(targets[node], job_id, backups=True)
+                await client.purge(targets[node], job_id, backups=True, node=node)
                 backups = True
                 break
             except Exception as exc:  # the next replicator may succeed

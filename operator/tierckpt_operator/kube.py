@@ -2,8 +2,10 @@
 
 kopf watches, patches the objects its handlers run for, posts events and serves the webhook; this
 adapter does the rest: create and update CheckpointJobs, annotate pods with their ranks, read a
-JobSet the watch has not delivered yet, and hold the leader Lease. The client is synchronous, so
-every call runs in a worker thread, with at most ``concurrency`` calls in flight.
+JobSet the watch has not delivered yet, hold the leader Lease, and, for node certificates, review a
+replicator's ServiceAccount token (TokenReview), read its pod and publish the CA certificate. The
+client is synchronous, so every call runs in a worker thread, with at most ``concurrency`` calls in
+flight.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ class Kube:
         self.core = kubernetes.client.CoreV1Api(client)
         self.custom = kubernetes.client.CustomObjectsApi(client)
         self.leases = kubernetes.client.CoordinationV1Api(client)
+        self.authentication = kubernetes.client.AuthenticationV1Api(client)
         self._slots = asyncio.Semaphore(concurrency)
 
     async def _call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
@@ -157,6 +160,40 @@ class Kube:
             if exc.status == 404:
                 return False
             raise
+
+    async def get_pod(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """The pod as the API returns it (JSON field names); None if it does not exist."""
+        try:
+            pod = await self._call(self.core.read_namespaced_pod, name, namespace)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+        return cast("dict[str, Any]", self.client.sanitize_for_serialization(pod))
+
+    # ------------------------------------------------------------------------------ identity
+
+    async def review_token(self, token: str, audience: str) -> dict[str, Any]:
+        """The API server's verdict on a ServiceAccount token for ``audience``: a TokenReview's status
+        (``authenticated``, ``user``, ``audiences``, ``error``), as JSON."""
+        body = {
+            "apiVersion": "authentication.k8s.io/v1",
+            "kind": "TokenReview",
+            "spec": {"token": token, "audiences": [audience]},
+        }
+        review = await self._call(self.authentication.create_token_review, body)
+        answer = cast("dict[str, Any]", self.client.sanitize_for_serialization(review))
+        return cast("dict[str, Any]", answer.get("status") or {})
+
+    async def publish_configmap(self, namespace: str, name: str, data: Mapping[str, str]) -> None:
+        """Create the ConfigMap, or replace its data if it exists."""
+        body = {"metadata": {"name": name, "namespace": namespace}, "data": dict(data)}
+        try:
+            await self._call(self.core.create_namespaced_config_map, namespace, body)
+        except ApiException as exc:
+            if exc.status != 409:
+                raise
+            await self._call(self.core.patch_namespaced_config_map, name, namespace, {"data": dict(data)})
 
     # ------------------------------------------------------------------------------ leader Lease
 

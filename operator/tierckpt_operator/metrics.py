@@ -39,5 +39,11 @@ class Metrics:
             ["kind", "outcome"],
             registry=r,
         )
+        self.node_certificates = Counter(
+            "tierckpt_operator_node_certificates",
+            "Node certificate requests answered, by outcome (issued, unauthenticated, refused, malformed).",
+            ["outcome"],
+            registry=r,
+        )
         self.jobs = Gauge("tierckpt_operator_jobs", "Opted-in JobSets being served.", registry=r)
         self.leader = Gauge("tierckpt_operator_leader", "1 while this replica reconciles.", registry=r)

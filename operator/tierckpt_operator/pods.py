@@ -121,8 +121,9 @@ class ReplicatorPod:
     name: str = ""
 
 
-def replicator_of(body: Mapping[str, Any], port: int) -> ReplicatorPod | None:
-    """Parse a replicator pod; None until it is scheduled and has an address."""
+def replicator_of(body: Mapping[str, Any], port: int, scheme: str = "https") -> ReplicatorPod | None:
+    """Parse a replicator pod; None until it is scheduled and has an address. ``scheme``: https (mutual
+    TLS) or, with legacy ``--auth token``, http."""
     meta = body.get("metadata") or {}
     spec = body.get("spec") or {}
     status = body.get("status") or {}
@@ -130,7 +131,7 @@ def replicator_of(body: Mapping[str, Any], port: int) -> ReplicatorPod | None:
     endpoint = (meta.get("annotations") or {}).get(Annotations.REPLICATOR_ENDPOINT)
     if not endpoint:
         host = status.get("podIP") or status.get("hostIP")
-        endpoint = f"http://{f'[{host}]' if host and ':' in host else host}:{port}" if host else ""
+        endpoint = f"{scheme}://{f'[{host}]' if host and ':' in host else host}:{port}" if host else ""
     if not node or not endpoint:
         return None
     try:

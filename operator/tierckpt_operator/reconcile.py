@@ -323,7 +323,9 @@ class JobController:
             rep = cluster.replicator(node)
             if self.delivered.get(node) != content and rep is not None and rep.ready:
                 todo[node] = (rep.endpoint, msg, content)
-        results = await _gather(self.ctx.replicators.put_peers(ep, msg) for ep, msg, _ in todo.values())
+        results = await _gather(
+            self.ctx.replicators.put_peers(ep, msg, node=node) for node, (ep, msg, _) in todo.items()
+        )
         failures = []
         for (node, (_, _, content)), result in zip(todo.items(), results, strict=True):
             if isinstance(result, BaseException):
@@ -365,7 +367,7 @@ class JobController:
             and rep.ready
             and self.policy_delivered.get(node) != policy.generation
         }
-        results = await _gather(self.ctx.replicators.put_policy(ep, policy) for ep in todo.values())
+        results = await _gather(self.ctx.replicators.put_policy(ep, policy, node=n) for n, ep in todo.items())
         failures = []
         for node, result in zip(todo, results, strict=True):
             if isinstance(result, BaseException):
@@ -427,7 +429,9 @@ class JobController:
             if node not in restore.acked and rep is not None and rep.ready:
                 todo[node] = rep.endpoint
         plan = restore.plan
-        results = await _gather(self.ctx.replicators.put_restore_plan(ep, plan) for ep in todo.values())
+        results = await _gather(
+            self.ctx.replicators.put_restore_plan(ep, plan, node=n) for n, ep in todo.items()
+        )
         for node, result in zip(todo, results, strict=True):
             outcome = "error" if isinstance(result, BaseException) else "ok"
             self.ctx.metrics.replicator_calls.labels("put_restore_plan", outcome).inc()
@@ -439,7 +443,7 @@ class JobController:
     async def _inventories(self, nodes: Sequence[str], cluster: ClusterView) -> list[NodeInventory]:
         job = self.job_id
         targets = {n: rep.endpoint for n in nodes if (rep := cluster.replicator(n))}
-        results = await _gather(self.ctx.replicators.inventory(ep, job) for ep in targets.values())
+        results = await _gather(self.ctx.replicators.inventory(ep, job, node=n) for n, ep in targets.items())
         out = []
         for node, result in zip(targets, results, strict=True):
             if isinstance(result, NodeInventory):

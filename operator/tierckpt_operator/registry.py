@@ -157,7 +157,7 @@ def _indices(registry: kopf.OperatorRegistry, settings: Settings) -> None:
 
     @kopf.index("v1", "pods", id="tierckpt_replicators", labels=settings.replicator_labels, registry=registry)
     def replicators(body: kopf.Body, **_: Any) -> Any:
-        r = replicator_of(body, settings.replicator_api_port)
+        r = replicator_of(body, settings.replicator_api_port, settings.replicator_scheme)
         return {r.node: r} if r is not None else {}
 
     @kopf.index("v1", "nodes", id="tierckpt_nodes", registry=registry)

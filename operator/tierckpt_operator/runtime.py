@@ -17,6 +17,7 @@ from typing import Any
 
 from tierckpt.protocol.client import ReplicatorClient
 from tierckpt_operator.config_reporter import ConfigReporter
+from tierckpt_operator.credentials import OperatorCredentials
 from tierckpt_operator.kube import Kube
 from tierckpt_operator.metrics import Metrics
 from tierckpt_operator.reconcile import JobContext, JobController, JobKey
@@ -31,6 +32,8 @@ class Runtime:
     kube: Kube
     replicators: ReplicatorClient
     metrics: Metrics = dataclasses.field(default_factory=Metrics)
+    credentials: OperatorCredentials | None = None
+    """--auth tls: the CA and the operator's own certificates (its client's, the signing endpoint's)."""
     running: bool = False
     """True between kopf's startup and cleanup: handlers and loops may do I/O."""
     controllers: dict[JobKey, JobController] = dataclasses.field(default_factory=dict)
@@ -77,6 +80,8 @@ class Runtime:
         await self.stop()
         await self.replicators.aclose()
         self.kube.close()
+        if self.credentials is not None:
+            self.credentials.close()
 
     def controller(self, key: JobKey) -> JobController:
         ctl = self.controllers.get(key)

@@ -79,8 +79,68 @@ class Settings:
     replicator_data_port: int = dataclasses.field(
         default=8471, metadata=_opt("Replicator data port.", "port")
     )
+    # --- identity (docs/security.md)
+    auth: str = dataclasses.field(
+        default="tls",
+        metadata=_opt(
+            "How the operator and the replicators prove who they are: 'tls' (the tierckpt CA: the operator "
+            "signs each node's certificate and its own; the default) or 'token' (legacy: one shared "
+            "bearer token, --token-file)."
+        ),
+    )
+    ca_cert_file: str = dataclasses.field(
+        default="", metadata=_opt("--auth tls: the tierckpt CA certificate (the CA Secret's tls.crt).")
+    )
+    ca_key_file: str = dataclasses.field(
+        default="",
+        metadata=_opt(
+            "--auth tls: the CA's private key (the CA Secret's tls.key; only the operator reads it)."
+        ),
+    )
+    ca_bundle_file: str = dataclasses.field(
+        default="",
+        metadata=_opt(
+            "CA certificates replicators are verified against (default: --ca-cert-file; during a CA "
+            "rotation, the old and the new CA)."
+        ),
+    )
+    ca_configmap: str = dataclasses.field(
+        default="",
+        metadata=_opt(
+            "Publish the CA certificate into this ConfigMap of the operator's namespace (key ca.crt), "
+            "where replicators read it: for CAs the chart does not render (cert-manager). Empty: off."
+        ),
+    )
+    issuer_port: int = dataclasses.field(
+        default=8443,
+        metadata=_opt("HTTPS port of the node certificate signing endpoint (0 = off).", "port"),
+    )
+    issuer_addr: str = dataclasses.field(
+        default="0.0.0.0", metadata=_opt("Listen address of the signing endpoint.")
+    )
+    issuer_names: str = dataclasses.field(
+        default="",
+        metadata=_opt(
+            "Comma-separated DNS names and IP addresses of the signing endpoint's certificate (its "
+            "Service's names, as replicators reach it)."
+        ),
+    )
+    replicator_service_account: str = dataclasses.field(
+        default="tierckpt-replicator",
+        metadata=_opt(
+            "The replicators' ServiceAccount (in --namespace): only its pods' tokens get node certificates."
+        ),
+    )
+    token_audience: str = dataclasses.field(
+        default="tierckpt",
+        metadata=_opt("The audience of the replicators' projected ServiceAccount tokens."),
+    )
+    cert_hours: float = dataclasses.field(
+        default=24.0,
+        metadata=_opt("Lifetime of node and operator certificates (renewed at two thirds).", "h"),
+    )
     token_file: str = dataclasses.field(
-        default="", metadata=_opt("File with the bearer token for the replicator API (a mounted Secret).")
+        default="", metadata=_opt("--auth token: the file with the shared bearer token (a mounted Secret).")
     )
     http_timeout: float = dataclasses.field(
         default=5.0, metadata=_opt("Timeout of one replicator call.", "s")
@@ -155,6 +215,31 @@ class Settings:
         for name in ("http_retries", "http_concurrency", "api_concurrency"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+        if self.auth not in ("tls", "token"):
+            raise ValueError(f"--auth must be tls or token, not {self.auth!r}")
+        if not 0 < self.cert_hours <= 24 * 366:
+            raise ValueError("--cert-hours must be in (0, 8784]")
+
+    def check_credentials(self) -> None:
+        """``ValueError`` unless the options of the chosen ``--auth`` are given."""
+        if self.auth == "token":
+            if not self.token_file:
+                raise ValueError("--auth token needs --token-file")
+            return
+        if not self.ca_cert_file or not self.ca_key_file:
+            raise ValueError("--auth tls needs --ca-cert-file and --ca-key-file (the tierckpt CA)")
+        if self.issuer_port and not self.issuer_names.strip():
+            raise ValueError("--issuer-port needs --issuer-names (the names replicators reach it by)")
+
+    @property
+    def replicator_scheme(self) -> str:
+        """How replicator endpoints are reached: https (mutual TLS) or, with --auth token, http."""
+        return "https" if self.auth == "tls" else "http"
+
+    @property
+    def replicator_user(self) -> str:
+        """The username of the replicators' ServiceAccount tokens."""
+        return f"system:serviceaccount:{self.namespace}:{self.replicator_service_account}"
 
     @property
     def namespaces(self) -> tuple[str, ...]:

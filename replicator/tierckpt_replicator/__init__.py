@@ -17,8 +17,9 @@ imports the other), ``:`` siblings that may import each other:
    worker), or the bucket (through ``backup.jobs.BackupPort``).
 6. ``replication`` | ``backup``: tier 2 (peer replicas: loop, worker process, data plane) and tier 3
    (GCS backups). Neither knows the other; the daemon tells backup about commits replication saw.
-7. ``watch``: inotify wake-ups for new commits (other nodes' control APIs are reached through
-   ``tierckpt.protocol.client``).
+7. ``watch`` | ``access`` | ``identity``: inotify wake-ups for new commits (other nodes' control APIs
+   are reached through ``tierckpt.protocol.client``); who may do what here (the peer certificate's
+   identity against the job's members); this node's certificate (obtained from the operator, renewed).
 8. ``assignments`` | ``inventory`` | ``policies`` | ``metrics`` | ``settings`` | ``connlimits``:
    peers.json, what this node holds, policy.json, Prometheus metrics, the daemon's options, and open
    connections bounded per source (the data port and the HTTP servers).
@@ -27,8 +28,9 @@ imports the other), ``:`` siblings that may import each other:
    ``tierckpt.protocol``/``tierckpt.planning`` only.
 
 The replicator's own state (peers.json, policy.json, restore.json) lives in
-``<ramdisk>/.tierckpt/jobs/<job>/`` (``tierckpt.protocol.format.state_dir``), never in the job directory
-a pod can write; everything it reads from a job directory is treated as untrusted input.
+``<ramdisk>/.tierckpt/jobs/<job>/`` (``tierckpt.protocol.format.state_dir``), and its TLS key and
+certificate in ``<ramdisk>/.tierckpt/identity/`` (``--identity-dir``), never in the job directory a
+pod can write; everything it reads from a job directory is treated as untrusted input.
 """
 
 from tierckpt.protocol import __version__

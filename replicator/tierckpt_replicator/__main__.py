@@ -14,6 +14,7 @@ __all__ = ["main"]
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         settings = parse_settings(argv)
+        settings.check_credentials()
     except ValueError as exc:
         print(f"tierckpt-replicator: {exc}", file=sys.stderr)
         return 2
@@ -22,9 +23,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         stream=sys.stderr,
         format=f"%(asctime)s %(levelname)s [{settings.node_name}] %(name)s: %(message)s",
     )
-    if settings.token_file is None:
-        print("tierckpt-replicator: --token-file is required", file=sys.stderr)
-        return 2
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per peer request is noise
     import uvloop
 

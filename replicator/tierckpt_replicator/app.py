@@ -1,6 +1,6 @@
 """The FastAPI application factories: the control API (routes from the endpoint table, request metrics;
-no interactive docs: the OpenAPI document is a /v1 route, behind the token) and the probe server's
-(``/healthz``, ``/readyz``, ``/metrics``; see ``tierckpt_replicator.probes``)."""
+no interactive docs: the OpenAPI document is a /v1 route, for authenticated callers only) and the probe
+server's (``/healthz``, ``/readyz``, ``/metrics``; see ``tierckpt_replicator.probes``)."""
 
 from __future__ import annotations
 

@@ -31,7 +31,7 @@ from tierckpt.protocol.control import (
 )
 from tierckpt.protocol.errors import FormatError, UnsafePathError
 from tierckpt.protocol.format import check_job_id, discard_step, state_dir, step_names
-from tierckpt.protocol.tokens import TokenFile
+from tierckpt_replicator.api.auth import Authorizer
 from tierckpt_replicator.assignments import AssignmentStore
 from tierckpt_replicator.backup.jobs import BackupPort
 from tierckpt_replicator.inventory import InventoryScanner, list_jobs
@@ -95,7 +95,7 @@ class NodeControls:
     """The operations of the control API (``tierckpt_replicator.api.routes.Controls``) on this node."""
 
     settings: Settings
-    tokens: TokenFile
+    auth: Authorizer
     metrics: Metrics
     started_at: float
     backup: BackupPort | None
@@ -249,11 +249,8 @@ class NodeControls:
             return False, "the replication worker is not running"
         if not os.access(self.settings.root, os.W_OK):
             return False, f"ramdisk root {self.settings.root} is not writable"
-        try:
-            self.tokens.current()
-        except (OSError, ValueError) as exc:
-            return False, f"token file unreadable: {exc}"
-        return True, ""
+        problem = self.auth.problem()
+        return (False, problem) if problem else (True, "")
 
 
 def remove_job_tree(root: Path, job: str) -> None:

@@ -1,11 +1,13 @@
 """The composition root and lifecycle of the replicator daemon.
 
 ``Daemon`` builds every part and wires them together (what the control API does is
-``tierckpt_replicator.controls.NodeControls``). ``serve(settings)``: start the probe server (its own
-thread and loop, ``tierckpt_replicator.probes``), build the parts, start the replication worker
-process, the commit watcher and the replication loop, stage restores for the jobs already known, then
-serve the control API (uvicorn with httptools behind ``api.guard``'s deadlines and connection limits,
-on the uvloop event loop the caller runs) until SIGTERM or SIGINT.
+``tierckpt_replicator.controls.NodeControls``). ``serve(settings)``: obtain this node's certificate
+(``--auth tls``; see ``identity``), start the probe server (its own thread and loop,
+``tierckpt_replicator.probes``), build the parts, start the replication worker process, the commit
+watcher, the replication loop and the certificate renewal, stage restores for the jobs already known,
+then serve the control API (uvicorn with httptools behind ``api.guard``'s deadlines and connection
+limits, over mutual TLS unless ``--auth token``, on the uvloop event loop the caller runs) until
+SIGTERM or SIGINT.
 Shutdown: back up each job's newest step (bounded by ``preemption_timeout``: a node being preempted
 leaves its newest step in the bucket), stop the API, stop the worker, cancel the loops.
 """
@@ -18,17 +20,22 @@ import logging
 import signal
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import uvicorn
 
 from tierckpt.protocol.client import ONE_ATTEMPT, ReplicatorClient
+from tierckpt.protocol.identity import TlsCredentials, TlsFiles
 from tierckpt.protocol.tokens import TokenFile
+from tierckpt_replicator.access import JobMembers
+from tierckpt_replicator.api.auth import Authorizer, PeerAuthorizer, TokenAuthorizer
 from tierckpt_replicator.api.guard import ApiLimits, guarded_http
 from tierckpt_replicator.app import create_app, create_probe_app
 from tierckpt_replicator.assignments import AssignmentStore, load_static
 from tierckpt_replicator.backup.jobs import BackupPort, load_job_backups
 from tierckpt_replicator.controls import LocalInventory, NodeControls
+from tierckpt_replicator.identity import NodeIdentity
 from tierckpt_replicator.inventory import InventoryScanner, list_jobs
 from tierckpt_replicator.metrics import Metrics
 from tierckpt_replicator.policies import PolicyStore
@@ -47,12 +54,17 @@ __all__ = ["Daemon", "serve", "worker_config"]
 log = logging.getLogger(__name__)
 
 
-def worker_config(settings: Settings) -> WorkerConfig:
-    assert settings.token_file is not None
+def worker_config(settings: Settings, tls: TlsFiles | None = None) -> WorkerConfig:
+    """What the worker process needs: ``tls``, the node's certificate files (``--auth tls``)."""
     return WorkerConfig(
         node=settings.node_name,
         root=str(settings.root),
-        token_file=str(settings.token_file),
+        auth="tls" if settings.auth == "tls" else "token",
+        token_file=str(settings.token_file or ""),
+        tls_cert=str(tls.cert) if tls is not None else "",
+        tls_key=str(tls.key) if tls is not None and tls.key is not None else "",
+        tls_ca=str(tls.ca) if tls is not None else "",
+        peers_file=str(settings.peers_file or ""),
         listen_host=settings.listen_host,
         data_port=settings.data_port,
         holder=settings.holder,
@@ -75,25 +87,39 @@ def worker_config(settings: Settings) -> WorkerConfig:
 
 
 class Daemon:
-    """Every part of one node's replicator, wired together, and their lifecycle."""
+    """Every part of one node's replicator, wired together, and their lifecycle.
+
+    ``identity`` (``--auth tls``): this node's certificate, already obtained (``serve`` does that);
+    without it the daemon loads ``--tls-cert`` (local mode)."""
 
     def __init__(
         self,
         settings: Settings,
         *,
+        identity: NodeIdentity | None = None,
         metrics: Metrics | None = None,
         backup: BackupPort | None = None,
         peer_transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
-        if settings.token_file is None:
-            raise ValueError("--token-file is required: every request must carry the bearer token it holds")
+        settings.check_credentials()
         self.settings = settings
-        self.tokens = TokenFile(settings.token_file)
         self.metrics = metrics or Metrics()
         self.started_at = time.time()
         self.backup = backup
         static = load_static(settings.peers_file) if settings.peers_file else None
         self.assignments = AssignmentStore(settings.root, static)
+        self.identity: NodeIdentity | None = None
+        self.tls: TlsCredentials | None = None
+        self.tokens: TokenFile | None = None
+        auth: Authorizer
+        if settings.auth == "tls":
+            self.identity = identity or NodeIdentity(settings).loaded()
+            self.tls = self.identity.credentials()
+            members = JobMembers(settings.root, self.assignments)
+            auth = PeerAuthorizer(members, settings.node_name, lambda: self._not_after())
+        else:
+            self.tokens = TokenFile(settings.token_file or "")
+            auth = TokenAuthorizer(self.tokens)
         self.policies = PolicyStore(settings.root)
         self.scanner = InventoryScanner(
             settings.root,
@@ -103,10 +129,15 @@ class Daemon:
             max_manifest_bytes=settings.max_manifest_bytes,
         )
         self.local_inventory = LocalInventory(self.scanner, backup)
-        self.supervisor = WorkerSupervisor(worker_config(settings), on_event=self._on_data_event)
+        files = self.identity.files if self.identity is not None else None
+        self.supervisor = WorkerSupervisor(worker_config(settings, files), on_event=self._on_data_event)
         # one attempt per question: the callers ask again (restore planning) or next round (reconcile)
         self.peers = ReplicatorClient(
-            token=self.tokens, timeout=settings.inventory_timeout, retry=ONE_ATTEMPT, transport=peer_transport
+            token=self.tokens,
+            tls=self.tls,
+            timeout=settings.inventory_timeout,
+            retry=ONE_ATTEMPT,
+            transport=peer_transport,
         )
         self.watcher = CommitWatcher(settings.root, poll_interval=settings.poll_interval)
         self.replication = ReplicationManager(
@@ -143,7 +174,7 @@ class Daemon:
         )
         self.controls = NodeControls(
             settings=settings,
-            tokens=self.tokens,
+            auth=auth,
             metrics=self.metrics,
             started_at=self.started_at,
             backup=backup,
@@ -168,6 +199,8 @@ class Daemon:
         await self.supervisor.start()
         self.watcher.start()
         self._loops.append(asyncio.create_task(self._replication_loop(), name="replication"))
+        if self.identity is not None:
+            self._loops.append(asyncio.create_task(self.identity.run(self._reload_tls), name="renewal"))
         if self.backup is not None:
             self._loops.append(asyncio.create_task(self._backup_loop(), name="backup-poll"))
         if self.settings.restore_on_start:
@@ -213,6 +246,15 @@ class Daemon:
             await asyncio.wait_for(asyncio.gather(*(one(j) for j in jobs)), self.settings.preemption_timeout)
         except asyncio.TimeoutError:
             log.error("preemption: backups did not finish within %.0fs", self.settings.preemption_timeout)
+
+    def _not_after(self) -> float:
+        return self.identity.not_after if self.identity is not None else float("inf")
+
+    def _reload_tls(self) -> None:
+        """New certificate files: every context of this process (the API server's, the peers client's)
+        loads them, here on the event loop that runs their handshakes. The worker notices by itself."""
+        if self.tls is not None and self.tls.refresh():
+            log.info("reloaded this node's certificate (valid until %s)", time.ctime(self._not_after()))
 
     async def _replication_loop(self) -> None:
         while True:
@@ -274,24 +316,12 @@ class _Server(uvicorn.Server):
         yield
 
 
-async def serve(settings: Settings) -> None:
-    """Run the daemon until SIGTERM/SIGINT; then back up (bounded), and shut down in order."""
-    metrics = Metrics()
-    daemon = Daemon(settings, metrics=metrics, backup=load_job_backups(settings, metrics.registry))
-    probes = ProbeServer(
-        daemon.probe_app,
-        host=settings.listen_host,
-        port=settings.probe_port,
-        header_timeout=settings.api_header_timeout,
-        body_timeout=settings.api_body_timeout,
-        log_level=settings.log_level,
-    )
-    probes.start()  # first: /healthz answers while the worker starts, /readyz says when it is ready
-    try:
-        await daemon.start()
-    except BaseException:
-        probes.stop()
-        raise
+def server_config(daemon: Daemon) -> uvicorn.Config:
+    """uvicorn for the daemon's app, behind ``api.guard``'s deadlines and connection limits; over mutual
+    TLS unless ``--auth token``: the guard does the handshake (the node's certificate, client
+    certificates required and verified against the CA, their identity passed to the app) within the
+    header deadline, so uvicorn's own ``ssl`` stays off."""
+    settings, tls = daemon.settings, daemon.tls
     http, _ = guarded_http(
         ApiLimits(
             "control API",
@@ -299,21 +329,72 @@ async def serve(settings: Settings) -> None:
             body_timeout=settings.api_body_timeout,
             total=settings.api_max_connections,
             per_source=settings.api_connections_per_source,
-        )
+        ),
+        tls=tls.server if tls is not None else None,  # one context, reloaded in place on renewal
     )
-    server = _Server(
-        uvicorn.Config(
-            daemon.app,
-            host=settings.listen_host,
-            port=settings.api_port,
-            http=http,
-            lifespan="off",
-            access_log=False,
-            log_level=settings.log_level.lower(),
-            timeout_graceful_shutdown=5,
-            limit_concurrency=settings.api_max_connections + 1,  # the guard closes connections past it
-        )
+    return uvicorn.Config(
+        daemon.app,
+        host=settings.listen_host,
+        port=settings.api_port,
+        http=http,
+        lifespan="off",
+        access_log=False,
+        log_level=settings.log_level.lower(),
+        timeout_graceful_shutdown=5,
+        limit_concurrency=settings.api_max_connections + 1,  # the guard closes connections past it
     )
+
+
+class _ProbeApp:
+    """The probe server's app: until the daemon is built (while this node's certificate is being
+    obtained) ``/healthz`` is ok and everything else unavailable; then the daemon's probe app."""
+
+    def __init__(self) -> None:
+        self.app: Any = None
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if self.app is not None:
+            await self.app(scope, receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        ok = scope.get("path") == "/healthz"
+        body = b'{"status":"ok"}' if ok else b'{"status":"unavailable"}'
+        headers = [(b"content-type", b"application/json")]
+        await send({"type": "http.response.start", "status": 200 if ok else 503, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+
+async def serve(settings: Settings) -> None:
+    """Run the daemon until SIGTERM/SIGINT; then back up (bounded), and shut down in order."""
+    settings.check_credentials()
+    probe_app = _ProbeApp()
+    probes = ProbeServer(
+        probe_app,
+        host=settings.listen_host,
+        port=settings.probe_port,
+        header_timeout=settings.api_header_timeout,
+        body_timeout=settings.api_body_timeout,
+        log_level=settings.log_level,
+    )
+    probes.start()  # first: /healthz answers while the certificate comes and the worker starts
+    try:
+        identity = None
+        if settings.auth == "tls":
+            identity = NodeIdentity(settings)
+            await identity.obtain()
+        metrics = Metrics()
+        daemon = Daemon(
+            settings, identity=identity, metrics=metrics, backup=load_job_backups(settings, metrics.registry)
+        )
+        probe_app.app = daemon.probe_app  # /readyz says when the daemon is ready
+        await daemon.start()
+    except BaseException:
+        probes.stop()
+        raise
+    server = _Server(server_config(daemon))
+    mode = "mutual TLS, client certificates of the tierckpt CA" if daemon.tls else "legacy bearer token"
+    log.info("control API on %s:%d (%s)", settings.listen_host, settings.api_port, mode)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from tierckpt.protocol.format import check_holder
+from tierckpt.protocol.format import STATE_DIR_NAME, check_holder
 from tierckpt.protocol.options import env_name, field_type, merge_settings
 
 __all__ = ["ENV_PREFIX", "Settings", "build_parser", "parse_settings"]
@@ -41,11 +41,56 @@ class Settings:
         default=Path("/run/tierckpt"),
         metadata=_opt("The node ramdisk (tmpfs) root holding <job>/ directories."),
     )
-    token_file: Path | None = dataclasses.field(
+    # --- identity (docs/security.md)
+    auth: str = dataclasses.field(
+        default="tls",
+        metadata=_opt(
+            "How peers and the operator prove who they are: 'tls' (mutual TLS, each node with its own "
+            "certificate from the tierckpt CA; the default) or 'token' (legacy: one bearer token shared "
+            "by every node and the operator, so the whole cluster is one trust domain)."
+        ),
+    )
+    tls_ca: Path | None = dataclasses.field(
         default=None,
         metadata=_opt(
-            "File holding the bearer token every control and data request must carry (a mounted Secret)."
+            "--auth tls: the tierckpt CA bundle (PEM) every peer and the operator are verified against."
         ),
+    )
+    tls_cert: Path | None = dataclasses.field(
+        default=None,
+        metadata=_opt(
+            "--auth tls: this node's certificate chain (PEM; may hold the key too), issued by the CA for "
+            "this node. Without it the certificate comes from --issuer-url."
+        ),
+    )
+    tls_key: Path | None = dataclasses.field(
+        default=None, metadata=_opt("--auth tls: the private key of --tls-cert (unless that file holds it).")
+    )
+    issuer_url: str = dataclasses.field(
+        default="",
+        metadata=_opt(
+            "--auth tls without --tls-cert: the operator's signing endpoint (https://host:port); the node "
+            "makes its own key, asks there for its certificate with --issuer-token-file, and renews it "
+            "at two thirds of its life."
+        ),
+    )
+    issuer_token_file: Path = dataclasses.field(
+        default=Path("/var/run/secrets/tierckpt/identity/token"),
+        metadata=_opt(
+            "The projected ServiceAccount token (audience 'tierckpt') that proves to the operator which "
+            "pod, and so which node, this replicator is."
+        ),
+    )
+    identity_dir: Path | None = dataclasses.field(
+        default=None,
+        metadata=_opt(
+            "Where the key and certificate obtained from the operator are kept (0700, never visible to "
+            "pods; default <root>/.tierckpt/identity)."
+        ),
+    )
+    token_file: Path | None = dataclasses.field(
+        default=None,
+        metadata=_opt("--auth token: the file holding the shared bearer token (a mounted Secret)."),
     )
     domain: str = dataclasses.field(
         default="", metadata=_opt("This node's failure domain (reported in inventories).")
@@ -298,24 +343,38 @@ class Settings:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive")
         if not self.min_transfer_rate >= 0:
             raise ValueError("--min-transfer-rate must be 0 or more")
+        if self.auth not in ("tls", "token"):
+            raise ValueError("--auth must be 'tls' or 'token'")
+        if self.identity_dir is None:
+            object.__setattr__(self, "identity_dir", self.root / STATE_DIR_NAME / "identity")
+
+    def check_credentials(self) -> None:
+        """``ValueError`` unless the options of the chosen ``--auth`` are given (the daemon needs them;
+        other tools reading these settings do not)."""
+        if self.auth == "token":
+            if self.token_file is None:
+                raise ValueError("--auth token needs --token-file")
+            return
+        if self.tls_ca is None:
+            raise ValueError("--auth tls needs --tls-ca (the tierckpt CA bundle)")
+        if self.tls_cert is None and not self.issuer_url:
+            raise ValueError("--auth tls needs --tls-cert (local mode) or --issuer-url (the operator)")
+        if self.issuer_url and not self.issuer_url.startswith("https://"):
+            raise ValueError("--issuer-url must be https://")
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.auth == "tls" else "http"
 
     @property
     def api_endpoint(self) -> str:
         """This node's control API as peers reach it."""
-        return f"http://{_host_for_url(self.advertise_host)}:{self.api_port}"
+        return f"{self.scheme}://{_host_for_url(self.advertise_host)}:{self.api_port}"
 
     @property
     def holder(self) -> str:
         """The lease holder name of this replicator."""
         return f"replicator-{self.node_name}"[:128]
-
-    def read_token(self) -> str:
-        if self.token_file is None:
-            raise ValueError("no --token-file configured")
-        token = self.token_file.read_text().strip()
-        if not token:
-            raise ValueError(f"token file {self.token_file} is empty")
-        return token
 
 
 def _own_address() -> str:

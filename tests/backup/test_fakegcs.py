@@ -16,9 +16,9 @@ from tierckpt_demo.fakegcs import (
     FaultProxy,
     FaultRule,
     binary_path,
-    free_port,
     gcs_behind_proxy,
 )
+from tierckpt_demo.ports import free_port
 
 pytestmark = pytest.mark.e2e
 

@@ -53,16 +53,36 @@ def test_operator_reads_every_variable_the_chart_sets() -> None:
     s = parse_settings([], env)
     assert (s.namespace, s.pod_name, s.leader_election) == (NAMESPACE, FIELD_VALUES["metadata.name"], True)
     assert s.ramdisk_mode == "csi" and s.default_config == "default" and s.namespaces == ()
+    s.check_credentials()
     assert (
-        _mount_for(op, s.token_file) == "token"
+        s.auth == "tls"
+        and _mount_for(op, s.ca_cert_file) == _mount_for(op, s.ca_key_file) == "ca"
         and _mount_for(op, s.webhook_cert_dir + "/tls.crt") == "webhook-tls"
     )
     ports = {p["name"]: p["containerPort"] for p in op["ports"]}
-    assert (s.webhook_port, s.metrics_port) == (ports["webhook"], ports["metrics"])
+    assert (s.webhook_port, s.metrics_port, s.issuer_port) == (
+        ports["webhook"],
+        ports["metrics"],
+        ports["issuer"],
+    )
+    issuer = r.get("Service", "tierckpt-issuer")
+    assert issuer["spec"]["ports"] == [
+        {"name": "issuer", "port": s.issuer_port, "targetPort": "issuer", "protocol": "TCP"}
+    ]
+    assert f"tierckpt-issuer.{NAMESPACE}.svc" in s.issuer_names.split(",")
     ds = r.get("DaemonSet")
     assert s.replicator_labels.items() <= ds["spec"]["template"]["metadata"]["labels"].items()
+    assert (
+        s.replicator_user
+        == f"system:serviceaccount:{NAMESPACE}:{ds['spec']['template']['spec']['serviceAccountName']}"
+    )
     rep_ports = {p["name"]: p["containerPort"] for p in _container(ds, "replicator")["ports"]}
     assert (s.replicator_api_port, s.replicator_data_port) == (rep_ports["api"], rep_ports["data"])
+    legacy = parse_settings(
+        [], _env(_container(render({"auth": {"mode": "token"}}).get("Deployment"), "operator"))
+    )
+    legacy.check_credentials()
+    assert legacy.auth == "token" and legacy.token_file
 
 
 def test_replicator_reads_every_variable_the_chart_sets(monkeypatch) -> None:
@@ -85,9 +105,18 @@ def test_replicator_reads_every_variable_the_chart_sets(monkeypatch) -> None:
     )
     assert str(s.root) == _env(_container(ds, "csi"))["TIERCKPT_RAMDISK_PATH"]
     assert _mount_for(rep, str(s.root)) == "ramdisk-parent"
-    assert _mount_for(rep, str(s.token_file)) == "token"
+    s.check_credentials()
+    assert s.auth == "tls" and _mount_for(rep, str(s.tls_ca)) == "ca"
+    assert _mount_for(rep, str(s.issuer_token_file)) == "identity-token"
+    assert (
+        _mount_for(rep, str(s.identity_dir)) == "ramdisk-parent"
+    )  # next to the ramdisk, not in a pod's view
     ports = {p["name"]: p["containerPort"] for p in rep["ports"]}
     assert (s.api_port, s.data_port) == (ports["api"], ports["data"])
+    legacy = _container(render({"auth": {"mode": "token"}}).get("DaemonSet"), "replicator")
+    old = parse_settings([], _env(legacy))
+    old.check_credentials()
+    assert old.auth == "token" and _mount_for(legacy, str(old.token_file)) == "token"
 
 
 def _command_envvars(name: str) -> set[str]:

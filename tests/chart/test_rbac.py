@@ -35,6 +35,7 @@ OPERATOR_RULES = [
         "resources": ["customresourcedefinitions"],
         "verbs": ["get", "list", "watch"],
     },
+    {"apiGroups": ["authentication.k8s.io"], "resources": ["tokenreviews"], "verbs": ["create"]},
 ]
 
 OPERATOR_SA = {"kind": "ServiceAccount", "name": "tierckpt-operator", "namespace": NAMESPACE}
@@ -76,8 +77,31 @@ def test_leader_lease_rights_are_namespaced_and_named() -> None:
     assert lease_env["TIERCKPT_OPERATOR_LEASE_NAME"] == "tierckpt-operator"
 
 
+def test_token_reviews_and_the_ca_config_map_only_where_they_are_needed() -> None:
+    legacy = render({"auth": {"mode": "token"}})
+    assert legacy.get("ClusterRole")["rules"] == OPERATOR_RULES[:-1]  # no TokenReviews: no node certificates
+    assert legacy.get("Role")["rules"] == LEASE_RULES
+    cert_manager = render({"tls": {"mode": "certManager"}})  # the operator publishes the CA certificate
+    assert cert_manager.get("Role")["rules"] == [
+        *LEASE_RULES,
+        {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["create"]},
+        {
+            "apiGroups": [""],
+            "resources": ["configmaps"],
+            "resourceNames": ["tierckpt-ca"],
+            "verbs": ["get", "patch"],
+        },
+    ]
+
+
 def test_no_wildcards_secrets_or_escalation_anywhere() -> None:
-    for values in ({}, {"ramdisk": {"mode": "hostPath"}}, {"webhook": {"tls": {"mode": "certManager"}}}):
+    for values in (
+        {},
+        {"ramdisk": {"mode": "hostPath"}},
+        {"webhook": {"tls": {"mode": "certManager"}}},
+        {"tls": {"mode": "certManager"}},
+        {"auth": {"mode": "token"}},
+    ):
         r = render(values)
         for role in r.all("ClusterRole") + r.all("Role"):
             for rule in role["rules"]:
@@ -96,3 +120,9 @@ def test_node_agents_have_no_kubernetes_api_access() -> None:
     assert r.get("DaemonSet")["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
     assert sa["metadata"]["annotations"] == {"iam.gke.io/gcp-service-account": gsa}
     assert "annotations" not in render().get("ServiceAccount", "tierckpt-replicator")["metadata"]
+    # the one token it gets proves its pod to the operator only: bound to the audience tierckpt
+    volumes = {v["name"]: v for v in r.get("DaemonSet")["spec"]["template"]["spec"]["volumes"]}
+    (source,) = volumes["identity-token"]["projected"]["sources"]
+    assert source == {
+        "serviceAccountToken": {"audience": "tierckpt", "expirationSeconds": 3600, "path": "token"}
+    }

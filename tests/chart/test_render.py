@@ -35,8 +35,16 @@ COMBOS: dict[str, dict] = {
             "podMonitoring": {"enabled": True},
         }
     },
-    "given token": {"auth": {"token": TOKEN}},
-    "existing token secret": {"auth": {"existingSecret": "my-token"}},
+    "legacy token mode": {"auth": {"mode": "token"}},
+    "given token": {"auth": {"mode": "token", "token": TOKEN}},
+    "existing token secret": {"auth": {"mode": "token", "existingSecret": "my-token"}},
+    "tierckpt CA from cert-manager": {"tls": {"mode": "certManager", "certificateHours": 12}},
+    "tierckpt CA under a corporate issuer": {
+        "tls": {
+            "mode": "certManager",
+            "certManager": {"issuerRef": {"kind": "ClusterIssuer", "name": "corp"}},
+        }
+    },
     "workload identity": {"gcs": {"bucket": "my-bucket", "workloadIdentity": {"gcpServiceAccount": GSA}}},
     "cert-manager": {"webhook": {"tls": {"mode": "certManager"}}},
     "cert-manager with issuer": {
@@ -122,6 +130,9 @@ def test_lints_clean(name: str, kube: str) -> None:
         ({"ramdisk": {"mode": "nfs"}}, "/ramdisk/mode"),
         ({"ramdisk": {"size": "64GB"}}, "/ramdisk/size"),
         ({"auth": {"token": "too-short"}}, "/auth/token"),
+        ({"auth": {"mode": "insecure"}}, "/auth/mode"),
+        ({"tls": {"mode": "openssl"}}, "/tls/mode"),
+        ({"tls": {"certificateHours": 0}}, "/tls/certificateHours"),
         ({"replicator": {"apiPort": 70000}}, "/replicator/apiPort"),
         ({"webhook": {"tls": {"mode": "kopf"}}}, "/webhook/tls/mode"),
         ({"replicas": 3}, "additional properties 'replicas' not allowed"),
@@ -137,6 +148,9 @@ def test_schema_rejects_bad_values(values: dict, message: str) -> None:
     [
         ({"networkPolicy": {"enabled": True}, "replicator": {"hostNetwork": True}}, "cannot protect"),
         ({"checkpointConfiguration": {"create": True}}, "needs a bucket"),
+        # the shared token only when the legacy mode is chosen by name
+        ({"auth": {"token": "t" * 40}}, "set auth.mode: token explicitly"),
+        ({"auth": {"existingSecret": "my-token"}}, "set auth.mode: token explicitly"),
     ],
 )
 def test_contradictory_values_fail_with_a_reason(values: dict, message: str) -> None:
@@ -169,6 +183,8 @@ def test_every_template_is_rendered_by_some_combination() -> None:
         "ResourceQuota",
         "PodDisruptionBudget",
         "Secret",
+        "ConfigMap",
+        "Service",
     }
     assert Path(CHART / "templates" / "NOTES.txt").exists() and templates
 

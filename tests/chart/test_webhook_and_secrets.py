@@ -1,5 +1,6 @@
-"""The webhook reaches only opted-in objects over verified TLS; the token and certificates are generated
-once and kept across upgrades (helm lookup, against the Kubernetes API emulator)."""
+"""The webhook reaches only opted-in objects over verified TLS; the tierckpt CA (or the legacy token) and
+the certificates are generated once and kept across upgrades (helm lookup, against the Kubernetes API
+emulator); the CA's key reaches the operator only."""
 
 from __future__ import annotations
 
@@ -93,7 +94,7 @@ def test_generated_serving_certificate_is_signed_by_the_ca_bundle_for_the_servic
 
 def test_cert_manager_mode_issues_and_injects() -> None:
     r = render({"webhook": {"tls": {"mode": "certManager"}}})
-    assert [s["metadata"]["name"] for s in r.all("Secret")] == ["tierckpt-token"]  # no generated TLS secret
+    assert [s["metadata"]["name"] for s in r.all("Secret")] == ["tierckpt-ca"]  # no generated webhook TLS
     cert = r.get("Certificate")
     assert cert["spec"]["secretName"] == "tierckpt-webhook-tls"
     assert f"tierckpt-webhook.{NAMESPACE}.svc" in cert["spec"]["dnsNames"]
@@ -116,16 +117,18 @@ def test_cert_manager_mode_issues_and_injects() -> None:
     assert corp.all("Issuer") == [] and corp.get("Certificate")["spec"]["issuerRef"]["name"] == "corp-ca"
 
 
-def test_token_is_generated_given_or_external() -> None:
-    generated = _b64(render().get("Secret", "tierckpt-token")["data"]["token"])
+def test_legacy_token_is_generated_given_or_external() -> None:
+    legacy = {"mode": "token"}
+    generated = _b64(render({"auth": legacy}).get("Secret", "tierckpt-token")["data"]["token"])
     assert len(generated) == 48 and generated.isalnum()
-    assert generated != _b64(render().get("Secret", "tierckpt-token")["data"]["token"])  # random per install
+    again = _b64(render({"auth": legacy}).get("Secret", "tierckpt-token")["data"]["token"])
+    assert generated != again  # random per install
     given = "g" * 40
     assert (
-        _b64(render({"auth": {"token": given}}).get("Secret", "tierckpt-token")["data"]["token"])
+        _b64(render({"auth": {**legacy, "token": given}}).get("Secret", "tierckpt-token")["data"]["token"])
         == given.encode()
     )
-    external = render({"auth": {"existingSecret": "corp-token"}})
+    external = render({"auth": {**legacy, "existingSecret": "corp-token"}})
     assert [s["metadata"]["name"] for s in external.all("Secret")] == ["tierckpt-webhook-tls"]
     for kind in ("DaemonSet", "Deployment"):
         volumes = {v["name"]: v for v in external.get(kind)["spec"]["template"]["spec"]["volumes"]}
@@ -170,20 +173,94 @@ def _apply_secrets(url: str, r: Rendered) -> None:
             assert resp.status == 201
 
 
-def test_upgrade_keeps_the_token_and_certificates(api_server: str) -> None:
+def test_upgrade_keeps_the_ca_the_token_and_certificates(api_server: str) -> None:
     config = helm.Config(kube_apiserver=api_server, storage_driver="memory", namespace=NAMESPACE)
     first = render(config=config)  # nothing in the cluster yet: generated
+    legacy = render({"auth": {"mode": "token"}}, config=config)
     _apply_secrets(api_server, first)
+    _apply_secrets(api_server, Rendered([legacy.get("Secret", "tierckpt-token")], ""))
     second = render(config=config)  # an upgrade: lookup finds them
-    for name in ("tierckpt-token", "tierckpt-webhook-tls"):
+    for name in ("tierckpt-ca", "tierckpt-webhook-tls"):
         assert second.get("Secret", name)["data"] == first.get("Secret", name)["data"]
+    assert second.get("ConfigMap", "tierckpt-ca")["data"] == first.get("ConfigMap", "tierckpt-ca")["data"]
     bundle = [
         r.get("MutatingWebhookConfiguration")["webhooks"][0]["clientConfig"]["caBundle"]
         for r in (first, second)
     ]
     assert bundle[0] == bundle[1]
-    rotated = render({"auth": {"token": "r" * 40}}, config=config)  # an explicit token still wins
+    kept = render({"auth": {"mode": "token"}}, config=config)
+    assert kept.get("Secret", "tierckpt-token")["data"] == legacy.get("Secret", "tierckpt-token")["data"]
+    rotated = render({"auth": {"mode": "token", "token": "r" * 40}}, config=config)  # an explicit token wins
     assert _b64(rotated.get("Secret", "tierckpt-token")["data"]["token"]) == b"r" * 40
+
+
+def test_tierckpt_ca_key_reaches_the_operator_only_and_signs_working_node_certificates(tmp_path) -> None:
+    import socket
+    import ssl
+
+    from tierckpt.protocol.certs import Authority, new_key, write_identity
+    from tierckpt.protocol.identity import TlsCredentials, TlsFiles, node_server_name
+
+    r = render()
+    secret, public = r.get("Secret", "tierckpt-ca"), r.get("ConfigMap", "tierckpt-ca")
+    assert secret["type"] == "kubernetes.io/tls" and set(secret["data"]) == {"tls.crt", "tls.key"}
+    assert public["data"] == {"ca.crt": _b64(secret["data"]["tls.crt"]).decode()}  # the certificate alone
+    ca = x509.load_pem_x509_certificate(_b64(secret["data"]["tls.crt"]))
+    assert ca.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
+    mounted = {
+        kind: [
+            v.get("secret", {}).get("secretName") for v in r.get(kind)["spec"]["template"]["spec"]["volumes"]
+        ]
+        for kind in ("Deployment", "DaemonSet")
+    }
+    assert "tierckpt-ca" in mounted["Deployment"] and "tierckpt-ca" not in mounted["DaemonSet"]
+    # the operator loads the chart's CA (helm makes RSA keys) and its node certificates work
+    (tmp_path / "tls.crt").write_bytes(_b64(secret["data"]["tls.crt"]))
+    (tmp_path / "tls.key").write_bytes(_b64(secret["data"]["tls.key"]))
+    (tmp_path / "ca.crt").write_text(public["data"]["ca.crt"])
+    authority = Authority.load(tmp_path / "tls.crt", tmp_path / "tls.key")
+    for name in ("a", "b"):
+        key = new_key()
+        cert = authority.node_certificate(key.public_key(), name, datetime.timedelta(hours=1))
+        write_identity(tmp_path / f"{name}.pem", key, cert)
+    a, b = (TlsCredentials(TlsFiles(tmp_path / f"{n}.pem", tmp_path / "ca.crt")) for n in ("a", "b"))
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        thread = threading.Thread(
+            target=lambda: a.server().wrap_socket(server.accept()[0], server_side=True).close(), daemon=True
+        )
+        thread.start()
+        with b.client(named=True).wrap_socket(
+            socket.create_connection(("127.0.0.1", port)), server_hostname=node_server_name("a")
+        ) as tls:
+            assert tls.version() == "TLSv1.3" and isinstance(tls, ssl.SSLSocket)
+        thread.join(5)
+
+
+def test_cert_manager_issues_the_tierckpt_ca_and_the_operator_publishes_it() -> None:
+    r = render({"tls": {"mode": "certManager"}})
+    cert = r.get("Certificate", "tierckpt-ca")
+    assert cert["spec"]["isCA"] is True and cert["spec"]["secretName"] == "tierckpt-ca"
+    assert cert["spec"]["issuerRef"] == {"kind": "Issuer", "name": "tierckpt-ca-selfsigned"}
+    assert r.all("ConfigMap") == [] and "tierckpt-ca" not in [s["metadata"]["name"] for s in r.all("Secret")]
+    env = {
+        e["name"]: e.get("value")
+        for e in r.get("Deployment")["spec"]["template"]["spec"]["containers"][0]["env"]
+    }
+    assert env["TIERCKPT_OPERATOR_CA_CONFIGMAP"] == "tierckpt-ca"
+    corp = render(
+        {
+            "tls": {
+                "mode": "certManager",
+                "certManager": {"issuerRef": {"kind": "ClusterIssuer", "name": "corp"}},
+            }
+        }
+    )
+    assert corp.get("Certificate", "tierckpt-ca")["spec"]["issuerRef"] == {
+        "kind": "ClusterIssuer",
+        "name": "corp",
+    }
+    assert [i["metadata"]["name"] for i in corp.all("Issuer")] == []
 
 
 def test_monitors_select_services_by_labels_and_existing_ports() -> None:

@@ -30,7 +30,8 @@ def _assert_probes_name_declared_ports(container: dict[str, Any]) -> None:
     probes = [container[k] for k in ("livenessProbe", "readinessProbe") if k in container]
     assert probes, f"{container['name']} has no probe"
     for probe in probes:
-        assert probe["httpGet"]["port"] in ports, (container["name"], probe)
+        check = probe.get("httpGet") or probe["tcpSocket"]
+        assert check["port"] in ports, (container["name"], probe)
 
 
 def _assert_selector_matches(doc: dict[str, Any]) -> None:
@@ -108,7 +109,7 @@ def test_csi_mode_paths_agree_with_each_other_and_the_contract() -> None:
     assert quota["spec"]["scopeSelector"]["matchExpressions"][0]["values"] == ["system-node-critical"]
 
 
-def test_replicator_ports_probes_and_token() -> None:
+def test_replicator_ports_probes_and_credentials() -> None:
     ds = render({"gcs": {"bucket": "b-1"}}).get("DaemonSet")
     rep = _containers(ds)["replicator"]
     ports = {p["name"]: p for p in rep["ports"]}
@@ -120,9 +121,21 @@ def test_replicator_ports_probes_and_token() -> None:
     assert rep["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "probes"}
     assert _env(rep)["TIERCKPT_REPLICATOR_PROBE_PORT"] == "8472"
     env = _env(rep)
-    assert env["TIERCKPT_REPLICATOR_TOKEN_FILE"] == "/var/run/tierckpt/token/token"
-    assert _mounts(rep)["token"]["mountPath"] == "/var/run/tierckpt/token"
-    token_volume = next(v for v in ds["spec"]["template"]["spec"]["volumes"] if v["name"] == "token")
+    assert env["TIERCKPT_REPLICATOR_AUTH"] == "tls" and "TIERCKPT_REPLICATOR_TOKEN_FILE" not in env
+    assert env["TIERCKPT_REPLICATOR_ISSUER_URL"] == "https://tierckpt-issuer.tierckpt-system.svc:8443"
+    volumes = {v["name"]: v for v in ds["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["ca"]["configMap"] == {
+        "name": "tierckpt-ca",
+        "items": [{"key": "ca.crt", "path": "ca.crt"}],
+    }
+    assert "token" not in volumes and "secret" not in str(volumes.get("ca"))  # never the CA's key
+    assert rep["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "probes"}  # not the mTLS port
+    legacy = render({"auth": {"mode": "token"}}).get("DaemonSet")
+    legacy_env = _env(_containers(legacy)["replicator"])
+    assert legacy_env["TIERCKPT_REPLICATOR_AUTH"] == "token"
+    assert legacy_env["TIERCKPT_REPLICATOR_TOKEN_FILE"] == "/var/run/tierckpt/token/token"
+    assert _mounts(_containers(legacy)["replicator"])["token"]["mountPath"] == "/var/run/tierckpt/token"
+    token_volume = next(v for v in legacy["spec"]["template"]["spec"]["volumes"] if v["name"] == "token")
     assert token_volume["secret"] == {"secretName": "tierckpt-token", "defaultMode": 0o400}
     assert env["TIERCKPT_REPLICATOR_GCS_BUCKET"] == "b-1"
     assert "limits" not in rep["resources"], "a memory limit OOM-kills the replicator as replicas fill tmpfs"

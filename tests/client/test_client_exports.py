@@ -14,6 +14,8 @@ EXPECTED = {
     "FormatError",
     "MissingCheckpointError",
     "RamdiskFullError",
+    "ReplicaDivergenceError",
+    "ReplicaGroup",
     "RetryableError",
     "SaveHandle",
     "SaveInProgressError",
@@ -21,6 +23,7 @@ EXPECTED = {
     "TierckptError",
     "WorldSizeMismatchError",
     "__version__",
+    "replica_group_from_mesh",
 }
 
 
@@ -37,7 +40,7 @@ def test_exported_names_are_exactly_the_intended_ones():
 def test_importing_the_format_does_not_import_torch():
     code = (
         "import sys, tierckpt.protocol.format, tierckpt.protocol.contract, tierckpt.protocol.control,"
-        " tierckpt.protocol.leases; print('torch' in sys.modules)"
+        " tierckpt.protocol.leases, tierckpt.protocol.replica; print('torch' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,16 +21,12 @@ from typing import Any
 import psutil
 import torch
 
+from tierckpt_demo.ports import free_port
+
 __all__ = ["EXAMPLES", "Run", "free_port", "same_tensors"]
 
 EXAMPLES = Path(__file__).parent / "examples"
 _TIMEOUT = 120.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:

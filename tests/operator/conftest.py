@@ -16,6 +16,7 @@ from tests.operator.operator_harness import (
     Cluster,
     Env,
     Replicators,
+    TierckptCA,
     load_crds,
     make_tls,
     operator_settings,
@@ -54,12 +55,23 @@ def webhook_tls(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tls(tmp_path_factory.mktemp("webhook-tls"))
 
 
+@pytest.fixture(scope="session")
+def tierckpt_ca(tmp_path_factory: pytest.TempPathFactory) -> TierckptCA:
+    """The release's CA (what the chart generates into the CA Secret)."""
+    return TierckptCA.make(tmp_path_factory.mktemp("tierckpt-ca"))
+
+
 @pytest.fixture
 async def env(
-    kube_with_crds: KubeEmulator, tmp_path: Path, webhook_tls: Path, gcs: FakeGcsServer
+    kube_with_crds: KubeEmulator,
+    tmp_path: Path,
+    webhook_tls: Path,
+    gcs: FakeGcsServer,
+    tierckpt_ca: TierckptCA,
 ) -> AsyncIterator[Env]:
-    settings = operator_settings(kube_with_crds, tmp_path, webhook_tls)
-    replicators = Replicators(tmp_path / "nodes", Path(settings.token_file), gcs.url)
+    settings = operator_settings(kube_with_crds, tmp_path, webhook_tls, tierckpt_ca)
+    issuer = f"https://127.0.0.1:{settings.issuer_port}"
+    replicators = Replicators(tmp_path / "nodes", tierckpt_ca, issuer, gcs.url)
     apiserver = Apiserver(
         kube_with_crds, f"https://127.0.0.1:{settings.webhook_port}", webhook_tls / "ca.crt"
     )

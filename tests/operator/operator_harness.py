@@ -1,7 +1,9 @@
 """End-to-end harness for the operator: what surrounds it in a real cluster, emulated faithfully.
 
 * ``Replicators``: real ``tierckpt-replicator`` processes on loopback, one per node, each with its
-  own ramdisk directory (the console script, never imported).
+  own ramdisk directory (the console script, never imported). Each gets its certificate the way it
+  does in a cluster: its projected ServiceAccount token (registered with the API emulator, bound to its
+  pod and node) sent to the operator's signing endpoint, which reviews it with a TokenReview.
 * ``Apiserver``: creates objects the way kube-apiserver does with our mutating webhooks: it sends an
   ``admission.k8s.io/v1`` AdmissionReview over HTTPS (verifying the webhook's certificate), applies
   the returned JSON patch, and stores the result in the API emulator.
@@ -20,7 +22,6 @@ import datetime
 import functools
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -37,6 +38,10 @@ import kmock
 import yaml
 
 from tests.fixtures.shared_data import JOBSET_CRD, require_jobset_crd
+from tierckpt.protocol.certs import Authority, new_key, write_identity
+from tierckpt.protocol.client import ReplicatorClient
+from tierckpt.protocol.identity import TlsCredentials, TlsFiles
+from tierckpt_demo.ports import free_port, free_ports
 from tierckpt_operator.__main__ import build_runtime, run
 from tierckpt_operator.runtime import Runtime
 from tierckpt_operator.settings import Settings
@@ -60,10 +65,13 @@ def load_crds() -> list[dict]:
     return [json.loads(doc) for doc in _crd_documents()]
 
 
-TOKEN = "e2e-token-" + "0123456789abcdef" * 3
 ZONE = "topology.kubernetes.io/zone"
 SYSTEM_NS = "tierckpt-system"
 REPLICATOR_LABELS = {"app.kubernetes.io/name": "tierckpt", "app.kubernetes.io/component": "replicator"}
+REPLICATOR_SA = "tierckpt-replicator"
+REPLICATOR_DS = "tierckpt-replicator"
+AUDIENCE = "tierckpt"
+POD_EXTRA = "authentication.kubernetes.io/"
 JOBSETS = "/apis/jobset.x-k8s.io/v1alpha2/namespaces/{ns}/jobsets"
 CONFIGS = "/apis/tierckpt.io/v1alpha1/checkpointconfigurations"
 CKJOBS = "/apis/tierckpt.io/v1alpha1/namespaces/{ns}/checkpointjobs"
@@ -77,12 +85,6 @@ async def port_open(port: int) -> bool:
         return False
     writer.close()
     return True
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def eventually(check: Callable[[], Awaitable[T] | T], timeout: float = 20.0, what: str = "") -> T:
@@ -157,6 +159,35 @@ def make_tls(directory: Path) -> Path:
     return directory
 
 
+@dataclass(frozen=True)
+class TierckptCA:
+    """The release's tierckpt CA as the chart makes it (the CA Secret's tls.crt and tls.key), and the
+    harness's own operator-role certificate (for its readiness probes)."""
+
+    dir: Path
+
+    @classmethod
+    def make(cls, directory: Path) -> TierckptCA:
+        directory.mkdir(parents=True, exist_ok=True)
+        authority = Authority.create("tierckpt-e2e-ca")
+        authority.save(directory / "tls.crt", directory / "tls.key")
+        key = new_key()
+        cert = authority.operator_certificate(key.public_key(), datetime.timedelta(days=1))
+        write_identity(directory / "harness.pem", key, cert)
+        return cls(directory)
+
+    @property
+    def cert(self) -> Path:
+        return self.dir / "tls.crt"
+
+    @property
+    def key(self) -> Path:
+        return self.dir / "tls.key"
+
+    def probe_credentials(self) -> TlsCredentials:
+        return TlsCredentials(TlsFiles(self.dir / "harness.pem", ca=self.cert))
+
+
 # ------------------------------------------------------------------------------------ replicators
 
 
@@ -170,26 +201,34 @@ class Node:
     probe_port: int
     proc: subprocess.Popen[bytes] | None = None
     log: Path | None = None
+    token_file: Path | None = None
+    """The pod's projected ServiceAccount token (audience tierckpt)."""
 
     @property
     def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.api_port}/?data={self.data_port}"
+        return f"https://127.0.0.1:{self.api_port}/?data={self.data_port}"
 
 
 class Replicators:
-    """Real replicator daemons, one per emulated node, on loopback ports; ``gcs_url``: the GCS endpoint
-    (a fake-gcs-server) they reach the buckets of the jobs' policies through."""
+    """Real replicator daemons, one per emulated node, on loopback ports, each asking ``issuer_url`` (the
+    operator's signing endpoint) for its certificate; ``gcs_url``: the GCS endpoint (a fake-gcs-server)
+    they reach the buckets of the jobs' policies through."""
 
-    def __init__(self, base: Path, token_file: Path, gcs_url: str = "") -> None:
-        self.base, self.token_file, self.gcs_url = base, token_file, gcs_url
+    def __init__(self, base: Path, ca: TierckptCA, issuer_url: str, gcs_url: str = "") -> None:
+        self.base, self.ca, self.issuer_url, self.gcs_url = base, ca, issuer_url, gcs_url
         self.nodes: dict[str, Node] = {}
 
-    async def start(self, name: str, zone: str) -> Node:
+    def prepare(self, name: str, zone: str) -> Node:
+        """The node's directories and ports (its replicator not started yet)."""
         root = self.base / name / "ramdisk"
         root.mkdir(parents=True, exist_ok=True)
-        node = Node(
-            name, zone, root, free_port(), free_port(), free_port(), log=self.base / name / "replicator.log"
-        )
+        node = Node(name, zone, root, *free_ports(3), log=self.base / name / "replicator.log")
+        node.token_file = self.base / name / "sa-token"
+        self.nodes[name] = node
+        return node
+
+    async def start(self, node: Node) -> Node:
+        name, zone, root = node.name, node.zone, node.root
         exe = Path(sys.executable).with_name("tierckpt-replicator")
         args = [
             str(exe),
@@ -197,8 +236,14 @@ class Replicators:
             name,
             "--root",
             str(root),
-            "--token-file",
-            str(self.token_file),
+            "--auth",
+            "tls",
+            "--tls-ca",
+            str(self.ca.cert),
+            "--issuer-url",
+            self.issuer_url,
+            "--issuer-token-file",
+            str(node.token_file),
             "--listen-host",
             "127.0.0.1",
             "--advertise-host",
@@ -222,23 +267,20 @@ class Replicators:
         ]
         if self.gcs_url:
             args += ["--gcs-endpoint", self.gcs_url, "--backup-poll-interval", "2"]
+        assert node.log is not None
         with open(node.log, "wb") as out:
             node.proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        self.nodes[name] = node
         return node
 
     async def wait_ready(self, *names: str, timeout: float = 30.0) -> None:
-        async with httpx.AsyncClient(timeout=2) as client:
+        """Each replicator answers /readyz 200 over mutual TLS as its own node (so it has its certificate)."""
+        async with ReplicatorClient(tls=self.ca.probe_credentials(), timeout=2) as client:
 
             async def ready(node: Node) -> None:
                 async def ok() -> bool:
                     if node.proc is not None and node.proc.poll() is not None:
                         raise RuntimeError(f"replicator {node.name} exited: {node.log.read_text()[-2000:]}")
-                    with contextlib.suppress(httpx.HTTPError):
-                        return (
-                            await client.get(f"http://127.0.0.1:{node.api_port}/readyz")
-                        ).status_code == 200
-                    return False
+                    return await client.ready(node.endpoint, timeout=2, node=node.name)
 
                 await eventually(ok, timeout, f"replicator {node.name} ready")
 
@@ -420,28 +462,55 @@ class Cluster:
     async def namespace(self, name: str) -> None:
         await self.kube.post("/api/v1/namespaces", json={"metadata": {"name": name}})
 
-    async def add_node(self, node: Node) -> None:
+    async def replicator_daemonset(self) -> str:
+        """The replicators' DaemonSet (created once): the controller of every replicator pod; its uid."""
+        url = f"/apis/apps/v1/namespaces/{SYSTEM_NS}/daemonsets"
+        found = self.obj("apps/v1/daemonsets", SYSTEM_NS, REPLICATOR_DS)
+        if found is None:
+            body = {"metadata": {"name": REPLICATOR_DS, "labels": dict(REPLICATOR_LABELS)}, "spec": {}}
+            resp = await self.kube.post(url, json=body)
+            assert resp.status == 201, await resp.text()
+            found = json.loads(await resp.text())
+        return found["metadata"]["uid"]
+
+    async def add_node(self, node: Node) -> str:
+        """The Node, and its replicator pod as the DaemonSet controller and the scheduler make it: bound
+        to the node, running as the replicators' ServiceAccount, not ready yet. Returns the pod's uid."""
         body = {
             "metadata": {"name": node.name, "labels": {ZONE: node.zone, "kubernetes.io/hostname": node.name}}
         }
         resp = await self.kube.post("/api/v1/nodes", json=body)
         assert resp.status == 201, await resp.text()
+        owner = {
+            "apiVersion": "apps/v1",
+            "kind": "DaemonSet",
+            "name": REPLICATOR_DS,
+            "uid": await self.replicator_daemonset(),
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
         pod = {
             "metadata": {
                 "name": f"replicator-{node.name}",
                 "labels": dict(REPLICATOR_LABELS),
                 "annotations": {"tierckpt.io/replicator-endpoint": node.endpoint},
+                "ownerReferences": [owner],
             },
-            "spec": {"nodeName": node.name, "containers": [{"name": "replicator", "image": "tierckpt"}]},
+            "spec": {
+                "nodeName": node.name,
+                "serviceAccountName": REPLICATOR_SA,
+                "containers": [{"name": "replicator", "image": "tierckpt"}],
+            },
         }
         resp = await self.kube.post(PODS.format(ns=SYSTEM_NS), json=pod)
         assert resp.status == 201, await resp.text()
-        status = {
-            "phase": "Running",
-            "podIP": "127.0.0.1",
-            "hostIP": "127.0.0.1",
-            "conditions": [{"type": "Ready", "status": "True"}],
-        }
+        status = {"phase": "Running", "podIP": "127.0.0.1", "hostIP": "127.0.0.1"}
+        await self.patch(f"{PODS.format(ns=SYSTEM_NS)}/replicator-{node.name}/status", {"status": status})
+        return json.loads(await resp.text())["metadata"]["uid"]
+
+    async def mark_ready(self, node: Node) -> None:
+        """The kubelet's readiness probe passes."""
+        status = {"conditions": [{"type": "Ready", "status": "True"}]}
         await self.patch(f"{PODS.format(ns=SYSTEM_NS)}/replicator-{node.name}/status", {"status": status})
 
     async def remove_node(self, name: str) -> None:
@@ -616,18 +685,53 @@ class Env:
     replicators: Replicators
     settings: Settings
     operator: OperatorThread | None = None
+    starting: list[Node] = dataclasses.field(default_factory=list)
+    """Replicators started before the operator: they get their certificates once it runs."""
 
     async def add_nodes(self, *spec: tuple[str, str]) -> list[Node]:
-        nodes = [await self.replicators.start(name, zone) for name, zone in spec]
+        """New nodes, each with its replicator pod, that pod's ServiceAccount token, and the replicator
+        process; ready (certificate obtained, pod Ready) once the operator runs."""
+        nodes = []
+        for name, zone in spec:
+            node = self.replicators.prepare(name, zone)
+            uid = await self.cluster.add_node(node)
+            self.register_token(node, uid)
+            await self.replicators.start(node)
+            nodes.append(node)
+        self.starting.extend(nodes)
+        if self.operator is not None:
+            await self._ready_starting()
+        return nodes
+
+    def register_token(self, node: Node, pod_uid: str) -> str:
+        """What the kubelet projects into the replicator pod: a token of the replicators' ServiceAccount,
+        bound to the pod and its node, for the tierckpt audience (the emulator's TokenReview knows it)."""
+        token = "sa-" + uuid.uuid4().hex
+        self.kube.register_token(
+            token,
+            username=f"system:serviceaccount:{SYSTEM_NS}:{REPLICATOR_SA}",
+            extra={
+                POD_EXTRA + "pod-name": [f"replicator-{node.name}"],
+                POD_EXTRA + "pod-uid": [pod_uid],
+                POD_EXTRA + "node-name": [node.name],
+            },
+            audiences=(AUDIENCE,),
+        )
+        assert node.token_file is not None
+        node.token_file.write_text(token)
+        return token
+
+    async def _ready_starting(self) -> None:
+        nodes, self.starting = self.starting, []
         await self.replicators.wait_ready(*(n.name for n in nodes))
         for node in nodes:
-            await self.cluster.add_node(node)
-        return nodes
+            await self.cluster.mark_ready(node)
 
     async def start_operator(self) -> None:
         self.operator = OperatorThread(self.settings)
         self.operator.start()
         await eventually(self._webhook_up, 20, "operator webhook listening")
+        await self._ready_starting()
 
     async def _webhook_up(self) -> bool:
         assert self.operator is not None
@@ -654,14 +758,19 @@ class Env:
                 raise error
 
 
-def operator_settings(kube: Any, tmp: Path, tls: Path, **overrides: object) -> Settings:
+def operator_settings(kube: Any, tmp: Path, tls: Path, ca: TierckptCA, **overrides: object) -> Settings:
     tmp.mkdir(parents=True, exist_ok=True)
-    token = tmp / "token"
-    token.write_text(TOKEN)
     values: dict[str, object] = dict(
         server=str(kube.url).rstrip("/"),
         namespace=SYSTEM_NS,
-        token_file=str(token),
+        auth="tls",
+        ca_cert_file=str(ca.cert),
+        ca_key_file=str(ca.key),
+        issuer_port=free_port(),
+        issuer_addr="127.0.0.1",
+        issuer_names="127.0.0.1",
+        replicator_service_account=REPLICATOR_SA,
+        token_audience=AUDIENCE,
         webhook_port=free_port(),
         webhook_addr="127.0.0.1",
         webhook_cert_dir=str(tls),

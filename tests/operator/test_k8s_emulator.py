@@ -1,6 +1,7 @@
 """The Kubernetes API emulator shim (tests/fixtures/k8s_emulator.py) behaves like an apiserver where our
 operator depends on it: object metadata, conflicts, patches, status subresource, selectors, discovery,
-finalizers and garbage collection. Real HTTP, and the real ``kubernetes`` client for compatibility."""
+finalizers, garbage collection and TokenReview. Real HTTP, and the real ``kubernetes`` client for
+compatibility."""
 
 from __future__ import annotations
 
@@ -172,6 +173,42 @@ async def test_kubernetes_client_round_trip(kube_with_crds):
     with pytest.raises(kubernetes.client.ApiException) as exc:
         await asyncio.to_thread(create)
     assert exc.value.status == 409
+
+
+async def test_token_review_answers_for_registered_tokens_only(kube):
+    """As kube-apiserver does for ServiceAccount tokens: authenticated for the audiences the token and
+    the review share, with the user and extra the token carries; anything else not authenticated."""
+    user = "system:serviceaccount:sys:replicator"
+    extra = {"authentication.kubernetes.io/pod-name": ["p"], "authentication.kubernetes.io/pod-uid": ["u"]}
+    kube.register_token("good", username=user, extra=extra, audiences=("tierckpt",))
+    kube.register_token("old", username=user, audiences=("tierckpt",), expires=1.0)
+    cfg = kubernetes.client.Configuration(host=str(kube.url).rstrip("/"))
+    api = kubernetes.client.AuthenticationV1Api(kubernetes.client.ApiClient(cfg))
+
+    def review(token: str, audiences: list[str] | None) -> dict:
+        spec = {"token": token, **({"audiences": audiences} if audiences else {})}
+        answer = api.create_token_review(
+            {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenReview", "spec": spec}
+        )
+        return api.api_client.sanitize_for_serialization(answer)["status"]
+
+    ok = await asyncio.to_thread(review, "good", ["tierckpt"])
+    assert ok["authenticated"] and ok["audiences"] == ["tierckpt"]
+    assert ok["user"]["username"] == user and ok["user"]["extra"] == extra
+    assert "system:serviceaccounts:sys" in ok["user"]["groups"]
+    for token, audiences in (
+        ("good", ["other"]),
+        ("good", None),
+        ("old", ["tierckpt"]),
+        ("nope", ["tierckpt"]),
+    ):
+        status = await asyncio.to_thread(review, token, audiences)
+        assert not status.get("authenticated") and status["error"], (token, audiences)
+    kube.revoke_token("good")
+    assert not (await asyncio.to_thread(review, "good", ["tierckpt"])).get("authenticated")
+    resp = await kube.post("/apis/authentication.k8s.io/v1/tokenreviews", json={"spec": {"token": "good"}})
+    assert resp.status == 201
+    assert all("tokenreviews" not in str(key[0]) for key in kube.objects)  # reviews are never stored
 
 
 def test_label_selector_parser_and_merge_diff():

@@ -83,7 +83,7 @@ def token_file(tmp_path):
 
 def _client(token_file, retries: int = 3):
     """The operator's own client (``replicator_client``) with a short backoff."""
-    settings = Settings(token_file=str(token_file), http_timeout=2.0, http_retries=retries)
+    settings = Settings(auth="token", token_file=str(token_file), http_timeout=2.0, http_retries=retries)
     client = replicator_client(settings)
     client.retry = RetryPolicy(attempts=retries, backoff=0.01)
     return client

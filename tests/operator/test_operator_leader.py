@@ -23,11 +23,13 @@ NS = "team"
 POD_GVR = ("", "v1", "pods")
 
 
-async def test_standby_serves_webhooks_and_takes_over(env, tmp_path, webhook_tls):
+async def test_standby_serves_webhooks_and_takes_over(env, tmp_path, webhook_tls, tierckpt_ca):
     await env.cluster.config()
     base = dict(leader_election=True, lease_name="tierckpt-operator", lease_duration=4.0)
     first = dataclasses.replace(env.settings, pod_name="operator-a", **base)
-    second = operator_settings(env.kube, tmp_path / "b", webhook_tls, pod_name="operator-b", **base)
+    second = operator_settings(
+        env.kube, tmp_path / "b", webhook_tls, tierckpt_ca, pod_name="operator-b", **base
+    )
     a, b = OperatorThread(first), OperatorThread(second)
     a.start()
     await eventually(lambda: env.lease_holder() == "operator-a", 20, "operator-a leads")

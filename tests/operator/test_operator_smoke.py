@@ -13,10 +13,12 @@ import time
 import urllib.request
 from pathlib import Path
 
+import httpx
 import kubernetes
 import pytest
 
 from tests.operator.operator_harness import free_port, jobset_body, load_crds
+from tierckpt.protocol.certs import Authority
 from tierckpt.protocol.contract import Annotations
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -72,8 +74,14 @@ def test_console_script_against_standalone_emulator(emulator, tmp_path):
     body = jobset_body("smoke", [("w", 1, 2)])
     js = custom.create_namespaced_custom_object("jobset.x-k8s.io", "v1alpha2", "team", "jobsets", body)
     log = tmp_path / "operator.log"
+    Authority.create().save(tmp_path / "ca.crt", tmp_path / "ca.key")  # the chart's CA Secret
     env = {
         **os.environ,
+        "TIERCKPT_OPERATOR_CA_CERT_FILE": str(tmp_path / "ca.crt"),
+        "TIERCKPT_OPERATOR_CA_KEY_FILE": str(tmp_path / "ca.key"),
+        "TIERCKPT_OPERATOR_ISSUER_PORT": str(free_port()),
+        "TIERCKPT_OPERATOR_ISSUER_ADDR": "127.0.0.1",
+        "TIERCKPT_OPERATOR_ISSUER_NAMES": "localhost,127.0.0.1",
         "TIERCKPT_OPERATOR_SERVER": emulator,
         "TIERCKPT_OPERATOR_WEBHOOK_INSECURE": "true",
         "TIERCKPT_OPERATOR_WEBHOOK_PORT": str(free_port()),
@@ -121,6 +129,10 @@ def test_console_script_against_standalone_emulator(emulator, tmp_path):
         assert urllib.request.urlopen(f"{probes}/readyz", timeout=5).status == 200
         metrics = urllib.request.urlopen(f"{probes}/metrics", timeout=5).read().decode()
         assert "tierckpt_operator_rank_assignments_total 1.0" in metrics
+        # the signing endpoint: HTTPS with a certificate of the CA; no token, no certificate
+        issuer = f"https://localhost:{env['TIERCKPT_OPERATOR_ISSUER_PORT']}/v1/node-certificates"
+        answer = httpx.post(issuer, content=b"{}", verify=str(tmp_path / "ca.crt"), trust_env=False)
+        assert answer.status_code == 401
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
     finally:

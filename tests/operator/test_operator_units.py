@@ -318,10 +318,11 @@ def test_replicator_of():
             "conditions": [{"type": "Ready", "status": "True"}],
         },
     }
-    assert replicator_of(base, 8470).endpoint == "http://10.0.0.7:8470"
+    assert replicator_of(base, 8470).endpoint == "https://10.0.0.7:8470"  # mutual TLS
+    assert replicator_of(base, 8470, "http").endpoint == "http://10.0.0.7:8470"  # legacy --auth token
     v6 = copy.deepcopy(base)
     v6["status"]["podIP"] = "fd00::7"
-    assert replicator_of(v6, 8470).endpoint == "http://[fd00::7]:8470"
+    assert replicator_of(v6, 8470).endpoint == "https://[fd00::7]:8470"
     ann = copy.deepcopy(base)
     ann["metadata"]["annotations"] = {Annotations.REPLICATOR_ENDPOINT: "http://127.0.0.1:9/?data=10"}
     assert replicator_of(ann, 8470).endpoint == "http://127.0.0.1:9/?data=10"

@@ -52,7 +52,11 @@ def token(tmp_path: Path) -> TokenFile:
 async def served(tmp_path: Path, token: TokenFile) -> AsyncIterator[tuple[ReplicatorClient, Daemon]]:
     root = tmp_path / "ramdisk"
     root.mkdir()
-    daemon = Daemon(Settings(node_name="node-a", root=root, token_file=token.path, advertise_host="10.0.0.9"))
+    daemon = Daemon(
+        Settings(
+            node_name="node-a", root=root, auth="token", token_file=token.path, advertise_host="10.0.0.9"
+        )
+    )
     client = ReplicatorClient(token=token, retry=FAST, transport=httpx.ASGITransport(app=daemon.app))
     yield client, daemon
     await client.aclose()

@@ -44,6 +44,7 @@ async def api(tmp_path: Path) -> AsyncIterator[tuple[httpx.AsyncClient, Daemon]]
     settings = Settings(
         node_name="node-a",
         root=root,
+        auth="token",
         token_file=token,
         advertise_host="127.0.0.1",
         restore_attempts=1,

@@ -43,7 +43,7 @@ async def daemon(tmp_path: Path) -> AsyncIterator[Daemon]:
     token.write_text(TOKEN)
     root = tmp_path / "ramdisk"
     root.mkdir()
-    d = Daemon(Settings(node_name="n", root=root, token_file=token, advertise_host="127.0.0.1"))
+    d = Daemon(Settings(node_name="n", root=root, auth="token", token_file=token, advertise_host="127.0.0.1"))
     yield d
     await d.close()
 

@@ -11,9 +11,11 @@ namespaces (tierckpt_demo.cluster), attacked from the host's address on the brid
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import selectors
 import socket
+import ssl
 import struct
 import subprocess
 import sys
@@ -162,6 +164,21 @@ FRAME = MAGIC + struct.pack("!I", 60000) + b"x" * 60000
 HEADERS_FOREVER = b"GET /v1/status HTTP/1.1\r\nHost: replicator\r\nX-Slow: " + b"a" * 60000
 
 
+def client_hello() -> bytes:
+    """The first flight of a real TLS client (its ClientHello): trickled, it keeps a TLS server waiting
+    (anything that is not TLS fails the handshake at its first record header, long before a deadline)."""
+    outgoing = ssl.MemoryBIO()
+    tls = ssl.create_default_context().wrap_bio(ssl.MemoryBIO(), outgoing, server_hostname="replicator")
+    with contextlib.suppress(ssl.SSLWantReadError):
+        tls.do_handshake()
+    return outgoing.read()
+
+
+def slow_request(cluster: LocalCluster) -> bytes:
+    """What a slowloris sends the control API: a ClientHello over mutual TLS, else HTTP headers."""
+    return client_hello() if cluster.auth == "tls" else HEADERS_FOREVER
+
+
 def healthy(cluster: LocalCluster, node) -> bool:
     probes = httpx.get(f"{node.probe_endpoint}/readyz", timeout=2, trust_env=False)
     return node.running and probes.status_code == 200 and cluster.api.status(node.endpoint).node == node.name
@@ -199,10 +216,11 @@ def test_idle_and_trickling_data_connections_do_not_stop_a_push_or_a_restore(clu
 
 def test_slowloris_on_the_api_does_not_starve_the_probes(cluster):
     _, b, c = cluster.nodes
-    # the real API call comes from another node (another source); its process starts (and imports)
-    # before the attack, so during the attack only the request itself has to fit
+    # the real API call comes from another node (another source), with the operator's certificate; its
+    # process starts (and imports) before the attack, so during the attack only the request has to fit
+    operator = cluster.identity_files("operator")
     caller = c.popen_in_node(
-        [sys.executable, "-c", _STATUS_CALL, b.endpoint, str(cluster.token_file)],
+        [sys.executable, "-c", _STATUS_CALL, b.endpoint, b.name, str(operator.cert), str(operator.ca)],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -210,7 +228,7 @@ def test_slowloris_on_the_api_does_not_starve_the_probes(cluster):
     )
     assert caller.stdout is not None and caller.stdin is not None
     assert caller.stdout.readline().strip() == "ready"
-    with Trickle(b.ip, b.api_port, HEADERS_FOREVER, count=200, interval=0.5) as trickle:
+    with Trickle(b.ip, b.api_port, slow_request(cluster), count=200, interval=0.5) as trickle:
         started = time.monotonic()
         time.sleep(0.5)
         assert trickle.open >= API_PER_SOURCE - 2  # the attack is on: up to its per-source share is held
@@ -235,11 +253,14 @@ def test_slowloris_on_the_api_does_not_starve_the_probes(cluster):
 
 
 _STATUS_CALL = """
-import sys, httpx
-token = open(sys.argv[2]).read().strip()
+import ssl, sys, httpx
+endpoint, node, cert, ca = sys.argv[1:5]
+tls = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # the operator's mutual TLS
+tls.load_cert_chain(cert)
+tls.load_verify_locations(ca)
 print("ready", flush=True)
 sys.stdin.readline()
-r = httpx.get(sys.argv[1] + "/v1/status", headers={"Authorization": "Bearer " + token}, timeout=10,
-              trust_env=False)
+with httpx.Client(verify=tls, timeout=10, trust_env=False) as http:
+    r = http.get(endpoint + "/v1/status", extensions={"sni_hostname": node + ".node.tierckpt.io"})
 print(r.status_code, r.json().get("node"))
 """

@@ -7,6 +7,7 @@ job id on the shared cluster and leaves every node running and reachable.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import http.client
 import json
@@ -28,8 +29,10 @@ from tests.fixtures.cluster import (
 )
 from tierckpt.protocol.api import ENDPOINTS
 from tierckpt.protocol.bucket_layout import BucketLayout
-from tierckpt.protocol.control import BackupResult, PeerNode, RestorePlan, RestoreState, Tier
+from tierckpt.protocol.client import ONE_ATTEMPT, ReplicatorError, SyncReplicatorClient
+from tierckpt.protocol.control import BackupResult, PeerAssignment, PeerNode, RestorePlan, RestoreState, Tier
 from tierckpt.protocol.format import committed_steps, rank_dir, replica_rank_dir, state_dir, step_dir
+from tierckpt.protocol.identity import TlsCredentials, node_server_name
 from tierckpt_demo.step_writer import step_files, write_step
 from tierckpt_replicator.backup.gcs import GcsSettings, GcsStore
 from tierckpt_replicator.replication.wire import DataReply, DataRequest, Status, recv_frame, send_frame
@@ -322,41 +325,63 @@ def test_full_receiver_refuses_cleanly(cluster3):
         filler.unlink()
 
 
-def test_requests_without_the_token_or_malformed_change_nothing(cluster3):
-    a = cluster3.nodes[0]
+def test_requests_without_credentials_or_malformed_change_nothing(cluster3):
+    a, b, c = cluster3.nodes
     job = new_job("sec")
     assignment = cluster3.assign(job)
     newer = assignment.to_bytes().replace(b'"generation":1', b'"generation":9')
-    with httpx.Client(base_url=a.endpoint, timeout=10, trust_env=False) as raw:  # what an attacker sends
-        for ep in ENDPOINTS:
+    named = {"sni_hostname": node_server_name(a.name)}
+    with httpx.Client(base_url=a.endpoint, verify=str(a.tls_files.ca), timeout=10, trust_env=False) as raw:
+        for ep in ENDPOINTS:  # what an attacker without a certificate sends: no request gets through
             if not ep.auth:
                 continue
             path = ep.url_path(**{p: job for p in ep.path_params})
-            assert raw.request(ep.method, path, content=newer).status_code == 401
-            bad = {"Authorization": "Bearer nope"}
-            assert raw.request(ep.method, path, content=newer, headers=bad).status_code == 403
-        peers = state_dir(a.root, job) / "peers.json"
-        assert json.loads(peers.read_bytes())["generation"] == 1
-        auth = {"Authorization": f"Bearer {cluster3.token}"}
-        resp = raw.put(f"/v1/jobs/{job}/peers", content=b'{"kind":"tierckpt.peers"', headers=auth)
+            with pytest.raises(httpx.TransportError):
+                raw.request(ep.method, path, content=newer, extensions=named)
+    with SyncReplicatorClient(tls=TlsCredentials(c.tls_files), retry=ONE_ATTEMPT) as as_node:
+        with pytest.raises(ReplicatorError) as refused:  # a node's certificate: not the operator
+            as_node.put_peers(a.endpoint, PeerAssignment.from_bytes(newer), node=a.name)
+        assert refused.value.status == 403
+    peers = state_dir(a.root, job) / "peers.json"
+    assert json.loads(peers.read_bytes())["generation"] == 1
+    operator = TlsCredentials(cluster3.identity_files("operator"))
+    with httpx.Client(base_url=a.endpoint, verify=operator.client(named=True), timeout=10) as op:
+        resp = op.put(f"/v1/jobs/{job}/peers", content=b'{"kind":"tierckpt.peers"', extensions=named)
         assert resp.status_code == 400
     for path in (
         "/v1/jobs/..%2F..%2Fetc/inventory",
         "/v1/jobs/../../etc/passwd",
         "/v1/jobs/%2e%2e/inventory",
     ):
-        conn = http.client.HTTPConnection(a.ip, a.api_port, timeout=5)
-        conn.request("GET", path, headers={"Authorization": f"Bearer {cluster3.token}"})
+        conn = http.client.HTTPSConnection(a.ip, a.api_port, timeout=5, context=operator.client())
+        conn.request("GET", path)
         assert conn.getresponse().status in (400, 404)
         conn.close()
-    with socket.create_connection((a.ip, a.data_port), timeout=5) as s:  # the data endpoint, wrong token
+    with socket.create_connection((a.ip, a.data_port), timeout=5) as s:  # the data endpoint, no TLS
         send_frame(
-            s, DataRequest(op="put", token="nope", job=job, rank=0, step=1, commit_size=10, manifest_size=10)
+            s, DataRequest(op="put", token="", job=job, rank=0, step=1, commit_size=10, manifest_size=10)
         )
-        assert recv_frame(s, DataReply).status == Status.FORBIDDEN
-    with socket.create_connection((a.ip, a.data_port), timeout=5) as s:
-        send_frame(s, DataRequest(op="get", token=cluster3.token, job="../x", rank=0, step=1))
-        assert recv_frame(s, DataReply).status == Status.BAD_REQUEST
+        with contextlib.suppress(ConnectionResetError):
+            assert not s.recv(100).startswith(b"TKR1")  # no answer: the handshake failed
+    member = TlsCredentials(b.tls_files).client(named=True)
+    for who, req, status in (
+        (
+            member,
+            DataRequest(op="get", token="", job="../x", rank=0, step=1, node=b.name),
+            Status.BAD_REQUEST,
+        ),
+        (
+            operator.client(named=True),
+            DataRequest(op="get", token="", job=job, rank=0, step=1),
+            Status.FORBIDDEN,
+        ),
+    ):
+        with (
+            socket.create_connection((a.ip, a.data_port), timeout=5) as s,
+            who.wrap_socket(s, server_hostname=node_server_name(a.name)) as tls,
+        ):
+            send_frame(tls, req)
+            assert recv_frame(tls, DataReply).status == status
     assert not (a.root / job / "replicas").exists() and not (a.root / "x").exists()
 
 

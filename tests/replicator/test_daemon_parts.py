@@ -36,7 +36,10 @@ def test_flags_win_over_environment_over_defaults(tmp_path: Path):
     }
     s = parse_settings(["--node-name", "flag-node", "--advertise-host", "10.1.2.3"], env)
     assert (s.node_name, s.replicas, s.restore_on_start, s.root) == ("flag-node", 3, False, tmp_path)
-    assert s.data_port == s.api_port + 1 and s.api_endpoint == "http://10.1.2.3:8470"
+    assert s.data_port == s.api_port + 1 and s.api_endpoint == "https://10.1.2.3:8470"  # mutual TLS
+    assert s.identity_dir == tmp_path / ".tierckpt" / "identity"
+    legacy = parse_settings(["--node-name", "n", "--advertise-host", "10.1.2.3", "--auth", "token"], {})
+    assert legacy.api_endpoint == "http://10.1.2.3:8470"
     d = parse_settings(["--node-name", "n", "--advertise-host", "h"], {})
     assert (d.replicas, d.concurrency, d.replica_keep, d.bandwidth_limit) == (1, 2, 2, 0.0)
 
@@ -74,7 +77,10 @@ def test_console_script_help_runs():
     bad = subprocess.run(
         [sys.executable, "-m", "tierckpt_replicator", "--advertise-host", "h"], capture_output=True, text=True
     )
-    assert bad.returncode == 2 and "--token-file is required" in bad.stderr
+    assert bad.returncode == 2 and "--auth tls needs --tls-ca" in bad.stderr
+    legacy = [sys.executable, "-m", "tierckpt_replicator", "--advertise-host", "h", "--auth", "token"]
+    bad = subprocess.run(legacy, capture_output=True, text=True)
+    assert bad.returncode == 2 and "--auth token needs --token-file" in bad.stderr
 
 
 def test_token_file_rotation_and_constant_time_check(tmp_path: Path):
@@ -178,6 +184,7 @@ async def test_supervisor_restarts_a_dead_worker(tmp_path: Path):
     settings = Settings(
         node_name="n",
         root=tmp_path,
+        auth="token",
         token_file=token,
         advertise_host="127.0.0.1",
         listen_host="127.0.0.1",
@@ -221,6 +228,7 @@ async def test_worker_runs_at_lower_priority(tmp_path: Path):
     settings = Settings(
         node_name="n",
         root=tmp_path,
+        auth="token",
         token_file=token,
         advertise_host="127.0.0.1",
         listen_host="127.0.0.1",

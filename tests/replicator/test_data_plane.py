@@ -60,6 +60,7 @@ def make_peer(tmp_path: Path) -> Iterator:
         cfg = WorkerConfig(
             node=name,
             root=str(root),
+            auth="token",
             token_file=str(token),
             listen_host="127.0.0.1",
             data_port=0,

@@ -20,7 +20,8 @@ from tierckpt.protocol.bucket_layout import BucketLayout
 from tierckpt.protocol.client import ReplicatorClient, SyncReplicatorClient
 from tierckpt.protocol.control import JobPolicy, PurgeResult
 from tierckpt.protocol.tokens import TokenFile
-from tierckpt_demo.fakegcs import FakeGcsServer, free_port
+from tierckpt_demo.fakegcs import FakeGcsServer
+from tierckpt_demo.ports import free_port
 from tierckpt_demo.step_writer import write_step
 from tierckpt_replicator.backup.jobs import effective_settings
 from tierckpt_replicator.backup.settings import BackupSettings
@@ -79,6 +80,8 @@ def replicator(tmp_path: Path, gcs: FakeGcsServer) -> Iterator[tuple[str, Path]]
         "n0",
         "--root",
         str(root),
+        "--auth",
+        "token",
         "--token-file",
         str(token),
         "--listen-host",

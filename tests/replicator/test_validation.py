@@ -37,6 +37,7 @@ async def api(tmp_path: Path) -> AsyncIterator[tuple[httpx.AsyncClient, Daemon]]
         Settings(
             node_name="node-a",
             root=tmp_path / "ramdisk",
+            auth="token",  # the legacy bearer token: these tests are about validation, not identity
             token_file=tmp_path / "token",
             advertise_host="127.0.0.1",
         )
@@ -172,6 +173,7 @@ def data_port(tmp_path: Path):
     cfg = WorkerConfig(
         node="node-a",
         root=str(tmp_path / "ramdisk"),
+        auth="token",
         token_file=str(tmp_path / "token"),
         listen_host="127.0.0.1",
         data_port=0,

@@ -50,6 +50,26 @@ app.kubernetes.io/part-of: tierckpt
 {{- default (include "tierckpt.component" (dict "root" . "component" "token")) .Values.auth.existingSecret -}}
 {{- end -}}
 
+{{/* The tierckpt CA: its Secret (certificate and key, read by the operator only) and its ConfigMap
+(the certificate alone, read by every replicator). */}}
+{{- define "tierckpt.ca" -}}
+{{- include "tierckpt.component" (dict "root" . "component" "ca") -}}
+{{- end -}}
+
+{{/* The operator's node certificate signing endpoint (a Service in front of every operator replica). */}}
+{{- define "tierckpt.issuerService" -}}
+{{- include "tierckpt.component" (dict "root" . "component" "issuer") -}}
+{{- end -}}
+
+{{/* Legacy shared-token mode, only when asked for by name; its options without it are an error. */}}
+{{- define "tierckpt.tokenMode" -}}
+{{- if eq .Values.auth.mode "token" -}}
+true
+{{- else if or .Values.auth.token .Values.auth.existingSecret -}}
+{{- fail "auth.token and auth.existingSecret belong to the legacy auth.mode: token (one shared token, one trust domain for the whole cluster): set auth.mode: token explicitly to use it, or leave them empty for mutual TLS" -}}
+{{- end -}}
+{{- end -}}
+
 {{- define "tierckpt.webhookService" -}}
 {{- include "tierckpt.component" (dict "root" . "component" "webhook") -}}
 {{- end -}}

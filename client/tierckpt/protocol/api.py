@@ -92,8 +92,10 @@ STATUS_MEANINGS = {
     202: "accepted; the work (restore staging) goes on in the background",
     400: "malformed request: an invalid job id or query value, a body that is not the endpoint's "
     "message, or a body for another job than the path's",
-    401: "no bearer token (answered with WWW-Authenticate: Bearer)",
-    403: "wrong bearer token",
+    401: "no credentials: no client certificate naming a tierckpt identity, or (legacy --auth token) no "
+    "bearer token (answered with WWW-Authenticate: Bearer)",
+    403: "not allowed: a node may only read the inventory of a job both nodes belong to (only the "
+    "operator may call the rest), or (legacy --auth token) a wrong bearer token",
     409: "the body's generation is not newer than the one this node holds (the answer keeps it)",
     413: "the body is larger than the replicator's --max-request-bytes",
     502: "the backup failed",
@@ -122,7 +124,7 @@ class Endpoint:
     summary: str
     query: tuple[QueryFlag, ...] = ()
     auth: bool = True
-    """Whether the bearer token is required (every ``/v1`` route; the probes are open)."""
+    """Whether the caller must authenticate (every ``/v1`` route; the probes are open)."""
     media_type: str = "application/json"
     ports: tuple[Port, ...] = ("api",)
     """The servers that serve it (``PORTS``)."""

@@ -3,12 +3,18 @@ asyncio (the operator, a replicator asking its peers) and ``SyncReplicatorClient
 demo, tests, benchmarks).
 
 Both share everything but the transport: requests are built from the endpoint table (path
-parameters checked against the table's patterns and URL-quoted; the bearer token read fresh from
-``TokenFile``, so rotation needs no restart), answers are read up to ``max_answer_bytes`` and decoded
-into the endpoint's typed message, and one retry policy applies (``RetryPolicy``, on tenacity):
-connection errors, timeouts, 408, 425, 429 and 5xx are retried with exponential backoff; any other
-answer is final. Failures raise ``ReplicatorError`` (a ``RetryableError`` carrying the endpoint and
-the last HTTP status); a malformed or oversized answer raises ``ContractError``.
+parameters checked against the table's patterns and URL-quoted), answers are read up to
+``max_answer_bytes`` and decoded into the endpoint's typed message, and one retry policy applies
+(``RetryPolicy``, on tenacity): connection errors, timeouts, 408, 425, 429 and 5xx are retried with
+exponential backoff; any other answer is final. Failures raise ``ReplicatorError`` (a
+``RetryableError`` carrying the endpoint and the last HTTP status); a malformed or oversized answer
+raises ``ContractError``.
+
+Credentials: with ``tls`` (``tierckpt.protocol.identity.TlsCredentials``), every call goes over mutual
+TLS (``https://`` endpoints only: a plain ``http://`` endpoint is refused before anything is sent), and
+a call given the ``node`` it is meant for verifies that the server's certificate names that node before
+the request is sent (the TLS server name). With ``token`` (legacy ``--auth token``), the bearer token is
+read fresh from ``TokenFile`` for every request, so rotation needs no restart.
 
 This module needs httpx and tenacity, which the ``client`` extra installs (the replicator, operator and
 demo extras include it); it is the only module of ``tierckpt`` that imports an HTTP library.
@@ -20,6 +26,7 @@ import asyncio
 import dataclasses
 import logging
 import re
+import ssl
 import urllib.parse
 from typing import Any, TypeVar
 
@@ -39,6 +46,7 @@ from tierckpt.protocol.control import (
     RestorePlan,
 )
 from tierckpt.protocol.errors import ContractError, FormatError, RetryableError
+from tierckpt.protocol.identity import TlsCredentials, node_server_name
 from tierckpt.protocol.tokens import TokenFile
 
 __all__ = [
@@ -131,7 +139,8 @@ class _Request:
     missing_ok: bool = False
     """A 404 answers None (the node has no such job) instead of raising."""
     node: str | None = None
-    """The node the answer must come from (an inventory's ``node``)."""
+    """The node the server must be (its certificate, over TLS) and the answer must come from (an
+    inventory's ``node``)."""
     timeout: float | None = None
 
     @property
@@ -143,6 +152,7 @@ def _build(
     spec: api.Endpoint,
     endpoint: str,
     token: TokenFile | None,
+    tls: bool,
     *,
     body: Message | None = None,
     flags: dict[str, bool] | None = None,
@@ -167,7 +177,10 @@ def _build(
         headers["Content-Type"] = "application/json"
     known = {q.name for q in spec.query}
     params = {name: "true" for name, on in (flags or {}).items() if on and name in known} or None
-    url = api_base(endpoint) + spec.url_path(**path)
+    base = api_base(endpoint)
+    if tls and not base.startswith("https://"):
+        raise ContractError(f"{spec.name}: refusing {endpoint!r}: this client speaks only mutual TLS (https)")
+    url = base + spec.url_path(**path)
     content = body.to_bytes() if body is not None else None
     return _Request(spec, endpoint, url, path, headers, content, params, **kw)
 
@@ -213,7 +226,7 @@ def _decode(req: _Request, status: int, content: bytes, cls: type[M]) -> M | Non
         msg = cls.from_bytes(content)
     except FormatError as exc:
         raise ContractError(f"replicator {req.endpoint}: {req.what}: malformed {cls.KIND}: {exc}") from exc
-    job, node = getattr(msg, "job", None), getattr(msg, "node", None)
+    job, node = getattr(msg, "job", None), getattr(msg, "node", req.node)
     if "job" in req.path and job != req.path["job"]:
         raise ContractError(f"replicator {req.endpoint}: {req.what}: answers for job {job!r}")
     if req.node is not None and node != req.node:
@@ -227,14 +240,38 @@ def _must(msg: M | None) -> M:
     return msg
 
 
-class _Client:
-    """What both clients hold: the token, the retry policy and the answer size limit."""
+def _limits(concurrency: int, named: bool) -> httpx.Limits:
+    """Calls for a named node over TLS get a new connection each: a pooled connection is kept by
+    address, and an address may belong to another node by now (a pod IP reused), while the server's
+    name is verified only in the handshake. (A handshake costs about a millisecond; these calls come
+    seconds apart.)"""
+    return httpx.Limits(max_connections=concurrency, max_keepalive_connections=0 if named else concurrency)
 
-    def __init__(self, token: TokenFile | None, retry: RetryPolicy, max_answer_bytes: int) -> None:
-        self.token, self.retry, self.max_answer_bytes = token, retry, max_answer_bytes
+
+def _extensions(req: _Request, tls: bool) -> dict[str, Any] | None:
+    """Over TLS, a call for a known node asks for that node's certificate (the server name)."""
+    return {"sni_hostname": node_server_name(req.node)} if tls and req.node is not None else None
+
+
+class _Client:
+    """What both clients hold: the credentials, the retry policy and the answer size limit."""
+
+    def __init__(
+        self,
+        token: TokenFile | None,
+        tls: TlsCredentials | None,
+        retry: RetryPolicy,
+        max_answer_bytes: int,
+    ) -> None:
+        self.token, self.tls, self.retry, self.max_answer_bytes = token, tls, retry, max_answer_bytes
 
     def _req(self, spec: api.Endpoint, endpoint: str, **kw: Any) -> _Request:
-        return _build(spec, endpoint, self.token, **kw)
+        return _build(spec, endpoint, self.token, self.tls is not None, **kw)
+
+    def _verify(self, named: bool) -> ssl.SSLContext | bool:
+        """httpx's ``verify``: a context that checks the server's name (calls for a known node), one that
+        accepts any node of the CA, or (no TLS) the default."""
+        return self.tls.client(named=named) if self.tls is not None else True
 
 
 # ------------------------------------------------------------------------------------ asyncio
@@ -243,25 +280,36 @@ class _Client:
 class ReplicatorClient(_Client):
     """Typed calls to any replicator, sharing one connection pool and a concurrency limit (asyncio).
 
-    ``token=None`` sends no Authorization header. ``transport`` replaces the network (tests).
+    ``tls``: mutual TLS with these credentials; ``token``: the legacy bearer token (neither: no
+    credentials). ``transport`` replaces the network (tests). Every method takes ``node=``, the node the
+    endpoint belongs to: over TLS the server must prove it is that node.
     """
 
     def __init__(
         self,
         *,
         token: TokenFile | None = None,
+        tls: TlsCredentials | None = None,
         timeout: float = 5.0,
         retry: RetryPolicy = RetryPolicy(),
         concurrency: int = 64,
         max_answer_bytes: int = MAX_ANSWER_BYTES,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
-        super().__init__(token, retry, max_answer_bytes)
+        super().__init__(token, tls, retry, max_answer_bytes)
         self._slots = asyncio.Semaphore(concurrency)
-        limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-        self._http = httpx.AsyncClient(
-            timeout=timeout, limits=limits, transport=transport, trust_env=False, follow_redirects=False
-        )
+        pools = (False, True) if tls is not None else (False,)
+        self._pools = {
+            named: httpx.AsyncClient(
+                timeout=timeout,
+                limits=_limits(concurrency, named),
+                transport=transport,
+                trust_env=False,
+                follow_redirects=False,
+                verify=self._verify(named),
+            )
+            for named in pools
+        }
 
     async def __aenter__(self) -> ReplicatorClient:
         return self
@@ -270,45 +318,59 @@ class ReplicatorClient(_Client):
         await self.aclose()
 
     async def aclose(self) -> None:
-        await self._http.aclose()
+        for pool in self._pools.values():
+            await pool.aclose()
+
+    def _pool(self, req: _Request) -> httpx.AsyncClient:
+        return self._pools.get(req.node is not None, self._pools[False])
 
     async def inventory(self, endpoint: str, job: str, *, node: str | None = None) -> NodeInventory | None:
         """What the node holds of the job; None if it answers 404. ``node``: the name it must answer as."""
         req = self._req(api.INVENTORY, endpoint, job=job, missing_ok=True, node=node)
         return await self._call(req, NodeInventory)
 
-    async def put_peers(self, endpoint: str, assignment: PeerAssignment) -> PeerAssignment:
-        req = self._req(api.PUT_PEERS, endpoint, job=assignment.job, body=assignment)
+    async def put_peers(
+        self, endpoint: str, assignment: PeerAssignment, *, node: str | None = None
+    ) -> PeerAssignment:
+        req = self._req(api.PUT_PEERS, endpoint, job=assignment.job, body=assignment, node=node)
         return _must(await self._call(req, PeerAssignment))
 
-    async def put_policy(self, endpoint: str, policy: JobPolicy) -> JobPolicy:
-        req = self._req(api.PUT_POLICY, endpoint, job=policy.job, body=policy)
+    async def put_policy(self, endpoint: str, policy: JobPolicy, *, node: str | None = None) -> JobPolicy:
+        req = self._req(api.PUT_POLICY, endpoint, job=policy.job, body=policy, node=node)
         return _must(await self._call(req, JobPolicy))
 
-    async def put_restore_plan(self, endpoint: str, plan: RestorePlan) -> RestorePlan:
-        req = self._req(api.PUT_RESTORE_PLAN, endpoint, job=plan.job, body=plan)
+    async def put_restore_plan(
+        self, endpoint: str, plan: RestorePlan, *, node: str | None = None
+    ) -> RestorePlan:
+        req = self._req(api.PUT_RESTORE_PLAN, endpoint, job=plan.job, body=plan, node=node)
         return _must(await self._call(req, RestorePlan))
 
-    async def backup(self, endpoint: str, job: str, *, timeout: float | None = None) -> BackupResult:
+    async def backup(
+        self, endpoint: str, job: str, *, timeout: float | None = None, node: str | None = None
+    ) -> BackupResult:
         return _must(
-            await self._call(self._req(api.BACKUP, endpoint, job=job, timeout=timeout), BackupResult)
+            await self._call(
+                self._req(api.BACKUP, endpoint, job=job, timeout=timeout, node=node), BackupResult
+            )
         )
 
-    async def restore(self, endpoint: str, job: str) -> RestoreAccepted:
-        return _must(await self._call(self._req(api.RESTORE, endpoint, job=job), RestoreAccepted))
+    async def restore(self, endpoint: str, job: str, *, node: str | None = None) -> RestoreAccepted:
+        return _must(await self._call(self._req(api.RESTORE, endpoint, job=job, node=node), RestoreAccepted))
 
-    async def purge(self, endpoint: str, job: str, *, backups: bool = False) -> PurgeResult | None:
+    async def purge(
+        self, endpoint: str, job: str, *, backups: bool = False, node: str | None = None
+    ) -> PurgeResult | None:
         """Delete the job on the node (with ``backups``, its bucket backups too); None if it answers 404."""
-        req = self._req(api.PURGE, endpoint, job=job, flags={"bucket": backups}, missing_ok=True)
+        req = self._req(api.PURGE, endpoint, job=job, flags={"bucket": backups}, missing_ok=True, node=node)
         return await self._call(req, PurgeResult)
 
-    async def status(self, endpoint: str) -> NodeStatus:
-        return _must(await self._call(self._req(api.STATUS, endpoint), NodeStatus))
+    async def status(self, endpoint: str, *, node: str | None = None) -> NodeStatus:
+        return _must(await self._call(self._req(api.STATUS, endpoint, node=node), NodeStatus))
 
-    async def ready(self, endpoint: str, *, timeout: float | None = None) -> bool:
+    async def ready(self, endpoint: str, *, timeout: float | None = None, node: str | None = None) -> bool:
         """Whether ``/readyz`` answers 200 (one attempt; no answer is not ready)."""
         try:
-            status, _ = await self._attempt(self._req(api.READYZ, endpoint, timeout=timeout))
+            status, _ = await self._attempt(self._req(api.READYZ, endpoint, timeout=timeout, node=node))
         except (_Transient, ContractError):
             return False
         return status == 200
@@ -334,13 +396,14 @@ class ReplicatorClient(_Client):
         try:
             async with (
                 self._slots,
-                self._http.stream(
+                self._pool(req).stream(
                     req.spec.method,
                     req.url,
                     content=req.content,
                     params=req.params,
                     headers=req.headers,
                     timeout=timeout,
+                    extensions=_extensions(req, self.tls is not None),
                 ) as resp,
             ):
                 _check_size(req, resp.headers.get("content-length"), self.max_answer_bytes)
@@ -362,17 +425,26 @@ class SyncReplicatorClient(_Client):
         self,
         *,
         token: TokenFile | None = None,
+        tls: TlsCredentials | None = None,
         timeout: float = 10.0,
         retry: RetryPolicy = RetryPolicy(),
         concurrency: int = 64,
         max_answer_bytes: int = MAX_ANSWER_BYTES,
         transport: httpx.BaseTransport | None = None,
     ) -> None:
-        super().__init__(token, retry, max_answer_bytes)
-        limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-        self._http = httpx.Client(
-            timeout=timeout, limits=limits, transport=transport, trust_env=False, follow_redirects=False
-        )
+        super().__init__(token, tls, retry, max_answer_bytes)
+        pools = (False, True) if tls is not None else (False,)
+        self._pools = {
+            named: httpx.Client(
+                timeout=timeout,
+                limits=_limits(concurrency, named),
+                transport=transport,
+                trust_env=False,
+                follow_redirects=False,
+                verify=self._verify(named),
+            )
+            for named in pools
+        }
 
     def __enter__(self) -> SyncReplicatorClient:
         return self
@@ -381,40 +453,52 @@ class SyncReplicatorClient(_Client):
         self.close()
 
     def close(self) -> None:
-        self._http.close()
+        for pool in self._pools.values():
+            pool.close()
+
+    def _pool(self, req: _Request) -> httpx.Client:
+        return self._pools.get(req.node is not None, self._pools[False])
 
     def inventory(self, endpoint: str, job: str, *, node: str | None = None) -> NodeInventory | None:
         req = self._req(api.INVENTORY, endpoint, job=job, missing_ok=True, node=node)
         return self._call(req, NodeInventory)
 
-    def put_peers(self, endpoint: str, assignment: PeerAssignment) -> PeerAssignment:
-        req = self._req(api.PUT_PEERS, endpoint, job=assignment.job, body=assignment)
+    def put_peers(
+        self, endpoint: str, assignment: PeerAssignment, *, node: str | None = None
+    ) -> PeerAssignment:
+        req = self._req(api.PUT_PEERS, endpoint, job=assignment.job, body=assignment, node=node)
         return _must(self._call(req, PeerAssignment))
 
-    def put_policy(self, endpoint: str, policy: JobPolicy) -> JobPolicy:
-        req = self._req(api.PUT_POLICY, endpoint, job=policy.job, body=policy)
+    def put_policy(self, endpoint: str, policy: JobPolicy, *, node: str | None = None) -> JobPolicy:
+        req = self._req(api.PUT_POLICY, endpoint, job=policy.job, body=policy, node=node)
         return _must(self._call(req, JobPolicy))
 
-    def put_restore_plan(self, endpoint: str, plan: RestorePlan) -> RestorePlan:
-        req = self._req(api.PUT_RESTORE_PLAN, endpoint, job=plan.job, body=plan)
+    def put_restore_plan(self, endpoint: str, plan: RestorePlan, *, node: str | None = None) -> RestorePlan:
+        req = self._req(api.PUT_RESTORE_PLAN, endpoint, job=plan.job, body=plan, node=node)
         return _must(self._call(req, RestorePlan))
 
-    def backup(self, endpoint: str, job: str, *, timeout: float | None = None) -> BackupResult:
-        return _must(self._call(self._req(api.BACKUP, endpoint, job=job, timeout=timeout), BackupResult))
+    def backup(
+        self, endpoint: str, job: str, *, timeout: float | None = None, node: str | None = None
+    ) -> BackupResult:
+        return _must(
+            self._call(self._req(api.BACKUP, endpoint, job=job, timeout=timeout, node=node), BackupResult)
+        )
 
-    def restore(self, endpoint: str, job: str) -> RestoreAccepted:
-        return _must(self._call(self._req(api.RESTORE, endpoint, job=job), RestoreAccepted))
+    def restore(self, endpoint: str, job: str, *, node: str | None = None) -> RestoreAccepted:
+        return _must(self._call(self._req(api.RESTORE, endpoint, job=job, node=node), RestoreAccepted))
 
-    def purge(self, endpoint: str, job: str, *, backups: bool = False) -> PurgeResult | None:
-        req = self._req(api.PURGE, endpoint, job=job, flags={"bucket": backups}, missing_ok=True)
+    def purge(
+        self, endpoint: str, job: str, *, backups: bool = False, node: str | None = None
+    ) -> PurgeResult | None:
+        req = self._req(api.PURGE, endpoint, job=job, flags={"bucket": backups}, missing_ok=True, node=node)
         return self._call(req, PurgeResult)
 
-    def status(self, endpoint: str) -> NodeStatus:
-        return _must(self._call(self._req(api.STATUS, endpoint), NodeStatus))
+    def status(self, endpoint: str, *, node: str | None = None) -> NodeStatus:
+        return _must(self._call(self._req(api.STATUS, endpoint, node=node), NodeStatus))
 
-    def ready(self, endpoint: str, *, timeout: float | None = None) -> bool:
+    def ready(self, endpoint: str, *, timeout: float | None = None, node: str | None = None) -> bool:
         try:
-            status, _ = self._attempt(self._req(api.READYZ, endpoint, timeout=timeout))
+            status, _ = self._attempt(self._req(api.READYZ, endpoint, timeout=timeout, node=node))
         except (_Transient, ContractError):
             return False
         return status == 200
@@ -434,13 +518,14 @@ class SyncReplicatorClient(_Client):
     def _attempt(self, req: _Request) -> tuple[int, bytes]:
         timeout = req.timeout if req.timeout is not None else httpx.USE_CLIENT_DEFAULT
         try:
-            with self._http.stream(
+            with self._pool(req).stream(
                 req.spec.method,
                 req.url,
                 content=req.content,
                 params=req.params,
                 headers=req.headers,
                 timeout=timeout,
+                extensions=_extensions(req, self.tls is not None),
             ) as resp:
                 _check_size(req, resp.headers.get("content-length"), self.max_answer_bytes)
                 body = bytearray()

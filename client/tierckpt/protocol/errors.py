@@ -12,6 +12,7 @@ Every error says what happened and why. The tree::
     │                          destination's (nothing was copied)
     ├── RamdiskFullError       the ramdisk ran out of space (ENOSPC); the partial step was removed
     ├── SaveInProgressError    a save was refused because another is still running (policy "error")
+    ├── ReplicaDivergenceError members of a replica group saved different tensors (policy "raise")
     ├── ContractError          operator/pod/replicator contract data is missing or malformed
     └── RetryableError         a transient failure (peer down, GCS 5xx, timeout); safe to retry
 """
@@ -24,6 +25,7 @@ __all__ = [
     "FormatError",
     "MissingCheckpointError",
     "RamdiskFullError",
+    "ReplicaDivergenceError",
     "RetryableError",
     "SaveInProgressError",
     "StateMismatchError",
@@ -90,6 +92,18 @@ class SaveInProgressError(TierckptError):
     """A save arrived while another was still running."""
 
 
+class ReplicaDivergenceError(TierckptError):
+    """Members of a replica group saved different tensors at ``step`` (each kept its own copy)."""
+
+    def __init__(self, message: str, *, step: int, differs: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.step = step
+        self.differs = differs
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_replica_divergence_error, (str(self), self.step, self.differs))
+
+
 class ContractError(TierckptError):
     """Data exchanged between operator, pod and replicator is missing or malformed."""
 
@@ -104,3 +118,7 @@ def _corrupt_shard_error(message: str, path: str, key: str | None) -> CorruptSha
 
 def _state_mismatch_error(message: str, mismatches: tuple[str, ...]) -> StateMismatchError:
     return StateMismatchError(message, mismatches=mismatches)
+
+
+def _replica_divergence_error(message: str, step: int, differs: tuple[int, ...]) -> ReplicaDivergenceError:
+    return ReplicaDivergenceError(message, step=step, differs=differs)

@@ -40,6 +40,7 @@ from typing import Any, Literal, TypeAlias
 from tierckpt.protocol.codec import Message, Record
 from tierckpt.protocol.errors import FormatError, UnsafePathError
 from tierckpt.protocol.integrity import crc32c
+from tierckpt.protocol.replica import ReplicaRecord
 from tierckpt.protocol.safefs import Beneath
 
 __all__ = [
@@ -303,11 +304,15 @@ class Manifest(Message):
     object_count: int = 0
     manifest_kind: ManifestKind = "state_dict"
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+    replica: ReplicaRecord | None = None
+    """The step's replica group, when the rank saved as a member of one (``tierckpt.protocol.replica``)."""
 
     def __post_init__(self) -> None:
         check_job_id(self.job)
         _check_nonneg("rank", self.rank)
         _check_nonneg("step", self.step)
+        if self.replica is not None and self.replica.known:
+            self.replica.check_rank(self.rank)
         names = {f.name for f in self.files}
         if len(names) != len(self.files):
             raise FormatError("manifest lists a file twice")

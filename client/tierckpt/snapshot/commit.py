@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,11 +25,15 @@ from tierckpt.protocol.format import (
     write_atomic,
 )
 from tierckpt.protocol.integrity import crc32c
+from tierckpt.protocol.replica import ReplicaRecord
 from tierckpt.snapshot.copy import file_crc, region_crcs
 from tierckpt.snapshot.layout import LayoutPlan
 from tierckpt.snapshot.shardfile import MappedFile
 
-__all__ = ["CommittedStep", "StepIdentity", "checksum_slot", "commit_files"]
+__all__ = ["CommittedStep", "RecordFor", "StepIdentity", "checksum_slot", "commit_files"]
+
+RecordFor = Callable[[tuple[FileEntry, ...], tuple[TensorEntry, ...], int], ReplicaRecord]
+"""``(files, tensors, bytes linked from another member) -> the step's replica record``."""
 
 
 class StepIdentity:
@@ -74,14 +78,17 @@ def commit_files(
     manifest_kind: ManifestKind = "state_dict",
     extra: dict[str, Any] | None = None,
     workers: int | None = None,
+    replica: RecordFor | None = None,
 ) -> CommittedStep:
-    """Checksum, sync and commit a step whose data files hold ``plan``'s tensors."""
+    """Checksum, sync and commit a step whose data files hold ``plan``'s tensors (``replica``: the
+    record of the rank's replica group, built from the finished file and tensor tables)."""
     tensor_crcs, file_entries = checksum_slot(plan, files, workers=workers)
     for f in files:
         f.sync()
     if objects is not None:
         write_atomic(step_path / OBJECTS_NAME, objects)
         file_entries.append(FileEntry(name=OBJECTS_NAME, size=len(objects), crc32c=crc32c(objects)))
+    file_table = tuple(file_entries)
     tensors = tuple(
         TensorEntry(
             key=spec.key,
@@ -100,11 +107,12 @@ def commit_files(
         world_size=who.world_size,
         step=who.step,
         created_at=time.time(),
-        files=tuple(file_entries),
+        files=file_table,
         tensors=tensors,
         tree=tree,
         object_count=object_count,
         manifest_kind=manifest_kind,
         extra=extra or {},
+        replica=None if replica is None else replica(file_table, tensors, 0),
     )
     return CommittedStep(commit_step(step_path, manifest), manifest)

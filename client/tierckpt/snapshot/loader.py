@@ -110,7 +110,7 @@ class StepLoader:
         self.last_timings: dict[str, float] = {}
         """Phases of the last load in seconds: manifest, map, bind, tree, h2d, verify_wait, copy, total."""
 
-    def _check_identity(self, path: Path, step: int, manifest: Manifest, *, strict: bool) -> None:
+    def check_identity(self, path: Path, step: int, manifest: Manifest, *, strict: bool) -> None:
         s = self.settings
         if (manifest.job, manifest.rank, manifest.step) != (s.job, s.rank, step):
             raise FormatError(
@@ -149,7 +149,7 @@ class StepLoader:
         start = time.perf_counter()
         timings = self.last_timings = {}
         manifest = self.manifests.read(path, step)
-        self._check_identity(path, step, manifest, strict=strict)
+        self.check_identity(path, step, manifest, strict=strict)
         timings["manifest_s"] = time.perf_counter() - start
         if cuda.in_use() and not self.pool.register_cuda:
             self.pool.use_cuda(cuda.current_device())  # pinned later, off the restore path (pool.warm)

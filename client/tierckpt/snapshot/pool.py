@@ -13,6 +13,12 @@ becomes *ready* only once it is completely prepared (fitted, pre-faulted and, fo
 registered); ``take`` hands out ready spares only, so a save never sees a half-prepared slot. A save
 that finds none ready waits for the one being prepared (which is sooner than preparing its own),
 never for the rest; with nothing being prepared it prepares its own.
+
+A data file with more than one hard link is never written in place: another member of a replica group
+on this node committed a step that links it (``snapshot.linked``). A retired slot in that state is
+*shared*: it waits apart until the other step lets go (its link count drops back to 1, normally
+milliseconds later, when that rank retires the same step) and then becomes a ready spare again, pinned
+mapping and all. The warm-up gives it ``SHARED_GRACE`` seconds before preparing a new slot instead.
 """
 
 from __future__ import annotations
@@ -37,11 +43,14 @@ from tierckpt.snapshot.layout import LayoutPlan
 from tierckpt.snapshot.restore import tensor_views
 from tierckpt.snapshot.shardfile import MappedFile
 
-__all__ = ["SPARE_DIR", "Slot", "SlotPool"]
+__all__ = ["SHARED_GRACE", "SPARE_DIR", "Slot", "SlotPool"]
 
 log = logging.getLogger(__name__)
 
 SPARE_DIR = ".spare"
+SHARED_GRACE = 2.0
+"""Seconds the warm-up waits for a shared slot to be released before it prepares a new one."""
+_SHARED_POLL = 0.01
 
 
 class Slot:
@@ -114,6 +123,11 @@ class Slot:
     def registered(self) -> bool:
         return all(f.registered for f in self.files)
 
+    @property
+    def shared(self) -> bool:
+        """Whether another step links one of these files (then nothing may write them)."""
+        return any(f.links() > 1 for f in self.files)
+
     def close(self, *, unlink: bool = False) -> None:
         self._views, self._layout, self._read = [], None, None
         for f in self.files:
@@ -145,6 +159,8 @@ class SlotPool:
         self._ready: list[Slot] = []
         self._raw: list[Slot] = []
         """Adopted or retired slots whose mappings are not prepared yet."""
+        self._shared: list[tuple[Slot, bool]] = []
+        """Retired slots another step still links, with whether they are prepared (see the module doc)."""
         self._on_disk: set[int] = set()
         """Committed steps an earlier process left that this pool has not mapped: slots to come back
         through retention (so the warm-up builds none in their stead)."""
@@ -189,7 +205,11 @@ class SlotPool:
             adopted.append(Slot(d, files))
             room -= 1
         with self._cond:
-            self._raw.extend(adopted)
+            for slot in adopted:
+                if slot.shared:
+                    self._shared.append((slot, False))
+                else:
+                    self._raw.append(slot)
         log.debug("adopted %d spare slot(s) in %s", len(adopted), self.rank_path)
 
     def slot_of(self, step: int) -> Slot | None:
@@ -239,12 +259,22 @@ class SlotPool:
 
     def take(self, step: int, plan: LayoutPlan) -> Slot:
         """A slot fitted to ``plan`` with its files inside ``step-<step>/``: a ready spare if any, else
-        the one being prepared (waiting for it alone), else an unprepared spare or a new slot prepared
-        here. ``RamdiskFullError`` if new space cannot be reserved; nothing is left behind then."""
+        the one being prepared (waiting for it alone), else a shared slot about to be released (for at
+        most ``SHARED_GRACE``), else an unprepared spare or a new slot prepared here.
+        ``RamdiskFullError`` if new space cannot be reserved; nothing is left behind then."""
         path = step_dir(self.rank_path, step)
+        deadline = time.monotonic() + SHARED_GRACE
         with self._cond:
-            while not self._ready and not self._raw and self._preparing and not self._stopping:
-                self._cond.wait()
+            while True:
+                self._reclaim_locked()
+                if self._ready or self._raw or self._stopping:
+                    break
+                if self._preparing:
+                    self._cond.wait()
+                elif self._shared and time.monotonic() < deadline:
+                    self._cond.wait(_SHARED_POLL)  # the member linking it retires its step any moment
+                else:
+                    break
             slot = self._best(self._ready, plan) or self._best(self._raw, plan)
             if slot is not None:
                 self._lent[id(slot)] = slot
@@ -317,14 +347,19 @@ class SlotPool:
         self.warm(plan).result()
 
     def _warm_up(self) -> None:
+        grace = time.monotonic() + SHARED_GRACE
         try:
             while True:
                 with self._cond:
                     if self._stopping:
                         break
+                    self._reclaim_locked()
                     if self._raw:
                         slot: Slot | None = self._raw.pop(0)
                     elif self._warm_plan is not None and self._count() < self.target:
+                        if self._shared and time.monotonic() < grace:
+                            self._cond.wait(_SHARED_POLL)  # a shared slot is normally released soon
+                            continue
                         slot = None
                     else:
                         break
@@ -396,6 +431,19 @@ class SlotPool:
 
     # ---------------------------------------------------------------------------------- recycling
 
+    def _reclaim_locked(self) -> None:
+        """Shared slots no other step links any more become spares again (caller holds the lock)."""
+        if not self._shared:
+            return
+        still = []
+        for slot, prepared in self._shared:
+            if slot.shared:
+                still.append((slot, prepared))
+            else:
+                (self._ready if prepared else self._raw).append(slot)
+                self._cond.notify_all()
+        self._shared = still
+
     def recycle(self, step: int, path: Path) -> None:
         """Turn a retired step (COMMIT already gone) into a spare, or delete it if not needed."""
         with self._cond:
@@ -414,7 +462,10 @@ class SlotPool:
                 slot.close(unlink=True)
             else:
                 with self._cond:
-                    (self._ready if prepared else self._raw).append(slot)
+                    if slot.shared:  # checked after the rename: no new link can appear any more
+                        self._shared.append((slot, prepared))
+                    else:
+                        (self._ready if prepared else self._raw).append(slot)
                     self._cond.notify_all()
         elif slot is not None:
             slot.close()
@@ -434,8 +485,12 @@ class SlotPool:
     def trim(self) -> None:
         """Delete spares beyond ``target`` slots (e.g. while leases hold extra steps)."""
         with self._cond:
-            extra = self._count() - self.target
+            self._reclaim_locked()
+            extra = self._count() + len(self._shared) - self.target
             drop = []
+            while extra > 0 and self._shared:  # their data lives on in the steps that link them
+                drop.append(self._shared.pop()[0])
+                extra -= 1
             for spares in (self._raw, self._ready):
                 while extra > 0 and spares:
                     drop.append(spares.pop())
@@ -465,6 +520,7 @@ class SlotPool:
         self._warmer.shutdown(wait=True)
         with self._cond:
             slots = [*self._by_step.values(), *self._ready, *self._raw, *self._lent.values()]
-            self._by_step, self._ready, self._raw, self._lent = {}, [], [], {}
+            slots += [slot for slot, _ in self._shared]
+            self._by_step, self._ready, self._raw, self._lent, self._shared = {}, [], [], {}, []
         for slot in slots:
             slot.close()

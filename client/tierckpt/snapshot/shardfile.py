@@ -254,6 +254,10 @@ class MappedFile:
         """The file's current size on disk (differs from ``size`` only if someone else changed it)."""
         return os.fstat(self._fd).st_size
 
+    def links(self) -> int:
+        """The file's hard-link count: above 1 while another rank's step links it (never rewrite it then)."""
+        return os.fstat(self._fd).st_nlink if self._fd >= 0 else 0
+
     def register(self, device: int | None = None) -> bool:
         """Pin the mapping for CUDA DMA (once), in ``device``'s context; False when CUDA is unavailable
         or refuses, or the file is closed."""

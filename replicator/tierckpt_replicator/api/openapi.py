@@ -4,7 +4,7 @@ Each route keeps reading its own raw body (the byte limit is enforced before par
 knows nothing of the bodies; the document gets them through each route's ``openapi_extra`` (request
 body, path and query parameters, security) and ``responses`` (every status of the table, with the
 message's schema from ``tierckpt.protocol.codec.json_schema``). The messages and the records nested in
-them are ``components/schemas``. Served at ``GET /v1/openapi.json`` behind the bearer token; there is
+them are ``components/schemas``. Served at ``GET /v1/openapi.json`` to authenticated callers; there is
 no interactive documentation.
 """
 
@@ -21,7 +21,19 @@ from tierckpt.protocol.codec import Message, json_schema
 __all__ = ["components", "install_openapi", "route_docs"]
 
 _REF = "#/components/schemas/"
-_SECURITY = "bearerToken"
+_SECURITY = {"tls": "mutualTLS", "token": "bearerToken"}
+_SCHEMES: dict[str, dict[str, Any]] = {
+    "tls": {
+        "type": "mutualTLS",
+        "description": "a client certificate of the tierckpt CA naming the operator or a node "
+        "(spiffe://tierckpt.io/operator, spiffe://tierckpt.io/node/<node>); docs/security.md",
+    },
+    "token": {
+        "type": "http",
+        "scheme": "bearer",
+        "description": "the content of the replicator's --token-file",
+    },
+}
 _ERROR = {
     "type": "object",
     "properties": {"detail": {"type": "string", "description": "why the request was refused"}},
@@ -78,7 +90,7 @@ def _body(schema: dict[str, Any], media_type: str = "application/json") -> dict[
     return {"content": {media_type: {"schema": schema}}}
 
 
-def route_docs(ep: api.Endpoint) -> dict[str, Any]:
+def route_docs(ep: api.Endpoint, auth: str = "token") -> dict[str, Any]:
     """``responses`` and ``openapi_extra`` for ``ep``'s route."""
     if ep.response is not None:
         ok = _body({"$ref": _REF + ep.response.__name__})
@@ -115,11 +127,11 @@ def route_docs(ep: api.Endpoint) -> dict[str, Any]:
         extra["parameters"] = params
     if ep.request is not None:
         extra["requestBody"] = {"required": True, **_body({"$ref": _REF + ep.request.__name__})}
-    extra["security"] = [{_SECURITY: []}] if ep.auth else []
+    extra["security"] = [{_SECURITY[auth]: []}] if ep.auth else []
     return {"responses": responses, "openapi_extra": extra}
 
 
-def install_openapi(app: FastAPI) -> None:
+def install_openapi(app: FastAPI, auth: str = "token") -> None:
     """``app.openapi()`` builds (once) the document of the app's routes, with the message schemas."""
 
     def build() -> dict[str, Any]:
@@ -132,13 +144,7 @@ def install_openapi(app: FastAPI) -> None:
             )
             parts = doc.setdefault("components", {})
             parts.setdefault("schemas", {}).update(components())
-            parts["securitySchemes"] = {
-                _SECURITY: {
-                    "type": "http",
-                    "scheme": "bearer",
-                    "description": "the content of the replicator's --token-file",
-                }
-            }
+            parts["securitySchemes"] = {_SECURITY[auth]: _SCHEMES[auth]}
             app.openapi_schema = doc
         return app.openapi_schema
 

@@ -1,10 +1,10 @@
 """The control API's routes, registered from the endpoint table (``tierckpt.protocol.api.ENDPOINTS``).
 
 Every table entry gets exactly one route, at its method and path, answering its success status; the
-guards come from the table too (the bearer token where ``auth``, the checked path parameters, the
-boolean query flags). The handlers below only parse, check and translate; the work is done by the
-``Controls`` they are given (``tierckpt_replicator.controls``). Malformed input gets a 4xx before
-anything is changed.
+guards come from the table too (where ``auth``: the caller's credentials, then what that caller may
+do, see ``api.auth``; the checked path parameters, the boolean query flags). The handlers below only
+parse, check and translate; the work is done by the ``Controls`` they are given
+(``tierckpt_replicator.controls``). Malformed input gets a 4xx before anything is changed.
 """
 
 from __future__ import annotations
@@ -28,8 +28,7 @@ from tierckpt.protocol.control import (
     RestorePlan,
 )
 from tierckpt.protocol.errors import RetryableError, TierckptError
-from tierckpt.protocol.tokens import TokenFile
-from tierckpt_replicator.api.auth import check_path_param, query_flag, read_message, require_token
+from tierckpt_replicator.api.auth import Authorizer, check_path_param, query_flag, read_message
 from tierckpt_replicator.api.openapi import install_openapi, route_docs
 from tierckpt_replicator.metrics import CONTENT_TYPE, Metrics
 from tierckpt_replicator.settings import Settings
@@ -45,7 +44,7 @@ class Controls(Protocol):
     """What the API needs from the replicator."""
 
     settings: Settings
-    tokens: TokenFile
+    auth: Authorizer
     metrics: Metrics
 
     async def inventory(self, job: str) -> NodeInventory: ...
@@ -68,25 +67,27 @@ def install_routes(app: FastAPI, c: Controls, port: api.Port = "api") -> None:
     for ep in api.served_on(port):
         app.add_api_route(
             ep.path,
-            _route(ep, table[ep.name], c.tokens),
+            _route(ep, table[ep.name], c.auth),
             methods=[ep.method],
             status_code=ep.status,
             name=ep.name,
             summary=ep.summary,
             response_class=PlainTextResponse if ep.media_type.startswith("text/") else JSONResponse,
-            **route_docs(ep),
+            **route_docs(ep, c.auth.mode),
         )
     if port == "api":
-        install_openapi(app)
+        install_openapi(app, c.auth.mode)
 
 
-def _route(ep: api.Endpoint, handler: Handler, tokens: TokenFile) -> Callable[[Request], Awaitable[Response]]:
+def _route(ep: api.Endpoint, handler: Handler, auth: Authorizer) -> Callable[[Request], Awaitable[Response]]:
     """The ASGI endpoint of ``ep``: guards from the table, then ``handler``, then the answer."""
 
     async def endpoint(request: Request) -> Response:
         if ep.auth:
-            require_token(request, tokens)
+            auth.authenticate(request)
         args: dict[str, Any] = {p: check_path_param(p, request.path_params[p]) for p in ep.path_params}
+        if ep.auth:
+            auth.authorize(request, ep, args.get("job"))
         args.update({q.name: query_flag(request, q.name) for q in ep.query})
         answer = await handler(request, **args)
         if isinstance(answer, Response):

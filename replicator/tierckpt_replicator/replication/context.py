@@ -1,19 +1,32 @@
-"""What every piece of the data plane needs, built once by the worker process."""
+"""What every piece of the data plane needs, built once by the worker process, and its connections.
+
+``connect`` opens a connection to a peer's data endpoint and, with ``--auth tls``, completes the TLS
+handshake before anything is sent: the peer must present a certificate of the tierckpt CA naming the
+node the assignment says (its TLS server name), and this node presents its own. ``secure`` is the
+server side: the handshake of an accepted connection (client certificate required) and the identity
+that certificate names. With legacy ``--auth token`` both are plain TCP and the requests carry the
+shared token (``DataContext.token``).
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import secrets
 import socket
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
 from tierckpt.protocol.codec import Message
+from tierckpt.protocol.identity import Peer, TlsCredentials, TlsFiles, node_server_name, peer_of
 from tierckpt.protocol.tokens import TokenFile
+from tierckpt_replicator.access import JobMembers
+from tierckpt_replicator.assignments import AssignmentStore, load_static
 from tierckpt_replicator.replication.ipc import PeerAddress, WorkerConfig
+from tierckpt_replicator.replication.pacing import Deadline
 from tierckpt_replicator.replication.throttle import TokenBucket
 
-__all__ = ["DataContext", "connect", "unique_holder"]
+__all__ = ["DataContext", "connect", "secure", "unique_holder"]
 
 
 def _drop(_: Message) -> None:
@@ -23,30 +36,86 @@ def _drop(_: Message) -> None:
 @dataclasses.dataclass
 class DataContext:
     config: WorkerConfig
-    tokens: TokenFile
     bucket: TokenBucket
+    members: JobMembers
+    """Who belongs to which job, as this node knows it (the data plane's authorization)."""
+    tokens: TokenFile | None = None
+    """--auth token: the shared bearer token."""
+    tls_files: TlsFiles | None = None
+    """--auth tls: this node's certificate files (``credentials()`` follows them)."""
     emit: Callable[[Message], None] = _drop
+    _tls: TlsCredentials | None = dataclasses.field(default=None, init=False, repr=False)
+    _tls_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, init=False, repr=False)
 
     @classmethod
     def from_config(cls, config: WorkerConfig, emit: Callable[[Message], None] = _drop) -> DataContext:
-        return cls(
+        root = Path(config.root)
+        static = load_static(Path(config.peers_file)) if config.peers_file else None
+        ctx = cls(
             config=config,
-            tokens=TokenFile(config.token_file),
             bucket=TokenBucket(config.bandwidth_bytes_per_s),
+            members=JobMembers(root, AssignmentStore(root, static)),
             emit=emit,
         )
+        if config.auth == "tls":
+            key = Path(config.tls_key) if config.tls_key else None
+            ctx.tls_files = TlsFiles(cert=Path(config.tls_cert), ca=Path(config.tls_ca), key=key)
+            ctx.credentials()  # fail at start on unusable files
+        else:
+            ctx.tokens = TokenFile(config.token_file)
+        return ctx
 
     @property
     def root(self) -> Path:
         return Path(self.config.root)
 
+    def token(self) -> str:
+        """What a request carries in ``DataRequest.token``: the shared token (``--auth token``) or ""."""
+        return self.tokens.text() if self.tokens is not None else ""
+
+    def credentials(self) -> TlsCredentials | None:
+        """This node's current TLS credentials: a new ``TlsCredentials`` once the files changed (the
+        daemon renewed the certificate), so no connection thread ever sees a context being reloaded."""
+        if self.tls_files is None:
+            return None
+        with self._tls_lock:
+            if self._tls is None or self._tls.changed():
+                self._tls = TlsCredentials(self.tls_files)
+            return self._tls
+
 
 def connect(ctx: DataContext, peer: PeerAddress) -> socket.socket:
-    """A connected socket to ``peer``'s data endpoint, with the transfer timeout set."""
+    """A connected socket to ``peer``'s data endpoint, with the transfer timeout set. With TLS, the
+    handshake is done and ``peer.node``'s certificate verified (``ssl.SSLError`` otherwise) before the
+    caller sends a byte."""
     sock = socket.create_connection((peer.host, peer.port), timeout=ctx.config.connect_timeout)
-    sock.settimeout(ctx.config.transfer_timeout)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    tls = ctx.credentials()
+    if tls is not None:
+        try:
+            sock = tls.client(named=True).wrap_socket(sock, server_hostname=node_server_name(peer.node))
+        except BaseException:
+            sock.close()
+            raise
+    sock.settimeout(ctx.config.transfer_timeout)
     return sock
+
+
+def secure(ctx: DataContext, conn: socket.socket, deadline: Deadline) -> tuple[socket.socket, Peer | None]:
+    """The server side of ``connect``: the TLS handshake of an accepted connection (a client certificate
+    of the CA required; ``ssl.SSLError`` otherwise), all of it by ``deadline`` (``TimeoutError``), and
+    the identity the certificate names. Token mode: ``conn`` as it is, no identity."""
+    tls = ctx.credentials()
+    if tls is None:
+        return conn, None
+    wrapped = tls.server().wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
+    try:
+        deadline.arm(wrapped)  # one blocking do_handshake: the socket timeout bounds all of it
+        wrapped.do_handshake()
+    except BaseException:
+        wrapped.close()
+        raise
+    return wrapped, peer_of(wrapped.getpeercert())
 
 
 def unique_holder(holder: str) -> str:

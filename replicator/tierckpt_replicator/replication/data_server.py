@@ -3,11 +3,16 @@ corruption reports (``corrupt``). Blocking sockets, one thread per connection, a
 ``max_incoming`` transfers at once; everything else is refused as busy (503) before any data moves.
 
 Bounded before authentication: a connection is admitted only within the per-source and total
-connection limits (``SourceLimits``); its handshake (the request frame) must be complete within ONE
-deadline (``handshake_timeout``), else it is closed; the request is authorized, and only THEN is a
-transfer slot taken. So idle or trickling connections hold no slot, and every source has at most its
-share of connections. During a transfer the sender must keep up ``min_transfer_rate`` over every
-``transfer_timeout`` window (``pacing.RateFloor``), not merely send a byte before each timeout.
+connection limits (``SourceLimits``); its handshake (the TLS handshake, then the request frame) must be
+complete within ONE deadline (``handshake_timeout``), else it is closed; the request is authorized, and
+only THEN is a transfer slot taken. So idle or trickling connections hold no slot, and every source has
+at most its share of connections. During a transfer the sender must keep up ``min_transfer_rate`` over
+every ``transfer_timeout`` window (``pacing.RateFloor``), not merely send a byte before each timeout.
+
+Auth (``--auth tls``): the TLS handshake requires a client certificate of the tierckpt CA; the request
+must name the node that certificate names, and that node must be a member of the job here
+(``tierckpt_replicator.access.data_refusal``), else 403 before anything is read or written. Legacy
+``--auth token``: the request's shared token.
 
 Put: auth → parse and cross-check COMMIT + manifest → already held? (208) → in progress? (409) → room?
 (507, after dropping what retention allows) → preallocate every file (507 on ENOSPC) → ``100
@@ -38,9 +43,11 @@ from tierckpt.protocol.errors import (
     UnsafePathError,
 )
 from tierckpt.protocol.format import check_job_id, discard_step, read_commit
+from tierckpt.protocol.identity import Peer
 from tierckpt.protocol.safefs import Beneath
+from tierckpt_replicator.access import data_refusal
 from tierckpt_replicator.connlimits import SourceLimits
-from tierckpt_replicator.replication.context import DataContext, unique_holder
+from tierckpt_replicator.replication.context import DataContext, secure, unique_holder
 from tierckpt_replicator.replication.ipc import DataEvent
 from tierckpt_replicator.replication.pacing import Deadline, RateFloor
 from tierckpt_replicator.replication.replicas import apply_retention, client_headroom, free_bytes, make_room
@@ -150,8 +157,8 @@ class DataServer:
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         slot = False
         try:
-            conn, req = self._handshake(conn)
-            self._authorize(req)
+            conn, req, peer = self._handshake(conn)
+            self._authorize(req, peer)
             slot = self._slots.acquire(blocking=False)
             if not slot:
                 raise _Reject(Status.BUSY, f"already serving {self.ctx.config.max_incoming} transfers")
@@ -181,23 +188,31 @@ class DataServer:
                 self._slots.release()
             _close_gently(conn)
 
-    def _handshake(self, conn: socket.socket) -> tuple[socket.socket, DataRequest]:
-        """The connection's handshake, all of it under one deadline. With TLS, the TLS handshake goes
-        here, before the frame: wrap ``conn`` without handshaking on connect and drive
-        ``do_handshake`` with ``deadline.arm(conn)`` before each step, so the deadline bounds it all."""
+    def _handshake(self, conn: socket.socket) -> tuple[socket.socket, DataRequest, Peer | None]:
+        """The connection's handshake, all of it under one deadline: the TLS handshake (``--auth tls``;
+        the peer's identity) and the request frame."""
         deadline = Deadline(self.ctx.config.handshake_timeout, "the request")
-        return conn, recv_frame(conn, DataRequest, deadline=deadline)
+        conn, peer = secure(self.ctx, conn, deadline)
+        return conn, recv_frame(conn, DataRequest, deadline=deadline), peer
 
-    def _authorize(self, req: DataRequest) -> None:
+    def _authorize(self, req: DataRequest, peer: Peer | None) -> None:
         """Whether ``req`` may be served at all, before it takes a transfer slot."""
-        if not req.token:
-            raise _Reject(Status.UNAUTHORIZED, "missing token")
-        if not self.ctx.tokens.check(req.token):
-            raise _Reject(Status.FORBIDDEN, "invalid token")
+        tokens = self.ctx.tokens
+        if tokens is not None:  # legacy --auth token
+            if not req.token:
+                raise _Reject(Status.UNAUTHORIZED, "missing token")
+            if not tokens.check(req.token):
+                raise _Reject(Status.FORBIDDEN, "invalid token")
+        elif peer is None:
+            raise _Reject(Status.UNAUTHORIZED, "the client certificate names no tierckpt identity")
         try:
             check_job_id(req.job)
         except FormatError as exc:
             raise _Reject(Status.BAD_REQUEST, str(exc)) from exc
+        if tokens is None:
+            why = data_refusal(peer, req.op, req.job, req.node, self.ctx.members, self.ctx.config.node)
+            if why is not None:
+                raise _Reject(Status.FORBIDDEN, why)
         if not (0 <= req.rank < _MAX_INDEX and 0 <= req.step < _MAX_INDEX):
             raise _Reject(Status.BAD_REQUEST, "rank and step must be non-negative integers")
 

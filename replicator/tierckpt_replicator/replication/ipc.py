@@ -57,7 +57,6 @@ class WorkerConfig(Message):
 
     node: str
     root: str
-    token_file: str
     listen_host: str
     data_port: int
     holder: str
@@ -77,6 +76,15 @@ class WorkerConfig(Message):
     idle_class: bool = False
     log_level: str = "INFO"
     send_method: Literal["mmap", "sendfile"] = "sendfile"
+    auth: Literal["tls", "token"] = "tls"
+    tls_cert: str = ""
+    """--auth tls: this node's certificate chain (the file may hold its key too)."""
+    tls_key: str = ""
+    tls_ca: str = ""
+    token_file: str = ""
+    """--auth token: the shared bearer token's file."""
+    peers_file: str = ""
+    """The static peer assignment (local mode): it makes nodes members of its job."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -134,13 +134,27 @@ def send_file(
         elif method == "sendfile":
             _send_spliced(sock, f, where, size, bucket, on_bytes)
         else:
-            with mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as mm, memoryview(mm) as view:
-                for offset in range(0, size, CHUNK):
-                    n = min(CHUNK, size - offset)
-                    if bucket is not None:
-                        bucket.take(n)
-                    sock.sendall(view[offset : offset + n])
-                    on_bytes(n)
+            _send_mapped(sock, f, size, bucket, on_bytes)
+
+
+def _send_mapped(
+    sock: socket.socket, f: BinaryIO, size: int, bucket: TokenBucket | None, on_bytes: OnBytes
+) -> None:
+    mm = mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ)
+    try:
+        with memoryview(mm) as view:
+            for offset in range(0, size, CHUNK):
+                n = min(CHUNK, size - offset)
+                if bucket is not None:
+                    bucket.take(n)
+                sock.sendall(view[offset : offset + n])
+                on_bytes(n)
+    finally:
+        # A failed send leaves a slice of the mapping referenced by the exception's frames (ssl's
+        # sendall is Python code): close() would raise BufferError over the real error. The mapping is
+        # then unmapped when the exception is gone.
+        with contextlib.suppress(BufferError):
+            mm.close()
 
 
 def _send_read(

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import ssl
 import time
 from collections.abc import Callable
 
@@ -113,6 +114,8 @@ def _push_from(
             with open_files(path, header.manifest) as fds:  # all of them, before anything goes out
                 try:
                     sock = connect(ctx, peer)
+                except ssl.SSLError as exc:
+                    return Outcome(peer.node, "unauthorized", f"TLS with {peer.host}:{peer.port}: {exc}")
                 except OSError as exc:
                     return Outcome(peer.node, "unreachable", f"connect {peer.host}:{peer.port}: {exc}")
                 with sock:
@@ -142,7 +145,7 @@ def _push(
     m = header.manifest
     req = DataRequest(
         op="put",
-        token=ctx.tokens.text(),
+        token=ctx.token(),
         job=m.job,
         rank=m.rank,
         step=m.step,
@@ -281,14 +284,14 @@ def _download(
 ) -> int:
     try:
         sock = connect(ctx, PeerAddress(source.node, source.host, source.port))
+    except ssl.SSLError as exc:
+        raise _Refused("unauthorized", f"TLS with {source.host}:{source.port}: {exc}") from exc
     except OSError as exc:
         raise _Refused("unreachable", f"connect {source.host}:{source.port}: {exc}") from exc
     with sock:
         send_frame(
             sock,
-            DataRequest(
-                op="get", token=ctx.tokens.text(), job=job, rank=rank, step=step, node=ctx.config.node
-            ),
+            DataRequest(op="get", token=ctx.token(), job=job, rank=rank, step=step, node=ctx.config.node),
         )
         reply = recv_frame(sock, DataReply)
         if reply.status != Status.OK:
@@ -329,9 +332,7 @@ def report_corrupt(
 ) -> bool:
     """Tell the holder its copy failed verification (a few quick tries; True once it answered)."""
     peer = PeerAddress(source.node, source.host, source.port)
-    req = DataRequest(
-        op="corrupt", token=ctx.tokens.text(), job=job, rank=rank, step=step, node=ctx.config.node
-    )
+    req = DataRequest(op="corrupt", token=ctx.token(), job=job, rank=rank, step=step, node=ctx.config.node)
 
     def report() -> DataReply:
         with connect(ctx, peer) as sock:

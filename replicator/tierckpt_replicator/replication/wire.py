@@ -14,7 +14,10 @@ big-endian length, then a ``_codec`` JSON message. Raw step bytes follow some fr
     corrupt (restorer -> holder)    DataRequest{op=corrupt, ...}: "your copy failed its crc32c";
                                     the holder re-verifies its replica and drops it if bad.
 
-The token is checked (constant time) before anything else is read. Statuses follow HTTP's meaning.
+With ``--auth tls`` the connection is mutual TLS and the request is authorized by the client
+certificate's identity (``token`` is empty; ``node`` must be the node the certificate names); with
+legacy ``--auth token`` the token is checked (constant time) before anything else is read. Statuses
+follow HTTP's meaning.
 """
 
 from __future__ import annotations
@@ -89,7 +92,7 @@ class DataRequest(Message):
     rank: int
     step: int
     node: str = ""
-    """The requesting node's name (logs and metrics only)."""
+    """The requesting node's name: with ``--auth tls`` it must be the one its certificate names."""
     commit_size: int = 0
     manifest_size: int = 0
 
