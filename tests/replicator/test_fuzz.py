@@ -1,0 +1,284 @@
+"""Fuzzing a real replicator (issue 10): its control API from the OpenAPI document it serves, hostile
+HTTP requests, and the data plane's framing, all over real sockets with mutual TLS, as the operator, as
+a node of the job, as a node of another job, and with no certificate at all.
+
+One cluster of two real replicator processes per module (``tierckpt_demo.cluster``, a fake GCS bucket)
+is attacked on node-0, thousands of cases in all (``TIERCKPT_FUZZ_SCALE`` multiplies them,
+``TIERCKPT_FUZZ_RANDOM=1`` draws new ones; ``tests.fixtures.fuzzing``). Every case must get an answer
+below 500 or a close, never something a caller's identity does not allow; afterwards node-0 must be
+alive and ready, with no traceback in its log, nothing new under its ramdisk but the jobs that
+authorized calls created, and it must still serve real authorized calls and transfers.
+"""
+
+from __future__ import annotations
+
+import json
+import ssl
+import struct
+import urllib.parse
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+import schemathesis
+from hypothesis import given
+from hypothesis import strategies as st
+from schemathesis import GenerationMode
+
+from tests.fixtures.cluster import TEST_REPLICATOR_ARGS, committed, new_job, replica_path
+from tests.fixtures.fuzzing import HOSTILE_TEXT, Conn, fuzz_settings, http_status, tree
+from tierckpt.protocol import api
+from tierckpt.protocol.control import JobPolicy, RestorePlan, Tier
+from tierckpt.protocol.format import STATE_DIR_NAME, check_job_id, rank_dir, state_dir, step_dir
+from tierckpt.protocol.identity import TlsCredentials, node_server_name
+from tierckpt_demo.cluster import LocalCluster, Node
+from tierckpt_demo.step_writer import step_files, write_step
+from tierckpt_replicator.replication.wire import MAGIC, MAX_FRAME, DataReply, DataRequest, send_frame
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+MAX_REQUEST = 64 << 10
+"""The fuzzed node's --max-request-bytes: an oversized body is cheap to send."""
+HANDSHAKE = 3.0
+STEP = 10
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Who a case connects as: a TLS context with its client certificate (``cert=None``: TLS without
+    one; ``plain``: no TLS at all) and what it may do."""
+
+    name: str
+    tls: ssl.SSLContext | None
+    operator: bool = False
+    member: bool = False
+    """A node of the fuzzed jobs (it may read their inventories and use the data plane for them)."""
+    certified: bool = True
+    """It presents a certificate of the cluster's CA (else the TLS handshake must fail)."""
+
+
+@dataclass
+class Rig:
+    cluster: LocalCluster
+    node: Node
+    """The node under attack (node-0)."""
+    member: Node
+    data_job: str
+    """Assigned to both nodes, step ``STEP`` committed on node-0 (rank 0) and node-1 (rank 1, replicated
+    to node-0): the data plane's target. No fuzz case of the operator touches it."""
+    api_job: str
+    """Assigned to both nodes: the control API's target, which the operator's cases may change."""
+    identities: dict[str, Identity]
+    source: dict[str, bytes]
+    """The files of data_job's rank 0 step on node-0."""
+    created: set[str]
+    """Jobs an authorized call answered 2xx for (they may have new directories)."""
+
+    def answered(self, ident: Identity, request: bytes, port: int | None = None) -> int | None:
+        """``request`` sent to the node's API port (or ``port``) as ``ident``; the status, or None when
+        the server closed without an answer."""
+        with Conn(self.node.ip, port or self.node.api_port, ident.tls, node_server_name(self.node.name)) as c:
+            c.send(request)
+            return http_status(c.read_all())
+
+
+def _identities(cluster: LocalCluster, member: Node) -> dict[str, Identity]:
+    def ctx(name: str | None) -> ssl.SSLContext:
+        if name is not None:
+            return TlsCredentials(cluster.identity_files(name)).client(named=True)
+        plain = ssl.create_default_context(cafile=str(cluster.identity_files("operator").ca))
+        plain.minimum_version = ssl.TLSVersion.TLSv1_3
+        return plain
+
+    stranger = "node-stranger"
+    cluster.issue(stranger)  # a valid node certificate of the CA, of a node in neither job
+    return {
+        "operator": Identity("operator", ctx("operator"), operator=True),
+        "member": Identity(member.name, ctx(member.name), member=True),
+        "stranger": Identity(stranger, ctx(stranger)),
+        "no-certificate": Identity("no-certificate", ctx(None), certified=False),
+        "plaintext": Identity("plaintext", None, certified=False),
+    }
+
+
+@pytest.fixture(scope="module")
+def rig() -> Iterator[Rig]:
+    args = (
+        *TEST_REPLICATOR_ARGS,
+        "--max-request-bytes",
+        str(MAX_REQUEST),
+        "--handshake-timeout",
+        str(HANDSHAKE),
+    )
+    with LocalCluster(nodes=2, job=new_job("fuzzstatic"), k=1, gcs=True, replicator_args=args) as cluster:
+        node, member = cluster.nodes
+        data_job, api_job = new_job("fuzzdata"), new_job("fuzzapi")
+        cluster.assign(data_job)
+        cluster.assign(api_job)
+        src = write_step(node.root, data_job, 0, STEP, world_size=2, sizes=(1 << 18, 1000), files=2)
+        rep = write_step(member.root, data_job, 1, STEP, world_size=2, sizes=(1 << 18,))
+        cluster.wait_for(lambda: committed(replica_path(member, data_job, 0, STEP)), what="rank 0 replicated")
+        cluster.wait_for(lambda: committed(replica_path(node, data_job, 1, STEP)), what="rank 1 replicated")
+        assert step_files(replica_path(node, data_job, 1, STEP)) == step_files(rep)
+        yield Rig(
+            cluster,
+            node,
+            member,
+            data_job,
+            api_job,
+            _identities(cluster, member),
+            step_files(src),
+            created={data_job, api_job, cluster.job},
+        )
+
+
+def assert_still_serving(rig: Rig) -> None:
+    """Alive, ready on its probe port, no traceback logged, and real authorized calls still work."""
+    node = rig.node
+    assert node.running, f"the replicator died:\n{node.log_text()[-4000:]}"
+    for probe in ("healthz", "readyz"):
+        resp = httpx.get(f"{node.probe_endpoint}/{probe}", timeout=10, trust_env=False)
+        assert resp.status_code == 200 and resp.json() == {"status": "ok"}, probe
+    assert "Traceback" not in node.log_text(), node.log_text()[-6000:]
+    assert rig.cluster.api.status(node.endpoint, node=node.name).node == node.name
+    inventory = rig.cluster.api.inventory(node.endpoint, rig.data_job, node=node.name)
+    assert inventory is not None and STEP in inventory.ranks[0].local and STEP in inventory.ranks[1].replica
+
+
+def assert_nothing_written_outside(rig: Rig, before: set[str], outside: dict[str, set[str]]) -> None:
+    """Every new path under the ramdisk belongs to a job an authorized call created (its directory or
+    its state), no symlink anywhere; nothing new next to the ramdisk."""
+    allowed = set()
+    for job in rig.created:
+        allowed.add(f"{job}/")
+        allowed.add(f"{state_dir(rig.node.root, job).relative_to(rig.node.root)}/")
+    new = tree(rig.node.root) - before
+    stray = sorted(p for p in new if not any(p.startswith(a) for a in allowed))
+    assert not stray, f"written outside the authorized jobs: {stray[:20]}"
+    assert not [p for p in tree(rig.node.root) if p.endswith("@")], "a symlink appeared"
+    for where, listing in outside.items():
+        assert tree_top(where) == listing, f"{where} changed"
+
+
+def tree_top(where: str) -> set[str]:
+    from pathlib import Path
+
+    return {p.name for p in Path(where).iterdir()}
+
+
+def snapshot(rig: Rig) -> tuple[set[str], dict[str, set[str]]]:
+    outside = {str(rig.node.dir): tree_top(str(rig.node.dir)), str(rig.cluster.workdir): set()}
+    outside[str(rig.cluster.workdir)] = tree_top(str(rig.cluster.workdir))
+    return tree(rig.node.root), outside
+
+
+# ------------------------------------------------------------------------------ control API: the schema
+
+
+def _may_succeed(ident: Identity, method: str, path: str, rig: Rig) -> bool:
+    """Whether ``ident`` may get a 2xx for ``method path`` (the probes are open; a node reads only the
+    inventory of a job both belong to; the operator may do everything)."""
+    if path in ("/healthz", "/readyz"):
+        return True
+    if ident.operator:
+        return True
+    jobs = {rig.data_job, rig.api_job}
+    return ident.member and method == "GET" and any(path == f"/v1/jobs/{j}/inventory" for j in jobs)
+
+
+def _check_answer(rig: Rig, ident: Identity, method: str, path: str, status: int | None, what: str) -> None:
+    assert status is not None, f"{what}: closed without an answer"
+    assert status < 500, f"{what}: answered {status}"
+    if 200 <= status < 300:
+        assert _may_succeed(ident, method, path, rig), f"{what}: {ident.name} got {status}"
+        parts = path.split("/")
+        if ident.operator and len(parts) > 3 and parts[1:3] == ["v1", "jobs"]:
+            rig.created.add(urllib.parse.unquote(parts[3]))
+
+
+def _request(method: str, target: str, host: str, body: bytes | None, headers: dict[str, str]) -> bytes:
+    lines = [f"{method} {target} HTTP/1.1", f"Host: {host}", "Connection: close"]
+    lines += [f"{k}: {v}" for k, v in headers.items() if k.lower() not in ("host", "connection")]
+    if body is not None:
+        lines.append(f"Content-Length: {len(body)}")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + (body or b"")
+
+
+@pytest.fixture(scope="module")
+def operations(rig: Rig) -> list[Any]:
+    """The operations of the OpenAPI document the fuzzed node serves (to the operator)."""
+    node = rig.node
+    ctx = rig.identities["operator"].tls
+    with httpx.Client(verify=ctx, trust_env=False, timeout=10) as client:
+        resp = client.get(
+            f"{node.endpoint}{api.OPENAPI.path}", extensions={"sni_hostname": node_server_name(node.name)}
+        )
+    assert resp.status_code == 200
+    document = resp.json()
+    schema = schemathesis.openapi.from_dict(document)
+    ops = [result.ok() for result in schema.get_all_operations()]
+    served = {(ep.method, ep.path) for ep in api.served_on("api")}
+    assert {(op.method.upper(), op.path) for op in ops} == served  # every endpoint of the API port
+    return ops
+
+
+def _has_inputs(op: Any) -> bool:
+    """Whether the operation takes parameters or a body (else no input can violate its schema)."""
+    return bool(op.path_parameters or op.query or op.body)
+
+
+def test_control_api_from_its_openapi_document(rig, operations):
+    """Cases schemathesis derives from the served document (valid and schema-violating), each sent as
+    the operator, a node of the job, and a node of no job: no 5xx, nothing a caller may not do."""
+    before, outside = snapshot(rig)
+    identities = [rig.identities[n] for n in ("operator", "member", "stranger")]
+    cases = st.one_of(
+        [
+            op.as_strategy(generation_mode=mode)
+            for op in operations
+            for mode in GenerationMode
+            if mode == GenerationMode.POSITIVE or _has_inputs(op)
+        ]
+    )
+    own_job = st.sampled_from([None, rig.api_job])
+    seen: dict[str, int] = {}
+
+    @fuzz_settings(1200)
+    @given(case=cases, ident=st.sampled_from(identities), job=own_job, body_for_path=st.booleans())
+    def run(case: Any, ident: Identity, job: str | None, body_for_path: bool) -> None:
+        if job is not None and "job" in (case.path_parameters or {}):
+            case.path_parameters["job"] = job  # a job the node knows, so authorization is reached
+        if body_for_path and isinstance(case.body, dict) and "job" in (case.path_parameters or {}):
+            case.body["job"] = case.path_parameters["job"]  # past the path/body check, into the handler
+        if (
+            ident.operator
+            and case.path_parameters
+            and case.path_parameters.get("job") in (rig.data_job, rig.cluster.job)
+        ):
+            return  # the data plane's job stays as it is
+        kwargs = case.as_transport_kwargs(base_url=rig.node.endpoint)
+        url = urllib.parse.urlsplit(kwargs["url"])
+        target = url.path + ("?" + url.query if url.query else "")
+        if kwargs.get("params"):
+            target += ("&" if url.query else "?") + urllib.parse.urlencode(kwargs["params"], doseq=True)
+        body = None
+        if "json" in kwargs:
+            body = json.dumps(kwargs["json"]).encode()
+        elif kwargs.get("data") is not None:
+            data = kwargs["data"]
+            body = data if isinstance(data, bytes) else str(data).encode()
+        headers = {k: str(v) for k, v in (kwargs.get("headers") or {}).items()}
+        headers.pop("Content-Length", None)
+        if body is not None:
+            headers.setdefault("Content-Type", "application/json")
+        request = _request(kwargs["method"], target, rig.node.ip, body, headers)
+        status = rig.answered(ident, request)
+        _check_answer(rig, ident, kwargs["method"], url.path, status, repr(request[:300]))
+        seen[f"{kwargs['method']} {status}"] = seen.get(f"{kwargs['method']} {status}", 0) + 1
+
+    run()
+    print("statuses", sorted(seen.items()))
+    assert_still_serving(rig)
+    assert_nothing_written_outside(rig, before, outside)
