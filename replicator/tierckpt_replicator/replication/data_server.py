@@ -157,7 +157,13 @@ class DataServer:
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         slot = False
         try:
-            conn, req, peer = self._handshake(conn)
+            # The handshake, all of it under one deadline: TLS (``--auth tls``; the peer's identity),
+            # then the request frame. ``conn`` is the TLS socket from here on, so the error reply to a
+            # malformed frame goes through TLS too (found by tests/replicator/test_fuzz.py: it went
+            # out in clear text, which the peer's TLS layer can only take as a broken connection).
+            deadline = Deadline(self.ctx.config.handshake_timeout, "the request")
+            conn, peer = secure(self.ctx, conn, deadline)
+            req = recv_frame(conn, DataRequest, deadline=deadline)
             self._authorize(req, peer)
             slot = self._slots.acquire(blocking=False)
             if not slot:
@@ -187,13 +193,6 @@ class DataServer:
             if slot:
                 self._slots.release()
             _close_gently(conn)
-
-    def _handshake(self, conn: socket.socket) -> tuple[socket.socket, DataRequest, Peer | None]:
-        """The connection's handshake, all of it under one deadline: the TLS handshake (``--auth tls``;
-        the peer's identity) and the request frame."""
-        deadline = Deadline(self.ctx.config.handshake_timeout, "the request")
-        conn, peer = secure(self.ctx, conn, deadline)
-        return conn, recv_frame(conn, DataRequest, deadline=deadline), peer
 
     def _authorize(self, req: DataRequest, peer: Peer | None) -> None:
         """Whether ``req`` may be served at all, before it takes a transfer slot."""
