@@ -224,6 +224,9 @@ class NodeControls:
                     restore_step=plan.step if plan else None,
                     restore={r: s.value for r, s in self.stager.states.get(job, {}).items()},
                     backup_error=_last_error(self.backup, job),
+                    groups=self.replication.groups.groups(job),
+                    diverged=self.replication.groups.diverged(job),
+                    step_bytes=self.replication.groups.step_bytes(job),
                 )
             )
         ok, why = self.ready()
