@@ -26,6 +26,7 @@ from tierckpt.protocol.control import (
     NodeStatus,
     PeerAssignment,
     RestorePlan,
+    StepBytes,
     read_control,
     write_control,
 )
@@ -226,7 +227,7 @@ class NodeControls:
                     backup_error=_last_error(self.backup, job),
                     groups=self.replication.groups.groups(job),
                     diverged=self.replication.groups.diverged(job),
-                    step_bytes=self.replication.groups.step_bytes(job),
+                    step_bytes=_step_bytes(self.replication.groups.step_bytes(job), self.backup, job),
                 )
             )
         ok, why = self.ready()
@@ -280,6 +281,19 @@ def remove_job_tree(root: Path, job: str) -> None:
         with contextlib.suppress(OSError):
             os.rmdir(root / job)
     shutil.rmtree(state_dir(root, job), ignore_errors=True)
+
+
+def _step_bytes(replicated: StepBytes | None, backup: BackupPort | None, job: str) -> StepBytes | None:
+    """The newest step's bytes against no-dedup: written and replicated (the replication loop's) and,
+    for the same step, uploaded (the backup service's); the uploads alone when they are of a step the
+    loop no longer accounts for."""
+    status = backup.status(job) if backup is not None else None
+    if status is None or status.last_uploaded is None:
+        return replicated
+    up = {"uploaded": status.uploaded_bytes, "uploaded_logical": status.uploaded_logical}
+    if replicated is None or replicated.step != status.last_uploaded:
+        return StepBytes(step=status.last_uploaded, **up) if replicated is None else replicated
+    return dataclasses.replace(replicated, **up)
 
 
 def _last_error(backup: BackupPort | None, job: str) -> str:

@@ -271,6 +271,14 @@ class Settings:
             unit="s",
         ),
     )
+    backup_group_wait: float = dataclasses.field(
+        default=60.0,
+        metadata=_opt(
+            "Seconds a replica group member's upload waits for the member that uploads the group's "
+            "data files, before uploading its own copy of them.",
+            unit="s",
+        ),
+    )
     backup_poll_interval: float = dataclasses.field(
         default=30.0,
         metadata=_opt(

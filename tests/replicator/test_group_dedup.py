@@ -7,10 +7,15 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import pytest
+
+from tierckpt.protocol.bucket_layout import DataRef, RankBackup
 from tierckpt.protocol.control import PeerAssignment, PeerNode, StepContent
+from tierckpt.protocol.errors import FormatError
 from tierckpt.protocol.format import Manifest, read_manifest
 from tierckpt.protocol.replica import ReplicaRecord, content_key, group_id
 from tierckpt_demo.step_writer import write_step
+from tierckpt_replicator.backup.spread import data_rank
 from tierckpt_replicator.inventory import InventoryScanner, _facts
 from tierckpt_replicator.replication.dedup import awaiting_members, differing, linkable_targets, member_nodes
 from tierckpt_replicator.replication.plan import plan_sends
@@ -124,3 +129,29 @@ def test_the_inventory_recomputes_the_key_and_flags_a_record_that_lies(tmp_path:
     assert honest.group == group_id((0, 2)) and honest.members == (0, 2)
     lying = _facts(dataclasses.replace(manifest, replica=_record(manifest, "f" * 32))).content
     assert lying is not None and lying.content == key and lying.diverged  # never trusted, never linked
+
+
+def test_the_data_rank_is_one_member_every_node_agrees_on_and_rotates_over_steps() -> None:
+    picks = [data_rank("job", step, (1, 3)) for step in range(64)]
+    assert set(picks) == {1, 3}  # both members carry the shard on some steps: the upload load rotates
+    assert all(data_rank("job", s, (3, 1)) == p for s, p in enumerate(picks))  # order of members: moot
+
+
+def test_a_rank_commit_cannot_refer_to_itself() -> None:
+    fields = dict(
+        job="j",
+        step=1,
+        rank=2,
+        world_size=4,
+        commit_size=1,
+        commit_crc32c=0,
+        manifest_size=1,
+        manifest_crc32c=0,
+        total_bytes=1,
+        saved_at=0.0,
+        uploaded_by="n",
+        uploaded_at=0.0,
+    )
+    assert RankBackup(**fields, data=DataRef(rank=0, content="ab")).data == DataRef(rank=0, content="ab")
+    with pytest.raises(FormatError):
+        RankBackup(**fields, data=DataRef(rank=2, content="ab"))

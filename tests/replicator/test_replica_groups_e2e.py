@@ -16,11 +16,15 @@ import pytest
 from tests.dcp.dcp_dist import run_ranks
 from tests.fixtures.cluster import TEST_REPLICATOR_ARGS, committed, new_job, replica_path, wait_restored
 from tests.replicator import group_ranks
+from tests.replicator.test_cluster_e2e import backup_everywhere, lose
+from tierckpt.protocol.bucket_layout import BucketLayout, RankBackup
 from tierckpt.protocol.control import JobStatus, RestoreState, Tier
 from tierckpt.protocol.format import rank_dir, read_manifest, step_dir
 from tierckpt.verify import verify_step
 from tierckpt_demo.cluster import LocalCluster, Node
 from tierckpt_demo.step_writer import step_files
+from tierckpt_replicator.backup.gcs import GcsSettings, GcsStore
+from tierckpt_replicator.backup.spread import data_rank
 
 pytestmark = [pytest.mark.root, pytest.mark.e2e, pytest.mark.slow]
 
@@ -32,7 +36,12 @@ MEMBER = {0: 2, 2: 0, 1: 3, 3: 1}
 @pytest.fixture(scope="module")
 def cluster4() -> Iterator[LocalCluster]:
     with LocalCluster(
-        nodes=4, job=new_job("groups"), k=1, ramdisk_size="64m", replicator_args=TEST_REPLICATOR_ARGS
+        nodes=4,
+        job=new_job("groups"),
+        k=1,
+        gcs=True,
+        ramdisk_size="64m",
+        replicator_args=TEST_REPLICATOR_ARGS,
     ) as cluster:
         yield cluster
 
@@ -135,3 +144,40 @@ def test_members_that_differ_are_reported_and_not_deduplicated(cluster4: LocalCl
         assert holders[rank].index == MEMBER[rank]
         assert _job_status(cluster4, cluster4.nodes[rank], job).diverged == ()
     assert any("hold other content" in cluster4.nodes[r].log_text() for r in (1, 3))
+
+
+def test_each_shard_is_uploaded_once_and_every_rank_restores_from_it(cluster4: LocalCluster) -> None:
+    job = new_job("groupbackup")
+    _save(cluster4, job, [7])
+    sources = {n.index: step_files(step_dir(rank_dir(n.root, job, n.index), 7)) for n in cluster4.nodes}
+    backup_everywhere(cluster4, job, 7)
+    store = GcsStore(GcsSettings(bucket=cluster4.bucket, endpoint=cluster4.gcs.url))
+    layout = BucketLayout("tierckpt")
+    carriers = {data_rank(job, 7, (0, 2)), data_rank(job, 7, (1, 3))}
+    uploaded = 0
+    for rank in range(WORLD):
+        objects, _ = store.list(layout.rank_dir(job, 7, rank))
+        data = [o for o in objects if o.name.rsplit("/", 1)[-1].startswith("data-")]
+        body = store.get_bytes(layout.rank_commit_key(job, 7, rank), max_size=1 << 20)
+        commit = RankBackup.from_bytes(body)
+        if rank in carriers:
+            assert data and commit.data is None
+            uploaded += sum(o.size for o in data)
+        else:  # its data files are the other member's objects, named by a typed reference
+            assert not data and commit.data is not None and commit.data.rank == MEMBER[rank]
+    # One copy per shard in the bucket: half of what four full uploads would hold.
+    saved = sum(_data_bytes(step_dir(rank_dir(n.root, job, n.index), 7)) for n in cluster4.nodes)
+    assert uploaded == saved // 2
+    accounted = [_job_status(cluster4, n, job).step_bytes for n in cluster4.nodes]
+    assert sum(a.uploaded for a in accounted if a) * 2 <= sum(a.uploaded_logical for a in accounted if a)
+    for node in cluster4.nodes:
+        lose(node)
+    for node in cluster4.nodes:
+        node.start_replicator(wait=False)
+    for node in cluster4.nodes:
+        node.wait_ready()
+    cluster4.assign(job, generation=2)
+    for node in cluster4.nodes:
+        st = wait_restored(node, job, node.index)
+        assert (st.state, st.step, st.source) == (RestoreState.READY, 7, Tier.GCS)
+        assert step_files(step_dir(rank_dir(node.root, job, node.index), 7)) == sources[node.index]

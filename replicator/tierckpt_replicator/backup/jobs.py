@@ -110,6 +110,7 @@ def node_backup_settings(settings: Settings) -> BackupSettings:
         keep_every=settings.backup_keep_every,
         parallelism=settings.backup_parallelism,
         takeover_after=settings.backup_takeover_after,
+        group_wait=settings.backup_group_wait,
     )
 
 

@@ -25,7 +25,7 @@ from tierckpt.protocol.integrity import crc32c, crc32c_concat
 from tierckpt.protocol.safefs import Beneath
 from tierckpt_replicator.backup.catalog import SMALL_OBJECT_LIMIT, Catalog
 from tierckpt_replicator.backup.store import ObjectStore
-from tierckpt_replicator.stepio import StepHeader, StepWriter, parse_header, step_name
+from tierckpt_replicator.stepio import StepHeader, StepWriter, is_data_file, parse_header, step_name
 
 __all__ = ["Restorer", "plan_ranges"]
 
@@ -110,9 +110,23 @@ class Restorer:
         log.info("restored rank %d of step %d of %s from the bucket into %s", rank, step, job, path.where)
 
     def _download_into(self, writer: StepWriter, job: str, step: int, rank: int, on_bytes: OnBytes) -> None:
+        """Every file, from this rank's objects; a rank whose data files another member of its replica
+        group uploaded (``RankRef.data_from``) reads those from that member's objects, checked against
+        this rank's manifest like any other."""
         writer.prepare()
         files = writer.header.manifest.files
-        futures = {f.name: self._submit(job, step, rank, f, writer, on_bytes) for f in files}
+        data_from = self.catalog.read_complete(job, step).ranks[rank].data_from
+        futures = {
+            f.name: self._submit(
+                job,
+                step,
+                data_from if data_from is not None and is_data_file(f.name) else rank,
+                f,
+                writer,
+                on_bytes,
+            )
+            for f in files
+        }
         try:
             for f in files:
                 parts = [(fut.result(), length) for fut, length in futures[f.name]]

@@ -44,7 +44,7 @@ from tierckpt.protocol.safefs import Beneath
 from tierckpt_replicator.backup.catalog import Catalog
 from tierckpt_replicator.backup.metrics import BackupMetrics
 from tierckpt_replicator.backup.restorer import Restorer
-from tierckpt_replicator.backup.spread import assign_uploads
+from tierckpt_replicator.backup.spread import assign_uploads, data_rank
 from tierckpt_replicator.backup.store import ObjectStore
 from tierckpt_replicator.backup.uploader import Uploader
 from tierckpt_replicator.stepio import find_committed, open_job, rank_trees
@@ -73,6 +73,10 @@ class BackupStatus:
     """Newest step whose share this node finished uploading."""
     last_success_at: float | None = None
     last_error: str = ""
+    uploaded_bytes: int = 0
+    """Bytes this node uploaded for ``last_uploaded``."""
+    uploaded_logical: int = 0
+    """What those uploads would have been without replica group dedup."""
 
 
 class BackupService:
@@ -113,6 +117,7 @@ class BackupService:
             max_manifest_bytes=settings.max_manifest_bytes,
             on_bytes=self.metrics.bytes_uploaded.inc,
             should_stop=lambda job: job in self._cancelled,
+            group_wait=settings.group_wait,
         )
         self.restorer = Restorer(
             store,
@@ -346,9 +351,16 @@ class BackupService:
             log.info("backing up step %d of %s (%s): ranks %s of %d", step, job, reason, mine, world_size)
             started = time.monotonic()
             with _leases({r: local[r] for r in mine}, step, self._holder, self.settings.lease_ttl) as held:
-                self._upload_ranks(job, held)
+                sent, logical = self._upload_ranks(job, held)
             self.metrics.upload_seconds.observe(time.monotonic() - started)
-            self._set_status(job, last_uploaded=step, last_success_at=self.clock(), last_error="")
+            self._set_status(
+                job,
+                last_uploaded=step,
+                last_success_at=self.clock(),
+                last_error="",
+                uploaded_bytes=sent,
+                uploaded_logical=logical,
+            )
             self.metrics.last_success.labels(job=job).set(self.clock())
         done = self.catalog.try_complete(job, step, world_size)
         if done:
@@ -401,23 +413,40 @@ class BackupService:
                 mine |= orphans
         return sorted(mine)
 
-    def _upload_ranks(self, job: str, paths: Mapping[int, Beneath]) -> None:
+    def _upload_ranks(self, job: str, paths: Mapping[int, Beneath]) -> tuple[int, int]:
         """Upload several ranks at once (their files share the transfer pool); raise the first failure
-        after all have finished, so every rank that can be committed is."""
+        after all have finished, so every rank that can be committed is. Ranks that carry their replica
+        group's data files go first: members waiting for them never hold every thread. Returns (bytes
+        sent, bytes a no-dedup upload would have sent)."""
         errors = []
+        sent = logical = 0
         if not paths:
-            return
+            return 0, 0
+        order = sorted(paths, key=lambda r: (not self._carries_data(job, paths[r]), r))
         with cf.ThreadPoolExecutor(min(8, len(paths)), thread_name_prefix="backup-rank") as ranks:
-            futures = {ranks.submit(self.uploader.upload_rank, job, path): r for r, path in paths.items()}
+            futures = {ranks.submit(self.uploader.upload_rank, job, paths[r]): r for r in order}
             for fut in cf.as_completed(futures):
                 try:
-                    if not fut.result().skipped:
+                    done = fut.result()
+                    sent += done.bytes_sent
+                    logical += done.logical_bytes
+                    if not done.skipped:
                         self.metrics.ranks_uploaded.inc()
                 except (TierckptError, OSError) as exc:
                     log.error("upload of rank %d of %s failed: %s", futures[fut], job, exc)
                     errors.append(exc)
         if errors:
             raise errors[0]
+        return sent, logical
+
+    def _carries_data(self, job: str, step: Beneath) -> bool:
+        """Whether this step's upload carries data files its replica group members may refer to."""
+        try:
+            m = read_manifest(step, limit=self.settings.max_manifest_bytes)
+        except (FormatError, OSError):
+            return True
+        r = m.replica
+        return r is None or r.diverged or data_rank(job, m.step, r.members) == m.rank
 
     def _maintain(self, job: str) -> None:
         view = self.catalog.view(job)
