@@ -43,6 +43,7 @@ from tierckpt_operator.status_fields import (
     iso_time,
     merge_conditions,
     rank_ranges,
+    replica_groups,
     restore_summary,
     tier_progress,
 )
@@ -472,6 +473,7 @@ class JobController:
                 "latestBackedUpStep": progress.backed_up,
                 "inventoryTime": iso_time(time.time()),
                 "inventoryNodes": f"{len(invs)}/{len(set(state.nodes))}",
+                **({"replicaGroups": groups} if (groups := replica_groups(invs)) is not None else {}),
             }
         )
 

@@ -38,6 +38,7 @@ from tierckpt_replicator.backup.jobs import BackupPort
 from tierckpt_replicator.inventory import InventoryScanner, list_jobs
 from tierckpt_replicator.metrics import Metrics
 from tierckpt_replicator.policies import PolicyStore
+from tierckpt_replicator.replication.groups import GroupTracker
 from tierckpt_replicator.replication.manager import ReplicationManager
 from tierckpt_replicator.replication.replicas import free_bytes
 from tierckpt_replicator.replication.supervisor import WorkerSupervisor
@@ -47,7 +48,7 @@ from tierckpt_replicator.settings import Settings
 from tierckpt_replicator.stepio import open_job, rank_trees
 from tierckpt_replicator.watch import CommitWatcher
 
-__all__ = ["LocalInventory", "NodeControls", "remove_job_tree"]
+__all__ = ["LocalInventory", "NodeControls", "remove_job_tree", "step_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,8 @@ class LocalInventory:
 
     def __init__(self, scanner: InventoryScanner, backup: BackupPort | None) -> None:
         self.scanner, self.backup = scanner, backup
+        self.groups: GroupTracker | None = None
+        """The replication loop's replica group view (its accounting and diverged ranks), once it runs."""
         self._cache: dict[str, tuple[float, dict[int, int]]] = {}
 
     async def __call__(self, job: str) -> NodeInventory:
@@ -70,7 +73,14 @@ class LocalInventory:
         inv = self.scanner.inventory(job, gcs=tuple(bucket))
         # a step known only from the bucket still needs its world size, or nobody knows its ranks
         world_sizes = {**{s: ws for s, ws in bucket.items() if ws > 0}, **inv.world_sizes}
-        return dataclasses.replace(inv, world_sizes=world_sizes)
+        inv = dataclasses.replace(inv, world_sizes=world_sizes)
+        if self.groups is not None:
+            inv = dataclasses.replace(
+                inv,
+                diverged=self.groups.diverged(job),
+                step_bytes=step_bytes(self.groups.step_bytes(job), self.backup, job),
+            )
+        return inv
 
     async def bucket_steps(self, job: str) -> dict[int, int]:
         """Step -> world size of every step complete in the bucket (cached a few seconds)."""
@@ -227,7 +237,7 @@ class NodeControls:
                     backup_error=_last_error(self.backup, job),
                     groups=self.replication.groups.groups(job),
                     diverged=self.replication.groups.diverged(job),
-                    step_bytes=_step_bytes(self.replication.groups.step_bytes(job), self.backup, job),
+                    step_bytes=step_bytes(self.replication.groups.step_bytes(job), self.backup, job),
                 )
             )
         ok, why = self.ready()
@@ -283,7 +293,7 @@ def remove_job_tree(root: Path, job: str) -> None:
     shutil.rmtree(state_dir(root, job), ignore_errors=True)
 
 
-def _step_bytes(replicated: StepBytes | None, backup: BackupPort | None, job: str) -> StepBytes | None:
+def step_bytes(replicated: StepBytes | None, backup: BackupPort | None, job: str) -> StepBytes | None:
     """The newest step's bytes against no-dedup: written and replicated (the replication loop's) and,
     for the same step, uploaded (the backup service's); the uploads alone when they are of a step the
     loop no longer accounts for."""

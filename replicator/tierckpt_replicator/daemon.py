@@ -153,6 +153,7 @@ class Daemon:
             on_committed=self._on_committed if backup is not None else None,
             kick=self.watcher.kick,
         )
+        self.local_inventory.groups = self.replication.groups
         self.stager = Stager(
             settings=settings,
             assignments=self.assignments,

@@ -5,6 +5,7 @@ the status the operator writes validated against the CRD schema."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import re
 
 import jsonschema
@@ -22,6 +23,8 @@ from tierckpt.protocol.control import (
     PeerAssignment,
     RankHoldings,
     RestorePlan,
+    StepBytes,
+    StepContent,
     Tier,
 )
 from tierckpt.protocol.errors import ContractError
@@ -44,6 +47,7 @@ from tierckpt_operator.status_fields import (
     merge_conditions,
     parse_ranges,
     rank_ranges,
+    replica_groups,
     restore_summary,
     tier_progress,
 )
@@ -487,6 +491,39 @@ def test_tier_progress():
     p = tier_progress(invs)
     assert (p.local, p.replicated, p.backed_up) == (20, 10, 10)
     assert tier_progress([]).local is None
+
+
+def test_replica_groups_summary_sums_the_newest_accounted_step():
+    def content(rank, group, copy="local"):
+        return StepContent(rank=rank, step=20, copy=copy, group=group, members=(0, 1), content="ab")
+
+    a = dataclasses.replace(
+        _inv("a", {0: ([20], [])}, 2),
+        contents=(content(0, "g1"), content(1, "g1", "replica")),
+        step_bytes=StepBytes(step=20, written=5, written_logical=10, replicated=1, replicated_logical=10),
+    )
+    b = dataclasses.replace(
+        _inv("b", {1: ([20], [])}, 2),
+        contents=(content(1, "g1"),),
+        diverged=(1,),
+        step_bytes=StepBytes(step=20, written=10, written_logical=10, uploaded=3, uploaded_logical=10),
+    )
+    old = dataclasses.replace(_inv("c", {}, 2), step_bytes=StepBytes(step=10, written=99, written_logical=99))
+    out = replica_groups([a, b, old])
+    assert out == {
+        "groups": 1,
+        "divergedRanks": "1",
+        "step": 20,
+        "bytes": {
+            "written": 15,
+            "writtenWithoutDedup": 20,
+            "replicated": 1,
+            "replicatedWithoutDedup": 10,
+            "uploaded": 3,
+            "uploadedWithoutDedup": 10,
+        },
+    }
+    assert replica_groups([_inv("a", {0: ([20], [])}, 2)]) is None  # no group: no block
 
 
 def test_restore_summary():

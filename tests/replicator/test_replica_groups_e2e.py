@@ -106,6 +106,17 @@ def test_members_replicate_to_each_other_by_linking(cluster4: LocalCluster) -> N
         assert acc.replicated_logical >= data
         assert acc.replicated * 2 <= acc.replicated_logical, acc
         assert acc.replicated < 64 << 10, acc
+        # The inventory the operator and the peers read: the group and the recomputed content key.
+        inv = cluster4.api.inventory(node.endpoint, job, node=node.name)
+        assert inv is not None and inv.step_bytes == acc and inv.diverged == ()
+        manifest = read_manifest(step_dir(rank_dir(node.root, job, node.index), 2))
+        (mine,) = [c for c in inv.contents if c.copy == "local" and c.step == 2]
+        assert manifest.replica is not None
+        assert (mine.rank, mine.group, mine.content) == (
+            node.index,
+            manifest.replica.group,
+            manifest.replica.content,
+        )
 
 
 def test_a_lost_node_comes_back_from_the_other_members_node(cluster4: LocalCluster) -> None:

@@ -294,6 +294,10 @@ class NodeInventory(Message):
     domain: str = ""
     contents: tuple[StepContent, ...] = ()
     """The committed steps held here that saved in a replica group (replicators dedup copies by it)."""
+    diverged: tuple[int, ...] = ()
+    """Local ranks whose newest step differs from another member's of its group (not deduplicated)."""
+    step_bytes: StepBytes | None = None
+    """This node's bytes of its newest step against what they would be without dedup."""
 
 
 @dataclasses.dataclass(frozen=True)
