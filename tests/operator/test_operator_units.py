@@ -33,6 +33,7 @@ from tierckpt_operator.decisions import (
     JobState,
     decide_assignment,
     decide_peers,
+    group_partners,
     job_policy,
     peer_assignment,
     peer_views,
@@ -524,6 +525,20 @@ def test_replica_groups_summary_sums_the_newest_accounted_step():
         },
     }
     assert replica_groups([_inv("a", {0: ([20], [])}, 2)]) is None  # no group: no block
+
+
+def test_group_partners_map_members_to_node_ranks():
+    def inv(node, rank, members, *, diverged=False):
+        c = StepContent(
+            rank=rank, step=10, copy="local", group="g", members=members, content="ab", diverged=diverged
+        )
+        return dataclasses.replace(_inv(node, {rank: ([10], [])}, 8), contents=(c,))
+
+    # 8 process ranks on 4 nodes (2 each): groups {0, 4}, {1, 5}, {2, 6}, {3, 7} (HSDP over 2 halves).
+    invs = [inv(f"n{r // 2}", r, (r % 4, r % 4 + 4)) for r in range(8)]
+    assert group_partners(invs, 4) == ((2,), (3,), (0,), (1,))
+    assert group_partners([inv("n0", 0, (0, 4), diverged=True)], 4) == ()
+    assert group_partners([], 4) == ()
 
 
 def test_restore_summary():
