@@ -15,6 +15,7 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import tierckpt_replicator
@@ -66,6 +67,8 @@ class LocalInventory:
         self.scanner, self.backup = scanner, backup
         self.groups: GroupTracker | None = None
         """The replication loop's replica group view (its accounting and diverged ranks), once it runs."""
+        self.restoring: Callable[[str], dict[int, str]] = lambda job: {}
+        """Rank -> state of this node's restore staging of ``job`` (the daemon sets it)."""
         self._cache: dict[str, tuple[float, dict[int, int]]] = {}
 
     async def __call__(self, job: str) -> NodeInventory:
@@ -73,7 +76,7 @@ class LocalInventory:
         inv = self.scanner.inventory(job, gcs=tuple(bucket))
         # a step known only from the bucket still needs its world size, or nobody knows its ranks
         world_sizes = {**{s: ws for s, ws in bucket.items() if ws > 0}, **inv.world_sizes}
-        inv = dataclasses.replace(inv, world_sizes=world_sizes)
+        inv = dataclasses.replace(inv, world_sizes=world_sizes, restoring=self.restoring(job))
         if self.groups is not None:
             inv = dataclasses.replace(
                 inv,

@@ -154,6 +154,9 @@ class Daemon:
             kick=self.watcher.kick,
         )
         self.local_inventory.groups = self.replication.groups
+        self.local_inventory.restoring = lambda job: {
+            r: s.value for r, s in self.stager.states.get(job, {}).items()
+        }
         self.stager = Stager(
             settings=settings,
             assignments=self.assignments,

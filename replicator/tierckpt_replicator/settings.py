@@ -271,6 +271,14 @@ class Settings:
             unit="s",
         ),
     )
+    restore_fanout_wait: float = dataclasses.field(
+        default=300.0,
+        metadata=_opt(
+            "Seconds a restore from the bucket waits, while the node restoring its replica group's data "
+            "rank reports progress, to fetch those data files from it instead of the bucket.",
+            unit="s",
+        ),
+    )
     backup_group_wait: float = dataclasses.field(
         default=60.0,
         metadata=_opt(

@@ -8,8 +8,11 @@ members differ.
 from __future__ import annotations
 
 import os
+import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import unquote
 
 import pytest
 
@@ -40,6 +43,7 @@ def cluster4() -> Iterator[LocalCluster]:
         job=new_job("groups"),
         k=1,
         gcs=True,
+        count_gcs_reads=True,
         ramdisk_size="64m",
         replicator_args=TEST_REPLICATOR_ARGS,
     ) as cluster:
@@ -183,6 +187,7 @@ def test_each_shard_is_uploaded_once_and_every_rank_restores_from_it(cluster4: L
     assert sum(a.uploaded for a in accounted if a) * 2 <= sum(a.uploaded_logical for a in accounted if a)
     for node in cluster4.nodes:
         lose(node)
+    since = time.time()
     for node in cluster4.nodes:
         node.start_replicator(wait=False)
     for node in cluster4.nodes:
@@ -192,3 +197,25 @@ def test_each_shard_is_uploaded_once_and_every_rank_restores_from_it(cluster4: L
         st = wait_restored(node, job, node.index)
         assert (st.state, st.step, st.source) == (RestoreState.READY, 7, Tier.GCS)
         assert step_files(step_dir(rank_dir(node.root, job, node.index), 7)) == sources[node.index]
+    # Restore once, fan out: every rank object was read from the bucket exactly once, the shared data
+    # objects included (the other member's node took them from the seeder, peer to peer).
+    reads = _rank_object_reads(cluster4, since)
+    assert reads and all(n == 1 for n in reads.values()), reads
+    data_read = {k for k in reads if k.rsplit("/", 1)[-1].startswith("data-")}
+    assert {int(k.split("/rank-")[1][:5]) for k in data_read} == carriers
+    others = [n for n in cluster4.nodes if n.index not in carriers]
+    assert all("(fan-out)" in n.log_text() for n in others)
+
+
+def _rank_object_reads(cluster: LocalCluster, since: float) -> dict[str, int]:
+    """Object (``steps/<step>/rank-<r>/<file>``) -> downloads of it through the counting proxy."""
+    assert cluster.gcs_proxy is not None
+    out: dict[str, int] = {}
+    for hit in cluster.gcs_proxy.hits:
+        target = unquote(hit.target)
+        if hit.method != "GET" or hit.at < since or "alt=media" not in target:
+            continue
+        m = re.search(r"/(steps/[0-9]{12,}/rank-[0-9]{5,}/[^?/]+)", target)
+        if m:
+            out[m.group(1)] = out.get(m.group(1), 0) + 1
+    return out

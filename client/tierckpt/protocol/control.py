@@ -298,6 +298,9 @@ class NodeInventory(Message):
     """Local ranks whose newest step differs from another member's of its group (not deduplicated)."""
     step_bytes: StepBytes | None = None
     """This node's bytes of its newest step against what they would be without dedup."""
+    restoring: dict[int, str] = dataclasses.field(default_factory=dict)
+    """Rank -> state (``RestoreState`` value) of this node's current restore staging: a peer waiting
+    to fetch a rank from this node (a restore's fan-out) follows it."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -198,6 +198,7 @@ class BackupService:
         rank: int,
         dest_rank_dir: Dir,
         progress: ProgressCallback | None = None,
+        seed: Beneath | None = None,
     ) -> None:
         """Download ``rank`` of the complete ``step``, verify every byte's crc32c, and commit it as
         ``dest_rank_dir/step-<step>`` (the view of the rank's directory in its job tree, or a path) in
@@ -211,7 +212,7 @@ class BackupService:
         fetching[step] += 1
         started = time.monotonic()
         try:
-            await self._run(self.restorer.fetch_rank, job, step, rank, dest_rank_dir, relay.add)
+            await self._run(self.restorer.fetch_rank, job, step, rank, dest_rank_dir, relay.add, seed)
         except BaseException:
             self.metrics.failures.labels(op="restore").inc()
             raise
@@ -219,6 +220,11 @@ class BackupService:
             fetching[step] -= 1
         relay.finish()
         self.metrics.restore_seconds.observe(time.monotonic() - started)
+
+    async def data_source(self, job: str, step: int, rank: int) -> int | None:
+        """The rank whose data objects hold ``rank``'s data files in the complete ``step`` (None: its
+        own); a restore can then fetch that rank's step from the peer restoring it instead."""
+        return await self._run(self.restorer.data_source, job, step, rank)
 
     async def stop_job(self, job: str) -> None:
         """Stop backing up ``job`` on this node: stop its uploads (the transfers under way finish, no new
