@@ -8,7 +8,9 @@ reads the seeder's inventory (``NodeInventory.restoring``) until the data rank's
 there, fetches that step peer to peer (``get``, every crc32c checked) as a replica, and then takes
 only its own small files (manifest, COMMIT, objects) from the bucket, linking the data files from the
 replica. Bucket egress for a group's shard is one copy whatever the group's size; the seeder serves the
-other members (a star: the seeder's send rate bounds it, see docs/benchmarks.md).
+other members (a star: the seeder's send rate bounds it, see docs/benchmarks.md). A member on the
+seeder's own node links from the data rank's staged primary once it is committed (``order`` puts the
+ranks that carry data first, so a member never holds the staging slot its data rank waits for).
 
 Waits follow progress: while the seeder answers and reports the data rank as ``pending`` or
 ``staging`` this node waits (up to ``fanout_wait`` seconds); a seeder that does not answer, that failed
@@ -20,14 +22,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 from tierckpt.protocol.client import ReplicatorClient
-from tierckpt.protocol.control import PeerAssignment, RankHoldings
-from tierckpt.protocol.errors import ContractError, RetryableError
+from tierckpt.protocol.control import PeerAssignment, RankHoldings, RestorePlan, RestoreState, Tier
+from tierckpt.protocol.errors import ContractError, RetryableError, TierckptError
 from tierckpt_replicator.assignments import data_endpoint
 from tierckpt_replicator.backup.jobs import BackupPort
 from tierckpt_replicator.replication.ipc import FetchSource, FetchTask
 from tierckpt_replicator.replication.supervisor import WorkerSupervisor
+from tierckpt_replicator.stepio import Copy
 
 __all__ = ["FanOut"]
 
@@ -45,16 +49,30 @@ class FanOut:
         peers: ReplicatorClient,
         supervisor: WorkerSupervisor,
         backup: BackupPort,
+        local_state: Callable[[str, int], RestoreState | None],
+        local_committed: Callable[[str, int, int], bool],
         wait: float = 300.0,
     ) -> None:
         self.node, self.peers, self.supervisor, self.backup = node, peers, supervisor, backup
+        self.local_state, self.local_committed = local_state, local_committed
         self.wait = wait
+
+    async def order(self, job: str, plan: RestorePlan, ranks: tuple[int, ...]) -> tuple[int, ...]:
+        """``ranks`` with those whose data files are their own first (stable otherwise)."""
+        if plan.step is None or not any(plan.sources.get(r) == Tier.GCS for r in ranks):
+            return ranks
+        try:
+            refer = {r for r in ranks if await self.backup.data_source(job, plan.step, r) is not None}
+        except (TierckptError, OSError) as exc:
+            log.info("restore %s: data sources unknown (%s)", job, exc)
+            return ranks
+        return tuple(sorted(ranks, key=lambda r: r in refer))
 
     async def seed(
         self, job: str, rank: int, step: int, world_size: int, assignment: PeerAssignment | None
-    ) -> int | None:
-        """The rank whose committed step this node now holds as a replica (fetched from its seeder) and
-        whose data files are ``rank``'s, or None: restore ``rank`` from the bucket alone."""
+    ) -> tuple[int, Copy] | None:
+        """The rank (and which copy of it here: its staged primary, or a replica fetched from its
+        seeder) whose committed step holds ``rank``'s data files, or None: the bucket alone."""
         if assignment is None:
             return None
         source = await self.backup.data_source(job, step, rank)
@@ -63,8 +81,10 @@ class FanOut:
         seeder = next(
             (n for n in assignment.nodes if source in assignment.process_ranks(n, world_size)), None
         )
-        if seeder is None or seeder == self.node:
-            return None  # the data rank is staged here (or nowhere known): the bucket
+        if seeder is None:
+            return None
+        if seeder == self.node:
+            return (source, "primary") if await self._wait_local(job, source, step) else None
         if not await self._wait_committed(job, source, step, seeder, assignment):
             return None
         host, port = data_endpoint(assignment.nodes[seeder])
@@ -95,7 +115,17 @@ class FanOut:
         log.info(
             "restore %s rank %d: rank %d's step %d fetched from %s (fan-out)", job, rank, source, step, seeder
         )
-        return source
+        return source, "replica"
+
+    async def _wait_local(self, job: str, source: int, step: int) -> bool:
+        """Whether this node's own staging of ``source`` committed ``step`` (waiting while it runs)."""
+        deadline = time.monotonic() + self.wait
+        while not self.local_committed(job, source, step):
+            state = self.local_state(job, source)
+            if state not in (RestoreState.PENDING, RestoreState.STAGING) or time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(_POLL)
+        return True
 
     async def _wait_committed(
         self, job: str, source: int, step: int, seeder: str, assignment: PeerAssignment

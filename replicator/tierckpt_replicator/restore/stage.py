@@ -143,6 +143,8 @@ class Stager:
                 peers=peers,
                 supervisor=supervisor,
                 backup=backup,
+                local_state=lambda job, rank: self.states.get(job, {}).get(rank),
+                local_committed=lambda job, rank, step: self._committed(job, "primary", rank, step),
                 wait=settings.restore_fanout_wait,
             )
             if backup is not None
@@ -195,6 +197,8 @@ class Stager:
                 )
             self.plans[job] = plan
             ranks = self._ranks(job, plan, assignment)
+            if self.fanout is not None:
+                ranks = await self.fanout.order(job, plan, ranks)
             self.states[job] = {r: RestoreState.PENDING for r in ranks}
             log.info("restore %s: step %s for ranks %s", job, plan.step, list(ranks))
             self._tell_new_ranks(job, plan, assignment, ranks)
@@ -351,9 +355,9 @@ class Stager:
         return None, "; ".join(f"{o.node}: {o.status} {o.message}".strip() for o in result.outcomes)
 
     async def _from_bucket(
-        self, job: str, rank: int, step: int, rep: ProgressReporter, seed: int | None = None
+        self, job: str, rank: int, step: int, rep: ProgressReporter, seed: tuple[int, Copy] | None = None
     ) -> tuple[Tier | None, str]:
-        """``seed``: a rank whose committed replica here holds this rank's data files (fan-out)."""
+        """``seed``: a rank (and its copy here) whose committed step holds this rank's data files."""
         assert self.backup is not None
         try:
             if step not in await self.backup.complete_steps(job):
@@ -365,7 +369,7 @@ class Stager:
                     rank,
                     rank_tree(tree, "primary", rank),
                     lambda done: rep.update(bytes_done=done),
-                    rank_tree(tree, "replica", seed).at(step_name(step)) if seed is not None else None,
+                    rank_tree(tree, seed[1], seed[0]).at(step_name(step)) if seed is not None else None,
                 )
         except (TierckptError, OSError) as exc:
             return None, f"bucket: {exc}"
