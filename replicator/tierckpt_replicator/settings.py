@@ -275,7 +275,7 @@ class Settings:
         default=300.0,
         metadata=_opt(
             "Seconds a restore from the bucket waits, while the node restoring its replica group's data "
-            "rank reports progress, to fetch those data files from it instead of the bucket.",
+            "rank reports progress, to fetch those data files from it instead of the bucket (0: off).",
             unit="s",
         ),
     )

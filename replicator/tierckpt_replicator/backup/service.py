@@ -359,13 +359,15 @@ class BackupService:
             with _leases({r: local[r] for r in mine}, step, self._holder, self.settings.lease_ttl) as held:
                 sent, logical = self._upload_ranks(job, held)
             self.metrics.upload_seconds.observe(time.monotonic() - started)
-            self._set_status(
+            prev = self._status.get(job, BackupStatus())
+            before = (prev.uploaded_bytes, prev.uploaded_logical) if prev.last_uploaded == step else (0, 0)
+            self._set_status(  # every pass of this node over the step counts (its share, takeovers)
                 job,
                 last_uploaded=step,
                 last_success_at=self.clock(),
                 last_error="",
-                uploaded_bytes=sent,
-                uploaded_logical=logical,
+                uploaded_bytes=before[0] + sent,
+                uploaded_logical=before[1] + logical,
             )
             self.metrics.last_success.labels(job=job).set(self.clock())
         done = self.catalog.try_complete(job, step, world_size)

@@ -123,24 +123,27 @@ class GroupTracker:
     # ------------------------------------------------------------------ internals
 
     def _account_written(self, job: str, holdings: Holdings) -> None:
-        """Start the newest common local step's accounting (written against logical bytes)."""
+        """The newest local step's accounting: written against logical bytes, recounted on every pass
+        (the node's ranks commit one after another); the replicated bytes of the step are kept."""
         newest = holdings.newest_local()
         if not newest:
             return
         step = max(newest.values())
         local = [c for c in holdings.contents if c.copy == "local" and c.step == step]
         self._groups[job] = tuple(sorted({c.group for c in local}))
-        acc = self._bytes.get(job)
-        if acc is not None and acc.step == step:
-            return
         if not local:
             self._bytes.pop(job, None)
             return
+        prev = self._bytes.get(job)
         acc = StepBytes(
             step=step,
             written=sum(c.written_bytes for c in local),
             written_logical=sum(c.logical_bytes for c in local),
         )
+        if prev is not None and prev.step == step:
+            if (prev.written, prev.written_logical) == (acc.written, acc.written_logical):
+                return
+            acc = dataclasses.replace(prev, written=acc.written, written_logical=acc.written_logical)
         self._bytes[job] = acc
         self._export(job, acc)
 

@@ -73,7 +73,7 @@ class FanOut:
     ) -> tuple[int, Copy] | None:
         """The rank (and which copy of it here: its staged primary, or a replica fetched from its
         seeder) whose committed step holds ``rank``'s data files, or None: the bucket alone."""
-        if assignment is None:
+        if assignment is None or self.wait <= 0:  # --restore-fanout-wait 0: fan-out off
             return None
         source = await self.backup.data_source(job, step, rank)
         if source is None:
