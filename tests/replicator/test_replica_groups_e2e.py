@@ -159,6 +159,16 @@ def test_members_that_differ_are_reported_and_not_deduplicated(cluster4: LocalCl
         assert holders[rank].index == MEMBER[rank]
         assert _job_status(cluster4, cluster4.nodes[rank], job).diverged == ()
     assert any("hold other content" in cluster4.nodes[r].log_text() for r in (1, 3))
+    # In the bucket too: the diverged group's members each upload their own data files.
+    backup_everywhere(cluster4, job, 3)
+    store = GcsStore(GcsSettings(bucket=cluster4.bucket, endpoint=cluster4.gcs.url))
+    layout = BucketLayout("tierckpt")
+    for rank in (1, 3):
+        commit = RankBackup.from_bytes(
+            store.get_bytes(layout.rank_commit_key(job, 3, rank), max_size=1 << 20)
+        )
+        objects, _ = store.list(layout.rank_dir(job, 3, rank))
+        assert commit.data is None and any(o.name.rsplit("/", 1)[-1].startswith("data-") for o in objects)
 
 
 def test_each_shard_is_uploaded_once_and_every_rank_restores_from_it(cluster4: LocalCluster) -> None:

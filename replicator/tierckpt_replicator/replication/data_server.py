@@ -265,13 +265,14 @@ class DataServer:
                 self._reply(conn, DataReply(status=status, message=message, total_bytes=total))
         seconds = time.monotonic() - started
         log.info(
-            "replica %s rank %d step %d from %s: %s (%d bytes, %.2fs)",
+            "replica %s rank %d step %d from %s: %s (%d bytes received, %d linked, %.2fs)",
             req.job,
             req.rank,
             req.step,
             req.node or "?",
             message,
-            total,
+            total - linked,
+            linked,
             seconds,
         )
         self._event(req, status, bytes=total - linked, seconds=seconds, message=message)

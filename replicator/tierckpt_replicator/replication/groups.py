@@ -25,10 +25,14 @@ from tierckpt_replicator.inventory import Holdings
 from tierckpt_replicator.metrics import Metrics
 from tierckpt_replicator.replication.dedup import awaiting_members, differing, linkable_targets, member_nodes
 from tierckpt_replicator.replication.ipc import Outcome
+from tierckpt_replicator.replication.plan import candidate_targets
 
 __all__ = ["GroupTracker"]
 
 log = logging.getLogger(__name__)
+
+_ASK_AT_ONCE = 16
+"""Most peer inventories asked per refresh."""
 
 
 class GroupTracker:
@@ -75,6 +79,7 @@ class GroupTracker:
         linkable: dict[int, dict[str, int]] = {}
         hold: set[int] = set()
         stale = False
+        members: set[str] = set()
         now = time.time()
         for rank, content in mine.items():
             self._report_differing(job, content, peers)
@@ -82,13 +87,15 @@ class GroupTracker:
             if targets:
                 linkable[rank] = targets
             world = holdings.world_sizes.get(content.step, 0)
-            waiting = awaiting_members(content, self.node, member_nodes(content, assignment, world), peers)
+            nodes = member_nodes(content, assignment, world)
+            members |= set(nodes.values())
+            waiting = awaiting_members(content, self.node, nodes, peers)
             if waiting and not content.diverged:
                 stale = True
                 if not targets and now - holdings.newest_commit_at.get(rank, now) < self.wait:
                     hold.add(rank)
         if stale or job not in self._contents:
-            self._refresh(job, assignment)
+            self._refresh(job, assignment, members)
         return linkable, hold
 
     def record(self, job: str, step: int, outcomes: Sequence[Outcome]) -> None:
@@ -175,17 +182,23 @@ class GroupTracker:
             where,
         )
 
-    def _refresh(self, job: str, assignment: PeerAssignment) -> None:
+    def _refresh(self, job: str, assignment: PeerAssignment, members: Collection[str]) -> None:
         running = self._refreshing.get(job)
         if running is not None and not running.done():
             return
         if time.monotonic() - self._asked_at.get(job, -1e9) < self.refresh_every:
             return
         self._asked_at[job] = time.monotonic()
-        self._refreshing[job] = asyncio.create_task(self._ask(job, assignment), name=f"groups-{job}")
+        # The nodes running other members, nearest first (assigned peers, then other domains), at most
+        # _ASK_AT_ONCE: a DDP group of thousands of nodes needs a few identical copies, not all.
+        names = [
+            n
+            for n in candidate_targets(assignment, self.node)
+            if n in members and assignment.nodes[n].endpoint
+        ][:_ASK_AT_ONCE]
+        self._refreshing[job] = asyncio.create_task(self._ask(job, assignment, names), name=f"groups-{job}")
 
-    async def _ask(self, job: str, assignment: PeerAssignment) -> None:
-        names = [n for n, p in assignment.nodes.items() if n != self.node and p.endpoint]
+    async def _ask(self, job: str, assignment: PeerAssignment, names: Sequence[str]) -> None:
 
         async def one(name: str) -> tuple[str, tuple[StepContent, ...]] | None:
             try:

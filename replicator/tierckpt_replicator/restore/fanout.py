@@ -7,10 +7,12 @@ node that runs the data rank (the *seeder*) downloads them as usual. The node of
 reads the seeder's inventory (``NodeInventory.restoring``) until the data rank's step is committed
 there, fetches that step peer to peer (``get``, every crc32c checked) as a replica, and then takes
 only its own small files (manifest, COMMIT, objects) from the bucket, linking the data files from the
-replica. Bucket egress for a group's shard is one copy whatever the group's size; the seeder serves the
-other members (a star: the seeder's send rate bounds it, see docs/benchmarks.md). A member on the
-seeder's own node links from the data rank's staged primary once it is committed (``order`` puts the
-ranks that carry data first, so a member never holds the staging slot its data rank waits for).
+replica. Bucket egress for a group's shard is one copy whatever the group's size; the seeder serves
+the other members, and every node that already fetched it serves those still waiting (a tree growing
+from the seeder: a holder busy with others answers 503, and the next holder or round is tried). A
+member on the seeder's own node links from the data rank's staged primary once it is committed
+(``order`` puts the ranks that carry data first, so a member never holds the staging slot its data
+rank waits for).
 
 Waits follow progress: while the seeder answers and reports the data rank as ``pending`` or
 ``staging`` this node waits (up to ``fanout_wait`` seconds); a seeder that does not answer, that failed
@@ -22,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import zlib
 from collections.abc import Callable
 
 from tierckpt.protocol.client import ReplicatorClient
@@ -30,6 +33,7 @@ from tierckpt.protocol.errors import ContractError, RetryableError, TierckptErro
 from tierckpt_replicator.assignments import data_endpoint
 from tierckpt_replicator.backup.jobs import BackupPort
 from tierckpt_replicator.replication.ipc import FetchSource, FetchTask
+from tierckpt_replicator.replication.plan import candidate_targets
 from tierckpt_replicator.replication.supervisor import WorkerSupervisor
 from tierckpt_replicator.stepio import Copy
 
@@ -39,6 +43,8 @@ log = logging.getLogger(__name__)
 
 _POLL = 0.2
 """Seconds between questions to the seeder."""
+_ASK_AT_ONCE = 16
+"""Most inventories asked for copies already fanned out."""
 
 
 class FanOut:
@@ -87,35 +93,70 @@ class FanOut:
             return (source, "primary") if await self._wait_local(job, source, step) else None
         if not await self._wait_committed(job, source, step, seeder, assignment):
             return None
-        host, port = data_endpoint(assignment.nodes[seeder])
-        task = FetchTask(
-            id=self.supervisor.next_id(),
-            job=job,
-            rank=source,
-            step=step,
-            sources=(FetchSource(kind="peer", node=seeder, host=host, port=port),),
-            into="replica",
-        )
-        try:
-            result = await self.supervisor.run_task(task)
-        except RetryableError as exc:
-            log.info("restore %s rank %d: seeder %s: %s; reading the bucket", job, rank, seeder, exc)
-            return None
-        if not result.ok:
-            why = "; ".join(f"{o.status} {o.message}".strip() for o in result.outcomes)
-            log.info(
-                "restore %s rank %d: rank %d from %s failed (%s); reading the bucket",
-                job,
-                rank,
-                source,
-                seeder,
-                why,
+        deadline = time.monotonic() + self.wait
+        while True:
+            holders = await self._holders(job, source, step, seeder, world_size, assignment)
+            task = FetchTask(
+                id=self.supervisor.next_id(),
+                job=job,
+                rank=source,
+                step=step,
+                sources=tuple(
+                    FetchSource(kind="peer", node=n, host=h, port=p)
+                    for n in holders
+                    for h, p in (data_endpoint(assignment.nodes[n]),)
+                ),
+                into="replica",
             )
-            return None
-        log.info(
-            "restore %s rank %d: rank %d's step %d fetched from %s (fan-out)", job, rank, source, step, seeder
-        )
-        return source, "replica"
+            try:
+                result = await self.supervisor.run_task(task)
+            except RetryableError as exc:
+                log.info("restore %s rank %d: fan-out: %s; reading the bucket", job, rank, exc)
+                return None
+            if result.ok:
+                got = result.outcomes[-1].node
+                log.info(
+                    "restore %s rank %d: rank %d's step %d came from %s (fan-out)",
+                    job,
+                    rank,
+                    source,
+                    step,
+                    got,
+                )
+                return source, "replica"
+            why = "; ".join(f"{o.node}: {o.status} {o.message}".strip() for o in result.outcomes)
+            if any(o.status != "busy" for o in result.outcomes) or time.monotonic() >= deadline:
+                log.info(
+                    "restore %s rank %d: rank %d not fetched (%s); reading the bucket", job, rank, source, why
+                )
+                return None
+            await asyncio.sleep(_POLL)  # every holder is serving others: one of them is free soon
+
+    async def _holders(
+        self, job: str, source: int, step: int, seeder: str, world_size: int, assignment: PeerAssignment
+    ) -> list[str]:
+        """Nodes to fetch ``source``'s step from: those running other members that already hold a
+        copy (fetched earlier in this fan-out), ordered by a hash of this node so that the load spreads
+        (a tree growing from the seeder), then the seeder."""
+        others = [
+            n
+            for n in candidate_targets(assignment, self.node)
+            if n not in (seeder, self.node) and assignment.process_ranks(n, world_size)
+        ][:_ASK_AT_ONCE]
+
+        async def holds(name: str) -> bool:
+            try:
+                inv = await self.peers.inventory(assignment.nodes[name].endpoint, job, node=name)
+            except (RetryableError, ContractError):
+                return False
+            h = inv.ranks.get(source) if inv is not None else None
+            return h is not None and (step in h.replica or step in h.local)
+
+        found = [
+            n for n, ok in zip(others, await asyncio.gather(*(holds(n) for n in others)), strict=True) if ok
+        ]
+        found.sort(key=lambda n: zlib.crc32(f"{self.node}/{n}".encode()))
+        return [*found, seeder]
 
     async def _wait_local(self, job: str, source: int, step: int) -> bool:
         """Whether this node's own staging of ``source`` committed ``step`` (waiting while it runs)."""
