@@ -153,6 +153,10 @@ class Daemon:
             on_committed=self._on_committed if backup is not None else None,
             kick=self.watcher.kick,
         )
+        self.local_inventory.groups = self.replication.groups
+        self.local_inventory.restoring = lambda job: {
+            r: s.value for r, s in self.stager.states.get(job, {}).items()
+        }
         self.stager = Stager(
             settings=settings,
             assignments=self.assignments,

@@ -99,6 +99,8 @@ class SendTask(Message):
     step: int
     candidates: tuple[PeerAddress, ...]
     want: int = 1
+    bases: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Candidate node -> replica group member whose identical step it holds (``DataRequest.base_rank``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,6 +133,8 @@ class Outcome(Record):
     message: str = ""
     bytes: int = 0
     seconds: float = 0.0
+    saved: int = 0
+    """Bytes of the step not sent: the peer linked an identical replica group member's data files."""
 
 
 @dataclasses.dataclass(frozen=True)

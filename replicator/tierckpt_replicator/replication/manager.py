@@ -8,7 +8,8 @@ Every ``reconcile_interval`` the peers' inventories are checked, so a replica a 
 replica found corrupt) is sent again. That check runs in the background, every peer and job at once:
 a peer that does not answer costs it one ``inventory_timeout``, and never holds up the sends of a
 pass. Only the newest step of a rank is ever sent: an older one that is still in flight when a newer
-one commits finishes, and the newer one follows.
+one commits finishes, and the newer one follows. A rank saved in a replica group goes first to peers
+that hold an identical member step (they link its data files: ``replication.groups``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from tierckpt.protocol.errors import ContractError, RetryableError
 from tierckpt_replicator.assignments import AssignmentStore, data_endpoint
 from tierckpt_replicator.inventory import Holdings, InventoryScanner, list_jobs
 from tierckpt_replicator.metrics import Metrics
+from tierckpt_replicator.replication.groups import GroupTracker
 from tierckpt_replicator.replication.ipc import Outcome, PeerAddress, SendTask
 from tierckpt_replicator.replication.plan import SendItem, plan_sends
 from tierckpt_replicator.replication.supervisor import WorkerSupervisor
@@ -99,8 +101,10 @@ class ReplicationManager:
         self._tasks: set[asyncio.Task[None]] = set()
         self._last_reconcile = time.monotonic()
         self._reconciling: asyncio.Task[None] | None = None
+        self.groups = GroupTracker(node=node, peers=peers, metrics=metrics, kick=kick)
 
     async def close(self) -> None:
+        await self.groups.close()
         if self._reconciling is not None:
             self._tasks.add(self._reconciling)
         for t in list(self._tasks):
@@ -150,6 +154,13 @@ class ReplicationManager:
         now = time.monotonic()
         in_flight = {(r, s) for (j, r, s) in self._in_flight if j == job}
         in_backoff = {(r, s) for (r, s) in newest.items() if not self._step_backoff.ready((job, r, s), now)}
+        short = {
+            r
+            for r, s in newest.items()
+            if len(self.confirmed.get((job, r, s), ())) < self.k and (r, s) not in in_flight
+        }
+        linkable, hold = self.groups.plan(job, assignment, holdings, short)
+        held = {(r, newest[r]) for r in hold}
         items = plan_sends(
             job=job,
             node=self.node,
@@ -157,9 +168,12 @@ class ReplicationManager:
             assignment=assignment,
             newest=newest,
             confirmed={(r, s): nodes for (j, r, s), nodes in self.confirmed.items() if j == job},
-            in_flight=in_flight | in_backoff,
+            in_flight=in_flight | in_backoff | held,
             avoid={n for n in self._node_backoff.blocked(now) if isinstance(n, str)},
+            linkable=linkable,
         )
+        if held:
+            asyncio.get_running_loop().call_later(self.groups.wait, self.kick)
         for item in items:
             self._spawn(self._send(item, assignment))
 
@@ -180,6 +194,7 @@ class ReplicationManager:
                 step=item.step,
                 candidates=candidates,
                 want=item.want,
+                bases=item.bases,
             )
             try:
                 result = await self.supervisor.run_task(task)
@@ -188,6 +203,7 @@ class ReplicationManager:
                 log.warning("send %s rank %d step %d: %s; retrying in %.0fs", *key, exc, delay)
                 return
             self._record(key, result.outcomes)
+            self.groups.record(item.job, item.step, result.outcomes)
             if result.ok:
                 self._step_backoff.ok(key)
                 self.last_replication[item.job] = time.time()
@@ -275,6 +291,7 @@ class ReplicationManager:
             self.kick()
 
     def forget(self, job: str) -> None:
+        self.groups.forget(job)
         for key in [k for k in self.confirmed if k[0] == job]:
             del self.confirmed[key]
         self._notified.pop(job, None)

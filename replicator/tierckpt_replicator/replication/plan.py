@@ -5,7 +5,9 @@
 go last. ``plan_sends`` turns the newest committed step of each local rank, and what is already known
 to be replicated or in flight, into ``SendItem``s: the step, the candidates, and how many more copies
 are wanted. The worker walks the candidates in order until that many succeeded, so a dead or full peer
-is replaced by the next one at once.
+is replaced by the next one at once. A peer that already holds an identical copy of another replica
+group member's step (``linkable``, from ``replication.dedup``) goes first, with the member's rank as
+the ``base`` it links the data files from.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ class SendItem:
     step: int
     candidates: tuple[str, ...]
     want: int
+    bases: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Candidate -> the member rank whose identical step it holds (only the small files travel)."""
 
 
 def candidate_targets(
@@ -55,8 +59,10 @@ def plan_sends(
     confirmed: Mapping[tuple[int, int], Collection[str]],
     in_flight: Collection[tuple[int, int]] = (),
     avoid: Collection[str] = (),
+    linkable: Mapping[int, Mapping[str, int]] | None = None,
 ) -> list[SendItem]:
-    """One ``SendItem`` per local rank whose newest step has fewer than ``k`` confirmed copies."""
+    """One ``SendItem`` per local rank whose newest step has fewer than ``k`` confirmed copies.
+    ``linkable``: rank -> peers holding an identical member step (node -> that member's rank)."""
     base = candidate_targets(assignment, node, avoid=avoid)
     items = []
     for rank in sorted(newest):
@@ -65,7 +71,11 @@ def plan_sends(
             continue
         have = set(confirmed.get((rank, step), ()))
         want = k - len(have)
-        candidates = tuple(n for n in base if n not in have)
+        bases = dict((linkable or {}).get(rank, {}))
+        ordered = [n for n in base if n in bases] + [n for n in base if n not in bases]
+        candidates = tuple(n for n in ordered if n not in have)
         if want > 0 and candidates:
-            items.append(SendItem(job=job, rank=rank, step=step, candidates=candidates, want=want))
+            bases = {n: b for n, b in bases.items() if n in candidates}
+            item = SendItem(job=job, rank=rank, step=step, candidates=candidates, want=want, bases=bases)
+            items.append(item)
     return items
