@@ -6,8 +6,8 @@ go last. ``plan_sends`` turns the newest committed step of each local rank, and 
 to be replicated or in flight, into ``SendItem``s: the step, the candidates, and how many more copies
 are wanted. The worker walks the candidates in order until that many succeeded, so a dead or full peer
 is replaced by the next one at once. A peer that already holds an identical copy of another replica
-group member's step (``linkable``, from ``replication.dedup``) goes first, with the member's rank as
-the ``base`` it links the data files from.
+group member's step (``linkable``, from ``replication.dedup``) goes first among the assigned peers (or
+among the fallbacks), with the member's rank as the ``base`` it links the data files from.
 """
 
 from __future__ import annotations
@@ -64,6 +64,7 @@ def plan_sends(
     """One ``SendItem`` per local rank whose newest step has fewer than ``k`` confirmed copies.
     ``linkable``: rank -> peers holding an identical member step (node -> that member's rank)."""
     base = candidate_targets(assignment, node, avoid=avoid)
+    assigned = set(assignment.peers.get(node, ()))
     items = []
     for rank in sorted(newest):
         step = newest[rank]
@@ -72,7 +73,9 @@ def plan_sends(
         have = set(confirmed.get((rank, step), ()))
         want = k - len(have)
         bases = dict((linkable or {}).get(rank, {}))
-        ordered = [n for n in base if n in bases] + [n for n in base if n not in bases]
+        # A linkable peer goes first within its tier only: the assigned peers (the operator's choice of
+        # failure domains) before the fallbacks, and dead peers last, whatever they hold.
+        ordered = sorted(base, key=lambda n: (n in avoid, n not in assigned, n not in bases))
         candidates = tuple(n for n in ordered if n not in have)
         if want > 0 and candidates:
             bases = {n: b for n, b in bases.items() if n in candidates}
