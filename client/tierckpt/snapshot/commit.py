@@ -30,7 +30,7 @@ from tierckpt.snapshot.copy import file_crc, region_crcs
 from tierckpt.snapshot.layout import LayoutPlan
 from tierckpt.snapshot.shardfile import MappedFile
 
-__all__ = ["CommittedStep", "RecordFor", "StepIdentity", "checksum_slot", "commit_files"]
+__all__ = ["CommittedStep", "RecordFor", "StepIdentity", "checksum_slot", "commit_files", "seal_step"]
 
 RecordFor = Callable[[tuple[FileEntry, ...], tuple[TensorEntry, ...], int], ReplicaRecord]
 """``(files, tensors, bytes linked from another member) -> the step's replica record``."""
@@ -85,10 +85,6 @@ def commit_files(
     tensor_crcs, file_entries = checksum_slot(plan, files, workers=workers)
     for f in files:
         f.sync()
-    if objects is not None:
-        write_atomic(step_path / OBJECTS_NAME, objects)
-        file_entries.append(FileEntry(name=OBJECTS_NAME, size=len(objects), crc32c=crc32c(objects)))
-    file_table = tuple(file_entries)
     tensors = tuple(
         TensorEntry(
             key=spec.key,
@@ -101,6 +97,41 @@ def commit_files(
         )
         for spec, p, c in zip(plan.specs, plan.placements, tensor_crcs, strict=True)
     )
+    return seal_step(
+        step_path,
+        who,
+        file_entries,
+        tensors,
+        tree=tree,
+        objects=objects,
+        object_count=object_count,
+        manifest_kind=manifest_kind,
+        extra=extra,
+        replica=replica,
+    )
+
+
+def seal_step(
+    step_path: Path,
+    who: StepIdentity,
+    data_files: Sequence[FileEntry],
+    tensors: tuple[TensorEntry, ...],
+    *,
+    tree: Any,
+    objects: bytes | None,
+    object_count: int,
+    manifest_kind: ManifestKind = "state_dict",
+    extra: dict[str, Any] | None = None,
+    replica: RecordFor | None = None,
+    linked: int = 0,
+) -> CommittedStep:
+    """The last part of every commit, once the data files are durable: objects.pkl (atomically), then
+    the manifest and, last, COMMIT. ``linked``: bytes of ``data_files`` hard-linked from another member."""
+    files = list(data_files)
+    if objects is not None:
+        write_atomic(step_path / OBJECTS_NAME, objects)
+        files.append(FileEntry(name=OBJECTS_NAME, size=len(objects), crc32c=crc32c(objects)))
+    file_table = tuple(files)
     manifest = Manifest(
         job=who.job,
         rank=who.rank,
@@ -113,6 +144,6 @@ def commit_files(
         object_count=object_count,
         manifest_kind=manifest_kind,
         extra=extra or {},
-        replica=None if replica is None else replica(file_table, tensors, 0),
+        replica=None if replica is None else replica(file_table, tensors, linked),
     )
     return CommittedStep(commit_step(step_path, manifest), manifest)

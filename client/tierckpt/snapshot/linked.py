@@ -27,18 +27,13 @@ from typing import Any
 from tierckpt.protocol.errors import FormatError, TierckptError
 from tierckpt.protocol.format import (
     COMMIT_NAME,
-    OBJECTS_NAME,
-    FileEntry,
     Manifest,
-    commit_step,
     discard_step,
     fsync_dir,
     iter_data_files,
     read_manifest,
-    write_atomic,
 )
-from tierckpt.protocol.integrity import crc32c
-from tierckpt.snapshot.commit import CommittedStep, RecordFor, StepIdentity
+from tierckpt.snapshot.commit import CommittedStep, RecordFor, StepIdentity, seal_step
 from tierckpt.snapshot.rankdir import WRITER_LOCK
 
 __all__ = ["LinkAbandoned", "commit_linked", "writer_alive"]
@@ -153,25 +148,19 @@ def commit_linked(
         if time.monotonic() >= deadline:
             raise LinkAbandoned(f"{source_step}: kept changing while being linked")
     fsync_dir(step_path)
-    files = [f for f in source.files if f.name.startswith("data-")]
-    if objects is not None:
-        write_atomic(step_path / OBJECTS_NAME, objects)
-        files.append(FileEntry(name=OBJECTS_NAME, size=len(objects), crc32c=crc32c(objects)))
-    file_table, tensor_table = tuple(files), tuple(source.tensors)
-    manifest = Manifest(
-        job=who.job,
-        rank=who.rank,
-        world_size=who.world_size,
-        step=who.step,
-        created_at=time.time(),
-        files=file_table,
-        tensors=tensor_table,
-        tree=tree,
-        object_count=object_count,
-        replica=record(file_table, tensor_table, linked),
-    )
+    data_files = [f for f in source.files if f.name.startswith("data-")]
     try:
-        return CommittedStep(commit_step(step_path, manifest), manifest)
+        return seal_step(
+            step_path,
+            who,
+            data_files,
+            tuple(source.tensors),
+            tree=tree,
+            objects=objects,
+            object_count=object_count,
+            replica=record,
+            linked=linked,
+        )
     except BaseException:
         with contextlib.suppress(Exception):
             discard_step(step_path)
