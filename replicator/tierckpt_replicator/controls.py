@@ -15,6 +15,7 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import tierckpt_replicator
@@ -25,6 +26,7 @@ from tierckpt.protocol.control import (
     NodeInventory,
     NodeStatus,
     PeerAssignment,
+    Redundancy,
     RestorePlan,
     read_control,
     write_control,
@@ -60,8 +62,14 @@ class LocalInventory:
     after a backup); a bucket that cannot be listed makes its steps unknown, not the inventory fail.
     """
 
-    def __init__(self, scanner: InventoryScanner, backup: BackupPort | None) -> None:
-        self.scanner, self.backup = scanner, backup
+    def __init__(
+        self,
+        scanner: InventoryScanner,
+        backup: BackupPort | None,
+        *,
+        redundancy: Callable[[str], Redundancy | None] = lambda job: None,
+    ) -> None:
+        self.scanner, self.backup, self.redundancy = scanner, backup, redundancy
         self._cache: dict[str, tuple[float, dict[int, int]]] = {}
 
     async def __call__(self, job: str) -> NodeInventory:
@@ -69,7 +77,7 @@ class LocalInventory:
         inv = self.scanner.inventory(job, gcs=tuple(bucket))
         # a step known only from the bucket still needs its world size, or nobody knows its ranks
         world_sizes = {**{s: ws for s, ws in bucket.items() if ws > 0}, **inv.world_sizes}
-        return dataclasses.replace(inv, world_sizes=world_sizes)
+        return dataclasses.replace(inv, world_sizes=world_sizes, redundancy=self.redundancy(job))
 
     async def bucket_steps(self, job: str) -> dict[int, int]:
         """Step -> world size of every step complete in the bucket (cached a few seconds)."""
@@ -143,8 +151,12 @@ class NodeControls:
         return True, plan
 
     async def put_policy(self, policy: JobPolicy) -> tuple[bool, JobPolicy]:
-        """Store the job's policy (newer generation only); backups follow it from the next step on."""
-        return self.policies.put(policy)
+        """Store the job's policy (newer generation only); backups follow it from the next step on, its
+        replication factor from the next replication pass (started now: a new factor heals at once)."""
+        accepted, current = self.policies.put(policy)
+        if accepted:
+            self.watcher.kick()
+        return accepted, current
 
     async def backup_now(self, job: str) -> int | None:
         if self.backup is None:
@@ -224,6 +236,7 @@ class NodeControls:
                     restore_step=plan.step if plan else None,
                     restore={r: s.value for r, s in self.stager.states.get(job, {}).items()},
                     backup_error=_last_error(self.backup, job),
+                    redundancy=self.replication.redundancy.get(job),
                 )
             )
         ok, why = self.ready()

@@ -128,7 +128,9 @@ class Daemon:
             domain=settings.domain,
             max_manifest_bytes=settings.max_manifest_bytes,
         )
-        self.local_inventory = LocalInventory(self.scanner, backup)
+        self.local_inventory = LocalInventory(
+            self.scanner, backup, redundancy=lambda job: self.replication.redundancy.get(job)
+        )
         files = self.identity.files if self.identity is not None else None
         self.supervisor = WorkerSupervisor(worker_config(settings, files), on_event=self._on_data_event)
         # one attempt per question: the callers ask again (restore planning) or next round (reconcile)
@@ -152,6 +154,7 @@ class Daemon:
             reconcile_interval=settings.reconcile_interval,
             on_committed=self._on_committed if backup is not None else None,
             kick=self.watcher.kick,
+            factor=lambda job: self.policies.replication_factor(job, settings.replicas),
         )
         self.stager = Stager(
             settings=settings,

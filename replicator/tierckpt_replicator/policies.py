@@ -75,5 +75,11 @@ class PolicyStore:
         )
         return True, policy
 
+    def replication_factor(self, job: str, default: int) -> int:
+        """Peers each node copies the job's ranks to: its policy's factor, else ``default`` (the node's
+        ``--replicas``)."""
+        policy = self.get(job)
+        return policy.replication_factor if policy is not None else default
+
     def forget(self, job: str) -> None:
         self._cache.pop(job, None)

@@ -45,6 +45,7 @@ __all__ = [
     "PeerNode",
     "PurgeResult",
     "RankHoldings",
+    "Redundancy",
     "RestoreAccepted",
     "RestorePlan",
     "RestoreState",
@@ -233,6 +234,24 @@ class RankHoldings(Record):
 
 
 @dataclasses.dataclass(frozen=True)
+class Redundancy(Record):
+    """How many live copies beyond their primary this node's ranks have, against the job's factor.
+
+    ``copies``: the fewest peers confirmed (and, at every reconcile, found) to hold any local rank's
+    newest step; a step younger than the grace (``--reconcile-interval``) is still being replicated
+    and counts as fully replicated. ``degraded_since``: wall clock since when some rank has had fewer
+    than ``factor`` copies (None: at full redundancy)."""
+
+    factor: int
+    copies: int
+    degraded_since: float | None = None
+
+    @property
+    def degraded(self) -> bool:
+        return self.degraded_since is not None
+
+
+@dataclasses.dataclass(frozen=True)
 class NodeInventory(Message):
     """What one node's replicator holds for a job. Served at ``GET /v1/jobs/{job}/inventory``."""
 
@@ -249,6 +268,8 @@ class NodeInventory(Message):
     gcs: tuple[int, ...] = ()
     """Steps this node knows to be complete in the bucket (complete manifest object present)."""
     domain: str = ""
+    redundancy: Redundancy | None = None
+    """Replicas of this node's ranks against the job's replication factor (None: no local ranks)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -542,6 +563,8 @@ class JobStatus(Record):
     """Rank -> restore state of the last staging run on this node."""
     backup_error: str = ""
     """The backup service's last error for this job ('' if the last attempt succeeded)."""
+    redundancy: Redundancy | None = None
+    """Replicas of this node's ranks against the job's replication factor (None: no local ranks)."""
 
 
 @dataclasses.dataclass(frozen=True)

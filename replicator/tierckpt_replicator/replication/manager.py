@@ -7,8 +7,16 @@ exponentially per step (and a failing peer moves to the end of the candidate lis
 Every ``reconcile_interval`` the peers' inventories are checked, so a replica a peer lost (node wiped,
 replica found corrupt) is sent again. That check runs in the background, every peer and job at once:
 a peer that does not answer costs it one ``inventory_timeout``, and never holds up the sends of a
-pass. Only the newest step of a rank is ever sent: an older one that is still in flight when a newer
-one commits finishes, and the newer one follows.
+pass; a copy on a peer that does not answer, or that left the plan, no longer counts (it is sent to
+the next candidate), so neither the lag nor the redundancy hides a lost replica.
+
+Healing: K is the job's own replication factor (``factor(job)``: its policy's, else ``--replicas``).
+When a job's peer plan changes (a new assignment generation, or a new factor), the copies on nodes
+that left the plan are forgotten and the job's peers are checked at once, so every step the plan says
+should exist on a live peer is sent there at once, without waiting for the next save.
+
+Only the newest step of a rank is ever sent: an older one that is still in flight when a newer one
+commits finishes, and the newer one follows.
 """
 
 from __future__ import annotations
@@ -17,17 +25,18 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 
 from tierckpt.planning.common_step import newest_common_step
 from tierckpt.protocol.client import ReplicatorClient
-from tierckpt.protocol.control import PeerAssignment
+from tierckpt.protocol.control import PeerAssignment, Redundancy
 from tierckpt.protocol.errors import ContractError, RetryableError
 from tierckpt_replicator.assignments import AssignmentStore, data_endpoint
 from tierckpt_replicator.inventory import Holdings, InventoryScanner, list_jobs
 from tierckpt_replicator.metrics import Metrics
 from tierckpt_replicator.replication.ipc import Outcome, PeerAddress, SendTask
 from tierckpt_replicator.replication.plan import SendItem, plan_sends
+from tierckpt_replicator.replication.redundancy import RedundancyLog, assess
 from tierckpt_replicator.replication.supervisor import WorkerSupervisor
 
 __all__ = ["ReplicationManager"]
@@ -83,8 +92,11 @@ class ReplicationManager:
         reconcile_interval: float = 30.0,
         on_committed: OnCommitted | None = None,
         kick: Callable[[], None] = lambda: None,
+        factor: Callable[[str], int] | None = None,
     ) -> None:
         self.node, self.k = node, k
+        self.factor: Callable[[str], int] = factor or (lambda job: k)
+        """The job's replication factor (``k``, the node's ``--replicas``, unless its policy says)."""
         self.scanner, self.assignments, self.supervisor = scanner, assignments, supervisor
         self.peers, self.metrics = peers, metrics
         self.reconcile_interval = reconcile_interval
@@ -99,6 +111,10 @@ class ReplicationManager:
         self._tasks: set[asyncio.Task[None]] = set()
         self._last_reconcile = time.monotonic()
         self._reconciling: asyncio.Task[None] | None = None
+        self._plans: dict[str, tuple[int, int]] = {}
+        """Job -> (assignment generation, factor) last acted on."""
+        self.redundancy: dict[str, Redundancy] = {}
+        self._degraded = RedundancyLog()
 
     async def close(self) -> None:
         if self._reconciling is not None:
@@ -112,10 +128,11 @@ class ReplicationManager:
     def lag(self, job: str, holdings: Holdings, now: float | None = None) -> float:
         """Seconds since the oldest local newest-step that still lacks K replicas committed (0 if none)."""
         now = time.time() if now is None else now
+        k = self.factor(job)
         lags = [
             now - holdings.newest_commit_at.get(rank, now)
             for rank, step in holdings.newest_local().items()
-            if len(self.confirmed.get((job, rank, step), ())) < self.k
+            if len(self.confirmed.get((job, rank, step), ())) < k
         ]
         return max(lags, default=0.0)
 
@@ -144,6 +161,10 @@ class ReplicationManager:
         self._notify_committed(job, holdings)
         self._prune(job, newest)
         assignment = self.assignments.get(job)
+        k = self.factor(job)
+        if assignment is not None:
+            self._notice_plan(job, assignment, k)
+        self._assess(job, holdings, k)
         self.metrics.replication_lag.labels(job).set(self.lag(job, holdings))
         if assignment is None or not newest:
             return
@@ -153,7 +174,7 @@ class ReplicationManager:
         items = plan_sends(
             job=job,
             node=self.node,
-            k=self.k,
+            k=k,
             assignment=assignment,
             newest=newest,
             confirmed={(r, s): nodes for (j, r, s), nodes in self.confirmed.items() if j == job},
@@ -197,7 +218,7 @@ class ReplicationManager:
                     "send %s rank %d step %d reached only %d of %d peers; retrying in %.0fs",
                     *key,
                     len(self.confirmed.get(key, ())),
-                    self.k,
+                    self.factor(item.job),
                     delay,
                 )
         finally:
@@ -216,6 +237,68 @@ class ReplicationManager:
                     self.metrics.replication_seconds.observe(o.seconds)
             elif o.status != "missing":
                 self._node_backoff.fail(o.node, now)
+
+    def _notice_plan(self, job: str, assignment: PeerAssignment, k: int) -> None:
+        """On a new plan (assignment generation or factor): forget the copies on nodes that left it and
+        check the job's peers now (in the background), so lost copies are sent again at once."""
+        seen = (assignment.generation, k)
+        before = self._plans.get(job)
+        if before == seen:
+            return
+        self._plans[job] = seen
+        if before is None:
+            return  # first sight (daemon start): nothing is confirmed yet
+        gone = set()
+        for key, nodes in self.confirmed.items():
+            if key[0] == job:
+                gone |= {n for n in nodes if n not in assignment.nodes}
+                nodes.intersection_update(assignment.nodes)
+        log.info(
+            "job %s: new peer plan (generation %d, factor %d; was %d, %d): healing%s; checking the peers now",
+            job,
+            assignment.generation,
+            k,
+            *before,
+            f", copies on {sorted(gone)} (gone from the plan) no longer count" if gone else "",
+        )
+        self._spawn(self._heal(job))
+
+    async def _heal(self, job: str) -> None:
+        try:
+            await self.reconcile(jobs={job})
+        except Exception:
+            log.exception("job %s: checking the peers' holdings after a plan change failed", job)
+        self.kick()
+
+    def _assess(self, job: str, holdings: Holdings, k: int) -> None:
+        """The job's redundancy now: gauges, and a log line and a count when it changes."""
+        newest = holdings.newest_local()
+        if not newest:
+            self.redundancy.pop(job, None)
+            return
+        now = time.time()
+        copies = {r: len(self.confirmed.get((job, r, s), ())) for r, s in newest.items()}
+        fewest, short = assess(
+            factor=k,
+            copies=copies,
+            committed_at=holdings.newest_commit_at,
+            now=now,
+            grace=self.reconcile_interval,
+        )
+        red, change = self._degraded.update(job, factor=k, copies=fewest, short=short, now=now)
+        self.redundancy[job] = red
+        self.metrics.replication_copies.labels(job).set(fewest)
+        self.metrics.replication_factor.labels(job).set(k)
+        self.metrics.replication_degraded.labels(job).set(1 if red.degraded else 0)
+        if change:
+            self.metrics.redundancy_changes.labels(job, change).inc()
+            if change == "degraded":
+                short_ranks = sorted(r for r, n in copies.items() if n < k)
+                log.warning(
+                    "job %s: below its replication factor %d (ranks %s): re-replicating", job, k, short_ranks
+                )
+            else:
+                log.info("job %s: back at full redundancy (%d of %d copies)", job, fewest, k)
 
     def _prune(self, job: str, newest: dict[int, int]) -> None:
         """Forget confirmations of steps that are no longer a rank's newest."""
@@ -241,25 +324,35 @@ class ReplicationManager:
         except Exception:
             log.exception("job %s: the backup service failed on step %d", job, step)
 
-    async def reconcile(self) -> None:
-        """Drop confirmations that peers no longer back up (their inventories lack the step). Every
-        (job, peer) inventory is asked at once (at most ``_RECONCILE_PARALLEL`` in flight), so peers
-        that do not answer cost one timeout in all, not one each."""
+    async def reconcile(self, jobs: Collection[str] | None = None) -> None:
+        """Drop confirmations that peers no longer back up: their inventories lack the step, they do not
+        answer, or they left the plan. Every (job, peer) inventory is asked at once (at most
+        ``_RECONCILE_PARALLEL`` in flight), so peers that do not answer cost one timeout in all, not
+        one each. ``jobs``: only these (default: every job)."""
         by_peer: dict[tuple[str, str], list[Key]] = {}
         for key, nodes in self.confirmed.items():
+            if jobs is not None and key[0] not in jobs:
+                continue
             for n in nodes:
                 by_peer.setdefault((key[0], n), []).append(key)
         limit = asyncio.Semaphore(_RECONCILE_PARALLEL)
 
         async def check(job: str, name: str, keys: list[Key]) -> None:
             assignment = self.assignments.get(job)
-            if assignment is None or name not in assignment.nodes:
+            if assignment is None:
+                return
+            if name not in assignment.nodes:
+                log.warning(
+                    "%s left the plan of %s: its copies no longer count; sending them again", name, job
+                )
+                self._uncount(name, keys)
                 return
             try:
                 async with limit:
                     inv = await self.peers.inventory(assignment.nodes[name].endpoint, job, node=name)
             except (RetryableError, ContractError) as exc:
-                log.info("reconcile: %s", exc)
+                log.warning("reconcile: %s (its copies of %s no longer count until it answers)", exc, job)
+                self._uncount(name, keys)
                 return
             if inv is None:
                 log.info("reconcile: %s has no inventory route", name)
@@ -274,7 +367,14 @@ class ReplicationManager:
         if by_peer:
             self.kick()
 
+    def _uncount(self, name: str, keys: list[Key]) -> None:
+        for key in keys:
+            self.confirmed.get(key, set()).discard(name)
+
     def forget(self, job: str) -> None:
         for key in [k for k in self.confirmed if k[0] == job]:
             del self.confirmed[key]
         self._notified.pop(job, None)
+        self._plans.pop(job, None)
+        self.redundancy.pop(job, None)
+        self._degraded.forget(job)
