@@ -133,7 +133,7 @@ class NodeControls:
                     current.job,
                     current.node_ranks[node],
                 )
-                self.stager.start(current.job)
+                self.stager.start_for_assignment(current.job, current)
         return stored, current
 
     async def put_plan(self, plan: RestorePlan) -> tuple[bool, RestorePlan]:
@@ -147,7 +147,7 @@ class NodeControls:
             if current == plan and (self.stager.running(plan.job) or plan.job in self.stager.plans):
                 return True, current  # the same plan again: staging already under way or done
         write_control(self.settings.root, plan.job, RestorePlan.FILE, plan)
-        self.stager.start(plan.job, plan)
+        self.stager.start_for_plan(plan.job, plan)
         return True, plan
 
     async def put_policy(self, policy: JobPolicy) -> tuple[bool, JobPolicy]:

@@ -1,6 +1,7 @@
 """The data endpoint: receives replicas (``put``), serves steps to restoring nodes (``get``), and hears
-corruption reports (``corrupt``). Blocking sockets, one thread per connection, at most
-``max_incoming`` transfers at once; everything else is refused as busy (503) before any data moves.
+corruption reports (``corrupt``) and surplus notices (``retire``). Blocking sockets, one thread per
+connection, at most ``max_incoming`` transfers at once; everything else is refused as busy (503)
+before any data moves.
 
 Bounded before authentication: a connection is admitted only within the per-source and total
 connection limits (``SourceLimits``); its handshake (the TLS handshake, then the request frame) must be
@@ -42,7 +43,7 @@ from tierckpt.protocol.errors import (
     RamdiskFullError,
     UnsafePathError,
 )
-from tierckpt.protocol.format import check_job_id, discard_step, read_commit
+from tierckpt.protocol.format import check_job_id, committed_steps, discard_step, read_commit, read_manifest
 from tierckpt.protocol.identity import Peer
 from tierckpt.protocol.safefs import Beneath
 from tierckpt_replicator.access import data_refusal
@@ -163,7 +164,8 @@ class DataServer:
             if not slot:
                 raise _Reject(Status.BUSY, f"already serving {self.ctx.config.max_incoming} transfers")
             conn.settimeout(self.ctx.config.transfer_timeout)  # a silent peer: caught within a window
-            handler = {"put": self._put, "get": self._get, "corrupt": self._corrupt}[req.op]
+            handlers = {"put": self._put, "get": self._get, "corrupt": self._corrupt, "retire": self._retire}
+            handler = handlers[req.op]
             handler(conn, req)
         except _Reject as exc:
             log.info("data %s: refused (%d): %s", addr[0], exc.status, exc)
@@ -384,6 +386,44 @@ class DataServer:
             if job is not None:
                 stack.enter_context(job)
                 message = self._check_reported(job, req)
+        self._event(req, Status.OK, message=message)
+        self._reply(conn, DataReply(status=Status.OK, message=message))
+
+    # ------------------------------------------------------------------ retire
+
+    def _retire(self, conn: socket.socket, req: DataRequest) -> None:
+        """Drop this node's replica of a rank its primary says is surplus. Only the node that runs the
+        rank in this node's own peer assignment may ask (a peer of the job cannot drop another node's
+        copies); "no replica held" is an answer too (nothing to drop)."""
+        assignment = self.ctx.members.assignments.get(req.job)
+        message = "no replica held"
+        try:
+            job = open_job(self.ctx.root, req.job)
+        except FileNotFoundError:
+            job = None
+        with contextlib.ExitStack() as stack:
+            if job is not None:
+                stack.enter_context(job)
+                parent = rank_tree(job, "replica", req.rank)
+                steps = [s for s in committed_steps(parent) if s <= req.step]
+                if steps:  # this step and the older ones: none of them is wanted here any more
+                    newest = parent.at(step_name(steps[-1]))
+                    world = read_manifest(newest, limit=self.ctx.config.max_manifest_bytes).world_size
+                    owns = assignment is not None and req.rank in assignment.process_ranks(req.node, world)
+                    if self.ctx.tokens is None and not owns:
+                        raise _Reject(
+                            Status.FORBIDDEN, f"{req.node} does not run rank {req.rank} of {req.job}"
+                        )
+                    for s in steps:
+                        discard_step(parent.at(step_name(s)))
+                    message = f"replica steps {steps} retired"
+                    log.info(
+                        "%s rank %d: replica steps %s retired (surplus, says %s)",
+                        req.job,
+                        req.rank,
+                        steps,
+                        req.node,
+                    )
         self._event(req, Status.OK, message=message)
         self._reply(conn, DataReply(status=Status.OK, message=message))
 

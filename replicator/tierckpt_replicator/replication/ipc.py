@@ -2,7 +2,7 @@
 
 The daemon starts the worker with one end of a socketpair and sends ``WorkerConfig`` first; the worker
 answers ``WorkerReady`` once its data endpoint listens. Then the daemon
-sends ``SendTask``/``FetchTask``; the worker answers each with ``TaskProgress`` lines and one
+sends ``SendTask``/``FetchTask``/``RetireTask``; the worker answers each with ``TaskProgress`` lines and one
 ``TaskResult``, and reports what its data server did as ``DataEvent``. ``Shutdown`` (or the daemon's
 end closing) stops the worker. No pickle: every line is a ``_codec`` message.
 """
@@ -27,6 +27,7 @@ __all__ = [
     "FetchTask",
     "Outcome",
     "PeerAddress",
+    "RetireTask",
     "SendTask",
     "Shutdown",
     "TaskProgress",
@@ -102,6 +103,19 @@ class SendTask(Message):
 
 
 @dataclasses.dataclass(frozen=True)
+class RetireTask(Message):
+    """Ask each of ``holders`` to drop its replica of ``job``/``rank``/``step`` (a surplus copy)."""
+
+    KIND = "tierckpt.retire-task"
+
+    id: int
+    job: str
+    rank: int
+    step: int
+    holders: tuple[PeerAddress, ...]
+
+
+@dataclasses.dataclass(frozen=True)
 class FetchSource(Record):
     kind: Literal["replica", "peer"]
     node: str
@@ -158,7 +172,7 @@ class DataEvent(Message):
 
     KIND = "tierckpt.data-event"
 
-    op: Literal["put", "get", "corrupt"]
+    op: Literal["put", "get", "corrupt", "retire"]
     job: str
     rank: int
     step: int
@@ -185,7 +199,17 @@ class Shutdown(Message):
 
 MESSAGES: dict[str, type[Message]] = {
     cls.KIND: cls
-    for cls in (WorkerConfig, WorkerReady, SendTask, FetchTask, TaskProgress, TaskResult, DataEvent, Shutdown)
+    for cls in (
+        WorkerConfig,
+        WorkerReady,
+        SendTask,
+        FetchTask,
+        RetireTask,
+        TaskProgress,
+        TaskResult,
+        DataEvent,
+        Shutdown,
+    )
 }
 
 

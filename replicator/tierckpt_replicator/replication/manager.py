@@ -34,8 +34,8 @@ from tierckpt.protocol.errors import ContractError, RetryableError
 from tierckpt_replicator.assignments import AssignmentStore, data_endpoint
 from tierckpt_replicator.inventory import Holdings, InventoryScanner, list_jobs
 from tierckpt_replicator.metrics import Metrics
-from tierckpt_replicator.replication.ipc import Outcome, PeerAddress, SendTask
-from tierckpt_replicator.replication.plan import SendItem, plan_sends
+from tierckpt_replicator.replication.ipc import Outcome, PeerAddress, RetireTask, SendTask
+from tierckpt_replicator.replication.plan import SendItem, candidate_targets, plan_sends
 from tierckpt_replicator.replication.redundancy import RedundancyLog, assess
 from tierckpt_replicator.replication.supervisor import WorkerSupervisor
 
@@ -183,6 +183,54 @@ class ReplicationManager:
         )
         for item in items:
             self._spawn(self._send(item, assignment))
+        self._retire_surplus(job, assignment, newest, k, now)
+
+    def _retire_surplus(
+        self, job: str, assignment: PeerAssignment, newest: dict[int, int], k: int, now: float
+    ) -> None:
+        """Copies beyond the factor (it dropped): keep the most preferred ``k`` holders, ask the rest to
+        drop theirs."""
+        order = {n: i for i, n in enumerate(candidate_targets(assignment, self.node))}
+        for rank, step in newest.items():
+            key = (job, rank, step)
+            have = self.confirmed.get(key, set())
+            if len(have) <= k or key in self._in_flight or not self._step_backoff.ready(("retire", key), now):
+                continue
+            keep = sorted(have, key=lambda n: (order.get(n, len(order)), n))[:k]
+            surplus = tuple(sorted(n for n in have if n not in keep and n in assignment.nodes))
+            if surplus:
+                self._spawn(self._retire(key, surplus, assignment))
+
+    async def _retire(self, key: Key, holders: tuple[str, ...], assignment: PeerAssignment) -> None:
+        self._in_flight.add(key)
+        try:
+            task = RetireTask(
+                id=self.supervisor.next_id(),
+                job=key[0],
+                rank=key[1],
+                step=key[2],
+                holders=tuple(PeerAddress(n, *data_endpoint(assignment.nodes[n])) for n in holders),
+            )
+            try:
+                result = await self.supervisor.run_task(task)
+            except RetryableError as exc:
+                delay = self._step_backoff.fail(("retire", key), time.monotonic())
+                log.warning("retiring %s rank %d step %d: %s; retrying in %.0fs", *key, exc, delay)
+                return
+            for o in result.outcomes:
+                if o.status == "ok":
+                    self.confirmed.get(key, set()).discard(o.node)
+            if result.ok:
+                self._step_backoff.ok(("retire", key))
+                log.info("%s rank %d step %d: surplus copies on %s retired", *key, list(holders))
+            else:
+                delay = self._step_backoff.fail(("retire", key), time.monotonic())
+                log.warning(
+                    "retiring %s rank %d step %d: %s; retrying in %.0fs", *key, result.outcomes, delay
+                )
+        finally:
+            self._in_flight.discard(key)
+            self.kick()
 
     def _spawn(self, coro: Awaitable[None]) -> None:
         task = asyncio.ensure_future(coro)

@@ -24,6 +24,7 @@ from tierckpt_replicator.replication.ipc import (
     MAX_LINE,
     DataEvent,
     FetchTask,
+    RetireTask,
     SendTask,
     Shutdown,
     TaskProgress,
@@ -88,7 +89,9 @@ class WorkerSupervisor:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
 
-    async def run_task(self, task: SendTask | FetchTask, on_progress: OnProgress | None = None) -> TaskResult:
+    async def run_task(
+        self, task: SendTask | FetchTask | RetireTask, on_progress: OnProgress | None = None
+    ) -> TaskResult:
         if not self._ready.is_set():
             raise RetryableError("the replication worker is not running")
         fut: asyncio.Future[TaskResult] = asyncio.get_running_loop().create_future()

@@ -13,6 +13,9 @@ big-endian length, then a ``_codec`` JSON message. Raw step bytes follow some fr
                                     + every file of the manifest, in manifest order
     corrupt (restorer -> holder)    DataRequest{op=corrupt, ...}: "your copy failed its crc32c";
                                     the holder re-verifies its replica and drops it if bad.
+    retire (primary -> holder)      DataRequest{op=retire, ...}: "your copy is surplus" (the job's
+                                    replication factor dropped); the holder drops its replica if the
+                                    requester runs that rank in the holder's own peer assignment.
 
 With ``--auth tls`` the connection is mutual TLS and the request is authorized by the client
 certificate's identity (``token`` is empty; ``node`` must be the node the certificate names); with
@@ -48,7 +51,7 @@ MAGIC = b"TKR1"
 MAX_FRAME = 64 << 10
 _HEADER = struct.Struct("!4sI")
 
-Op = Literal["put", "get", "corrupt"]
+Op = Literal["put", "get", "corrupt", "retire"]
 M = TypeVar("M", bound=Message)
 
 

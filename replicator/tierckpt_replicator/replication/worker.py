@@ -26,6 +26,7 @@ from tierckpt_replicator.replication.ipc import (
     Channel,
     FetchTask,
     Outcome,
+    RetireTask,
     SendTask,
     Shutdown,
     TaskProgress,
@@ -33,7 +34,7 @@ from tierckpt_replicator.replication.ipc import (
     WorkerConfig,
     WorkerReady,
 )
-from tierckpt_replicator.replication.transfer import fetch_step, push_step
+from tierckpt_replicator.replication.transfer import fetch_step, push_step, retire_copy
 from tierckpt_replicator.stepio import remove_stale_incoming
 
 __all__ = ["lower_priority", "main", "run_fetch", "run_send"]
@@ -123,8 +124,24 @@ def run_fetch(ctx: DataContext, task: FetchTask) -> TaskResult:
     )
 
 
+def run_retire(ctx: DataContext, task: RetireTask) -> TaskResult:
+    """Ask every holder to drop its surplus replica."""
+    outcomes = tuple(retire_copy(ctx, task.job, task.rank, task.step, peer) for peer in task.holders)
+    for out in outcomes:
+        log.info(
+            "retire %s rank %d step %d on %s: %s %s",
+            task.job,
+            task.rank,
+            task.step,
+            out.node,
+            out.status,
+            out.message,
+        )
+    return TaskResult(id=task.id, ok=all(o.status == "ok" for o in outcomes), outcomes=outcomes)
+
+
 def _serve_tasks(chan: Channel, ctx: DataContext, pool: ThreadPoolExecutor) -> None:
-    def run(fn: Callable[[DataContext, Any], TaskResult], task: SendTask | FetchTask) -> None:
+    def run(fn: Callable[[DataContext, Any], TaskResult], task: SendTask | FetchTask | RetireTask) -> None:
         try:
             result = fn(ctx, task)
         except Exception as exc:  # a bug: report it, keep the worker alive
@@ -144,6 +161,8 @@ def _serve_tasks(chan: Channel, ctx: DataContext, pool: ThreadPoolExecutor) -> N
             pool.submit(run, run_send, msg)
         elif isinstance(msg, FetchTask):
             pool.submit(run, run_fetch, msg)
+        elif isinstance(msg, RetireTask):
+            pool.submit(run, run_retire, msg)
         else:
             log.error("unexpected message from the daemon: %s", type(msg).__name__)
 

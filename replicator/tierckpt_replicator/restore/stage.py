@@ -10,6 +10,11 @@ as a committed primary ``<job>/rank-N/step-S/``, so the client loads it as local
    a corrupt copy is reported to its holder and the next source is tried;
 4. the bucket, through the backup service.
 
+Staging runs once per restore: a new node rank (``PUT peers``) and the operator's plan (``PUT
+restore-plan``) both ask for it, and whichever comes second keeps the run already staging the same
+step into the same ranks (``start_for_assignment``, ``start_for_plan``), so no rank is fetched twice.
+Sources are the plan's holders only: a rank the plan gave no holders comes from the bucket.
+
 Progress goes to ``<job>/control/restore-rank-N.json`` (see ``progress``); the plan comes from the
 job's state directory (``restore.json``), never from the job directory a pod can write. Each rank makes up to
 ``restore_attempts`` rounds over the sources (tenacity: 1 s between rounds, doubling to ``retry_max``)
@@ -135,6 +140,8 @@ class Stager:
         self.plans: dict[str, RestorePlan] = {}
         self.states: dict[str, dict[int, RestoreState]] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._staging: dict[str, tuple[RestorePlan, tuple[int, ...]]] = {}
+        """Job -> the plan its current (or last) run decided and the ranks it stages."""
 
     @property
     def node(self) -> str:
@@ -145,9 +152,42 @@ class Stager:
         old = self._tasks.get(job)
         if old is not None and not old.done():
             old.cancel()
+        self._staging.pop(job, None)
         task = asyncio.create_task(self._run(job, plan), name=f"restore-{job}")
         self._tasks[job] = task
         return task
+
+    def start_for_assignment(self, job: str, assignment: PeerAssignment) -> None:
+        """This node got a new node rank: stage its ranks, unless a run already stages exactly them."""
+        decided = self._staging.get(job)
+        if decided is not None:
+            plan, ranks = decided
+            if assignment.process_ranks(self.node, plan.world_size) == ranks:
+                log.info(
+                    "restore %s: ranks %s already staged for step %s; not staging again",
+                    job,
+                    ranks,
+                    plan.step,
+                )
+                return
+        self.start(job)
+
+    def start_for_plan(self, job: str, plan: RestorePlan) -> None:
+        """The operator published ``plan``: stage it, unless a run already stages its step into the ranks
+        it gives this node (then that run goes on; restarting it would fetch its ranks again)."""
+        decided = self._staging.get(job)
+        if decided is not None:
+            current, ranks = decided
+            assignment = self.assignments.get(job)
+            if (
+                current.step == plan.step
+                and current.world_size == plan.world_size
+                and assignment is not None
+                and self._ranks(job, plan, assignment) == ranks
+            ):
+                log.info("restore %s: step %s already being staged; keeping that run", job, plan.step)
+                return
+        self.start(job, plan)
 
     def running(self, job: str) -> bool:
         task = self._tasks.get(job)
@@ -160,6 +200,7 @@ class Stager:
             task.cancel()
         self.plans.pop(job, None)
         self.states.pop(job, None)
+        self._staging.pop(job, None)
 
     async def close(self) -> None:
         for task in self._tasks.values():
@@ -182,6 +223,8 @@ class Stager:
                 )
             self.plans[job] = plan
             ranks = self._ranks(job, plan, assignment)
+            if assignment is not None and assignment.process_ranks(self.node, plan.world_size):
+                self._staging[job] = (plan, ranks)
             self.states[job] = {r: RestoreState.PENDING for r in ranks}
             log.info("restore %s: step %s for ranks %s", job, plan.step, list(ranks))
             self._tell_new_ranks(job, plan, assignment, ranks)
@@ -307,9 +350,8 @@ class Stager:
         out = []
         if self._committed(job, "replica", rank, step):
             out.append(FetchSource(kind="replica", node=self.node))
-        if assignment is not None:
-            holders = plan.holders.get(rank) or tuple(sorted(assignment.nodes))
-            for name in holders:
+        if assignment is not None:  # the plan's holders only: nobody else was found to hold it
+            for name in plan.holders.get(rank, ()):
                 if name != self.node and name in assignment.nodes:
                     host, port = data_endpoint(assignment.nodes[name])
                     out.append(FetchSource(kind="peer", node=name, host=host, port=port))
