@@ -115,6 +115,8 @@ class ReplicationManager:
         """Job -> (assignment generation, factor) last acted on."""
         self.redundancy: dict[str, Redundancy] = {}
         self._degraded = RedundancyLog()
+        self._lost: set[Key] = set()
+        """Newest steps that lost a confirmed copy (short at once, whatever their age)."""
 
     async def close(self) -> None:
         if self._reconciling is not None:
@@ -298,9 +300,10 @@ class ReplicationManager:
             return  # first sight (daemon start): nothing is confirmed yet
         gone = set()
         for key, nodes in self.confirmed.items():
-            if key[0] == job:
+            if key[0] == job and not nodes <= set(assignment.nodes):
                 gone |= {n for n in nodes if n not in assignment.nodes}
                 nodes.intersection_update(assignment.nodes)
+                self._lost.add(key)
         log.info(
             "job %s: new peer plan (generation %d, factor %d; was %d, %d): healing%s; checking the peers now",
             job,
@@ -332,6 +335,7 @@ class ReplicationManager:
             committed_at=holdings.newest_commit_at,
             now=now,
             grace=self.reconcile_interval,
+            lost={r for (j, r, s) in self._lost if j == job and newest.get(r) == s},
         )
         red, change = self._degraded.update(job, factor=k, copies=fewest, short=short, now=now)
         self.redundancy[job] = red
@@ -352,6 +356,7 @@ class ReplicationManager:
         """Forget confirmations of steps that are no longer a rank's newest."""
         for key in [k for k in self.confirmed if k[0] == job and newest.get(k[1]) != k[2]]:
             del self.confirmed[key]
+        self._lost = {k for k in self._lost if k[0] != job or newest.get(k[1]) == k[2]}
 
     def _notify_committed(self, job: str, holdings: Holdings) -> None:
         """Tell the backup service (in the background: an upload may take minutes) once per newest step
@@ -409,7 +414,7 @@ class ReplicationManager:
                 h = inv.ranks.get(key[1])
                 if h is None or (key[2] not in h.replica and key[2] not in h.local):
                     log.warning("%s no longer holds %s rank %d step %d; sending it again", name, *key)
-                    self.confirmed.get(key, set()).discard(name)
+                    self._uncount(name, [key])
 
         await asyncio.gather(*(check(job, name, keys) for (job, name), keys in by_peer.items()))
         if by_peer:
@@ -418,6 +423,7 @@ class ReplicationManager:
     def _uncount(self, name: str, keys: list[Key]) -> None:
         for key in keys:
             self.confirmed.get(key, set()).discard(name)
+            self._lost.add(key)
 
     def forget(self, job: str) -> None:
         for key in [k for k in self.confirmed if k[0] == job]:
@@ -426,3 +432,4 @@ class ReplicationManager:
         self._plans.pop(job, None)
         self.redundancy.pop(job, None)
         self._degraded.forget(job)
+        self._lost = {k for k in self._lost if k[0] != job}

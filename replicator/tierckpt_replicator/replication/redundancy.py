@@ -2,13 +2,14 @@
 
 ``assess`` turns the confirmed replicas of each local rank's newest step into a ``Redundancy``; a
 step younger than ``grace`` seconds is still being replicated (every save starts that way) and counts
-as fully replicated, so only a copy that stays missing makes the job degraded. ``RedundancyLog``
+as fully replicated, so only a copy that stays missing makes the job degraded, or one that was lost
+(a holder gone, or no longer holding it): that counts at once, whatever the step's age. ``RedundancyLog``
 remembers since when each job is degraded and says when a job went below its factor or healed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 from tierckpt.protocol.control import Redundancy
 
@@ -22,9 +23,10 @@ def assess(
     committed_at: Mapping[int, float],
     now: float,
     grace: float,
+    lost: Collection[int] = (),
 ) -> tuple[int, bool]:
-    """(fewest copies of any rank past the grace, whether any rank past the grace is short)."""
-    settled = [n for rank, n in copies.items() if now - committed_at.get(rank, now) >= grace]
+    """(fewest copies of any rank past the grace or in ``lost``, whether any of them is short)."""
+    settled = [n for rank, n in copies.items() if rank in lost or now - committed_at.get(rank, now) >= grace]
     fewest = min(settled, default=factor)
     return fewest, fewest < factor
 
