@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 from tierckpt.planning.placement import RankAssignment, peer_churn
 from tierckpt.planning.restore_plan import choose_restore
 from tierckpt.protocol.client import ReplicatorClient, ReplicatorError
-from tierckpt.protocol.control import JobPolicy, NodeInventory, PeerAssignment, RestorePlan
+from tierckpt.protocol.control import JobPolicy, NodeInventory, PeerAssignment, Redundancy, RestorePlan
 from tierckpt_operator import resources
 from tierckpt_operator.clusterview import CheckpointJobRecord, ClusterView, ConfigRecord
 from tierckpt_operator.decisions import (
@@ -43,6 +43,8 @@ from tierckpt_operator.status_fields import (
     iso_time,
     merge_conditions,
     rank_ranges,
+    redundancy_of,
+    redundancy_text,
     restore_summary,
     tier_progress,
 )
@@ -465,15 +467,33 @@ class JobController:
             return
         invs = await self._inventories(state.nodes, cluster)
         progress = tier_progress(invs)
-        await self._write(
-            {
-                "latestLocalStep": progress.local,
-                "latestReplicatedStep": progress.replicated,
-                "latestBackedUpStep": progress.backed_up,
-                "inventoryTime": iso_time(time.time()),
-                "inventoryNodes": f"{len(invs)}/{len(set(state.nodes))}",
-            }
-        )
+        fields: dict[str, Any] = {
+            "latestLocalStep": progress.local,
+            "latestReplicatedStep": progress.replicated,
+            "latestBackedUpStep": progress.backed_up,
+            "inventoryTime": iso_time(time.time()),
+            "inventoryNodes": f"{len(invs)}/{len(set(state.nodes))}",
+        }
+        redundancy = redundancy_of(invs)
+        if redundancy is not None:
+            fields["redundancy"] = redundancy_text(redundancy)
+            since = redundancy.degraded_since
+            fields["degradedSince"] = iso_time(since) if since is not None else None
+            self._redundancy_changed(redundancy)
+        await self._write(fields)
+
+    def _redundancy_changed(self, redundancy: Redundancy) -> None:
+        """An Event and the metric when the job goes below its replication factor or is healed again."""
+        job = f"{self.key[0]}/{self.key[1]}"
+        self.ctx.metrics.degraded.labels(job).set(1 if redundancy.degraded else 0)
+        was = self.status.get("degradedSince") is not None
+        text = redundancy_text(redundancy)
+        if redundancy.degraded and not was:
+            self.ctx.metrics.redundancy_changes.labels("degraded").inc()
+            self._event("Warning", "Degraded", f"below its replication factor: {text}; re-replicating")
+        elif was and not redundancy.degraded:
+            self.ctx.metrics.redundancy_changes.labels("healed").inc()
+            self._event("Normal", "Healed", f"back at full redundancy: {text}")
 
     # ------------------------------------------------------------------------------ status
 

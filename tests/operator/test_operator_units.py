@@ -5,6 +5,7 @@ the status the operator writes validated against the CRD schema."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import re
 
 import jsonschema
@@ -21,6 +22,7 @@ from tierckpt.protocol.control import (
     NodeInventory,
     PeerAssignment,
     RankHoldings,
+    Redundancy,
     RestorePlan,
     Tier,
 )
@@ -44,6 +46,8 @@ from tierckpt_operator.status_fields import (
     merge_conditions,
     parse_ranges,
     rank_ranges,
+    redundancy_of,
+    redundancy_text,
     restore_summary,
     tier_progress,
 )
@@ -487,6 +491,18 @@ def test_tier_progress():
     p = tier_progress(invs)
     assert (p.local, p.replicated, p.backed_up) == (20, 10, 10)
     assert tier_progress([]).local is None
+
+
+def test_redundancy_of_a_job_is_its_weakest_node():
+    healthy = dataclasses.replace(_inv("a", {0: ([10], [])}, 2), redundancy=Redundancy(factor=2, copies=2))
+    assert redundancy_text(redundancy_of([healthy, _inv("b", {}, 2)])) == "replicas: 2/2"
+    short = dataclasses.replace(
+        _inv("b", {1: ([10], [])}, 2), redundancy=Redundancy(factor=2, copies=1, degraded_since=1e9)
+    )
+    job = redundancy_of([healthy, short])
+    assert job == Redundancy(factor=2, copies=1, degraded_since=1e9)
+    assert redundancy_text(job) == "degraded since 2001-09-09T01:46:40Z (replicas: 1/2)"
+    assert redundancy_of([_inv("c", {}, 2)]) is None  # nobody reported: nothing to say yet
 
 
 def test_restore_summary():
