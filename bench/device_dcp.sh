@@ -16,16 +16,19 @@ df -h $RD | tail -1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch; print('torch', torch.__version__, torch.version.cuda, torch.cuda.device_count(), 'GPUs')" | tee -a "$OUT/gpu.txt"
 gpus=$(python3 -c "import torch; print(min(2, torch.cuda.device_count()))")
-echo "== dcp gpu tests"
-timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/dcp/test_dcp_gpu.py 2>&1 | tail -20 | tee "$OUT/dcp-gpu-tests.txt"
+if [ -z "${SKIP_TESTS:-}" ]; then  # device_run.sh's "tests" part runs them too
+  echo "== dcp gpu tests"
+  timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/dcp/test_dcp_gpu.py 2>&1 | tail -20 | tee "$OUT/dcp-gpu-tests.txt"
+fi
 for s in $sizes; do
   echo "== FSDP2 on $gpus GPUs, ${s} MiB"
-  timeout 560 torchrun --standalone --nproc-per-node "$gpus" bench/dcp_bench.py --fsdp --device cuda \
+  timeout ${T_RUN:-560} torchrun --standalone --nproc-per-node "$gpus" bench/dcp_bench.py --fsdp --device cuda \
     --mib "$s" --repeats 3 --dir $RD --json > "$OUT/dcp-fsdp-${s}m.json" 2> "$OUT/dcp-fsdp-${s}m.err"
   echo "rc=$?"; tail -3 "$OUT/dcp-fsdp-${s}m.err"
   python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(json.dumps({k: d[k] for k in ('machine', 'world_size', 'bytes_per_rank_max', 'floor_s', 'filesystem_writer', 'ramdisk_writer', 'checkpointer', 'ramdisk_async_blocked_vs_native_blocked', 'ramdisk_async_durable_vs_native_durable')}, indent=1))" "$OUT/dcp-fsdp-${s}m.json"
   rm -rf $RD/tierckpt-dcp-bench-*
 done
+[ -n "${SKIP_ONE_GPU:-}" ] && exit 0
 echo "== one process, 1 GPU, 1024 MiB"
 timeout 300 python3 bench/dcp_bench.py --device cuda --mib 1024 --dir $RD --json > "$OUT/dcp-cuda-1g.json" 2> "$OUT/dcp-cuda-1g.err"
 echo "rc=$?"; tail -3 "$OUT/dcp-cuda-1g.err"; cat "$OUT/dcp-cuda-1g.json"

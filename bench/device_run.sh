@@ -34,8 +34,9 @@ mount -o remount,size=48g /dev/shm 2>/dev/null  # the tests' ramdisk directories
 py() { python3 -c "import json,sys; d=json.load(open(sys.argv[1])); $1" "$2" 2>/dev/null; }
 if [[ $parts == *tests* ]]; then
   echo "== gpu tests"
-  timeout 150 python3 -m pytest -q -p no:cacheprovider -W ignore::pytest.PytestConfigWarning -m gpu \
-    tests/client/test_client_cuda.py tests/client/test_client_devstage_cuda.py tests/dcp/test_dcp_gpu.py \
+  timeout ${T_TESTS:-200} python3 -m pytest -q -p no:cacheprovider -W ignore::pytest.PytestConfigWarning -m gpu \
+    tests/client/test_client_cuda.py tests/client/test_client_devstage_cuda.py tests/client/test_client_replica_cuda.py \
+    tests/dcp/test_dcp_gpu.py \
     > "$OUT/gpu-tests.txt" 2>&1
   echo "rc=$?"; tail -15 "$OUT/gpu-tests.txt"
 fi
@@ -72,7 +73,7 @@ fi
 if [[ $parts == *dp* ]]; then
   for s in ${DP_SIZES:-1 4}; do
     echo "== replica groups ${s} GiB per rank: save once per node; restore own copies vs load once + broadcast"
-    timeout 300 python3 bench/dp_bench.py --size-gib "$s" --root $RD > "$OUT/dp-${s}g.json" 2>> "$OUT/bench.log"
+    timeout ${T_DP:-300} python3 bench/dp_bench.py --size-gib "$s" --root $RD > "$OUT/dp-${s}g.json" 2>> "$OUT/bench.log"
     echo "rc=$?"
     py 'print(json.dumps({k: d.get(k) for k in ("machine", "save", "ramdisk", "digest_gbps", "floors", "restore_warm_s", "restore_cold_s", "restored_ok")}, indent=1))' "$OUT/dp-${s}g.json"
     rm -rf ${RD:?}/*

@@ -1,36 +1,55 @@
 """Benchmark the replicator on a real multi-node cluster on this machine (``tierckpt_demo.cluster``).
 
-Measured in the same run, between the same network namespaces (root) or over loopback (otherwise):
+Measured in the same run, between the same network namespaces (root) or over loopback (otherwise, or
+``--loopback``), each with the CPU-seconds per GiB that the receiving and the sending side spent:
 
 * **raw TCP**: a Python sender ``sendall``-ing from memory to a receiver ``recv_into``-ing a reused
-  buffer, node A -> node B: the link's speed as Python can drive it (the baseline);
-* **data path**: one rank's step pushed from A's tmpfs to B's running replicator (a read-only mapping
-  ``sendall``-ed, or ``sendfile``: both sender methods; B preallocates, receives into a ring of
-  buffers, crc32c in cache, ``pwrite`` into place, verifies, commits): GB/s and the ratio to raw TCP
-  (target >= 0.8) and to raw TCP into the ramdisk; the cluster runs with ``--auth`` (mutual TLS by
-  default, as deployed);
-* **TLS cost**: the same push to two data servers on B (the worker's ``DataServer``, one over plain
-  TCP with the legacy token, one over mutual TLS with node certificates), interleaved with the raw TCP
-  rounds: GB/s of each, their ratio, and each against raw TCP; plus the time of a tiny step's push
-  (connection set-up, and the TLS handshake where there is one);
-* **receiver variants** (``--receivers``): the replicator's receive loop against two alternatives,
-  each into a preallocated file in B's ramdisk with its crc32c: ``recv_into`` straight into a shared
-  mapping of the file (one copy; crc right behind on a second thread) and ``splice`` socket -> pipe ->
-  file (no user-space copy; crc through a mapping);
-* **end to end**: a step committed in A's ramdisk until its replica is committed on B (adds the
-  inotify wake-up and scheduling);
+  buffer, node A -> node B: the link's speed as Python can drive it;
+* **raw TCP into the ramdisk**: the same receiver ``pwrite``-ing every block into a new file in B's
+  ramdisk, preallocated (``posix_fallocate``) when the first byte arrives: the pages a receiver must
+  allocate are counted, and they are of the kind the replicator gets (huge pages on a
+  ``huge=within_size`` tmpfs only come with preallocation); and, for comparison with earlier
+  figures, **into a file preallocated before the clock starts** (its page allocation not counted);
+* **raw sendfile ramdisk to ramdisk**: a file of A's ramdisk ``sendfile``-d into the same receiver
+  (what the replicator's I/O costs on both ends, without its crc32c and protocol);
+* **data path**: one rank's step pushed from A's ramdisk to B's running replicator (``sendfile`` and
+  the ``mmap`` sender; B preallocates, receives with crc32c, verifies, commits): GB/s and its ratio
+  to each baseline (target >= 0.8 of raw TCP into the ramdisk); the cluster runs with ``--auth``
+  (mutual TLS with node certificates by default, as deployed; a TLS socket sends from a read block
+  whatever the send method);
+* **TLS cost** (unless ``--skip-tls``; needs the cluster's CA, so ``--auth tls``): the same push to two
+  of the worker's data servers on B (``DataServer``, one over plain TCP with the legacy token, one over
+  mutual TLS with node certificates), interleaved with the other rounds: GB/s and CPU of each, their
+  ratio, and each against raw TCP; plus the time of a tiny step's push (connection set-up, and the TLS
+  handshake where there is one);
+* **receive stages** (``--stages``): what B's receiver does per GiB, each stage alone in B's
+  ramdisk (allocating pages, copying into allocated pages, crc32c) next to raw TCP's receive cost:
+  the budget that bounds the ratio on this machine;
+* **receiver variants** (``--receivers``): the replicator's receive loop against a shared mapping of
+  the file (``recv_into`` straight into the pages) and ``splice`` socket -> pipe -> file, and over
+  TLS (``ssl`` with B's node certificate, when the cluster has a CA: what TLS costs the loop);
+* **end to end**: a step committed in A's ramdisk until its replica is committed on B;
 * **restore**: node A lost, time until its rank is staged back from its peer, versus from the bucket
   (fake-gcs-server, memory backend, on this machine) when the peer is lost too;
-* **training slowdown**: a CPU training step (torch MLP) timed while idle and while replication runs
-  (a new step every ``--interval`` s), unpinned (everything shares the cores) and pinned (training
-  on core 0, replicators on the others).
+* **training slowdown**: a torch MLP on one thread, its steps/s in idle windows and in windows where
+  A commits a new step every ``--interval`` s for the replicators to send, interleaved; for each
+  worker configuration: ``unprotected`` (nice 0), ``nice 10`` (the default), ``SCHED_IDLE``
+  (``--worker-idle``) and ``cap`` (``--bandwidth-limit``, nice 10), each repeated ``--train-repeat``
+  times (median and spread), with the replication rate achieved meanwhile (A's bytes out).
 
 Every transfer path is measured once per round and rounds are interleaved, so a drift of the
 machine's load hits all of them; figures are medians over rounds.
 
+The ramdisks are tmpfs mounts; ``--huge`` sets their ``huge=`` option: ``within_size`` (default: what
+the chart's CSI driver and the demo rig mount), or ``never`` (4 KiB pages, where allocating and writing
+pages costs several times more CPU; the steadier choice on a VM whose virtio-balloon reports free pages
+to the host, where each fresh huge page faults on the host at its first touch, as on the dev VM). In
+loopback mode the cluster lives under ``$TMPDIR``: point it at a tmpfs (bench/device_replication.sh
+does).
+
 Run as root from the repository root: ``.venv/bin/python bench/replicator_bench.py [--size-mib 256]
-[--receivers] [--json]``. Needs about 4x ``--size-mib`` of RAM for the ramdisks plus 3x for the
-bucket emulator.
+[--stages] [--receivers] [--json]``. Needs about 4x ``--size-mib`` of RAM for the ramdisks plus 3x
+for the bucket emulator.
 """
 
 from __future__ import annotations
@@ -41,6 +60,7 @@ import dataclasses
 import json
 import os
 import platform
+import re
 import secrets
 import statistics
 import subprocess
@@ -65,11 +85,14 @@ from tierckpt_demo.step_writer import write_step
 from tierckpt_replicator.replication.ipc import WorkerConfig
 
 MiB = 1 << 20
+GiB = 1 << 30
 RAW_PORT = 9555
-PLAIN_PORT, TLS_PORT = 9556, 9557
+SERVER_PORTS = {"token": 9556, "tls": 9557}
+"""The ports of the TLS cost's data servers on B, per auth mode."""
 RECEIVERS = ("replicator", "mmap", "splice")
 DATA_JOB = "bench_datapath"
 """The job the data path measurements push: assigned on B only (A's own replicator leaves it alone)."""
+TRAIN_CONFIGS = ("unprotected", "nice10", "idle", "cap")
 
 
 # ------------------------------------------------------------------------------------------ steps
@@ -84,57 +107,112 @@ def committed(path: Path) -> bool:
     return (path / "COMMIT").exists()
 
 
+def mount_of(path: Path) -> str:
+    """``fstype options`` of the mount holding ``path`` (from /proc/self/mountinfo)."""
+    best, found = "", "?"
+    with contextlib.suppress(OSError), open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            point = fields[4]
+            tail = fields[fields.index("-") + 1 :]
+            inside = str(path) == point or str(path).startswith(point.rstrip("/") + "/")
+            if inside and len(point) > len(best):
+                best, found = point, f"{tail[0]} {tail[2]}"
+    return found
+
+
+def tree_cpu(pid: int | None) -> float:
+    """CPU-seconds so far of process ``pid`` and its descendants (a replicator: the daemon and its
+    worker; a data server)."""
+    import psutil
+
+    if pid is None:
+        return 0.0
+    total = 0.0
+    with contextlib.suppress(psutil.Error):
+        root = psutil.Process(pid)
+        for p in [root, *root.children(recursive=True)]:
+            with contextlib.suppress(psutil.Error):
+                t = p.cpu_times()
+                total += t.user + t.system
+    return total
+
+
 # ------------------------------------------------------------------------------------------ raw TCP
 
 _RECEIVER = """
-import os, socket, sys, time
-n = int(sys.argv[1]); dest = sys.argv[3] if len(sys.argv) > 3 else ""
+import os, resource, socket, sys, time
+n, mode = int(sys.argv[1]), sys.argv[3]; dest = sys.argv[4] if len(sys.argv) > 4 else ""
 s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
 s.bind(("0.0.0.0", int(sys.argv[2]))); s.listen(1)
 fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC) if dest else -1
-if fd >= 0: os.posix_fallocate(fd, 0, n)
+if mode == "preallocated": os.posix_fallocate(fd, 0, n)
 print("ready", flush=True)
-c, _ = s.accept(); buf = bytearray(4 << 20); view = memoryview(buf); got = 0; t0 = None
+c, _ = s.accept(); buf = bytearray(1 << 20); view = memoryview(buf); got = 0; t0 = None
 while got < n:
     k = c.recv_into(view)
     if not k: break
-    if t0 is None: t0 = time.perf_counter()
+    if t0 is None:
+        t0, r0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
+        if mode == "ramdisk": os.posix_fallocate(fd, 0, n)  # timed, as the replicator's preallocation
     if fd >= 0: os.pwrite(fd, view[:k], got)
     got += k
-print(got, time.perf_counter() - t0, flush=True)
+r1 = resource.getrusage(resource.RUSAGE_SELF)
+print(got, time.perf_counter() - t0, r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime, flush=True)
 if fd >= 0: os.close(fd); os.unlink(dest)
 """
 
 _SENDER = """
-import socket, sys
-n, host, port = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]); blob = bytes(4 << 20)
+import os, resource, socket, sys
+n, host, port = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+src = sys.argv[4] if len(sys.argv) > 4 else ""
 s = socket.create_connection((host, port)); sent = 0
-while sent < n:
-    k = min(len(blob), n - sent); s.sendall(memoryview(blob)[:k]); sent += k
-s.close()
+if src:  # the file's pages straight from A's ramdisk, as the replicator sends
+    fd = os.open(src, os.O_RDONLY)
+    while sent < n: sent += os.sendfile(s.fileno(), fd, sent, min(4 << 20, n - sent))
+else:  # a cached buffer: no sender reading a ramdisk can be cheaper
+    blob = bytes(4 << 20)
+    while sent < n:
+        k = min(len(blob), n - sent); s.sendall(memoryview(blob)[:k]); sent += k
+s.close(); r = resource.getrusage(resource.RUSAGE_SELF); print(r.ru_utime + r.ru_stime)
 """
 
 
-def raw_tcp(a: Node, b: Node, size: int, *, into_ramdisk: bool = False) -> float:
-    """Bytes per second of plain Python TCP from A to B: discarded on arrival, or written
-    into B's ramdisk (``pwrite`` of each received block, no verification). Timed from the first
-    byte to the last (no connection set-up, no preallocation)."""
-    dest = [str(b.root / ".bench-raw")] if into_ramdisk else []
+@dataclasses.dataclass
+class Rate:
+    """One measured transfer: bytes per second, and CPU-seconds per GiB of each side."""
+
+    bps: float
+    rx_cpu: float
+    tx_cpu: float
+
+
+def raw_tcp(a: Node, b: Node, size: int, mode: str = "discard", src: Path | None = None) -> Rate:
+    """Plain Python TCP from A to B, timed from the first byte to the last (no connection set-up).
+    ``mode``: ``discard`` (received into a reused buffer), ``ramdisk`` (a new file in B's ramdisk
+    preallocated when the first byte arrives, as the replicator preallocates, so both get the same kind
+    of pages, then each block ``pwrite``-n into it) or ``preallocated`` (the file preallocated before
+    the clock starts: its page allocation not counted). ``src``: send this file of A's ramdisk with
+    ``sendfile`` instead of a cached buffer."""
+    dest = [str(b.root / ".bench-raw")] if mode != "discard" else []
     rx = b.popen_in_node(
-        [sys.executable, "-c", _RECEIVER, str(size), str(RAW_PORT), *dest], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", _RECEIVER, str(size), str(RAW_PORT), mode, *dest],
+        stdout=subprocess.PIPE,
+        text=True,
     )
     assert rx.stdout is not None
     assert rx.stdout.readline().strip() == "ready"
-    a.run_in_node([sys.executable, "-c", _SENDER, str(size), b.ip, str(RAW_PORT)], check=True)
-    got, seconds = rx.stdout.readline().split()
+    file = [str(src)] if src is not None else []
+    tx = a.run_in_node([sys.executable, "-c", _SENDER, str(size), b.ip, str(RAW_PORT), *file], check=True)
+    got, seconds, cpu = rx.stdout.readline().split()
     rx.wait()
-    return int(got) / float(seconds)
+    return Rate(int(got) / float(seconds), float(cpu) / (size / GiB), float(tx.stdout) / (size / GiB))
 
 
 # ------------------------------------------------------------------------------------------ data path
 
 _PUSH = """
-import json, sys, time
+import json, resource, sys, time
 from tierckpt_replicator.replication.context import DataContext
 from tierckpt_replicator.replication.ipc import PeerAddress, WorkerConfig
 from tierckpt_replicator.replication.transfer import push_step
@@ -142,8 +220,10 @@ config, job, peer, host, port, steps = sys.argv[1:7]
 ctx = DataContext.from_config(WorkerConfig.from_bytes(config.encode()))
 out = []
 for step in json.loads(steps):
-    t0 = time.perf_counter(); o = push_step(ctx, job, 0, step, PeerAddress(peer, host, int(port)))
-    out.append([o.status, o.bytes, time.perf_counter() - t0])
+    r0 = resource.getrusage(resource.RUSAGE_SELF); t0 = time.perf_counter()
+    o = push_step(ctx, job, 0, step, PeerAddress(peer, host, int(port)))
+    t1 = time.perf_counter(); r1 = resource.getrusage(resource.RUSAGE_SELF)
+    out.append([o.status, o.bytes, t1 - t0, r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime])
 print(json.dumps(out))
 """
 
@@ -157,13 +237,16 @@ server.start(); print("ready", flush=True); sys.stdin.read(); server.stop()
 """
 
 
-def node_config(cluster: LocalCluster, node: Node, *, auth: str, method: str, port: int = 0) -> WorkerConfig:
-    """A data plane configuration as ``node``'s worker has it: its certificate (``auth="tls"``) or the
-    cluster's token (a token file is made for the plain runs of a TLS cluster)."""
+def node_config(
+    cluster: LocalCluster, node: Node, *, auth: str, method: str, port: int = 0, token: Path | None = None
+) -> WorkerConfig:
+    """A data plane configuration as ``node``'s worker has it: its certificate (``auth="tls"``) or a
+    token file (``auth="token"``: ``token``, else one made for the plain runs of a TLS cluster)."""
     tls = node.tls_files if auth == "tls" else None
-    token = cluster.workdir / "bench-token"
-    if auth == "token" and not token.exists():
-        token.write_text(secrets.token_urlsafe(24))
+    if auth == "token" and token is None:
+        token = cluster.workdir / "bench-token"
+        if not token.exists():
+            token.write_text(secrets.token_urlsafe(24))
     return WorkerConfig(
         node=node.name,
         root=str(node.root),
@@ -190,12 +273,12 @@ def assign_data_job(cluster: LocalCluster) -> None:
 
 class DataServers:
     """Two of the worker's data servers on B, one per auth mode (plain TCP with the token, mutual TLS),
-    receiving into B's ramdisk beside B's own replicator."""
+    receiving into B's ramdisk beside B's own replicator (ports: ``SERVER_PORTS``)."""
 
     def __init__(self, cluster: LocalCluster) -> None:
         b = cluster.nodes[1]
-        self.procs = {}
-        for auth, port in (("token", PLAIN_PORT), ("tls", TLS_PORT)):
+        self.procs: dict[str, subprocess.Popen[str]] = {}
+        for auth, port in SERVER_PORTS.items():
             config = node_config(cluster, b, auth=auth, method="mmap", port=port).to_bytes().decode()
             proc = b.popen_in_node(
                 [sys.executable, "-c", _DATA_SERVER, config],
@@ -218,57 +301,124 @@ def data_path(
     cluster: LocalCluster,
     size: int,
     blob: bytes,
-    repeat: int,
-    method: str = "mmap",
+    method: str,
     *,
+    repeat: int = 1,
+    servers: DataServers | None = None,
     auth: str | None = None,
-    port: int | None = None,
-) -> list[float]:
-    """Bytes per second of push_step A -> B, one per repetition: to B's replicator (the cluster's own
-    auth mode), or with ``auth`` to B's data server on ``port``. Timed in full: lease, connection (and
-    TLS handshake), header, B's preallocation, the bytes, verification and the commit."""
+) -> list[Rate]:
+    """push_step A -> B, one ``Rate`` per repetition: to B's real replicator (the cluster's own auth
+    mode), or with ``servers`` to B's data server for ``auth``. Timed in full: lease, connection (and
+    TLS handshake), header, B's preallocation, the bytes, verification and the commit. The sender's CPU
+    is the push's own; the receiver's is its process tree's over the run, shared evenly by the steps."""
     a, b = cluster.nodes[0], cluster.nodes[1]
-    auth = auth or cluster.auth
     job = DATA_JOB
     steps = list(range(1, repeat + 1))
     for s in steps:
         make_step(rank_dir(a.root, job, 0), job, 0, s, size, 1, blob)
-    config = node_config(cluster, a, auth=auth, method=method).to_bytes().decode()
-    dest = str(port or b.data_port)
-    if auth == "token" and port is None:  # B's replicator checks the cluster's own token
-        config = config.replace(str(cluster.workdir / "bench-token"), str(cluster.token_file))
+    if servers is None:  # B's replicator, which checks the cluster's own credentials
+        auth = cluster.auth
+        config = node_config(cluster, a, auth=auth, method=method, token=cluster.token_file)
+        dest, receiver = b.data_port, b.proc.pid if b.proc is not None else None
+    else:
+        assert auth is not None, "pushing to a data server needs its auth mode"
+        config = node_config(cluster, a, auth=auth, method=method)
+        dest, receiver = SERVER_PORTS[auth], servers.procs[auth].pid
+    cpu0 = tree_cpu(receiver)
     proc = a.run_in_node(
-        [sys.executable, "-c", _PUSH, config, job, b.name, b.ip, dest, json.dumps(steps)], check=True
+        [
+            sys.executable,
+            "-c",
+            _PUSH,
+            config.to_bytes().decode(),
+            job,
+            b.name,
+            b.ip,
+            str(dest),
+            json.dumps(steps),
+        ],
+        check=True,
     )
+    rx_cpu = (tree_cpu(receiver) - cpu0) / len(steps)
     rates = []
-    for status, nbytes, seconds in json.loads(proc.stdout):
+    for status, nbytes, seconds, tx_cpu in json.loads(proc.stdout):
         assert status == "ok", status
-        rates.append(nbytes / seconds)
+        rates.append(Rate(nbytes / seconds, rx_cpu / (size / GiB), tx_cpu / (size / GiB)))
     for s in steps:  # free the ramdisks for what follows
         for p in (step_dir(rank_dir(a.root, job, 0), s), step_dir(replica_rank_dir(b.root, job, 0), s)):
             subprocess.run(["rm", "-rf", str(p)], check=True)
     return rates
 
 
-def push_latency(cluster: LocalCluster, blob: bytes, auth: str, port: int, repeat: int = 20) -> float:
-    """Median seconds of pushing a 4 KiB step (mostly connection set-up, and the TLS handshake)."""
-    rates = data_path(cluster, 4096, blob[:4096], repeat, "mmap", auth=auth, port=port)
-    return statistics.median(4096 / r for r in rates)
+def push_latency(
+    cluster: LocalCluster, blob: bytes, servers: DataServers, auth: str, repeat: int = 20
+) -> float:
+    """Median seconds of pushing a 4 KiB step to B's data server for ``auth`` (mostly connection
+    set-up, and the TLS handshake)."""
+    rates = data_path(cluster, 4096, blob[:4096], "mmap", repeat=repeat, servers=servers, auth=auth)
+    return statistics.median(4096 / r.bps for r in rates)
+
+
+# ------------------------------------------------------------------------------------------ stages
+
+_STAGES = """
+import ctypes, json, os, resource, sys
+from tierckpt.protocol.integrity import crc32c_address
+d, size = sys.argv[1], int(sys.argv[2]); block = 1 << 20
+buf = bytearray(os.urandom(block)); view = memoryview(buf)
+addr = ctypes.addressof((ctypes.c_char * block).from_buffer(buf))
+def cpu():
+    r = resource.getrusage(resource.RUSAGE_SELF); return r.ru_utime + r.ru_stime
+def median(fn, setup=lambda: None, reps=3):
+    out = []
+    for _ in range(reps):
+        arg = setup(); c0 = cpu(); fn(arg); out.append(cpu() - c0)
+    return sorted(out)[len(out) // 2] / (size / (1 << 30))
+path = os.path.join(d, ".bench-stage")
+def fresh(allocate):
+    if os.path.exists(path): os.unlink(path)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT)
+    if allocate: os.posix_fallocate(fd, 0, size)
+    return fd
+def write(fd):
+    for off in range(0, size, block): os.pwrite(fd, view, off)
+    os.close(fd)
+def crc(_):
+    c = 0
+    for _ in range(0, size, block): c = crc32c_address(addr, block, c)
+out = {
+    "allocate_pages": median(lambda fd: (os.posix_fallocate(fd, 0, size), os.close(fd)), lambda: fresh(0)),
+    "copy_into_allocated_pages": median(write, lambda: fresh(True)),
+    "copy_into_new_pages": median(write, lambda: fresh(False)),
+    "crc32c_in_cache": median(crc),
+}
+os.unlink(path); print(json.dumps(out))
+"""
+
+
+def receive_stages(a: Node, b: Node, size: int) -> dict[str, float]:
+    """CPU-seconds per GiB of each stage of receiving into B's ramdisk, alone (1 MiB blocks)."""
+    proc = b.run_in_node([sys.executable, "-c", _STAGES, str(b.root), str(size)], check=True)
+    out: dict[str, float] = json.loads(proc.stdout)
+    return out
 
 
 # ------------------------------------------------------------------------------------------ receivers
 
 _RX_VARIANT = """
-import ctypes, mmap, os, queue, socket, sys, threading, time
+import ctypes, mmap, os, queue, socket, ssl, sys, threading, time
 from pathlib import Path
 from tierckpt.protocol.integrity import crc32c_address
-from tierckpt_replicator.replication.stream import CHUNK, _Ring, receive_file
+from tierckpt_replicator.replication.stream import BLOCK, receive_file
 from tierckpt_replicator.stepio import preallocate
-mode, size, port, dest = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4])
-_Ring.take().give_back()  # the worker keeps its buffers between transfers
+mode, size, port, dest, cert = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4]), sys.argv[5]
 s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
 s.bind(("0.0.0.0", port)); s.listen(1); print("ready", flush=True)
-c, _ = s.accept(); c.settimeout(60); t0 = time.perf_counter()
+c, _ = s.accept(); c.settimeout(60)
+if mode == "tls":
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER); ctx.load_cert_chain(cert)
+    c = ctx.wrap_socket(c, server_side=True)
+t0 = time.perf_counter()
 fd = os.open(dest, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644); preallocate(fd, size, str(dest)); os.close(fd)
 
 def behind(base):  # a thread computing the crc32c of each range right after it was written
@@ -280,7 +430,7 @@ def behind(base):  # a thread computing the crc32c of each range right after it 
     t = threading.Thread(target=run); t.start()
     return ends, t, state
 
-if mode == "replicator":
+if mode in ("replicator", "tls"):
     fd = os.open(dest, os.O_WRONLY); crc = receive_file(c, fd, size, where=str(dest)); os.close(fd)
 else:
     fd = os.open(dest, os.O_RDWR); mm = mmap.mmap(fd, size); head = ctypes.c_char.from_buffer(mm)
@@ -288,7 +438,7 @@ else:
     if mode == "mmap":
         view = memoryview(mm)
         while done < size:
-            end = min(done + CHUNK, size)
+            end = min(done + 4 * BLOCK, size)
             while done < end:
                 k = c.recv_into(view[done:end])
                 assert k, "closed"
@@ -302,7 +452,7 @@ else:
             assert n, "closed"
             while n:
                 k = os.splice(r, fd, n, offset_dst=done); done += k; n -= k
-            if done - mark >= CHUNK or done == size:
+            if done - mark >= 4 * BLOCK or done == size:
                 ends.put(done); mark = done
     ends.put(None); t.join(); crc = state["crc"]; del head; mm.close(); os.fsync(fd); os.close(fd)
 print(size / (time.perf_counter() - t0), crc, flush=True)
@@ -310,27 +460,39 @@ dest.unlink()
 """
 
 _TX_FILE = """
-import os, socket, sys
+import os, socket, ssl, sys
 from pathlib import Path
 from tierckpt_replicator.replication.stream import send_file
-path, host, port, method = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4]
-fd = os.open(path, os.O_RDONLY)
+path, host, port, method, tls = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5]
 with socket.create_connection((host, port)) as s:
+    if tls == "1":
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+        s = ctx.wrap_socket(s)
+    fd = os.open(path, os.O_RDONLY)
     send_file(s, fd, os.fstat(fd).st_size, where=str(path), method=method)
+    try:  # until the receiver hangs up: closing over unread bytes (a TLS ticket) would reset the stream
+        s.recv(1)
+    except OSError:
+        pass
 """
 
 
-def receiver_variant(a: Node, b: Node, src: Path, want_crc: int, mode: str) -> float:
-    """Bytes per second of one receive loop (``replicator``, ``mmap`` or ``splice``) from A's ramdisk
-    file into a preallocated file in B's ramdisk, its crc32c checked; timed from the connection on."""
+def receiver_variant(a: Node, b: Node, src: Path, want_crc: int, mode: str, cert: str = "") -> float:
+    """Bytes per second of one receive loop (``replicator``, ``tls``, ``mmap`` or ``splice``) from A's
+    ramdisk file into a preallocated file in B's ramdisk, its crc32c checked; timed from the
+    connection on (the TLS handshake excluded). ``cert``: the PEM file (key included) B serves TLS with."""
     size = src.stat().st_size
     rx = b.popen_in_node(
-        [sys.executable, "-c", _RX_VARIANT, mode, str(size), str(RAW_PORT), str(b.root / ".bench-rx")],
+        [sys.executable, "-c", _RX_VARIANT, mode, str(size), str(RAW_PORT), str(b.root / ".bench-rx"), cert],
         stdout=subprocess.PIPE,
         text=True,
     )
     assert rx.stdout is not None and rx.stdout.readline().strip() == "ready"
-    a.run_in_node([sys.executable, "-c", _TX_FILE, str(src), b.ip, str(RAW_PORT), "mmap"], check=True)
+    tls = "1" if mode == "tls" else "0"
+    a.run_in_node(
+        [sys.executable, "-c", _TX_FILE, str(src), b.ip, str(RAW_PORT), "sendfile", tls], check=True
+    )
     rate, crc = rx.stdout.readline().split()
     rx.wait()
     assert int(crc) == want_crc, f"{mode}: crc32c {int(crc):08x}, want {want_crc:08x}"
@@ -435,7 +597,7 @@ def restore_times(cluster: LocalCluster, size: int, blob: bytes) -> dict[str, An
 
 _TRAIN = """
 import json, sys, time, torch
-torch.set_num_threads(int(sys.argv[1])); seconds = float(sys.argv[2])
+torch.set_num_threads(1); seconds = float(sys.argv[1])
 model = torch.nn.Sequential(torch.nn.Linear(1024, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 1024))
 opt = torch.optim.SGD(model.parameters(), lr=1e-3); x = torch.randn(256, 1024)
 def step():
@@ -447,11 +609,29 @@ while time.perf_counter() < end:
 print(json.dumps(out), flush=True)
 """
 
+_WORKER_ARGS = {
+    "unprotected": ["--worker-nice", "0"],
+    "nice10": [],  # the default: --worker-nice 10
+    "idle": ["--worker-idle"],
+    "cap": [],  # --bandwidth-limit, added in main
+}
+_TRAIN_LABELS = {
+    "unprotected": "worker at nice 0, no cap",
+    "nice10": "worker at nice 10 (default)",
+    "idle": "worker under SCHED_IDLE",
+    "cap": "bandwidth cap, nice 10",
+}
 
-def _pin(pids: list[int], cpus: set[int]) -> None:
-    for pid in pids:
-        with contextlib.suppress(OSError):
-            os.sched_setaffinity(pid, cpus)
+
+def bytes_out(node: Node) -> float:
+    """Step bytes ``node``'s replicator has sent so far (its ``/metrics``)."""
+    import httpx
+
+    text = httpx.get(f"{node.probe_endpoint}/metrics", timeout=10).text
+    m = re.search(r'^tierckpt_replicator_transfer_bytes_total\{direction="out"\} (\S+)$', text, re.M)
+    if m is None and "tierckpt_replicator_transfer_bytes" not in text:
+        raise RuntimeError(f"{node.name}: no transfer_bytes_total in its /metrics")
+    return float(m.group(1)) if m else 0.0  # the label appears with the first transfer
 
 
 def _renice(cluster: LocalCluster, nice: int) -> None:
@@ -473,53 +653,55 @@ def _tree(pid: int) -> list[int]:
         return []
 
 
+def _settle(node: Node, quiet: float = 1.0, timeout: float = 60.0) -> None:
+    """Wait until ``node`` has sent nothing for ``quiet`` seconds (a restart may resend a step)."""
+    deadline = time.monotonic() + timeout
+    last = bytes_out(node)
+    while time.monotonic() < deadline:
+        time.sleep(quiet)
+        now = bytes_out(node)
+        if now == last:
+            return
+        last = now
+
+
 def training_slowdown(
-    cluster: LocalCluster,
-    size: int,
-    blob: bytes,
-    *,
-    seconds: float,
-    interval: float,
-    pin: bool,
-    rounds: int = 3,
+    cluster: LocalCluster, size: int, blob: bytes, *, seconds: float, interval: float, rounds: int = 3
 ) -> dict[str, Any]:
     """Median training step time in idle windows vs replicating windows (a new step every ``interval``
-    s), interleaved ``rounds`` times in one training process so drifts of the machine's load hit both."""
+    s), interleaved ``rounds`` times in one training process so drifts of the machine's load hit both;
+    and the rate at which A's replicator sent meanwhile."""
     a = cluster.nodes[0]
-    ncpu = os.cpu_count() or 1
-    threads = 1 if pin else ncpu
-    reps = [p for n in cluster.nodes if n.proc for p in _tree(n.proc.pid)]
-    if pin and ncpu > 1:
-        _pin(reps, set(range(1, ncpu)))
+    _settle(a)
     window = seconds / 2
     total = window * 2 * rounds
     loader = _Load(a, cluster.job, size, blob, interval)  # writes its one data file now, before timing
-    train = a.popen_in_node(
-        [sys.executable, "-c", _TRAIN, str(threads), str(total)], stdout=subprocess.PIPE, text=True
-    )
-    if pin:
-        _pin([train.pid], {0})
+    train = a.popen_in_node([sys.executable, "-c", _TRAIN, str(total)], stdout=subprocess.PIPE, text=True)
     assert train.stdout is not None and train.stdout.readline().strip() == "ready"
     start = time.perf_counter()
     loader.start()
     windows: list[tuple[float, float, str]] = []
+    sent, busy_seconds = 0.0, 0.0
     for r in range(rounds):
         for phase in ("idle", "replicating"):
             t0 = start + (2 * r + (phase == "replicating")) * window
             if phase == "replicating":
+                before = bytes_out(a)
                 loader.active.set()
             time.sleep(max(0.0, t0 + window - time.perf_counter()))
             loader.active.clear()
+            if phase == "replicating":
+                sent += bytes_out(a) - before
+                busy_seconds += window
             windows.append((t0, t0 + window, phase))
     samples = json.loads(train.stdout.readline())
     train.wait()
     loader.stop.set()
     loader.active.set()
     loader.join()
+    loader.cleanup()
     if loader.error is not None:
         raise loader.error
-    if pin and ncpu > 1:
-        _pin(reps, set(range(ncpu)))
     phases: dict[str, list[float]] = {"idle": [], "replicating": []}
     for t, d in samples:  # steps wholly inside a window (the load stops within ~0.1 s of its end)
         for lo, hi, phase in windows:
@@ -527,14 +709,46 @@ def training_slowdown(
                 phases[phase].append(d)
     idle, busy = statistics.median(phases["idle"]), statistics.median(phases["replicating"])
     return {
-        "threads": threads,
-        "pinned": pin,
-        "idle_step_ms": idle * 1e3,
-        "replicating_step_ms": busy * 1e3,
+        "idle_steps_per_s": 1 / idle,
+        "replicating_steps_per_s": 1 / busy,
         "slowdown_pct": (busy / idle - 1) * 100,
-        "steps_replicated": loader.count,
+        "replication_mbps": sent / busy_seconds / 1e6,
+        "steps_committed": loader.count,
         "samples": {k: len(v) for k, v in phases.items()},
     }
+
+
+def training_configs(
+    cluster: LocalCluster, size: int, blob: bytes, args: argparse.Namespace
+) -> dict[str, dict[str, Any]]:
+    """``training_slowdown`` under each worker configuration, ``--train-repeat`` times each."""
+    out: dict[str, dict[str, Any]] = {}
+    for name in args.train_configs:
+        extra = list(_WORKER_ARGS[name])
+        if name == "cap":
+            extra += ["--bandwidth-limit", str(args.cap_mbps)]
+        for node in cluster.nodes:
+            node.extra_args = extra
+            node.restart_replicator()
+        runs = [
+            training_slowdown(cluster, size, blob, seconds=args.train_seconds, interval=args.interval)
+            for _ in range(args.train_repeat)
+        ]
+        med = statistics.median
+        out[name] = {
+            "label": _TRAIN_LABELS[name] + (f" {args.cap_mbps:g} MB/s" if name == "cap" else ""),
+            "worker_args": extra,
+            "slowdown_pct": med(r["slowdown_pct"] for r in runs),
+            "slowdown_pct_runs": [r["slowdown_pct"] for r in runs],
+            "idle_steps_per_s": med(r["idle_steps_per_s"] for r in runs),
+            "replicating_steps_per_s": med(r["replicating_steps_per_s"] for r in runs),
+            "replication_mbps": med(r["replication_mbps"] for r in runs),
+            "replication_mbps_runs": [r["replication_mbps"] for r in runs],
+            "runs": runs,
+        }
+    for node in cluster.nodes:
+        node.extra_args = []
+    return out
 
 
 class _Load(threading.Thread):
@@ -560,6 +774,12 @@ class _Load(threading.Thread):
             self._run()
         except BaseException as exc:
             self.error = exc
+
+    def cleanup(self) -> None:
+        """Remove the template and the steps committed (the next run starts from an empty rank)."""
+        subprocess.run(["rm", "-rf", str(self.template)], check=True)
+        for old in self.parent.glob("step-*"):
+            subprocess.run(["rm", "-rf", str(old)], check=False)
 
     def _run(self) -> None:
         step = self.first + 1
@@ -595,6 +815,17 @@ def main(argv: list[str] | None = None) -> int:
         "--repeat", type=int, default=5, help="interleaved rounds of the transfer measurements (medians) [5]"
     )
     p.add_argument(
+        "--huge",
+        choices=("within_size", "never", "keep"),
+        default="within_size",
+        help="tmpfs huge= option of the ramdisks (keep: as mounted) [within_size, as the chart mounts them]",
+    )
+    p.add_argument("--loopback", action="store_true", help="nodes on loopback ports, no network namespaces")
+    p.add_argument("--stages", action="store_true", help="also measure the receiver's stages alone")
+    p.add_argument(
+        "--receivers", action="store_true", help="also compare receive loops (replicator, mmap, splice, TLS)"
+    )
+    p.add_argument(
         "--train-seconds",
         type=float,
         default=8.0,
@@ -604,8 +835,12 @@ def main(argv: list[str] | None = None) -> int:
         "--interval", type=float, default=1.0, help="seconds between replicated steps while training [1]"
     )
     p.add_argument(
-        "--receivers", action="store_true", help="also compare receive loops (replicator, mmap, splice)"
+        "--train-configs",
+        default=",".join(TRAIN_CONFIGS),
+        help=f"worker configurations to train beside, from {','.join(TRAIN_CONFIGS)} [all]",
     )
+    p.add_argument("--train-repeat", type=int, default=3, help="runs of each training configuration [3]")
+    p.add_argument("--cap-mbps", type=float, default=100.0, help="--bandwidth-limit of the 'cap' run [100]")
     p.add_argument(
         "--send-method",
         choices=("mmap", "sendfile"),
@@ -616,22 +851,27 @@ def main(argv: list[str] | None = None) -> int:
         "--auth",
         choices=("tls", "token"),
         default="tls",
-        help="the cluster's replicators' --auth (the TLS cost is measured either way) [tls]",
+        help="the cluster's replicators' --auth (TLS cost and the 'tls' receive loop need tls) [tls]",
     )
-    p.add_argument("--skip-tls", action="store_true", help="skip the plain vs TLS data path comparison")
+    p.add_argument("--skip-tls", action="store_true", help="skip the plain vs TLS data server comparison")
     p.add_argument("--skip-restore", action="store_true", help="skip the restore measurement")
     p.add_argument("--skip-training", action="store_true", help="skip the training slowdown measurement")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     args = p.parse_args(argv)
+    args.train_configs = [c for c in args.train_configs.split(",") if c]
+    if unknown := set(args.train_configs) - set(TRAIN_CONFIGS):
+        p.error(f"unknown --train-configs {sorted(unknown)}")
     size = args.size_mib * MiB
     blob = secrets.token_bytes(8 * MiB)
     ramdisk = f"{max(512, 8 * args.size_mib)}m"
+    netns = has_netns() and not args.loopback
     result: dict[str, Any] = {
         "machine": {
             "cpus": os.cpu_count(),
             "kernel": platform.release(),
             "python": platform.python_version(),
-            "netns": has_netns(),
+            "netns": netns,
+            "cpu_model": _cpu_model(),
         },
         "size_bytes": size,
         "send_method": args.send_method,
@@ -656,73 +896,95 @@ def main(argv: list[str] | None = None) -> int:
         gcs=not args.skip_restore,
         ramdisk_size=ramdisk,
         replicator_args=args_rep,
+        netns=netns,
         auth=args.auth,
     ) as cluster:
         a, b = cluster.nodes[0], cluster.nodes[1]
-        _renice(cluster, 0)  # transfers at the baseline's priority; the training phase restores nice 10
+        if netns and args.huge != "keep":
+            for node in cluster.nodes:
+                subprocess.run(["mount", "-o", f"remount,huge={args.huge}", str(node.root)], check=True)
+        result["machine"]["ramdisk"] = mount_of(b.root)
+        _renice(cluster, 0)  # transfers at the baselines' priority; the training runs set their own
         assign_data_job(cluster)
         servers = None if args.skip_tls or cluster.ca is None else DataServers(cluster)
         other = "mmap" if args.send_method == "sendfile" else "sendfile"
-        raws, raws_tmpfs, rates, rates_other = [], [], [], []
-        by_auth: dict[str, list[float]] = {"token": [], "tls": []} if servers else {}
+        rounds: dict[str, list[Rate]] = {
+            "raw_tcp": [],
+            "raw_tcp_into_ramdisk": [],
+            "raw_tcp_into_preallocated": [],
+            "raw_sendfile_into_ramdisk": [],
+            "data_path": [],
+            f"data_path_{other}": [],
+            **({f"data_server_{auth}": [] for auth in SERVER_PORTS} if servers else {}),
+        }
         receivers: dict[str, list[float]] = {m: [] for m in RECEIVERS} if args.receivers else {}
+        cert = str(b.tls_files.cert) if args.receivers and cluster.ca is not None else ""
+        if cert:
+            receivers["tls"] = []
         src = make_step(a.root / ".bench-src", "bench_rx", 0, 1, size, 1, blob) / "data-00000.bin"
         src_crc = read_manifest(src.parent).files[0].crc32c
         for _ in range(args.repeat):  # interleaved, so a drift of the machine's load hits every path
-            raws.append(raw_tcp(a, b, size))
-            raws_tmpfs.append(raw_tcp(a, b, size, into_ramdisk=True))
-            rates += data_path(cluster, size, blob, 1, method=args.send_method)
-            rates_other += data_path(cluster, size, blob, 1, method=other)
-            for auth, out in by_auth.items():
-                port = PLAIN_PORT if auth == "token" else TLS_PORT
-                out += data_path(cluster, size, blob, 1, args.send_method, auth=auth, port=port)
+            rounds["raw_tcp"].append(raw_tcp(a, b, size))
+            rounds["raw_tcp_into_ramdisk"].append(raw_tcp(a, b, size, "ramdisk"))
+            rounds["raw_tcp_into_preallocated"].append(raw_tcp(a, b, size, "preallocated"))
+            rounds["raw_sendfile_into_ramdisk"].append(raw_tcp(a, b, size, "ramdisk", src))
+            rounds["data_path"] += data_path(cluster, size, blob, args.send_method)
+            rounds[f"data_path_{other}"] += data_path(cluster, size, blob, other)
+            for auth in SERVER_PORTS if servers else ():
+                rounds[f"data_server_{auth}"] += data_path(
+                    cluster, size, blob, args.send_method, servers=servers, auth=auth
+                )
             for mode, out in receivers.items():
-                out.append(receiver_variant(a, b, src, src_crc, mode))
+                out.append(receiver_variant(a, b, src, src_crc, mode, cert))
         subprocess.run(["rm", "-rf", str(src.parent.parent)], check=True)
+        med = statistics.median
+        result["transfers"] = {
+            name: {
+                "gbps": med(r.bps for r in rs) / 1e9,
+                "rx_cpu_s_per_gib": med(r.rx_cpu for r in rs),
+                "tx_cpu_s_per_gib": med(r.tx_cpu for r in rs),
+                "rounds_gbps": [r.bps / 1e9 for r in rs],
+            }
+            for name, rs in rounds.items()
+        }
+        t = result["transfers"]
+        dp = t["data_path"]["gbps"]
+        result["data_path_over_raw_tcp"] = dp / t["raw_tcp"]["gbps"]
+        result["data_path_over_raw_tcp_into_ramdisk"] = dp / t["raw_tcp_into_ramdisk"]["gbps"]
+        result["data_path_over_raw_tcp_into_preallocated"] = dp / t["raw_tcp_into_preallocated"]["gbps"]
+        result["data_path_over_raw_sendfile_into_ramdisk"] = dp / t["raw_sendfile_into_ramdisk"]["gbps"]
+        result["data_path_over_raw_tcp_into_ramdisk_rounds"] = [
+            d.bps / r.bps for d, r in zip(rounds["data_path"], rounds["raw_tcp_into_ramdisk"], strict=True)
+        ]
         if servers is not None:
-            med = statistics.median
-            raw = med(raws)
-            plain, tls = med(by_auth["token"]), med(by_auth["tls"])
+            plain, tls, raw = (
+                t["data_server_token"]["gbps"],
+                t["data_server_tls"]["gbps"],
+                t["raw_tcp"]["gbps"],
+            )
             result["tls"] = {
-                "plain_gbps": plain / 1e9,
-                "tls_gbps": tls / 1e9,
+                "plain_gbps": plain,
+                "tls_gbps": tls,
                 "tls_over_plain": tls / plain,
                 "plain_over_raw_tcp": plain / raw,
                 "tls_over_raw_tcp": tls / raw,
                 "small_push_ms": {
-                    auth: push_latency(cluster, blob, auth, PLAIN_PORT if auth == "token" else TLS_PORT) * 1e3
-                    for auth in ("token", "tls")
+                    auth: push_latency(cluster, blob, servers, auth) * 1e3 for auth in SERVER_PORTS
                 },
-                "rounds_gbps": {k: [r / 1e9 for r in v] for k, v in by_auth.items()},
+                "rounds_gbps": {auth: t[f"data_server_{auth}"]["rounds_gbps"] for auth in SERVER_PORTS},
             }
             servers.close()
-        e2e = end_to_end(cluster, size, blob, args.repeat)
-        med = statistics.median
-        result["raw_tcp_gbps"] = med(raws) / 1e9
-        result["raw_tcp_into_ramdisk_gbps"] = med(raws_tmpfs) / 1e9
-        result["data_path_gbps"] = med(rates) / 1e9
-        result["data_path_over_raw_tcp"] = med(rates) / med(raws)
-        result["data_path_over_raw_tcp_into_ramdisk"] = med(rates) / med(raws_tmpfs)
-        result["data_path_by_send_method_gbps"] = {
-            args.send_method: med(rates) / 1e9,
-            other: med(rates_other) / 1e9,
-        }
         result["receivers_gbps"] = {m: med(v) / 1e9 for m, v in receivers.items()}
-        result["rounds_gbps"] = {
-            "raw_tcp": [r / 1e9 for r in raws],
-            "raw_tcp_into_ramdisk": [r / 1e9 for r in raws_tmpfs],
-            "data_path": [r / 1e9 for r in rates],
-            f"data_path_{other}": [r / 1e9 for r in rates_other],
-            **{f"receiver_{m}": [r / 1e9 for r in v] for m, v in receivers.items()},
-        }
+        if args.stages:
+            result["receive_stages_cpu_s_per_gib"] = receive_stages(a, b, size)
+        e2e = end_to_end(cluster, size, blob, args.repeat)
         result["end_to_end_seconds"] = med(e2e)
         result["end_to_end_gbps"] = size / med(e2e) / 1e9
-        _renice(cluster, 10)
         if not args.skip_training:
-            kw = {"seconds": args.train_seconds, "interval": args.interval}
-            result["training"] = [training_slowdown(cluster, size, blob, pin=False, **kw)]
-            if (os.cpu_count() or 1) > 1:
-                result["training"].append(training_slowdown(cluster, size, blob, pin=True, **kw))
+            result["training"] = training_configs(cluster, size, blob, args)
+            if not args.skip_restore:
+                for node in cluster.nodes:
+                    node.restart_replicator()
         if not args.skip_restore:
             result["restore"] = restore_times(cluster, size, blob)
     if args.json:
@@ -732,40 +994,72 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _cpu_model() -> str:
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or "?"
+
+
 def _print_table(r: dict[str, Any]) -> None:
-    m = r["machine"]
-    print(f"machine: {m['cpus']} cpus, kernel {m['kernel']}, python {m['python']}, netns={m['netns']}")
-    print(f"step size: {r['size_bytes'] / MiB:.0f} MiB (one rank); transfers: medians of interleaved rounds")
-    print(f"raw TCP A->B (discarded)         {r['raw_tcp_gbps']:.2f} GB/s")
-    print(f"raw TCP A->B into B's ramdisk    {r['raw_tcp_into_ramdisk_gbps']:.2f} GB/s")
-    ratio, ratio_ram = r["data_path_over_raw_tcp"], r["data_path_over_raw_tcp_into_ramdisk"]
+    m, t = r["machine"], r["transfers"]
     print(
-        f"replication data path A->B       {r['data_path_gbps']:.2f} GB/s  ({r['send_method']}) "
-        f"= {ratio:.2f}x raw TCP, {ratio_ram:.2f}x raw TCP into the ramdisk"
+        f"machine: {m['cpus']} cpus ({m['cpu_model']}), kernel {m['kernel']}, python {m['python']}, "
+        f"netns={m['netns']}, ramdisk: {m.get('ramdisk', '?')}"
     )
-    for method, gbps in r["data_path_by_send_method_gbps"].items():
-        if method != r["send_method"]:
-            print(f"  ... sending with {method}{' ' * (14 - len(method))} {gbps:.2f} GB/s")
+    print(f"step size: {r['size_bytes'] / MiB:.0f} MiB (one rank); transfers: medians of interleaved rounds")
+    print(f"{'':40s} {'GB/s':>6s}  {'receiver':>9s} {'sender':>7s}  (CPU-s per GiB)")
+    labels = {
+        "raw_tcp": "raw TCP A->B (discarded)",
+        "raw_tcp_into_ramdisk": "raw TCP into B's ramdisk (alloc. timed)",
+        "raw_tcp_into_preallocated": "raw TCP into a preallocated file (alloc. untimed)",
+        "raw_sendfile_into_ramdisk": "raw sendfile A's ramdisk -> B's ramdisk",
+        "data_server_token": "data server on B, plain TCP (token)",
+        "data_server_tls": "data server on B, mutual TLS",
+    }
+    for name, x in t.items():
+        label = labels.get(name) or (
+            f"replication data path ({r['send_method']}, {r.get('auth', 'token')})"
+            if name == "data_path"
+            else f"  ... sending with {name.removeprefix('data_path_')}"
+        )
+        print(f"{label:40.40s} {x['gbps']:6.2f}  {x['rx_cpu_s_per_gib']:9.2f} {x['tx_cpu_s_per_gib']:7.2f}")
+    rounds = ", ".join(f"{x:.2f}" for x in r["data_path_over_raw_tcp_into_ramdisk_rounds"])
+    print(
+        f"data path = {r['data_path_over_raw_tcp_into_ramdisk']:.2f}x raw TCP into the ramdisk (target "
+        f">= 0.8x; per round {rounds}), {r['data_path_over_raw_sendfile_into_ramdisk']:.2f}x raw sendfile "
+        f"ramdisk to ramdisk, {r['data_path_over_raw_tcp_into_preallocated']:.2f}x raw TCP into a "
+        f"preallocated file, {r['data_path_over_raw_tcp']:.2f}x raw TCP"
+    )
+    if "receive_stages_cpu_s_per_gib" in r:
+        s = r["receive_stages_cpu_s_per_gib"]
+        recv = t["raw_tcp"]["rx_cpu_s_per_gib"]
+        floor = recv + s["allocate_pages"] + s["copy_into_allocated_pages"] + s["crc32c_in_cache"]
+        print(
+            "receiver's stages alone, CPU-s per GiB: TCP receive (raw TCP's receiver) "
+            f"{recv:.2f} + page allocation {s['allocate_pages']:.2f} + copy into the pages "
+            f"{s['copy_into_allocated_pages']:.2f} + crc32c {s['crc32c_in_cache']:.2f} = {floor:.2f}; "
+            f"the data path's receiver spent {t['data_path']['rx_cpu_s_per_gib']:.2f}"
+        )
+    if "tls" in r:
+        x, ms = r["tls"], r["tls"]["small_push_ms"]
+        print(
+            f"TLS cost: mutual TLS = {x['tls_over_plain']:.2f}x plain TCP (data servers on B; "
+            f"{x['tls_over_raw_tcp']:.2f}x and {x['plain_over_raw_tcp']:.2f}x raw TCP); push of a 4 KiB "
+            f"step {ms['token']:.1f} ms plain, {ms['tls']:.1f} ms TLS"
+        )
     for mode, gbps in r.get("receivers_gbps", {}).items():
         print(f"receive loop '{mode}'{' ' * (12 - len(mode))} {gbps:.2f} GB/s  (file in B's ramdisk, crc32c)")
-    if "tls" in r:
-        t = r["tls"]
-        plain, tls = t["plain_over_raw_tcp"], t["tls_over_raw_tcp"]
-        print(f"data path, plain TCP (token)     {t['plain_gbps']:.2f} GB/s = {plain:.2f}x raw TCP")
-        print(
-            f"data path, mutual TLS            {t['tls_gbps']:.2f} GB/s = {tls:.2f}x raw TCP "
-            f"= {t['tls_over_plain']:.2f}x plain"
-        )
-        ms = t["small_push_ms"]
-        print(f"push of a 4 KiB step             {ms['token']:.1f} ms plain, {ms['tls']:.1f} ms TLS")
     print(
         f"commit on A -> replica on B      {r['end_to_end_seconds']:.3f} s  ({r['end_to_end_gbps']:.2f} GB/s)"
     )
-    for t in r.get("training", []):
+    for x in r.get("training", {}).values():
+        runs = ", ".join(f"{v:+.1f}" for v in x["slowdown_pct_runs"])
         print(
-            f"training step ({'pinned' if t['pinned'] else 'unpinned'}, {t['threads']} threads): idle "
-            f"{t['idle_step_ms']:.1f} ms, while replicating {t['replicating_step_ms']:.1f} ms "
-            f"-> slowdown {t['slowdown_pct']:+.1f}% ({t['steps_replicated']} steps replicated)"
+            f"training (1 thread) beside replication, {x['label']}: {x['idle_steps_per_s']:.1f} -> "
+            f"{x['replicating_steps_per_s']:.1f} steps/s, slowdown {x['slowdown_pct']:+.1f}% (runs {runs}); "
+            f"replication meanwhile {x['replication_mbps']:.0f} MB/s"
         )
     if "restore" in r:
         x = r["restore"]

@@ -88,6 +88,7 @@ def context(planted: Planted) -> DataContext:
     cfg = WorkerConfig(
         node="node-a",
         root=str(planted.root),
+        auth="token",  # the legacy bearer token: these tests are about job trees, not identity
         token_file=str(planted.root.parent / "token"),
         listen_host="127.0.0.1",
         data_port=0,

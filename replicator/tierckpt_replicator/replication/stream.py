@@ -1,21 +1,40 @@
 """Moving shard bytes with bounded memory and one pass of verification.
 
 Sending (``send_file``): ``socket.sendfile`` (the kernel sends straight from the tmpfs page cache;
-the default), or, with ``method="mmap"``, a read-only mapping handed to ``sendall`` in 4 MiB slices.
-Over TLS (``--auth tls``) the bytes must pass through OpenSSL, so the mapping is always used
-(``SSLSocket.sendfile`` would fall back to reading and sending 8 KiB at a time).
-Measured on this project's development VM (2 vCPUs, Linux 6.18, veth; bench/replicator_bench.py):
-sendfile moves a 256 MiB step 5-18% faster (median 11%, 14 runs) and costs the sender ~0.3
-CPU-s/GiB against ~0.5 for the mapping. Both go in chunks so the token bucket and the progress
-callback see every few MiB.
+the default), or, with ``method="mmap"``, a read-only mapping handed to ``sendall`` in 4 MiB slices;
+on a TLS socket the bytes are read into a 1 MiB block and sent from there (they must reach user space
+to be encrypted). Measured on the development VM (2 vCPUs, Linux 6.18, veth; bench/replicator_bench.py):
+sendfile moves a 256 MiB step 5-18% faster than the mapping (median 11%, 14 runs). Chunks let the
+token bucket and the progress callback act every few MiB.
 
-Receiving (``receive_file``): the destination is preallocated first (a full ramdisk fails before a
-byte is read). Bytes are ``recv_into``-ed a ring of three 4 MiB buffers; a second thread computes each
-chunk's crc32c while it is still in cache and ``pwrite``-s it into place. Writing whole pages
-through ``pwrite`` spares tmpfs the zeroing of preallocated pages that a write through a shared
-mapping costs on the first touch of each page, so receiving straight into a mapping of the file is
-slower despite its single copy (measured: ~0.65 vs ~0.85 CPU-s/GiB, 1.16 vs 0.91 GB/s); so is
-``splice`` socket -> pipe -> file (1.06 GB/s). At most the ring is in memory.
+Receiving (``receive_file``, ``copy_file``): the destination was preallocated
+(``stepio.create_preallocated``: a full ramdisk fails before a byte is read). One thread
+``recv_into``-s a 1 MiB block, takes its crc32c while it is in cache (C on its address: no copy, no
+GIL) and ``pwrite``-s it into place: the two copies any receiver writing a file makes, plus the crc.
+Works on TLS sockets. Receive loops measured side by side on the dev VM (256 MiB, veth; the
+receiver's CPU-seconds per GiB into a small-page / a huge-page tmpfs; interleaved rounds under a
+load average of 5 to 10, so ranges):
+
+================================================  ============  ===========================================
+receive loop                                      CPU-s/GiB     why it lost (or won)
+================================================  ============  ===========================================
+plain recv_into + pwrite, no crc (raw baseline)   0.64-0.68 /   the floor: TCP receive 0.22-0.25, page
+                                                  0.27-0.29     allocation 0.27-0.29, copy 0.12-0.14
+ring of 3 x 4 MiB, crc + pwrite on a 2nd thread   0.83-0.91 /   hand-offs between threads, 4 MiB blocks
+(until 2026-11)                                   0.42-0.46     fall out of cache between the passes
+**one thread, 1 MiB block (this module)**         0.65-0.74 /   = the floor + crc32c (0.04)
+                                                  0.28
+one thread, 256 KiB / 4 MiB block                 0.90 / 0.31   more calls / out of cache
+recv_into a shared mapping of the file            0.98-1.05 /   tmpfs zeroes each page on its first
+                                                  0.29-0.32     touch through a mapping, plus a fault
+splice socket -> pipe (1 MiB) -> file, crc32c     0.84-0.94 /   no user-space copy, but the crc32c must
+read back from a mapping (or pread)               0.26-0.31     read the pages back
+================================================  ============  ===========================================
+
+So the receiver is at its floor: the data path's receiver spends what ``recv_into`` + ``pwrite`` spends
+plus the crc32c. What remains between it and raw TCP into the ramdisk is the sender reading the
+ramdisk (``sendfile`` of small tmpfs pages: ~0.4 CPU-s/GiB against ~0.2 for a cached buffer) and the
+protocol's fixed costs (lease, header, commit). Ratios and figures: docs/benchmarks.md.
 
 Every function takes open descriptors, never paths: the callers open files through the job's
 ``Beneath`` (``tierckpt_replicator.stepio``), so no byte is read from or written to a file reached
@@ -32,8 +51,7 @@ import os
 import queue
 import socket
 import ssl
-import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import BinaryIO, Literal
 
 from tierckpt.protocol.errors import FormatError, RamdiskFullError
@@ -42,6 +60,7 @@ from tierckpt_replicator.replication.throttle import TokenBucket
 from tierckpt_replicator.replication.wire import ProtocolError
 
 __all__ = [
+    "BLOCK",
     "CHUNK",
     "SendMethod",
     "copy_file",
@@ -50,7 +69,9 @@ __all__ = [
 ]
 
 CHUNK = 4 << 20
-_RING = 3
+"""Bytes per send call (the token bucket and the progress callback see every few MiB)."""
+BLOCK = 1 << 20
+"""Receive block (and TLS send block): each is checksummed and written while it is in the CPU's cache."""
 
 OnBytes = Callable[[int], None]
 SendMethod = Literal["mmap", "sendfile"]
@@ -58,6 +79,30 @@ SendMethod = Literal["mmap", "sendfile"]
 
 def _noop(_: int) -> None:
     pass
+
+
+class _Buffer:
+    """A reusable block buffer and its address (for crc32c without a copy). Kept warm between
+    transfers: the data server runs each connection on a fresh thread."""
+
+    _free: queue.SimpleQueue[_Buffer] = queue.SimpleQueue()
+
+    def __init__(self) -> None:
+        self.data = bytearray(BLOCK)
+        self.view = memoryview(self.data)
+        self.address = ctypes.addressof((ctypes.c_char * BLOCK).from_buffer(self.data))
+
+    @classmethod
+    @contextlib.contextmanager
+    def borrowed(cls) -> Iterator[_Buffer]:
+        try:
+            buf = cls._free.get_nowait()
+        except queue.Empty:
+            buf = cls()
+        try:
+            yield buf
+        finally:
+            cls._free.put(buf)
 
 
 # ------------------------------------------------------------------------------------ send
@@ -74,14 +119,19 @@ def send_file(
     method: SendMethod = "sendfile",
 ) -> None:
     """Send exactly ``size`` bytes of the open file ``fd`` (``where`` names it in errors; it stays
-    open); a file of another size raises ``FormatError``."""
+    open); a file of another size raises ``FormatError``. On a TLS socket the bytes must pass through
+    user space to be encrypted whatever ``method`` says: they are read into a block and sent from
+    there (``SSLSocket.sendfile`` would go 8 KiB at a time, and a mapping could not be closed while a
+    failed TLS send's traceback still holds a view of it)."""
     with open(fd, "rb", buffering=0, closefd=False) as f:
         actual = os.fstat(f.fileno()).st_size
         if actual != size:
             raise FormatError(f"{where}: {actual} bytes on disk, manifest says {size}")
         if size == 0:
             return
-        if method == "sendfile" and not isinstance(sock, ssl.SSLSocket):
+        if isinstance(sock, ssl.SSLSocket):
+            _send_read(sock, f, where, size, bucket, on_bytes)
+        elif method == "sendfile":
             _send_spliced(sock, f, where, size, bucket, on_bytes)
         else:
             _send_mapped(sock, f, size, bucket, on_bytes)
@@ -107,6 +157,20 @@ def _send_mapped(
             mm.close()
 
 
+def _send_read(
+    sock: socket.socket, f: BinaryIO, where: str, size: int, bucket: TokenBucket | None, on_bytes: OnBytes
+) -> None:
+    with _Buffer.borrowed() as buf:
+        for offset in range(0, size, BLOCK):
+            n = min(BLOCK, size - offset)
+            if os.preadv(f.fileno(), [buf.view[:n]], offset) != n:
+                raise FormatError(f"{where} shrank while being sent")
+            if bucket is not None:
+                bucket.take(n)
+            sock.sendall(buf.view[:n])
+            on_bytes(n)
+
+
 def _send_spliced(
     sock: socket.socket, f: BinaryIO, where: str, size: int, bucket: TokenBucket | None, on_bytes: OnBytes
 ) -> None:
@@ -125,84 +189,39 @@ def _send_spliced(
 # ------------------------------------------------------------------------------------ receive
 
 
-class _Ring:
-    """Three reusable chunk buffers; while one fills, another is checksummed and written."""
-
-    _free_rings: queue.SimpleQueue[_Ring] = queue.SimpleQueue()
-
-    def __init__(self) -> None:
-        self.buffers = [bytearray(CHUNK) for _ in range(_RING)]
-        self.addresses = [ctypes.addressof((ctypes.c_char * CHUNK).from_buffer(b)) for b in self.buffers]
-
-    @classmethod
-    def take(cls) -> _Ring:
-        try:
-            return cls._free_rings.get_nowait()
-        except queue.Empty:
-            return cls()
-
-    def give_back(self) -> None:
-        self._free_rings.put(self)
-
-
-class _Writer:
-    """The second thread: crc32c of each filled buffer (still in cache), then ``pwrite`` into place."""
-
-    def __init__(self, fd: int, ring: _Ring) -> None:
-        self.fd, self.ring, self.crc = fd, ring, 0
-        self.error: BaseException | None = None
-        self.free: queue.SimpleQueue[int] = queue.SimpleQueue()
-        self.full: queue.SimpleQueue[tuple[int, int, int] | None] = queue.SimpleQueue()
-        for i in range(_RING):
-            self.free.put(i)
-        self._thread = threading.Thread(target=self._run, name="crc-write", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while (item := self.full.get()) is not None:
-            index, offset, n = item
+def _stream_into(
+    read_into: Callable[[memoryview], int],
+    fd: int,
+    size: int,
+    on_bytes: OnBytes,
+    short: Callable[[int], Exception],
+) -> int:
+    """Read ``size`` bytes with ``read_into`` and ``pwrite`` them at their offsets in ``fd``, each block's
+    crc32c taken while it is in cache; returns the crc32c of all. One thread, one copy into the buffer
+    and one into the file (see the module docstring for what the alternatives cost). A source that ends
+    early raises ``short(bytes missing)``."""
+    crc, done = 0, 0
+    with _Buffer.borrowed() as buf:
+        while done < size:
+            k = read_into(buf.view[: min(BLOCK, size - done)])
+            if not k:
+                raise short(size - done)
+            crc = crc32c_address(buf.address, k, crc)
             try:
-                if self.error is None:
-                    self.crc = crc32c_address(self.ring.addresses[index], n, self.crc)
-                    _pwrite_all(self.fd, memoryview(self.ring.buffers[index])[:n], offset)
-            except BaseException as exc:
-                self.error = exc
-            finally:
-                self.free.put(index)
-
-    def finish(self) -> int:
-        self.full.put(None)
-        self._thread.join()
-        if self.error is not None:
-            if isinstance(self.error, OSError) and self.error.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise RamdiskFullError(f"ramdisk full while writing: {self.error}") from self.error
-            raise self.error
-        return self.crc
+                _pwrite_all(fd, buf.view[:k], done)
+            except OSError as exc:
+                if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                    raise RamdiskFullError(f"ramdisk full while writing: {exc}") from exc
+                raise
+            done += k
+            on_bytes(k)
+    return crc
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
     while data:
         n = os.pwrite(fd, data, offset)
         data, offset = data[n:], offset + n
-
-
-def _pump(fill: Callable[[memoryview], None], fd: int, size: int, on_bytes: OnBytes) -> int:
-    """Fill chunks with ``fill`` and hand them to the writer thread; returns the crc32c of all bytes."""
-    ring = _Ring.take()
-    writer = _Writer(fd, ring)
-    try:
-        for offset in range(0, size, CHUNK):
-            n = min(CHUNK, size - offset)
-            index = writer.free.get()
-            if writer.error is not None:
-                break
-            fill(memoryview(ring.buffers[index])[:n])
-            writer.full.put((index, offset, n))
-            on_bytes(n)
-    finally:
-        crc = writer.finish()  # after an exception above this waits for the writer, then it propagates
-        ring.give_back()
-    return crc
 
 
 def receive_file(
@@ -215,30 +234,32 @@ def receive_file(
     pace: OnBytes | None = None,
 ) -> int:
     """Receive exactly ``size`` bytes into the open, preallocated file ``fd`` (``stepio.StepWriter``),
-    fsync it, and return their crc32c (``where`` names the file in errors; it stays open). ``pace``
-    hears every ``recv``'s byte count and may raise (``pacing.RateFloor``): ``on_bytes`` is called per
-    chunk, too coarse to judge a slow sender by."""
+    fsync it, and return their crc32c (``where`` names the file in errors; it stays open). Works on
+    any socket with ``recv_into``, TLS (``ssl.SSLSocket``) included. ``pace`` hears every ``recv``'s
+    byte count before the bytes are written and may raise (``pacing.RateFloor``)."""
     if size == 0:
         return 0
 
-    def fill(view: memoryview) -> None:
-        got, n = 0, len(view)
-        while got < n:
-            k = sock.recv_into(view[got:])
-            if k == 0:
-                raise ProtocolError(f"connection closed inside {where} ({n - got} bytes of a chunk missing)")
-            got += k
-            if pace is not None:
-                pace(k)
+    def recv_into(view: memoryview) -> int:
+        k = sock.recv_into(view, len(view))
+        if pace is not None and k:
+            pace(k)
+        return k
 
-    crc = _pump(fill, fd, size, on_bytes)
+    crc = _stream_into(
+        recv_into,
+        fd,
+        size,
+        on_bytes,
+        lambda missing: ProtocolError(f"connection closed inside {where} ({missing} bytes missing)"),
+    )
     os.fsync(fd)
     return crc
 
 
 def copy_file(src: int, dst: int, size: int, *, where: str, on_bytes: OnBytes = _noop) -> int:
-    """Copy the open file ``src`` into the open, preallocated file ``dst`` chunk by chunk, fsync it, and
-    return the crc32c read (``where`` names the source in errors; both stay open)."""
+    """Copy the open file ``src`` into the open, preallocated file ``dst``, fsync it, and return the
+    crc32c read (``where`` names the source in errors; both stay open)."""
     actual = os.fstat(src).st_size
     if actual != size:
         raise FormatError(f"{where}: {actual} bytes on disk, manifest says {size}")
@@ -246,16 +267,14 @@ def copy_file(src: int, dst: int, size: int, *, where: str, on_bytes: OnBytes = 
         return 0
     offset = 0
 
-    def fill(view: memoryview) -> None:
+    def read_into(view: memoryview) -> int:
         nonlocal offset
-        got = 0
-        while got < len(view):
-            k = os.preadv(src, [view[got:]], offset)
-            if not k:
-                raise FormatError(f"{where} shrank while being copied")
-            got += k
-            offset += k
+        k = os.preadv(src, [view], offset)
+        offset += k
+        return k
 
-    crc = _pump(fill, dst, size, on_bytes)
+    crc = _stream_into(
+        read_into, dst, size, on_bytes, lambda _: FormatError(f"{where} shrank while being copied")
+    )
     os.fsync(dst)
     return crc
