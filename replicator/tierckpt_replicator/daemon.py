@@ -40,6 +40,7 @@ from tierckpt_replicator.inventory import InventoryScanner, list_jobs
 from tierckpt_replicator.metrics import Metrics
 from tierckpt_replicator.policies import PolicyStore
 from tierckpt_replicator.probes import ProbeServer
+from tierckpt_replicator.replication.fragments import FragmentScanner
 from tierckpt_replicator.replication.ipc import DataEvent, WorkerConfig
 from tierckpt_replicator.replication.manager import ReplicationManager
 from tierckpt_replicator.replication.supervisor import WorkerSupervisor
@@ -127,6 +128,7 @@ class Daemon:
             endpoint=settings.api_endpoint,
             domain=settings.domain,
             max_manifest_bytes=settings.max_manifest_bytes,
+            fragments=FragmentScanner(settings.max_manifest_bytes),
         )
         self.local_inventory = LocalInventory(
             self.scanner, backup, redundancy=lambda job: self.replication.redundancy.get(job)

@@ -32,6 +32,7 @@ from tierckpt.protocol.errors import ContractError, FormatError
 from tierckpt.protocol.format import Dir, as_tree, check_job_id, control_dir, state_dir, write_atomic
 
 __all__ = [
+    "MAX_ERASURE_FRAGMENTS",
     "MAX_FETCH_RANKS",
     "MAX_GENERATION",
     "BackupResult",
@@ -75,6 +76,8 @@ class Tier(str, enum.Enum):
     """A replica this node holds for the rank."""
     PEER = "peer"
     """Another node's primary or replica, fetched over the network."""
+    ERASURE = "erasure"
+    """Rebuilt from erasure-coded fragments that other nodes hold (any ``k`` of ``k + m``)."""
     GCS = "gcs"
 
     @property
@@ -82,8 +85,11 @@ class Tier(str, enum.Enum):
         return _TIER_COST[self]
 
 
-_TIER_COST = {Tier.LOCAL: 0, Tier.REPLICA: 1, Tier.PEER: 2, Tier.GCS: 3}
+_TIER_COST = {Tier.LOCAL: 0, Tier.REPLICA: 1, Tier.PEER: 2, Tier.ERASURE: 3, Tier.GCS: 4}
 
+
+MAX_ERASURE_FRAGMENTS = 16
+"""``k + m`` at most: one fragment per node, each on another node of the job."""
 
 MAX_GENERATION = (1 << 53) - 1
 """The largest generation a peer assignment, restore plan or policy may carry (exact in every JSON
@@ -231,6 +237,8 @@ class RankHoldings(Record):
 
     local: tuple[int, ...] = ()
     replica: tuple[int, ...] = ()
+    fragments: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)
+    """Step -> (index of the erasure-coded fragment held, ``k``: fragments needed to rebuild it)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -435,6 +443,10 @@ class JobPolicy(Message):
     """Also keep the oldest complete backup of every window of this many steps (0: off)."""
     replication_factor: int = 1
     """Peers each node sends its ranks' shards to."""
+    erasure_data: int = 0
+    """Erasure coding instead of replicas: ``k`` data fragments of each rank's newest step (0: off)."""
+    erasure_parity: int = 0
+    """... and ``m`` parity fragments, on ``k + m`` other nodes: any ``m`` of them may be lost."""
     delete_backups_on_deletion: bool = False
     """Whether the job's backups are deleted with the job."""
     config: str = ""
@@ -458,6 +470,17 @@ class JobPolicy(Message):
                 raise FormatError(f"job policy: {name} must be a finite number in 0..{top}")
         if not 0 <= self.replication_factor <= 8:
             raise FormatError("job policy: replication_factor must be in [0, 8]")
+        k, m = self.erasure_data, self.erasure_parity
+        if (k, m) != (0, 0) and not (k >= 1 and m >= 1 and k + m <= MAX_ERASURE_FRAGMENTS):
+            raise FormatError(
+                f"job policy: erasure coding needs erasure_data >= 1, erasure_parity >= 1 and at most "
+                f"{MAX_ERASURE_FRAGMENTS} fragments in all (or both 0: replicas)"
+            )
+
+    @property
+    def erasure(self) -> tuple[int, int] | None:
+        """``(k, m)`` when the job is erasure-coded instead of replicated."""
+        return (self.erasure_data, self.erasure_parity) if self.erasure_data else None
 
 
 def restore_status_name(rank: int) -> str:

@@ -23,10 +23,12 @@ __all__ = [
     "MESSAGES",
     "Channel",
     "DataEvent",
+    "ErasureTask",
     "FetchSource",
     "FetchTask",
     "Outcome",
     "PeerAddress",
+    "RebuildTask",
     "RetireTask",
     "SendTask",
     "Shutdown",
@@ -116,6 +118,36 @@ class RetireTask(Message):
 
 
 @dataclasses.dataclass(frozen=True)
+class ErasureTask(Message):
+    """Encode ``job``/``rank``/``step`` (a local primary) into ``k + m`` fragments and send each index not
+    yet ``placed`` (node -> index) to its own candidate, in order, one fragment per node."""
+
+    KIND = "tierckpt.erasure-task"
+
+    id: int
+    job: str
+    rank: int
+    step: int
+    k: int
+    m: int
+    candidates: tuple[PeerAddress, ...]
+    placed: dict[str, int] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class RebuildTask(Message):
+    """Rebuild ``job``/``rank``/``step`` as this node's primary from the fragments ``sources`` hold."""
+
+    KIND = "tierckpt.rebuild-task"
+
+    id: int
+    job: str
+    rank: int
+    step: int
+    sources: tuple[FetchSource, ...]
+
+
+@dataclasses.dataclass(frozen=True)
 class FetchSource(Record):
     kind: Literal["replica", "peer"]
     node: str
@@ -145,6 +177,8 @@ class Outcome(Record):
     message: str = ""
     bytes: int = 0
     seconds: float = 0.0
+    index: int = -1
+    """An erasure-coded fragment's index (sent or fetched); -1 for whole steps."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,7 +206,7 @@ class DataEvent(Message):
 
     KIND = "tierckpt.data-event"
 
-    op: Literal["put", "get", "corrupt", "retire"]
+    op: Literal["put", "get", "corrupt", "retire", "fragment", "getfrag"]
     job: str
     rank: int
     step: int
@@ -205,6 +239,8 @@ MESSAGES: dict[str, type[Message]] = {
         SendTask,
         FetchTask,
         RetireTask,
+        ErasureTask,
+        RebuildTask,
         TaskProgress,
         TaskResult,
         DataEvent,

@@ -23,7 +23,9 @@ from tierckpt.protocol.errors import FormatError, RetryableError
 from tierckpt_replicator.replication.ipc import (
     MAX_LINE,
     DataEvent,
+    ErasureTask,
     FetchTask,
+    RebuildTask,
     RetireTask,
     SendTask,
     Shutdown,
@@ -90,7 +92,9 @@ class WorkerSupervisor:
                 await self._task
 
     async def run_task(
-        self, task: SendTask | FetchTask | RetireTask, on_progress: OnProgress | None = None
+        self,
+        task: SendTask | FetchTask | RetireTask | ErasureTask | RebuildTask,
+        on_progress: OnProgress | None = None,
     ) -> TaskResult:
         if not self._ready.is_set():
             raise RetryableError("the replication worker is not running")

@@ -16,6 +16,13 @@ big-endian length, then a ``_codec`` JSON message. Raw step bytes follow some fr
     retire (primary -> holder)      DataRequest{op=retire, ...}: "your copy is surplus" (the job's
                                     replication factor dropped); the holder drops its replica if the
                                     requester runs that rank in the holder's own peer assignment.
+    fragment (primary -> holder)    DataRequest{op=fragment, ..., index, commit_size, manifest_size,
+                                    erasure_size} + COMMIT + manifest + erasure manifest bytes
+                                    <- DataReply{status=100 continue | 208 held | error}
+                                    + the fragment's bytes  <- DataReply{status=200 | 422 corrupt}
+    getfrag (restorer -> holder)    DataRequest{op=getfrag, ...}
+                                    <- DataReply{status=200, index, commit_size, manifest_size,
+                                    erasure_size, total_bytes} + the three headers + the fragment
 
 With ``--auth tls`` the connection is mutual TLS and the request is authorized by the client
 certificate's identity (``token`` is empty; ``node`` must be the node the certificate names); with
@@ -51,7 +58,7 @@ MAGIC = b"TKR1"
 MAX_FRAME = 64 << 10
 _HEADER = struct.Struct("!4sI")
 
-Op = Literal["put", "get", "corrupt", "retire"]
+Op = Literal["put", "get", "corrupt", "retire", "fragment", "getfrag"]
 M = TypeVar("M", bound=Message)
 
 
@@ -98,6 +105,10 @@ class DataRequest(Message):
     """The requesting node's name: with ``--auth tls`` it must be the one its certificate names."""
     commit_size: int = 0
     manifest_size: int = 0
+    index: int = 0
+    """``fragment``: the index of the erasure-coded fragment sent."""
+    erasure_size: int = 0
+    """``fragment``: bytes of the erasure manifest after the step's manifest."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +121,10 @@ class DataReply(Message):
     commit_size: int = 0
     manifest_size: int = 0
     total_bytes: int = 0
+    index: int = -1
+    """``getfrag``: the index of the fragment that follows; ``fragment``: the index the holder holds
+    (with 208, or 409 when it holds another one of the step); -1 otherwise."""
+    erasure_size: int = 0
 
     @property
     def ok(self) -> bool:

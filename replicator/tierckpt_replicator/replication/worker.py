@@ -22,10 +22,13 @@ from typing import Any
 from tierckpt.protocol.errors import FormatError
 from tierckpt_replicator.replication.context import DataContext
 from tierckpt_replicator.replication.data_server import DataServer
+from tierckpt_replicator.replication.fragment_transfer import rebuild_step, send_fragments
 from tierckpt_replicator.replication.ipc import (
     Channel,
+    ErasureTask,
     FetchTask,
     Outcome,
+    RebuildTask,
     RetireTask,
     SendTask,
     Shutdown,
@@ -124,6 +127,20 @@ def run_fetch(ctx: DataContext, task: FetchTask) -> TaskResult:
     )
 
 
+def run_rebuild(ctx: DataContext, task: RebuildTask) -> TaskResult:
+    """Rebuild a primary from erasure-coded fragments, reporting progress like a fetch."""
+    last = 0.0
+
+    def progress(done: int, total: int) -> None:
+        nonlocal last
+        now = time.monotonic()
+        if now - last >= _PROGRESS_EVERY or done >= total:
+            last = now
+            ctx.emit(TaskProgress(id=task.id, bytes_done=done, bytes_total=total))
+
+    return rebuild_step(ctx, task, progress)
+
+
 def run_retire(ctx: DataContext, task: RetireTask) -> TaskResult:
     """Ask every holder to drop its surplus replica."""
     outcomes = tuple(retire_copy(ctx, task.job, task.rank, task.step, peer) for peer in task.holders)
@@ -141,7 +158,9 @@ def run_retire(ctx: DataContext, task: RetireTask) -> TaskResult:
 
 
 def _serve_tasks(chan: Channel, ctx: DataContext, pool: ThreadPoolExecutor) -> None:
-    def run(fn: Callable[[DataContext, Any], TaskResult], task: SendTask | FetchTask | RetireTask) -> None:
+    Task = SendTask | FetchTask | RetireTask | ErasureTask | RebuildTask
+
+    def run(fn: Callable[[DataContext, Any], TaskResult], task: Task) -> None:
         try:
             result = fn(ctx, task)
         except Exception as exc:  # a bug: report it, keep the worker alive
@@ -163,6 +182,10 @@ def _serve_tasks(chan: Channel, ctx: DataContext, pool: ThreadPoolExecutor) -> N
             pool.submit(run, run_fetch, msg)
         elif isinstance(msg, RetireTask):
             pool.submit(run, run_retire, msg)
+        elif isinstance(msg, ErasureTask):
+            pool.submit(run, send_fragments, msg)
+        elif isinstance(msg, RebuildTask):
+            pool.submit(run, run_rebuild, msg)
         else:
             log.error("unexpected message from the daemon: %s", type(msg).__name__)
 
