@@ -157,6 +157,7 @@ class Daemon:
             on_committed=self._on_committed if backup is not None else None,
             kick=self.watcher.kick,
             factor=lambda job: self.policies.replication_factor(job, settings.replicas),
+            erasure=self.policies.erasure,
         )
         self.stager = Stager(
             settings=settings,

@@ -81,5 +81,10 @@ class PolicyStore:
         policy = self.get(job)
         return policy.replication_factor if policy is not None else default
 
+    def erasure(self, job: str) -> tuple[int, int] | None:
+        """The job's erasure code ``(k, m)`` when its policy asks for one instead of replicas."""
+        policy = self.get(job)
+        return policy.erasure if policy is not None else None
+
     def forget(self, job: str) -> None:
         self._cache.pop(job, None)

@@ -15,6 +15,11 @@ When a job's peer plan changes (a new assignment generation, or a new factor), t
 that left the plan are forgotten and the job's peers are checked at once, so every step the plan says
 should exist on a live peer is sent there at once, without waiting for the next save.
 
+Erasure coding (the job's policy names ``k`` data and ``m`` parity fragments): instead of replicas,
+the worker encodes each rank's newest step and sends its ``k + m`` fragments to as many other nodes
+(``ErasureTask``); the job's target is then ``m`` (the nodes it may lose) and a rank's copies are the
+fragments placed beyond ``k``. Replicas left from before are retired.
+
 Only the newest step of a rank is ever sent: an older one that is still in flight when a newer one
 commits finishes, and the newer one follows.
 """
@@ -34,7 +39,7 @@ from tierckpt.protocol.errors import ContractError, RetryableError
 from tierckpt_replicator.assignments import AssignmentStore, data_endpoint
 from tierckpt_replicator.inventory import Holdings, InventoryScanner, list_jobs
 from tierckpt_replicator.metrics import Metrics
-from tierckpt_replicator.replication.ipc import Outcome, PeerAddress, RetireTask, SendTask
+from tierckpt_replicator.replication.ipc import ErasureTask, Outcome, PeerAddress, RetireTask, SendTask
 from tierckpt_replicator.replication.plan import SendItem, candidate_targets, plan_sends
 from tierckpt_replicator.replication.redundancy import RedundancyLog, assess
 from tierckpt_replicator.replication.supervisor import WorkerSupervisor
@@ -93,10 +98,15 @@ class ReplicationManager:
         on_committed: OnCommitted | None = None,
         kick: Callable[[], None] = lambda: None,
         factor: Callable[[str], int] | None = None,
+        erasure: Callable[[str], tuple[int, int] | None] = lambda job: None,
     ) -> None:
         self.node, self.k = node, k
         self.factor: Callable[[str], int] = factor or (lambda job: k)
         """The job's replication factor (``k``, the node's ``--replicas``, unless its policy says)."""
+        self.erasure = erasure
+        """The job's erasure code ``(k, m)``, or None when it is replicated."""
+        self.placed: dict[Key, dict[str, int]] = {}
+        """Erasure-coded jobs: (job, rank, step) -> node -> index of the fragment it confirmed."""
         self.scanner, self.assignments, self.supervisor = scanner, assignments, supervisor
         self.peers, self.metrics = peers, metrics
         self.reconcile_interval = reconcile_interval
@@ -111,8 +121,8 @@ class ReplicationManager:
         self._tasks: set[asyncio.Task[None]] = set()
         self._last_reconcile = time.monotonic()
         self._reconciling: asyncio.Task[None] | None = None
-        self._plans: dict[str, tuple[int, int]] = {}
-        """Job -> (assignment generation, factor) last acted on."""
+        self._plans: dict[str, tuple[int, int, tuple[int, int] | None]] = {}
+        """Job -> (assignment generation, target, erasure code) last acted on."""
         self.redundancy: dict[str, Redundancy] = {}
         self._degraded = RedundancyLog()
         self._lost: set[Key] = set()
@@ -130,13 +140,26 @@ class ReplicationManager:
     def lag(self, job: str, holdings: Holdings, now: float | None = None) -> float:
         """Seconds since the oldest local newest-step that still lacks K replicas committed (0 if none)."""
         now = time.time() if now is None else now
-        k = self.factor(job)
+        k = self.target(job)
         lags = [
             now - holdings.newest_commit_at.get(rank, now)
             for rank, step in holdings.newest_local().items()
-            if len(self.confirmed.get((job, rank, step), ())) < k
+            if self.copies((job, rank, step)) < k
         ]
         return max(lags, default=0.0)
+
+    def target(self, job: str) -> int:
+        """The copies each rank's newest step should have: the replication factor, or with erasure
+        coding ``m`` (the fragment holders it may lose)."""
+        ec = self.erasure(job)
+        return ec[1] if ec is not None else self.factor(job)
+
+    def copies(self, key: Key) -> int:
+        """Confirmed copies of a step: its replicas, or with erasure coding the fragments beyond ``k``."""
+        ec = self.erasure(key[0])
+        if ec is None:
+            return len(self.confirmed.get(key, ()))
+        return max(0, len(set(self.placed.get(key, {}).values())) - ec[0])
 
     async def run_pass(self) -> None:
         """One pass over every job (never raises for a single job's trouble). Starts a reconcile in
@@ -163,7 +186,7 @@ class ReplicationManager:
         self._notify_committed(job, holdings)
         self._prune(job, newest)
         assignment = self.assignments.get(job)
-        k = self.factor(job)
+        k = self.target(job)
         if assignment is not None:
             self._notice_plan(job, assignment, k)
         self._assess(job, holdings, k)
@@ -173,6 +196,12 @@ class ReplicationManager:
         now = time.monotonic()
         in_flight = {(r, s) for (j, r, s) in self._in_flight if j == job}
         in_backoff = {(r, s) for (r, s) in newest.items() if not self._step_backoff.ready((job, r, s), now)}
+        avoid = {n for n in self._node_backoff.blocked(now) if isinstance(n, str)}
+        ec = self.erasure(job)
+        if ec is not None:
+            self._send_fragments_due(job, assignment, newest, ec, in_flight | in_backoff, avoid)
+            self._retire_surplus(job, assignment, newest, 0, now)  # replicas from before the code
+            return
         items = plan_sends(
             job=job,
             node=self.node,
@@ -181,11 +210,80 @@ class ReplicationManager:
             newest=newest,
             confirmed={(r, s): nodes for (j, r, s), nodes in self.confirmed.items() if j == job},
             in_flight=in_flight | in_backoff,
-            avoid={n for n in self._node_backoff.blocked(now) if isinstance(n, str)},
+            avoid=avoid,
         )
         for item in items:
             self._spawn(self._send(item, assignment))
         self._retire_surplus(job, assignment, newest, k, now)
+
+    def _send_fragments_due(
+        self,
+        job: str,
+        assignment: PeerAssignment,
+        newest: dict[int, int],
+        ec: tuple[int, int],
+        busy: set[tuple[int, int]],
+        avoid: set[str],
+    ) -> None:
+        """An ``ErasureTask`` for every local rank whose newest step lacks some of its ``k + m`` fragments."""
+        base = candidate_targets(assignment, self.node, avoid=avoid)
+        for rank, step in sorted(newest.items()):
+            key = (job, rank, step)
+            placed = self.placed.get(key, {})
+            if (rank, step) in busy or len(set(placed.values())) >= sum(ec):
+                continue
+            candidates = tuple(n for n in base if n not in placed)
+            if candidates:
+                self._spawn(self._send_fragments(key, ec, candidates, assignment))
+
+    async def _send_fragments(
+        self, key: Key, ec: tuple[int, int], candidates: tuple[str, ...], assignment: PeerAssignment
+    ) -> None:
+        self._in_flight.add(key)
+        try:
+            task = ErasureTask(
+                id=self.supervisor.next_id(),
+                job=key[0],
+                rank=key[1],
+                step=key[2],
+                k=ec[0],
+                m=ec[1],
+                candidates=tuple(PeerAddress(n, *data_endpoint(assignment.nodes[n])) for n in candidates),
+                placed=dict(self.placed.get(key, {})),
+            )
+            try:
+                result = await self.supervisor.run_task(task)
+            except RetryableError as exc:
+                delay = self._step_backoff.fail(key, time.monotonic())
+                log.warning("fragments of %s rank %d step %d: %s; retrying in %.0fs", *key, exc, delay)
+                return
+            now = time.monotonic()
+            for o in result.outcomes:
+                self.metrics.transfers.labels("out", o.status).inc()
+                if o.status in ("ok", "already") and o.index >= 0:
+                    self.placed.setdefault(key, {})[o.node] = o.index
+                    self._node_backoff.ok(o.node)
+                    if o.status == "ok":
+                        self.metrics.transfer_bytes.labels("out").inc(o.bytes)
+                elif o.status != "missing" and o.node:
+                    self._node_backoff.fail(o.node, now)
+            if result.ok:
+                self._step_backoff.ok(key)
+                self.last_replication[key[0]] = time.time()
+            else:
+                delay = self._step_backoff.fail(key, now)
+                held = len(set(self.placed.get(key, {}).values()))
+                log.warning(
+                    "fragments of %s rank %d step %d: %d of %d placed (%s); retrying in %.0fs",
+                    *key,
+                    held,
+                    sum(ec),
+                    result.message or "too few nodes took one",
+                    delay,
+                )
+        finally:
+            self._in_flight.discard(key)
+            self.kick()
 
     def _retire_surplus(
         self, job: str, assignment: PeerAssignment, newest: dict[int, int], k: int, now: float
@@ -289,9 +387,9 @@ class ReplicationManager:
                 self._node_backoff.fail(o.node, now)
 
     def _notice_plan(self, job: str, assignment: PeerAssignment, k: int) -> None:
-        """On a new plan (assignment generation or factor): forget the copies on nodes that left it and
-        check the job's peers now (in the background), so lost copies are sent again at once."""
-        seen = (assignment.generation, k)
+        """On a new plan (assignment generation, factor or erasure code): forget the copies on nodes that
+        left it and check the job's peers now (in the background), so lost copies are sent again at once."""
+        seen = (assignment.generation, k, self.erasure(job))
         before = self._plans.get(job)
         if before == seen:
             return
@@ -304,12 +402,17 @@ class ReplicationManager:
                 gone |= {n for n in nodes if n not in assignment.nodes}
                 nodes.intersection_update(assignment.nodes)
                 self._lost.add(key)
+        for key, where in self.placed.items():
+            if key[0] == job and not set(where) <= set(assignment.nodes):
+                gone |= {n for n in where if n not in assignment.nodes}
+                for n in [n for n in where if n not in assignment.nodes]:
+                    del where[n]
+                self._lost.add(key)
         log.info(
-            "job %s: new peer plan (generation %d, factor %d; was %d, %d): healing%s; checking the peers now",
+            "job %s: new peer plan (generation, target, code %s; was %s): healing%s; checking the peers now",
             job,
-            assignment.generation,
-            k,
-            *before,
+            seen,
+            before,
             f", copies on {sorted(gone)} (gone from the plan) no longer count" if gone else "",
         )
         self._spawn(self._heal(job))
@@ -328,7 +431,7 @@ class ReplicationManager:
             self.redundancy.pop(job, None)
             return
         now = time.time()
-        copies = {r: len(self.confirmed.get((job, r, s), ())) for r, s in newest.items()}
+        copies = {r: self.copies((job, r, s)) for r, s in newest.items()}
         fewest, short = assess(
             factor=k,
             copies=copies,
@@ -356,6 +459,8 @@ class ReplicationManager:
         """Forget confirmations of steps that are no longer a rank's newest."""
         for key in [k for k in self.confirmed if k[0] == job and newest.get(k[1]) != k[2]]:
             del self.confirmed[key]
+        for key in [k for k in self.placed if k[0] == job and newest.get(k[1]) != k[2]]:
+            del self.placed[key]
         self._lost = {k for k in self._lost if k[0] != job or newest.get(k[1]) == k[2]}
 
     def _notify_committed(self, job: str, holdings: Holdings) -> None:
@@ -383,7 +488,7 @@ class ReplicationManager:
         ``_RECONCILE_PARALLEL`` in flight), so peers that do not answer cost one timeout in all, not
         one each. ``jobs``: only these (default: every job)."""
         by_peer: dict[tuple[str, str], list[Key]] = {}
-        for key, nodes in self.confirmed.items():
+        for key, nodes in [*self.confirmed.items(), *((k, set(w)) for k, w in self.placed.items())]:
             if jobs is not None and key[0] not in jobs:
                 continue
             for n in nodes:
@@ -412,7 +517,7 @@ class ReplicationManager:
                 return
             for key in keys:
                 h = inv.ranks.get(key[1])
-                if h is None or (key[2] not in h.replica and key[2] not in h.local):
+                if h is None or not (key[2] in h.replica or key[2] in h.local or key[2] in h.fragments):
                     log.warning("%s no longer holds %s rank %d step %d; sending it again", name, *key)
                     self._uncount(name, [key])
 
@@ -423,11 +528,14 @@ class ReplicationManager:
     def _uncount(self, name: str, keys: list[Key]) -> None:
         for key in keys:
             self.confirmed.get(key, set()).discard(name)
+            self.placed.get(key, {}).pop(name, None)
             self._lost.add(key)
 
     def forget(self, job: str) -> None:
         for key in [k for k in self.confirmed if k[0] == job]:
             del self.confirmed[key]
+        for key in [k for k in self.placed if k[0] == job]:
+            del self.placed[key]
         self._notified.pop(job, None)
         self._plans.pop(job, None)
         self.redundancy.pop(job, None)

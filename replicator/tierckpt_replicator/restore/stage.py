@@ -7,7 +7,9 @@ as a committed primary ``<job>/rank-N/step-S/``, so the client loads it as local
 1. already a local primary: nothing to move;
 2. a replica this node holds: copied within the ramdisk (and verified);
 3. a peer holding it (the plan's holders): streamed over the data endpoint, crc32c checked on arrival;
-   a corrupt copy is reported to its holder and the next source is tried;
+   a corrupt copy is reported to its holder and the next source is tried; for a rank the plan rebuilds
+   from erasure-coded fragments (``Tier.ERASURE``), ``k`` fragments from its holders, decoded and
+   checked against the step's crc32c (``replication.fragment_transfer``);
 4. the bucket, through the backup service.
 
 Staging runs once per restore: a new node rank (``PUT peers``) and the operator's plan (``PUT
@@ -52,7 +54,7 @@ from tierckpt.protocol.safefs import Beneath
 from tierckpt_replicator.assignments import AssignmentStore, data_endpoint
 from tierckpt_replicator.backup.jobs import BackupPort
 from tierckpt_replicator.metrics import Metrics
-from tierckpt_replicator.replication.ipc import FetchSource, FetchTask, TaskProgress
+from tierckpt_replicator.replication.ipc import FetchSource, FetchTask, RebuildTask, TaskProgress
 from tierckpt_replicator.replication.supervisor import WorkerSupervisor
 from tierckpt_replicator.restore.gather import compute_plan
 from tierckpt_replicator.restore.progress import ProgressReporter
@@ -331,6 +333,11 @@ class Stager:
         if self._committed(job, "primary", rank, step):
             return Tier.LOCAL, ""
         reasons = []
+        if plan.sources.get(rank) == Tier.ERASURE and assignment is not None:
+            tier, why = await self._rebuild(job, rank, step, plan, assignment, rep)
+            if tier is not None:
+                return tier, ""
+            reasons.append(why)
         sources = self._sources(job, rank, step, plan, assignment)
         if sources:
             tier, why = await self._fetch(job, rank, step, sources, rep)
@@ -350,12 +357,43 @@ class Stager:
         out = []
         if self._committed(job, "replica", rank, step):
             out.append(FetchSource(kind="replica", node=self.node))
-        if assignment is not None:  # the plan's holders only: nobody else was found to hold it
+        if assignment is not None and plan.sources.get(rank) != Tier.ERASURE:  # the plan's holders only
             for name in plan.holders.get(rank, ()):
                 if name != self.node and name in assignment.nodes:
                     host, port = data_endpoint(assignment.nodes[name])
                     out.append(FetchSource(kind="peer", node=name, host=host, port=port))
         return tuple(out)
+
+    async def _rebuild(
+        self,
+        job: str,
+        rank: int,
+        step: int,
+        plan: RestorePlan,
+        assignment: PeerAssignment,
+        rep: ProgressReporter,
+    ) -> tuple[Tier | None, str]:
+        """Rebuild the rank from the erasure-coded fragments the plan's holders hold."""
+        sources = []
+        for name in plan.holders.get(rank, ()):
+            if name != self.node and name in assignment.nodes:
+                host, port = data_endpoint(assignment.nodes[name])
+                sources.append(FetchSource(kind="peer", node=name, host=host, port=port))
+        task = RebuildTask(
+            id=self.supervisor.next_id(), job=job, rank=rank, step=step, sources=tuple(sources)
+        )
+
+        def progress(p: TaskProgress) -> None:
+            rep.progress(p.bytes_done, p.bytes_total)
+
+        try:
+            result = await self.supervisor.run_task(task, progress)
+        except RetryableError as exc:
+            return None, str(exc)
+        if result.ok:
+            return (Tier.LOCAL if result.outcomes[-1].status == "already" else Tier.ERASURE), ""
+        why = "; ".join(f"{o.node}: {o.status} {o.message}".strip() for o in result.outcomes)
+        return None, f"erasure: {result.message or why}"
 
     async def _fetch(
         self, job: str, rank: int, step: int, sources: tuple[FetchSource, ...], rep: ProgressReporter
