@@ -284,7 +284,7 @@ class JobController:
     async def _publish_peers(
         self, info: JobSetInfo, spec: ConfigSpec, state: JobState, cluster: ClusterView
     ) -> JobState:
-        peers = decide_peers(state, spec.replication_factor)
+        peers = decide_peers(state, spec.peers_per_node)
         endpoints = {n: rep.endpoint for n in state.nodes if (rep := cluster.replicator(n))}
         digest = _digest(state.nodes, state.domains, peers, sorted(endpoints.items()))
         if digest != self.peer_digest:
@@ -300,7 +300,7 @@ class JobController:
                 self._event(
                     "Normal",
                     "PeersPlanned",
-                    f"peer generation {state.peer_generation}: {spec.replication_factor} peers per "
+                    f"peer generation {state.peer_generation}: {spec.peers_per_node} peers per "
                     f"node across {domains} failure domain(s); {churn} edges changed",
                 )
         messages = self._peer_messages(info, state, endpoints)

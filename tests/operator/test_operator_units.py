@@ -212,6 +212,20 @@ def test_job_policy_carries_the_configuration():
     plain = ConfigSpec.from_body({"metadata": {"name": "d"}, "spec": {"gcs": {"bucket": "bkt"}}})
     defaults = job_policy("j", plain)
     assert (defaults.backup_interval_minutes, defaults.keep_last, defaults.prefix) == (30.0, 3, "tierckpt")
+    assert (defaults.erasure, plain.peers_per_node) == (None, 1)
+
+
+def test_erasure_coding_in_a_configuration_reaches_the_policy_and_the_peer_plan():
+    body = {
+        "metadata": {"name": "ec"},
+        "spec": {"gcs": {"bucket": "bkt"}, "replication": {"erasure": {"data": 4, "parity": 2}}},
+    }
+    spec = ConfigSpec.from_body(body)
+    assert spec.peers_per_node == 6  # every node's 4 + 2 fragments go to six other nodes
+    assert job_policy("j", spec).erasure == (4, 2)
+    for bad in ({"data": 4}, {"data": 0, "parity": 2}, {"data": 12, "parity": 6}):
+        with pytest.raises(ContractError, match=r"spec\.replication\.erasure"):
+            ConfigSpec.from_body({"spec": {"gcs": {"bucket": "bkt"}, "replication": {"erasure": bad}}})
 
 
 @pytest.mark.parametrize("version", ["1.29.0", "1.37.0"])
