@@ -141,18 +141,19 @@ def _fallback_world_size(invs: list[NodeInventory], wanted: int | None) -> int |
 
 
 def _fragment_holders(invs: list[NodeInventory], rank: int, step: int) -> tuple[str, ...] | None:
-    """The nodes holding fragments of the rank's step, if they hold at least ``k`` distinct ones."""
-    by_index: dict[int, str] = {}
-    needed = set()
-    for inv in sorted(invs, key=lambda i: i.node):
+    """Every node holding a fragment of the rank's step (sorted), if together they hold at least ``k``
+    distinct ones (of a code every holder agrees on)."""
+    indices, holders, needed = set(), set(), set()
+    for inv in invs:
         h = inv.ranks.get(rank)
         if h is not None and step in h.fragments:
             index, k = h.fragments[step]
-            by_index.setdefault(index, inv.node)
+            indices.add(index)
+            holders.add(inv.node)
             needed.add(k)
-    if len(needed) != 1 or len(by_index) < next(iter(needed)):
+    if len(needed) != 1 or len(indices) < next(iter(needed)):
         return None
-    return tuple(sorted(set(by_index.values())))
+    return tuple(sorted(holders))
 
 
 def _holders(invs: list[NodeInventory], rank: int, step: int) -> tuple[list[str], list[str]]:

@@ -37,6 +37,7 @@ from tierckpt.protocol.format import (
 from tierckpt.protocol.safefs import Beneath
 from tierckpt_replicator.replication.erasure import ERASURE_MANIFEST_NAME, ErasureManifest, fragment_name
 from tierckpt_replicator.stepio import (
+    FRAGMENTS,
     INCOMING_PREFIX,
     StepHeader,
     create_preallocated,
@@ -62,7 +63,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-FRAGMENTS = "fragments"
 _FRAGMENT_RE = re.compile(r"fragment-(\d{3})\.bin")
 
 
