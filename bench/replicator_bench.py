@@ -35,6 +35,10 @@ Measured in the same run, between the same network namespaces (root) or over loo
   replaced, seconds from the new peer plan until the job is back at full redundancy (A's rank staged
   again, every rank's step replicated on a live node other than its primary's, no node degraded), for
   the step size of ``--size-mib``, with no save in between;
+* **erasure coding** (``--only-erasure K,M``, on its own cluster of K + M + 1 nodes): one rank's step
+  placed as K + M fragments on the other nodes against one replica: the bytes the peers hold, the
+  time from the commit until every fragment (or the replica) is committed, and the time to restore
+  the rank after its node is lost (rebuilt from K fragments, or copied from the replica);
 * **training slowdown**: a torch MLP on one thread, its steps/s in idle windows and in windows where
   A commits a new step every ``--interval`` s for the replicators to send, interleaved; for each
   worker configuration: ``unprotected`` (nice 0), ``nice 10`` (the default), ``SCHED_IDLE``
@@ -76,7 +80,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tierckpt.protocol.control import RestoreState, RestoreStatus, read_restore_status
+from tierckpt.protocol.control import JobPolicy, RestoreState, RestoreStatus, read_restore_status
 from tierckpt.protocol.format import (
     commit_step,
     rank_dir,
@@ -662,6 +666,71 @@ def healing_seconds(
     return seconds
 
 
+def erasure_vs_replica(cluster: LocalCluster, size: int, blob: bytes, k: int, m: int) -> dict[str, Any]:
+    """Node A's one-rank step as ``k + m`` fragments on the other nodes against one replica: bytes on
+    the peers, commit -> fully placed, and the restore after A is lost (see the module docstring)."""
+    a, step, out = cluster.nodes[0], 7, {}
+    for mode, (ek, em) in (("replica", (0, 0)), ("erasure", (k, m))):
+        job = f"bench_{mode}"
+        policy = JobPolicy(
+            job=job, generation=1, erasure_data=ek, erasure_parity=em, backup_interval_minutes=0
+        )
+        for node in cluster.nodes:
+            cluster.api.put_policy(node.endpoint, policy, node=node.name)
+        cluster.assign(job)
+        kind, want = ("fragments", ek + em) if ek else ("replicas", 1)
+        started = time.perf_counter()
+        make_step(rank_dir(a.root, job, 0), job, 0, step, size, 1, blob)
+        for _ in range(60000):  # every 10 ms, at most 600 s
+            if len(_held(cluster, job, kind, step)) == want:
+                break
+            time.sleep(0.01)
+        else:
+            raise TimeoutError(f"{kind} of {job} not placed")
+        placed = time.perf_counter() - started
+        peer_bytes = sum(
+            f.stat().st_size
+            for p in _held(cluster, job, kind, step)
+            for f in p.iterdir()
+            if f.suffix == ".bin"
+        )
+        a.kill_replicator()
+        a.wipe_ramdisk()
+        a.start_replicator()
+        cluster.api.put_policy(a.endpoint, policy, node=a.name)
+        started = time.perf_counter()
+        cluster.assign(job, generation=2)
+        st = wait_ready(a, job, 0)
+        out[mode] = {
+            "peer_bytes": peer_bytes,
+            "peer_bytes_over_step": peer_bytes / size,
+            "place_seconds": placed,
+            "restore_seconds": time.perf_counter() - started,
+            "restore_source": st.source.value if st.source else None,
+        }
+        for node in cluster.nodes:
+            cluster.api.purge(node.endpoint, job, node=node.name)
+    out["code"] = {"k": k, "m": m}
+    return out
+
+
+def _held(cluster: LocalCluster, job: str, kind: str, step: int) -> list[Path]:
+    """The committed copies (``replicas``) or fragments (``fragments``) of rank 0's step on B, C, ..."""
+    paths = (step_dir(n.root / job / kind / "rank-00000", step) for n in cluster.nodes[1:])
+    return [p for p in paths if committed(p)]
+
+
+def _erasure_line(x: dict[str, Any]) -> str:
+    c = x["code"]
+    parts = [
+        f"{label}: peers hold {r['peer_bytes_over_step']:.2f}x the step, "
+        f"placed in {r['place_seconds']:.2f} s, "
+        f"restored from {r['restore_source']} in {r['restore_seconds']:.2f} s"
+        for label, r in (("one replica", x["replica"]), (f"erasure k={c['k']} m={c['m']}", x["erasure"]))
+    ]
+    return "; ".join(parts)
+
+
 def healing(cluster: LocalCluster, size: int, blob: bytes, repeat: int) -> dict[str, Any]:
     """``healing_seconds`` ``repeat`` times (a new job each): the median and every round."""
     rounds = [healing_seconds(cluster, size, blob, job=f"bench_heal_{i}") for i in range(repeat)]
@@ -940,6 +1009,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-restore", action="store_true", help="skip the restore measurement")
     p.add_argument("--skip-healing", action="store_true", help="skip the healing measurement")
     p.add_argument("--only-healing", action="store_true", help="measure the healing time only")
+    p.add_argument(
+        "--only-erasure",
+        metavar="K,M",
+        default="",
+        help="measure erasure coding (K data, M parity fragments) against one replica only",
+    )
     p.add_argument("--skip-training", action="store_true", help="skip the training slowdown measurement")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     args = p.parse_args(argv)
@@ -974,6 +1049,18 @@ def main(argv: list[str] | None = None) -> int:
         "--send-method",
         args.send_method,
     ]
+    if args.only_erasure:
+        k, m = (int(x) for x in args.only_erasure.split(","))
+        with LocalCluster(
+            nodes=k + m + 1, job="bench_job", k=1, ramdisk_size=ramdisk, replicator_args=args_rep, netns=netns
+        ) as cluster:
+            if netns and args.huge != "keep":
+                for node in cluster.nodes:
+                    subprocess.run(["mount", "-o", f"remount,huge={args.huge}", str(node.root)], check=True)
+            result["machine"]["ramdisk"] = mount_of(cluster.nodes[0].root)
+            result["erasure"] = erasure_vs_replica(cluster, size, blob, k, m)
+        print(json.dumps(result, indent=2) if args.json else _erasure_line(result["erasure"]))
+        return 0
     with LocalCluster(
         nodes=3,
         job="bench_job",
