@@ -485,8 +485,9 @@ class BackupService:
         holders = dict(self._holders.get(job, {}))
         if isinstance(peers, PeerAssignment):
             for node in sorted(peers.node_ranks):
+                copies = peers.peers.get(node, ()) if self.settings.peers_hold_copies else ()
                 for r in peers.process_ranks(node, world_size):
-                    holders[r] = (node, *peers.peers.get(node, ()))
+                    holders[r] = (node, *copies)
         return holders
 
     def _lock(self, job: str) -> asyncio.Lock:
