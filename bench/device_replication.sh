@@ -83,7 +83,7 @@ EOF
 }
 if [ "$part" = all ] || [ "$part" = transfers ]; then
   echo "== replicator bench: transfers, stages, receive loops (${size} MiB)"
-  timeout 300 python3 bench/replicator_bench.py "${common[@]}" --repeat 5 --stages --receivers --skip-training \
+  timeout ${T_TRANSFERS:-300} python3 bench/replicator_bench.py "${common[@]}" --repeat ${REPEAT:-5} --stages --receivers --skip-training \
     > "$OUT/transfers.json" 2> "$OUT/transfers.err"
   echo "rc=$?"; tail -5 "$OUT/transfers.err"; show "$OUT/transfers.json"
 fi

@@ -42,7 +42,7 @@ if [[ $parts == *tests* ]]; then
 fi
 if [[ $parts == *train* ]]; then
   echo "== training loop (timed, then check mode)"
-  timeout 300 python3 bench/client_bench.py --train --check --device cuda --root $RD ${TRAIN_ARGS:-} \
+  timeout ${T_TRAIN:-300} python3 bench/client_bench.py --train --check --device cuda --root $RD ${TRAIN_ARGS:-} \
     > "$OUT/train.json" 2> >(tee -a "$OUT/bench.log" >&2)
   echo "rc=$?"
   py 'print(d["floor"], d.get("errors")); keys=("mode","every","overhead","per_save_vs_floor","blocking_s","saving_step_s","step_after_s","last_snapshot"); [print({k: r[k] for k in keys if k in r}) for r in d["summary"]]; print(d.get("check"))' "$OUT/train.json"
@@ -75,7 +75,7 @@ if [[ $parts == *dp* ]]; then
     echo "== replica groups ${s} GiB per rank: save once per node; restore own copies vs load once + broadcast"
     timeout ${T_DP:-300} python3 bench/dp_bench.py --size-gib "$s" --root $RD > "$OUT/dp-${s}g.json" 2>> "$OUT/bench.log"
     echo "rc=$?"
-    py 'print(json.dumps({k: d.get(k) for k in ("machine", "save", "ramdisk", "digest_gbps", "floors", "restore_warm_s", "restore_cold_s", "restored_ok")}, indent=1))' "$OUT/dp-${s}g.json"
+    py 'print(json.dumps({k: d.get(k) for k in ("machine", "save", "ramdisk", "digest_gbps", "floors", "restore_warm_s", "restore_cold_s", "restored_ok", "restore_checks")}, indent=1))' "$OUT/dp-${s}g.json"
     rm -rf ${RD:?}/*
   done
 fi

@@ -160,6 +160,7 @@ def _bench(rank: int, world: int, args: argparse.Namespace, device: str) -> dict
         r["digest_gbps"] = _digest_gbps(state, device, args.repeats)
     want = [t.clone() for t in _tensors(state)]
     saves: list[dict[str, Any]] = []
+    checks: dict[str, Any] = {}
     with Checkpointer(root=root, job=JOB, keep=2, replica_group=group) as ck:
         ck.prepare(state)
         for step in range(1, args.repeats + 3):
@@ -203,6 +204,7 @@ def _bench(rank: int, world: int, args: argparse.Namespace, device: str) -> dict
                     _timed(lambda b=broadcast, v=verify: ck.load(state, broadcast=b, verify=v), device)
                 )
             warm[name] = _median(times)
+            checks[f"warm_{name}"] = _check(state, want)
         r["restore_warm_s"] = warm
     cold: dict[str, float] = {}
     for name, broadcast in (("own", False), ("broadcast", True)):
@@ -216,10 +218,23 @@ def _bench(rank: int, world: int, args: argparse.Namespace, device: str) -> dict
 
             times.append(_timed(restart_and_load, device))
         cold[name] = _median(times)
+        checks[f"cold_{name}"] = _check(state, want)
     r["restore_cold_s"] = cold
-    check = all(torch.equal(a, b) for a, b in zip(_tensors(state), want, strict=True))
-    r["restored_ok"] = _slowest(0.0 if check else 1.0) == 0.0  # every rank, after the last cold load
+    r["restore_checks"] = checks
+    r["restored_ok"] = all(c["ok"] for c in checks.values())
     return r
+
+
+def _check(state: Any, want: list[torch.Tensor]) -> dict[str, Any]:
+    """Whether every rank restored every tensor bit-exact; else the first differing tensor per rank."""
+    bad = [
+        {"index": i, "shape": list(a.shape), "dtype": str(a.dtype), "device": str(a.device)}
+        for i, (a, b) in enumerate(zip(_tensors(state), want, strict=True))
+        if not torch.equal(a, b)
+    ]
+    rows: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(rows, {"differing": len(bad), "first": bad[:1]})
+    return {"ok": all(row["differing"] == 0 for row in rows), "ranks": rows}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -165,3 +165,41 @@ def test_a_corrupt_byte_on_the_gpu_restore_path_names_the_tensor(root, job, whic
         assert info.value.key == which
         assert ck.load(dest, fallback=True) == 1
         assert_same(state, dest)
+
+
+def test_a_file_pinned_during_a_cold_restore_still_fills_its_packed_tensors(root, job, monkeypatch):
+    """The pool pins a step's files in the background: a file that becomes registered while a cold
+    restore copies its small tensors through the bounce buffers must still have them scattered (they
+    were left at zero, found on an H100 with a 2-4 GiB state)."""
+    from tierckpt import cuda
+    from tierckpt.snapshot import upload
+
+    state = {f"small{i}": torch.full((4096,), float(i) + 0.5, device="cuda") for i in range(64)}
+    state["large"] = torch.arange(1 << 20, dtype=torch.float32, device="cuda")
+    want = {k: v.clone() for k, v in state.items()}
+    with Checkpointer(root=root, job=job, keep=2) as ck:
+        ck.save(1, state).wait()
+    real_bounce = cuda.copy_through_bounce
+    pinned: list[str] = []
+
+    def bounce_then_pin(items, memcpy):  # the background warm-up wins the race right after the copies
+        real_bounce(items, memcpy)
+        for f in files_seen:
+            if f.register():
+                pinned.append(f.path.name)
+
+    files_seen: list = []
+    real_to_device = upload.to_device
+
+    def spy(manifest, files, *args, **kwargs):
+        files_seen.extend(f for f in files.values() if not f.registered)
+        return real_to_device(manifest, files, *args, **kwargs)
+
+    monkeypatch.setattr(cuda, "copy_through_bounce", bounce_then_pin)
+    monkeypatch.setattr("tierckpt.snapshot.restore.to_device", spy)
+    for t in state.values():
+        t.zero_()
+    with Checkpointer(root=root, job=job, keep=2) as fresh:
+        assert fresh.load(state) == 1
+    assert pinned, "the scenario needs a file pinned mid-restore"
+    assert_same(state, want)

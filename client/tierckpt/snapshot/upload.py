@@ -157,6 +157,7 @@ def to_device(
         else:
             bounce.append((f.address + entries[i].offset, entries[i].length, flat))
     packs = []
+    bounced: list[tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]] = []
     for run, stage, slots in zip(prepared.runs, prepared.stagings, prepared.slots, strict=True):
         f = files[run.file]
         tensors = [by_index[i] for i in run.indices]
@@ -164,15 +165,17 @@ def to_device(
             packs.append(cuda.PackedCopy(stage, f.buffer[run.start : run.end], slots, tensors))
         else:
             bounce.append((f.address + run.start, run.end - run.start, stage))
+            # Scattered below whatever ``registered`` says by then: the pool pins files in the
+            # background, and a run staged through the bounce buffers must still reach its tensors.
+            bounced.append((stage, tensors, slots))
     with torch.no_grad():
         if direct_dst:
             cuda.copy_to_device(direct_dst, direct_src, wait=False)
         cuda.scatter_from_host(packs)
         if bounce:
             cuda.copy_through_bounce(bounce, memcpy)
-            for run, stage, slots in zip(prepared.runs, prepared.stagings, prepared.slots, strict=True):
-                if not files[run.file].registered:
-                    with torch.cuda.device(stage.device):
-                        cuda.gather([by_index[i] for i in run.indices], slots)
+            for stage, tensors, slots in bounced:
+                with torch.cuda.device(stage.device):
+                    cuda.gather(tensors, slots)
     if wait:
         cuda.synchronize({t.device for _, t in targets})
