@@ -225,7 +225,12 @@ class NodeControls:
                     local={r: x.local for r, x in h.ranks.items() if x.local},
                     replicas={r: x.replica for r, x in h.ranks.items() if x.replica},
                     replicated_to={
-                        r: tuple(sorted(self.replication.confirmed.get((job, r, s), ())))
+                        r: tuple(
+                            sorted(
+                                {*self.replication.confirmed.get((job, r, s), ())}
+                                | {*self.replication.placed.get((job, r, s), {})}
+                            )
+                        )
                         for r, s in newest.items()
                     },
                     backed_up=tuple(sorted(await self.local_inventory.bucket_steps(job))),

@@ -297,11 +297,12 @@ class Daemon:
             self.metrics.held_bytes.labels(job, "replica").set(h.replica_bytes)
 
     def _on_data_event(self, event: DataEvent) -> None:
-        direction = "in" if event.op == "put" else "served" if event.op == "get" else "report"
+        incoming, served = event.op in ("put", "fragment"), event.op in ("get", "getfrag")
+        direction = "in" if incoming else "served" if served else "report"
         self.metrics.transfers.labels(direction, outcome_status(event.status)).inc()
-        if event.status == 200 and event.op in ("put", "get"):
+        if event.status == 200 and (incoming or served):
             self.metrics.transfer_bytes.labels(direction).inc(event.bytes)
-        if event.op == "put":
+        if incoming:
             self.watcher.kick()
 
     async def _on_committed(self, job: str, step: int, ranks: tuple[int, ...]) -> None:

@@ -574,7 +574,7 @@ class JobStatus(Record):
     replicas: dict[int, tuple[int, ...]]
     """Rank -> committed replica steps held for other nodes."""
     replicated_to: dict[int, tuple[str, ...]]
-    """Rank -> peers known to hold its newest local step."""
+    """Rank -> peers known to hold its newest local step (a replica, or an erasure-coded fragment)."""
     backed_up: tuple[int, ...]
     local_bytes: int
     replica_bytes: int
