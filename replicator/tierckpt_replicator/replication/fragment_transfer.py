@@ -36,7 +36,7 @@ from tierckpt.protocol.errors import (
     RamdiskFullError,
     UnsafePathError,
 )
-from tierckpt.protocol.format import read_commit, state_dir
+from tierckpt.protocol.format import STATE_DIR_NAME, read_commit, state_dir
 from tierckpt_replicator.replication.context import DataContext, connect, unique_holder
 from tierckpt_replicator.replication.erasure import decode_streams, encode_streams, fragment_name
 from tierckpt_replicator.replication.fragments import FragmentHeader, parse_fragment_header
@@ -70,17 +70,31 @@ from tierckpt_replicator.stepio import (
     step_name,
 )
 
-__all__ = ["rebuild_step", "send_fragments"]
+__all__ = ["rebuild_step", "remove_scratch", "send_fragments"]
 
 log = logging.getLogger(__name__)
 
 OnProgress = Callable[[int, int], None]
 
 
+_SCRATCH = ("encode-", "rebuild-")
+
+
+def remove_scratch(root: Path) -> int:
+    """Remove the scratch directories an earlier worker left in the jobs' state (it was killed)."""
+    removed = 0
+    for job in (root / STATE_DIR_NAME / "jobs").glob("*"):
+        for entry in job.glob("*"):
+            if entry.name.startswith(_SCRATCH) and entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry, ignore_errors=True)
+                removed += 1
+    return removed
+
+
 @contextlib.contextmanager
 def _scratch(ctx: DataContext, job: str, what: str) -> Iterator[Path]:
     """A fresh directory in the replicator's own state of ``job``, removed afterwards."""
-    path = state_dir(ctx.root, job) / f"{what}-{secrets.token_hex(4)}"
+    path = state_dir(ctx.root, job) / f"{what}-{secrets.token_hex(4)}"  # what: one of _SCRATCH
     path.mkdir(parents=True)
     try:
         yield path

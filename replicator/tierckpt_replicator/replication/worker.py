@@ -22,7 +22,7 @@ from typing import Any
 from tierckpt.protocol.errors import FormatError
 from tierckpt_replicator.replication.context import DataContext
 from tierckpt_replicator.replication.data_server import DataServer
-from tierckpt_replicator.replication.fragment_transfer import rebuild_step, send_fragments
+from tierckpt_replicator.replication.fragment_transfer import rebuild_step, remove_scratch, send_fragments
 from tierckpt_replicator.replication.ipc import (
     Channel,
     ErasureTask,
@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     lower_priority(config.nice, config.idle_class)
     ctx = DataContext.from_config(config, emit=chan.send)
-    removed = remove_stale_incoming(Path(config.root))
+    removed = remove_stale_incoming(Path(config.root)) + remove_scratch(Path(config.root))
     if removed:
         log.info("removed %d torn transfers left by an earlier run", removed)
     server = DataServer(ctx)
