@@ -493,6 +493,12 @@ class ReplicationManager:
                 continue
             for n in nodes:
                 by_peer.setdefault((key[0], n), []).append(key)
+        blocked = self._node_backoff.blocked(time.monotonic())
+        for job in jobs if jobs is not None else list_jobs(self.scanner.root):
+            a = self.assignments.get(job)
+            for n in a.peers.get(self.node, ()) if a is not None else ():
+                if n in blocked:  # an assigned peer in backoff: asked too, so it is preferred again once back
+                    by_peer.setdefault((job, n), [])
         limit = asyncio.Semaphore(_RECONCILE_PARALLEL)
 
         async def check(job: str, name: str, keys: list[Key]) -> None:
@@ -515,6 +521,7 @@ class ReplicationManager:
             if inv is None:
                 log.info("reconcile: %s has no inventory route", name)
                 return
+            self._node_backoff.ok(name)  # it answers: no longer last among the candidates
             for key in keys:
                 h = inv.ranks.get(key[1])
                 if h is None or not (key[2] in h.replica or key[2] in h.local or key[2] in h.fragments):

@@ -5,7 +5,9 @@
 go last. ``plan_sends`` turns the newest committed step of each local rank, and what is already known
 to be replicated or in flight, into ``SendItem``s: the step, the candidates, and how many more copies
 are wanted. The worker walks the candidates in order until that many succeeded, so a dead or full peer
-is replaced by the next one at once.
+is replaced by the next one at once. A step at its factor but not on the peers the assignment names
+(a fallback took it while a peer was down) is copied to those peers once they are out of backoff; the
+manager then retires the fallback's copy (the surplus), so copies return to where the plan puts them.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ def plan_sends(
 ) -> list[SendItem]:
     """One ``SendItem`` per local rank whose newest step has fewer than ``k`` confirmed copies."""
     base = candidate_targets(assignment, node, avoid=avoid)
+    assigned = [n for n in assignment.peers.get(node, ()) if n != node and n in assignment.nodes][: max(k, 0)]
     items = []
     for rank in sorted(newest):
         step = newest[rank]
@@ -68,4 +71,8 @@ def plan_sends(
         candidates = tuple(n for n in base if n not in have)
         if want > 0 and candidates:
             items.append(SendItem(job=job, rank=rank, step=step, candidates=candidates, want=want))
+            continue
+        back = tuple(n for n in assigned if n not in have and n not in avoid)
+        if back:  # at its factor, but not (all) where the plan says
+            items.append(SendItem(job=job, rank=rank, step=step, candidates=back, want=len(back)))
     return items
