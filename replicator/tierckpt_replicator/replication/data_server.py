@@ -63,7 +63,13 @@ from tierckpt_replicator.replication.fragments import (
 )
 from tierckpt_replicator.replication.ipc import DataEvent
 from tierckpt_replicator.replication.pacing import Deadline, RateFloor
-from tierckpt_replicator.replication.replicas import apply_retention, client_headroom, free_bytes, make_room
+from tierckpt_replicator.replication.replicas import (
+    apply_retention,
+    client_headroom,
+    free_bytes,
+    make_room,
+    pinned_steps,
+)
 from tierckpt_replicator.replication.stream import receive_file, send_file
 from tierckpt_replicator.replication.wire import (
     DataReply,
@@ -538,11 +544,12 @@ class DataServer:
     # ------------------------------------------------------------------ retire
 
     def _retire(self, conn: socket.socket, req: DataRequest) -> None:
-        """Drop this node's replica of a rank its primary says is surplus. Only the node that runs the
-        rank in this node's own peer assignment may ask (a peer of the job cannot drop another node's
-        copies); "no replica held" is an answer too (nothing to drop)."""
+        """Drop this node's replicas of a rank (that step and older ones) its primary says are surplus.
+        Only the node that runs the rank in this node's own peer assignment may ask (a peer of the job
+        cannot drop another node's copies). A step the published restore plan names, or one a reader
+        leased, stays (``409``: the sender asks again later); "no replica held" is an answer too."""
         assignment = self.ctx.members.assignments.get(req.job)
-        message = "no replica held"
+        status, message = Status.OK, "no replica held"
         try:
             job = open_job(self.ctx.root, req.job)
         except FileNotFoundError:
@@ -552,7 +559,7 @@ class DataServer:
                 stack.enter_context(job)
                 parent = rank_tree(job, "replica", req.rank)
                 steps = [s for s in committed_steps(parent) if s <= req.step]
-                if steps:  # this step and the older ones: none of them is wanted here any more
+                if steps:
                     newest = parent.at(step_name(steps[-1]))
                     world = read_manifest(newest, limit=self.ctx.config.max_manifest_bytes).world_size
                     owns = assignment is not None and req.rank in assignment.process_ranks(req.node, world)
@@ -560,18 +567,28 @@ class DataServer:
                         raise _Reject(
                             Status.FORBIDDEN, f"{req.node} does not run rank {req.rank} of {req.job}"
                         )
-                    for s in steps:
-                        discard_step(parent.at(step_name(s)))
-                    message = f"replica steps {steps} retired"
-                    log.info(
-                        "%s rank %d: replica steps %s retired (surplus, says %s)",
-                        req.job,
-                        req.rank,
-                        steps,
-                        req.node,
-                    )
-        self._event(req, Status.OK, message=message)
-        self._reply(conn, DataReply(status=Status.OK, message=message))
+                    status, message = self._drop_surplus(parent, req, steps)
+        self._event(req, status, message=message)
+        self._reply(conn, DataReply(status=status, message=message))
+
+    def _drop_surplus(self, parent: Beneath, req: DataRequest, steps: list[int]) -> tuple[int, str]:
+        pinned = pinned_steps(self.ctx.root, req.job)
+        with leases.lock(parent):  # a reader leasing meanwhile either sees the step stay or learns it is gone
+            kept = sorted((set(steps) & pinned) | (set(steps) & set(leases.leased_steps(parent))))
+            dropped = [s for s in steps if s not in kept]
+            for s in dropped:
+                discard_step(parent.at(step_name(s)))
+        if dropped:
+            log.info(
+                "%s rank %d: replica steps %s retired (surplus, says %s)",
+                req.job,
+                req.rank,
+                dropped,
+                req.node,
+            )
+        if kept:
+            return Status.CONFLICT, f"replica steps {kept} kept: named by the restore plan or read now"
+        return Status.OK, f"replica steps {dropped} retired"
 
     def _check_reported(self, job: Beneath, req: DataRequest) -> str:
         """Re-verify the replica a peer reported corrupt; drop it if it is. Returns what was found."""
