@@ -116,6 +116,40 @@ def _print_summary(meta: dict[str, Any], spec: dict[str, Any], st: dict[str, Any
         )
         what = "fresh start" if restore.get("freshStart") else f"step {_step(restore.get('step'))}"
         out_console.print(f"restore: {what}" + (f" ({sources})" if sources else ""), markup=False)
+    groups = st.get("replicaGroups") or {}
+    if groups:
+        out_console.print(replica_groups_line(groups), markup=False)
+
+
+def _bytes(n: object) -> str:
+    if not isinstance(n, int):
+        return "?"
+    if abs(n) < 1024:
+        return f"{n} B"
+    size = float(n)
+    for unit in ("KiB", "MiB", "GiB"):
+        size /= 1024
+        if abs(size) < 1024 or unit == "GiB":
+            break
+    return f"{size:.1f} {unit}"
+
+
+def replica_groups_line(groups: dict[str, Any]) -> str:
+    """``status.replicaGroups`` in one line: the groups, the ranks that differ, and for each of written,
+    replicated and uploaded the bytes of the newest accounted step against those without dedup."""
+    parts = [f"replica groups: {groups.get('groups', '?')}"]
+    if groups.get("divergedRanks"):
+        parts.append(f"ranks {groups['divergedRanks']} DIFFER from their group (not deduplicated)")
+    b = groups.get("bytes") or {}
+    if b:
+        shown = []
+        for what in ("written", "replicated", "uploaded"):
+            now, without = b.get(what), b.get(f"{what}WithoutDedup")
+            if without:
+                shown.append(f"{what} {_bytes(now)} of {_bytes(without)}")
+        if shown:
+            parts.append(f"step {groups.get('step', '?')}: " + ", ".join(shown) + " without dedup")
+    return "; ".join(parts)
 
 
 def _print_job(obj: dict[str, Any]) -> None:

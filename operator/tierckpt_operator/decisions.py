@@ -11,12 +11,12 @@ failure domain and pod of every node rank, and the peer plan. ``decide_assignmen
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from tierckpt.planning.placement import Placement, RankAssignment, assign_ranks, current_members, plan_peers
 from tierckpt.protocol.contract import Annotations
-from tierckpt.protocol.control import JobPolicy, PeerAssignment, PeerNode
+from tierckpt.protocol.control import JobPolicy, NodeInventory, PeerAssignment, PeerNode
 from tierckpt.protocol.errors import ContractError
 from tierckpt_operator.jobsets import JobSetInfo
 from tierckpt_operator.pods import WorkerPod
@@ -27,6 +27,7 @@ __all__ = [
     "JobState",
     "decide_assignment",
     "decide_peers",
+    "group_partners",
     "job_policy",
     "peer_assignment",
     "peer_views",
@@ -160,10 +161,35 @@ def decide_assignment(
     return AssignmentDecision(attempt, len(members), n, new_state, assignment, writes)
 
 
-def decide_peers(state: JobState, k: int) -> tuple[tuple[int, ...], ...]:
-    """The peer plan for the state's ranks, keeping the previous plan's still-valid edges."""
+def decide_peers(
+    state: JobState, k: int, partners: Sequence[Sequence[int]] = ()
+) -> tuple[tuple[int, ...], ...]:
+    """The peer plan for the state's ranks, keeping the previous plan's still-valid edges; nodes that
+    host other members of a rank's replica groups (``partners``, see ``group_partners``) first."""
     previous = state.peers if len(state.peers) == len(state.domains) else ()
-    return plan_peers(state.domains, k, previous)
+    partners = partners if len(partners) == len(state.domains) else ()
+    return plan_peers(state.domains, k, previous, partners)
+
+
+def group_partners(inventories: Iterable[NodeInventory], nodes: int) -> tuple[tuple[int, ...], ...]:
+    """Node rank -> the other node ranks running members of its ranks' replica groups, from the
+    replicators' inventories (process rank ``p`` of a step of world size ``w`` runs on node rank
+    ``p // (w // nodes)``, torchrun's contiguous blocks). Members whose saves diverged are left out:
+    they hold other bytes. () when no inventory reports a group."""
+    out: list[set[int]] = [set() for _ in range(nodes)]
+    found = False
+    for inv in inventories:
+        for c in inv.contents:
+            world = inv.world_sizes.get(c.step, 0)
+            if c.copy != "local" or c.diverged or nodes <= 0 or world < nodes or world % nodes:
+                continue
+            per = world // nodes
+            mine = c.rank // per
+            if mine >= nodes:
+                continue
+            found = True
+            out[mine] |= {m // per for m in c.members if m // per != mine and m // per < nodes}
+    return tuple(tuple(sorted(s)) for s in out) if found else ()
 
 
 def job_policy(job: str, spec: ConfigSpec, generation: int = 0) -> JobPolicy:

@@ -28,6 +28,7 @@ from tierckpt_operator.decisions import (
     JobState,
     decide_assignment,
     decide_peers,
+    group_partners,
     job_policy,
     peer_assignment,
     peer_views,
@@ -45,6 +46,7 @@ from tierckpt_operator.status_fields import (
     rank_ranges,
     redundancy_of,
     redundancy_text,
+    replica_groups,
     restore_summary,
     tier_progress,
 )
@@ -122,6 +124,9 @@ class JobController:
         self.ref: dict[str, Any] | None = None
         self.status: dict[str, Any] = {}
         self.peer_digest: str | None = None
+        self.partners: tuple[tuple[int, ...], ...] = ()
+        """Node rank -> node ranks hosting its replica groups' other members (from the inventories;
+        the next peer plan prefers them)."""
         self.delivered: dict[str, str] = {}
         """Node -> digest of the peer assignment it accepted."""
         self.policy: JobPolicy | None = None
@@ -284,7 +289,7 @@ class JobController:
     async def _publish_peers(
         self, info: JobSetInfo, spec: ConfigSpec, state: JobState, cluster: ClusterView
     ) -> JobState:
-        peers = decide_peers(state, spec.peers_per_node)
+        peers = decide_peers(state, spec.peers_per_node, self.partners)
         endpoints = {n: rep.endpoint for n in state.nodes if (rep := cluster.replicator(n))}
         digest = _digest(state.nodes, state.domains, peers, sorted(endpoints.items()))
         if digest != self.peer_digest:
@@ -467,6 +472,10 @@ class JobController:
             return
         invs = await self._inventories(state.nodes, cluster)
         progress = tier_progress(invs)
+        partners = group_partners(invs, len(state.nodes))
+        if partners and partners != self.partners:
+            self.partners = partners
+            log.info("job %s: replica groups seen; peers prefer the nodes of other members", self.job_id)
         fields: dict[str, Any] = {
             "latestLocalStep": progress.local,
             "latestReplicatedStep": progress.replicated,
@@ -474,6 +483,8 @@ class JobController:
             "inventoryTime": iso_time(time.time()),
             "inventoryNodes": f"{len(invs)}/{len(set(state.nodes))}",
         }
+        if (groups := replica_groups(invs)) is not None:
+            fields["replicaGroups"] = groups
         redundancy = redundancy_of(invs)
         if redundancy is not None:
             fields["redundancy"] = redundancy_text(redundancy)

@@ -27,6 +27,7 @@ __all__ = [
     "rank_ranges",
     "redundancy_of",
     "redundancy_text",
+    "replica_groups",
     "restore_summary",
     "tier_progress",
 ]
@@ -143,6 +144,35 @@ def redundancy_text(redundancy: Redundancy) -> str:
     if redundancy.degraded_since is None:
         return replicas
     return f"degraded since {iso_time(redundancy.degraded_since)} ({replicas})"
+
+
+_BYTE_FIELDS = (
+    ("written", "written"),
+    ("writtenWithoutDedup", "written_logical"),
+    ("replicated", "replicated"),
+    ("replicatedWithoutDedup", "replicated_logical"),
+    ("uploaded", "uploaded"),
+    ("uploadedWithoutDedup", "uploaded_logical"),
+)
+
+
+def replica_groups(inventories: Sequence[NodeInventory]) -> dict[str, Any] | None:
+    """The ``status.replicaGroups`` block, or None when no rank saved in a replica group: how many
+    groups, which ranks differ from their group (never deduplicated), and the newest accounted step's
+    bytes written, replicated and uploaded over every node that answered, each next to what it would
+    be without dedup."""
+    groups = {c.group for inv in inventories for c in inv.contents if c.copy == "local"}
+    if not groups:
+        return None
+    diverged = {r for inv in inventories for r in inv.diverged}
+    accounted = [inv.step_bytes for inv in inventories if inv.step_bytes is not None]
+    out: dict[str, Any] = {"groups": len(groups), "divergedRanks": rank_ranges(diverged)}
+    if accounted:
+        step = max(a.step for a in accounted)
+        same = [a for a in accounted if a.step == step]
+        out["step"] = step
+        out["bytes"] = {name: sum(getattr(a, field) for a in same) for name, field in _BYTE_FIELDS}
+    return out
 
 
 def restore_summary(plan: RestorePlan, published: int) -> dict[str, Any]:

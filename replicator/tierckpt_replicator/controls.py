@@ -28,6 +28,7 @@ from tierckpt.protocol.control import (
     PeerAssignment,
     Redundancy,
     RestorePlan,
+    StepBytes,
     read_control,
     write_control,
 )
@@ -39,6 +40,7 @@ from tierckpt_replicator.backup.jobs import BackupPort
 from tierckpt_replicator.inventory import InventoryScanner, list_jobs
 from tierckpt_replicator.metrics import Metrics
 from tierckpt_replicator.policies import PolicyStore
+from tierckpt_replicator.replication.groups import GroupTracker
 from tierckpt_replicator.replication.manager import ReplicationManager
 from tierckpt_replicator.replication.replicas import free_bytes
 from tierckpt_replicator.replication.supervisor import WorkerSupervisor
@@ -48,7 +50,7 @@ from tierckpt_replicator.settings import Settings
 from tierckpt_replicator.stepio import open_job, rank_trees
 from tierckpt_replicator.watch import CommitWatcher
 
-__all__ = ["LocalInventory", "NodeControls", "remove_job_tree"]
+__all__ = ["LocalInventory", "NodeControls", "remove_job_tree", "step_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +72,10 @@ class LocalInventory:
         redundancy: Callable[[str], Redundancy | None] = lambda job: None,
     ) -> None:
         self.scanner, self.backup, self.redundancy = scanner, backup, redundancy
+        self.groups: GroupTracker | None = None
+        """The replication loop's replica group view (its accounting and diverged ranks), once it runs."""
+        self.restoring: Callable[[str], dict[int, str]] = lambda job: {}
+        """Rank -> state of this node's restore staging of ``job`` (the daemon sets it)."""
         self._cache: dict[str, tuple[float, dict[int, int]]] = {}
 
     async def __call__(self, job: str) -> NodeInventory:
@@ -77,7 +83,16 @@ class LocalInventory:
         inv = self.scanner.inventory(job, gcs=tuple(bucket))
         # a step known only from the bucket still needs its world size, or nobody knows its ranks
         world_sizes = {**{s: ws for s, ws in bucket.items() if ws > 0}, **inv.world_sizes}
-        return dataclasses.replace(inv, world_sizes=world_sizes, redundancy=self.redundancy(job))
+        inv = dataclasses.replace(
+            inv, world_sizes=world_sizes, redundancy=self.redundancy(job), restoring=self.restoring(job)
+        )
+        if self.groups is not None:
+            inv = dataclasses.replace(
+                inv,
+                diverged=self.groups.diverged(job),
+                step_bytes=step_bytes(self.groups.step_bytes(job), self.backup, job),
+            )
+        return inv
 
     async def bucket_steps(self, job: str) -> dict[int, int]:
         """Step -> world size of every step complete in the bucket (cached a few seconds)."""
@@ -242,6 +257,9 @@ class NodeControls:
                     restore={r: s.value for r, s in self.stager.states.get(job, {}).items()},
                     backup_error=_last_error(self.backup, job),
                     redundancy=self.replication.redundancy.get(job),
+                    groups=self.replication.groups.groups(job),
+                    diverged=self.replication.groups.diverged(job),
+                    step_bytes=step_bytes(self.replication.groups.step_bytes(job), self.backup, job),
                 )
             )
         ok, why = self.ready()
@@ -295,6 +313,19 @@ def remove_job_tree(root: Path, job: str) -> None:
         with contextlib.suppress(OSError):
             os.rmdir(root / job)
     shutil.rmtree(state_dir(root, job), ignore_errors=True)
+
+
+def step_bytes(replicated: StepBytes | None, backup: BackupPort | None, job: str) -> StepBytes | None:
+    """The newest step's bytes against no-dedup: written and replicated (the replication loop's) and,
+    for the same step, uploaded (the backup service's); the uploads alone when they are of a step the
+    loop no longer accounts for."""
+    status = backup.status(job) if backup is not None else None
+    if status is None or status.last_uploaded is None:
+        return replicated
+    up = {"uploaded": status.uploaded_bytes, "uploaded_logical": status.uploaded_logical}
+    if replicated is None or replicated.step != status.last_uploaded:
+        return StepBytes(step=status.last_uploaded, **up) if replicated is None else replicated
+    return dataclasses.replace(replicated, **up)
 
 
 def _last_error(backup: BackupPort | None, job: str) -> str:

@@ -159,6 +159,10 @@ class Daemon:
             factor=lambda job: self.policies.replication_factor(job, settings.replicas),
             erasure=self.policies.erasure,
         )
+        self.local_inventory.groups = self.replication.groups
+        self.local_inventory.restoring = lambda job: {
+            r: s.value for r, s in self.stager.states.get(job, {}).items()
+        }
         self.stager = Stager(
             settings=settings,
             assignments=self.assignments,

@@ -4,7 +4,9 @@ a ``NodeInventory``.
 Scanning reads only directory listings and COMMIT markers, confined to each job's tree
 (``stepio.open_job``: a ``rank-*`` entry or step directory that is a symlink is refused, never
 followed); a step's world size comes from its manifest, read once and cached by the manifest's crc32c
-(which the COMMIT marker records).
+(which the COMMIT marker records). A step saved in a replica group is reported with the content key
+recomputed from that manifest (``StepContent``), so peers compare copies by what the files hold, not
+by what the record claims.
 """
 
 from __future__ import annotations
@@ -16,10 +18,19 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Literal
 
-from tierckpt.protocol.control import NodeInventory, RankHoldings
+from tierckpt.protocol.control import NodeInventory, RankHoldings, StepContent
 from tierckpt.protocol.errors import FormatError
-from tierckpt.protocol.format import STATE_DIR_NAME, check_job_id, committed_steps, read_commit, read_manifest
+from tierckpt.protocol.format import (
+    STATE_DIR_NAME,
+    Manifest,
+    check_job_id,
+    committed_steps,
+    read_commit,
+    read_manifest,
+)
+from tierckpt.protocol.replica import content_key
 from tierckpt.protocol.safefs import Beneath
 from tierckpt_replicator.stepio import Copy, open_job, rank_trees, step_name
 
@@ -54,6 +65,8 @@ class Holdings:
     replica_bytes: int
     newest_commit_at: dict[int, float]
     """Rank -> commit time of its newest local step (for replication lag)."""
+    contents: tuple[StepContent, ...] = ()
+    """The steps above that saved in a replica group, with their recomputed content keys."""
 
     def newest_local(self) -> dict[int, int]:
         return {r: h.local[-1] for r, h in self.ranks.items() if h.local}
@@ -82,19 +95,23 @@ class InventoryScanner:
         self.root, self.node, self.endpoint, self.domain = root, node, endpoint, domain
         self.fragments = fragments
         self.max_manifest_bytes = max_manifest_bytes
-        self._world_sizes: dict[tuple[str, int], int] = {}
+        self._steps: dict[tuple[str, int], _StepFacts] = {}
 
     def holdings(self, job: str) -> Holdings:
         ranks: dict[int, RankHoldings] = {}
         world_sizes: dict[int, int] = {}
         sizes = {"local": 0, "replica": 0}
         newest_at: dict[int, float] = {}
+        contents: list[StepContent] = []
         try:
             tree = open_job(self.root, job)
         except (FileNotFoundError, NotADirectoryError):
             return Holdings(ranks, world_sizes, 0, 0, newest_at)
         with tree:
-            tiers: tuple[tuple[str, Copy], ...] = (("local", "primary"), ("replica", "replica"))
+            tiers: tuple[tuple[Literal["local", "replica"], Copy], ...] = (
+                ("local", "primary"),
+                ("replica", "replica"),
+            )
             for kind, copy in tiers:
                 for rank, parent in rank_trees(tree, copy).items():
                     steps = []
@@ -102,12 +119,15 @@ class InventoryScanner:
                         info = self._step_info(parent.at(step_name(step)))
                         if info is None:
                             continue
-                        total, ws, committed_at = info
+                        total, facts, committed_at = info
                         steps.append(step)
                         sizes[kind] += total
-                        world_sizes.setdefault(step, ws)
+                        world_sizes.setdefault(step, facts.world_size)
                         if kind == "local":
                             newest_at[rank] = committed_at
+                        if facts.content is not None:
+                            found = dataclasses.replace(facts.content, rank=rank, step=step, copy=kind)
+                            contents.append(found)
                     h = ranks.get(rank, RankHoldings())
                     ranks[rank] = dataclasses.replace(h, **{kind: tuple(steps)})  # type: ignore[arg-type]
             for rank, held in self.fragments(tree).items():
@@ -115,19 +135,19 @@ class InventoryScanner:
                     world_sizes.setdefault(step, ws)
                 fragments = {step: index_k for step, (index_k, _) in held.items()}
                 ranks[rank] = dataclasses.replace(ranks.get(rank, RankHoldings()), fragments=fragments)
-        return Holdings(ranks, world_sizes, sizes["local"], sizes["replica"], newest_at)
+        return Holdings(ranks, world_sizes, sizes["local"], sizes["replica"], newest_at, tuple(contents))
 
-    def _step_info(self, step: Beneath) -> tuple[int, int, float] | None:
+    def _step_info(self, step: Beneath) -> tuple[int, _StepFacts, float] | None:
         try:
             marker = read_commit(step)
             if marker is None:
                 return None
             key = (step.where, marker.manifest_crc32c)
-            ws = self._world_sizes.get(key)
-            if ws is None:
-                ws = read_manifest(step, limit=self.max_manifest_bytes).world_size
-                self._world_sizes[key] = ws
-            return marker.total_bytes, ws, marker.committed_at
+            facts = self._steps.get(key)
+            if facts is None:
+                facts = _facts(read_manifest(step, limit=self.max_manifest_bytes))
+                self._steps[key] = facts
+            return marker.total_bytes, facts, marker.committed_at
         except (FormatError, OSError) as exc:
             log.warning("skipping unreadable step %s: %s", step.where, exc)
             return None
@@ -143,8 +163,49 @@ class InventoryScanner:
             world_sizes=h.world_sizes,
             gcs=tuple(sorted(gcs)),
             domain=self.domain,
+            contents=h.contents,
         )
 
     def forget(self, job: str) -> None:
         prefix = f"{self.root / check_job_id(job)}/"
-        self._world_sizes = {k: v for k, v in self._world_sizes.items() if not k[0].startswith(prefix)}
+        self._steps = {k: v for k, v in self._steps.items() if not k[0].startswith(prefix)}
+
+
+@dataclasses.dataclass(frozen=True)
+class _StepFacts:
+    """What the inventory needs of a step's manifest (cached by the manifest's crc32c)."""
+
+    world_size: int
+    content: StepContent | None
+
+
+def _facts(manifest: Manifest) -> _StepFacts:
+    """World size and, for a step saved in a replica group, its ``StepContent`` (rank, step and copy
+    are filled in by the caller). The content key is recomputed here; a record whose own key disagrees
+    is reported as diverged (and logged): its copies are never deduplicated."""
+    record = manifest.replica
+    if record is None or not record.known:
+        return _StepFacts(manifest.world_size, None)
+    key = content_key(manifest.files, manifest.tensors)
+    if key != record.content:
+        log.warning(
+            "%s rank %d step %d: the replica record's content key %s does not match its manifest (%s); "
+            "not deduplicating it",
+            manifest.job,
+            manifest.rank,
+            manifest.step,
+            record.content,
+            key,
+        )
+    content = StepContent(
+        rank=manifest.rank,
+        step=manifest.step,
+        copy="local",
+        group=record.group,
+        members=record.members,
+        content=key,
+        diverged=record.diverged or key != record.content,
+        written_bytes=record.written_bytes,
+        logical_bytes=record.logical_bytes,
+    )
+    return _StepFacts(manifest.world_size, content)

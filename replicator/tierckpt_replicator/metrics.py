@@ -60,6 +60,25 @@ class Metrics:
             ["job", "change"],
             registry=r,
         )
+        self.dedup_bytes = Counter(
+            f"{_NS}_dedup_bytes",
+            "Replica bytes not sent: the peer linked an identical replica group member's data files.",
+            registry=r,
+        )
+        self.group_bytes = Gauge(
+            f"{_NS}_replica_group_bytes",
+            "Bytes of this node's newest replica group steps, per step: 'logical' (without dedup), "
+            "'written' (by the clients), 'replicated' (sent to peers), 'replicated_logical' (what those "
+            "sends would have been without dedup).",
+            ["job", "kind"],
+            registry=r,
+        )
+        self.group_diverged = Counter(
+            f"{_NS}_replica_group_diverged",
+            "Replica group steps found to differ from another member's (never deduplicated).",
+            ["job"],
+            registry=r,
+        )
         self.steps = Gauge(f"{_NS}_steps", "Committed steps held on this node.", ["job", "kind"], registry=r)
         self.held_bytes = Gauge(
             f"{_NS}_held_bytes", "Bytes of committed steps held on this node.", ["job", "kind"], registry=r

@@ -271,6 +271,22 @@ class Settings:
             unit="s",
         ),
     )
+    restore_fanout_wait: float = dataclasses.field(
+        default=300.0,
+        metadata=_opt(
+            "Seconds a restore from the bucket waits, while the node restoring its replica group's data "
+            "rank reports progress, to fetch those data files from it instead of the bucket (0: off).",
+            unit="s",
+        ),
+    )
+    backup_group_wait: float = dataclasses.field(
+        default=60.0,
+        metadata=_opt(
+            "Seconds a replica group member's upload waits for the member that uploads the group's "
+            "data files, before uploading its own copy of them.",
+            unit="s",
+        ),
+    )
     backup_poll_interval: float = dataclasses.field(
         default=30.0,
         metadata=_opt(

@@ -35,6 +35,7 @@ from tierckpt.protocol.format import (
     COMMIT_NAME,
     MANIFEST_NAME,
     CommitMarker,
+    FileEntry,
     Manifest,
     check_job_id,
     committed_steps,
@@ -56,6 +57,7 @@ __all__ = [
     "StepWriter",
     "create_preallocated",
     "find_committed",
+    "is_data_file",
     "newest_committed",
     "open_files",
     "open_job",
@@ -77,6 +79,12 @@ REPLICAS = "replicas"
 FRAGMENTS = "fragments"
 """Erasure-coded fragments held for other nodes' ranks (``replication.fragments``)."""
 Copy = Literal["primary", "replica"]
+
+
+def is_data_file(name: str) -> bool:
+    """A step's tensor data file (``data-*.bin``): what a replica group's members share
+    (``tierckpt.protocol.replica.content_key`` covers exactly these)."""
+    return name.startswith("data-")
 
 
 def rank_name(rank: int) -> str:
@@ -173,9 +181,39 @@ class StepWriter:
         self._crcs: dict[str, int] = {}
 
     def prepare(self) -> None:
-        """Create every file at its full size now, so a full ramdisk fails before any byte moves."""
-        for f in self.header.manifest.files:
+        """Create every file still to receive at its full size now, so a full ramdisk fails before any
+        byte moves."""
+        for f in self.pending():
             create_preallocated(self.dir, f.name, f.size)
+
+    def pending(self) -> list[FileEntry]:
+        """The manifest's files not linked (or received) yet, in manifest order."""
+        return [f for f in self.header.manifest.files if f.name not in self._crcs]
+
+    def link_data(self, base: Beneath, base_manifest: Manifest) -> int:
+        """Hard-link every data file from ``base`` (a committed step whose manifest lists the same data
+        files, with the same sizes and crc32c: the caller compared content keys; its crc32c were
+        verified when it was committed). Returns the bytes linked; on any failure nothing stays linked."""
+        theirs = {f.name: f for f in base_manifest.files}
+        linked = 0
+        try:
+            for f in self.header.manifest.files:
+                if not is_data_file(f.name):
+                    continue
+                other = theirs.get(f.name)
+                if other is None or (other.size, other.crc32c) != (f.size, f.crc32c):
+                    raise FormatError(f"{f.name} differs from the base step's")
+                base.link_to(f.name, self.dir, f.name)
+                if self.dir.stat(f.name).st_size != f.size:
+                    raise FormatError(f"{f.name}: the base step's file is not {f.size} bytes")
+                self._crcs[f.name] = f.crc32c
+                linked += f.size
+        except BaseException:
+            for name in [n for n in self._crcs if is_data_file(n)]:
+                self.dir.unlink(name)
+                del self._crcs[name]
+            raise
+        return linked
 
     def open(self, name: str) -> int:
         """A write descriptor of staged file ``name`` (a file the manifest lists; the caller closes it)."""

@@ -37,6 +37,19 @@ STATUS = {
     "latestBackedUpStep": 200,
     "inventoryNodes": "2/2",
     "inventoryTime": "2026-11-26T00:00:00Z",
+    "replicaGroups": {
+        "groups": 2,
+        "divergedRanks": "3",
+        "step": 300,
+        "bytes": {
+            "written": 4 << 20,
+            "writtenWithoutDedup": 8 << 20,
+            "replicated": 1 << 20,
+            "replicatedWithoutDedup": 8 << 20,
+            "uploaded": 4 << 20,
+            "uploadedWithoutDedup": 8 << 20,
+        },
+    },
     "restore": {
         "generation": 2,
         "step": 200,
@@ -127,6 +140,9 @@ def test_status_of_one_job(kubeconfig: Path) -> None:
     assert "local 300, replicated 300, backed up 200" in out
     assert "restore: step 200 (local: ranks 0-7, gcs: ranks 8-15)" in out
     assert "gke-b-1" in out and "zone-b" in out and "Restored" in out
+    # The replica groups' accounting, as the operator gathered it (kept by the CRD's schema).
+    assert "replica groups: 2; ranks 3 DIFFER from their group (not deduplicated)" in out
+    assert "step 300: written 4.0 MiB of 8.0 MiB, replicated 1.0 MiB of 8.0 MiB, uploaded 4.0 MiB" in out
 
 
 def test_status_json_is_the_object(kubeconfig: Path) -> None:

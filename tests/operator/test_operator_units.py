@@ -24,6 +24,8 @@ from tierckpt.protocol.control import (
     RankHoldings,
     Redundancy,
     RestorePlan,
+    StepBytes,
+    StepContent,
     Tier,
 )
 from tierckpt.protocol.errors import ContractError
@@ -32,6 +34,7 @@ from tierckpt_operator.decisions import (
     JobState,
     decide_assignment,
     decide_peers,
+    group_partners,
     job_policy,
     peer_assignment,
     peer_views,
@@ -48,6 +51,7 @@ from tierckpt_operator.status_fields import (
     rank_ranges,
     redundancy_of,
     redundancy_text,
+    replica_groups,
     restore_summary,
     tier_progress,
 )
@@ -517,6 +521,53 @@ def test_redundancy_of_a_job_is_its_weakest_node():
     assert job == Redundancy(factor=2, copies=1, degraded_since=1e9)
     assert redundancy_text(job) == "degraded since 2001-09-09T01:46:40Z (replicas: 1/2)"
     assert redundancy_of([_inv("c", {}, 2)]) is None  # nobody reported: nothing to say yet
+
+
+def test_replica_groups_summary_sums_the_newest_accounted_step():
+    def content(rank, group, copy="local"):
+        return StepContent(rank=rank, step=20, copy=copy, group=group, members=(0, 1), content="ab")
+
+    a = dataclasses.replace(
+        _inv("a", {0: ([20], [])}, 2),
+        contents=(content(0, "g1"), content(1, "g1", "replica")),
+        step_bytes=StepBytes(step=20, written=5, written_logical=10, replicated=1, replicated_logical=10),
+    )
+    b = dataclasses.replace(
+        _inv("b", {1: ([20], [])}, 2),
+        contents=(content(1, "g1"),),
+        diverged=(1,),
+        step_bytes=StepBytes(step=20, written=10, written_logical=10, uploaded=3, uploaded_logical=10),
+    )
+    old = dataclasses.replace(_inv("c", {}, 2), step_bytes=StepBytes(step=10, written=99, written_logical=99))
+    out = replica_groups([a, b, old])
+    assert out == {
+        "groups": 1,
+        "divergedRanks": "1",
+        "step": 20,
+        "bytes": {
+            "written": 15,
+            "writtenWithoutDedup": 20,
+            "replicated": 1,
+            "replicatedWithoutDedup": 10,
+            "uploaded": 3,
+            "uploadedWithoutDedup": 10,
+        },
+    }
+    assert replica_groups([_inv("a", {0: ([20], [])}, 2)]) is None  # no group: no block
+
+
+def test_group_partners_map_members_to_node_ranks():
+    def inv(node, rank, members, *, diverged=False):
+        c = StepContent(
+            rank=rank, step=10, copy="local", group="g", members=members, content="ab", diverged=diverged
+        )
+        return dataclasses.replace(_inv(node, {rank: ([10], [])}, 8), contents=(c,))
+
+    # 8 process ranks on 4 nodes (2 each): groups {0, 4}, {1, 5}, {2, 6}, {3, 7} (HSDP over 2 halves).
+    invs = [inv(f"n{r // 2}", r, (r % 4, r % 4 + 4)) for r in range(8)]
+    assert group_partners(invs, 4) == ((2,), (3,), (0,), (1,))
+    assert group_partners([inv("n0", 0, (0, 4), diverged=True)], 4) == ()
+    assert group_partners([], 4) == ()
 
 
 def test_restore_summary():

@@ -120,3 +120,27 @@ def test_replacing_a_node_changes_only_its_edges(domains, k, data):
     if len(set(moved)) == len(set(domains)) and not had_same:
         assert changed <= {r} | senders_to_r
         assert peer_churn(plan, after) <= 2 * k * (1 + len(senders_to_r))
+
+
+def test_partners_in_other_domains_come_first_and_stay_balanced() -> None:
+    # HSDP on 4 nodes in 2 zones: node ranks 0 and 2 hold one shard, 1 and 3 the other.
+    domains = ["a", "b", "a", "b"]
+    partners = [(2,), (3,), (0,), (1,)]
+    # Members in the same zone: the partner is not taken over another zone (domain rules win).
+    assert plan_peers(domains, 1, partners=partners) == plan_peers(domains, 1)
+    # Members across zones: each rank's peer is the other member.
+    domains = ["a", "a", "b", "b"]
+    assert plan_peers(domains, 1, partners=partners) == ((2,), (3,), (0,), (1,))
+    # DDP (everyone a partner of everyone): least-loaded partners, so no node receives more than k.
+    everyone = [tuple(p for p in range(6) if p != r) for r in range(6)]
+    plan = plan_peers(["a", "b", "c"] * 2, 2, partners=everyone)
+    loads = [sum(r in ps for ps in plan) for r in range(6)]
+    assert all(len(set(ps)) == 2 for ps in plan) and max(loads) <= 3
+
+
+def test_partners_keep_previous_edges_that_remain() -> None:
+    domains = ["a", "b", "a", "b"]
+    previous = plan_peers(domains, 2)
+    again = plan_peers(domains, 2, previous, partners=[(1,), (0,), (3,), (2,)])
+    assert all(len(ps) == 2 for ps in again)
+    assert sum(len(set(a) & set(b)) for a, b in zip(previous, again, strict=True)) >= 4

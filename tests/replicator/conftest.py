@@ -21,7 +21,8 @@ _TAIL = 6000
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
     outcome = yield
     report = outcome.get_result()
-    cluster = getattr(item, "funcargs", {}).get("cluster3")
+    args = getattr(item, "funcargs", {})
+    cluster = args.get("cluster3") or args.get("cluster4")
     if not report.failed or cluster is None:
         return
     for node in cluster.nodes:

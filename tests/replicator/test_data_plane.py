@@ -294,7 +294,10 @@ def test_header_that_lies_is_refused(make_peer, tmp_path):
     src = write_step(a.root, JOB, 0, 4, sizes=(1000,))
     commit, manifest = (src / "COMMIT").read_bytes(), (src / "manifest.json").read_bytes()
     evil = manifest.replace(b'"data-00000.bin"', b'"../../../x.bin"')
-    for c, m, step in ((commit, manifest, 5), (commit, evil, 4), (commit[:-3] + b"99}", manifest, 4)):
+    # COMMIT ends in its marker crc: change its last two digits to two others (never to the same ones)
+    lying = commit[:-3] + (b"98}" if commit.endswith(b"99}") else b"99}")
+    assert lying != commit
+    for c, m, step in ((commit, manifest, 5), (commit, evil, 4), (lying, manifest, 4)):
         req = DataRequest(
             op="put", token=TOKEN, job=JOB, rank=0, step=step, commit_size=len(c), manifest_size=len(m)
         )

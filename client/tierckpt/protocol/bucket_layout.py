@@ -31,6 +31,7 @@ from tierckpt.protocol.format import COMMIT_NAME, MANIFEST_NAME, check_file_name
 __all__ = [
     "LAYOUT_VERSION",
     "BucketLayout",
+    "DataRef",
     "KeyKind",
     "ParsedKey",
     "RankBackup",
@@ -235,6 +236,17 @@ def _classify(job: str, parts: list[str]) -> ParsedKey:
 
 
 @dataclasses.dataclass(frozen=True)
+class DataRef(Record):
+    """Where a rank's data files are when another member of its replica group uploaded them: the
+    ``rank-<rank>/data-*.bin`` objects of the same step. ``content`` is the content key
+    (``tierckpt.protocol.replica.content_key``) both manifests have, recomputed by the uploader from
+    each; a reader still checks every file against this rank's own manifest (size and crc32c)."""
+
+    rank: int
+    content: str
+
+
+@dataclasses.dataclass(frozen=True)
 class RankBackup(Message):
     """``steps/<step>/ranks/<rank>.json``, created (create-only) once all of a rank's objects are uploaded
     and verified. ``commit_*`` and ``manifest_*`` describe the ``COMMIT`` and ``manifest.json`` objects;
@@ -256,6 +268,14 @@ class RankBackup(Message):
     """The manifest's ``created_at``: when the client saved this rank's step."""
     uploaded_by: str
     uploaded_at: float
+    data: DataRef | None = None
+    """Set when this rank's data files were not uploaded under its own prefix: they are rank
+    ``data.rank``'s (an identical replica group member; only COMMIT, manifest and the other files are
+    here)."""
+
+    def __post_init__(self) -> None:
+        if self.data is not None and self.data.rank in (self.rank, None):
+            raise FormatError(f"rank {self.rank}: a data reference must name another rank")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -266,6 +286,8 @@ class RankRef(Record):
     crc32c: int
     manifest_crc32c: int
     total_bytes: int
+    data_from: int | None = None
+    """The rank whose data objects hold this rank's data files (``RankBackup.data``); None: its own."""
 
 
 @dataclasses.dataclass(frozen=True)

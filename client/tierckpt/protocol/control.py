@@ -23,7 +23,7 @@ import os
 import re
 import urllib.parse
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from tierckpt.protocol.bucket_layout import BucketLayout
 from tierckpt.protocol.codec import Message, Record
@@ -51,6 +51,8 @@ __all__ = [
     "RestorePlan",
     "RestoreState",
     "RestoreStatus",
+    "StepBytes",
+    "StepContent",
     "Tier",
     "check_endpoint",
     "check_generation",
@@ -260,6 +262,47 @@ class Redundancy(Record):
 
 
 @dataclasses.dataclass(frozen=True)
+class StepContent(Record):
+    """A committed step that saved in a replica group, as the node holding it reports it.
+
+    ``content`` is recomputed by the reporting node from the manifest's files and tensors
+    (``tierckpt.protocol.replica.content_key``), never copied from the record; two steps of members of
+    one group whose ``content`` is equal hold the same bytes (their crc32c were checked when written or
+    received). ``diverged``: the members differed at this save (the record says so), or the record's
+    content key does not match the manifest; such a step is never deduplicated against another."""
+
+    rank: int
+    step: int
+    copy: Literal["local", "replica"]
+    group: str
+    members: tuple[int, ...]
+    content: str
+    diverged: bool = False
+    written_bytes: int = 0
+    """Bytes of the step the client wrote (hard-linked data files not counted)."""
+    logical_bytes: int = 0
+    """Bytes a save without deduplication writes (every file of the step)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StepBytes(Record):
+    """One node's bytes of one step against what they would be without replica group dedup."""
+
+    step: int
+    written: int = 0
+    """Bytes the node's training ranks wrote to its ramdisk (data files linked between members: once)."""
+    written_logical: int = 0
+    replicated: int = 0
+    """Bytes this node sent to peers for the step's ranks."""
+    replicated_logical: int = 0
+    """What those copies would have sent without dedup (linked data files counted)."""
+    uploaded: int = 0
+    """Bytes this node uploaded to the bucket for the step."""
+    uploaded_logical: int = 0
+    """What its share of the uploads would have been without dedup."""
+
+
+@dataclasses.dataclass(frozen=True)
 class NodeInventory(Message):
     """What one node's replicator holds for a job. Served at ``GET /v1/jobs/{job}/inventory``."""
 
@@ -278,6 +321,15 @@ class NodeInventory(Message):
     domain: str = ""
     redundancy: Redundancy | None = None
     """Replicas of this node's ranks against the job's replication factor (None: no local ranks)."""
+    contents: tuple[StepContent, ...] = ()
+    """The committed steps held here that saved in a replica group (replicators dedup copies by it)."""
+    diverged: tuple[int, ...] = ()
+    """Local ranks whose newest step differs from another member's of its group (not deduplicated)."""
+    step_bytes: StepBytes | None = None
+    """This node's bytes of its newest step against what they would be without dedup."""
+    restoring: dict[int, str] = dataclasses.field(default_factory=dict)
+    """Rank -> state (``RestoreState`` value) of this node's current restore staging: a peer waiting
+    to fetch a rank from this node (a restore's fan-out) follows it."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -588,6 +640,12 @@ class JobStatus(Record):
     """The backup service's last error for this job ('' if the last attempt succeeded)."""
     redundancy: Redundancy | None = None
     """Replicas of this node's ranks against the job's replication factor (None: no local ranks)."""
+    groups: tuple[str, ...] = ()
+    """Replica groups of this node's newest local steps (``ReplicaRecord.group``)."""
+    diverged: tuple[int, ...] = ()
+    """Local ranks whose newest step differs from another member's of its group (not deduplicated)."""
+    step_bytes: StepBytes | None = None
+    """Bytes of this node's newest local step against what they would be without dedup."""
 
 
 @dataclasses.dataclass(frozen=True)

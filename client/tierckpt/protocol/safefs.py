@@ -354,6 +354,27 @@ class Beneath:
         finally:
             os.close(pfd)
 
+    def link_to(self, rel: str, dest: Beneath, dest_rel: str) -> None:
+        """Hard-link the regular file ``rel`` here as ``dest_rel`` under ``dest`` (a new name there).
+
+        Neither side follows a link: a symlink at ``rel`` is refused (``UnsafePathError``), so is
+        anything that is not a regular file."""
+        spfd, sname = self._parent(rel)
+        try:
+            st = os.stat(sname, dir_fd=spfd, follow_symlinks=False)
+            if not stat.S_ISREG(st.st_mode):
+                raise UnsafePathError(f"{self.where}/{rel}: not a regular file, not linked")
+            dpfd, dname = dest._parent(dest_rel)
+            try:
+                os.link(sname, dname, src_dir_fd=spfd, dst_dir_fd=dpfd, follow_symlinks=False)
+                if not stat.S_ISREG(os.stat(dname, dir_fd=dpfd, follow_symlinks=False).st_mode):
+                    os.unlink(dname, dir_fd=dpfd)  # swapped for something else meanwhile
+                    raise UnsafePathError(f"{self.where}/{rel}: changed while linked, not linked")
+            finally:
+                os.close(dpfd)
+        finally:
+            os.close(spfd)
+
     def unlink(self, rel: str, *, missing_ok: bool = True) -> None:
         """Remove the file (or link) ``rel``."""
         try:

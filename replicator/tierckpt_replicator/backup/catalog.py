@@ -187,9 +187,24 @@ class Catalog:
                 crc32c=infos[c.rank].crc32c or 0,
                 manifest_crc32c=c.manifest_crc32c,
                 total_bytes=c.total_bytes,
+                data_from=c.data.rank if c.data is not None else None,
             )
             for c in commits
         }
+        dangling = [
+            r
+            for r, ref in refs.items()
+            if ref.data_from is not None
+            and (ref.data_from not in refs or refs[ref.data_from].data_from is not None)
+        ]
+        if dangling:
+            log.error(
+                "step %d of %s: ranks %s refer to data files that are not uploaded; not completing it",
+                step,
+                job,
+                dangling,
+            )
+            return False
         done = StepBackup(
             job=job,
             step=step,

@@ -22,6 +22,7 @@ from prometheus_client import CollectorRegistry
 from tierckpt.protocol.control import JobPolicy
 from tierckpt.protocol.errors import MissingCheckpointError
 from tierckpt.protocol.format import Dir
+from tierckpt.protocol.safefs import Beneath
 from tierckpt_replicator.policies import PolicyStore
 from tierckpt_replicator.settings import Settings
 
@@ -62,7 +63,12 @@ class BackupPort(Protocol):
         rank: int,
         dest_rank_dir: Dir,
         progress: Callable[[int], None] | None = None,
+        seed: Beneath | None = None,
     ) -> None: ...
+
+    async def data_source(self, job: str, step: int, rank: int) -> int | None:
+        """The rank whose bucket objects hold ``rank``'s data files (None: its own)."""
+        ...
 
     async def delete_job(self, job: str) -> None:
         """Stop the job's uploads on this node AND delete its backups from its bucket (irreversible)."""
@@ -111,6 +117,7 @@ def node_backup_settings(settings: Settings) -> BackupSettings:
         keep_every=settings.backup_keep_every,
         parallelism=settings.backup_parallelism,
         takeover_after=settings.backup_takeover_after,
+        group_wait=settings.backup_group_wait,
     )
 
 
@@ -210,11 +217,16 @@ class JobBackups:
         rank: int,
         dest_rank_dir: Dir,
         progress: Callable[[int], None] | None = None,
+        seed: Beneath | None = None,
     ) -> None:
         svc = self.service(job)
         if svc is None:
             raise MissingCheckpointError(f"job {job} has no bucket to restore step {step} from")
-        await svc.fetch_rank(job, step, rank, dest_rank_dir, progress)
+        await svc.fetch_rank(job, step, rank, dest_rank_dir, progress, seed)
+
+    async def data_source(self, job: str, step: int, rank: int) -> int | None:
+        svc = self.service(job)
+        return await svc.data_source(job, step, rank) if svc is not None else None
 
     async def delete_job(self, job: str) -> None:
         svc = self.service(job)

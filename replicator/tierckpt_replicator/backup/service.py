@@ -44,7 +44,7 @@ from tierckpt.protocol.safefs import Beneath
 from tierckpt_replicator.backup.catalog import Catalog
 from tierckpt_replicator.backup.metrics import BackupMetrics
 from tierckpt_replicator.backup.restorer import Restorer
-from tierckpt_replicator.backup.spread import assign_uploads
+from tierckpt_replicator.backup.spread import assign_uploads, data_rank
 from tierckpt_replicator.backup.store import ObjectStore
 from tierckpt_replicator.backup.uploader import Uploader
 from tierckpt_replicator.stepio import find_committed, open_job, rank_trees
@@ -73,6 +73,10 @@ class BackupStatus:
     """Newest step whose share this node finished uploading."""
     last_success_at: float | None = None
     last_error: str = ""
+    uploaded_bytes: int = 0
+    """Bytes this node uploaded for ``last_uploaded``."""
+    uploaded_logical: int = 0
+    """What those uploads would have been without replica group dedup."""
 
 
 class BackupService:
@@ -113,6 +117,7 @@ class BackupService:
             max_manifest_bytes=settings.max_manifest_bytes,
             on_bytes=self.metrics.bytes_uploaded.inc,
             should_stop=lambda job: job in self._cancelled,
+            group_wait=settings.group_wait,
         )
         self.restorer = Restorer(
             store,
@@ -195,6 +200,7 @@ class BackupService:
         rank: int,
         dest_rank_dir: Dir,
         progress: ProgressCallback | None = None,
+        seed: Beneath | None = None,
     ) -> None:
         """Download ``rank`` of the complete ``step``, verify every byte's crc32c, and commit it as
         ``dest_rank_dir/step-<step>`` (the view of the rank's directory in its job tree, or a path) in
@@ -208,7 +214,7 @@ class BackupService:
         fetching[step] += 1
         started = time.monotonic()
         try:
-            await self._run(self.restorer.fetch_rank, job, step, rank, dest_rank_dir, relay.add)
+            await self._run(self.restorer.fetch_rank, job, step, rank, dest_rank_dir, relay.add, seed)
         except BaseException:
             self.metrics.failures.labels(op="restore").inc()
             raise
@@ -216,6 +222,11 @@ class BackupService:
             fetching[step] -= 1
         relay.finish()
         self.metrics.restore_seconds.observe(time.monotonic() - started)
+
+    async def data_source(self, job: str, step: int, rank: int) -> int | None:
+        """The rank whose data objects hold ``rank``'s data files in the complete ``step`` (None: its
+        own); a restore can then fetch that rank's step from the peer restoring it instead."""
+        return await self._run(self.restorer.data_source, job, step, rank)
 
     async def stop_job(self, job: str) -> None:
         """Stop backing up ``job`` on this node: stop its uploads (the transfers under way finish, no new
@@ -353,9 +364,18 @@ class BackupService:
             log.info("backing up step %d of %s (%s): ranks %s of %d", step, job, reason, mine, world_size)
             started = time.monotonic()
             with _leases({r: local[r] for r in mine}, step, self._holder, self.settings.lease_ttl) as held:
-                self._upload_ranks(job, held)
+                sent, logical = self._upload_ranks(job, held)
             self.metrics.upload_seconds.observe(time.monotonic() - started)
-            self._set_status(job, last_uploaded=step, last_success_at=self.clock(), last_error="")
+            prev = self._status.get(job, BackupStatus())
+            before = (prev.uploaded_bytes, prev.uploaded_logical) if prev.last_uploaded == step else (0, 0)
+            self._set_status(  # every pass of this node over the step counts (its share, takeovers)
+                job,
+                last_uploaded=step,
+                last_success_at=self.clock(),
+                last_error="",
+                uploaded_bytes=before[0] + sent,
+                uploaded_logical=before[1] + logical,
+            )
             self.metrics.last_success.labels(job=job).set(self.clock())
         done = self.catalog.try_complete(job, step, world_size)
         if done:
@@ -408,23 +428,40 @@ class BackupService:
                 mine |= orphans
         return sorted(mine)
 
-    def _upload_ranks(self, job: str, paths: Mapping[int, Beneath]) -> None:
+    def _upload_ranks(self, job: str, paths: Mapping[int, Beneath]) -> tuple[int, int]:
         """Upload several ranks at once (their files share the transfer pool); raise the first failure
-        after all have finished, so every rank that can be committed is."""
+        after all have finished, so every rank that can be committed is. Ranks that carry their replica
+        group's data files go first: members waiting for them never hold every thread. Returns (bytes
+        sent, bytes a no-dedup upload would have sent)."""
         errors = []
+        sent = logical = 0
         if not paths:
-            return
+            return 0, 0
+        order = sorted(paths, key=lambda r: (not self._carries_data(job, paths[r]), r))
         with cf.ThreadPoolExecutor(min(8, len(paths)), thread_name_prefix="backup-rank") as ranks:
-            futures = {ranks.submit(self.uploader.upload_rank, job, path): r for r, path in paths.items()}
+            futures = {ranks.submit(self.uploader.upload_rank, job, paths[r]): r for r in order}
             for fut in cf.as_completed(futures):
                 try:
-                    if not fut.result().skipped:
+                    done = fut.result()
+                    sent += done.bytes_sent
+                    logical += done.logical_bytes
+                    if not done.skipped:
                         self.metrics.ranks_uploaded.inc()
                 except (TierckptError, OSError) as exc:
                     log.error("upload of rank %d of %s failed: %s", futures[fut], job, exc)
                     errors.append(exc)
         if errors:
             raise errors[0]
+        return sent, logical
+
+    def _carries_data(self, job: str, step: Beneath) -> bool:
+        """Whether this step's upload carries data files its replica group members may refer to."""
+        try:
+            m = read_manifest(step, limit=self.settings.max_manifest_bytes)
+        except (FormatError, OSError):
+            return True
+        r = m.replica
+        return r is None or r.diverged or data_rank(job, m.step, r.members) == m.rank
 
     def _maintain(self, job: str) -> None:
         view = self.catalog.view(job)

@@ -82,6 +82,9 @@ class BackupSettings:
     takeover_after: float = 120.0
     """Seconds [120]. After a step's backup began, a holder also uploads ranks assigned to another node
     that are still missing (that node may be gone, or hold no copy)."""
+    group_wait: float = 60.0
+    """Seconds [60]. How long a replica group member's upload waits for its group's data rank to be
+    committed in the bucket before it uploads its own data files instead of referring to those."""
     incomplete_grace: float = 3600.0
     """Seconds [3600]. An incomplete step older than the newest complete one is deleted once untouched
     this long (an abandoned attempt; a slow uploader gets this long to finish)."""
@@ -108,7 +111,7 @@ class BackupSettings:
     def __post_init__(self) -> None:
         if self.parallelism < 1:
             raise ValueError("parallelism must be at least 1")
-        for name in ("slice_size", "range_size", "takeover_after", "incomplete_grace"):
+        for name in ("slice_size", "range_size", "takeover_after", "incomplete_grace", "group_wait"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative")
         if self.lease_ttl <= 0 or self.max_manifest_bytes <= 0:

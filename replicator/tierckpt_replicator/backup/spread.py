@@ -13,13 +13,20 @@ import hashlib
 from collections import deque
 from collections.abc import Mapping, Sequence
 
-__all__ = ["assign_uploads", "rendezvous_score"]
+__all__ = ["assign_uploads", "data_rank", "rendezvous_score"]
 
 
 def rendezvous_score(job: str, step: int, rank: int, node: str) -> int:
     """A stable pseudo-random score; the holder with the highest score is the natural uploader."""
     digest = hashlib.blake2b(f"{job}\0{step}\0{rank}\0{node}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big")
+
+
+def data_rank(job: str, step: int, members: Sequence[int]) -> int:
+    """The member of a replica group whose upload of ``step`` carries the group's data files (the others
+    refer to it). Rendezvous-hashed per step, so the uploads of a group's shard rotate over its members
+    (and so over their uploaders) from step to step; every node computes the same one."""
+    return max(members, key=lambda m: (rendezvous_score(job, step, m, "data"), m))
 
 
 def assign_uploads(job: str, step: int, holders: Mapping[int, Sequence[str]]) -> dict[int, str]:

@@ -10,6 +10,13 @@ If a rank commit for the same step and rank already exists with a different mani
 saved again by a later attempt of the job), the newer save wins while the step is incomplete; a
 complete step is never touched.
 
+A rank saved in a replica group whose data rank (``spread.data_rank``: one member per group and step)
+is another member uploads only its small files when that member's rank commit appears (within
+``group_wait`` seconds) with a manifest of the same content key (recomputed from both manifests); its
+rank commit then names the member (``RankBackup.data``), and readers take the data objects from there.
+Otherwise (a diverged save, other content, no such commit in time) it uploads everything, as without
+groups.
+
 The step is read through its job's confined tree (a ``Beneath`` view): a data file, COMMIT or manifest
 that a pod replaced by a symlink is refused (``UnsafePathError``), so no other job's bytes are uploaded.
 """
@@ -24,7 +31,7 @@ import os
 import time
 from collections.abc import Callable
 
-from tierckpt.protocol.bucket_layout import BucketLayout, RankBackup
+from tierckpt.protocol.bucket_layout import BucketLayout, DataRef, RankBackup
 from tierckpt.protocol.errors import CorruptShardError, FormatError, TierckptError
 from tierckpt.protocol.format import (
     COMMIT_LIMIT,
@@ -37,9 +44,12 @@ from tierckpt.protocol.format import (
     as_tree,
 )
 from tierckpt.protocol.integrity import crc32c
+from tierckpt.protocol.replica import content_key
 from tierckpt.protocol.safefs import Beneath
 from tierckpt_replicator.backup.catalog import Catalog
+from tierckpt_replicator.backup.spread import data_rank
 from tierckpt_replicator.backup.store import ObjectInfo, ObjectNotFound, ObjectStore, PreconditionFailed
+from tierckpt_replicator.stepio import is_data_file
 
 __all__ = ["RankUpload", "StaleStepError", "UploadCancelled", "Uploader", "plan_slices"]
 
@@ -64,6 +74,8 @@ class RankUpload:
     bytes_sent: int
     skipped: bool
     """True when the rank was already committed in the bucket with the same manifest."""
+    logical_bytes: int = 0
+    """Bytes this upload would have sent without replica group dedup (0 when skipped)."""
 
 
 def plan_slices(size: int, slice_size: int) -> list[tuple[int, int]]:
@@ -89,7 +101,9 @@ class Uploader:
         max_manifest_bytes: int = 64 << 20,
         on_bytes: Callable[[int], None] | None = None,
         should_stop: Callable[[str], bool] | None = None,
+        group_wait: float = 60.0,
     ) -> None:
+        self.group_wait = group_wait
         self.store, self.layout, self.catalog, self.node, self.pool = store, layout, catalog, node, pool
         self.should_stop = should_stop or (lambda job: False)
         self.slice_size = slice_size
@@ -113,8 +127,12 @@ class Uploader:
             if existing.manifest_crc32c == marker.manifest_crc32c:
                 return RankUpload(existing, 0, skipped=True)
             self._replace_stale(job, step, rank, existing, manifest)
+        ref = self._data_ref(job, manifest)
+        files = (
+            manifest.files if ref is None else tuple(f for f in manifest.files if not is_data_file(f.name))
+        )
         present = {o.name: o for o in self.store.list(self.layout.rank_dir(job, step, rank))[0]}
-        sent = self._upload_files(job, step, rank, step_path, manifest.files, present)
+        sent = self._upload_files(job, step, rank, step_path, files, present)
         self._check_stop(job)
         for name, body in ((COMMIT_NAME, commit_bytes), (MANIFEST_NAME, manifest_bytes)):
             self.store.put_bytes(self.layout.rank_file_key(job, step, rank, name), body)
@@ -131,6 +149,7 @@ class Uploader:
             saved_at=manifest.created_at,
             uploaded_by=self.node,
             uploaded_at=time.time(),
+            data=ref,
         )
         try:
             self.store.put_bytes(
@@ -143,9 +162,61 @@ class Uploader:
                     f"rank {rank} of step {step} was committed by {other.uploaded_by} with another manifest "
                     "while we uploaded it"
                 ) from None
-            return RankUpload(other, sent, skipped=False)
-        log.info("uploaded rank %d of step %d of %s (%d bytes sent)", rank, step, job, sent)
-        return RankUpload(commit, sent, skipped=False)
+            return RankUpload(other, sent, skipped=False, logical_bytes=manifest.total_bytes)
+        how = f", data files are rank {ref.rank}'s" if ref is not None else ""
+        log.info("uploaded rank %d of step %d of %s (%d bytes sent%s)", rank, step, job, sent, how)
+        return RankUpload(commit, sent, skipped=False, logical_bytes=manifest.total_bytes)
+
+    def _data_ref(self, job: str, manifest: Manifest) -> DataRef | None:
+        """The member whose uploaded data files are this rank's, or None (upload them here)."""
+        record = manifest.replica
+        if record is None or not record.known or record.diverged or len(record.members) < 2:
+            return None
+        step, rank = manifest.step, manifest.rank
+        source = data_rank(job, step, record.members)
+        mine = content_key(manifest.files, manifest.tensors)
+        if source == rank or mine != record.content:
+            return None
+        deadline = time.monotonic() + self.group_wait
+        while (other := self._existing_commit(job, step, source)) is None:
+            self._check_stop(job)
+            if time.monotonic() >= deadline:
+                log.info(
+                    "rank %d of step %d of %s: rank %d (its group's data rank) is not in the bucket after "
+                    "%.0fs; uploading the data files here",
+                    rank,
+                    step,
+                    job,
+                    source,
+                    self.group_wait,
+                )
+                return None
+            time.sleep(0.2)
+        if other.data is not None:
+            return None
+        key = self.layout.rank_file_key(job, step, source, MANIFEST_NAME)
+        body = self.store.get_bytes(key, max_size=self.max_manifest_bytes)
+        if len(body) != other.manifest_size or crc32c(body) != other.manifest_crc32c:
+            raise CorruptShardError(f"gs object {key} does not match its rank commit", path=key)
+        theirs = Manifest.from_bytes(body)
+        same = (
+            theirs.replica is not None
+            and not theirs.replica.diverged
+            and theirs.replica.group == record.group
+            and content_key(theirs.files, theirs.tensors) == mine
+        )
+        if not same:
+            log.warning(
+                "rank %d of step %d of %s: rank %d in the bucket holds other content; uploading its own "
+                "data files (replica group %s not deduplicated)",
+                rank,
+                step,
+                job,
+                source,
+                record.group,
+            )
+            return None
+        return DataRef(rank=source, content=mine)
 
     # ------------------------------------------------------------------------------------ helpers
 

@@ -46,6 +46,7 @@ from tierckpt.protocol.errors import (
 )
 from tierckpt.protocol.format import check_job_id, committed_steps, discard_step, read_commit, read_manifest
 from tierckpt.protocol.identity import Peer
+from tierckpt.protocol.replica import content_key
 from tierckpt.protocol.safefs import Beneath
 from tierckpt_replicator.access import data_refusal
 from tierckpt_replicator.connlimits import SourceLimits
@@ -176,7 +177,13 @@ class DataServer:
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         slot = False
         try:
-            conn, req, peer = self._handshake(conn)
+            # The handshake, all of it under one deadline: TLS (``--auth tls``; the peer's identity),
+            # then the request frame. ``conn`` is the TLS socket from here on, so the error reply to a
+            # malformed frame goes through TLS too (found by tests/replicator/test_fuzz.py: it went
+            # out in clear text, which the peer's TLS layer can only take as a broken connection).
+            deadline = Deadline(self.ctx.config.handshake_timeout, "the request")
+            conn, peer = secure(self.ctx, conn, deadline)
+            req = recv_frame(conn, DataRequest, deadline=deadline)
             self._authorize(req, peer)
             slot = self._slots.acquire(blocking=False)
             if not slot:
@@ -214,13 +221,6 @@ class DataServer:
             if slot:
                 self._slots.release()
             _close_gently(conn)
-
-    def _handshake(self, conn: socket.socket) -> tuple[socket.socket, DataRequest, Peer | None]:
-        """The connection's handshake, all of it under one deadline: the TLS handshake (``--auth tls``;
-        the peer's identity) and the request frame."""
-        deadline = Deadline(self.ctx.config.handshake_timeout, "the request")
-        conn, peer = secure(self.ctx, conn, deadline)
-        return conn, recv_frame(conn, DataRequest, deadline=deadline), peer
 
     def _authorize(self, req: DataRequest, peer: Peer | None) -> None:
         """Whether ``req`` may be served at all, before it takes a transfer slot."""
@@ -276,24 +276,80 @@ class DataServer:
                 return
             total = header.manifest.total_bytes
             with self._claim((req.job, req.rank, req.step)):
-                self._ensure_room(req.job, total + len(header.commit_bytes) + len(header.manifest_bytes))
+                writer = StepWriter(parent, header)
+                linked = self._link_base(job, req, writer)
+                need = total - linked + len(header.commit_bytes) + len(header.manifest_bytes)
+                try:
+                    self._ensure_room(req.job, need)
+                except _Reject:
+                    writer.abort()
+                    raise
                 started = time.monotonic()
-                status, message = self._receive_replica(conn, req, StepWriter(parent, header))
+                status, message = self._receive_replica(conn, req, writer, linked > 0)
                 if status == Status.OK:  # before the reply: once the sender hears "committed", retention ran
                     apply_retention(self.ctx.root, req.job, self.ctx.config.replica_keep)
                 self._reply(conn, DataReply(status=status, message=message, total_bytes=total))
         seconds = time.monotonic() - started
         log.info(
-            "replica %s rank %d step %d from %s: %s (%d bytes, %.2fs)",
+            "replica %s rank %d step %d from %s: %s (%d bytes received, %d linked, %.2fs)",
             req.job,
             req.rank,
             req.step,
             req.node or "?",
             message,
-            total,
+            total - linked,
+            linked,
             seconds,
         )
-        self._event(req, status, bytes=total, seconds=seconds, message=message)
+        self._event(req, status, bytes=total - linked, seconds=seconds, message=message)
+
+    def _link_base(self, job: Beneath, req: DataRequest, writer: StepWriter) -> int:
+        """With ``req.base_rank``: link the data files of that replica group member's step held here
+        when its content key equals the incoming manifest's (recomputed on both, never taken from a
+        record) and neither save diverged. Returns the bytes linked (0: every file is to be received)."""
+        if req.base_rank < 0:
+            return 0
+        mine = writer.header.manifest
+        record = mine.replica
+        found = None
+        if record is None or not record.known or record.diverged or req.base_rank not in record.members:
+            why = "the step's replica record does not allow it"
+        elif req.base_rank == req.rank:
+            why = "the base is the rank itself"
+        else:
+            found = find_committed(job, req.base_rank, req.step)
+            why = f"no committed step of rank {req.base_rank} here"
+        if found is not None and record is not None:
+            base_rank, base = found
+            try:
+                with leases.hold(base_rank, req.step, unique_holder(self.ctx.config.holder)):
+                    theirs = read_header(
+                        base,
+                        job=req.job,
+                        rank=req.base_rank,
+                        step_no=req.step,
+                        limit=self.ctx.config.max_manifest_bytes,
+                    ).manifest
+                    other = theirs.replica
+                    if other is None or other.group != record.group or other.diverged:
+                        why = f"rank {req.base_rank}'s step is not an undiverged member of the group"
+                    elif content_key(theirs.files, theirs.tensors) != content_key(mine.files, mine.tensors):
+                        why = f"rank {req.base_rank}'s step holds other content"
+                    else:
+                        linked = writer.link_data(base, theirs)
+                        log.info(
+                            "replica %s rank %d step %d: %d data bytes linked from rank %d's identical step",
+                            req.job,
+                            req.rank,
+                            req.step,
+                            linked,
+                            req.base_rank,
+                        )
+                        return linked
+            except (MissingCheckpointError, FormatError, UnsafePathError, OSError) as exc:
+                why = f"rank {req.base_rank}'s step could not be linked: {exc}"
+        log.info("replica %s rank %d step %d: receiving every file (%s)", req.job, req.rank, req.step, why)
+        return 0
 
     def _read_header(self, conn: socket.socket, req: DataRequest) -> StepHeader:
         limit = self.ctx.config.max_manifest_bytes
@@ -308,11 +364,13 @@ class DataServer:
         except FormatError as exc:
             raise _Reject(Status.BAD_REQUEST, f"bad step header: {exc}") from exc
 
-    def _receive_replica(self, conn: socket.socket, req: DataRequest, writer: StepWriter) -> tuple[int, str]:
+    def _receive_replica(
+        self, conn: socket.socket, req: DataRequest, writer: StepWriter, linked: bool = False
+    ) -> tuple[int, str]:
         """Preallocate, say continue, receive and verify, commit. Returns (status, message)."""
         try:
             writer.prepare()
-            send_frame(conn, DataReply(status=Status.CONTINUE))
+            send_frame(conn, DataReply(status=Status.CONTINUE, linked=linked))
             _receive_all(conn, writer, self._floor())
             writer.commit()
             return Status.OK, "committed"
@@ -646,7 +704,7 @@ def _close_now(conn: socket.socket) -> None:
 def _receive_all(conn: socket.socket, writer: StepWriter, floor: RateFloor) -> None:
     """Receive every file; a crc mismatch is raised only after the stream is drained (protocol in sync)."""
     bad: CorruptShardError | None = None
-    for f in writer.header.manifest.files:
+    for f in writer.pending():
         fd = writer.open(f.name)
         try:
             crc = receive_file(conn, fd, f.size, where=writer.where(f.name), pace=floor)

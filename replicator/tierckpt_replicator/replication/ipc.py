@@ -102,6 +102,8 @@ class SendTask(Message):
     step: int
     candidates: tuple[PeerAddress, ...]
     want: int = 1
+    bases: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Candidate node -> replica group member whose identical step it holds (``DataRequest.base_rank``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,6 +181,8 @@ class Outcome(Record):
     seconds: float = 0.0
     index: int = -1
     """An erasure-coded fragment's index (sent or fetched); -1 for whole steps."""
+    saved: int = 0
+    """Bytes of the step not sent: the peer linked an identical replica group member's data files."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,7 +21,9 @@ the worker encodes each rank's newest step and sends its ``k + m`` fragments to 
 fragments placed beyond ``k``. Replicas left from before are retired.
 
 Only the newest step of a rank is ever sent: an older one that is still in flight when a newer one
-commits finishes, and the newer one follows.
+commits finishes, and the newer one follows. A rank saved in a replica group goes first to peers that
+hold an identical member step (they link its data files: ``replication.groups``); such a linked copy
+counts toward the factor like any other.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from tierckpt.protocol.errors import ContractError, RetryableError
 from tierckpt_replicator.assignments import AssignmentStore, data_endpoint
 from tierckpt_replicator.inventory import Holdings, InventoryScanner, list_jobs
 from tierckpt_replicator.metrics import Metrics
+from tierckpt_replicator.replication.groups import GroupTracker
 from tierckpt_replicator.replication.ipc import ErasureTask, Outcome, PeerAddress, RetireTask, SendTask
 from tierckpt_replicator.replication.plan import SendItem, candidate_targets, plan_sends
 from tierckpt_replicator.replication.redundancy import RedundancyLog, assess
@@ -113,6 +116,9 @@ class ReplicationManager:
         self.on_committed = on_committed
         self.kick = kick
         self.confirmed: dict[Key, set[str]] = {}
+        self.linked: dict[Key, set[str]] = {}
+        """Holders whose copy of a step was linked from a replica group member's (it counts toward the
+        factor like any other; the plan leaves it where it is and retirement keeps it first)."""
         self.last_replication: dict[str, float] = {}
         self._in_flight: set[Key] = set()
         self._step_backoff = _Backoff(1.0, retry_max)
@@ -127,8 +133,10 @@ class ReplicationManager:
         self._degraded = RedundancyLog()
         self._lost: set[Key] = set()
         """Newest steps that lost a confirmed copy (short at once, whatever their age)."""
+        self.groups = GroupTracker(node=node, peers=peers, metrics=metrics, kick=kick)
 
     async def close(self) -> None:
+        await self.groups.close()
         if self._reconciling is not None:
             self._tasks.add(self._reconciling)
         for t in list(self._tasks):
@@ -202,6 +210,13 @@ class ReplicationManager:
             self._send_fragments_due(job, assignment, newest, ec, in_flight | in_backoff, avoid)
             self._retire_surplus(job, assignment, newest, 0, now)  # replicas from before the code
             return
+        short = {
+            r
+            for r, s in newest.items()
+            if len(self.confirmed.get((job, r, s), ())) < k and (r, s) not in in_flight
+        }
+        linkable, hold = self.groups.plan(job, assignment, holdings, short)
+        held = {(r, newest[r]) for r in hold}
         items = plan_sends(
             job=job,
             node=self.node,
@@ -209,9 +224,13 @@ class ReplicationManager:
             assignment=assignment,
             newest=newest,
             confirmed={(r, s): nodes for (j, r, s), nodes in self.confirmed.items() if j == job},
-            in_flight=in_flight | in_backoff,
+            in_flight=in_flight | in_backoff | held,
             avoid=avoid,
+            linkable=linkable,
+            linked={(r, s): nodes for (j, r, s), nodes in self.linked.items() if j == job},
         )
+        if held:
+            asyncio.get_running_loop().call_later(self.groups.wait, self.kick)
         for item in items:
             self._spawn(self._send(item, assignment))
         self._retire_surplus(job, assignment, newest, k, now)
@@ -288,15 +307,17 @@ class ReplicationManager:
     def _retire_surplus(
         self, job: str, assignment: PeerAssignment, newest: dict[int, int], k: int, now: float
     ) -> None:
-        """Copies beyond the factor (it dropped): keep the most preferred ``k`` holders, ask the rest to
-        drop theirs."""
+        """Copies beyond the factor (it dropped, or a copy went back to an assigned peer): keep the most
+        preferred ``k`` holders (linked copies first: they cost the holder next to nothing), ask the rest
+        to drop theirs."""
         order = {n: i for i, n in enumerate(candidate_targets(assignment, self.node))}
         for rank, step in newest.items():
             key = (job, rank, step)
             have = self.confirmed.get(key, set())
             if len(have) <= k or key in self._in_flight or not self._step_backoff.ready(("retire", key), now):
                 continue
-            keep = sorted(have, key=lambda n: (order.get(n, len(order)), n))[:k]
+            linked = self.linked.get(key, set())
+            keep = sorted(have, key=lambda n: (n not in linked, order.get(n, len(order)), n))[:k]
             surplus = tuple(sorted(n for n in have if n not in keep and n in assignment.nodes))
             if surplus:
                 self._spawn(self._retire(key, surplus, assignment))
@@ -320,6 +341,7 @@ class ReplicationManager:
             for o in result.outcomes:
                 if o.status == "ok":
                     self.confirmed.get(key, set()).discard(o.node)
+                    self.linked.get(key, set()).discard(o.node)
             if result.ok:
                 self._step_backoff.ok(("retire", key))
                 log.info("%s rank %d step %d: surplus copies on %s retired", *key, list(holders))
@@ -349,6 +371,7 @@ class ReplicationManager:
                 step=item.step,
                 candidates=candidates,
                 want=item.want,
+                bases=item.bases,
             )
             try:
                 result = await self.supervisor.run_task(task)
@@ -357,6 +380,7 @@ class ReplicationManager:
                 log.warning("send %s rank %d step %d: %s; retrying in %.0fs", *key, exc, delay)
                 return
             self._record(key, result.outcomes)
+            self.groups.record(item.job, item.step, result.outcomes)
             if result.ok:
                 self._step_backoff.ok(key)
                 self.last_replication[item.job] = time.time()
@@ -381,6 +405,8 @@ class ReplicationManager:
                 self.confirmed.setdefault(key, set()).add(o.node)
                 self._node_backoff.ok(o.node)
                 if o.status == "ok":
+                    if o.saved > 0:
+                        self.linked.setdefault(key, set()).add(o.node)
                     self.metrics.transfer_bytes.labels("out").inc(o.bytes)
                     self.metrics.replication_seconds.observe(o.seconds)
             elif o.status != "missing":
@@ -459,6 +485,8 @@ class ReplicationManager:
         """Forget confirmations of steps that are no longer a rank's newest."""
         for key in [k for k in self.confirmed if k[0] == job and newest.get(k[1]) != k[2]]:
             del self.confirmed[key]
+        for key in [k for k in self.linked if k[0] == job and newest.get(k[1]) != k[2]]:
+            del self.linked[key]
         for key in [k for k in self.placed if k[0] == job and newest.get(k[1]) != k[2]]:
             del self.placed[key]
         self._lost = {k for k in self._lost if k[0] != job or newest.get(k[1]) == k[2]}
@@ -539,6 +567,7 @@ class ReplicationManager:
             self._lost.add(key)
 
     def forget(self, job: str) -> None:
+        self.groups.forget(job)
         for key in [k for k in self.confirmed if k[0] == job]:
             del self.confirmed[key]
         for key in [k for k in self.placed if k[0] == job]:

@@ -5,9 +5,12 @@
 go last. ``plan_sends`` turns the newest committed step of each local rank, and what is already known
 to be replicated or in flight, into ``SendItem``s: the step, the candidates, and how many more copies
 are wanted. The worker walks the candidates in order until that many succeeded, so a dead or full peer
-is replaced by the next one at once. A step at its factor but not on the peers the assignment names
-(a fallback took it while a peer was down) is copied to those peers once they are out of backoff; the
-manager then retires the fallback's copy (the surplus), so copies return to where the plan puts them.
+is replaced by the next one at once. A peer that already holds an identical copy of another replica
+group member's step (``linkable``, from ``replication.dedup``) goes first, with the member's rank as
+the ``base`` it links the data files from. A step at its factor but not on the peers the assignment
+names (a fallback took it while a peer was down) is copied to those peers once they are out of
+backoff; the manager then retires the fallback's copy (the surplus), so copies return to where the
+plan puts them. A linked copy (``linked``) stays where it is: it counts as placed, wherever it is.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ class SendItem:
     step: int
     candidates: tuple[str, ...]
     want: int
+    bases: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Candidate -> the member rank whose identical step it holds (only the small files travel)."""
 
 
 def candidate_targets(
@@ -57,8 +62,12 @@ def plan_sends(
     confirmed: Mapping[tuple[int, int], Collection[str]],
     in_flight: Collection[tuple[int, int]] = (),
     avoid: Collection[str] = (),
+    linkable: Mapping[int, Mapping[str, int]] | None = None,
+    linked: Mapping[tuple[int, int], Collection[str]] | None = None,
 ) -> list[SendItem]:
-    """One ``SendItem`` per local rank whose newest step has fewer than ``k`` confirmed copies."""
+    """One ``SendItem`` per local rank whose newest step has fewer than ``k`` confirmed copies, or is
+    not yet on its assigned peers. ``linkable``: rank -> peers holding an identical member step (node
+    -> that member's rank); ``linked``: (rank, step) -> holders whose copy was linked from a member's."""
     base = candidate_targets(assignment, node, avoid=avoid)
     assigned = [n for n in assignment.peers.get(node, ()) if n != node and n in assignment.nodes][: max(k, 0)]
     items = []
@@ -68,11 +77,18 @@ def plan_sends(
             continue
         have = set(confirmed.get((rank, step), ()))
         want = k - len(have)
-        candidates = tuple(n for n in base if n not in have)
+        bases = dict((linkable or {}).get(rank, {}))
+        ordered = [n for n in base if n in bases] + [n for n in base if n not in bases]
+        candidates = tuple(n for n in ordered if n not in have)
         if want > 0 and candidates:
-            items.append(SendItem(job=job, rank=rank, step=step, candidates=candidates, want=want))
+            bases = {n: b for n, b in bases.items() if n in candidates}
+            item = SendItem(job=job, rank=rank, step=step, candidates=candidates, want=want, bases=bases)
+            items.append(item)
             continue
-        back = tuple(n for n in assigned if n not in have and n not in avoid)
-        if back:  # at its factor, but not (all) where the plan says
+        # at its factor, but not (all) where the plan says; linked copies elsewhere stay where they are
+        settled = [n for n in have if n in (linked or {}).get((rank, step), ()) and n not in assigned]
+        home = assigned[: max(k - len(settled), 0)]
+        back = tuple(n for n in home if n not in have and n not in avoid)
+        if back:
             items.append(SendItem(job=job, rank=rank, step=step, candidates=back, want=len(back)))
     return items

@@ -47,6 +47,7 @@ from tierckpt_replicator.stepio import (
     Copy,
     StepHeader,
     StepWriter,
+    is_data_file,
     open_files,
     open_job,
     parse_header,
@@ -85,8 +86,12 @@ def _read_header(ctx: DataContext, path: Beneath, job: str, rank: int, step: int
 # ------------------------------------------------------------------------------------ push
 
 
-def push_step(ctx: DataContext, job: str, rank: int, step: int, peer: PeerAddress) -> Outcome:
-    """Copy this node's primary of ``job``/``rank``/``step`` to ``peer``."""
+def push_step(
+    ctx: DataContext, job: str, rank: int, step: int, peer: PeerAddress, *, base_rank: int = -1
+) -> Outcome:
+    """Copy this node's primary of ``job``/``rank``/``step`` to ``peer``. ``base_rank``: a replica
+    group member whose identical step ``peer`` holds: it may link those data files (only the rest is
+    sent)."""
     started = time.monotonic()
     try:
         tree = open_job(ctx.root, job)
@@ -94,11 +99,18 @@ def push_step(ctx: DataContext, job: str, rank: int, step: int, peer: PeerAddres
         return Outcome(peer.node, "missing", "the job has no directory here")
     with tree:
         parent = rank_tree(tree, "primary", rank)
-        return _push_from(ctx, parent, job, rank, step, peer, started)
+        return _push_from(ctx, parent, job, rank, step, peer, started, base_rank)
 
 
 def _push_from(
-    ctx: DataContext, parent: Beneath, job: str, rank: int, step: int, peer: PeerAddress, started: float
+    ctx: DataContext,
+    parent: Beneath,
+    job: str,
+    rank: int,
+    step: int,
+    peer: PeerAddress,
+    started: float,
+    base_rank: int = -1,
 ) -> Outcome:
     path = parent.at(step_name(step))
     try:
@@ -119,7 +131,7 @@ def _push_from(
                 except OSError as exc:
                     return Outcome(peer.node, "unreachable", f"connect {peer.host}:{peer.port}: {exc}")
                 with sock:
-                    sent = _push(ctx, sock, header, path, fds)
+                    sent = _push(ctx, sock, header, path, fds, base_rank)
     except UnsafePathError as exc:
         log.warning("refusing to push %s rank %d step %d: %s", job, rank, step, exc)
         return Outcome(peer.node, "failed", f"refused: {exc}")
@@ -129,19 +141,21 @@ def _push_from(
         return Outcome(
             peer.node, "failed", f"transfer to {peer.node} broke: {exc}", seconds=time.monotonic() - started
         )
-    reply, nbytes = sent
+    reply, nbytes, linked = sent
     return Outcome(
         peer.node,
         outcome_status(reply.status),
         reply.message,
         bytes=nbytes,
         seconds=time.monotonic() - started,
+        saved=linked if outcome_status(reply.status) == "ok" else 0,
     )
 
 
 def _push(
-    ctx: DataContext, sock: socket.socket, header: StepHeader, path: Beneath, fds: list[int]
-) -> tuple[DataReply, int]:
+    ctx: DataContext, sock: socket.socket, header: StepHeader, path: Beneath, fds: list[int], base_rank: int
+) -> tuple[DataReply, int, int]:
+    """Send the step; (final reply, bytes sent, bytes the peer linked instead of receiving)."""
     m = header.manifest
     req = DataRequest(
         op="put",
@@ -152,18 +166,23 @@ def _push(
         node=ctx.config.node,
         commit_size=len(header.commit_bytes),
         manifest_size=len(header.manifest_bytes),
+        base_rank=base_rank,
     )
     send_frame(sock, req, header.commit_bytes + header.manifest_bytes)
     reply = recv_frame(sock, DataReply)
     if reply.status != Status.CONTINUE:
-        return reply, 0
+        return reply, 0, 0
     sent = 0
+    linked = 0
 
     def on_bytes(n: int) -> None:
         nonlocal sent
         sent += n
 
     for f, fd in zip(m.files, fds, strict=True):
+        if reply.linked and is_data_file(f.name):
+            linked += f.size
+            continue
         send_file(
             sock,
             fd,
@@ -173,7 +192,7 @@ def _push(
             on_bytes=on_bytes,
             method=ctx.config.send_method,
         )
-    return recv_frame(sock, DataReply), sent
+    return recv_frame(sock, DataReply), sent, linked
 
 
 # ------------------------------------------------------------------------------------ fetch

@@ -8,6 +8,10 @@ big-endian length, then a ``_codec`` JSON message. Raw step bytes follow some fr
                                     <- DataReply{status=100 continue | error}
                                     + every file of the manifest, in manifest order, exactly its size
                                     <- DataReply{status=200 committed | 422 corrupt | error}
+                                    With base_rank >= 0 (a replica group member whose step the holder
+                                    has, same content key): the holder links that step's data files and
+                                    answers 100 with linked=true; then only the files that are not data
+                                    files (objects.pkl, ...) follow. linked=false: every file follows.
     get  (restorer -> holder)       DataRequest{op=get, token, job, rank, step}
                                     <- DataReply{status=200, commit_size, manifest_size} + COMMIT + manifest
                                     + every file of the manifest, in manifest order
@@ -109,6 +113,9 @@ class DataRequest(Message):
     """``fragment``: the index of the erasure-coded fragment sent."""
     erasure_size: int = 0
     """``fragment``: bytes of the erasure manifest after the step's manifest."""
+    base_rank: int = -1
+    """``put``: a member of this rank's replica group whose committed step ``step`` the holder has with
+    the same content key; it may link those data files instead of receiving them (-1: none)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,6 +132,8 @@ class DataReply(Message):
     """``getfrag``: the index of the fragment that follows; ``fragment``: the index the holder holds
     (with 208, or 409 when it holds another one of the step); -1 otherwise."""
     erasure_size: int = 0
+    linked: bool = False
+    """``put`` continue: the data files were linked from ``base_rank``'s step; send the others only."""
 
     @property
     def ok(self) -> bool:

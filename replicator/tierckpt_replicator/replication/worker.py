@@ -74,7 +74,7 @@ def run_send(ctx: DataContext, task: SendTask) -> TaskResult:
     outcomes: list[Outcome] = []
     have = 0
     for peer in task.candidates:
-        out = push_step(ctx, task.job, task.rank, task.step, peer)
+        out = push_step(ctx, task.job, task.rank, task.step, peer, base_rank=task.bases.get(peer.node, -1))
         outcomes.append(out)
         level = logging.INFO if out.status in ("ok", "already") else logging.WARNING
         log.log(

@@ -10,7 +10,8 @@ as a committed primary ``<job>/rank-N/step-S/``, so the client loads it as local
    a corrupt copy is reported to its holder and the next source is tried; for a rank the plan rebuilds
    from erasure-coded fragments (``Tier.ERASURE``), ``k`` fragments from its holders, decoded and
    checked against the step's crc32c (``replication.fragment_transfer``);
-4. the bucket, through the backup service.
+4. the bucket, through the backup service; a rank whose data files are another replica group
+   member's there takes them from the node restoring that member (``restore.fanout``).
 
 Staging runs once per restore: a new node rank (``PUT peers``) and the operator's plan (``PUT
 restore-plan``) both ask for it, and whichever comes second keeps the run already staging the same
@@ -56,6 +57,7 @@ from tierckpt_replicator.backup.jobs import BackupPort
 from tierckpt_replicator.metrics import Metrics
 from tierckpt_replicator.replication.ipc import FetchSource, FetchTask, RebuildTask, TaskProgress
 from tierckpt_replicator.replication.supervisor import WorkerSupervisor
+from tierckpt_replicator.restore.fanout import FanOut
 from tierckpt_replicator.restore.gather import compute_plan
 from tierckpt_replicator.restore.progress import ProgressReporter
 from tierckpt_replicator.settings import Settings
@@ -144,6 +146,19 @@ class Stager:
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._staging: dict[str, tuple[RestorePlan, tuple[int, ...]]] = {}
         """Job -> the plan its current (or last) run decided and the ranks it stages."""
+        self.fanout = (
+            FanOut(
+                node=settings.node_name,
+                peers=peers,
+                supervisor=supervisor,
+                backup=backup,
+                local_state=lambda job, rank: self.states.get(job, {}).get(rank),
+                local_committed=lambda job, rank, step: self._committed(job, "primary", rank, step),
+                wait=settings.restore_fanout_wait,
+            )
+            if backup is not None
+            else None
+        )
 
     @property
     def node(self) -> str:
@@ -227,6 +242,8 @@ class Stager:
             ranks = self._ranks(job, plan, assignment)
             if assignment is not None and assignment.process_ranks(self.node, plan.world_size):
                 self._staging[job] = (plan, ranks)
+            if self.fanout is not None:
+                ranks = await self.fanout.order(job, plan, ranks)
             self.states[job] = {r: RestoreState.PENDING for r in ranks}
             log.info("restore %s: step %s for ranks %s", job, plan.step, list(ranks))
             self._tell_new_ranks(job, plan, assignment, ranks)
@@ -345,7 +362,10 @@ class Stager:
                 return tier, ""
             reasons.append(why)
         if self.backup is not None:
-            tier, why = await self._from_bucket(job, rank, step, rep)
+            seed = None
+            if self.fanout is not None:
+                seed = await self.fanout.seed(job, rank, step, plan.world_size, assignment)
+            tier, why = await self._from_bucket(job, rank, step, rep, seed)
             if tier is not None:
                 return tier, ""
             reasons.append(why)
@@ -415,8 +435,9 @@ class Stager:
         return None, "; ".join(f"{o.node}: {o.status} {o.message}".strip() for o in result.outcomes)
 
     async def _from_bucket(
-        self, job: str, rank: int, step: int, rep: ProgressReporter
+        self, job: str, rank: int, step: int, rep: ProgressReporter, seed: tuple[int, Copy] | None = None
     ) -> tuple[Tier | None, str]:
+        """``seed``: a rank (and its copy here) whose committed step holds this rank's data files."""
         assert self.backup is not None
         try:
             if step not in await self.backup.complete_steps(job):
@@ -428,6 +449,7 @@ class Stager:
                     rank,
                     rank_tree(tree, "primary", rank),
                     lambda done: rep.update(bytes_done=done),
+                    rank_tree(tree, seed[1], seed[0]).at(step_name(step)) if seed is not None else None,
                 )
         except (TierckptError, OSError) as exc:
             return None, f"bucket: {exc}"
