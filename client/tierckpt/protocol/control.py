@@ -518,7 +518,7 @@ class JobPolicy(Message):
             ("keep_every", MAX_GENERATION),
         ):
             value = getattr(self, name)
-            if not (math.isfinite(value) and 0 <= value <= top):
+            if not (0 <= value <= top and math.isfinite(value)):  # bounds first: a huge int is no float
                 raise FormatError(f"job policy: {name} must be a finite number in 0..{top}")
         if not 0 <= self.replication_factor <= 8:
             raise FormatError("job policy: replication_factor must be in [0, 8]")
