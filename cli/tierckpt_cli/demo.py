@@ -55,6 +55,12 @@ def demo_command(
         help="An FSDP2 model checkpointed through PyTorch DCP (several ranks per node), with a 'shrink' "
         "scenario: a node lost for good, the job resumes on fewer ranks, resharded.",
     ),
+    replica_group: bool = typer.Option(
+        False,
+        "--replica-group",
+        help="Data parallel ranks saved as one replica group: each shard written once per node, "
+        "replicated and uploaded once; the report shows the bytes saved.",
+    ),
     procs_per_node: int | None = typer.Option(
         None,
         "--procs-per-node",
@@ -104,6 +110,7 @@ def demo_command(
             timeout=timeout,
             flip_bit=flip_bit,
             dcp=dcp,
+            replica_group=replica_group,
             procs_per_node=procs_per_node or (2 if dcp else 1),
         )
         try:

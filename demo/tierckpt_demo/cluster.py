@@ -597,14 +597,20 @@ class LocalCluster:
     # ---------------------------------------------------------------- assignments
 
     def assignment(
-        self, job: str, generation: int = 1, node_ranks: dict[str, int] | None = None
+        self,
+        job: str,
+        generation: int = 1,
+        node_ranks: dict[str, int] | None = None,
+        peers: dict[str, tuple[str, ...]] | None = None,
     ) -> PeerAssignment:
-        """A ring: node i sends to the next ``k`` nodes; node i has node rank i (unless given)."""
+        """A ring: node i sends to the next ``k`` nodes (unless ``peers`` are given); node i has node
+        rank i (unless given)."""
         names = [n.name for n in self.nodes]
-        peers = {
-            name: tuple(names[(i + d) % len(names)] for d in range(1, min(self.k, len(names) - 1) + 1))
-            for i, name in enumerate(names)
-        }
+        if peers is None:
+            peers = {
+                name: tuple(names[(i + d) % len(names)] for d in range(1, min(self.k, len(names) - 1) + 1))
+                for i, name in enumerate(names)
+            }
         return PeerAssignment(
             job=job,
             generation=generation,

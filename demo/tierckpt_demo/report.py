@@ -146,6 +146,9 @@ class DemoReport(Message):
     """Kept working directory (``--keep-workdir``), else empty."""
     error: str = ""
     """Why the run stopped early, if it did."""
+    dedup: dict[str, int] = dataclasses.field(default_factory=dict)
+    """``--replica-group``: bytes ``written`` by the ranks over the run, ``replicated`` and ``uploaded``
+    by the replicators for the newest step, each with its ``*_logical`` figure without deduplication."""
 
     @property
     def failed_checks(self) -> list[tuple[str, Check]]:
@@ -203,7 +206,7 @@ def _seconds(seconds: float) -> str:
     return f"{seconds * 1000:.0f} ms" if seconds < 1 else f"{seconds:.2f} s"
 
 
-def _mib(n: int) -> str:
+def mib(n: int) -> str:
     return f"{n / (1 << 20):.1f} MiB"
 
 
@@ -233,7 +236,7 @@ def scenario_table(report: DemoReport) -> Table:
             Text.assemble((s.name, "bold"), "\n", (s.failure, "dim")),
             "-" if s.restored_step is None else str(s.restored_step),
             _tiers(s),
-            _mib(s.bytes),
+            mib(s.bytes),
             _seconds(s.save_blocking_s),
             _seconds(s.restore_s),
             result,
@@ -244,6 +247,17 @@ def scenario_table(report: DemoReport) -> Table:
         + (" (after a reshard, losses within 1e-5)." if report.config.checkpointing == "dcp" else ".")
     )
     return table
+
+
+def dedup_line(d: dict[str, int]) -> str:
+    """One line of what the replica group saved: each figure against the bytes without deduplication."""
+    parts = []
+    for key, what in (("written", "written"), ("replicated", "replicated"), ("uploaded", "uploaded")):
+        logical = d.get(f"{key}_logical", 0)
+        if logical:
+            saved = 1 - d.get(key, 0) / logical
+            parts.append(f"{what} {mib(d.get(key, 0))} of {mib(logical)} ({saved:.0%} saved)")
+    return "replica group: " + ("; ".join(parts) if parts else "nothing counted")
 
 
 def render_report(report: DemoReport, console: Console) -> None:
@@ -261,9 +275,9 @@ def render_report(report: DemoReport, console: Console) -> None:
         )
     c = report.config
     state = (
-        f"{_mib(c.state_bytes)} per checkpoint sharded over the ranks (FSDP2, DCP)"
+        f"{mib(c.state_bytes)} per checkpoint sharded over the ranks (FSDP2, DCP)"
         if c.checkpointing == "dcp"
-        else f"{_mib(c.state_bytes)} per rank per checkpoint"
+        else f"{mib(c.state_bytes)} per rank per checkpoint"
     )
     parts.append(
         Text(
@@ -272,6 +286,8 @@ def render_report(report: DemoReport, console: Console) -> None:
             style="dim",
         )
     )
+    if report.dedup:
+        parts.append(Text(dedup_line(report.dedup), style="cyan"))
     for where, check in report.failed_checks:
         parts.append(Text(f"✘ {where}: {check.name}: {check.detail}", style="red"))
     if report.error:

@@ -45,6 +45,7 @@ from tierckpt_demo.report import (
     DemoReport,
     RankResult,
     ScenarioResult,
+    dedup_line,
     median,
     tier_groups,
 )
@@ -100,6 +101,9 @@ class DemoOptions:
     dcp: bool = False
     """Checkpoint an FSDP2 model through PyTorch DCP (``tierckpt_demo.dcp_demo``) instead of
     ``Checkpointer``; adds the ``shrink`` scenario (the job resumes on fewer nodes, resharded)."""
+    replica_group: bool = False
+    """Every rank saves as a member of one replica group (the model is data parallel): each shard is
+    written once per node, replicated and uploaded once; the report shows the bytes saved."""
 
     @property
     def world_size(self) -> int:
@@ -112,6 +116,8 @@ class DemoOptions:
             raise ValueError("the shrink scenario needs --dcp: native checkpoints do not reshard")
         if self.dcp:
             self._validate_dcp()
+            if self.replica_group:
+                raise ValueError("--replica-group applies to Checkpointer; DCP deduplicates in its planner")
         if self.nodes < 2 and any(s != "local" for s in self.scenarios):
             raise ValueError("the peer and gcs scenarios need at least 2 nodes")
         if self.checkpoint_every < 2:
@@ -216,6 +222,7 @@ class Demo:
         self.reference = sc.Reference()
         self.results: list[ScenarioResult] = []
         self.timings: dict[str, float] = {}
+        self.dedup: dict[str, int] = {}
         self.trainers: Trainers | None = None
         self.lost: tuple[str, ...] = ()
         self.rank_nodes: dict[int, str] = {}
@@ -294,6 +301,7 @@ class Demo:
             checks=tuple(checks),
             workdir=str(self.workdir) if self.o.keep_workdir else "",
             error=error or ("" if ran_all else "not every scenario ran"),
+            dedup=dict(self.dedup),
         )
 
     def _say(self, text: str) -> None:
@@ -411,6 +419,8 @@ class Demo:
         self.timings["training_s"] = time.monotonic() - t0
 
     def _finish(self, events: dict[int, list[TrainerEvent]]) -> None:
+        if self.o.replica_group:
+            self._account()
         finals = {r: e.sha256 for r, evs in events.items() for e in evs if e.event == "done"}
         self.run_checks = sc.check_run(
             steps=self.o.steps,
@@ -421,7 +431,35 @@ class Demo:
         for c in self.run_checks:
             self._say(f"{'[green]✔[/]' if c.ok else '[red]✘[/]'} {c.name}: {c.detail}")
 
+    def _account(self) -> None:
+        """Replica groups: what the ranks wrote over the run, and what the replicators sent and uploaded
+        for their newest step, each against the bytes without deduplication."""
+        out = self.dedup
+        newest = max(step for _, step in self.reference.saved)
+
+        def counted() -> list[Any] | None:  # every node's count of the newest step, once all have one
+            rows = [self.cluster.api.inventory(n.endpoint, JOB, node=n.name) for n in self._operator.nodes]
+            got = [i.step_bytes for i in rows if i is not None and i.step_bytes is not None]
+            return got if len(got) == len(rows) and all(b.step == newest for b in got) else None
+
+        deadline = time.monotonic() + 20.0
+        while (rows := counted()) is None and time.monotonic() < deadline:
+            time.sleep(0.25)
+        if rows is None:
+            self._say(f"[yellow]![/] no byte counts of step {newest} from every replicator within 20 s")
+            rows = []
+        for row in rows:
+            for key in ("replicated", "replicated_logical", "uploaded", "uploaded_logical"):
+                out[key] = out.get(key, 0) + int(getattr(row, key))
+        self._say(dedup_line(out))
+
     def _record(self, events: dict[int, list[TrainerEvent]]) -> None:
+        if self.o.replica_group:
+            for evs in events.values():
+                for e in evs:
+                    if e.event == "saved":
+                        self.dedup["written"] = self.dedup.get("written", 0) + e.written_bytes
+                        self.dedup["written_logical"] = self.dedup.get("written_logical", 0) + e.logical_bytes
         losses = {
             e.step: e.loss
             for e in events.get(0, [])
@@ -464,6 +502,8 @@ class Demo:
                     argv.append("--hold")
                 if self.o.flip_bit and index == 1 and rank == 0:
                     argv.append("--flip-restored-bit")
+                if self.o.replica_group:
+                    argv.append("--replica-group")
                 env = {**os.environ, **self._trainer_env(node, rank, local, nodes[0].ip, port)}
                 trainers.pids[rank] = trainers.launchers[rank].launch(argv, env, str(trainers.logs[rank]))
         return trainers

@@ -240,6 +240,10 @@ class TrainerEvent(Message):
     """``restored`` (DCP): bytes the replicator moved for those fetches."""
     fetch_s: float = 0.0
     """``restored`` (DCP): time the load waited for them."""
+    written_bytes: int = 0
+    """``saved`` (replica group): bytes this rank wrote; 0 for a member that linked the writer's files."""
+    logical_bytes: int = 0
+    """``saved`` (replica group): bytes it would have written without deduplication."""
 
 
 class EventLog:
@@ -287,6 +291,12 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--init-timeout", type=float, default=120.0)
     p.add_argument(
+        "--replica-group",
+        action="store_true",
+        help="every rank holds the same model and optimizer (data parallel): one replica group, saved "
+        "once per node and replicated and uploaded once per distinct shard",
+    )
+    p.add_argument(
         "--flip-restored-bit",
         action="store_true",
         help="flip one bit of the restored weights (a negative control: the demo's checks must fail)",
@@ -320,9 +330,22 @@ def _flip_one_bit(state: dict[str, Any]) -> None:
     log.warning("flipped the lowest bit of one restored weight (--flip-restored-bit)")
 
 
-def _restore(ckpt: Any, state: dict[str, Any], events: EventLog, *, flip: bool = False) -> int:
+def _checkpointed(state: dict[str, Any], group: bool) -> dict[str, Any]:
+    """What is saved: ``state``, or in a replica group the shared tensors with this rank's own
+    statistics as plain numbers (a tensor that differs per rank would make every save diverge)."""
+    if not group:
+        return state
+    return {"model": state["model"], "optim": state["optim"], "rank_stats": state["rank_stats"].tolist()}
+
+
+def _restore(
+    ckpt: Any, state: dict[str, Any], events: EventLog, *, flip: bool = False, group: bool = False
+) -> int:
     began = time.time()
-    step = ckpt.load(state, allow_missing=True)
+    view = _checkpointed(state, group)
+    step = ckpt.load(view, allow_missing=True)
+    if group and step is not None:
+        state["rank_stats"].copy_(torch.tensor(view["rank_stats"], dtype=torch.float32))
     if flip and step is not None:
         _flip_one_bit(state)
     tier, nbytes, staged_at = describe_restore(ckpt, step)
@@ -354,16 +377,25 @@ def run(args: argparse.Namespace) -> None:
     events = EventLog(args.events, rank)
     events.emit("start", message=f"pid {os.getpid()}")
     net, opt, state = build_state(parse_model_size(args.model_size), args.seed)
-    ckpt = tierckpt.Checkpointer()
-    start = _restore(ckpt, state, events, flip=args.flip_restored_bit)
+    world = dist.get_world_size()
+    ckpt = tierckpt.Checkpointer(replica_group=list(range(world)) if args.replica_group else None)
+    start = _restore(ckpt, state, events, flip=args.flip_restored_bit, group=args.replica_group)
     for step in range(start + 1, args.until + 1):
         loss = train_step(net, opt, state["rank_stats"], seed=args.seed, step=step)
         events.emit("step", step=step, loss=loss)
         if step % args.checkpoint_every == 0:
             t0 = time.perf_counter()
-            ckpt.save(step, state)
+            ckpt.save(step, _checkpointed(state, args.replica_group))
             blocking = time.perf_counter() - t0
-            events.emit("saved", step=step, seconds=blocking, sha256=state_sha256(state))
+            accounting = ckpt.last_save if args.replica_group else {}
+            events.emit(
+                "saved",
+                step=step,
+                seconds=blocking,
+                sha256=state_sha256(state),
+                written_bytes=int(accounting.get("written_bytes", 0)),
+                logical_bytes=int(accounting.get("logical_bytes", 0)),
+            )
     ckpt.wait()
     if args.hold:
         dist.barrier()

@@ -85,7 +85,29 @@ def test_nodes_of_members_that_have_not_reported_the_step_are_awaited() -> None:
 
 
 def test_the_plan_sends_to_a_linkable_peer_first_with_its_base() -> None:
+    two_peers = dataclasses.replace(assignment(), peers={"n0": ("n1", "n2")})
     items = plan_sends(
+        job="j",
+        node="n0",
+        k=1,
+        assignment=two_peers,
+        newest={0: 7},
+        confirmed={},
+        linkable={0: {"n2": 2}},
+    )
+    (item,) = items
+    assert item.candidates[0] == "n2" and item.bases == {"n2": 2}
+    assert item.candidates[1] == "n1"  # the other assigned peer next, for a full copy if linking fails
+
+
+def test_a_linkable_fallback_never_goes_before_the_assigned_peer() -> None:
+    """The assigned peers are the operator's choice of failure domains: a fallback that could link
+    comes first among the fallbacks only."""
+    (item,) = plan_sends(
+        job="j", node="n0", k=1, assignment=assignment(), newest={0: 7}, confirmed={}, linkable={0: {"n2": 2}}
+    )
+    assert item.candidates[0] == "n1" and item.candidates[1] == "n2" and item.bases == {"n2": 2}
+    (dead,) = plan_sends(
         job="j",
         node="n0",
         k=1,
@@ -93,10 +115,9 @@ def test_the_plan_sends_to_a_linkable_peer_first_with_its_base() -> None:
         newest={0: 7},
         confirmed={},
         linkable={0: {"n2": 2}},
+        avoid={"n1"},
     )
-    (item,) = items
-    assert item.candidates[0] == "n2" and item.bases == {"n2": 2}
-    assert item.candidates[1] == "n1"  # the assigned peer next, for a full copy if linking fails
+    assert dead.candidates[0] == "n2" and dead.candidates[-1] == "n1"
     plain = plan_sends(job="j", node="n0", k=1, assignment=assignment(), newest={0: 7}, confirmed={})
     assert plain[0].candidates[0] == "n1" and plain[0].bases == {}
 

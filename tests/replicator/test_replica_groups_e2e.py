@@ -50,8 +50,15 @@ def cluster4() -> Iterator[LocalCluster]:
         yield cluster
 
 
+def _assign(cluster: LocalCluster, job: str, generation: int = 1) -> None:
+    """Each node's peer is the node of its rank's other group member, as the operator places them
+    (``plan_peers(partners=...)``): there the replica can link the member's identical data files."""
+    peers = {n.name: (cluster.nodes[MEMBER[n.index]].name,) for n in cluster.nodes}
+    cluster.assign(job, generation, peers=peers)
+
+
 def _save(cluster: LocalCluster, job: str, steps: list[int], *, drift: bool = False) -> None:
-    cluster.assign(job)
+    _assign(cluster, job)
     run_ranks(WORLD, group_ranks.save_steps, [str(n.root) for n in cluster.nodes], job, steps, drift)
 
 
@@ -135,7 +142,7 @@ def test_a_lost_node_comes_back_from_the_other_members_node(cluster4: LocalClust
     lost.kill_replicator()
     lost.wipe_ramdisk()
     lost.start_replicator()
-    cluster4.assign(job, generation=2)
+    _assign(cluster4, job, generation=2)
     st = wait_restored(lost, job, 0)
     assert (st.state, st.step, st.source) == (RestoreState.READY, 5, Tier.PEER)
     assert step_files(step_dir(rank_dir(lost.root, job, 0), 5)) == before  # bit-exact
@@ -203,7 +210,7 @@ def test_each_shard_is_uploaded_once_and_every_rank_restores_from_it(cluster4: L
         node.start_replicator(wait=False)
     for node in cluster4.nodes:
         node.wait_ready()
-    cluster4.assign(job, generation=2)
+    _assign(cluster4, job, generation=2)
     for node in cluster4.nodes:
         st = wait_restored(node, job, node.index)
         assert (st.state, st.step, st.source) == (RestoreState.READY, 7, Tier.GCS)

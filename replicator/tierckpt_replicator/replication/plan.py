@@ -6,11 +6,12 @@ go last. ``plan_sends`` turns the newest committed step of each local rank, and 
 to be replicated or in flight, into ``SendItem``s: the step, the candidates, and how many more copies
 are wanted. The worker walks the candidates in order until that many succeeded, so a dead or full peer
 is replaced by the next one at once. A peer that already holds an identical copy of another replica
-group member's step (``linkable``, from ``replication.dedup``) goes first, with the member's rank as
-the ``base`` it links the data files from. A step at its factor but not on the peers the assignment
-names (a fallback took it while a peer was down) is copied to those peers once they are out of
-backoff; the manager then retires the fallback's copy (the surplus), so copies return to where the
-plan puts them. A linked copy (``linked``) stays where it is: it counts as placed, wherever it is.
+group member's step (``linkable``, from ``replication.dedup``) goes first among the assigned peers (or
+among the fallbacks), with the member's rank as the ``base`` it links the data files from. A step at
+its factor but not on the peers the assignment names (a fallback took it while a peer was down) is
+copied to those peers once they are out of backoff; the manager then retires the fallback's copy (the
+surplus), so copies return to where the plan puts them. A linked copy (``linked``) stays where it is:
+it counts as placed, wherever it is.
 """
 
 from __future__ import annotations
@@ -69,7 +70,8 @@ def plan_sends(
     not yet on its assigned peers. ``linkable``: rank -> peers holding an identical member step (node
     -> that member's rank); ``linked``: (rank, step) -> holders whose copy was linked from a member's."""
     base = candidate_targets(assignment, node, avoid=avoid)
-    assigned = [n for n in assignment.peers.get(node, ()) if n != node and n in assignment.nodes][: max(k, 0)]
+    listed = [n for n in assignment.peers.get(node, ()) if n != node and n in assignment.nodes]
+    assigned = listed[: max(k, 0)]  # where the plan puts the copies (the rest are its spares)
     items = []
     for rank in sorted(newest):
         step = newest[rank]
@@ -78,7 +80,9 @@ def plan_sends(
         have = set(confirmed.get((rank, step), ()))
         want = k - len(have)
         bases = dict((linkable or {}).get(rank, {}))
-        ordered = [n for n in base if n in bases] + [n for n in base if n not in bases]
+        # A linkable peer goes first within its tier only: the assigned peers (the operator's choice of
+        # failure domains) before the fallbacks, and dead peers last, whatever they hold.
+        ordered = sorted(base, key=lambda n: (n in avoid, n not in listed, n not in bases))
         candidates = tuple(n for n in ordered if n not in have)
         if want > 0 and candidates:
             bases = {n: b for n, b in bases.items() if n in candidates}
