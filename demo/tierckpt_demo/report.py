@@ -147,8 +147,8 @@ class DemoReport(Message):
     error: str = ""
     """Why the run stopped early, if it did."""
     dedup: dict[str, int] = dataclasses.field(default_factory=dict)
-    """``--replica-group``: bytes ``written`` by the ranks over the run, ``replicated`` and ``uploaded``
-    by the replicators for the newest step, each with its ``*_logical`` figure without deduplication."""
+    """``--replica-group``: bytes ``written`` by the ranks and ``replicated`` to peers by the replicators
+    over the run, each with its ``*_logical`` figure without deduplication."""
 
     @property
     def failed_checks(self) -> list[tuple[str, Check]]:

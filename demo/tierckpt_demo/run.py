@@ -24,6 +24,7 @@ import shutil
 import signal
 import tempfile
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
@@ -432,25 +433,16 @@ class Demo:
             self._say(f"{'[green]✔[/]' if c.ok else '[red]✘[/]'} {c.name}: {c.detail}")
 
     def _account(self) -> None:
-        """Replica groups: what the ranks wrote over the run, and what the replicators sent and uploaded
-        for their newest step, each against the bytes without deduplication."""
+        """Replica groups: what the ranks wrote over the run (their saves' accounting) and what the
+        replicators sent to their peers (their counters: bytes sent, and bytes a peer linked instead),
+        each against the bytes without deduplication."""
         out = self.dedup
-        newest = max(step for _, step in self.reference.saved)
-
-        def counted() -> list[Any] | None:  # every node's count of the newest step, once all have one
-            rows = [self.cluster.api.inventory(n.endpoint, JOB, node=n.name) for n in self._operator.nodes]
-            got = [i.step_bytes for i in rows if i is not None and i.step_bytes is not None]
-            return got if len(got) == len(rows) and all(b.step == newest for b in got) else None
-
-        deadline = time.monotonic() + 20.0
-        while (rows := counted()) is None and time.monotonic() < deadline:
-            time.sleep(0.25)
-        if rows is None:
-            self._say(f"[yellow]![/] no byte counts of step {newest} from every replicator within 20 s")
-            rows = []
-        for row in rows:
-            for key in ("replicated", "replicated_logical", "uploaded", "uploaded_logical"):
-                out[key] = out.get(key, 0) + int(getattr(row, key))
+        sent = linked = 0
+        for node in self._operator.nodes:
+            counters = _counters(f"{node.probe_endpoint}/metrics")
+            sent += int(counters.get(("tierckpt_replicator_transfer_bytes_total", "out"), 0))
+            linked += int(counters.get(("tierckpt_replicator_dedup_bytes_total", ""), 0))
+        out["replicated"], out["replicated_logical"] = sent, sent + linked
         self._say(dedup_line(out))
 
     def _record(self, events: dict[int, list[TrainerEvent]]) -> None:
@@ -761,6 +753,19 @@ class Demo:
             restored.fetched_bytes,
             restored.fetch_s,
         )
+
+
+def _counters(url: str) -> dict[tuple[str, str], float]:
+    """(sample name, its ``direction`` label or "") -> value, from a Prometheus text page."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    return {
+        (sample.name, sample.labels.get("direction", "")): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
 
 
 @contextlib.contextmanager

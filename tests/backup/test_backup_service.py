@@ -388,9 +388,11 @@ async def test_a_rotted_local_shard_is_never_committed_to_the_bucket(
 ) -> None:
     root = tmp_path / "n"
     src = write_step(root, JOB, 0, 4, sizes=(64 * KiB,))
-    with open(src / "data-00000.bin", "r+b") as f:
+    with open(src / "data-00000.bin", "r+b") as f:  # flip a byte: always a change (a written constant
+        f.seek(100)  # equals the random byte there once in 256 runs)
+        byte = f.read(1)[0]
         f.seek(100)
-        f.write(b"\x42")
+        f.write(bytes([byte ^ 0xFF]))
     svc = make_service(make_store(gcs_server.url, bucket), root, "n")
     with pytest.raises(UploadCorrupted):
         await svc.backup_now(JOB)

@@ -117,7 +117,10 @@ def test_demo_with_a_replica_group_shows_the_bytes_saved() -> None:
     _check_report(report, "netns")
     d = report.dedup
     assert d["written"] == d["written_logical"] > 0  # one member per node: each node writes its copy
-    assert d["replicated_logical"] > 0 and d["replicated"] < d["replicated_logical"] // 10
+    # Without dedup every byte would be sent (replicated == replicated_logical). With it most replicas
+    # are links; what is still sent is the restores' peer fetches and a copy made before a member's
+    # identical step was known.
+    assert d["replicated_logical"] > 0 and d["replicated"] < d["replicated_logical"] // 2
     assert "replica group: " in result.stderr and "saved" in result.stderr
     assert _leftovers(pid) == []
 

@@ -38,6 +38,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tierckpt.integrations.lazy import framework_subclass
+
 __all__ = ["TierckptAccelerator", "TierckptAcceleratorMixin"]
 
 log = logging.getLogger(__name__)
@@ -266,15 +268,10 @@ if TYPE_CHECKING:
 def __getattr__(name: str) -> Any:
     if name != "TierckptAccelerator":
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    from accelerate import Accelerator
-
-    accelerator = type(
-        "TierckptAccelerator",
-        (TierckptAcceleratorMixin, Accelerator),
-        {
-            "__doc__": "``accelerate.Accelerator`` saving its state to the node's RAM disk.",
-            "__module__": __name__,
-        },
+    return framework_subclass(
+        globals(),
+        name,
+        TierckptAcceleratorMixin,
+        ("accelerate", "Accelerator"),
+        "``accelerate.Accelerator`` saving its state to the node's RAM disk.",
     )
-    globals()[name] = accelerator
-    return accelerator

@@ -45,6 +45,8 @@ import shutil
 import tempfile
 from typing import TYPE_CHECKING, Any
 
+from tierckpt.integrations.lazy import framework_subclass
+
 __all__ = ["TierckptTrainer", "TierckptTrainerMixin"]
 
 log = logging.getLogger(__name__)
@@ -199,15 +201,10 @@ if TYPE_CHECKING:
 def __getattr__(name: str) -> Any:
     if name != "TierckptTrainer":
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    from transformers import Trainer
-
-    trainer = type(
-        "TierckptTrainer",
-        (TierckptTrainerMixin, Trainer),
-        {
-            "__doc__": "``transformers.Trainer`` checkpointing to the node's RAM disk (see the module).",
-            "__module__": __name__,
-        },
+    return framework_subclass(
+        globals(),
+        name,
+        TierckptTrainerMixin,
+        ("transformers", "Trainer"),
+        "``transformers.Trainer`` checkpointing to the node's RAM disk (see the module).",
     )
-    globals()[name] = trainer
-    return trainer

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from teardown import end_process_groups  # this directory is on sys.path
 from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainingArguments
 
 # --8<-- [start:snippet]
@@ -74,6 +75,7 @@ def main() -> None:
             {"weights": model.state_dict(), "restored_step": trainer.tierckpt_restored_step},
             os.environ["RESULT"],
         )
+    end_process_groups()
 
 
 if __name__ == "__main__":

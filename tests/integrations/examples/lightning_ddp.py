@@ -20,6 +20,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch import Trainer
+from teardown import end_process_groups  # this directory is on sys.path
 from torch.utils.data import DataLoader, TensorDataset
 
 # --8<-- [start:snippet]
@@ -188,6 +189,7 @@ def main() -> None:
             },
             os.environ["RESULT"],
         )
+    end_process_groups()
 
 
 if __name__ == "__main__":
