@@ -31,6 +31,14 @@ Measured in the same run, between the same network namespaces (root) or over loo
 * **end to end**: a step committed in A's ramdisk until its replica is committed on B;
 * **restore**: node A lost, time until its rank is staged back from its peer, versus from the bucket
   (fake-gcs-server, memory backend, on this machine) when the peer is lost too;
+* **healing** (unless ``--skip-healing``; ``--only-healing`` measures nothing else): node A lost and
+  replaced, seconds from the new peer plan until the job is back at full redundancy (A's rank staged
+  again, every rank's step replicated on a live node other than its primary's, no node degraded), for
+  the step size of ``--size-mib``, with no save in between;
+* **erasure coding** (``--only-erasure K,M``, on its own cluster of K + M + 1 nodes): one rank's step
+  placed as K + M fragments on the other nodes against one replica: the bytes the peers hold, the
+  time from the commit until every fragment (or the replica) is committed, and the time to restore
+  the rank after its node is lost (rebuilt from K fragments, or copied from the replica);
 * **training slowdown**: a torch MLP on one thread, its steps/s in idle windows and in windows where
   A commits a new step every ``--interval`` s for the replicators to send, interleaved; for each
   worker configuration: ``unprotected`` (nice 0), ``nice 10`` (the default), ``SCHED_IDLE``
@@ -72,7 +80,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tierckpt.protocol.control import RestoreState, RestoreStatus, read_restore_status
+from tierckpt.protocol.control import JobPolicy, RestoreState, RestoreStatus, read_restore_status
 from tierckpt.protocol.format import (
     commit_step,
     rank_dir,
@@ -593,6 +601,150 @@ def restore_times(cluster: LocalCluster, size: int, blob: bytes) -> dict[str, An
     return out
 
 
+# ------------------------------------------------------------------------------------------ healing
+
+
+def _replicated(cluster: LocalCluster, job: str, rank: int, step: int) -> bool:
+    primary = cluster.nodes[rank]
+    return any(
+        n is not primary and n.running and committed(step_dir(replica_rank_dir(n.root, job, rank), step))
+        for n in cluster.nodes
+    )
+
+
+def _restored(node: Node, job: str, rank: int) -> bool:
+    try:
+        st = read_restore_status(node.root, job, rank)
+    except Exception:
+        return False
+    return isinstance(st, RestoreStatus) and st.state == RestoreState.READY
+
+
+def _healthy(cluster: LocalCluster, node: Node, job: str) -> bool:
+    jobs = [j for j in cluster.api.status(node.endpoint, node=node.name).jobs if j.job == job]
+    return bool(jobs) and jobs[0].redundancy is not None and jobs[0].redundancy.degraded_since is None
+
+
+def healing_seconds(
+    cluster: LocalCluster, size: int, blob: bytes, *, job: str = "bench_heal", timeout: float = 600
+) -> float:
+    """Seconds from a replacement's new peer plan until the job is back at full redundancy.
+
+    Every node commits one step of ``size`` bytes and it is replicated; node A is lost (replicator
+    killed, RAM disk wiped) and comes back empty, as a replacement; the new plan (generation 2) goes to
+    every node and the clock starts. Full redundancy: A staged its rank again (from its peer's replica),
+    every rank's step has a committed replica on a live node other than its primary's, and every node
+    reports ``Redundancy.degraded_since`` None. Nothing is saved meanwhile."""
+    a = cluster.nodes[0]
+    step = 5
+    cluster.assign(job)
+    for node in cluster.nodes:
+        make_step(rank_dir(node.root, job, node.index), job, node.index, step, size, cluster.size, blob)
+    LocalCluster.wait_for(
+        lambda: all(_replicated(cluster, job, r, step) for r in range(cluster.size)),
+        timeout=timeout,
+        what="replicas",
+    )
+    a.kill_replicator()
+    a.wipe_ramdisk()
+    a.start_replicator()
+    started = time.perf_counter()
+    cluster.assign(job, generation=2)
+
+    def healed() -> bool:
+        return (
+            _restored(a, job, 0)
+            and committed(step_dir(rank_dir(a.root, job, 0), step))
+            and all(_replicated(cluster, job, r, step) for r in range(cluster.size))
+            and all(_healthy(cluster, n, job) for n in cluster.nodes)
+        )
+
+    LocalCluster.wait_for(healed, timeout=timeout, interval=0.05, what="full redundancy")
+    seconds = time.perf_counter() - started
+    for node in cluster.nodes:
+        cluster.api.purge(node.endpoint, job, node=node.name)
+    return seconds
+
+
+def erasure_vs_replica(cluster: LocalCluster, size: int, blob: bytes, k: int, m: int) -> dict[str, Any]:
+    """Node A's one-rank step as ``k + m`` fragments on the other nodes against one replica: bytes on
+    the peers, commit -> fully placed, and the restore after A is lost (see the module docstring)."""
+    a, step, out = cluster.nodes[0], 7, {}
+    for mode, (ek, em) in (("replica", (0, 0)), ("erasure", (k, m))):
+        job = f"bench_{mode}"
+        policy = JobPolicy(
+            job=job, generation=1, erasure_data=ek, erasure_parity=em, backup_interval_minutes=0
+        )
+        for node in cluster.nodes:
+            cluster.api.put_policy(node.endpoint, policy, node=node.name)
+        cluster.assign(job)
+        kind, want = ("fragments", ek + em) if ek else ("replicas", 1)
+        started = time.perf_counter()
+        make_step(rank_dir(a.root, job, 0), job, 0, step, size, 1, blob)
+        for _ in range(60000):  # every 10 ms, at most 600 s
+            if len(_held(cluster, job, kind, step)) == want:
+                break
+            time.sleep(0.01)
+        else:
+            raise TimeoutError(f"{kind} of {job} not placed")
+        placed = time.perf_counter() - started
+        peer_bytes = sum(
+            f.stat().st_size
+            for p in _held(cluster, job, kind, step)
+            for f in p.iterdir()
+            if f.suffix == ".bin"
+        )
+        a.kill_replicator()
+        a.wipe_ramdisk()
+        a.start_replicator()
+        cluster.api.put_policy(a.endpoint, policy, node=a.name)
+        started = time.perf_counter()
+        cluster.assign(job, generation=2)
+        st = wait_ready(a, job, 0)
+        out[mode] = {
+            "peer_bytes": peer_bytes,
+            "peer_bytes_over_step": peer_bytes / size,
+            "place_seconds": placed,
+            "restore_seconds": time.perf_counter() - started,
+            "restore_source": st.source.value if st.source else None,
+        }
+        for node in cluster.nodes:
+            cluster.api.purge(node.endpoint, job, node=node.name)
+    out["code"] = {"k": k, "m": m}
+    return out
+
+
+def _held(cluster: LocalCluster, job: str, kind: str, step: int) -> list[Path]:
+    """The committed copies (``replicas``) or fragments (``fragments``) of rank 0's step on B, C, ..."""
+    paths = (step_dir(n.root / job / kind / "rank-00000", step) for n in cluster.nodes[1:])
+    return [p for p in paths if committed(p)]
+
+
+def _erasure_line(x: dict[str, Any]) -> str:
+    c = x["code"]
+    parts = [
+        f"{label}: peers hold {r['peer_bytes_over_step']:.2f}x the step, "
+        f"placed in {r['place_seconds']:.2f} s, "
+        f"restored from {r['restore_source']} in {r['restore_seconds']:.2f} s"
+        for label, r in (("one replica", x["replica"]), (f"erasure k={c['k']} m={c['m']}", x["erasure"]))
+    ]
+    return "; ".join(parts)
+
+
+def healing(cluster: LocalCluster, size: int, blob: bytes, repeat: int) -> dict[str, Any]:
+    """``healing_seconds`` ``repeat`` times (a new job each): the median and every round."""
+    rounds = [healing_seconds(cluster, size, blob, job=f"bench_heal_{i}") for i in range(repeat)]
+    return {"seconds": statistics.median(rounds), "rounds_seconds": rounds, "state_bytes_per_rank": size}
+
+
+def _healing_line(x: dict[str, Any]) -> str:
+    rounds = ", ".join(f"{s:.2f}" for s in x["rounds_seconds"])
+    return (
+        f"healing after a node loss ({x['state_bytes_per_rank'] >> 20} MiB per rank): full redundancy "
+        f"{x['seconds']:.2f} s after the new plan (rounds {rounds})"
+    )
+
+
 # ------------------------------------------------------------------------------------------ training
 
 _TRAIN = """
@@ -855,6 +1007,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--skip-tls", action="store_true", help="skip the plain vs TLS data server comparison")
     p.add_argument("--skip-restore", action="store_true", help="skip the restore measurement")
+    p.add_argument("--skip-healing", action="store_true", help="skip the healing measurement")
+    p.add_argument("--only-healing", action="store_true", help="measure the healing time only")
+    p.add_argument(
+        "--only-erasure",
+        metavar="K,M",
+        default="",
+        help="measure erasure coding (K data, M parity fragments) against one replica only",
+    )
     p.add_argument("--skip-training", action="store_true", help="skip the training slowdown measurement")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     args = p.parse_args(argv)
@@ -889,6 +1049,18 @@ def main(argv: list[str] | None = None) -> int:
         "--send-method",
         args.send_method,
     ]
+    if args.only_erasure:
+        k, m = (int(x) for x in args.only_erasure.split(","))
+        with LocalCluster(
+            nodes=k + m + 1, job="bench_job", k=1, ramdisk_size=ramdisk, replicator_args=args_rep, netns=netns
+        ) as cluster:
+            if netns and args.huge != "keep":
+                for node in cluster.nodes:
+                    subprocess.run(["mount", "-o", f"remount,huge={args.huge}", str(node.root)], check=True)
+            result["machine"]["ramdisk"] = mount_of(cluster.nodes[0].root)
+            result["erasure"] = erasure_vs_replica(cluster, size, blob, k, m)
+        print(json.dumps(result, indent=2) if args.json else _erasure_line(result["erasure"]))
+        return 0
     with LocalCluster(
         nodes=3,
         job="bench_job",
@@ -905,6 +1077,10 @@ def main(argv: list[str] | None = None) -> int:
                 subprocess.run(["mount", "-o", f"remount,huge={args.huge}", str(node.root)], check=True)
         result["machine"]["ramdisk"] = mount_of(b.root)
         _renice(cluster, 0)  # transfers at the baselines' priority; the training runs set their own
+        if args.only_healing:
+            result["healing"] = healing(cluster, size, blob, args.repeat)
+            print(json.dumps(result, indent=2) if args.json else _healing_line(result["healing"]))
+            return 0
         assign_data_job(cluster)
         servers = None if args.skip_tls or cluster.ca is None else DataServers(cluster)
         other = "mmap" if args.send_method == "sendfile" else "sendfile"
@@ -977,6 +1153,8 @@ def main(argv: list[str] | None = None) -> int:
         result["receivers_gbps"] = {m: med(v) / 1e9 for m, v in receivers.items()}
         if args.stages:
             result["receive_stages_cpu_s_per_gib"] = receive_stages(a, b, size)
+        if not args.skip_healing:
+            result["healing"] = healing(cluster, size, blob, args.repeat)
         e2e = end_to_end(cluster, size, blob, args.repeat)
         result["end_to_end_seconds"] = med(e2e)
         result["end_to_end_gbps"] = size / med(e2e) / 1e9
@@ -1061,6 +1239,8 @@ def _print_table(r: dict[str, Any]) -> None:
             f"{x['replicating_steps_per_s']:.1f} steps/s, slowdown {x['slowdown_pct']:+.1f}% (runs {runs}); "
             f"replication meanwhile {x['replication_mbps']:.0f} MB/s"
         )
+    if "healing" in r:
+        print(_healing_line(r["healing"]))
     if "restore" in r:
         x = r["restore"]
         print(

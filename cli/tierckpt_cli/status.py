@@ -107,6 +107,8 @@ def _print_summary(meta: dict[str, Any], spec: dict[str, Any], st: dict[str, Any
     out_console.print(
         f"steps: local {local}, replicated {replicated}, backed up {backed}  (from {seen})", markup=False
     )
+    if st.get("redundancy"):
+        out_console.print(f"redundancy: {st['redundancy']}", markup=False)
     restore = st.get("restore") or {}
     if restore:
         sources = ", ".join(

@@ -204,6 +204,8 @@ def job_policy(job: str, spec: ConfigSpec, generation: int = 0) -> JobPolicy:
         keep_last=spec.backup.retention.keep_last,
         keep_every=spec.backup.retention.keep_every,
         replication_factor=spec.replication_factor,
+        erasure_data=spec.erasure_data,
+        erasure_parity=spec.erasure_parity,
         delete_backups_on_deletion=spec.delete_backups,
         config=spec.name,
     )

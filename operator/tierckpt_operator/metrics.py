@@ -45,5 +45,17 @@ class Metrics:
             ["outcome"],
             registry=r,
         )
+        self.degraded = Gauge(
+            "tierckpt_operator_job_degraded",
+            "1 while some rank of the job has fewer copies than its replication factor.",
+            ["job"],
+            registry=r,
+        )
+        self.redundancy_changes = Counter(
+            "tierckpt_operator_redundancy_changes",
+            "Times a job went below its replication factor (degraded) or back to it (healed).",
+            ["change"],
+            registry=r,
+        )
         self.jobs = Gauge("tierckpt_operator_jobs", "Opted-in JobSets being served.", registry=r)
         self.leader = Gauge("tierckpt_operator_leader", "1 while this replica reconciles.", registry=r)

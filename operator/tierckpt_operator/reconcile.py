@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 from tierckpt.planning.placement import RankAssignment, peer_churn
 from tierckpt.planning.restore_plan import choose_restore
 from tierckpt.protocol.client import ReplicatorClient, ReplicatorError
-from tierckpt.protocol.control import JobPolicy, NodeInventory, PeerAssignment, RestorePlan
+from tierckpt.protocol.control import JobPolicy, NodeInventory, PeerAssignment, Redundancy, RestorePlan
 from tierckpt_operator import resources
 from tierckpt_operator.clusterview import CheckpointJobRecord, ClusterView, ConfigRecord
 from tierckpt_operator.decisions import (
@@ -44,6 +44,8 @@ from tierckpt_operator.status_fields import (
     iso_time,
     merge_conditions,
     rank_ranges,
+    redundancy_of,
+    redundancy_text,
     replica_groups,
     restore_summary,
     tier_progress,
@@ -287,7 +289,7 @@ class JobController:
     async def _publish_peers(
         self, info: JobSetInfo, spec: ConfigSpec, state: JobState, cluster: ClusterView
     ) -> JobState:
-        peers = decide_peers(state, spec.replication_factor, self.partners)
+        peers = decide_peers(state, spec.peers_per_node, self.partners)
         endpoints = {n: rep.endpoint for n in state.nodes if (rep := cluster.replicator(n))}
         digest = _digest(state.nodes, state.domains, peers, sorted(endpoints.items()))
         if digest != self.peer_digest:
@@ -303,7 +305,7 @@ class JobController:
                 self._event(
                     "Normal",
                     "PeersPlanned",
-                    f"peer generation {state.peer_generation}: {spec.replication_factor} peers per "
+                    f"peer generation {state.peer_generation}: {spec.peers_per_node} peers per "
                     f"node across {domains} failure domain(s); {churn} edges changed",
                 )
         messages = self._peer_messages(info, state, endpoints)
@@ -474,16 +476,35 @@ class JobController:
         if partners and partners != self.partners:
             self.partners = partners
             log.info("job %s: replica groups seen; peers prefer the nodes of other members", self.job_id)
-        await self._write(
-            {
-                "latestLocalStep": progress.local,
-                "latestReplicatedStep": progress.replicated,
-                "latestBackedUpStep": progress.backed_up,
-                "inventoryTime": iso_time(time.time()),
-                "inventoryNodes": f"{len(invs)}/{len(set(state.nodes))}",
-                **({"replicaGroups": groups} if (groups := replica_groups(invs)) is not None else {}),
-            }
-        )
+        fields: dict[str, Any] = {
+            "latestLocalStep": progress.local,
+            "latestReplicatedStep": progress.replicated,
+            "latestBackedUpStep": progress.backed_up,
+            "inventoryTime": iso_time(time.time()),
+            "inventoryNodes": f"{len(invs)}/{len(set(state.nodes))}",
+        }
+        if (groups := replica_groups(invs)) is not None:
+            fields["replicaGroups"] = groups
+        redundancy = redundancy_of(invs)
+        if redundancy is not None:
+            fields["redundancy"] = redundancy_text(redundancy)
+            since = redundancy.degraded_since
+            fields["degradedSince"] = iso_time(since) if since is not None else None
+            self._redundancy_changed(redundancy)
+        await self._write(fields)
+
+    def _redundancy_changed(self, redundancy: Redundancy) -> None:
+        """An Event and the metric when the job goes below its replication factor or is healed again."""
+        job = f"{self.key[0]}/{self.key[1]}"
+        self.ctx.metrics.degraded.labels(job).set(1 if redundancy.degraded else 0)
+        was = self.status.get("degradedSince") is not None
+        text = redundancy_text(redundancy)
+        if redundancy.degraded and not was:
+            self.ctx.metrics.redundancy_changes.labels("degraded").inc()
+            self._event("Warning", "Degraded", f"below its replication factor: {text}; re-replicating")
+        elif was and not redundancy.degraded:
+            self.ctx.metrics.redundancy_changes.labels("healed").inc()
+            self._event("Normal", "Healed", f"back at full redundancy: {text}")
 
     # ------------------------------------------------------------------------------ status
 

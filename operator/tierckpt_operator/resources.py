@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from tierckpt.protocol.bucket_layout import BucketLayout
+from tierckpt.protocol.control import MAX_ERASURE_FRAGMENTS
 from tierckpt.protocol.errors import ContractError, FormatError
 from tierckpt_operator.kube_rules import check_node_selector, check_positive_quantity, check_tolerations
 
@@ -70,6 +71,8 @@ class ConfigSpec:
     tolerations: tuple[dict[str, Any], ...] = ()
     backup: BackupPolicy = BackupPolicy()
     replication_factor: int = 1
+    erasure_data: int = 0
+    erasure_parity: int = 0
     failure_domain_label: str = "topology.kubernetes.io/zone"
     delete_backups: bool = False
     generation: int = 0
@@ -84,6 +87,17 @@ class ConfigSpec:
         backup = _obj(spec, "backup")
         retention = _obj(backup, "retention")
         replication = _obj(spec, "replication")
+        erasure = _obj(replication, "erasure")
+        erasure_data, erasure_parity = _int(erasure, "data", 0, 0, 15), _int(erasure, "parity", 0, 0, 15)
+        if (erasure_data, erasure_parity) != (0, 0) and not (
+            erasure_data >= 1
+            and erasure_parity >= 1
+            and erasure_data + erasure_parity <= MAX_ERASURE_FRAGMENTS
+        ):
+            raise ContractError(
+                "spec.replication.erasure needs data >= 1 and parity >= 1, at most "
+                f"{MAX_ERASURE_FRAGMENTS} in all (or both 0 for replicas)"
+            )
         bucket = gcs.get("bucket")
         if not isinstance(bucket, str) or not _BUCKET.fullmatch(bucket):
             raise ContractError(f"spec.gcs.bucket {bucket!r} is not a valid bucket name")
@@ -116,10 +130,17 @@ class ConfigSpec:
                 ),
             ),
             replication_factor=_int(replication, "factor", cls.replication_factor, 0, 8),
+            erasure_data=erasure_data,
+            erasure_parity=erasure_parity,
             failure_domain_label=_str(replication, "failureDomainLabel", cls.failure_domain_label),
             delete_backups=bool(spec.get("deleteBackupsOnJobSetDeletion", False)),
             generation=int(meta.get("generation") or 0),
         )
+
+    @property
+    def peers_per_node(self) -> int:
+        """Nodes each node sends to: its replicas' holders, or with erasure coding its k + m fragments'."""
+        return self.erasure_data + self.erasure_parity if self.erasure_data else self.replication_factor
 
     def selects(self, node_labels: Mapping[str, str]) -> bool:
         """Whether a node with these labels is one of this configuration's nodes."""

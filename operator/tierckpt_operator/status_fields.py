@@ -2,7 +2,8 @@
 
 Conditions follow the Kubernetes convention (type, status, reason, message, lastTransitionTime kept
 while the status does not change). Rank sets are written as ranges (``0-7,12``) so that the status of
-a 10,000-node job stays small. Tier progress is derived from the replicators' inventories.
+a 10,000-node job stays small. Tier progress and redundancy are derived from the replicators'
+inventories.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from tierckpt.protocol.control import NodeInventory, RestorePlan
+from tierckpt.protocol.control import NodeInventory, Redundancy, RestorePlan
 
 __all__ = [
     "CONDITION_TYPES",
@@ -24,6 +25,8 @@ __all__ = [
     "merge_conditions",
     "parse_ranges",
     "rank_ranges",
+    "redundancy_of",
+    "redundancy_text",
     "replica_groups",
     "restore_summary",
     "tier_progress",
@@ -119,6 +122,28 @@ def tier_progress(inventories: Sequence[NodeInventory]) -> TierProgress:
 
     gcs = [s for inv in inventories for s in inv.gcs]
     return TierProgress(local=newest(local), replicated=newest(replica), backed_up=max(gcs, default=None))
+
+
+def redundancy_of(inventories: Sequence[NodeInventory]) -> Redundancy | None:
+    """The job's redundancy from its nodes' own: the highest factor, the fewest copies, and the earliest
+    time any node has been degraded since (None: no node reported one, e.g. no local ranks yet)."""
+    reported = [inv.redundancy for inv in inventories if inv.redundancy is not None]
+    if not reported:
+        return None
+    since = [r.degraded_since for r in reported if r.degraded_since is not None]
+    return Redundancy(
+        factor=max(r.factor for r in reported),
+        copies=min(r.copies for r in reported),
+        degraded_since=min(since) if since else None,
+    )
+
+
+def redundancy_text(redundancy: Redundancy) -> str:
+    """``replicas: 2/2``, or ``degraded since <time> (replicas: 1/2)``."""
+    replicas = f"replicas: {redundancy.copies}/{redundancy.factor}"
+    if redundancy.degraded_since is None:
+        return replicas
+    return f"degraded since {iso_time(redundancy.degraded_since)} ({replicas})"
 
 
 _BYTE_FIELDS = (

@@ -5,7 +5,8 @@ One policy for the control API (``api.auth``) and the data plane (``replication.
 * the operator may call every endpoint of the control API (it alone assigns peers, publishes plans
   and policies, purges); it never uses the data plane;
 * a node may only read the inventory of a job both nodes belong to, and on the data plane ``put`` a
-  replica of, ``get`` a step of, or report a corrupt copy of a job both belong to. It must name
+  replica of, ``get`` a step of, report a corrupt copy of, or ``retire`` a surplus replica of (only of a
+  rank it runs itself, checked by the data server) a job both belong to. It must name
   itself in the request (``DataRequest.node``): the name its certificate proves.
 
 "Belongs to" is what THIS node knows of the job (``JobMembers``): the nodes of its peer assignment
@@ -73,7 +74,7 @@ def api_refusal(
 def data_refusal(
     peer: Peer | None, op: str, job: str, claimed: str, members: JobMembers, me: str
 ) -> str | None:
-    """Why ``peer`` may not ``op`` (put, get, corrupt) on ``job`` here; None if it may. ``claimed`` is
+    """Why ``peer`` may not ``op`` (put, get, corrupt, retire) on ``job`` here; None if it may. ``claimed`` is
     the node the request says it comes from."""
     if peer is None or peer.role != "node":
         return f"{peer or 'a peer without a tierckpt identity'} may not use the data plane"

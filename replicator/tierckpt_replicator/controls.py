@@ -26,6 +26,7 @@ from tierckpt.protocol.control import (
     NodeInventory,
     NodeStatus,
     PeerAssignment,
+    Redundancy,
     RestorePlan,
     StepBytes,
     read_control,
@@ -63,8 +64,14 @@ class LocalInventory:
     after a backup); a bucket that cannot be listed makes its steps unknown, not the inventory fail.
     """
 
-    def __init__(self, scanner: InventoryScanner, backup: BackupPort | None) -> None:
-        self.scanner, self.backup = scanner, backup
+    def __init__(
+        self,
+        scanner: InventoryScanner,
+        backup: BackupPort | None,
+        *,
+        redundancy: Callable[[str], Redundancy | None] = lambda job: None,
+    ) -> None:
+        self.scanner, self.backup, self.redundancy = scanner, backup, redundancy
         self.groups: GroupTracker | None = None
         """The replication loop's replica group view (its accounting and diverged ranks), once it runs."""
         self.restoring: Callable[[str], dict[int, str]] = lambda job: {}
@@ -76,7 +83,9 @@ class LocalInventory:
         inv = self.scanner.inventory(job, gcs=tuple(bucket))
         # a step known only from the bucket still needs its world size, or nobody knows its ranks
         world_sizes = {**{s: ws for s, ws in bucket.items() if ws > 0}, **inv.world_sizes}
-        inv = dataclasses.replace(inv, world_sizes=world_sizes, restoring=self.restoring(job))
+        inv = dataclasses.replace(
+            inv, world_sizes=world_sizes, redundancy=self.redundancy(job), restoring=self.restoring(job)
+        )
         if self.groups is not None:
             inv = dataclasses.replace(
                 inv,
@@ -139,7 +148,7 @@ class NodeControls:
                     current.job,
                     current.node_ranks[node],
                 )
-                self.stager.start(current.job)
+                self.stager.start_for_assignment(current.job, current)
         return stored, current
 
     async def put_plan(self, plan: RestorePlan) -> tuple[bool, RestorePlan]:
@@ -153,12 +162,16 @@ class NodeControls:
             if current == plan and (self.stager.running(plan.job) or plan.job in self.stager.plans):
                 return True, current  # the same plan again: staging already under way or done
         write_control(self.settings.root, plan.job, RestorePlan.FILE, plan)
-        self.stager.start(plan.job, plan)
+        self.stager.start_for_plan(plan.job, plan)
         return True, plan
 
     async def put_policy(self, policy: JobPolicy) -> tuple[bool, JobPolicy]:
-        """Store the job's policy (newer generation only); backups follow it from the next step on."""
-        return self.policies.put(policy)
+        """Store the job's policy (newer generation only); backups follow it from the next step on, its
+        replication factor from the next replication pass (started now: a new factor heals at once)."""
+        accepted, current = self.policies.put(policy)
+        if accepted:
+            self.watcher.kick()
+        return accepted, current
 
     async def backup_now(self, job: str) -> int | None:
         if self.backup is None:
@@ -227,7 +240,12 @@ class NodeControls:
                     local={r: x.local for r, x in h.ranks.items() if x.local},
                     replicas={r: x.replica for r, x in h.ranks.items() if x.replica},
                     replicated_to={
-                        r: tuple(sorted(self.replication.confirmed.get((job, r, s), ())))
+                        r: tuple(
+                            sorted(
+                                {*self.replication.confirmed.get((job, r, s), ())}
+                                | {*self.replication.placed.get((job, r, s), {})}
+                            )
+                        )
                         for r, s in newest.items()
                     },
                     backed_up=tuple(sorted(await self.local_inventory.bucket_steps(job))),
@@ -238,6 +256,7 @@ class NodeControls:
                     restore_step=plan.step if plan else None,
                     restore={r: s.value for r, s in self.stager.states.get(job, {}).items()},
                     backup_error=_last_error(self.backup, job),
+                    redundancy=self.replication.redundancy.get(job),
                     groups=self.replication.groups.groups(job),
                     diverged=self.replication.groups.diverged(job),
                     step_bytes=step_bytes(self.replication.groups.step_bytes(job), self.backup, job),

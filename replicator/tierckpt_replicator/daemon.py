@@ -40,6 +40,7 @@ from tierckpt_replicator.inventory import InventoryScanner, list_jobs
 from tierckpt_replicator.metrics import Metrics
 from tierckpt_replicator.policies import PolicyStore
 from tierckpt_replicator.probes import ProbeServer
+from tierckpt_replicator.replication.fragments import FragmentScanner
 from tierckpt_replicator.replication.ipc import DataEvent, WorkerConfig
 from tierckpt_replicator.replication.manager import ReplicationManager
 from tierckpt_replicator.replication.supervisor import WorkerSupervisor
@@ -127,8 +128,11 @@ class Daemon:
             endpoint=settings.api_endpoint,
             domain=settings.domain,
             max_manifest_bytes=settings.max_manifest_bytes,
+            fragments=FragmentScanner(settings.max_manifest_bytes),
         )
-        self.local_inventory = LocalInventory(self.scanner, backup)
+        self.local_inventory = LocalInventory(
+            self.scanner, backup, redundancy=lambda job: self.replication.redundancy.get(job)
+        )
         files = self.identity.files if self.identity is not None else None
         self.supervisor = WorkerSupervisor(worker_config(settings, files), on_event=self._on_data_event)
         # one attempt per question: the callers ask again (restore planning) or next round (reconcile)
@@ -152,6 +156,8 @@ class Daemon:
             reconcile_interval=settings.reconcile_interval,
             on_committed=self._on_committed if backup is not None else None,
             kick=self.watcher.kick,
+            factor=lambda job: self.policies.replication_factor(job, settings.replicas),
+            erasure=self.policies.erasure,
         )
         self.local_inventory.groups = self.replication.groups
         self.local_inventory.restoring = lambda job: {
@@ -295,11 +301,12 @@ class Daemon:
             self.metrics.held_bytes.labels(job, "replica").set(h.replica_bytes)
 
     def _on_data_event(self, event: DataEvent) -> None:
-        direction = "in" if event.op == "put" else "served" if event.op == "get" else "report"
+        incoming, served = event.op in ("put", "fragment"), event.op in ("get", "getfrag")
+        direction = "in" if incoming else "served" if served else "report"
         self.metrics.transfers.labels(direction, outcome_status(event.status)).inc()
-        if event.status == 200 and event.op in ("put", "get"):
+        if event.status == 200 and (incoming or served):
             self.metrics.transfer_bytes.labels(direction).inc(event.bytes)
-        if event.op == "put":
+        if incoming:
             self.watcher.kick()
 
     async def _on_committed(self, job: str, step: int, ranks: tuple[int, ...]) -> None:

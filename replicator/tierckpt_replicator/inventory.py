@@ -1,4 +1,5 @@
-"""What this node holds: committed primaries and replicas per job and rank, as a ``NodeInventory``.
+"""What this node holds: committed primaries, replicas and erasure-coded fragments per job and rank, as
+a ``NodeInventory``.
 
 Scanning reads only directory listings and COMMIT markers, confined to each job's tree
 (``stepio.open_job``: a ``rank-*`` entry or step directory that is a symlink is refused, never
@@ -15,6 +16,7 @@ import dataclasses
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
@@ -70,11 +72,28 @@ class Holdings:
         return {r: h.local[-1] for r, h in self.ranks.items() if h.local}
 
 
+FragmentScan = Callable[[Beneath], dict[int, dict[int, tuple[tuple[int, int], int]]]]
+"""A job tree -> rank -> step -> ((fragment index, k), world size) of the erasure-coded fragments held
+(``replication.fragments.FragmentScanner``, given by the daemon: it sits in a layer above this one)."""
+
+
+def _no_fragments(_: Beneath) -> dict[int, dict[int, tuple[tuple[int, int], int]]]:
+    return {}
+
+
 class InventoryScanner:
     def __init__(
-        self, root: Path, *, node: str, endpoint: str, domain: str = "", max_manifest_bytes: int = 64 << 20
+        self,
+        root: Path,
+        *,
+        node: str,
+        endpoint: str,
+        domain: str = "",
+        max_manifest_bytes: int = 64 << 20,
+        fragments: FragmentScan = _no_fragments,
     ) -> None:
         self.root, self.node, self.endpoint, self.domain = root, node, endpoint, domain
+        self.fragments = fragments
         self.max_manifest_bytes = max_manifest_bytes
         self._steps: dict[tuple[str, int], _StepFacts] = {}
 
@@ -110,7 +129,12 @@ class InventoryScanner:
                             found = dataclasses.replace(facts.content, rank=rank, step=step, copy=kind)
                             contents.append(found)
                     h = ranks.get(rank, RankHoldings())
-                    ranks[rank] = dataclasses.replace(h, **{kind: tuple(steps)})
+                    ranks[rank] = dataclasses.replace(h, **{kind: tuple(steps)})  # type: ignore[arg-type]
+            for rank, held in self.fragments(tree).items():
+                for step, (_, ws) in held.items():
+                    world_sizes.setdefault(step, ws)
+                fragments = {step: index_k for step, (index_k, _) in held.items()}
+                ranks[rank] = dataclasses.replace(ranks.get(rank, RankHoldings()), fragments=fragments)
         return Holdings(ranks, world_sizes, sizes["local"], sizes["replica"], newest_at, tuple(contents))
 
     def _step_info(self, step: Beneath) -> tuple[int, _StepFacts, float] | None:

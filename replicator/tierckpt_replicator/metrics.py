@@ -36,6 +36,30 @@ class Metrics:
             ["job"],
             registry=r,
         )
+        self.replication_copies = Gauge(
+            f"{_NS}_replication_copies",
+            "Fewest peer copies of any local rank's newest step (steps still being replicated excluded).",
+            ["job"],
+            registry=r,
+        )
+        self.replication_factor = Gauge(
+            f"{_NS}_replication_factor",
+            "The job's replication factor applied on this node.",
+            ["job"],
+            registry=r,
+        )
+        self.replication_degraded = Gauge(
+            f"{_NS}_replication_degraded",
+            "1 while some local rank of the job has fewer copies than its replication factor.",
+            ["job"],
+            registry=r,
+        )
+        self.redundancy_changes = Counter(
+            f"{_NS}_redundancy_changes",
+            "Times a job went below its replication factor (degraded) or back to it (healed).",
+            ["job", "change"],
+            registry=r,
+        )
         self.dedup_bytes = Counter(
             f"{_NS}_dedup_bytes",
             "Replica bytes not sent: the peer linked an identical replica group member's data files.",

@@ -75,5 +75,16 @@ class PolicyStore:
         )
         return True, policy
 
+    def replication_factor(self, job: str, default: int) -> int:
+        """Peers each node copies the job's ranks to: its policy's factor, else ``default`` (the node's
+        ``--replicas``)."""
+        policy = self.get(job)
+        return policy.replication_factor if policy is not None else default
+
+    def erasure(self, job: str) -> tuple[int, int] | None:
+        """The job's erasure code ``(k, m)`` when its policy asks for one instead of replicas."""
+        policy = self.get(job)
+        return policy.erasure if policy is not None else None
+
     def forget(self, job: str) -> None:
         self._cache.pop(job, None)

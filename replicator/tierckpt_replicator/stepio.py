@@ -49,6 +49,7 @@ from tierckpt.protocol.integrity import crc32c, crc32c_file
 from tierckpt.protocol.safefs import Beneath
 
 __all__ = [
+    "FRAGMENTS",
     "INCOMING_PREFIX",
     "REPLICAS",
     "Copy",
@@ -75,6 +76,8 @@ log = logging.getLogger(__name__)
 
 INCOMING_PREFIX = ".incoming-"
 REPLICAS = "replicas"
+FRAGMENTS = "fragments"
+"""Erasure-coded fragments held for other nodes' ranks (``replication.fragments``)."""
 Copy = Literal["primary", "replica"]
 
 
@@ -336,8 +339,12 @@ def remove_stale_incoming(root: Path, max_age: float = 0.0) -> int:
         except (FormatError, OSError):  # not a job (``.tierckpt``, a file, a link): not ours to clean
             continue
         with job:
-            for copy in ("primary", "replica"):
-                for parent in rank_trees(job, copy).values():
+            parents = [*rank_trees(job, "primary").values(), *rank_trees(job, "replica").values()]
+            with contextlib.suppress(UnsafePathError):  # a planted link is refused, never followed
+                fragments = job.at(FRAGMENTS)
+                parents += [fragments.at(rank_name(r)) for r in ranks_in(fragments)]
+            for parent in parents:
+                with contextlib.suppress(OSError, UnsafePathError):
                     for entry, st in parent.entries():
                         if entry.startswith(INCOMING_PREFIX) and now - st.st_mtime >= max_age:
                             with contextlib.suppress(OSError, UnsafePathError):

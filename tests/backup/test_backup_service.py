@@ -142,6 +142,23 @@ async def test_only_due_steps_are_backed_up(gcs_server: FakeGcsServer, bucket: s
     await svc.close()
 
 
+async def test_poll_backs_up_a_due_step_with_no_commit_call(
+    gcs_server: FakeGcsServer, bucket: str, tmp_path: Path
+) -> None:
+    """A step that was not due when it committed (a backup ran) is due at the next poll: by steps here."""
+    root = tmp_path / "n"
+    svc = make_service(make_store(gcs_server.url, bucket), root, "n", interval_steps=10, interval_seconds=0)
+    write_step(root, JOB, 0, 10, sizes=(1000,))
+    await svc.on_step_committed(JOB, 10, [0], {0: ["n"]})
+    write_step(root, JOB, 0, 15, sizes=(1000,))
+    await svc.poll(JOB)
+    assert await svc.complete_steps(JOB) == (10,)  # 5 steps since the last backup: not due
+    write_step(root, JOB, 0, 20, sizes=(1000,))  # committed, but nobody calls on_step_committed
+    await svc.poll(JOB)
+    assert await svc.complete_steps(JOB) == (10, 20)
+    await svc.close()
+
+
 async def test_sliced_upload_is_composed_and_verified(
     gcs_server: FakeGcsServer, bucket: str, tmp_path: Path
 ) -> None:

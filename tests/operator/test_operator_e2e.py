@@ -178,6 +178,9 @@ async def test_first_start_restart_and_node_replacement(env):
 
     await save_everywhere(env, job, first, STEP, 6)
     assert status(env.cluster)["latestLocalStep"] == STEP
+    # every rank's replica confirmed: the job reports full redundancy from the nodes' inventories
+    await eventually(lambda: status(env.cluster).get("redundancy") == "replicas: 1/1", 30, "redundancy")
+    assert status(env.cluster).get("degradedSince") is None
 
     # all pods restarted, landing on the same nodes in another order: every rank stays on its node
     attempt = await env.cluster.restart(NS, NAME)
@@ -205,6 +208,8 @@ async def test_first_start_restart_and_node_replacement(env):
         "the replacement node staged its rank",
     )
     assert staged.step == STEP and committed_steps(rank_dir(n6.root, job, rank)) == [STEP]
+    # and the replicas the lost node held exist again: full redundancy with no save in between
+    await eventually(lambda: status(env.cluster).get("redundancy") == "replicas: 1/1", 40, "healed")
 
     # deleting the JobSet purges the job on every node and removes the CheckpointJob
     await env.cluster.delete(f"/apis/jobset.x-k8s.io/v1alpha2/namespaces/{NS}/jobsets/{NAME}")

@@ -22,6 +22,7 @@ from tierckpt.protocol.control import (
     NodeInventory,
     PeerAssignment,
     RankHoldings,
+    Redundancy,
     RestorePlan,
     StepBytes,
     StepContent,
@@ -48,6 +49,8 @@ from tierckpt_operator.status_fields import (
     merge_conditions,
     parse_ranges,
     rank_ranges,
+    redundancy_of,
+    redundancy_text,
     replica_groups,
     restore_summary,
     tier_progress,
@@ -213,6 +216,20 @@ def test_job_policy_carries_the_configuration():
     plain = ConfigSpec.from_body({"metadata": {"name": "d"}, "spec": {"gcs": {"bucket": "bkt"}}})
     defaults = job_policy("j", plain)
     assert (defaults.backup_interval_minutes, defaults.keep_last, defaults.prefix) == (30.0, 3, "tierckpt")
+    assert (defaults.erasure, plain.peers_per_node) == (None, 1)
+
+
+def test_erasure_coding_in_a_configuration_reaches_the_policy_and_the_peer_plan():
+    body = {
+        "metadata": {"name": "ec"},
+        "spec": {"gcs": {"bucket": "bkt"}, "replication": {"erasure": {"data": 4, "parity": 2}}},
+    }
+    spec = ConfigSpec.from_body(body)
+    assert spec.peers_per_node == 6  # every node's 4 + 2 fragments go to six other nodes
+    assert job_policy("j", spec).erasure == (4, 2)
+    for bad in ({"data": 4}, {"data": 0, "parity": 2}, {"data": 12, "parity": 6}):
+        with pytest.raises(ContractError, match=r"spec\.replication\.erasure"):
+            ConfigSpec.from_body({"spec": {"gcs": {"bucket": "bkt"}, "replication": {"erasure": bad}}})
 
 
 @pytest.mark.parametrize("version", ["1.29.0", "1.37.0"])
@@ -492,6 +509,18 @@ def test_tier_progress():
     p = tier_progress(invs)
     assert (p.local, p.replicated, p.backed_up) == (20, 10, 10)
     assert tier_progress([]).local is None
+
+
+def test_redundancy_of_a_job_is_its_weakest_node():
+    healthy = dataclasses.replace(_inv("a", {0: ([10], [])}, 2), redundancy=Redundancy(factor=2, copies=2))
+    assert redundancy_text(redundancy_of([healthy, _inv("b", {}, 2)])) == "replicas: 2/2"
+    short = dataclasses.replace(
+        _inv("b", {1: ([10], [])}, 2), redundancy=Redundancy(factor=2, copies=1, degraded_since=1e9)
+    )
+    job = redundancy_of([healthy, short])
+    assert job == Redundancy(factor=2, copies=1, degraded_since=1e9)
+    assert redundancy_text(job) == "degraded since 2001-09-09T01:46:40Z (replicas: 1/2)"
+    assert redundancy_of([_inv("c", {}, 2)]) is None  # nobody reported: nothing to say yet
 
 
 def test_replica_groups_summary_sums_the_newest_accounted_step():

@@ -167,3 +167,37 @@ def test_more_holdings_never_choose_an_older_step(spec, rank, step):
     extra = [*invs, inv("extra", {rank: ((step,), ())})]
     after = choose_restore(extra, 4).step
     assert (after or -1) >= (before or -1)
+
+
+def fragments(node: str, held: dict[int, tuple[int, int]], *, ws: int = 2, gcs=()) -> NodeInventory:
+    """A node holding, for step 30, fragment ``index`` (of a k-of-n code) of each rank in ``held``."""
+    return NodeInventory(
+        job=JOB,
+        node=node,
+        endpoint=f"http://{node}:8470",
+        updated_at=1.0,
+        ranks={r: RankHoldings(fragments={30: index_k}) for r, index_k in held.items()},
+        world_sizes={30: ws},
+        gcs=tuple(gcs),
+    )
+
+
+def test_a_rank_with_k_distinct_fragments_is_rebuilt_from_them_before_the_bucket():
+    invs = [
+        inv("a", {0: ((30,), ())}, ws=2),
+        fragments("b", {1: (0, 2)}, gcs=(30,)),
+        fragments("c", {1: (3, 2)}),
+        fragments("d", {1: (3, 2)}),  # a second copy of fragment 3 adds nothing
+    ]
+    plan = choose_restore(invs)
+    assert (plan.step, plan.sources) == (30, {0: Tier.LOCAL, 1: Tier.ERASURE})
+    assert plan.holders[1] == ("b", "c", "d")
+    plan = choose_restore(invs[:3])
+    assert plan.sources[1] == Tier.ERASURE and plan.holders[1] == ("b", "c")
+
+
+def test_fewer_than_k_fragments_restore_nothing_but_the_bucket():
+    invs = [inv("a", {0: ((30,), ())}, ws=2), fragments("c", {1: (3, 2)}), fragments("d", {1: (3, 2)})]
+    assert restorable_steps(invs) == []
+    plan = choose_restore([*invs, fragments("b", {}, gcs=(30,))])
+    assert (plan.step, plan.sources[1], plan.holders[1]) == (30, Tier.GCS, ())

@@ -261,7 +261,11 @@ def test_peer_killed_mid_transfer_leaves_no_torn_replica(cluster3):
     rep = wait_replica(cluster3, c, job, 0, 50)  # the sender moved on to the next candidate
     assert step_files(rep) == step_files(src)
     b.start_replicator()
-    assert not leftovers(b.root) and committed_steps(incoming) == []  # the restart cleaned up
+    # healing copies the step back to b, the assigned peer, and retires c's copy; waiting for that
+    # here keeps this job's copy-back out of the next tests (it would run under their rate limits)
+    assert step_files(wait_replica(cluster3, b, job, 0, 50)) == step_files(src)
+    cluster3.wait_for(lambda: not committed(rep), what="the fallback's copy retired")
+    assert not leftovers(b.root) and committed_steps(incoming) == [50]  # the restart cleaned up the torn one
 
 
 def test_link_cut_then_restored(cluster3):

@@ -122,6 +122,16 @@ def test_a_linkable_fallback_never_goes_before_the_assigned_peer() -> None:
     assert plain[0].candidates[0] == "n1" and plain[0].bases == {}
 
 
+def test_a_linked_copy_off_the_plan_counts_and_is_not_copied_back() -> None:
+    kw = dict(job="j", node="n0", k=1, assignment=assignment(), newest={0: 7}, confirmed={(0, 7): {"n2"}})
+    assert plan_sends(**kw, linked={(0, 7): {"n2"}}) == []  # n2 linked it: it stays there
+    (item,) = plan_sends(**kw)  # a full copy on a fallback goes back to the assigned peer n1
+    assert (item.candidates, item.want) == (("n1",), 1)
+    # factor 2: the linked copy fills one place, the assigned peer the other
+    (item,) = plan_sends(**{**kw, "k": 2}, linked={(0, 7): {"n2"}})
+    assert item.candidates[0] == "n1" and item.want == 1
+
+
 def _record(manifest: Manifest, key: str) -> ReplicaRecord:
     return ReplicaRecord(
         version=1,

@@ -55,6 +55,9 @@ def test_a_policy_overrides_the_node_flags():
     schedule_only = effective_settings(node, JobPolicy(job="j", generation=1, backup_interval_steps=7))
     assert schedule_only is not None and (schedule_only.bucket, schedule_only.prefix) == ("node-bucket", "n")
     assert effective_settings(BackupSettings(), JobPolicy(job="j", generation=1)) is None
+    assert schedule_only.peers_hold_copies  # replicas: a rank's peers may upload it
+    coded = effective_settings(node, JobPolicy(job="j", generation=1, erasure_data=2, erasure_parity=1))
+    assert coded is not None and not coded.peers_hold_copies  # fragments: only the primary uploads
 
 
 @pytest.fixture(scope="module")

@@ -55,6 +55,15 @@ def test_plan_sends_wants_the_remaining_copies():
     assert items[0].want == 2 and "d" not in items[0].candidates
 
 
+def test_a_copy_on_a_fallback_goes_back_to_the_assigned_peer_once_it_is_out_of_backoff():
+    held_by_fallback = {(0, 10): {"d"}}  # "b", a's assigned peer, was down when step 10 was sent
+    kw = dict(job="j", node="a", k=1, assignment=A, newest={0: 10}, confirmed=held_by_fallback)
+    assert plan_sends(**kw, avoid={"b"}) == []  # still in backoff: the fallback's copy counts
+    (item,) = plan_sends(**kw)
+    assert (item.candidates, item.want) == (("b",), 1)  # only the assigned peer, never another fallback
+    assert plan_sends(**{**kw, "confirmed": {(0, 10): {"b"}}}) == []
+
+
 def test_plan_sends_nothing_without_other_nodes():
     solo = assignment({"a": ""}, {})
     assert plan_sends(job="j", node="a", k=1, assignment=solo, newest={0: 1}, confirmed={}) == []

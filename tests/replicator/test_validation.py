@@ -150,11 +150,17 @@ def test_integers_are_bounded_in_every_message_keys_included():
         job=JOB, node="n", endpoint="", updated_at=0.0, ranks={0: RankHoldings(local=(5,))}
     )
     assert NodeInventory.from_bytes(inventory.to_bytes()) == inventory
-    for bad in (b'"ranks":{"%s":{}}' % HUGE, b'"ranks":{"0":{"local":[%s]}}' % HUGE):
+    held = b'"ranks":{"0":{"local":[5],"replica":[],"fragments":{}}}'
+    assert held in inventory.to_bytes()
+    bads = (
+        b'"ranks":{"%s":{}}' % HUGE,
+        b'"ranks":{"0":{"local":[%s]}}' % HUGE,
+        b'"ranks":{"0":{"fragments":{"%s":[0,2]}}}' % HUGE,
+        b'"ranks":{"0":{"fragments":{"5":[%s,2]}}}' % HUGE,
+    )
+    for bad in bads:
         with pytest.raises(FormatError, match="64-bit"):
-            NodeInventory.from_bytes(
-                inventory.to_bytes().replace(b'"ranks":{"0":{"local":[5],"replica":[]}}', bad)
-            )
+            NodeInventory.from_bytes(inventory.to_bytes().replace(held, bad))
     with pytest.raises(FormatError, match="64-bit"):
         Lease.from_bytes(
             Lease(step=1, holder="h", pid=1, host="x", expires_at=0.0)

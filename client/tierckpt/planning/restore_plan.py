@@ -5,15 +5,17 @@ Every party that needs the answer (each node's replicator, the operator, the dem
 inventories, whatever their order. The rule:
 
 * A step is *restorable* when every rank ``0 .. world_size-1`` can read it from some tier: a node's
-  primary copy, a node's replica, or the bucket (a step listed in any inventory's ``gcs`` is complete
-  there for every rank).
+  primary copy, a node's replica, erasure-coded fragments (at least ``k`` distinct fragments of the
+  rank's step held by the nodes that answered), or the bucket (a step listed in any inventory's
+  ``gcs`` is complete there for every rank).
 * Steps whose manifests disagree on the world size, or whose world size differs from the one asked
   for, are skipped (steps of different world sizes never mix).
 * A step known only from the bucket, whose world size no manifest records and none was asked for,
   is restorable with ``world_size=0`` (unknown) and empty ``sources``: every rank reads the bucket.
 * The newest restorable step wins. None restorable gives a plan with ``step=None`` (start fresh).
-* Each rank's source is the fastest tier anyone holds it in (``LOCAL`` < ``REPLICA`` < ``GCS``), and
-  its holders are listed primary holders first, then replica holders, each sorted by node name.
+* Each rank's source is the fastest tier anyone holds it in (``LOCAL`` < ``REPLICA`` < ``ERASURE`` <
+  ``GCS``), and its holders are listed primary holders first, then replica holders, each sorted by
+  node name; a rank rebuilt from fragments lists the fragment holders (sorted by name).
 
 Unknown holdings (an unreachable node sends no inventory) simply count as absent.
 """
@@ -59,8 +61,13 @@ def choose_restore(
     holders: dict[int, tuple[str, ...]] = {}
     for rank in range(ws):
         primary, replica = _holders(invs, rank, step)
-        sources[rank] = Tier.LOCAL if primary else Tier.REPLICA if replica else Tier.GCS
-        holders[rank] = tuple(primary) + tuple(n for n in replica if n not in primary)
+        if primary or replica:
+            sources[rank] = Tier.LOCAL if primary else Tier.REPLICA
+            holders[rank] = tuple(primary) + tuple(n for n in replica if n not in primary)
+        elif (fragments := _fragment_holders(invs, rank, step)) is not None:
+            sources[rank], holders[rank] = Tier.ERASURE, fragments
+        else:
+            sources[rank], holders[rank] = Tier.GCS, ()
     return RestorePlan(
         job=job,
         step=step,
@@ -83,6 +90,9 @@ def restorable_steps(
         for rank, h in inv.ranks.items():
             for s in (*h.local, *h.replica):
                 held.setdefault(s, set()).add(rank)
+            for s in h.fragments:
+                if _fragment_holders(invs, rank, s) is not None:
+                    held.setdefault(s, set()).add(rank)
     fallback_ws = _fallback_world_size(invs, world_size)
     out = []
     for step in sorted(set(held) | gcs, reverse=True):
@@ -128,6 +138,22 @@ def _fallback_world_size(invs: list[NodeInventory], wanted: int | None) -> int |
         if len(recorded[step]) == 1:
             return next(iter(recorded[step]))
     return None
+
+
+def _fragment_holders(invs: list[NodeInventory], rank: int, step: int) -> tuple[str, ...] | None:
+    """Every node holding a fragment of the rank's step (sorted), if together they hold at least ``k``
+    distinct ones (of a code every holder agrees on)."""
+    indices, holders, needed = set(), set(), set()
+    for inv in invs:
+        h = inv.ranks.get(rank)
+        if h is not None and step in h.fragments:
+            index, k = h.fragments[step]
+            indices.add(index)
+            holders.add(inv.node)
+            needed.add(k)
+    if len(needed) != 1 or len(indices) < next(iter(needed)):
+        return None
+    return tuple(sorted(holders))
 
 
 def _holders(invs: list[NodeInventory], rank: int, step: int) -> tuple[list[str], list[str]]:

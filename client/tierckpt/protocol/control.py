@@ -32,6 +32,7 @@ from tierckpt.protocol.errors import ContractError, FormatError
 from tierckpt.protocol.format import Dir, as_tree, check_job_id, control_dir, state_dir, write_atomic
 
 __all__ = [
+    "MAX_ERASURE_FRAGMENTS",
     "MAX_FETCH_RANKS",
     "MAX_GENERATION",
     "BackupResult",
@@ -45,6 +46,7 @@ __all__ = [
     "PeerNode",
     "PurgeResult",
     "RankHoldings",
+    "Redundancy",
     "RestoreAccepted",
     "RestorePlan",
     "RestoreState",
@@ -76,6 +78,8 @@ class Tier(str, enum.Enum):
     """A replica this node holds for the rank."""
     PEER = "peer"
     """Another node's primary or replica, fetched over the network."""
+    ERASURE = "erasure"
+    """Rebuilt from erasure-coded fragments that other nodes hold (any ``k`` of ``k + m``)."""
     GCS = "gcs"
 
     @property
@@ -83,8 +87,11 @@ class Tier(str, enum.Enum):
         return _TIER_COST[self]
 
 
-_TIER_COST = {Tier.LOCAL: 0, Tier.REPLICA: 1, Tier.PEER: 2, Tier.GCS: 3}
+_TIER_COST = {Tier.LOCAL: 0, Tier.REPLICA: 1, Tier.PEER: 2, Tier.ERASURE: 3, Tier.GCS: 4}
 
+
+MAX_ERASURE_FRAGMENTS = 16
+"""``k + m`` at most: one fragment per node, each on another node of the job."""
 
 MAX_GENERATION = (1 << 53) - 1
 """The largest generation a peer assignment, restore plan or policy may carry (exact in every JSON
@@ -232,6 +239,26 @@ class RankHoldings(Record):
 
     local: tuple[int, ...] = ()
     replica: tuple[int, ...] = ()
+    fragments: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)
+    """Step -> (index of the erasure-coded fragment held, ``k``: fragments needed to rebuild it)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Redundancy(Record):
+    """How many live copies beyond their primary this node's ranks have, against the job's factor.
+
+    ``copies``: the fewest peers confirmed (and, at every reconcile, found) to hold any local rank's
+    newest step; a step younger than the grace (``--reconcile-interval``) is still being replicated
+    and counts as fully replicated. ``degraded_since``: wall clock since when some rank has had fewer
+    than ``factor`` copies (None: at full redundancy)."""
+
+    factor: int
+    copies: int
+    degraded_since: float | None = None
+
+    @property
+    def degraded(self) -> bool:
+        return self.degraded_since is not None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -292,6 +319,8 @@ class NodeInventory(Message):
     gcs: tuple[int, ...] = ()
     """Steps this node knows to be complete in the bucket (complete manifest object present)."""
     domain: str = ""
+    redundancy: Redundancy | None = None
+    """Replicas of this node's ranks against the job's replication factor (None: no local ranks)."""
     contents: tuple[StepContent, ...] = ()
     """The committed steps held here that saved in a replica group (replicators dedup copies by it)."""
     diverged: tuple[int, ...] = ()
@@ -466,6 +495,10 @@ class JobPolicy(Message):
     """Also keep the oldest complete backup of every window of this many steps (0: off)."""
     replication_factor: int = 1
     """Peers each node sends its ranks' shards to."""
+    erasure_data: int = 0
+    """Erasure coding instead of replicas: ``k`` data fragments of each rank's newest step (0: off)."""
+    erasure_parity: int = 0
+    """... and ``m`` parity fragments, on ``k + m`` other nodes: any ``m`` of them may be lost."""
     delete_backups_on_deletion: bool = False
     """Whether the job's backups are deleted with the job."""
     config: str = ""
@@ -489,6 +522,17 @@ class JobPolicy(Message):
                 raise FormatError(f"job policy: {name} must be a finite number in 0..{top}")
         if not 0 <= self.replication_factor <= 8:
             raise FormatError("job policy: replication_factor must be in [0, 8]")
+        k, m = self.erasure_data, self.erasure_parity
+        if (k, m) != (0, 0) and not (k >= 1 and m >= 1 and k + m <= MAX_ERASURE_FRAGMENTS):
+            raise FormatError(
+                f"job policy: erasure coding needs erasure_data >= 1, erasure_parity >= 1 and at most "
+                f"{MAX_ERASURE_FRAGMENTS} fragments in all (or both 0: replicas)"
+            )
+
+    @property
+    def erasure(self) -> tuple[int, int] | None:
+        """``(k, m)`` when the job is erasure-coded instead of replicated."""
+        return (self.erasure_data, self.erasure_parity) if self.erasure_data else None
 
 
 def restore_status_name(rank: int) -> str:
@@ -582,7 +626,7 @@ class JobStatus(Record):
     replicas: dict[int, tuple[int, ...]]
     """Rank -> committed replica steps held for other nodes."""
     replicated_to: dict[int, tuple[str, ...]]
-    """Rank -> peers known to hold its newest local step."""
+    """Rank -> peers known to hold its newest local step (a replica, or an erasure-coded fragment)."""
     backed_up: tuple[int, ...]
     local_bytes: int
     replica_bytes: int
@@ -594,6 +638,8 @@ class JobStatus(Record):
     """Rank -> restore state of the last staging run on this node."""
     backup_error: str = ""
     """The backup service's last error for this job ('' if the last attempt succeeded)."""
+    redundancy: Redundancy | None = None
+    """Replicas of this node's ranks against the job's replication factor (None: no local ranks)."""
     groups: tuple[str, ...] = ()
     """Replica groups of this node's newest local steps (``ReplicaRecord.group``)."""
     diverged: tuple[int, ...] = ()

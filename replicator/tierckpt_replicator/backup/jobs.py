@@ -95,6 +95,7 @@ def effective_settings(node: BackupSettings, policy: JobPolicy | None) -> Backup
         interval_seconds=policy.backup_interval_minutes * 60.0,
         keep_last=policy.keep_last,
         keep_every=policy.keep_every,
+        peers_hold_copies=policy.erasure is None,
     )
     if policy.bucket:
         settings = dataclasses.replace(settings, bucket=policy.bucket, prefix=policy.prefix)

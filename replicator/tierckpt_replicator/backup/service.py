@@ -174,10 +174,12 @@ class BackupService:
             return await self._run(self._backup_now, job, all_local, placed)
 
     async def poll(self, job: str) -> None:
-        """Periodic housekeeping: join started backups, take over orphaned ranks, complete, retain."""
+        """Periodic housekeeping: back up the newest local step if the schedule makes it due (a step
+        committed while another backup ran, or the last step of a stopped job, becomes due by time or
+        steps with no new commit), join started backups, take over orphaned ranks, complete, retain."""
         async with self._lock(job):
             with contextlib.suppress(Exception):  # _pass logged and counted it
-                await self._run(self._pass, job, None, (), False, False)
+                await self._run(self._poll, job)
 
     async def complete_steps(self, job: str) -> tuple[int, ...]:
         """Steps of ``job`` complete in the bucket, oldest first."""
@@ -266,6 +268,8 @@ class BackupService:
         on_demand: bool,
         all_local: bool,
         placed: Mapping[int, tuple[str, ...]] | None = None,
+        *,
+        housekeeping: bool = False,
     ) -> None:
         try:
             view = self.catalog.view(job)
@@ -293,7 +297,7 @@ class BackupService:
                 completed |= self._backup_step(
                     job, s, targets[s], view.in_progress.get(s), hint, all_local, known
                 )
-            if completed or step is None:
+            if completed or step is None or housekeeping:
                 self._maintain(job)
             else:
                 self._set_status(job, complete=tuple(sorted(view.complete)))
@@ -305,6 +309,9 @@ class BackupService:
             else:
                 log.exception("backup of %s failed unexpectedly", job)
             raise
+
+    def _poll(self, job: str) -> None:
+        self._pass(job, self._newest_local(job), (), False, False, housekeeping=True)
 
     def _backup_now(self, job: str, all_local: bool, placed: Mapping[int, tuple[str, ...]]) -> int | None:
         step = self._newest_local(job)
@@ -515,8 +522,9 @@ class BackupService:
         holders = dict(self._holders.get(job, {}))
         if isinstance(peers, PeerAssignment):
             for node in sorted(peers.node_ranks):
+                copies = peers.peers.get(node, ()) if self.settings.peers_hold_copies else ()
                 for r in peers.process_ranks(node, world_size):
-                    holders[r] = (node, *peers.peers.get(node, ()))
+                    holders[r] = (node, *copies)
         return holders
 
     def _lock(self, job: str) -> asyncio.Lock:

@@ -88,6 +88,9 @@ class BackupSettings:
     incomplete_grace: float = 3600.0
     """Seconds [3600]. An incomplete step older than the newest complete one is deleted once untouched
     this long (an abandoned attempt; a slow uploader gets this long to finish)."""
+    peers_hold_copies: bool = True
+    """Whether a node's peers in ``peers.json`` hold copies of its ranks (replicas) that they can upload;
+    False for an erasure-coded job, whose peers hold fragments: each rank is uploaded by its primary."""
     lease_ttl: float = 60.0
     """Seconds [60]. Lifetime of the leases (renewed in the background) that keep the client's retention
     off a step being uploaded; a dead uploader's lease lapses after this long."""

@@ -1,6 +1,8 @@
 """The data endpoint: receives replicas (``put``), serves steps to restoring nodes (``get``), and hears
-corruption reports (``corrupt``). Blocking sockets, one thread per connection, at most
-``max_incoming`` transfers at once; everything else is refused as busy (503) before any data moves.
+corruption reports (``corrupt``) and surplus notices (``retire``), and holds erasure-coded fragments
+(``fragment`` in, ``getfrag`` out; see ``fragments``). Blocking sockets, one thread per connection,
+at most ``max_incoming`` transfers at once; everything else is refused as busy (503) before any data
+moves.
 
 Bounded before authentication: a connection is admitted only within the per-source and total
 connection limits (``SourceLimits``); its handshake (the TLS handshake, then the request frame) must be
@@ -42,16 +44,33 @@ from tierckpt.protocol.errors import (
     RamdiskFullError,
     UnsafePathError,
 )
-from tierckpt.protocol.format import check_job_id, discard_step, read_commit
+from tierckpt.protocol.format import check_job_id, committed_steps, discard_step, read_commit, read_manifest
 from tierckpt.protocol.identity import Peer
 from tierckpt.protocol.replica import content_key
 from tierckpt.protocol.safefs import Beneath
 from tierckpt_replicator.access import data_refusal
 from tierckpt_replicator.connlimits import SourceLimits
 from tierckpt_replicator.replication.context import DataContext, secure, unique_holder
+from tierckpt_replicator.replication.erasure import fragment_name
+from tierckpt_replicator.replication.fragments import (
+    FragmentHeader,
+    FragmentWriter,
+    find_fragment,
+    fragment_tree,
+    held_index,
+    parse_fragment_header,
+    read_fragment_header,
+    retain,
+)
 from tierckpt_replicator.replication.ipc import DataEvent
 from tierckpt_replicator.replication.pacing import Deadline, RateFloor
-from tierckpt_replicator.replication.replicas import apply_retention, client_headroom, free_bytes, make_room
+from tierckpt_replicator.replication.replicas import (
+    apply_retention,
+    client_headroom,
+    free_bytes,
+    make_room,
+    pinned_steps,
+)
 from tierckpt_replicator.replication.stream import receive_file, send_file
 from tierckpt_replicator.replication.wire import (
     DataReply,
@@ -170,7 +189,15 @@ class DataServer:
             if not slot:
                 raise _Reject(Status.BUSY, f"already serving {self.ctx.config.max_incoming} transfers")
             conn.settimeout(self.ctx.config.transfer_timeout)  # a silent peer: caught within a window
-            handler = {"put": self._put, "get": self._get, "corrupt": self._corrupt}[req.op]
+            handlers = {
+                "put": self._put,
+                "get": self._get,
+                "corrupt": self._corrupt,
+                "retire": self._retire,
+                "fragment": self._fragment,
+                "getfrag": self._get_fragment,
+            }
+            handler = handlers[req.op]
             handler(conn, req)
         except _Reject as exc:
             log.info("data %s: refused (%d): %s", addr[0], exc.status, exc)
@@ -430,6 +457,133 @@ class DataServer:
         )
         self._event(req, Status.OK, bytes=header.manifest.total_bytes, seconds=seconds)
 
+    # ------------------------------------------------------------------ fragments
+
+    def _fragment(self, conn: socket.socket, req: DataRequest) -> None:
+        """Receive one erasure-coded fragment of a rank's step (this node holds at most one per step)."""
+        header = self._read_fragment_header(conn, req)
+        with open_job(self.ctx.root, req.job, create=True) as job:
+            held = find_fragment(job, req.rank, req.step)
+            if held is not None:
+                index = held_index(held)
+                if index == req.index:
+                    self._reply(
+                        conn, DataReply(status=Status.ALREADY, message="fragment held", index=req.index)
+                    )
+                    return
+                why = f"holds fragment {index} of this step, not {req.index}"
+                self._reply(
+                    conn,
+                    DataReply(status=Status.CONFLICT, message=why, index=index if index is not None else -1),
+                )
+                return
+            parent = fragment_tree(job, req.rank)
+            total = header.size
+            with self._claim((req.job, req.rank, req.step)):
+                self._ensure_room(req.job, total + req.commit_size + req.manifest_size + req.erasure_size)
+                started = time.monotonic()
+                status, message = self._receive_fragment(conn, req, FragmentWriter(parent, header))
+                if status == Status.OK:
+                    retain(parent, self.ctx.config.replica_keep)
+                self._reply(
+                    conn, DataReply(status=status, message=message, total_bytes=total, index=req.index)
+                )
+        seconds = time.monotonic() - started
+        log.info(
+            "fragment %d of %s rank %d step %d from %s: %s (%d bytes, %.2fs)",
+            req.index,
+            req.job,
+            req.rank,
+            req.step,
+            req.node or "?",
+            message,
+            total,
+            seconds,
+        )
+        self._event(req, status, bytes=total, seconds=seconds, message=message)
+
+    def _read_fragment_header(self, conn: socket.socket, req: DataRequest) -> FragmentHeader:
+        limit = self.ctx.config.max_manifest_bytes
+        sizes = (("commit", req.commit_size), ("manifest", req.manifest_size), ("erasure", req.erasure_size))
+        for what, size in sizes:
+            if not 0 < size <= limit:
+                raise _Reject(Status.TOO_LARGE, f"{what} size {size} outside 1..{limit}")
+        floor = self._floor()
+        parts = [recv_exact(conn, size, progress=floor) for _, size in sizes]
+        try:
+            return parse_fragment_header(*parts, job=req.job, rank=req.rank, step=req.step, index=req.index)
+        except FormatError as exc:
+            raise _Reject(Status.BAD_REQUEST, f"bad fragment header: {exc}") from exc
+
+    def _receive_fragment(
+        self, conn: socket.socket, req: DataRequest, writer: FragmentWriter
+    ) -> tuple[int, str]:
+        try:
+            writer.prepare()
+            send_frame(conn, DataReply(status=Status.CONTINUE))
+            fd = writer.open()
+            try:
+                crc = receive_file(conn, fd, writer.header.size, where=writer.where, pace=self._floor())
+            finally:
+                os.close(fd)
+            writer.record(crc)
+            writer.commit()
+            return Status.OK, "fragment committed"
+        except RamdiskFullError as exc:
+            writer.abort()
+            raise _Reject(Status.NO_SPACE, str(exc)) from exc
+        except CorruptShardError as exc:
+            writer.abort()
+            return Status.CORRUPT, str(exc)
+        except BaseException as exc:
+            writer.abort()
+            self._event(req, Status.ABORTED, message=f"transfer aborted: {exc}")
+            raise
+
+    def _get_fragment(self, conn: socket.socket, req: DataRequest) -> None:
+        """Serve this node's fragment of a rank's step: its headers, then its bytes."""
+        missing = _Reject(Status.NOT_FOUND, f"no fragment of {req.job} rank {req.rank} step {req.step}")
+        started = time.monotonic()
+        try:
+            job = open_job(self.ctx.root, req.job)
+        except FileNotFoundError:
+            raise missing from None
+        with job:
+            path = find_fragment(job, req.rank, req.step)
+            if path is None:
+                raise missing
+            limit = self.ctx.config.max_manifest_bytes
+            try:
+                header = read_fragment_header(path, job=req.job, rank=req.rank, step_no=req.step, limit=limit)
+            except FormatError as exc:
+                raise _Reject(Status.CORRUPT, f"local fragment unreadable: {exc}") from exc
+            fd = path.open_fd(fragment_name(header.index))
+            try:
+                step = header.step
+                reply = DataReply(
+                    status=Status.OK,
+                    index=header.index,
+                    commit_size=len(step.commit_bytes),
+                    manifest_size=len(step.manifest_bytes),
+                    erasure_size=len(header.erasure_bytes),
+                    total_bytes=header.size,
+                )
+                send_frame(conn, reply, step.commit_bytes + step.manifest_bytes + header.erasure_bytes)
+                where = f"{path.where}/{fragment_name(header.index)}"
+                send_file(conn, fd, header.size, where=where, method=self.ctx.config.send_method)
+            finally:
+                os.close(fd)
+        seconds = time.monotonic() - started
+        log.info(
+            "served fragment %d of %s rank %d step %d to %s",
+            header.index,
+            req.job,
+            req.rank,
+            req.step,
+            req.node,
+        )
+        self._event(req, Status.OK, bytes=header.size, seconds=seconds)
+
     # ------------------------------------------------------------------ corrupt
 
     def _corrupt(self, conn: socket.socket, req: DataRequest) -> None:
@@ -444,6 +598,55 @@ class DataServer:
                 message = self._check_reported(job, req)
         self._event(req, Status.OK, message=message)
         self._reply(conn, DataReply(status=Status.OK, message=message))
+
+    # ------------------------------------------------------------------ retire
+
+    def _retire(self, conn: socket.socket, req: DataRequest) -> None:
+        """Drop this node's replicas of a rank (that step and older ones) its primary says are surplus.
+        Only the node that runs the rank in this node's own peer assignment may ask (a peer of the job
+        cannot drop another node's copies). A step the published restore plan names, or one a reader
+        leased, stays (``409``: the sender asks again later); "no replica held" is an answer too."""
+        assignment = self.ctx.members.assignments.get(req.job)
+        status, message = Status.OK, "no replica held"
+        try:
+            job = open_job(self.ctx.root, req.job)
+        except FileNotFoundError:
+            job = None
+        with contextlib.ExitStack() as stack:
+            if job is not None:
+                stack.enter_context(job)
+                parent = rank_tree(job, "replica", req.rank)
+                steps = [s for s in committed_steps(parent) if s <= req.step]
+                if steps:
+                    newest = parent.at(step_name(steps[-1]))
+                    world = read_manifest(newest, limit=self.ctx.config.max_manifest_bytes).world_size
+                    owns = assignment is not None and req.rank in assignment.process_ranks(req.node, world)
+                    if self.ctx.tokens is None and not owns:
+                        raise _Reject(
+                            Status.FORBIDDEN, f"{req.node} does not run rank {req.rank} of {req.job}"
+                        )
+                    status, message = self._drop_surplus(parent, req, steps)
+        self._event(req, status, message=message)
+        self._reply(conn, DataReply(status=status, message=message))
+
+    def _drop_surplus(self, parent: Beneath, req: DataRequest, steps: list[int]) -> tuple[int, str]:
+        pinned = pinned_steps(self.ctx.root, req.job)
+        with leases.lock(parent):  # a reader leasing meanwhile either sees the step stay or learns it is gone
+            kept = sorted((set(steps) & pinned) | (set(steps) & set(leases.leased_steps(parent))))
+            dropped = [s for s in steps if s not in kept]
+            for s in dropped:
+                discard_step(parent.at(step_name(s)))
+        if dropped:
+            log.info(
+                "%s rank %d: replica steps %s retired (surplus, says %s)",
+                req.job,
+                req.rank,
+                dropped,
+                req.node,
+            )
+        if kept:
+            return Status.CONFLICT, f"replica steps {kept} kept: named by the restore plan or read now"
+        return Status.OK, f"replica steps {dropped} retired"
 
     def _check_reported(self, job: Beneath, req: DataRequest) -> str:
         """Re-verify the replica a peer reported corrupt; drop it if it is. Returns what was found."""

@@ -54,8 +54,10 @@ __all__ = [
     "StripeCodec",
     "decode_bytes",
     "decode_step",
+    "decode_streams",
     "encode_bytes",
     "encode_step",
+    "encode_streams",
     "fragment_name",
     "read_erasure_manifest",
 ]
@@ -266,30 +268,86 @@ def encode_step(step: Path, out: Path, k: int, m: int, *, piece: int = PIECE) ->
             sinks = [
                 stack.enter_context(open(out / fragment_name(i), "xb", buffering=0)) for i in range(k + m)
             ]
-            codec = StripeCodec(k, m)
-            layout, crcs = _encode(codec, sources, [f.size for f in manifest.files], sinks, piece)
-            for f, got in zip(manifest.files, crcs.files, strict=True):
-                if got != f.crc32c:
-                    raise CorruptShardError(
-                        f"{f.name} of step {manifest.step}: crc32c {got:08x}, manifest says {f.crc32c:08x}",
-                        path=str(step / f.name),
-                    )
+            em = encode_streams(
+                sources,
+                manifest.files,
+                sinks,
+                job=manifest.job,
+                rank=manifest.rank,
+                step=manifest.step,
+                k=k,
+                m=m,
+                piece=piece,
+                where=str(step),
+            )
             for sink in sinks:
                 os.fsync(sink.fileno())
-        em = ErasureManifest(
-            job=manifest.job,
-            rank=manifest.rank,
-            step=manifest.step,
-            layout=layout,
-            files=tuple(manifest.files),
-            fragments=tuple(FragmentEntry(i, layout.fragment_bytes, c) for i, c in enumerate(crcs.fragments)),
-        )
         write_atomic(out / ERASURE_MANIFEST_NAME, em.to_bytes())
         fsync_dir(out)
     except BaseException:
         shutil.rmtree(out, ignore_errors=True)
         raise
     return em
+
+
+def encode_streams(
+    sources: Sequence[BinaryIO],
+    files: Sequence[FileEntry],
+    sinks: Sequence[BinaryIO],
+    *,
+    job: str,
+    rank: int,
+    step: int,
+    k: int,
+    m: int,
+    piece: int = PIECE,
+    where: str = "",
+) -> ErasureManifest:
+    """Encode the open ``sources`` (a step's files in manifest order, each exactly its ``files`` size)
+    into the ``k + m`` open ``sinks``; every source byte is checked against the file's crc32c on the
+    way (a mismatch raises ``CorruptShardError``). For callers that open files confined to a job tree
+    (``safefs``); ``encode_step`` is the same on paths."""
+    layout, crcs = _encode(StripeCodec(k, m), sources, [f.size for f in files], sinks, piece)
+    for f, got in zip(files, crcs.files, strict=True):
+        if got != f.crc32c:
+            raise CorruptShardError(
+                f"{f.name} of step {step}: crc32c {got:08x}, manifest says {f.crc32c:08x}",
+                path=f"{where}/{f.name}",
+            )
+    return ErasureManifest(
+        job=job,
+        rank=rank,
+        step=step,
+        layout=layout,
+        files=tuple(files),
+        fragments=tuple(FragmentEntry(i, layout.fragment_bytes, c) for i, c in enumerate(crcs.fragments)),
+    )
+
+
+def decode_streams(
+    em: ErasureManifest, sources: Mapping[int, BinaryIO], sinks: Sequence[BinaryIO]
+) -> dict[str, int]:
+    """Rebuild the step's files into the open ``sinks`` (one per ``em.files``, in order) from at least
+    ``k`` open fragments (index -> file, read from their start), data fragments first. Every fragment
+    read is checked against its crc32c and every rebuilt file against the step's (``CorruptShardError``
+    naming what failed); returns each file's crc32c. ``decode_step`` also retries around corrupt
+    fragments; here the caller verified the fragments when they arrived."""
+    lay = em.layout
+    chosen = dict(sorted(sources.items())[: lay.k])
+    sink = _StreamOut(sinks, [f.size for f in em.files])
+    got = _decode(StripeCodec(lay.k, lay.m, lay.codec), lay, chosen, sink)
+    bad = sorted(i for i, c in got.items() if c != em.fragment(i).crc32c)
+    if bad:
+        raise CorruptShardError(
+            f"{em.job} rank {em.rank} step {em.step}: fragments {bad} fail their crc32c", path=""
+        )
+    crcs = dict(zip((f.name for f in em.files), sink.crcs, strict=True))
+    wrong = [f.name for f in em.files if crcs[f.name] != f.crc32c]
+    if wrong:
+        raise CorruptShardError(
+            f"{em.job} rank {em.rank} step {em.step}: rebuilt {wrong} fail their crc32c", path=""
+        )
+    return crcs
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 The daemon starts the worker with one end of a socketpair and sends ``WorkerConfig`` first; the worker
 answers ``WorkerReady`` once its data endpoint listens. Then the daemon
-sends ``SendTask``/``FetchTask``; the worker answers each with ``TaskProgress`` lines and one
+sends ``SendTask``/``FetchTask``/``RetireTask``; the worker answers each with ``TaskProgress`` lines and one
 ``TaskResult``, and reports what its data server did as ``DataEvent``. ``Shutdown`` (or the daemon's
 end closing) stops the worker. No pickle: every line is a ``_codec`` message.
 """
@@ -23,10 +23,13 @@ __all__ = [
     "MESSAGES",
     "Channel",
     "DataEvent",
+    "ErasureTask",
     "FetchSource",
     "FetchTask",
     "Outcome",
     "PeerAddress",
+    "RebuildTask",
+    "RetireTask",
     "SendTask",
     "Shutdown",
     "TaskProgress",
@@ -104,6 +107,49 @@ class SendTask(Message):
 
 
 @dataclasses.dataclass(frozen=True)
+class RetireTask(Message):
+    """Ask each of ``holders`` to drop its replica of ``job``/``rank``/``step`` (a surplus copy)."""
+
+    KIND = "tierckpt.retire-task"
+
+    id: int
+    job: str
+    rank: int
+    step: int
+    holders: tuple[PeerAddress, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class ErasureTask(Message):
+    """Encode ``job``/``rank``/``step`` (a local primary) into ``k + m`` fragments and send each index not
+    yet ``placed`` (node -> index) to its own candidate, in order, one fragment per node."""
+
+    KIND = "tierckpt.erasure-task"
+
+    id: int
+    job: str
+    rank: int
+    step: int
+    k: int
+    m: int
+    candidates: tuple[PeerAddress, ...]
+    placed: dict[str, int] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class RebuildTask(Message):
+    """Rebuild ``job``/``rank``/``step`` as this node's primary from the fragments ``sources`` hold."""
+
+    KIND = "tierckpt.rebuild-task"
+
+    id: int
+    job: str
+    rank: int
+    step: int
+    sources: tuple[FetchSource, ...]
+
+
+@dataclasses.dataclass(frozen=True)
 class FetchSource(Record):
     kind: Literal["replica", "peer"]
     node: str
@@ -133,6 +179,8 @@ class Outcome(Record):
     message: str = ""
     bytes: int = 0
     seconds: float = 0.0
+    index: int = -1
+    """An erasure-coded fragment's index (sent or fetched); -1 for whole steps."""
     saved: int = 0
     """Bytes of the step not sent: the peer linked an identical replica group member's data files."""
 
@@ -162,7 +210,7 @@ class DataEvent(Message):
 
     KIND = "tierckpt.data-event"
 
-    op: Literal["put", "get", "corrupt"]
+    op: Literal["put", "get", "corrupt", "retire", "fragment", "getfrag"]
     job: str
     rank: int
     step: int
@@ -189,7 +237,19 @@ class Shutdown(Message):
 
 MESSAGES: dict[str, type[Message]] = {
     cls.KIND: cls
-    for cls in (WorkerConfig, WorkerReady, SendTask, FetchTask, TaskProgress, TaskResult, DataEvent, Shutdown)
+    for cls in (
+        WorkerConfig,
+        WorkerReady,
+        SendTask,
+        FetchTask,
+        RetireTask,
+        ErasureTask,
+        RebuildTask,
+        TaskProgress,
+        TaskResult,
+        DataEvent,
+        Shutdown,
+    )
 }
 
 

@@ -7,9 +7,23 @@ exponentially per step (and a failing peer moves to the end of the candidate lis
 Every ``reconcile_interval`` the peers' inventories are checked, so a replica a peer lost (node wiped,
 replica found corrupt) is sent again. That check runs in the background, every peer and job at once:
 a peer that does not answer costs it one ``inventory_timeout``, and never holds up the sends of a
-pass. Only the newest step of a rank is ever sent: an older one that is still in flight when a newer
-one commits finishes, and the newer one follows. A rank saved in a replica group goes first to peers
-that hold an identical member step (they link its data files: ``replication.groups``).
+pass; a copy on a peer that does not answer, or that left the plan, no longer counts (it is sent to
+the next candidate), so neither the lag nor the redundancy hides a lost replica.
+
+Healing: K is the job's own replication factor (``factor(job)``: its policy's, else ``--replicas``).
+When a job's peer plan changes (a new assignment generation, or a new factor), the copies on nodes
+that left the plan are forgotten and the job's peers are checked at once, so every step the plan says
+should exist on a live peer is sent there at once, without waiting for the next save.
+
+Erasure coding (the job's policy names ``k`` data and ``m`` parity fragments): instead of replicas,
+the worker encodes each rank's newest step and sends its ``k + m`` fragments to as many other nodes
+(``ErasureTask``); the job's target is then ``m`` (the nodes it may lose) and a rank's copies are the
+fragments placed beyond ``k``. Replicas left from before are retired.
+
+Only the newest step of a rank is ever sent: an older one that is still in flight when a newer one
+commits finishes, and the newer one follows. A rank saved in a replica group goes first to peers that
+hold an identical member step (they link its data files: ``replication.groups``); such a linked copy
+counts toward the factor like any other.
 """
 
 from __future__ import annotations
@@ -18,18 +32,19 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 
 from tierckpt.planning.common_step import newest_common_step
 from tierckpt.protocol.client import ReplicatorClient
-from tierckpt.protocol.control import PeerAssignment
+from tierckpt.protocol.control import PeerAssignment, Redundancy
 from tierckpt.protocol.errors import ContractError, RetryableError
 from tierckpt_replicator.assignments import AssignmentStore, data_endpoint
 from tierckpt_replicator.inventory import Holdings, InventoryScanner, list_jobs
 from tierckpt_replicator.metrics import Metrics
 from tierckpt_replicator.replication.groups import GroupTracker
-from tierckpt_replicator.replication.ipc import Outcome, PeerAddress, SendTask
-from tierckpt_replicator.replication.plan import SendItem, plan_sends
+from tierckpt_replicator.replication.ipc import ErasureTask, Outcome, PeerAddress, RetireTask, SendTask
+from tierckpt_replicator.replication.plan import SendItem, candidate_targets, plan_sends
+from tierckpt_replicator.replication.redundancy import RedundancyLog, assess
 from tierckpt_replicator.replication.supervisor import WorkerSupervisor
 
 __all__ = ["ReplicationManager"]
@@ -85,14 +100,25 @@ class ReplicationManager:
         reconcile_interval: float = 30.0,
         on_committed: OnCommitted | None = None,
         kick: Callable[[], None] = lambda: None,
+        factor: Callable[[str], int] | None = None,
+        erasure: Callable[[str], tuple[int, int] | None] = lambda job: None,
     ) -> None:
         self.node, self.k = node, k
+        self.factor: Callable[[str], int] = factor or (lambda job: k)
+        """The job's replication factor (``k``, the node's ``--replicas``, unless its policy says)."""
+        self.erasure = erasure
+        """The job's erasure code ``(k, m)``, or None when it is replicated."""
+        self.placed: dict[Key, dict[str, int]] = {}
+        """Erasure-coded jobs: (job, rank, step) -> node -> index of the fragment it confirmed."""
         self.scanner, self.assignments, self.supervisor = scanner, assignments, supervisor
         self.peers, self.metrics = peers, metrics
         self.reconcile_interval = reconcile_interval
         self.on_committed = on_committed
         self.kick = kick
         self.confirmed: dict[Key, set[str]] = {}
+        self.linked: dict[Key, set[str]] = {}
+        """Holders whose copy of a step was linked from a replica group member's (it counts toward the
+        factor like any other; the plan leaves it where it is and retirement keeps it first)."""
         self.last_replication: dict[str, float] = {}
         self._in_flight: set[Key] = set()
         self._step_backoff = _Backoff(1.0, retry_max)
@@ -101,6 +127,12 @@ class ReplicationManager:
         self._tasks: set[asyncio.Task[None]] = set()
         self._last_reconcile = time.monotonic()
         self._reconciling: asyncio.Task[None] | None = None
+        self._plans: dict[str, tuple[int, int, tuple[int, int] | None]] = {}
+        """Job -> (assignment generation, target, erasure code) last acted on."""
+        self.redundancy: dict[str, Redundancy] = {}
+        self._degraded = RedundancyLog()
+        self._lost: set[Key] = set()
+        """Newest steps that lost a confirmed copy (short at once, whatever their age)."""
         self.groups = GroupTracker(node=node, peers=peers, metrics=metrics, kick=kick)
 
     async def close(self) -> None:
@@ -116,12 +148,26 @@ class ReplicationManager:
     def lag(self, job: str, holdings: Holdings, now: float | None = None) -> float:
         """Seconds since the oldest local newest-step that still lacks K replicas committed (0 if none)."""
         now = time.time() if now is None else now
+        k = self.target(job)
         lags = [
             now - holdings.newest_commit_at.get(rank, now)
             for rank, step in holdings.newest_local().items()
-            if len(self.confirmed.get((job, rank, step), ())) < self.k
+            if self.copies((job, rank, step)) < k
         ]
         return max(lags, default=0.0)
+
+    def target(self, job: str) -> int:
+        """The copies each rank's newest step should have: the replication factor, or with erasure
+        coding ``m`` (the fragment holders it may lose)."""
+        ec = self.erasure(job)
+        return ec[1] if ec is not None else self.factor(job)
+
+    def copies(self, key: Key) -> int:
+        """Confirmed copies of a step: its replicas, or with erasure coding the fragments beyond ``k``."""
+        ec = self.erasure(key[0])
+        if ec is None:
+            return len(self.confirmed.get(key, ()))
+        return max(0, len(set(self.placed.get(key, {}).values())) - ec[0])
 
     async def run_pass(self) -> None:
         """One pass over every job (never raises for a single job's trouble). Starts a reconcile in
@@ -148,34 +194,165 @@ class ReplicationManager:
         self._notify_committed(job, holdings)
         self._prune(job, newest)
         assignment = self.assignments.get(job)
+        k = self.target(job)
+        if assignment is not None:
+            self._notice_plan(job, assignment, k)
+        self._assess(job, holdings, k)
         self.metrics.replication_lag.labels(job).set(self.lag(job, holdings))
         if assignment is None or not newest:
             return
         now = time.monotonic()
         in_flight = {(r, s) for (j, r, s) in self._in_flight if j == job}
         in_backoff = {(r, s) for (r, s) in newest.items() if not self._step_backoff.ready((job, r, s), now)}
+        avoid = {n for n in self._node_backoff.blocked(now) if isinstance(n, str)}
+        ec = self.erasure(job)
+        if ec is not None:
+            self._send_fragments_due(job, assignment, newest, ec, in_flight | in_backoff, avoid)
+            self._retire_surplus(job, assignment, newest, 0, now)  # replicas from before the code
+            return
         short = {
             r
             for r, s in newest.items()
-            if len(self.confirmed.get((job, r, s), ())) < self.k and (r, s) not in in_flight
+            if len(self.confirmed.get((job, r, s), ())) < k and (r, s) not in in_flight
         }
         linkable, hold = self.groups.plan(job, assignment, holdings, short)
         held = {(r, newest[r]) for r in hold}
         items = plan_sends(
             job=job,
             node=self.node,
-            k=self.k,
+            k=k,
             assignment=assignment,
             newest=newest,
             confirmed={(r, s): nodes for (j, r, s), nodes in self.confirmed.items() if j == job},
             in_flight=in_flight | in_backoff | held,
-            avoid={n for n in self._node_backoff.blocked(now) if isinstance(n, str)},
+            avoid=avoid,
             linkable=linkable,
+            linked={(r, s): nodes for (j, r, s), nodes in self.linked.items() if j == job},
         )
         if held:
             asyncio.get_running_loop().call_later(self.groups.wait, self.kick)
         for item in items:
             self._spawn(self._send(item, assignment))
+        self._retire_surplus(job, assignment, newest, k, now)
+
+    def _send_fragments_due(
+        self,
+        job: str,
+        assignment: PeerAssignment,
+        newest: dict[int, int],
+        ec: tuple[int, int],
+        busy: set[tuple[int, int]],
+        avoid: set[str],
+    ) -> None:
+        """An ``ErasureTask`` for every local rank whose newest step lacks some of its ``k + m`` fragments."""
+        base = candidate_targets(assignment, self.node, avoid=avoid)
+        for rank, step in sorted(newest.items()):
+            key = (job, rank, step)
+            placed = self.placed.get(key, {})
+            if (rank, step) in busy or len(set(placed.values())) >= sum(ec):
+                continue
+            candidates = tuple(n for n in base if n not in placed)
+            if candidates:
+                self._spawn(self._send_fragments(key, ec, candidates, assignment))
+
+    async def _send_fragments(
+        self, key: Key, ec: tuple[int, int], candidates: tuple[str, ...], assignment: PeerAssignment
+    ) -> None:
+        self._in_flight.add(key)
+        try:
+            task = ErasureTask(
+                id=self.supervisor.next_id(),
+                job=key[0],
+                rank=key[1],
+                step=key[2],
+                k=ec[0],
+                m=ec[1],
+                candidates=tuple(PeerAddress(n, *data_endpoint(assignment.nodes[n])) for n in candidates),
+                placed=dict(self.placed.get(key, {})),
+            )
+            try:
+                result = await self.supervisor.run_task(task)
+            except RetryableError as exc:
+                delay = self._step_backoff.fail(key, time.monotonic())
+                log.warning("fragments of %s rank %d step %d: %s; retrying in %.0fs", *key, exc, delay)
+                return
+            now = time.monotonic()
+            for o in result.outcomes:
+                self.metrics.transfers.labels("out", o.status).inc()
+                if o.status in ("ok", "already") and o.index >= 0:
+                    self.placed.setdefault(key, {})[o.node] = o.index
+                    self._node_backoff.ok(o.node)
+                    if o.status == "ok":
+                        self.metrics.transfer_bytes.labels("out").inc(o.bytes)
+                elif o.status != "missing" and o.node:
+                    self._node_backoff.fail(o.node, now)
+            if result.ok:
+                self._step_backoff.ok(key)
+                self.last_replication[key[0]] = time.time()
+            else:
+                delay = self._step_backoff.fail(key, now)
+                held = len(set(self.placed.get(key, {}).values()))
+                log.warning(
+                    "fragments of %s rank %d step %d: %d of %d placed (%s); retrying in %.0fs",
+                    *key,
+                    held,
+                    sum(ec),
+                    result.message or "too few nodes took one",
+                    delay,
+                )
+        finally:
+            self._in_flight.discard(key)
+            self.kick()
+
+    def _retire_surplus(
+        self, job: str, assignment: PeerAssignment, newest: dict[int, int], k: int, now: float
+    ) -> None:
+        """Copies beyond the factor (it dropped, or a copy went back to an assigned peer): keep the most
+        preferred ``k`` holders (linked copies first: they cost the holder next to nothing), ask the rest
+        to drop theirs."""
+        order = {n: i for i, n in enumerate(candidate_targets(assignment, self.node))}
+        for rank, step in newest.items():
+            key = (job, rank, step)
+            have = self.confirmed.get(key, set())
+            if len(have) <= k or key in self._in_flight or not self._step_backoff.ready(("retire", key), now):
+                continue
+            linked = self.linked.get(key, set())
+            keep = sorted(have, key=lambda n: (n not in linked, order.get(n, len(order)), n))[:k]
+            surplus = tuple(sorted(n for n in have if n not in keep and n in assignment.nodes))
+            if surplus:
+                self._spawn(self._retire(key, surplus, assignment))
+
+    async def _retire(self, key: Key, holders: tuple[str, ...], assignment: PeerAssignment) -> None:
+        self._in_flight.add(key)
+        try:
+            task = RetireTask(
+                id=self.supervisor.next_id(),
+                job=key[0],
+                rank=key[1],
+                step=key[2],
+                holders=tuple(PeerAddress(n, *data_endpoint(assignment.nodes[n])) for n in holders),
+            )
+            try:
+                result = await self.supervisor.run_task(task)
+            except RetryableError as exc:
+                delay = self._step_backoff.fail(("retire", key), time.monotonic())
+                log.warning("retiring %s rank %d step %d: %s; retrying in %.0fs", *key, exc, delay)
+                return
+            for o in result.outcomes:
+                if o.status == "ok":
+                    self.confirmed.get(key, set()).discard(o.node)
+                    self.linked.get(key, set()).discard(o.node)
+            if result.ok:
+                self._step_backoff.ok(("retire", key))
+                log.info("%s rank %d step %d: surplus copies on %s retired", *key, list(holders))
+            else:
+                delay = self._step_backoff.fail(("retire", key), time.monotonic())
+                log.warning(
+                    "retiring %s rank %d step %d: %s; retrying in %.0fs", *key, result.outcomes, delay
+                )
+        finally:
+            self._in_flight.discard(key)
+            self.kick()
 
     def _spawn(self, coro: Awaitable[None]) -> None:
         task = asyncio.ensure_future(coro)
@@ -213,7 +390,7 @@ class ReplicationManager:
                     "send %s rank %d step %d reached only %d of %d peers; retrying in %.0fs",
                     *key,
                     len(self.confirmed.get(key, ())),
-                    self.k,
+                    self.factor(item.job),
                     delay,
                 )
         finally:
@@ -228,15 +405,91 @@ class ReplicationManager:
                 self.confirmed.setdefault(key, set()).add(o.node)
                 self._node_backoff.ok(o.node)
                 if o.status == "ok":
+                    if o.saved > 0:
+                        self.linked.setdefault(key, set()).add(o.node)
                     self.metrics.transfer_bytes.labels("out").inc(o.bytes)
                     self.metrics.replication_seconds.observe(o.seconds)
             elif o.status != "missing":
                 self._node_backoff.fail(o.node, now)
 
+    def _notice_plan(self, job: str, assignment: PeerAssignment, k: int) -> None:
+        """On a new plan (assignment generation, factor or erasure code): forget the copies on nodes that
+        left it and check the job's peers now (in the background), so lost copies are sent again at once."""
+        seen = (assignment.generation, k, self.erasure(job))
+        before = self._plans.get(job)
+        if before == seen:
+            return
+        self._plans[job] = seen
+        if before is None:
+            return  # first sight (daemon start): nothing is confirmed yet
+        gone = set()
+        for key, nodes in self.confirmed.items():
+            if key[0] == job and not nodes <= set(assignment.nodes):
+                gone |= {n for n in nodes if n not in assignment.nodes}
+                nodes.intersection_update(assignment.nodes)
+                self._lost.add(key)
+        for key, where in self.placed.items():
+            if key[0] == job and not set(where) <= set(assignment.nodes):
+                gone |= {n for n in where if n not in assignment.nodes}
+                for n in [n for n in where if n not in assignment.nodes]:
+                    del where[n]
+                self._lost.add(key)
+        log.info(
+            "job %s: new peer plan (generation, target, code %s; was %s): healing%s; checking the peers now",
+            job,
+            seen,
+            before,
+            f", copies on {sorted(gone)} (gone from the plan) no longer count" if gone else "",
+        )
+        self._spawn(self._heal(job))
+
+    async def _heal(self, job: str) -> None:
+        try:
+            await self.reconcile(jobs={job})
+        except Exception:
+            log.exception("job %s: checking the peers' holdings after a plan change failed", job)
+        self.kick()
+
+    def _assess(self, job: str, holdings: Holdings, k: int) -> None:
+        """The job's redundancy now: gauges, and a log line and a count when it changes."""
+        newest = holdings.newest_local()
+        if not newest:
+            self.redundancy.pop(job, None)
+            return
+        now = time.time()
+        copies = {r: self.copies((job, r, s)) for r, s in newest.items()}
+        fewest, short = assess(
+            factor=k,
+            copies=copies,
+            committed_at=holdings.newest_commit_at,
+            now=now,
+            grace=self.reconcile_interval,
+            lost={r for (j, r, s) in self._lost if j == job and newest.get(r) == s},
+        )
+        red, change = self._degraded.update(job, factor=k, copies=fewest, short=short, now=now)
+        self.redundancy[job] = red
+        self.metrics.replication_copies.labels(job).set(fewest)
+        self.metrics.replication_factor.labels(job).set(k)
+        self.metrics.replication_degraded.labels(job).set(1 if red.degraded else 0)
+        if change:
+            self.metrics.redundancy_changes.labels(job, change).inc()
+            if change == "degraded":
+                short_ranks = sorted(r for r, n in copies.items() if n < k)
+                log.warning(
+                    "job %s: below its replication factor %d (ranks %s): re-replicating", job, k, short_ranks
+                )
+            else:
+                log.info("job %s: back at full redundancy (%d of %d copies)", job, fewest, k)
+
     def _prune(self, job: str, newest: dict[int, int]) -> None:
         """Forget confirmations of steps that are no longer a rank's newest."""
         for key in [k for k in self.confirmed if k[0] == job and newest.get(k[1]) != k[2]]:
             del self.confirmed[key]
+        for key in [k for k in self.linked if k[0] == job and newest.get(k[1]) != k[2]]:
+            del self.linked[key]
+        for key in [k for k in self.placed if k[0] == job and newest.get(k[1]) != k[2]]:
+            del self.placed[key]
+        self._lost = {k for k in self._lost if k[0] != job or newest.get(k[1]) == k[2]}
 
     def _notify_committed(self, job: str, holdings: Holdings) -> None:
         """Tell the backup service (in the background: an upload may take minutes) once per newest step
@@ -257,41 +510,70 @@ class ReplicationManager:
         except Exception:
             log.exception("job %s: the backup service failed on step %d", job, step)
 
-    async def reconcile(self) -> None:
-        """Drop confirmations that peers no longer back up (their inventories lack the step). Every
-        (job, peer) inventory is asked at once (at most ``_RECONCILE_PARALLEL`` in flight), so peers
-        that do not answer cost one timeout in all, not one each."""
+    async def reconcile(self, jobs: Collection[str] | None = None) -> None:
+        """Drop confirmations that peers no longer back up: their inventories lack the step, they do not
+        answer, or they left the plan. Every (job, peer) inventory is asked at once (at most
+        ``_RECONCILE_PARALLEL`` in flight), so peers that do not answer cost one timeout in all, not
+        one each. ``jobs``: only these (default: every job)."""
         by_peer: dict[tuple[str, str], list[Key]] = {}
-        for key, nodes in self.confirmed.items():
+        for key, nodes in [*self.confirmed.items(), *((k, set(w)) for k, w in self.placed.items())]:
+            if jobs is not None and key[0] not in jobs:
+                continue
             for n in nodes:
                 by_peer.setdefault((key[0], n), []).append(key)
+        blocked = self._node_backoff.blocked(time.monotonic())
+        for job in jobs if jobs is not None else list_jobs(self.scanner.root):
+            a = self.assignments.get(job)
+            for n in a.peers.get(self.node, ()) if a is not None else ():
+                if n in blocked:  # an assigned peer in backoff: asked too, so it is preferred again once back
+                    by_peer.setdefault((job, n), [])
         limit = asyncio.Semaphore(_RECONCILE_PARALLEL)
 
         async def check(job: str, name: str, keys: list[Key]) -> None:
             assignment = self.assignments.get(job)
-            if assignment is None or name not in assignment.nodes:
+            if assignment is None:
+                return
+            if name not in assignment.nodes:
+                log.warning(
+                    "%s left the plan of %s: its copies no longer count; sending them again", name, job
+                )
+                self._uncount(name, keys)
                 return
             try:
                 async with limit:
                     inv = await self.peers.inventory(assignment.nodes[name].endpoint, job, node=name)
             except (RetryableError, ContractError) as exc:
-                log.info("reconcile: %s", exc)
+                log.warning("reconcile: %s (its copies of %s no longer count until it answers)", exc, job)
+                self._uncount(name, keys)
                 return
             if inv is None:
                 log.info("reconcile: %s has no inventory route", name)
                 return
+            self._node_backoff.ok(name)  # it answers: no longer last among the candidates
             for key in keys:
                 h = inv.ranks.get(key[1])
-                if h is None or (key[2] not in h.replica and key[2] not in h.local):
+                if h is None or not (key[2] in h.replica or key[2] in h.local or key[2] in h.fragments):
                     log.warning("%s no longer holds %s rank %d step %d; sending it again", name, *key)
-                    self.confirmed.get(key, set()).discard(name)
+                    self._uncount(name, [key])
 
         await asyncio.gather(*(check(job, name, keys) for (job, name), keys in by_peer.items()))
         if by_peer:
             self.kick()
 
+    def _uncount(self, name: str, keys: list[Key]) -> None:
+        for key in keys:
+            self.confirmed.get(key, set()).discard(name)
+            self.placed.get(key, {}).pop(name, None)
+            self._lost.add(key)
+
     def forget(self, job: str) -> None:
         self.groups.forget(job)
         for key in [k for k in self.confirmed if k[0] == job]:
             del self.confirmed[key]
+        for key in [k for k in self.placed if k[0] == job]:
+            del self.placed[key]
         self._notified.pop(job, None)
+        self._plans.pop(job, None)
+        self.redundancy.pop(job, None)
+        self._degraded.forget(job)
+        self._lost = {k for k in self._lost if k[0] != job}

@@ -7,7 +7,11 @@ to be replicated or in flight, into ``SendItem``s: the step, the candidates, and
 are wanted. The worker walks the candidates in order until that many succeeded, so a dead or full peer
 is replaced by the next one at once. A peer that already holds an identical copy of another replica
 group member's step (``linkable``, from ``replication.dedup``) goes first among the assigned peers (or
-among the fallbacks), with the member's rank as the ``base`` it links the data files from.
+among the fallbacks), with the member's rank as the ``base`` it links the data files from. A step at
+its factor but not on the peers the assignment names (a fallback took it while a peer was down) is
+copied to those peers once they are out of backoff; the manager then retires the fallback's copy (the
+surplus), so copies return to where the plan puts them. A linked copy (``linked``) stays where it is:
+it counts as placed, wherever it is.
 """
 
 from __future__ import annotations
@@ -60,11 +64,14 @@ def plan_sends(
     in_flight: Collection[tuple[int, int]] = (),
     avoid: Collection[str] = (),
     linkable: Mapping[int, Mapping[str, int]] | None = None,
+    linked: Mapping[tuple[int, int], Collection[str]] | None = None,
 ) -> list[SendItem]:
-    """One ``SendItem`` per local rank whose newest step has fewer than ``k`` confirmed copies.
-    ``linkable``: rank -> peers holding an identical member step (node -> that member's rank)."""
+    """One ``SendItem`` per local rank whose newest step has fewer than ``k`` confirmed copies, or is
+    not yet on its assigned peers. ``linkable``: rank -> peers holding an identical member step (node
+    -> that member's rank); ``linked``: (rank, step) -> holders whose copy was linked from a member's."""
     base = candidate_targets(assignment, node, avoid=avoid)
-    assigned = set(assignment.peers.get(node, ()))
+    listed = [n for n in assignment.peers.get(node, ()) if n != node and n in assignment.nodes]
+    assigned = listed[: max(k, 0)]  # where the plan puts the copies (the rest are its spares)
     items = []
     for rank in sorted(newest):
         step = newest[rank]
@@ -75,10 +82,17 @@ def plan_sends(
         bases = dict((linkable or {}).get(rank, {}))
         # A linkable peer goes first within its tier only: the assigned peers (the operator's choice of
         # failure domains) before the fallbacks, and dead peers last, whatever they hold.
-        ordered = sorted(base, key=lambda n: (n in avoid, n not in assigned, n not in bases))
+        ordered = sorted(base, key=lambda n: (n in avoid, n not in listed, n not in bases))
         candidates = tuple(n for n in ordered if n not in have)
         if want > 0 and candidates:
             bases = {n: b for n, b in bases.items() if n in candidates}
             item = SendItem(job=job, rank=rank, step=step, candidates=candidates, want=want, bases=bases)
             items.append(item)
+            continue
+        # at its factor, but not (all) where the plan says; linked copies elsewhere stay where they are
+        settled = [n for n in have if n in (linked or {}).get((rank, step), ()) and n not in assigned]
+        home = assigned[: max(k - len(settled), 0)]
+        back = tuple(n for n in home if n not in have and n not in avoid)
+        if back:
+            items.append(SendItem(job=job, rank=rank, step=step, candidates=back, want=len(back)))
     return items

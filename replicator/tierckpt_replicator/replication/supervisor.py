@@ -23,7 +23,10 @@ from tierckpt.protocol.errors import FormatError, RetryableError
 from tierckpt_replicator.replication.ipc import (
     MAX_LINE,
     DataEvent,
+    ErasureTask,
     FetchTask,
+    RebuildTask,
+    RetireTask,
     SendTask,
     Shutdown,
     TaskProgress,
@@ -88,7 +91,11 @@ class WorkerSupervisor:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
 
-    async def run_task(self, task: SendTask | FetchTask, on_progress: OnProgress | None = None) -> TaskResult:
+    async def run_task(
+        self,
+        task: SendTask | FetchTask | RetireTask | ErasureTask | RebuildTask,
+        on_progress: OnProgress | None = None,
+    ) -> TaskResult:
         if not self._ready.is_set():
             raise RetryableError("the replication worker is not running")
         fut: asyncio.Future[TaskResult] = asyncio.get_running_loop().create_future()

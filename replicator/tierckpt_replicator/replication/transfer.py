@@ -56,7 +56,7 @@ from tierckpt_replicator.stepio import (
     step_name,
 )
 
-__all__ = ["fetch_step", "outcome_status", "push_step", "report_corrupt"]
+__all__ = ["fetch_step", "outcome_status", "push_step", "report_corrupt", "retire_copy"]
 
 log = logging.getLogger(__name__)
 
@@ -376,3 +376,15 @@ def report_corrupt(
         return False
     log.info("reported corrupt copy to %s: %s", source.node, reply.message)
     return True
+
+
+def retire_copy(ctx: DataContext, job: str, rank: int, step: int, peer: PeerAddress) -> Outcome:
+    """Ask ``peer`` to drop its replica of the step (a surplus copy): "ok" once it has none."""
+    req = DataRequest(op="retire", token=ctx.token(), job=job, rank=rank, step=step, node=ctx.config.node)
+    try:
+        with connect(ctx, peer) as sock:
+            send_frame(sock, req)
+            reply = recv_frame(sock, DataReply)
+    except (OSError, ProtocolError) as exc:
+        return Outcome(peer.node, "unreachable", str(exc))
+    return Outcome(peer.node, outcome_status(reply.status), reply.message)

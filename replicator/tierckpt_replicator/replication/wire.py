@@ -17,6 +17,16 @@ big-endian length, then a ``_codec`` JSON message. Raw step bytes follow some fr
                                     + every file of the manifest, in manifest order
     corrupt (restorer -> holder)    DataRequest{op=corrupt, ...}: "your copy failed its crc32c";
                                     the holder re-verifies its replica and drops it if bad.
+    retire (primary -> holder)      DataRequest{op=retire, ...}: "your copy is surplus" (the job's
+                                    replication factor dropped); the holder drops its replica if the
+                                    requester runs that rank in the holder's own peer assignment.
+    fragment (primary -> holder)    DataRequest{op=fragment, ..., index, commit_size, manifest_size,
+                                    erasure_size} + COMMIT + manifest + erasure manifest bytes
+                                    <- DataReply{status=100 continue | 208 held | error}
+                                    + the fragment's bytes  <- DataReply{status=200 | 422 corrupt}
+    getfrag (restorer -> holder)    DataRequest{op=getfrag, ...}
+                                    <- DataReply{status=200, index, commit_size, manifest_size,
+                                    erasure_size, total_bytes} + the three headers + the fragment
 
 With ``--auth tls`` the connection is mutual TLS and the request is authorized by the client
 certificate's identity (``token`` is empty; ``node`` must be the node the certificate names); with
@@ -52,7 +62,7 @@ MAGIC = b"TKR1"
 MAX_FRAME = 64 << 10
 _HEADER = struct.Struct("!4sI")
 
-Op = Literal["put", "get", "corrupt"]
+Op = Literal["put", "get", "corrupt", "retire", "fragment", "getfrag"]
 M = TypeVar("M", bound=Message)
 
 
@@ -99,6 +109,10 @@ class DataRequest(Message):
     """The requesting node's name: with ``--auth tls`` it must be the one its certificate names."""
     commit_size: int = 0
     manifest_size: int = 0
+    index: int = 0
+    """``fragment``: the index of the erasure-coded fragment sent."""
+    erasure_size: int = 0
+    """``fragment``: bytes of the erasure manifest after the step's manifest."""
     base_rank: int = -1
     """``put``: a member of this rank's replica group whose committed step ``step`` the holder has with
     the same content key; it may link those data files instead of receiving them (-1: none)."""
@@ -114,6 +128,10 @@ class DataReply(Message):
     commit_size: int = 0
     manifest_size: int = 0
     total_bytes: int = 0
+    index: int = -1
+    """``getfrag``: the index of the fragment that follows; ``fragment``: the index the holder holds
+    (with 208, or 409 when it holds another one of the step); -1 otherwise."""
+    erasure_size: int = 0
     linked: bool = False
     """``put`` continue: the data files were linked from ``base_rank``'s step; send the others only."""
 

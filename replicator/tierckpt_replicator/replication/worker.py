@@ -22,10 +22,14 @@ from typing import Any
 from tierckpt.protocol.errors import FormatError
 from tierckpt_replicator.replication.context import DataContext
 from tierckpt_replicator.replication.data_server import DataServer
+from tierckpt_replicator.replication.fragment_transfer import rebuild_step, remove_scratch, send_fragments
 from tierckpt_replicator.replication.ipc import (
     Channel,
+    ErasureTask,
     FetchTask,
     Outcome,
+    RebuildTask,
+    RetireTask,
     SendTask,
     Shutdown,
     TaskProgress,
@@ -33,7 +37,7 @@ from tierckpt_replicator.replication.ipc import (
     WorkerConfig,
     WorkerReady,
 )
-from tierckpt_replicator.replication.transfer import fetch_step, push_step
+from tierckpt_replicator.replication.transfer import fetch_step, push_step, retire_copy
 from tierckpt_replicator.stepio import remove_stale_incoming
 
 __all__ = ["lower_priority", "main", "run_fetch", "run_send"]
@@ -123,8 +127,40 @@ def run_fetch(ctx: DataContext, task: FetchTask) -> TaskResult:
     )
 
 
+def run_rebuild(ctx: DataContext, task: RebuildTask) -> TaskResult:
+    """Rebuild a primary from erasure-coded fragments, reporting progress like a fetch."""
+    last = 0.0
+
+    def progress(done: int, total: int) -> None:
+        nonlocal last
+        now = time.monotonic()
+        if now - last >= _PROGRESS_EVERY or done >= total:
+            last = now
+            ctx.emit(TaskProgress(id=task.id, bytes_done=done, bytes_total=total))
+
+    return rebuild_step(ctx, task, progress)
+
+
+def run_retire(ctx: DataContext, task: RetireTask) -> TaskResult:
+    """Ask every holder to drop its surplus replica."""
+    outcomes = tuple(retire_copy(ctx, task.job, task.rank, task.step, peer) for peer in task.holders)
+    for out in outcomes:
+        log.info(
+            "retire %s rank %d step %d on %s: %s %s",
+            task.job,
+            task.rank,
+            task.step,
+            out.node,
+            out.status,
+            out.message,
+        )
+    return TaskResult(id=task.id, ok=all(o.status == "ok" for o in outcomes), outcomes=outcomes)
+
+
 def _serve_tasks(chan: Channel, ctx: DataContext, pool: ThreadPoolExecutor) -> None:
-    def run(fn: Callable[[DataContext, Any], TaskResult], task: SendTask | FetchTask) -> None:
+    Task = SendTask | FetchTask | RetireTask | ErasureTask | RebuildTask
+
+    def run(fn: Callable[[DataContext, Any], TaskResult], task: Task) -> None:
         try:
             result = fn(ctx, task)
         except Exception as exc:  # a bug: report it, keep the worker alive
@@ -144,6 +180,12 @@ def _serve_tasks(chan: Channel, ctx: DataContext, pool: ThreadPoolExecutor) -> N
             pool.submit(run, run_send, msg)
         elif isinstance(msg, FetchTask):
             pool.submit(run, run_fetch, msg)
+        elif isinstance(msg, RetireTask):
+            pool.submit(run, run_retire, msg)
+        elif isinstance(msg, ErasureTask):
+            pool.submit(run, send_fragments, msg)
+        elif isinstance(msg, RebuildTask):
+            pool.submit(run, run_rebuild, msg)
         else:
             log.error("unexpected message from the daemon: %s", type(msg).__name__)
 
@@ -165,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     lower_priority(config.nice, config.idle_class)
     ctx = DataContext.from_config(config, emit=chan.send)
-    removed = remove_stale_incoming(Path(config.root))
+    removed = remove_stale_incoming(Path(config.root)) + remove_scratch(Path(config.root))
     if removed:
         log.info("removed %d torn transfers left by an earlier run", removed)
     server = DataServer(ctx)

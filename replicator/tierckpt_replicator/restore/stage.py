@@ -7,9 +7,16 @@ as a committed primary ``<job>/rank-N/step-S/``, so the client loads it as local
 1. already a local primary: nothing to move;
 2. a replica this node holds: copied within the ramdisk (and verified);
 3. a peer holding it (the plan's holders): streamed over the data endpoint, crc32c checked on arrival;
-   a corrupt copy is reported to its holder and the next source is tried;
+   a corrupt copy is reported to its holder and the next source is tried; for a rank the plan rebuilds
+   from erasure-coded fragments (``Tier.ERASURE``), ``k`` fragments from its holders, decoded and
+   checked against the step's crc32c (``replication.fragment_transfer``);
 4. the bucket, through the backup service; a rank whose data files are another replica group
    member's there takes them from the node restoring that member (``restore.fanout``).
+
+Staging runs once per restore: a new node rank (``PUT peers``) and the operator's plan (``PUT
+restore-plan``) both ask for it, and whichever comes second keeps the run already staging the same
+step into the same ranks (``start_for_assignment``, ``start_for_plan``), so no rank is fetched twice.
+Sources are the plan's holders only: a rank the plan gave no holders comes from the bucket.
 
 Progress goes to ``<job>/control/restore-rank-N.json`` (see ``progress``); the plan comes from the
 job's state directory (``restore.json``), never from the job directory a pod can write. Each rank makes up to
@@ -48,7 +55,7 @@ from tierckpt.protocol.safefs import Beneath
 from tierckpt_replicator.assignments import AssignmentStore, data_endpoint
 from tierckpt_replicator.backup.jobs import BackupPort
 from tierckpt_replicator.metrics import Metrics
-from tierckpt_replicator.replication.ipc import FetchSource, FetchTask, TaskProgress
+from tierckpt_replicator.replication.ipc import FetchSource, FetchTask, RebuildTask, TaskProgress
 from tierckpt_replicator.replication.supervisor import WorkerSupervisor
 from tierckpt_replicator.restore.fanout import FanOut
 from tierckpt_replicator.restore.gather import compute_plan
@@ -137,6 +144,8 @@ class Stager:
         self.plans: dict[str, RestorePlan] = {}
         self.states: dict[str, dict[int, RestoreState]] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._staging: dict[str, tuple[RestorePlan, tuple[int, ...]]] = {}
+        """Job -> the plan its current (or last) run decided and the ranks it stages."""
         self.fanout = (
             FanOut(
                 node=settings.node_name,
@@ -160,9 +169,42 @@ class Stager:
         old = self._tasks.get(job)
         if old is not None and not old.done():
             old.cancel()
+        self._staging.pop(job, None)
         task = asyncio.create_task(self._run(job, plan), name=f"restore-{job}")
         self._tasks[job] = task
         return task
+
+    def start_for_assignment(self, job: str, assignment: PeerAssignment) -> None:
+        """This node got a new node rank: stage its ranks, unless a run already stages exactly them."""
+        decided = self._staging.get(job)
+        if decided is not None:
+            plan, ranks = decided
+            if assignment.process_ranks(self.node, plan.world_size) == ranks:
+                log.info(
+                    "restore %s: ranks %s already staged for step %s; not staging again",
+                    job,
+                    ranks,
+                    plan.step,
+                )
+                return
+        self.start(job)
+
+    def start_for_plan(self, job: str, plan: RestorePlan) -> None:
+        """The operator published ``plan``: stage it, unless a run already stages its step into the ranks
+        it gives this node (then that run goes on; restarting it would fetch its ranks again)."""
+        decided = self._staging.get(job)
+        if decided is not None:
+            current, ranks = decided
+            assignment = self.assignments.get(job)
+            if (
+                current.step == plan.step
+                and current.world_size == plan.world_size
+                and assignment is not None
+                and self._ranks(job, plan, assignment) == ranks
+            ):
+                log.info("restore %s: step %s already being staged; keeping that run", job, plan.step)
+                return
+        self.start(job, plan)
 
     def running(self, job: str) -> bool:
         task = self._tasks.get(job)
@@ -175,6 +217,7 @@ class Stager:
             task.cancel()
         self.plans.pop(job, None)
         self.states.pop(job, None)
+        self._staging.pop(job, None)
 
     async def close(self) -> None:
         for task in self._tasks.values():
@@ -197,6 +240,8 @@ class Stager:
                 )
             self.plans[job] = plan
             ranks = self._ranks(job, plan, assignment)
+            if assignment is not None and assignment.process_ranks(self.node, plan.world_size):
+                self._staging[job] = (plan, ranks)
             if self.fanout is not None:
                 ranks = await self.fanout.order(job, plan, ranks)
             self.states[job] = {r: RestoreState.PENDING for r in ranks}
@@ -305,6 +350,11 @@ class Stager:
         if self._committed(job, "primary", rank, step):
             return Tier.LOCAL, ""
         reasons = []
+        if plan.sources.get(rank) == Tier.ERASURE and assignment is not None:
+            tier, why = await self._rebuild(job, rank, step, plan, assignment, rep)
+            if tier is not None:
+                return tier, ""
+            reasons.append(why)
         sources = self._sources(job, rank, step, plan, assignment)
         if sources:
             tier, why = await self._fetch(job, rank, step, sources, rep)
@@ -327,13 +377,43 @@ class Stager:
         out = []
         if self._committed(job, "replica", rank, step):
             out.append(FetchSource(kind="replica", node=self.node))
-        if assignment is not None:
-            holders = plan.holders.get(rank) or tuple(sorted(assignment.nodes))
-            for name in holders:
+        if assignment is not None and plan.sources.get(rank) != Tier.ERASURE:  # the plan's holders only
+            for name in plan.holders.get(rank, ()):
                 if name != self.node and name in assignment.nodes:
                     host, port = data_endpoint(assignment.nodes[name])
                     out.append(FetchSource(kind="peer", node=name, host=host, port=port))
         return tuple(out)
+
+    async def _rebuild(
+        self,
+        job: str,
+        rank: int,
+        step: int,
+        plan: RestorePlan,
+        assignment: PeerAssignment,
+        rep: ProgressReporter,
+    ) -> tuple[Tier | None, str]:
+        """Rebuild the rank from the erasure-coded fragments the plan's holders hold."""
+        sources = []
+        for name in plan.holders.get(rank, ()):
+            if name != self.node and name in assignment.nodes:
+                host, port = data_endpoint(assignment.nodes[name])
+                sources.append(FetchSource(kind="peer", node=name, host=host, port=port))
+        task = RebuildTask(
+            id=self.supervisor.next_id(), job=job, rank=rank, step=step, sources=tuple(sources)
+        )
+
+        def progress(p: TaskProgress) -> None:
+            rep.progress(p.bytes_done, p.bytes_total)
+
+        try:
+            result = await self.supervisor.run_task(task, progress)
+        except RetryableError as exc:
+            return None, str(exc)
+        if result.ok:
+            return (Tier.LOCAL if result.outcomes[-1].status == "already" else Tier.ERASURE), ""
+        why = "; ".join(f"{o.node}: {o.status} {o.message}".strip() for o in result.outcomes)
+        return None, f"erasure: {result.message or why}"
 
     async def _fetch(
         self, job: str, rank: int, step: int, sources: tuple[FetchSource, ...], rep: ProgressReporter
