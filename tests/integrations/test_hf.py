@@ -1,7 +1,8 @@
 """``TierckptTrainer`` against the real ``transformers.Trainer`` (CPU, gloo, a tiny GPT-2 built from a
-config): killed mid-epoch under torchrun and restarted, the final weights equal an uninterrupted run's
-bit for bit (model, optimizer, scheduler, RNG, TrainerState and the data position all resumed); a model
-of another architecture is refused with the strict-mode error."""
+config): killed mid-epoch under torchrun and restarted, or stopped by SIGTERM (saving the step it
+reached), the final weights equal an uninterrupted run's bit for bit (model, optimizer, scheduler,
+RNG, TrainerState and the data position all resumed); a model of another architecture is refused with
+the strict-mode error."""
 
 from __future__ import annotations
 
@@ -33,6 +34,31 @@ def test_killed_mid_epoch_resumes_bit_exact(root: Path, tmp_path: Path):
 
     finished = Run("hf_gpt2.py", tmp_path, "finished", env=env).finish()
     assert finished["restored_step"] == 4
+    assert same_tensors(finished["weights"], reference["weights"])
+
+
+@pytest.mark.e2e
+def test_sigterm_saves_the_step_reached_then_exits_and_the_next_launch_resumes_bit_exact(
+    root: Path, tmp_path: Path
+):
+    """SIGTERM to torchrun (the pod deleted) mid-epoch at step 5, between periodic saves: both ranks save
+    step 5 and the processes end; the next launch resumes from 5 and ends with the uninterrupted run's
+    weights, bit for bit."""
+    reference = Run(
+        "hf_gpt2.py", tmp_path, "ref", env={"TIERCKPT_ROOT": str(root), "TIERCKPT_JOB": "ref"}
+    ).finish()
+    env = {"TIERCKPT_ROOT": str(root), "TIERCKPT_JOB": "term"}
+    stopped = Run("hf_gpt2.py", tmp_path, "stopped", env=env, pause_at=5)
+    stopped.wait_paused()
+    stopped.terminate()
+    assert [committed_steps(rank_dir(root, "term", r)) for r in range(2)] == [[4, 5], [4, 5]], (
+        stopped.log_text()
+    )
+    assert "SIGTERM: saving step 5" in stopped.log_text()
+    assert not stopped.result.exists()  # the code after train() did not run
+
+    finished = Run("hf_gpt2.py", tmp_path, "finished", env=env).finish()
+    assert finished["restored_step"] == 5
     assert same_tensors(finished["weights"], reference["weights"])
 
 

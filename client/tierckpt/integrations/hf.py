@@ -30,8 +30,16 @@ tests run them against the pinned version. DeepSpeed and FSDP runs of the Traine
 checkpoint engines (refused here with a clear error): for FSDP with tierckpt use Accelerate
 (``tierckpt.integrations.accelerate``) or DCP.
 
-``TierckptTrainer(..., tierckpt={"root": ..., "job": ..., "keep": 2, "resume": True})`` overrides the
-``$TIERCKPT_ROOT``/``$TIERCKPT_JOB`` defaults; other keys go to ``tierckpt.Checkpointer``. Mix
+* **preemption**: a SIGTERM during ``train()`` (Kubernetes deleting the pod; torchrun forwards it to
+  its workers) ends training at the end of the current step, which is saved first (every rank saves the
+  step it reached; a restore takes the newest step every rank holds). Once that step has committed the
+  signal is delivered again to the handler that was there before, by default ending the process, so the
+  code after ``train()`` (a final ``save_model``, say) does not run as if training had finished.
+  ``tierckpt_received_sigterm`` tells a callback that it came.
+
+``TierckptTrainer(..., tierckpt={"root": ..., "job": ..., "keep": 2, "resume": True,
+"save_on_sigterm": True})`` overrides the ``$TIERCKPT_ROOT``/``$TIERCKPT_JOB`` defaults; other keys go
+to ``tierckpt.Checkpointer``. Mix
 ``TierckptTrainerMixin`` into another ``Trainer`` subclass (``class T(TierckptTrainerMixin, SFTTrainer)``).
 """
 
@@ -42,7 +50,10 @@ import json
 import logging
 import os
 import shutil
+import signal
 import tempfile
+import threading
+from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from tierckpt.integrations.lazy import framework_subclass
@@ -61,12 +72,16 @@ class TierckptTrainerMixin:
         super().__init__(*args, **kwargs)
         options = dict(tierckpt or {})
         self.tierckpt_resume: bool = bool(options.pop("resume", True))
+        self.tierckpt_save_on_sigterm: bool = bool(options.pop("save_on_sigterm", True))
+        self.tierckpt_received_sigterm = False
+        """Set by a SIGTERM during ``train()``: the step that ends now is saved, then training stops."""
         self.tierckpt_options = options
         self.tierckpt_restored_step: int | None = None
         """The step ``train()`` resumed from (None: started fresh or from a directory)."""
         self._tierckpt: Any = None
         self._tierckpt_loaded: dict[str, Any] | None = None
         self._tierckpt_dir: str | None = None
+        self.add_callback(_sigterm_callback(self))  # type: ignore[attr-defined]
 
     # ------------------------------------------------------------------------------- the checkpointer
 
@@ -120,6 +135,7 @@ class TierckptTrainerMixin:
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
         """``Trainer.train``; None or True first resume from the newest step on the ramdisk, if any."""
+        previous = self._tierckpt_catch_sigterm()
         try:
             if resume_from_checkpoint in (None, True) and self.tierckpt_resume:
                 staged = self._tierckpt_restore()
@@ -132,8 +148,26 @@ class TierckptTrainerMixin:
                 shutil.rmtree(self._tierckpt_dir, ignore_errors=True)
                 self._tierckpt_dir = None
             if self._tierckpt is not None:
-                self._tierckpt.close()
+                self._tierckpt.close()  # every save committed
                 self._tierckpt = None
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
+                if self.tierckpt_received_sigterm:
+                    log.warning("SIGTERM: the last step is committed; passing the signal on")
+                    signal.raise_signal(signal.SIGTERM)
+
+    def _tierckpt_catch_sigterm(self) -> Any:
+        """Install the SIGTERM handler for ``train()``; returns the one it replaces (None: not installed)."""
+        if not self.tierckpt_save_on_sigterm or threading.current_thread() is not threading.main_thread():
+            return None
+        self.tierckpt_received_sigterm = False
+
+        def received(signum: int, frame: FrameType | None) -> None:
+            if not self.tierckpt_received_sigterm:
+                log.warning("SIGTERM: training stops after the current step, which is saved first")
+            self.tierckpt_received_sigterm = True
+
+        return signal.signal(signal.SIGTERM, received)
 
     def _tierckpt_restore(self) -> str | None:
         """Load the newest common step (the model in place); stage its TrainerState for the Trainer."""
@@ -189,6 +223,22 @@ class TierckptTrainerMixin:
         from tierckpt.integrations.rng import set_rng_states
 
         set_rng_states(loaded["rng"])
+
+
+def _sigterm_callback(trainer: TierckptTrainerMixin) -> Any:
+    """The ``TrainerCallback`` that turns a received SIGTERM into a save of the step just ended and the
+    end of training (after the Trainer's own flow callback has decided the step)."""
+    from transformers import TrainerCallback
+
+    class TierckptSigterm(TrainerCallback):
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+            if trainer.tierckpt_received_sigterm:
+                log.warning("SIGTERM: saving step %d before exiting", state.global_step)
+                control.should_save = True
+                control.should_training_stop = True
+            return control
+
+    return TierckptSigterm()
 
 
 if TYPE_CHECKING:

@@ -2,8 +2,8 @@
 
 Run by tests/integrations/test_hf.py. The region between the ``snippet`` markers is the Hugging Face
 example of docs/integration.md (kept identical by tests/integrations/test_docs_snippets.py).
-``PAUSE_AT``: hold training after that step until the process is killed. Rank 0 writes the final
-weights to ``$RESULT``.
+``PAUSE_AT``: hold training after that step until the process is killed or sent SIGTERM. Rank 0
+writes the final weights to ``$RESULT``.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,13 +39,15 @@ class TokenDataset(torch.utils.data.Dataset):
 
 
 class PauseAt(TrainerCallback):
-    def __init__(self, step: int, marker: Path) -> None:
-        self.step, self.marker = step, marker
+    """Hold training after step ``step`` until the process is killed or receives SIGTERM."""
+
+    def __init__(self, step: int, marker: Path, sigterm: Callable[[], bool]) -> None:
+        self.step, self.marker, self.sigterm = step, marker, sigterm
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if state.global_step == self.step:
             self.marker.with_name(f"{self.marker.name}.{args.process_index}").touch()
-            while True:
+            while not self.sigterm():
                 time.sleep(0.05)
 
 
@@ -54,7 +57,9 @@ def main() -> None:
     dataset = TokenDataset()
     callbacks = []
     if os.environ.get("PAUSE_AT"):
-        callbacks.append(PauseAt(int(os.environ["PAUSE_AT"]), Path(os.environ["RESULT"] + ".paused.0")))
+        sigterm = lambda: trainer.tierckpt_received_sigterm  # noqa: E731 (trainer is assigned below)
+        marker = Path(os.environ["RESULT"] + ".paused.0")
+        callbacks.append(PauseAt(int(os.environ["PAUSE_AT"]), marker, sigterm))
 
     # --8<-- [start:snippet]
     args = TrainingArguments(
@@ -67,7 +72,7 @@ def main() -> None:
         report_to="none",
     )
     trainer = TierckptTrainer(model=model, args=args, train_dataset=dataset, callbacks=callbacks)
-    trainer.train()  # resumes from the newest step every rank holds
+    trainer.train()  # resumes from the newest step every rank holds; on SIGTERM saves, then exits
     # --8<-- [end:snippet]
 
     if trainer.args.process_index == 0:
