@@ -357,3 +357,34 @@ async def test_reconcile_asks_every_peer_at_once_and_never_holds_up_a_pass(tmp_p
         release.set()
         await mgr.close()
         await peers.aclose()
+
+
+async def test_only_a_fault_of_the_peer_itself_moves_every_jobs_replicas_off_it(tmp_path: Path):
+    """A peer that refuses one job (its plan of that job is behind: ``unauthorized``) or holds a corrupt
+    copy stays first among every job's candidates; one that is unreachable, busy or full goes last."""
+    import time
+
+    from tierckpt_replicator.inventory import InventoryScanner
+    from tierckpt_replicator.metrics import Metrics
+    from tierckpt_replicator.replication.ipc import Outcome
+    from tierckpt_replicator.replication.manager import ReplicationManager
+
+    root = tmp_path / "root"
+    mgr = ReplicationManager(
+        node="a",
+        k=1,
+        scanner=InventoryScanner(root, node="a", endpoint="http://a:1"),
+        assignments=AssignmentStore(root),
+        supervisor=None,
+        peers=None,  # type: ignore[arg-type]
+        metrics=Metrics(),
+    )
+    try:
+        for status in ("unauthorized", "corrupt", "missing", "ok", "already"):
+            mgr._record(("j", 0, 5), [Outcome(node="b", status=status)])
+        assert mgr._node_backoff.blocked(time.monotonic()) == set()
+        for i, status in enumerate(("unreachable", "busy", "full", "failed")):
+            mgr._record(("j", 0, 5), [Outcome(node=f"n{i}", status=status)])
+        assert mgr._node_backoff.blocked(time.monotonic()) == {"n0", "n1", "n2", "n3"}
+    finally:
+        await mgr.close()

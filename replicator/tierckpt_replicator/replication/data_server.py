@@ -33,7 +33,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, cast
 
 from tierckpt.protocol import leases
@@ -368,12 +368,27 @@ class DataServer:
         self, conn: socket.socket, req: DataRequest, writer: StepWriter, linked: bool = False
     ) -> tuple[int, str]:
         """Preallocate, say continue, receive and verify, commit. Returns (status, message)."""
+        return self._receive(
+            conn, req, writer, lambda: _receive_all(conn, writer, self._floor()), "committed", linked
+        )
+
+    def _receive(
+        self,
+        conn: socket.socket,
+        req: DataRequest,
+        writer: StepWriter | FragmentWriter,
+        body: Callable[[], None],
+        done: str,
+        linked: bool = False,
+    ) -> tuple[int, str]:
+        """``writer.prepare()``, CONTINUE, ``body()`` (the bytes in), ``writer.commit()``; whatever fails
+        aborts the writer, so nothing half-received is ever committed. Returns (status, message)."""
         try:
             writer.prepare()
             send_frame(conn, DataReply(status=Status.CONTINUE, linked=linked))
-            _receive_all(conn, writer, self._floor())
+            body()
             writer.commit()
-            return Status.OK, "committed"
+            return Status.OK, done
         except RamdiskFullError as exc:
             writer.abort()
             raise _Reject(Status.NO_SPACE, str(exc)) from exc
@@ -518,27 +533,15 @@ class DataServer:
     def _receive_fragment(
         self, conn: socket.socket, req: DataRequest, writer: FragmentWriter
     ) -> tuple[int, str]:
-        try:
-            writer.prepare()
-            send_frame(conn, DataReply(status=Status.CONTINUE))
+        def body() -> None:
             fd = writer.open()
             try:
                 crc = receive_file(conn, fd, writer.header.size, where=writer.where, pace=self._floor())
             finally:
                 os.close(fd)
             writer.record(crc)
-            writer.commit()
-            return Status.OK, "fragment committed"
-        except RamdiskFullError as exc:
-            writer.abort()
-            raise _Reject(Status.NO_SPACE, str(exc)) from exc
-        except CorruptShardError as exc:
-            writer.abort()
-            return Status.CORRUPT, str(exc)
-        except BaseException as exc:
-            writer.abort()
-            self._event(req, Status.ABORTED, message=f"transfer aborted: {exc}")
-            raise
+
+        return self._receive(conn, req, writer, body, "fragment committed")
 
     def _get_fragment(self, conn: socket.socket, req: DataRequest) -> None:
         """Serve this node's fragment of a rank's step: its headers, then its bytes."""

@@ -49,7 +49,7 @@ from tierckpt_replicator.replication.ipc import (
     TaskResult,
 )
 from tierckpt_replicator.replication.stream import receive_file, send_file
-from tierckpt_replicator.replication.transfer import outcome_status
+from tierckpt_replicator.replication.transfer import outcome_status, step_request
 from tierckpt_replicator.replication.wire import (
     DataReply,
     DataRequest,
@@ -179,19 +179,7 @@ def push_fragment(
 ) -> Outcome:
     """Send fragment ``index`` (the file at ``path``) of the step to ``peer``."""
     started = time.monotonic()
-    m = header.manifest
-    req = DataRequest(
-        op="fragment",
-        token=ctx.token(),
-        job=m.job,
-        rank=m.rank,
-        step=m.step,
-        node=ctx.config.node,
-        commit_size=len(header.commit_bytes),
-        manifest_size=len(header.manifest_bytes),
-        index=index,
-        erasure_size=len(erasure),
-    )
+    req = step_request(ctx, "fragment", header, index=index, erasure_size=len(erasure))
     try:
         sock = connect(ctx, peer)
     except ssl.SSLError as exc:

@@ -32,6 +32,7 @@ __all__ = [
     "RetireTask",
     "SendTask",
     "Shutdown",
+    "StepTask",
     "TaskProgress",
     "TaskResult",
     "WorkerConfig",
@@ -91,15 +92,21 @@ class WorkerConfig(Message):
 
 
 @dataclasses.dataclass(frozen=True)
-class SendTask(Message):
-    """Copy ``job``/``rank``/``step`` (a local primary) to ``want`` of the candidates, in order."""
-
-    KIND = "tierckpt.send-task"
+class StepTask(Message):
+    """The task's number (its ``TaskResult`` answers it) and the rank's step it is about."""
 
     id: int
     job: str
     rank: int
     step: int
+
+
+@dataclasses.dataclass(frozen=True)
+class SendTask(StepTask):
+    """Copy ``job``/``rank``/``step`` (a local primary) to ``want`` of the candidates, in order."""
+
+    KIND = "tierckpt.send-task"
+
     candidates: tuple[PeerAddress, ...]
     want: int = 1
     bases: dict[str, int] = dataclasses.field(default_factory=dict)
@@ -107,29 +114,21 @@ class SendTask(Message):
 
 
 @dataclasses.dataclass(frozen=True)
-class RetireTask(Message):
+class RetireTask(StepTask):
     """Ask each of ``holders`` to drop its replica of ``job``/``rank``/``step`` (a surplus copy)."""
 
     KIND = "tierckpt.retire-task"
 
-    id: int
-    job: str
-    rank: int
-    step: int
     holders: tuple[PeerAddress, ...]
 
 
 @dataclasses.dataclass(frozen=True)
-class ErasureTask(Message):
+class ErasureTask(StepTask):
     """Encode ``job``/``rank``/``step`` (a local primary) into ``k + m`` fragments and send each index not
     yet ``placed`` (node -> index) to its own candidate, in order, one fragment per node."""
 
     KIND = "tierckpt.erasure-task"
 
-    id: int
-    job: str
-    rank: int
-    step: int
     k: int
     m: int
     candidates: tuple[PeerAddress, ...]
@@ -137,15 +136,11 @@ class ErasureTask(Message):
 
 
 @dataclasses.dataclass(frozen=True)
-class RebuildTask(Message):
+class RebuildTask(StepTask):
     """Rebuild ``job``/``rank``/``step`` as this node's primary from the fragments ``sources`` hold."""
 
     KIND = "tierckpt.rebuild-task"
 
-    id: int
-    job: str
-    rank: int
-    step: int
     sources: tuple[FetchSource, ...]
 
 
@@ -158,16 +153,12 @@ class FetchSource(Record):
 
 
 @dataclasses.dataclass(frozen=True)
-class FetchTask(Message):
+class FetchTask(StepTask):
     """Stage ``job``/``rank``/``step`` on this node from the first source that works: as its primary
     (a restore of the node's own ranks), or as a replica (another rank's step a load here reads)."""
 
     KIND = "tierckpt.fetch-task"
 
-    id: int
-    job: str
-    rank: int
-    step: int
     sources: tuple[FetchSource, ...]
     into: Literal["primary", "replica"] = "primary"
 

@@ -42,7 +42,14 @@ from tierckpt_replicator.assignments import AssignmentStore, data_endpoint
 from tierckpt_replicator.inventory import Holdings, InventoryScanner, list_jobs
 from tierckpt_replicator.metrics import Metrics
 from tierckpt_replicator.replication.groups import GroupTracker
-from tierckpt_replicator.replication.ipc import ErasureTask, Outcome, PeerAddress, RetireTask, SendTask
+from tierckpt_replicator.replication.ipc import (
+    ErasureTask,
+    Outcome,
+    OutcomeStatus,
+    PeerAddress,
+    RetireTask,
+    SendTask,
+)
 from tierckpt_replicator.replication.plan import SendItem, candidate_targets, plan_sends
 from tierckpt_replicator.replication.redundancy import RedundancyLog, assess
 from tierckpt_replicator.replication.supervisor import WorkerSupervisor
@@ -50,6 +57,12 @@ from tierckpt_replicator.replication.supervisor import WorkerSupervisor
 __all__ = ["ReplicationManager"]
 
 log = logging.getLogger(__name__)
+
+NODE_FAULTS: frozenset[OutcomeStatus] = frozenset({"unreachable", "busy", "full", "failed"})
+"""Outcomes that put the peer itself in backoff (last among the candidates of every job for a while).
+The others are about one job or step: ``unauthorized`` (the peer does not know the job yet, or any
+more: its plan is behind), ``corrupt``, ``missing``; the step's own backoff retries those, so one job's
+stale plan on a node does not move every other job's replicas off it."""
 
 OnCommitted = Callable[[str, int, tuple[int, ...]], Awaitable[None]]
 Key = tuple[str, int, int]
@@ -284,7 +297,7 @@ class ReplicationManager:
                     self._node_backoff.ok(o.node)
                     if o.status == "ok":
                         self.metrics.transfer_bytes.labels("out").inc(o.bytes)
-                elif o.status != "missing" and o.node:
+                elif o.status in NODE_FAULTS and o.node:
                     self._node_backoff.fail(o.node, now)
             if result.ok:
                 self._step_backoff.ok(key)
@@ -409,7 +422,7 @@ class ReplicationManager:
                         self.linked.setdefault(key, set()).add(o.node)
                     self.metrics.transfer_bytes.labels("out").inc(o.bytes)
                     self.metrics.replication_seconds.observe(o.seconds)
-            elif o.status != "missing":
+            elif o.status in NODE_FAULTS:
                 self._node_backoff.fail(o.node, now)
 
     def _notice_plan(self, job: str, assignment: PeerAssignment, k: int) -> None:

@@ -18,6 +18,7 @@ import socket
 import ssl
 import time
 from collections.abc import Callable
+from typing import Any, Literal
 
 from tenacity import RetryCallState, Retrying, retry_if_exception_type, stop_after_attempt, wait_incrementing
 
@@ -152,13 +153,13 @@ def _push_from(
     )
 
 
-def _push(
-    ctx: DataContext, sock: socket.socket, header: StepHeader, path: Beneath, fds: list[int], base_rank: int
-) -> tuple[DataReply, int, int]:
-    """Send the step; (final reply, bytes sent, bytes the peer linked instead of receiving)."""
+def step_request(
+    ctx: DataContext, op: Literal["put", "fragment"], header: StepHeader, **extra: Any
+) -> DataRequest:
+    """The request that sends ``header``'s step (or a fragment of it) to a peer, from this node."""
     m = header.manifest
-    req = DataRequest(
-        op="put",
+    return DataRequest(
+        op=op,
         token=ctx.token(),
         job=m.job,
         rank=m.rank,
@@ -166,8 +167,15 @@ def _push(
         node=ctx.config.node,
         commit_size=len(header.commit_bytes),
         manifest_size=len(header.manifest_bytes),
-        base_rank=base_rank,
+        **extra,
     )
+
+
+def _push(
+    ctx: DataContext, sock: socket.socket, header: StepHeader, path: Beneath, fds: list[int], base_rank: int
+) -> tuple[DataReply, int, int]:
+    """Send the step; (final reply, bytes sent, bytes the peer linked instead of receiving)."""
+    req = step_request(ctx, "put", header, base_rank=base_rank)
     send_frame(sock, req, header.commit_bytes + header.manifest_bytes)
     reply = recv_frame(sock, DataReply)
     if reply.status != Status.CONTINUE:
@@ -179,7 +187,7 @@ def _push(
         nonlocal sent
         sent += n
 
-    for f, fd in zip(m.files, fds, strict=True):
+    for f, fd in zip(header.manifest.files, fds, strict=True):
         if reply.linked and is_data_file(f.name):
             linked += f.size
             continue

@@ -94,9 +94,9 @@ def run_send(ctx: DataContext, task: SendTask) -> TaskResult:
     return TaskResult(id=task.id, ok=have >= task.want, outcomes=tuple(outcomes))
 
 
-def run_fetch(ctx: DataContext, task: FetchTask) -> TaskResult:
-    """Stage from the first source that delivers a verified copy."""
-    outcomes: list[Outcome] = []
+def _progress(ctx: DataContext, task_id: int) -> Callable[[int, int], None]:
+    """A progress callback that reports ``TaskProgress`` at most every ``_PROGRESS_EVERY`` seconds (and
+    at the end)."""
     last = 0.0
 
     def progress(done: int, total: int) -> None:
@@ -104,8 +104,15 @@ def run_fetch(ctx: DataContext, task: FetchTask) -> TaskResult:
         now = time.monotonic()
         if now - last >= _PROGRESS_EVERY or done >= total:
             last = now
-            ctx.emit(TaskProgress(id=task.id, bytes_done=done, bytes_total=total))
+            ctx.emit(TaskProgress(id=task_id, bytes_done=done, bytes_total=total))
 
+    return progress
+
+
+def run_fetch(ctx: DataContext, task: FetchTask) -> TaskResult:
+    """Stage from the first source that delivers a verified copy."""
+    outcomes: list[Outcome] = []
+    progress = _progress(ctx, task.id)
     for source in task.sources:
         out = fetch_step(ctx, task.job, task.rank, task.step, source, progress, into=task.into)
         outcomes.append(out)
@@ -129,16 +136,7 @@ def run_fetch(ctx: DataContext, task: FetchTask) -> TaskResult:
 
 def run_rebuild(ctx: DataContext, task: RebuildTask) -> TaskResult:
     """Rebuild a primary from erasure-coded fragments, reporting progress like a fetch."""
-    last = 0.0
-
-    def progress(done: int, total: int) -> None:
-        nonlocal last
-        now = time.monotonic()
-        if now - last >= _PROGRESS_EVERY or done >= total:
-            last = now
-            ctx.emit(TaskProgress(id=task.id, bytes_done=done, bytes_total=total))
-
-    return rebuild_step(ctx, task, progress)
+    return rebuild_step(ctx, task, _progress(ctx, task.id))
 
 
 def run_retire(ctx: DataContext, task: RetireTask) -> TaskResult:

@@ -55,7 +55,7 @@ from tierckpt.protocol.safefs import Beneath
 from tierckpt_replicator.assignments import AssignmentStore, data_endpoint
 from tierckpt_replicator.backup.jobs import BackupPort
 from tierckpt_replicator.metrics import Metrics
-from tierckpt_replicator.replication.ipc import FetchSource, FetchTask, RebuildTask, TaskProgress
+from tierckpt_replicator.replication.ipc import FetchSource, FetchTask, RebuildTask, TaskProgress, TaskResult
 from tierckpt_replicator.replication.supervisor import WorkerSupervisor
 from tierckpt_replicator.restore.fanout import FanOut
 from tierckpt_replicator.restore.gather import compute_plan
@@ -402,31 +402,32 @@ class Stager:
         task = RebuildTask(
             id=self.supervisor.next_id(), job=job, rank=rank, step=step, sources=tuple(sources)
         )
-
-        def progress(p: TaskProgress) -> None:
-            rep.progress(p.bytes_done, p.bytes_total)
-
-        try:
-            result = await self.supervisor.run_task(task, progress)
-        except RetryableError as exc:
-            return None, str(exc)
+        result = await self._run_in_worker(task, rep)
+        if isinstance(result, str):
+            return None, result
         if result.ok:
             return (Tier.LOCAL if result.outcomes[-1].status == "already" else Tier.ERASURE), ""
         why = "; ".join(f"{o.node}: {o.status} {o.message}".strip() for o in result.outcomes)
         return None, f"erasure: {result.message or why}"
 
-    async def _fetch(
-        self, job: str, rank: int, step: int, sources: tuple[FetchSource, ...], rep: ProgressReporter
-    ) -> tuple[Tier | None, str]:
-        task = FetchTask(id=self.supervisor.next_id(), job=job, rank=rank, step=step, sources=sources)
+    async def _run_in_worker(self, task: FetchTask | RebuildTask, rep: ProgressReporter) -> TaskResult | str:
+        """Run ``task`` in the worker, its progress reported to ``rep``; the reason if it could not run."""
 
         def progress(p: TaskProgress) -> None:
             rep.progress(p.bytes_done, p.bytes_total)
 
         try:
-            result = await self.supervisor.run_task(task, progress)
+            return await self.supervisor.run_task(task, progress)
         except RetryableError as exc:
-            return None, str(exc)
+            return str(exc)
+
+    async def _fetch(
+        self, job: str, rank: int, step: int, sources: tuple[FetchSource, ...], rep: ProgressReporter
+    ) -> tuple[Tier | None, str]:
+        task = FetchTask(id=self.supervisor.next_id(), job=job, rank=rank, step=step, sources=sources)
+        result = await self._run_in_worker(task, rep)
+        if isinstance(result, str):
+            return None, result
         if result.ok:
             last = result.outcomes[-1]
             if last.status == "already":
