@@ -15,6 +15,7 @@ import sys
 
 import numpy as np
 import torch
+from teardown import exit_distributed  # this directory is on sys.path
 from torch.utils.data import DataLoader, TensorDataset
 
 # --8<-- [start:snippet]
@@ -114,6 +115,7 @@ def main() -> None:
     with open(f"{os.environ['RESULT']}.{accelerator.process_index}", "w") as f:
         json.dump(result, f)
     accelerator.end_training()
+    exit_distributed()
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from teardown import end_process_groups  # this directory is on sys.path
+from teardown import exit_distributed  # this directory is on sys.path
 from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainingArguments
 
 # --8<-- [start:snippet]
@@ -80,7 +80,7 @@ def main() -> None:
             {"weights": model.state_dict(), "restored_step": trainer.tierckpt_restored_step},
             os.environ["RESULT"],
         )
-    end_process_groups()
+    exit_distributed()
 
 
 if __name__ == "__main__":

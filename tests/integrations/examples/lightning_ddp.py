@@ -20,7 +20,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch import Trainer
-from teardown import end_process_groups  # this directory is on sys.path
+from teardown import exit_distributed  # this directory is on sys.path
 from torch.utils.data import DataLoader, TensorDataset
 
 # --8<-- [start:snippet]
@@ -189,7 +189,7 @@ def main() -> None:
             },
             os.environ["RESULT"],
         )
-    end_process_groups()
+    exit_distributed()
 
 
 if __name__ == "__main__":

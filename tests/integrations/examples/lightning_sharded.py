@@ -18,7 +18,7 @@ import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning_ddp import ResumableLoader, pause_marker, pause_step  # this directory is on sys.path
-from teardown import end_process_groups  # this directory is on sys.path
+from teardown import exit_distributed  # this directory is on sys.path
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.utils.data import TensorDataset
@@ -79,7 +79,7 @@ def main() -> None:
     if trainer.global_rank == 0:
         (tierckpt,) = [c for c in trainer.callbacks if isinstance(c, TierckptCallback)]
         torch.save({"weights": weights, "restored_step": tierckpt.restored_step}, os.environ["RESULT"])
-    end_process_groups()
+    exit_distributed()
 
 
 if __name__ == "__main__":
