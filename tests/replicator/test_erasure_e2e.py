@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fixtures.cluster import TEST_REPLICATOR_ARGS, committed, new_job, wait_restored
+from tests.fixtures.cluster import TEST_REPLICATOR_ARGS, committed, new_job, wait, wait_restored
 from tests.replicator.test_cluster_e2e import bucket_complete, lose
 from tierckpt.protocol.control import JobPolicy, RestoreState, Tier
 from tierckpt.protocol.format import rank_dir, replica_rank_dir, step_dir
@@ -62,17 +62,6 @@ def fully_placed(cluster: LocalCluster, job: str) -> bool:
         and f"node-{r}" not in placed(cluster, job, r)
         for r in range(cluster.size)
     )
-
-
-def logs(cluster: LocalCluster) -> str:
-    return "\n".join(f"--- {n.name}\n{n.log_text()[-3000:]}" for n in cluster.nodes)
-
-
-def wait(cluster: LocalCluster, predicate, timeout: float, what: str):  # type: ignore[no-untyped-def]
-    try:
-        return cluster.wait_for(predicate, timeout=timeout, interval=0.1, what=what)
-    except TimeoutError as exc:
-        raise TimeoutError(f"{exc}\n{logs(cluster)}") from None
 
 
 def test_two_nodes_lost_at_once_are_rebuilt_from_fragments_without_the_bucket(cluster5):

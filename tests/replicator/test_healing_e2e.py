@@ -16,7 +16,14 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.fixtures.cluster import TEST_REPLICATOR_ARGS, committed, new_job, replica_path, wait_restored
+from tests.fixtures.cluster import (
+    TEST_REPLICATOR_ARGS,
+    committed,
+    new_job,
+    replica_path,
+    wait,
+    wait_restored,
+)
 from tests.replicator.test_cluster_e2e import bucket_complete, lose
 from tierckpt.protocol.control import (
     JobPolicy,
@@ -109,17 +116,6 @@ def counter(node: Node, name: str, **labels: str) -> float:
         for s in family.samples
         if s.name == f"{name}_total" and all(s.labels.get(k) == v for k, v in labels.items())
     )
-
-
-def logs(cluster: LocalCluster) -> str:
-    return "\n".join(f"--- {n.name}\n{n.log_text()[-3000:]}" for n in cluster.nodes)
-
-
-def wait(cluster: LocalCluster, predicate, timeout: float, what: str):  # type: ignore[no-untyped-def]
-    try:
-        return cluster.wait_for(predicate, timeout=timeout, interval=0.1, what=what)
-    except TimeoutError as exc:
-        raise TimeoutError(f"{exc}\n{logs(cluster)}") from None
 
 
 def test_node_lost_and_replaced_heals_without_a_save_then_survives_a_second_failure(every_node_up):
