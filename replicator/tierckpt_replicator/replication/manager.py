@@ -32,7 +32,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Collection, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
 
 from tierckpt.planning.common_step import newest_common_step
 from tierckpt.protocol.client import ReplicatorClient
@@ -49,6 +49,7 @@ from tierckpt_replicator.replication.ipc import (
     PeerAddress,
     RetireTask,
     SendTask,
+    TaskResult,
 )
 from tierckpt_replicator.replication.plan import SendItem, candidate_targets, plan_sends
 from tierckpt_replicator.replication.redundancy import RedundancyLog, assess
@@ -271,8 +272,7 @@ class ReplicationManager:
     async def _send_fragments(
         self, key: Key, ec: tuple[int, int], candidates: tuple[str, ...], assignment: PeerAssignment
     ) -> None:
-        self._in_flight.add(key)
-        try:
+        async with self._working(key):
             task = ErasureTask(
                 id=self.supervisor.next_id(),
                 job=key[0],
@@ -283,11 +283,8 @@ class ReplicationManager:
                 candidates=tuple(PeerAddress(n, *data_endpoint(assignment.nodes[n])) for n in candidates),
                 placed=dict(self.placed.get(key, {})),
             )
-            try:
-                result = await self.supervisor.run_task(task)
-            except RetryableError as exc:
-                delay = self._step_backoff.fail(key, time.monotonic())
-                log.warning("fragments of %s rank %d step %d: %s; retrying in %.0fs", *key, exc, delay)
+            result = await self._run(task, key, "fragments of")
+            if result is None:
                 return
             now = time.monotonic()
             for o in result.outcomes:
@@ -313,9 +310,6 @@ class ReplicationManager:
                     result.message or "too few nodes took one",
                     delay,
                 )
-        finally:
-            self._in_flight.discard(key)
-            self.kick()
 
     def _retire_surplus(
         self, job: str, assignment: PeerAssignment, newest: dict[int, int], k: int, now: float
@@ -336,8 +330,7 @@ class ReplicationManager:
                 self._spawn(self._retire(key, surplus, assignment))
 
     async def _retire(self, key: Key, holders: tuple[str, ...], assignment: PeerAssignment) -> None:
-        self._in_flight.add(key)
-        try:
+        async with self._working(key):
             task = RetireTask(
                 id=self.supervisor.next_id(),
                 job=key[0],
@@ -345,11 +338,8 @@ class ReplicationManager:
                 step=key[2],
                 holders=tuple(PeerAddress(n, *data_endpoint(assignment.nodes[n])) for n in holders),
             )
-            try:
-                result = await self.supervisor.run_task(task)
-            except RetryableError as exc:
-                delay = self._step_backoff.fail(("retire", key), time.monotonic())
-                log.warning("retiring %s rank %d step %d: %s; retrying in %.0fs", *key, exc, delay)
+            result = await self._run(task, ("retire", key), "retiring")
+            if result is None:
                 return
             for o in result.outcomes:
                 if o.status == "ok":
@@ -363,9 +353,6 @@ class ReplicationManager:
                 log.warning(
                     "retiring %s rank %d step %d: %s; retrying in %.0fs", *key, result.outcomes, delay
                 )
-        finally:
-            self._in_flight.discard(key)
-            self.kick()
 
     def _spawn(self, coro: Awaitable[None]) -> None:
         task = asyncio.ensure_future(coro)
@@ -374,8 +361,7 @@ class ReplicationManager:
 
     async def _send(self, item: SendItem, assignment: PeerAssignment) -> None:
         key = (item.job, item.rank, item.step)
-        self._in_flight.add(key)
-        try:
+        async with self._working(key):
             candidates = tuple(PeerAddress(n, *data_endpoint(assignment.nodes[n])) for n in item.candidates)
             task = SendTask(
                 id=self.supervisor.next_id(),
@@ -386,11 +372,8 @@ class ReplicationManager:
                 want=item.want,
                 bases=item.bases,
             )
-            try:
-                result = await self.supervisor.run_task(task)
-            except RetryableError as exc:
-                delay = self._step_backoff.fail(key, time.monotonic())
-                log.warning("send %s rank %d step %d: %s; retrying in %.0fs", *key, exc, delay)
+            result = await self._run(task, key, "send")
+            if result is None:
                 return
             self._record(key, result.outcomes)
             self.groups.record(item.job, item.step, result.outcomes)
@@ -406,9 +389,30 @@ class ReplicationManager:
                     self.factor(item.job),
                     delay,
                 )
+
+    @contextlib.asynccontextmanager
+    async def _working(self, key: Key) -> AsyncIterator[None]:
+        """``key`` in flight (no other send, encode or retirement of it starts) until the block ends;
+        then the next pass is kicked."""
+        self._in_flight.add(key)
+        try:
+            yield
         finally:
             self._in_flight.discard(key)
             self.kick()
+
+    async def _run(
+        self, task: SendTask | ErasureTask | RetireTask, backoff_key: object, what: str
+    ) -> TaskResult | None:
+        """Run ``task`` in the worker; None, with ``backoff_key`` backed off and logged, if it could not
+        run there (the worker down or restarting)."""
+        try:
+            return await self.supervisor.run_task(task)
+        except RetryableError as exc:
+            delay = self._step_backoff.fail(backoff_key, time.monotonic())
+            where = (task.job, task.rank, task.step)
+            log.warning("%s %s rank %d step %d: %s; retrying in %.0fs", what, *where, exc, delay)
+            return None
 
     def _record(self, key: Key, outcomes: Sequence[Outcome]) -> None:
         now = time.monotonic()
@@ -435,17 +439,17 @@ class ReplicationManager:
         self._plans[job] = seen
         if before is None:
             return  # first sight (daemon start): nothing is confirmed yet
-        gone = set()
-        for key, nodes in self.confirmed.items():
-            if key[0] == job and not nodes <= set(assignment.nodes):
-                gone |= {n for n in nodes if n not in assignment.nodes}
-                nodes.intersection_update(assignment.nodes)
-                self._lost.add(key)
-        for key, where in self.placed.items():
-            if key[0] == job and not set(where) <= set(assignment.nodes):
-                gone |= {n for n in where if n not in assignment.nodes}
-                for n in [n for n in where if n not in assignment.nodes]:
-                    del where[n]
+        gone: set[str] = set()
+        holders: list[tuple[Key, set[str] | dict[str, int]]] = [*self.confirmed.items(), *self.placed.items()]
+        for key, held in holders:  # replicas, then erasure-coded fragments
+            left = [n for n in held if n not in assignment.nodes] if key[0] == job else []
+            for n in left:
+                if isinstance(held, set):
+                    held.discard(n)
+                else:
+                    del held[n]
+            if left:
+                gone.update(left)
                 self._lost.add(key)
         log.info(
             "job %s: new peer plan (generation, target, code %s; was %s): healing%s; checking the peers now",
