@@ -49,7 +49,7 @@ from tierckpt_replicator.replication.ipc import (
     TaskResult,
 )
 from tierckpt_replicator.replication.stream import receive_file, send_file
-from tierckpt_replicator.replication.transfer import outcome_status, step_request
+from tierckpt_replicator.replication.transfer import log_outcome, outcome_status, step_request
 from tierckpt_replicator.replication.wire import (
     DataReply,
     DataRequest,
@@ -126,17 +126,7 @@ def send_fragments(ctx: DataContext, task: ErasureTask) -> TaskResult:
                 peer = free.pop(0)
                 out = push_fragment(ctx, peer, header, erasure, index, scratch / fragment_name(index))
                 outcomes.append(out)
-                log.log(
-                    logging.INFO if out.status in ("ok", "already") else logging.WARNING,
-                    "fragment %d of %s rank %d step %d -> %s: %s %s",
-                    index,
-                    task.job,
-                    task.rank,
-                    task.step,
-                    peer.node,
-                    out.status,
-                    out.message,
-                )
+                log_outcome(log, f"fragment {index} of", task, f"-> {peer.node}", out)
                 if out.status in ("ok", "already") and out.index >= 0:
                     placed[peer.node] = out.index
     ok = set(placed.values()) >= set(range(total))

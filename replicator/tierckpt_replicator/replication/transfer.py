@@ -33,7 +33,7 @@ from tierckpt.protocol.errors import (
 from tierckpt.protocol.format import discard_step, read_commit
 from tierckpt.protocol.safefs import Beneath
 from tierckpt_replicator.replication.context import DataContext, connect, unique_holder
-from tierckpt_replicator.replication.ipc import FetchSource, Outcome, OutcomeStatus, PeerAddress
+from tierckpt_replicator.replication.ipc import FetchSource, Outcome, OutcomeStatus, PeerAddress, StepTask
 from tierckpt_replicator.replication.stream import copy_file, receive_file, send_file
 from tierckpt_replicator.replication.wire import (
     DataReply,
@@ -78,6 +78,14 @@ _STATUS_NAMES: dict[int, OutcomeStatus] = {
 
 def outcome_status(status: int) -> OutcomeStatus:
     return _STATUS_NAMES.get(status, "failed")
+
+
+def log_outcome(logger: logging.Logger, what: str, task: StepTask, link: str, out: Outcome) -> None:
+    """One line per transfer of a task (``link``: ``-> peer`` or ``<- source``): INFO when it delivered
+    (``ok``, ``already``), WARNING otherwise."""
+    level = logging.INFO if out.status in ("ok", "already") else logging.WARNING
+    where = (task.job, task.rank, task.step)
+    logger.log(level, "%s %s rank %d step %d %s: %s %s", what, *where, link, out.status, out.message)
 
 
 def _read_header(ctx: DataContext, path: Beneath, job: str, rank: int, step: int) -> StepHeader:

@@ -37,7 +37,7 @@ from tierckpt_replicator.replication.ipc import (
     WorkerConfig,
     WorkerReady,
 )
-from tierckpt_replicator.replication.transfer import fetch_step, push_step, retire_copy
+from tierckpt_replicator.replication.transfer import fetch_step, log_outcome, push_step, retire_copy
 from tierckpt_replicator.stepio import remove_stale_incoming
 
 __all__ = ["lower_priority", "main", "run_fetch", "run_send"]
@@ -76,17 +76,7 @@ def run_send(ctx: DataContext, task: SendTask) -> TaskResult:
     for peer in task.candidates:
         out = push_step(ctx, task.job, task.rank, task.step, peer, base_rank=task.bases.get(peer.node, -1))
         outcomes.append(out)
-        level = logging.INFO if out.status in ("ok", "already") else logging.WARNING
-        log.log(
-            level,
-            "send %s rank %d step %d -> %s: %s %s",
-            task.job,
-            task.rank,
-            task.step,
-            peer.node,
-            out.status,
-            out.message,
-        )
+        log_outcome(log, "send", task, f"-> {peer.node}", out)
         if out.status in ("ok", "already"):
             have += 1
         if out.status == "missing" or have >= task.want:
@@ -116,17 +106,7 @@ def run_fetch(ctx: DataContext, task: FetchTask) -> TaskResult:
     for source in task.sources:
         out = fetch_step(ctx, task.job, task.rank, task.step, source, progress, into=task.into)
         outcomes.append(out)
-        log.log(
-            logging.INFO if out.status in ("ok", "already") else logging.WARNING,
-            "fetch %s rank %d step %d <- %s (%s): %s %s",
-            task.job,
-            task.rank,
-            task.step,
-            source.node,
-            source.kind,
-            out.status,
-            out.message,
-        )
+        log_outcome(log, "fetch", task, f"<- {source.node} ({source.kind})", out)
         if out.status in ("ok", "already"):
             return TaskResult(id=task.id, ok=True, outcomes=tuple(outcomes))
     return TaskResult(
