@@ -176,35 +176,32 @@ class Stager:
 
     def start_for_assignment(self, job: str, assignment: PeerAssignment) -> None:
         """This node got a new node rank: stage its ranks, unless a run already stages exactly them."""
-        decided = self._staging.get(job)
-        if decided is not None:
-            plan, ranks = decided
-            if assignment.process_ranks(self.node, plan.world_size) == ranks:
-                log.info(
-                    "restore %s: ranks %s already staged for step %s; not staging again",
-                    job,
-                    ranks,
-                    plan.step,
-                )
-                return
+        current = self._staging_same(job, assignment)
+        if current is not None:
+            log.info("restore %s: this node's ranks already staged for step %s; not again", job, current.step)
+            return
         self.start(job)
 
     def start_for_plan(self, job: str, plan: RestorePlan) -> None:
         """The operator published ``plan``: stage it, unless a run already stages its step into the ranks
         it gives this node (then that run goes on; restarting it would fetch its ranks again)."""
-        decided = self._staging.get(job)
-        if decided is not None:
-            current, ranks = decided
-            assignment = self.assignments.get(job)
-            if (
-                current.step == plan.step
-                and current.world_size == plan.world_size
-                and assignment is not None
-                and self._ranks(job, plan, assignment) == ranks
-            ):
-                log.info("restore %s: step %s already being staged; keeping that run", job, plan.step)
-                return
+        if self._staging_same(job, self.assignments.get(job), plan) is not None:
+            log.info("restore %s: step %s already being staged; keeping that run", job, plan.step)
+            return
         self.start(job, plan)
+
+    def _staging_same(
+        self, job: str, assignment: PeerAssignment | None, plan: RestorePlan | None = None
+    ) -> RestorePlan | None:
+        """The plan of the run that stages (or staged) exactly this node's ranks under ``assignment``,
+        and ``plan``'s step and world size if given; None if there is no such run."""
+        decided = self._staging.get(job)
+        if decided is None or assignment is None:
+            return None
+        current, ranks = decided
+        if plan is not None and (current.step, current.world_size) != (plan.step, plan.world_size):
+            return None
+        return current if assignment.process_ranks(self.node, current.world_size) == ranks else None
 
     def running(self, job: str) -> bool:
         task = self._tasks.get(job)
