@@ -17,7 +17,9 @@ import threading
 from typing import Literal
 
 from tierckpt.protocol.codec import Message, Record, decode
+from tierckpt.protocol.control import PeerAssignment
 from tierckpt.protocol.errors import FormatError
+from tierckpt_replicator.assignments import data_endpoint
 
 __all__ = [
     "MESSAGES",
@@ -53,6 +55,11 @@ class PeerAddress(Record):
     node: str
     host: str
     port: int
+
+    @classmethod
+    def of(cls, assignment: PeerAssignment, node: str) -> PeerAddress:
+        """``node``'s data endpoint, as the job's plan names it."""
+        return cls(node, *data_endpoint(assignment.nodes[node]))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,6 +157,12 @@ class FetchSource(Record):
     node: str
     host: str = ""
     port: int = 0
+
+    @classmethod
+    def peer(cls, assignment: PeerAssignment, node: str) -> FetchSource:
+        """Fetch from ``node``'s data endpoint, as the job's plan names it."""
+        host, port = data_endpoint(assignment.nodes[node])
+        return cls(kind="peer", node=node, host=host, port=port)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -38,7 +38,7 @@ from tierckpt.planning.common_step import newest_common_step
 from tierckpt.protocol.client import ReplicatorClient
 from tierckpt.protocol.control import PeerAssignment, Redundancy
 from tierckpt.protocol.errors import ContractError, RetryableError
-from tierckpt_replicator.assignments import AssignmentStore, data_endpoint
+from tierckpt_replicator.assignments import AssignmentStore
 from tierckpt_replicator.inventory import Holdings, InventoryScanner, list_jobs
 from tierckpt_replicator.metrics import Metrics
 from tierckpt_replicator.replication.groups import GroupTracker
@@ -280,7 +280,7 @@ class ReplicationManager:
                 step=key[2],
                 k=ec[0],
                 m=ec[1],
-                candidates=tuple(PeerAddress(n, *data_endpoint(assignment.nodes[n])) for n in candidates),
+                candidates=tuple(PeerAddress.of(assignment, n) for n in candidates),
                 placed=dict(self.placed.get(key, {})),
             )
             result = await self._run(task, key, "fragments of")
@@ -336,7 +336,7 @@ class ReplicationManager:
                 job=key[0],
                 rank=key[1],
                 step=key[2],
-                holders=tuple(PeerAddress(n, *data_endpoint(assignment.nodes[n])) for n in holders),
+                holders=tuple(PeerAddress.of(assignment, n) for n in holders),
             )
             result = await self._run(task, ("retire", key), "retiring")
             if result is None:
@@ -362,7 +362,7 @@ class ReplicationManager:
     async def _send(self, item: SendItem, assignment: PeerAssignment) -> None:
         key = (item.job, item.rank, item.step)
         async with self._working(key):
-            candidates = tuple(PeerAddress(n, *data_endpoint(assignment.nodes[n])) for n in item.candidates)
+            candidates = tuple(PeerAddress.of(assignment, n) for n in item.candidates)
             task = SendTask(
                 id=self.supervisor.next_id(),
                 job=item.job,

@@ -30,7 +30,6 @@ from collections.abc import Callable
 from tierckpt.protocol.client import ReplicatorClient
 from tierckpt.protocol.control import PeerAssignment, RankHoldings, RestorePlan, RestoreState, Tier
 from tierckpt.protocol.errors import ContractError, RetryableError, TierckptError
-from tierckpt_replicator.assignments import data_endpoint
 from tierckpt_replicator.backup.jobs import BackupPort
 from tierckpt_replicator.replication.ipc import FetchSource, FetchTask
 from tierckpt_replicator.replication.plan import candidate_targets
@@ -101,11 +100,7 @@ class FanOut:
                 job=job,
                 rank=source,
                 step=step,
-                sources=tuple(
-                    FetchSource(kind="peer", node=n, host=h, port=p)
-                    for n in holders
-                    for h, p in (data_endpoint(assignment.nodes[n]),)
-                ),
+                sources=tuple(FetchSource.peer(assignment, n) for n in holders),
                 into="replica",
             )
             try:

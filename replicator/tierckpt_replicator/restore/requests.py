@@ -43,7 +43,7 @@ from tierckpt.protocol.control import (
 from tierckpt.protocol.errors import FormatError, RetryableError, TierckptError, UnsafePathError
 from tierckpt.protocol.format import COMMIT_NAME, decode_commit, replica_rank_dir
 from tierckpt.protocol.safefs import Beneath
-from tierckpt_replicator.assignments import AssignmentStore, data_endpoint
+from tierckpt_replicator.assignments import AssignmentStore
 from tierckpt_replicator.backup.jobs import BackupPort
 from tierckpt_replicator.inventory import list_jobs
 from tierckpt_replicator.replication.ipc import FetchSource, FetchTask, TaskProgress
@@ -395,8 +395,4 @@ def _sources(
             primary.append(inv.node)
         elif step in h.replica:
             replica.append(inv.node)
-    out = []
-    for name in primary + replica:
-        host, port = data_endpoint(assignment.nodes[name])
-        out.append(FetchSource(kind="peer", node=name, host=host, port=port))
-    return tuple(out)
+    return tuple(FetchSource.peer(assignment, name) for name in primary + replica)

@@ -52,7 +52,7 @@ from tierckpt.protocol.control import (
 from tierckpt.protocol.errors import FormatError, RetryableError, TierckptError, UnsafePathError
 from tierckpt.protocol.format import read_commit
 from tierckpt.protocol.safefs import Beneath
-from tierckpt_replicator.assignments import AssignmentStore, data_endpoint
+from tierckpt_replicator.assignments import AssignmentStore
 from tierckpt_replicator.backup.jobs import BackupPort
 from tierckpt_replicator.metrics import Metrics
 from tierckpt_replicator.replication.ipc import FetchSource, FetchTask, RebuildTask, TaskProgress, TaskResult
@@ -375,11 +375,13 @@ class Stager:
         if self._committed(job, "replica", rank, step):
             out.append(FetchSource(kind="replica", node=self.node))
         if assignment is not None and plan.sources.get(rank) != Tier.ERASURE:  # the plan's holders only
-            for name in plan.holders.get(rank, ()):
-                if name != self.node and name in assignment.nodes:
-                    host, port = data_endpoint(assignment.nodes[name])
-                    out.append(FetchSource(kind="peer", node=name, host=host, port=port))
+            out.extend(self._holders(plan, rank, assignment))
         return tuple(out)
+
+    def _holders(self, plan: RestorePlan, rank: int, assignment: PeerAssignment) -> list[FetchSource]:
+        """The other nodes the plan names as holding ``rank`` (a copy, or a fragment of it)."""
+        names = plan.holders.get(rank, ())
+        return [FetchSource.peer(assignment, n) for n in names if n != self.node and n in assignment.nodes]
 
     async def _rebuild(
         self,
@@ -391,14 +393,8 @@ class Stager:
         rep: ProgressReporter,
     ) -> tuple[Tier | None, str]:
         """Rebuild the rank from the erasure-coded fragments the plan's holders hold."""
-        sources = []
-        for name in plan.holders.get(rank, ()):
-            if name != self.node and name in assignment.nodes:
-                host, port = data_endpoint(assignment.nodes[name])
-                sources.append(FetchSource(kind="peer", node=name, host=host, port=port))
-        task = RebuildTask(
-            id=self.supervisor.next_id(), job=job, rank=rank, step=step, sources=tuple(sources)
-        )
+        sources = tuple(self._holders(plan, rank, assignment))
+        task = RebuildTask(id=self.supervisor.next_id(), job=job, rank=rank, step=step, sources=sources)
         result = await self._run_in_worker(task, rep)
         if isinstance(result, str):
             return None, result
