@@ -30,9 +30,12 @@ Run: ``python bench/goodput_bench.py --root /mnt/ramdisk [--trainers 4] [--modes
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import itertools
 import json
 import os
+import pstats
 import shutil
 import statistics
 import subprocess
@@ -97,6 +100,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     save, ckpt = _saver(args.mode, Path(args.root), args.rank, args.trainers, trainer)
     checker = Checker() if args.check else None
     saved = types.SimpleNamespace(handles={}, ck=ckpt)  # what Checker.verify reads
+    profiler = cProfile.Profile() if args.profile and save is not None else None
     every, steps = args.every, args.steps
     blocking: dict[int, float] = {}
     window: list[float] = []
@@ -114,9 +118,14 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             if k > every:
                 checker.verify(saved)
             checker.before_save(k, trainer.state())
+        profiling = profiler is not None and k > steps // 2
+        if profiling:
+            profiler.enable()
         t0 = time.perf_counter()
         handle = save(k)
         blocking[k] = time.perf_counter() - t0
+        if profiling:
+            profiler.disable()
         saved.handles[k] = handle
     clock.mark()
     clock.sync()
@@ -143,6 +152,12 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         ckpt.close()
     if checker is not None:
         out["verified_steps"] = checker.verified
+    if profiler is not None:
+        text = io.StringIO()
+        stats = pstats.Stats(profiler, stream=text)
+        stats.sort_stats("tottime").print_stats(30)
+        stats.sort_stats("cumulative").print_stats(40)
+        (Path(args.out) / f"profile-{args.mode}-{args.rank}.txt").write_text(text.getvalue())
     return out
 
 
@@ -195,6 +210,7 @@ def launch(args: argparse.Namespace, mode: str, index: int, *, check: bool = Fal
         cmd += ["--every", str(args.every), "--steps", str(args.steps), "--device", args.device]
         cmd += [f"--{k}={getattr(args, k)}" for k in ("layers", "width", "seq", "vocab", "batch")]
         cmd += ["--check"] if check else []
+        cmd += ["--profile", "--out", args.out] if args.profile and check else []
         if args.pyspy and rank == 0 and mode != "none" and not check:
             trace = Path(args.out) / f"pyspy-{index}-{mode}.txt"
             gil = ["--gil"] if args.pyspy == "gil" else []
@@ -278,7 +294,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=1, help="rounds of the modes, interleaved with baselines")
     p.add_argument("--check", action="store_true", help="also verify two saves of each mode bit-exact")
     p.add_argument("--pyspy", choices=["", "all", "gil"], default="", help="sample trainer 0 with py-spy")
-    p.add_argument("--out", default=".", help="where py-spy writes")
+    p.add_argument("--out", default=".", help="where py-spy and --profile write")
+    p.add_argument("--profile", action="store_true", help="cProfile the check runs' steady saves")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--mode", default="none", help=argparse.SUPPRESS)
     p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)

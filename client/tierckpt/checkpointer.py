@@ -59,11 +59,11 @@ from tierckpt.protocol.format import (
 from tierckpt.protocol.replica import REPLICA_VERSION, ReplicaRecord, content_key
 from tierckpt.replica_group import BUSY, FAILED, LEASED, Agreement, Membership, ReplicaGroup
 from tierckpt.settings import BusyPolicy, Settings, resolve
-from tierckpt.snapshot import agree, loader, rankdir
+from tierckpt.snapshot import agree, loader, rankdir, stateful
 from tierckpt.snapshot import objects as pickled
 from tierckpt.snapshot.commit import RecordFor, StepIdentity, commit_files
 from tierckpt.snapshot.copy import copy_cpu, copy_into
-from tierckpt.snapshot.devstage import DeviceStager
+from tierckpt.snapshot.devstage import DeviceStager, StagedSave
 from tierckpt.snapshot.dtypes import dtype_name
 from tierckpt.snapshot.fanout import load_broadcast
 from tierckpt.snapshot.fingerprint import structure_digest
@@ -81,6 +81,13 @@ log = logging.getLogger(__name__)
 
 _PLAN_CACHE = 4
 _MISMATCH = "mismatch"
+_CPU_COPY_LIMIT = 64 << 20
+"""A device-staged save copies its CPU tensors aside (and leaves the slot to the commit thread) up to this
+many bytes; beyond it, it takes the slot and copies them into it before returning."""
+
+
+def _cpu_bytes(tensors: Sequence[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if not t.is_cuda)
 
 
 def _outcome(error: BaseException | None) -> str | None:
@@ -96,7 +103,8 @@ class _SaveJob:
 
     step: int
     path: Path
-    slot: Slot
+    slot: Slot | None
+    """None while a device-staged save waits for the commit thread to take its slot."""
     plan: LayoutPlan
     flat: FlatState
     objects: bytes | None
@@ -107,8 +115,10 @@ class _SaveJob:
     protected: set[int] = dataclasses.field(default_factory=set)
     """Storages that only a registered optimizer's step mutates (overlap mode copies them later)."""
     deferred_ticket: cuda.CopyTicket | None = None
-    staged: cuda.StagedTicket | None = None
+    staged: StagedSave | None = None
     """Device staging: its copies; the optimizer hook waits for ``staged.release`` only."""
+    cpu_copies: list[tuple[int, torch.Tensor]] = dataclasses.field(default_factory=list)
+    """Device staging without a slot yet: copies of the CPU tensors, written into the slot later."""
     source: dict[Any, Any] | None = None
     """The state dict saved (kept until committed, to bind it for a later load into it)."""
     copied: threading.Event = dataclasses.field(default_factory=threading.Event)
@@ -193,7 +203,8 @@ class Checkpointer:
         self._manifests = loader.ManifestCache(capacity=s.keep + 2)
         self._loader = loader.StepLoader(s, self._pool, self._manifests)
         self._packer = SavePacker()
-        self._stager = DeviceStager(s.device_budget) if s.device_staging else None
+        self._stager = DeviceStager(s.device_budget) if s.device_staging is not False else None
+        """Device staging (on unless ``device_staging=False``); it only acts on CUDA tensors."""
         self._registering: concurrent.futures.Future[None] | None = None
         """The pool's last warm-up (preparing and pinning slots in the background)."""
         self._optimizers: weakref.WeakKeyDictionary[torch.optim.Optimizer, list[Any]] = (
@@ -260,6 +271,11 @@ class Checkpointer:
             os.close(self._lock_fd)
             self._lock_fd = -1
 
+    @property
+    def _overlapping(self) -> bool:
+        """Whether saves may return before optimizer-owned tensors are copied (overlap, device staging)."""
+        return self.settings.overlap or self._stager is not None
+
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("this Checkpointer is closed")
@@ -292,6 +308,7 @@ class Checkpointer:
         self._check_open()
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"step must be a non-negative integer, got {step!r}")
+        state_dict = self._expand(state_dict).state
         divergence: ReplicaDivergenceError | None = None
         if self._group is None:
             handle = self._save_alone(step, state_dict)
@@ -303,12 +320,20 @@ class Checkpointer:
             raise divergence
         return handle
 
+    def _expand(self, state_dict: dict[Any, Any], *, for_load: bool = False) -> stateful.Expanded:
+        """``state_dict`` with its stateful values (modules, optimizers...) as their state dicts; the
+        optimizers among them are registered (overlap mode and device staging never wait for them)."""
+        expanded = stateful.expand(state_dict, for_load=for_load)
+        for optimizer in expanded.optimizers:
+            self.register_optimizer(optimizer)
+        return expanded
+
     def _save_alone(self, step: int, state_dict: dict[Any, Any]) -> SaveHandle:
         refused = self._admit(step)
         if refused is not None:
             return refused
         flat = flatten(state_dict)
-        protected = self._protected() if self.settings.overlapping else set()
+        protected = self._protected() if self._overlapping else set()
         plan = self._plan(flat, protected)
         refused = self._make_room(step)
         if refused is not None:
@@ -324,23 +349,18 @@ class Checkpointer:
         protected: set[int],
         record: RecordFor | None = None,
     ) -> SaveHandle:
-        """Take a slot and start copying ``flat`` into it; the commit thread finishes the save."""
+        """Start copying ``flat`` (into a slot, or a device-staged snapshot); the commit thread finishes."""
         objects = pickled.dumps(list(flat.objects)) if flat.objects else None
         self._use_cuda(flat)
         path = step_dir(self.rank_path, step)
+        staged = self._staged_save(flat, plan, protected)
+        job = _SaveJob(step, path, None, plan, flat, objects, SaveHandle(step), [], [], protected)
+        job.source, job.staged, job.record = state_dict, staged, record
         try:
-            slot = self._pool.take(step, plan)
-        except BaseException:
-            self._last_failed = step
-            discard_step(path)
-            raise
-        job = _SaveJob(
-            step, path, slot, plan, flat, objects, SaveHandle(step), [], [], protected, record=record
-        )
-        job.source = state_dict
-        try:
-            if self._stager is not None:
-                self._start_device_copies(job)
+            if staged is None or staged.needs_host or _cpu_bytes(flat.tensors) > _CPU_COPY_LIMIT:
+                job.slot = self._pool.take(step, plan)  # else the commit thread takes it
+            if staged is not None:
+                self._start_device_copies(job, staged)
             else:
                 self._start_copies(job)
         except BaseException:
@@ -348,18 +368,33 @@ class Checkpointer:
             for ticket in job.tickets:  # nothing may still be writing into the slot
                 with contextlib.suppress(Exception):
                     ticket.synchronize()
-            self._pool.forget(slot)
+            if job.slot is not None:
+                self._pool.forget(job.slot)
             discard_step(path)
             raise
         self._inflight = job
         self._last = job.handle
-        if not job.deferred_cpu and job.deferred_ticket is None and job.staged is None:
+        waits = job.deferred_cpu or job.deferred_ticket is not None or (staged and staged.release.events)
+        if not waits:
             job.handle._set_snapshot()
         self._executor.submit(self._finish, job)
         self._registering = self._pool.warm(plan)  # spares for the next saves, off the training thread
         nbytes = sum(f.size for f in plan.files) + len(objects or b"")
         self._last_save = {"step": step, "role": "writer", "written_bytes": nbytes, "logical_bytes": nbytes}
         return job.handle
+
+    def _staged_save(self, flat: FlatState, plan: LayoutPlan, protected: set[int]) -> StagedSave | None:
+        """The device-staged snapshot of this save's CUDA tensors (None without device staging or CUDA)."""
+        if self._stager is None or not any(t.is_cuda for t in flat.tensors):
+            return None
+        if not protected and not self._warned_overlap and self.settings.device_staging:
+            log.info(
+                "device staging without a registered optimizer: CUDA tensors the budget cannot stage are "
+                "copied before save returns"
+            )
+            self._warned_overlap = True
+        flags = [t.untyped_storage().data_ptr() in protected for t in flat.tensors] if protected else None
+        return self._stager.plan(plan, flat.tensors, flags or [False] * len(flat.tensors))
 
     # ------------------------------------------------------------------------------- replica groups
 
@@ -375,7 +410,7 @@ class Checkpointer:
         try:
             refusal = self._busy_refusal()
             flat = flatten(state_dict)
-            protected = self._protected() if self.settings.overlapping else set()
+            protected = self._protected() if self._overlapping else set()
             plan = self._plan(flat, protected)
             if not refusal:
                 # Replacing an existing step retires it now, even if another member then refuses the save.
@@ -616,6 +651,7 @@ class Checkpointer:
         return out
 
     def _start_copies(self, job: _SaveJob) -> None:
+        assert job.slot is not None
         views = job.slot.views(job.plan)
         tensors = job.flat.tensors
         packed = self._packer.packed(job.plan)
@@ -644,52 +680,25 @@ class Checkpointer:
         if not job.deferred_cpu and job.deferred_ticket is None:
             job.copied.set()
 
-    def _start_device_copies(self, job: _SaveJob) -> None:
-        """Device staging: CUDA tensors go through ``DeviceStager`` (no CPU wait unless the budget forces
-        one); CPU tensors (an optimizer's step counters, RNG states) are copied before returning, so the
-        optimizer's hook never waits on the CPU."""
-        assert self._stager is not None
-        views = job.slot.views(job.plan)
+    def _start_device_copies(self, job: _SaveJob, staged: StagedSave) -> None:
+        """Device staging: the CUDA tensors' snapshot (``StagedSave``: no CPU wait unless the budget forces
+        one); the CPU tensors (an optimizer's step counters, RNG states) are copied before returning, into
+        the slot or, while the commit thread has yet to take it, aside."""
         tensors = job.flat.tensors
-        packed = self._packer.packed(job.plan)
-        protected = job.protected
-        if not protected and not self._warned_overlap:
-            log.info(
-                "device staging without a registered optimizer: every CUDA tensor is staged or copied "
-                "before save returns"
-            )
-            self._warned_overlap = True
-        dsts, srcs, guarded, cpu_now = [], [], [], []
-        for i, t in enumerate(tensors):
-            if i in packed or t.numel() == 0:
-                continue
-            if cuda.is_cuda(t):
-                dsts.append(views[i])
-                srcs.append(t)
-                guarded.append(t.untyped_storage().data_ptr() in protected)
-            else:
-                cpu_now.append(i)
-        files = job.slot.files
-        packs = (
-            self._packer.copies(job.plan, files, tensors, later=False)
-            + self._packer.copies(job.plan, files, tensors, later=True)
-            if packed
-            else []
-        )
-        if srcs or packs:
-            job.staged = self._stager.snapshot(dsts, srcs, guarded, packs)
-            job.tickets.append(job.staged.landed)
-        if cpu_now:
-            copy_cpu([views[i] for i in cpu_now], [tensors[i] for i in cpu_now])
-        if job.staged is not None:
-            job.staged.blocking.synchronize()
+        cpu = [i for i, t in enumerate(tensors) if not t.is_cuda and t.numel()]
+        views = None if job.slot is None else job.slot.views(job.plan)
+        staged.issue(views)
+        if views is not None:
+            copy_cpu([views[i] for i in cpu], [tensors[i] for i in cpu])
         else:
-            job.copied.set()
+            job.cpu_copies = [(i, tensors[i].detach().clone()) for i in cpu]
+        staged.blocking.synchronize()
 
     def _finish(self, job: _SaveJob) -> None:
         """Commit thread: finish deferred copies, checksum, sync, commit, apply retention."""
         try:
             if job.deferred_cpu:
+                assert job.slot is not None
                 views = job.slot.views(job.plan)
                 copy_into(
                     [views[i] for i in job.deferred_cpu], [job.flat.tensors[i] for i in job.deferred_cpu]
@@ -697,6 +706,7 @@ class Checkpointer:
             if job.staged is not None:
                 job.staged.release.synchronize()
                 job.handle._set_snapshot()
+                self._drain(job, job.staged)
             for ticket in job.tickets:
                 ticket.synchronize()
             if job.staged is not None and self._stager is not None:
@@ -706,6 +716,7 @@ class Checkpointer:
             snapshot_s = time.perf_counter() - job.started
             s = self.settings
             who = StepIdentity(s.job, s.rank, s.world_size, job.step)
+            assert job.slot is not None
             committed = commit_files(
                 job.path,
                 who,
@@ -742,6 +753,17 @@ class Checkpointer:
         if not self._closed:
             self._pool.warm(job.plan)  # e.g. a spare that could not be prepared before
 
+    def _drain(self, job: _SaveJob, staged: StagedSave) -> None:
+        """Commit thread: take the slot (if the save did not), write the CPU tensors' copies into it, and
+        issue the staging buffers' drain into its files."""
+        if job.slot is None:
+            job.slot = self._pool.take(job.step, job.plan)
+            if job.cpu_copies:
+                views = job.slot.views(job.plan)
+                copy_cpu([views[i] for i, _ in job.cpu_copies], [t for _, t in job.cpu_copies])
+                job.cpu_copies = []
+        job.tickets.append(staged.drain(job.slot.files))
+
     def _bind_saved(self, job: _SaveJob) -> None:
         """Remember where the saved dict's tensors are, so a load back into it skips the tree walk.
 
@@ -770,8 +792,9 @@ class Checkpointer:
             )
         self._last_failed = job.step
         log.error("save of step %d failed, nothing was committed: %s", job.step, exc)
-        with contextlib.suppress(Exception):
-            self._pool.forget(job.slot)
+        if job.slot is not None:
+            with contextlib.suppress(Exception):
+                self._pool.forget(job.slot)
         with contextlib.suppress(Exception):
             discard_step(job.path)
         job.handle._set_failed(exc)
@@ -828,7 +851,7 @@ class Checkpointer:
         self._check_open()
         flat = flatten(state_dict)
         self._use_cuda(flat)
-        protected = self._protected() if self.settings.overlapping else set()
+        protected = self._protected() if self._overlapping else set()
         future = self._registering = self._pool.warm(self._plan(flat, protected))
         if blocking:
             future.result()
@@ -914,15 +937,17 @@ class Checkpointer:
             )
         last: BaseException | None = None
         fan_out = self.settings.broadcast_load if broadcast is None else broadcast
+        expanded = self._expand(state_dict, for_load=True)
         for n, candidate in enumerate(candidates):
             error = self._try_load(
-                state_dict, candidate, verify=verify, device=device, strict=strict, broadcast=fan_out
+                expanded.state, candidate, verify=verify, device=device, strict=strict, broadcast=fan_out
             )
             outcomes = agree.all_gather(_outcome(error))
             failed = [r for r, o in enumerate(outcomes) if o is not None]
             if not failed:
                 if n:
                     log.warning("loaded step %d after falling back from step %d", candidate, candidates[0])
+                expanded.finish_load(state_dict)
                 return candidate
             mismatched = [r for r, o in enumerate(outcomes) if o == _MISMATCH]
             if error is not None:

@@ -15,10 +15,11 @@
 * ``CopyTicket``: wait on the CPU (``synchronize``) or make a stream wait on the GPU (``block_stream``),
   which is what the overlap mode's optimizer hook does: training continues and only the parameter
   update is ordered after the snapshot copy.
-* ``copy_staged``: the device-staged snapshot (``snapshot.devstage`` plans it): device-to-device copies
-  into a staging buffer on the *current* stream (ordered before anything training queues later, no
-  wait at all), device-to-host copies on the side stream, then the staging buffer drained to the host.
-  Timing events around the copies and the training steps (``mark``) feed the plan of the next save.
+* ``stage_on_device`` / ``drain_to_host``: the device-staged snapshot (``snapshot.devstage`` plans it):
+  device-to-device copies into a staging buffer on the *current* stream (ordered before anything
+  training queues later, no wait at all) and any direct device-to-host copies on the side stream; later,
+  from the commit thread, the staging buffer drained to the host on the side stream. Timing events
+  around the copies and the training steps (``mark``) feed the plan of the next save.
 * ``headroom``: device memory the process can take without pushing its own peak into an OOM.
 
 Nothing here is called unless a tensor actually lives on a CUDA device.
@@ -38,14 +39,13 @@ __all__ = [
     "CopyTicket",
     "PackedCopy",
     "Segment",
-    "StagedCopies",
-    "StagedTicket",
+    "Snapshot",
     "available",
-    "copy_staged",
     "copy_through_bounce",
     "copy_to_device",
     "copy_to_host",
     "current_device",
+    "drain_to_host",
     "gather",
     "headroom",
     "in_use",
@@ -53,6 +53,7 @@ __all__ = [
     "mark",
     "register",
     "scatter_from_host",
+    "stage_on_device",
     "synchronize",
     "unregister",
 ]
@@ -258,25 +259,6 @@ def mark() -> torch.cuda.Event | None:
     return event
 
 
-@dataclasses.dataclass
-class StagedCopies:
-    """One device's part of a device-staged snapshot, as ``(destination, source)`` pairs."""
-
-    device: torch.device
-    blocking: list[tuple[torch.Tensor, torch.Tensor]]
-    """Device-to-host copies ``save`` waits for (what neither the budget nor the hook can protect)."""
-    direct: list[tuple[torch.Tensor, torch.Tensor]]
-    """Device-to-host copies the optimizer's next step waits for (on the GPU)."""
-    staged: list[tuple[torch.Tensor, torch.Tensor]]
-    """Device-to-device copies into the staging buffer, on the current stream."""
-    drain: list[tuple[torch.Tensor, torch.Tensor]]
-    """Device-to-host copies out of the staging buffer, once it is filled (a few large runs)."""
-    packs: Sequence[PackedCopy] = ()
-    """Small tensors: gathered on the current stream, moved with the drain."""
-    staging: torch.Tensor | None = None
-    """The staging buffer (kept alive for the side stream)."""
-
-
 @dataclasses.dataclass(frozen=True)
 class Segment:
     """A timed run of device-to-host copies: ``nbytes`` between two timing events of the side stream."""
@@ -288,17 +270,17 @@ class Segment:
 
 
 @dataclasses.dataclass(frozen=True)
-class StagedTicket:
-    """Completion of a device-staged snapshot."""
+class Snapshot:
+    """The events of one device's part of a device-staged snapshot (``stage_on_device``)."""
 
-    blocking: CopyTicket
-    """The copies ``save`` waits for."""
-    release: CopyTicket
-    """The sources may change: the optimizer's pre-step hook makes the current stream wait for it."""
-    landed: CopyTicket
-    """Every byte is in host memory."""
-    started: tuple[tuple[torch.device, torch.cuda.Event], ...]
-    """Timing events on each current stream where the snapshot was taken."""
+    start: torch.cuda.Event
+    """Timing event on the current stream where the snapshot was taken."""
+    staged: torch.cuda.Event
+    """The device-to-device copies are done (current stream): the staging buffer may be drained."""
+    blocking: torch.cuda.Event | None
+    """The device-to-host copies ``save`` waits for (side stream)."""
+    release: torch.cuda.Event | None
+    """The direct device-to-host copies are done: the optimizer may change their sources."""
     segments: tuple[Segment, ...]
 
 
@@ -306,57 +288,68 @@ def _nbytes(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> int:
     return sum(src.numel() * src.element_size() for _, src in pairs)
 
 
-def copy_staged(parts: Sequence[StagedCopies]) -> StagedTicket:
-    """Issue a device-staged snapshot (see the module doc); returns at once with its ticket."""
-    blocking, release, landed, started, segments = [], [], [], [], []
-    for part in parts:
-        device = part.device
-        current = torch.cuda.current_stream(device)
-        side = _side_stream(device)
-        with torch.cuda.device(device), torch.no_grad():
-            start = torch.cuda.Event(enable_timing=True)
-            start.record(current)
-            for pack in part.packs:  # tiny fused kernels, ordered before any later update
-                gather(pack.slots, pack.tensors)
-            if part.staged:  # fused multi-tensor copies, one per dtype
-                gather([d for d, _ in part.staged], [s for _, s in part.staged])
-            staged = torch.cuda.Event()
-            staged.record(current)
+def stage_on_device(
+    device: torch.device,
+    staged: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    *,
+    blocking: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
+    direct: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
+    after: torch.cuda.Event | None = None,
+) -> Snapshot:
+    """A device-staged snapshot of one device: the ``staged`` device-to-device copies (fused, one kernel
+    per dtype) on the current stream, ordered after ``after`` (the staging buffer's previous drain);
+    ``blocking`` and ``direct`` device-to-host copies on the side stream. Returns at once."""
+    current = torch.cuda.current_stream(device)
+    side = _side_stream(device)
+    segments = []
+    blocked = released = None
+    with torch.cuda.device(device), torch.no_grad():
+        start = torch.cuda.Event(enable_timing=True)
+        start.record(current)
+        if after is not None:
+            current.wait_event(after)
+        if staged:
+            gather([d for d, _ in staged], [s for _, s in staged])
+        done = torch.cuda.Event()
+        done.record(current)
+        if blocking or direct:
             side.wait_event(start)
-            if part.staging is not None:
-                part.staging.record_stream(side)
             with torch.cuda.stream(side):
-                if part.blocking:
-                    _copy_all([d for d, _ in part.blocking], [s for _, s in part.blocking])
-                    done = torch.cuda.Event()
-                    done.record(side)
-                    blocking.append((device, done))
-                d0 = torch.cuda.Event(enable_timing=True)
-                d0.record(side)
-                if part.direct:
-                    _copy_all([d for d, _ in part.direct], [s for _, s in part.direct])
-                d1 = torch.cuda.Event(enable_timing=True)
-                d1.record(side)
-                release.append((device, d1))
-                side.wait_event(staged)
-                k0 = torch.cuda.Event(enable_timing=True)
-                k0.record(side)
-                for pack in part.packs:
-                    pack.host.copy_(pack.staging, non_blocking=True)
-                if part.drain:
-                    _copy_all([d for d, _ in part.drain], [s for _, s in part.drain])
-                k1 = torch.cuda.Event(enable_timing=True)
-                k1.record(side)
-                landed.append((device, k1))
-        started.append((device, start))
-        packed = sum(p.staging.numel() for p in part.packs)
-        segments += [
-            Segment(device, d0, d1, _nbytes(part.direct)),
-            Segment(device, k0, k1, _nbytes(part.drain) + packed),
-        ]
-    return StagedTicket(
-        CopyTicket(blocking), CopyTicket(release), CopyTicket(landed), tuple(started), tuple(segments)
-    )
+                if blocking:
+                    _copy_all([d for d, _ in blocking], [s for _, s in blocking])
+                    blocked = torch.cuda.Event()
+                    blocked.record(side)
+                if direct:
+                    d0 = torch.cuda.Event(enable_timing=True)
+                    d0.record(side)
+                    _copy_all([d for d, _ in direct], [s for _, s in direct])
+                    released = torch.cuda.Event(enable_timing=True)
+                    released.record(side)
+                    segments.append(Segment(device, d0, released, _nbytes(direct)))
+    return Snapshot(start, done, blocked, released, tuple(segments))
+
+
+def drain_to_host(
+    device: torch.device,
+    pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    staging: torch.Tensor,
+    *,
+    after: torch.cuda.Event,
+) -> tuple[torch.cuda.Event, Segment]:
+    """Copy ``(host, staging region)`` pairs on ``device``'s side stream once ``after`` (the snapshot's
+    device-to-device copies) is done; returns the event of every byte landed and its timed segment.
+    Callable from any thread; ``staging`` stays allocated until the copies are done."""
+    side = _side_stream(device)
+    with torch.cuda.device(device):
+        side.wait_event(after)
+        staging.record_stream(side)
+        with torch.cuda.stream(side):
+            start = torch.cuda.Event(enable_timing=True)
+            start.record(side)
+            _copy_all([h for h, _ in pairs], [s for _, s in pairs])
+            end = torch.cuda.Event(enable_timing=True)
+            end.record(side)
+    return end, Segment(device, start, end, _nbytes(pairs))
 
 
 def synchronize(devices: Sequence[torch.device] | set[torch.device]) -> None:

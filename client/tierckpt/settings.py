@@ -53,10 +53,11 @@ class Settings:
     """Copy device tensors on a side stream and return at once; registered optimizers wait before
     stepping. Everything that is not an optimizer's parameter or state is still copied before
     ``save`` returns."""
-    device_staging: bool = False
-    """Overlap mode plus device staging: what the device-to-host copy cannot finish before the
-    optimizer's next step (measured), and every CUDA tensor the optimizer does not own, is first
-    copied into spare device memory, then drained to the ramdisk in the background."""
+    device_staging: bool | None = None
+    """CUDA tensors are snapshotted into spare device memory (at device-to-device speed) and drained to
+    the ramdisk in the background, within ``device_budget``; what the budget cannot hold is copied in
+    overlap mode. None (the default): on whenever a save holds CUDA tensors; False: off (plain or
+    ``overlap`` saves); True: on, and said so in the log when no optimizer is registered."""
     device_budget: int | float = 0.5
     """Most device memory device staging may hold, per device: bytes (an int), or a fraction (a float
     in (0, 1]) of the device memory this process's peak has not needed so far."""
@@ -108,11 +109,6 @@ class Settings:
             raise ValueError(f"device_budget as a fraction must be in (0, 1], got {budget}")
         if isinstance(budget, int) and budget < 0:
             raise ValueError(f"device_budget in bytes must be >= 0, got {budget}")
-
-    @property
-    def overlapping(self) -> bool:
-        """Whether saves return before optimizer-owned tensors are copied (overlap or device staging)."""
-        return self.overlap or self.device_staging
 
 
 def _env_int(env: Mapping[str, str], name: str) -> int | None:

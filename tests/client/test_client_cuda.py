@@ -93,7 +93,7 @@ def test_overlap_mode_orders_the_optimizer_step_after_the_copy(root, job):
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(16)]).cuda()  # ~256 MiB
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    with Checkpointer(root=root, job=job, overlap=True) as ck:
+    with Checkpointer(root=root, job=job, overlap=True, device_staging=False) as ck:
         ck.register_optimizer(opt)
         ck.save(0, {"model": model.state_dict()}, blocking=True)  # warm the slots
         expected = {k: v.clone() for k, v in model.state_dict().items()}
@@ -120,7 +120,7 @@ def many_small_state() -> dict:
 
 def test_packed_small_tensors_round_trip_bit_exact_and_reuse_their_staging(root, job):
     state = many_small_state()
-    with Checkpointer(root=root, job=job) as ck:
+    with Checkpointer(root=root, job=job, device_staging=False) as ck:
         ck.save(1, state, blocking=True)
         staged = ck.device_staging_bytes
         assert 0 < staged < 8 << 20  # the small tensors' region only

@@ -39,18 +39,25 @@ def test_nothing_measured_stages_everything_the_budget_holds():
     assert plan.staged_bytes == sum(sizes) and not plan.direct and not plan.blocking
 
 
+def test_everything_is_staged_when_the_budget_holds_it_whatever_the_copy_could_hide():
+    sizes = [400 * MIB, 200 * MIB, 120 * MIB, 5]
+    plan = plan_staging(sizes, [True, True, True, False], [True] * 4, hidden=1 << 40, budget=721 * MIB)
+    covered(plan, sizes)
+    assert plan.staged_bytes == sum(sizes) and not plan.direct and not plan.blocking
+
+
 def test_only_the_tail_the_copy_cannot_hide_is_staged():
     sizes = [400 * MIB, 200 * MIB, 120 * MIB]
-    plan = plan_staging(sizes, [True] * 3, [True] * 3, hidden=480 * MIB, budget=1 << 40)
+    plan = plan_staging(sizes, [True] * 3, [True] * 3, hidden=480 * MIB, budget=700 * MIB)
     covered(plan, sizes)
     assert 240 * MIB <= plan.staged_bytes < 240 * MIB + SPLIT_GRANULE
     assert [p.index for p in plan.staged] == [1, 2]  # the tail: part of tensor 1 and all of tensor 2
     assert plan.direct == (Piece(0, 0, 400 * MIB), Piece(1, 0, SPLIT_GRANULE))  # cut at a granule
 
 
-def test_a_fast_copy_stages_nothing():
+def test_a_fast_copy_stages_nothing_when_the_budget_is_short():
     sizes = [100 * MIB, 50 * MIB]
-    plan = plan_staging(sizes, [True, True], [True, True], hidden=1 << 40, budget=1 << 40)
+    plan = plan_staging(sizes, [True, True], [True, True], hidden=1 << 40, budget=149 * MIB)
     covered(plan, sizes)
     assert plan.staging_bytes == 0 and plan.wanted_bytes == 0
 
@@ -73,9 +80,17 @@ def test_tensors_the_optimizer_does_not_own_are_staged_first_else_copied_before_
     assert plan.direct == (Piece(1, 0, 20 * MIB),)
 
 
+def test_small_optimizer_tensors_are_staged_first_not_copied_one_by_one():
+    sizes = [200 * MIB, 1000, 2000, 100 * MIB]
+    plan = plan_staging(sizes, [True] * 4, [True] * 4, hidden=1 << 40, budget=10 * MIB)
+    covered(plan, sizes)
+    assert [p.index for p in plan.staged] == [1, 2]
+    assert [p.index for p in plan.direct] == [0, 3] and not plan.blocking
+
+
 def test_a_tensor_that_cannot_be_split_is_staged_whole_or_not_at_all():
     sizes = [64 * MIB, 64 * MIB]
-    plan = plan_staging(sizes, [True, True], [False, False], hidden=100 * MIB, budget=1 << 40)
+    plan = plan_staging(sizes, [True, True], [False, False], hidden=100 * MIB, budget=127 * MIB)
     covered(plan, sizes)
     assert plan.staged == (Piece(1, 0, 64 * MIB),)
     plan = plan_staging(sizes, [True, True], [False, False], hidden=100 * MIB, budget=32 * MIB)
@@ -86,7 +101,7 @@ def test_a_tensor_that_cannot_be_split_is_staged_whole_or_not_at_all():
 def test_device_budget_is_bytes_or_a_fraction():
     assert resolve(root="/r", device_budget=1 << 30).device_budget == 1 << 30
     assert resolve(root="/r", device_budget=0.25).device_budget == 0.25
-    assert resolve(root="/r", device_staging=True).overlapping
+    assert resolve(root="/r").device_staging is None  # on for CUDA tensors, unless turned off
     for bad in (0.0, 1.5, -1, True, "1G"):
         with pytest.raises(ValueError, match="device_budget"):
             resolve(root="/r", device_budget=bad)
@@ -139,19 +154,22 @@ def test_staged_tensors_next_to_each_other_in_the_file_drain_as_one_copy(monkeyp
     ]
     sizes = [t.numel() * 4 for t in srcs]
     splittable = [t.is_contiguous() for t in srcs]
-    plan = devstage.plan_staging(sizes, [True] * 5, splittable, hidden=3 * granule // 2, budget=1 << 30)
+    plan = devstage.plan_staging(
+        sizes, [True] * 5, splittable, hidden=3 * granule // 2, budget=sum(sizes), small=0
+    )
     assert plan.direct == (Piece(0, 0, granule),)  # the head of tensor 0, cut at a granule
     assert plan.staged[0] == Piece(0, granule, sizes[0] - granule)
     stager = devstage.DeviceStager(1 << 30)
     buffer = torch.full((plan.staging_bytes,), 0xCD, dtype=torch.uint8)
-    copies = stager._copies(torch.device("cpu"), plan, range(5), dsts, srcs, buffer, [])
-    assert len(copies.drain) == 1, "the staged tail is one run of the file"
-    for slot, src in copies.staged:
-        slot.copy_(src)
-    for dst, src in copies.direct:
+    staged, runs = stager._mirror(plan, layout, srcs, range(5), buffer)
+    assert len(runs) == 1, "the staged tail is one run of the file"
+    for region, src in staged:
+        region.copy_(src)
+    for piece in plan.direct:
+        dst, src = devstage._pair(dsts[piece.index], srcs[piece.index], piece.start, piece.length)
         dst.copy_(src)
-    for host, stage in copies.drain:
-        host.copy_(stage)
+    for run in runs:
+        file[run.offset : run.offset + run.length] = buffer[run.at : run.at + run.length]
     for dst, src in zip(dsts, srcs, strict=True):
         assert torch.equal(dst, src)
     for gap_at, gap in layout.padding(0):

@@ -164,3 +164,26 @@ def test_without_a_registered_optimizer_everything_is_staged_or_copied_before_sa
         handle.wait()
         assert_saved(ck, 1, expected)
         assert ck.last_snapshot["direct_bytes"] == 0
+
+
+def test_by_default_everything_is_staged_and_the_state_may_change_once_save_returns(root, job):
+    """The README's form: a ``Checkpointer()`` given the model and the optimizer. The whole state fits the
+    budget, so it is staged: ``save`` returns with the snapshot taken, no optimizer hook needs to wait,
+    and the slot is prepared and the staging buffer drained by the commit thread."""
+    model, opt = trainer()
+    with Checkpointer(root=root, job=job) as ck:
+        for step in range(1, 4):
+            opt.zero_grad()
+            train_step(model, opt)
+            expected = snapshot(state_of(model, opt))
+            handle = ck.save(step, {"model": model, "optim": opt})
+            assert handle.snapshot_done()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.mul_(-1.0)  # anything may change the state now
+            handle.wait()
+            assert_saved(ck, step, expected)
+            info = ck.last_snapshot
+            assert info["staged_bytes"] == info["wanted_bytes"] > 0
+            assert info["direct_bytes"] == info["blocking_bytes"] == 0
+        assert opt in ck._optimizers  # found in the state, registered

@@ -1,24 +1,28 @@
-"""Device staging: a device-to-device snapshot of what the device-to-host copy cannot hide.
+"""Device staging: a device-to-device snapshot, drained to the ramdisk in the background.
 
-In overlap mode the optimizer-owned tensors are copied to the host while the next forward and backward
-passes run, and the optimizer waits for what is left. When that copy takes longer than forward and
-backward (10 GiB at 50 GB/s is 0.2 s; a step's forward and backward may take 0.1 s), the optimizer
-waits. Device staging copies that remainder, and only that, into spare device memory first (at
-device-to-device speed: milliseconds), lets the optimizer go, and drains the staging buffer to the
-ramdisk in the background.
+``save`` copies the state into spare device memory (a *staging buffer*), on the training stream, and
+returns: at HBM speed that is milliseconds (10 GiB in about 4 ms on an H200), against 0.2 s for the
+device-to-host copy. The buffer mirrors the data files byte for byte (padding included, kept zero), so
+its *drain* to the ramdisk is a few large DMAs, issued later on a side stream by the commit thread once
+the save's slot is ready: the training thread neither waits for host memory nor prepares it.
 
-How much to stage (``plan_staging``, pure): the D2H copy can hide ``bandwidth x window x safety``
-bytes, where ``CopyClock`` measures the window (the GPU time from the end of an optimizer step to the
-start of the next, with CUDA events recorded by the optimizer's hooks) and the bandwidth (timing
-events around each save's copies). The tail of the optimizer-owned bytes beyond that is staged; so
-is every other CUDA tensor (those the forward pass may change: staging them lets ``save`` return
-without waiting). Nothing is known before the first measurements: then everything that fits is staged.
+How much to stage (``plan_staging``, pure): everything, when the budget holds it. Otherwise the budget
+is spent where it helps most: first on every CUDA tensor the optimizer does not own (the forward pass may
+change those, so without staging ``save`` must wait for their copy) and on small ones; then on the tail
+of the optimizer-owned bytes that a device-to-host copy started at the save cannot finish before the
+next optimizer step. ``CopyClock`` measures that window (the GPU time from the end of an optimizer step
+to the start of the next, with CUDA events recorded by the optimizer's hooks) and the bandwidth (timing
+events around each save's copies). The rest is copied directly to the host while forward and backward
+run, and the registered optimizer's pre-step hook orders its update after those copies (overlap mode).
 
 The budget (``device_budget``: bytes, or a fraction of the device memory this process's peak has not
 needed so far, ``cuda.headroom``) caps the staging buffer strictly; the buffer is kept between saves and
-never grows past the budget. Whatever does not fit falls back to overlap mode (the optimizer waits
-for it on the GPU, or ``save`` waits for non-optimizer tensors), and the reason is logged whenever it
-changes. The staging buffer is released when the budget shrinks below it, and when an allocation fails.
+never grows past the budget. What does not fit falls back to overlap mode, and the reason is logged
+whenever it changes. The buffer is released when the budget shrinks below it or an allocation fails.
+
+What a save issues is a ``StagedSave``: the plan, the device-to-device pairs and the *runs* of the files
+that the buffer mirrors. It is cached and reused while a save passes the same tensors (the same memory,
+dtypes and shapes) with the same plan, so a steady save issues a few fused copy kernels and nothing more.
 """
 
 from __future__ import annotations
@@ -28,13 +32,16 @@ import dataclasses
 import logging
 import threading
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from tierckpt import cuda
 from tierckpt.protocol.format import ALIGNMENT, align_up
+from tierckpt.snapshot.layout import LayoutPlan
+from tierckpt.snapshot.shardfile import MappedFile
 
-__all__ = ["CopyClock", "DeviceStager", "Piece", "StagePlan", "plan_staging"]
+__all__ = ["CopyClock", "DeviceStager", "Piece", "Run", "StagePlan", "StagedSave", "plan_staging"]
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +54,9 @@ SPLIT_GRANULE = 64 << 20
 can hide are rounded down to it: the split stays put from save to save while measurements jitter."""
 _GROW = 64 << 20
 """The staging buffer grows in steps of this (so estimates that jitter do not reallocate it)."""
+SMALL = 1 << 20
+"""Optimizer-owned tensors up to this size are staged first, like the others: copying them one by one
+to the host would cost a DMA each."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,34 +96,43 @@ def plan_staging(
     *,
     hidden: int,
     budget: int,
+    small: int = SMALL,
 ) -> StagePlan:
     """Split tensors of ``sizes`` bytes between blocking, direct and staged copies (pure).
 
-    Unprotected tensors (the forward pass may change them) are staged whole while the budget lasts,
-    else copied before ``save`` returns. Of the protected ones (only the optimizer changes them), the
-    first ``hidden`` bytes in order are copied directly, and the tail beyond is staged, whole tensors
-    from the end, the boundary tensor split if ``splittable``, as far as the budget goes; the rest is
-    copied directly too (the optimizer will wait for it).
+    When the budget holds every tensor, everything is staged: the optimizer never waits, and the drain
+    runs behind training. Otherwise, unprotected tensors (the forward pass may change them) and protected
+    ones of at most ``small`` bytes are staged whole while the budget lasts, else copied before ``save``
+    returns (unprotected) or directly (protected). Of the larger protected ones (only the optimizer
+    changes them), the first ``hidden`` bytes in order are copied directly, and the tail beyond is
+    staged, whole tensors from the end, the boundary tensor split if ``splittable``, as far as the budget
+    goes; the rest is copied directly too (the optimizer will wait for it).
     """
     left = max(0, budget)
     staged: dict[int, Piece] = {}
-    blocking = []
-    for i, (n, guarded) in enumerate(zip(sizes, protected, strict=True)):
-        if guarded or n == 0:
+    blocking: list[Piece] = []
+    direct: dict[int, Piece] = {}
+    if sum(align_up(n, STAGE_ALIGN) for n in sizes if n) <= left:
+        staged = {i: Piece(i, 0, n) for i, n in enumerate(sizes) if n}
+        return _staging(staged, blocking, direct, wanted=sum(sizes))
+    first = [not guarded or n <= small for n, guarded in zip(sizes, protected, strict=True)]
+    for i, n in enumerate(sizes):
+        if not first[i] or n == 0:
             continue
         if align_up(n, STAGE_ALIGN) <= left:
             staged[i] = Piece(i, 0, n)
             left -= align_up(n, STAGE_ALIGN)
+        elif protected[i]:
+            direct[i] = Piece(i, 0, n)
         else:
             blocking.append(Piece(i, 0, n))
-    guarded_total = sum(n for n, g in zip(sizes, protected, strict=True) if g)
+    guarded_total = sum(n for n, g, f in zip(sizes, protected, first, strict=True) if g and not f)
     wanted = max(0, guarded_total - max(0, hidden))
-    unguarded = sum(n for n, g in zip(sizes, protected, strict=True) if not g)
+    unguarded = sum(n for n, f in zip(sizes, first, strict=True) if f)
     todo = min(wanted, left)
-    direct: dict[int, Piece] = {}
     for i in reversed(range(len(sizes))):
         n = sizes[i]
-        if not protected[i] or n == 0:
+        if first[i] or n == 0:
             continue
         if todo <= 0:
             direct[i] = Piece(i, 0, n)
@@ -140,6 +159,12 @@ def plan_staging(
         staged[i] = Piece(i, n - tail, tail)
         left -= align_up(tail, STAGE_ALIGN)
         todo -= tail
+    return _staging(staged, blocking, direct, wanted=wanted + unguarded)
+
+
+def _staging(
+    staged: dict[int, Piece], blocking: list[Piece], direct: dict[int, Piece], *, wanted: int
+) -> StagePlan:
     order = sorted(staged)
     offsets, at = [], 0
     for i in order:
@@ -151,7 +176,7 @@ def plan_staging(
         staged=tuple(staged[i] for i in order),
         offsets=tuple(offsets),
         staging_bytes=at,
-        wanted_bytes=wanted + unguarded,
+        wanted_bytes=wanted,
     )
 
 
@@ -246,8 +271,118 @@ class CopyClock:
         return int(rate * window * SAFETY) // SPLIT_GRANULE * SPLIT_GRANULE
 
 
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """Bytes ``[offset, offset + length)`` of data file ``file``, mirrored at ``at`` in the staging buffer."""
+
+    file: int
+    offset: int
+    length: int
+    at: int
+
+
+@dataclasses.dataclass(eq=False)
+class DevicePart:
+    """What one save issues on one device (cached while the same tensors are saved with the same plan)."""
+
+    device: torch.device
+    plan: StagePlan
+    indices: tuple[int, ...]
+    """The save's tensor indices of this device's tensors (``Piece.index`` counts within these)."""
+    staged: list[tuple[torch.Tensor, torch.Tensor]]
+    """``(region of the staging buffer, source)``: the device-to-device copies."""
+    runs: tuple[Run, ...]
+    staging: torch.Tensor | None
+
+    def pieces(self, which: Sequence[Piece]) -> list[tuple[int, int, int]]:
+        """``(save's tensor index, start, length)`` of ``which`` (the blocking or direct pieces)."""
+        return [(self.indices[p.index], p.start, p.length) for p in which]
+
+
+class StagedSave:
+    """One device-staged save: ``issue`` takes the snapshot (training thread), ``drain`` moves the staging
+    buffer into the slot's files (commit thread). ``needs_host``: some bytes go straight to the host at
+    the snapshot (the budget could not stage them), so the slot's views must exist before ``issue``."""
+
+    def __init__(
+        self, stager: DeviceStager, parts: list[DevicePart], sources: Sequence[torch.Tensor]
+    ) -> None:
+        self._stager = stager
+        self.parts = parts
+        self._sources = sources
+        self.needs_host = any(part.plan.blocking or part.plan.direct for part in parts)
+        self.blocking = cuda.CopyTicket()
+        """The copies ``save`` waits for."""
+        self.release = cuda.CopyTicket()
+        """The sources may change: the optimizer's pre-step hook makes the current stream wait for it."""
+        self.landed = cuda.CopyTicket()
+        """Every byte is in host memory (once drained)."""
+        self.segments: tuple[cuda.Segment, ...] = ()
+        self._staged: list[tuple[torch.device, torch.cuda.Event]] = []
+
+    def issue(self, views: Sequence[torch.Tensor] | None) -> None:
+        """The snapshot: device-to-device copies on the current streams, and (``needs_host``) the direct and
+        blocking device-to-host copies into ``views`` (the slot's tensor views, in the save's order)."""
+        if self.needs_host and views is None:
+            raise ValueError("this staged save copies to the host at once: pass the slot's views")
+        blocking: list[tuple[torch.device, torch.cuda.Event]] = []
+        release: list[tuple[torch.device, torch.cuda.Event]] = []
+        segments: list[cuda.Segment] = []
+        for part in self.parts:
+            snap = cuda.stage_on_device(
+                part.device,
+                part.staged,
+                blocking=self._to_host(part, part.plan.blocking, views),
+                direct=self._to_host(part, part.plan.direct, views),
+                after=self._stager.last_drain.get(part.device),  # the buffer is free once drained
+            )
+            if snap.blocking is not None:
+                blocking.append((part.device, snap.blocking))
+            if snap.release is not None:
+                release.append((part.device, snap.release))
+            self._staged.append((part.device, snap.staged))
+            self._stager.clock.snapshot_taken(part.device, snap.start)
+            segments += snap.segments
+        self.blocking, self.release = cuda.CopyTicket(blocking), cuda.CopyTicket(release)
+        self.segments = tuple(segments)
+
+    def _to_host(
+        self, part: DevicePart, pieces: Sequence[Piece], views: Sequence[torch.Tensor] | None
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        if not pieces:
+            return []
+        assert views is not None
+        return [_pair(views[i], self._sources[i], start, n) for i, start, n in part.pieces(pieces)]
+
+    def drain(self, files: Sequence[MappedFile]) -> cuda.CopyTicket:
+        """Issue the staging buffers' copies into ``files`` (the slot's data files) on the side streams,
+        after the snapshot; returns the ticket of every byte landed (also ``landed``)."""
+        landed, segments = [], []
+        for part, (device, staged) in zip(self.parts, self._staged, strict=True):
+            if part.staging is None or not part.runs:
+                continue
+            pairs = [
+                (files[r.file].buffer[r.offset : r.offset + r.length], part.staging[r.at : r.at + r.length])
+                for r in part.runs
+            ]
+            event, segment = cuda.drain_to_host(device, pairs, part.staging, after=staged)
+            landed.append((device, event))
+            segments.append(segment)
+            self._stager.last_drain[device] = event
+        self.landed = cuda.CopyTicket(landed)
+        self.segments += tuple(segments)
+        return self.landed
+
+
+def _pair(dst: torch.Tensor, src: torch.Tensor, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dst, src)``, or their byte ranges ``[start, start + length)`` for a piece of a split tensor."""
+    if start == 0 and length == src.numel() * src.element_size():
+        return dst, src
+    return _bytes(dst)[start : start + length], _bytes(src)[start : start + length]
+
+
 class DeviceStager:
-    """The staging buffer of each device, the budget, and the device-staged copies of a save."""
+    """The staging buffer of each device, the budget, and the cached program of the last save."""
 
     def __init__(self, budget: int | float) -> None:
         self.budget = budget
@@ -255,10 +390,13 @@ class DeviceStager:
         self.last: dict[str, float] = {}
         """The last snapshot: ``staged_bytes``, ``direct_bytes``, ``blocking_bytes``, ``wanted_bytes``,
         ``allowed_bytes``, ``window_s``, ``d2h_gbps`` (summed or taken over its devices)."""
+        self.last_drain: dict[torch.device, torch.cuda.Event] = {}
+        """Each device's newest drain: the next snapshot into that buffer is ordered after it."""
         self._buffers: dict[torch.device, torch.Tensor] = {}
-        self._layouts: dict[torch.device, tuple[int, tuple[tuple[Piece, int], ...] | None]] = {}
+        self._layouts: dict[torch.device, tuple[int, tuple[Run, ...]]] = {}
         """What each buffer's bytes are laid out for (so padding is zeroed only when it changes)."""
         self._reasons: dict[torch.device, str] = {}
+        self._cached: tuple[tuple[Any, ...], list[DevicePart]] | None = None
 
     @property
     def device_bytes(self) -> int:
@@ -272,26 +410,155 @@ class DeviceStager:
             return int(self.budget * room)
         return min(self.budget, room)
 
+    def plan(
+        self, layout: LayoutPlan, tensors: Sequence[torch.Tensor], protected: Sequence[bool]
+    ) -> StagedSave:
+        """The staged save of ``tensors`` (``layout``'s, in order; CUDA ones are staged, the others are the
+        caller's) with ``protected`` flags (tensors only a registered optimizer's step changes)."""
+        by_device: dict[torch.device, list[int]] = {}
+        for i, t in enumerate(tensors):
+            if t.is_cuda and t.numel():
+                by_device.setdefault(t.device, []).append(i)
+        allowed = {device: self.allowed(device) for device in by_device}
+        hidden = {device: self.clock.hidden_bytes(device) for device in by_device}
+        key = (
+            layout,
+            tuple(t.data_ptr() for t in tensors),
+            tuple(protected),
+            tuple(self._decision(layout, d, ix, allowed[d], hidden[d]) for d, ix in by_device.items()),
+        )
+        cached = self._cached
+        if (
+            cached is not None
+            and cached[0] == key
+            and all(
+                part.staging is None or self._buffers.get(part.device) is part.staging for part in cached[1]
+            )
+        ):
+            parts = cached[1]
+        else:
+            self._cached = None  # drop the old sources before planning anew
+            parts = [
+                self._part(device, layout, tensors, indices, protected, hidden[device], allowed[device])
+                for device, indices in by_device.items()
+            ]
+            self._cached = (key, parts)
+        self._report(parts, allowed)
+        return StagedSave(self, parts, tensors)
+
+    @staticmethod
+    def _decision(
+        layout: LayoutPlan, device: torch.device, indices: Sequence[int], allowed: int, hidden: int
+    ) -> tuple[Any, ...]:
+        """What a device's staging plan depends on: nothing but the layout when everything fits, else
+        the measured hidden bytes and the budget (in steps of the buffer's growth)."""
+        if sum(align_up(layout.placements[i].length, STAGE_ALIGN) for i in indices) <= allowed:
+            return (device, True)
+        return (device, False, hidden, allowed // _GROW)
+
+    def _part(
+        self,
+        device: torch.device,
+        layout: LayoutPlan,
+        tensors: Sequence[torch.Tensor],
+        indices: Sequence[int],
+        protected: Sequence[bool],
+        hidden: int,
+        allowed: int,
+    ) -> DevicePart:
+        sizes = [layout.placements[i].length for i in indices]
+        splittable = [tensors[i].is_contiguous() for i in indices]
+        guarded = [protected[i] for i in indices]
+        plan = plan_staging(sizes, guarded, splittable, hidden=hidden, budget=allowed)
+        buffer = self._buffer(device, plan.staging_bytes, allowed)
+        if buffer is None and plan.staging_bytes:
+            plan = plan_staging(sizes, guarded, splittable, hidden=hidden, budget=0)
+        elif plan.staged_bytes < plan.wanted_bytes:
+            self._note(
+                device,
+                f"{plan.wanted_bytes} bytes should be staged, the budget allows {allowed} "
+                f"(device_budget={self.budget!r} of {cuda.headroom(device)} bytes of headroom): the "
+                "rest is copied in overlap mode (the optimizer, or save, waits for it)",
+            )
+        elif device in self._reasons:
+            self._note(device, None)
+        staged, runs = self._mirror(plan, layout, tensors, indices, buffer) if plan.staged else ([], ())
+        return DevicePart(device, plan, tuple(indices), staged, runs, buffer if runs else None)
+
+    def _mirror(
+        self,
+        plan: StagePlan,
+        layout: LayoutPlan,
+        tensors: Sequence[torch.Tensor],
+        indices: Sequence[int],
+        buffer: torch.Tensor | None,
+    ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], tuple[Run, ...]]:
+        """Lay the staged pieces out in ``buffer`` as their data files hold them: pieces that lie next to
+        each other in a file (only padding between them) form a ``Run``, copied to the host as one DMA."""
+        assert buffer is not None
+        placed = []  # (file, offset in the file, piece)
+        for piece in plan.staged:
+            p = layout.placements[indices[piece.index]]
+            placed.append((p.file, p.offset + piece.start, piece))
+        placed.sort(key=lambda item: (item[0], item[1]))
+        groups: list[list[tuple[int, int, Piece]]] = []
+        for item in placed:
+            last = groups[-1][-1] if groups else None
+            if (
+                last is not None
+                and last[0] == item[0]
+                and 0 <= item[1] - (last[1] + last[2].length) < ALIGNMENT
+            ):
+                groups[-1].append(item)
+            else:
+                groups.append([item])
+        runs, staged, at = [], [], 0
+        for group in groups:
+            file, start = group[0][0], group[0][1]
+            length = group[-1][1] + group[-1][2].length - start
+            runs.append(Run(file, start, length, at))
+            for _, offset, piece in group:
+                src = tensors[indices[piece.index]]
+                region = buffer[at + offset - start : at + offset - start + piece.length]
+                if piece.start == 0 and piece.length == src.numel() * src.element_size():
+                    staged.append((region.view(src.dtype).view(src.shape), src))
+                else:
+                    staged.append((region, _bytes(src)[piece.start : piece.start + piece.length]))
+            at = align_up(at + length, STAGE_ALIGN)
+        known = self._layouts.get(buffer.device)
+        if known is None or known[0] != buffer.data_ptr() or known[1] != tuple(runs):
+            drained = self.last_drain.get(buffer.device)
+            if drained is not None:  # the previous save may still be draining this buffer
+                torch.cuda.current_stream(buffer.device).wait_event(drained)
+            buffer.zero_()  # a new layout: old bytes may sit where padding goes now
+            self._layouts[buffer.device] = (buffer.data_ptr(), tuple(runs))
+        return staged, tuple(runs)
+
     def _buffer(self, device: torch.device, need: int, allowed: int) -> torch.Tensor | None:
         held = self._buffers.get(device)
         roomy = align_up(need * 5 // 4, _GROW) + _GROW
         if held is not None and (held.numel() > allowed or held.numel() > roomy):
-            del self._buffers[device]  # over the budget now, or well over what is needed: give it back
+            self._drop(device)  # over the budget now, or well over what is needed: give it back
             held = None
         if need == 0:
             return None
         if held is not None and held.numel() >= need:
             return held
         size = min(allowed, align_up(need, _GROW))
-        self._buffers.pop(device, None)
+        self._drop(device)
         try:
-            buffer = torch.zeros(size, dtype=torch.uint8, device=device)
+            buffer = torch.empty(size, dtype=torch.uint8, device=device)
         except torch.cuda.OutOfMemoryError:
             self._note(device, f"could not allocate {size} bytes of staging; overlap mode for this save")
             return None
         self._buffers[device] = buffer
-        self._layouts[device] = (buffer.data_ptr(), None)  # all zero: fits any layout once
         return buffer
+
+    def _drop(self, device: torch.device) -> None:
+        """Give ``device``'s buffer back (a cached program that refers to it is dropped too)."""
+        if self._buffers.pop(device, None) is not None:
+            self._layouts.pop(device, None)
+            self._cached = None
 
     def _note(self, device: torch.device, reason: str | None) -> None:
         """Log ``reason`` when it differs from the last one for ``device`` (None: all is staged again)."""
@@ -304,134 +571,26 @@ class DeviceStager:
         self._reasons[device] = reason
         log.warning("device staging on %s: %s", device, reason)
 
-    def snapshot(
-        self,
-        dsts: Sequence[torch.Tensor],
-        srcs: Sequence[torch.Tensor],
-        protected: Sequence[bool],
-        packs: Sequence[cuda.PackedCopy],
-    ) -> cuda.StagedTicket:
-        """Issue the device-staged copies of CUDA ``srcs`` into host ``dsts`` (and the ``packs``)."""
-        by_device: dict[torch.device, list[int]] = {}
-        for i, src in enumerate(srcs):
-            by_device.setdefault(src.device, []).append(i)
-        for p in packs:
-            by_device.setdefault(p.device, [])
-        parts = []
+    def _report(self, parts: Sequence[DevicePart], allowed: dict[torch.device, int]) -> None:
         last = dict.fromkeys(
             ("staged_bytes", "direct_bytes", "blocking_bytes", "wanted_bytes", "allowed_bytes"), 0.0
         )
-        for device, indices in by_device.items():
-            sizes = [srcs[i].numel() * srcs[i].element_size() for i in indices]
-            splittable = [srcs[i].is_contiguous() and dsts[i].is_contiguous() for i in indices]
-            guarded = [protected[i] for i in indices]
-            hidden = self.clock.hidden_bytes(device)
-            allowed = self.allowed(device)
-            plan = plan_staging(sizes, guarded, splittable, hidden=hidden, budget=allowed)
-            buffer = self._buffer(device, plan.staging_bytes, allowed)
-            if buffer is None and plan.staging_bytes:
-                plan = plan_staging(sizes, guarded, splittable, hidden=hidden, budget=0)
-            elif plan.staged_bytes < plan.wanted_bytes:
-                self._note(
-                    device,
-                    f"{plan.wanted_bytes} bytes should be staged, the budget allows {allowed} "
-                    f"(device_budget={self.budget!r} of {cuda.headroom(device)} bytes of headroom): the "
-                    "rest is copied in overlap mode (the optimizer, or save, waits for it)",
-                )
-            elif device in self._reasons:
-                self._note(device, None)
-            parts.append(self._copies(device, plan, indices, dsts, srcs, buffer, packs))
-            window = self.clock.window(device)
-            rate = self.clock.bandwidth(device)
-            last["staged_bytes"] += plan.staged_bytes
-            last["direct_bytes"] += sum(p.length for p in plan.direct)
-            last["blocking_bytes"] += sum(p.length for p in plan.blocking)
-            last["wanted_bytes"] += plan.wanted_bytes
-            last["allowed_bytes"] += allowed
+        for part in parts:
+            window, rate = self.clock.window(part.device), self.clock.bandwidth(part.device)
+            last["staged_bytes"] += part.plan.staged_bytes
+            last["direct_bytes"] += sum(p.length for p in part.plan.direct)
+            last["blocking_bytes"] += sum(p.length for p in part.plan.blocking)
+            last["wanted_bytes"] += part.plan.wanted_bytes
+            last["allowed_bytes"] += allowed[part.device]
             last["window_s"] = -1.0 if window is None else window
             last["d2h_gbps"] = -1.0 if rate is None else rate / 1e9
         self.last = last
-        ticket = cuda.copy_staged(parts)
-        for device, event in ticket.started:
-            self.clock.snapshot_taken(device, event)
-        return ticket
-
-    def _copies(
-        self,
-        device: torch.device,
-        plan: StagePlan,
-        indices: Sequence[int],
-        dsts: Sequence[torch.Tensor],
-        srcs: Sequence[torch.Tensor],
-        buffer: torch.Tensor | None,
-        packs: Sequence[cuda.PackedCopy],
-    ) -> cuda.StagedCopies:
-        """The copies of ``plan``. Staged pieces that lie next to each other in a data file (only padding
-        between them, as the tail of a layout does) form a *run*: the staging buffer mirrors the run's
-        file bytes, padding included (kept zero), so the whole run drains with one DMA."""
-
-        def pair(piece: Piece) -> tuple[torch.Tensor, torch.Tensor]:
-            dst, src = dsts[indices[piece.index]], srcs[indices[piece.index]]
-            if piece.start == 0 and piece.length == src.numel() * src.element_size():
-                return dst, src
-            end = piece.start + piece.length
-            return _bytes(dst)[piece.start : end], _bytes(src)[piece.start : end]
-
-        staged, drain = [], []
-        if plan.staged:
-            assert buffer is not None
-            placed = []  # (storage base, host address, piece, dst, src)
-            for piece in plan.staged:
-                dst, src = pair(piece)
-                placed.append((dst.untyped_storage().data_ptr(), dst.data_ptr(), piece, dst, src))
-            placed.sort(key=lambda p: (p[0], p[1]))
-            runs: list[list[tuple[int, int, Piece, torch.Tensor, torch.Tensor]]] = []
-            for item in placed:
-                last = runs[-1][-1] if runs else None
-                if (
-                    last is not None
-                    and last[0] == item[0]
-                    and 0 <= item[1] - (last[1] + last[2].length) < ALIGNMENT
-                ):
-                    runs[-1].append(item)
-                else:
-                    runs.append([item])
-            at, layout = 0, []
-            for run in runs:
-                base, start = run[0][0], run[0][1]
-                length = run[-1][1] + run[-1][2].length - start
-                host = torch.empty(0, dtype=torch.uint8).set_(
-                    run[0][3].untyped_storage(), start - base, torch.Size((length,)), (1,)
-                )
-                drain.append((host, buffer[at : at + length]))
-                for _, address, piece, dst, src in run:
-                    offset = at + address - start
-                    region = buffer[offset : offset + piece.length]
-                    slot = (
-                        region
-                        if dst.dtype == torch.uint8 and dst.dim() == 1
-                        else region.view(src.dtype).view(src.shape)
-                    )
-                    staged.append((slot, src))
-                    layout.append((piece, offset))
-                at = align_up(at + length, STAGE_ALIGN)
-            key = tuple(layout)
-            known = self._layouts.get(device)
-            if known is None or known[0] != buffer.data_ptr() or known[1] not in (None, key):
-                buffer.zero_()  # a new layout: old bytes may sit where padding goes now
-            self._layouts[device] = (buffer.data_ptr(), key)
-        return cuda.StagedCopies(
-            device=device,
-            blocking=[pair(p) for p in plan.blocking],
-            direct=[pair(p) for p in plan.direct],
-            staged=staged,
-            drain=drain,
-            packs=[p for p in packs if p.device == device],
-            staging=buffer,
-        )
 
     def close(self) -> None:
+        self._cached = None
         self._buffers.clear()
+        self._layouts.clear()
+        self.last_drain.clear()
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:

@@ -115,6 +115,9 @@ def _storable_array(value: Any) -> bool:
 
 
 class _Flattener:
+    """One walk of a state dict. The path to the current node is a stack of raw keys (``_parts``), joined
+    into a tensor's key only where a tensor is found: most nodes of an optimizer's state are scalars."""
+
     def __init__(self, *, record_paths: bool = False) -> None:
         self.keys: list[str] = []
         self.tensors: list[torch.Tensor] = []
@@ -122,17 +125,21 @@ class _Flattener:
         self._seen_keys: set[str] = set()
         self.paths: dict[int, KeyPath] | None = {} if record_paths else None
         self._where: list[tuple[Any, Any]] = []
+        self._parts: list[Any] = []
 
-    def _key(self, path: tuple[str, ...]) -> str:
-        key = "/".join(path) or "."
+    def _path(self) -> tuple[str, ...]:
+        return tuple(_path_part(p) for p in self._parts)
+
+    def _key(self) -> str:
+        key = "/".join(map(_path_part, self._parts)) or "."
         unique, n = key, 1
         while unique in self._seen_keys:
             unique, n = f"{key}#{n}", n + 1
         self._seen_keys.add(unique)
         return unique
 
-    def _add_tensor(self, tensor: torch.Tensor, path: tuple[str, ...]) -> int:
-        self.keys.append(self._key(path))
+    def _add_tensor(self, tensor: torch.Tensor) -> int:
+        self.keys.append(self._key())
         self.tensors.append(tensor)
         return len(self.tensors) - 1
 
@@ -140,7 +147,7 @@ class _Flattener:
         self.objects.append(value)
         return {"t": "object", "i": len(self.objects) - 1}
 
-    def node(self, value: Any, path: tuple[str, ...]) -> Any:
+    def node(self, value: Any) -> Any:
         kind = type(value)
         if kind in _SCALARS:
             return value
@@ -148,16 +155,12 @@ class _Flattener:
             return value if abs(value) <= _MAX_JSON_INT else {"t": "int", "v": str(value)}
         if kind is float:
             return {"t": "float", "v": value.hex()}
-        if self.paths is not None and kind in (dict, collections.OrderedDict, list, tuple):
-            return self._recorded(value, path, kind)
         if kind is dict or kind is collections.OrderedDict:
-            items = [[self.key_node(k), self.node(v, (*path, _path_part(k)))] for k, v in value.items()]
-            return {"t": "dict" if kind is dict else "odict", "v": items}
+            return {"t": "dict" if kind is dict else "odict", "v": self._items(value, kind)}
         if kind is list or kind is tuple:
-            items = [self.node(v, (*path, str(i))) for i, v in enumerate(value)]
-            return {"t": "list" if kind is list else "tuple", "v": items}
+            return {"t": "list" if kind is list else "tuple", "v": self._elements(value, kind)}
         if storable_tensor(value):
-            index = self._add_tensor(value, path)
+            index = self._add_tensor(value)
             if self.paths is not None:
                 self.paths[index] = tuple(self._where)
             node: dict[str, Any] = {"t": "tensor", "i": index}
@@ -168,47 +171,53 @@ class _Flattener:
             return node
         if _storable_array(value):
             array = value if value.flags.c_contiguous and value.flags.writeable else value.copy(order="C")
-            return {"t": "ndarray", "i": self._add_tensor(torch.from_numpy(array), path)}
+            return {"t": "ndarray", "i": self._add_tensor(torch.from_numpy(array))}
         if dtensor.is_dtensor(value):
-            return self._dtensor(value, path)
+            return self._dtensor(value)
         if isinstance(value, torch.Tensor) and kind.__name__ == _SHARDED_TENSOR:
             raise TypeError(
-                f"{'/'.join(path)}: a ShardedTensor is a shard of a distributed tensor; save it through "
-                "torch.distributed.checkpoint with tierckpt.dcp, not Checkpointer.save"
+                f"{'/'.join(self._path())}: a ShardedTensor is a shard of a distributed tensor; save it "
+                "through torch.distributed.checkpoint with tierckpt.dcp, not Checkpointer.save"
             )
         if isinstance(value, torch.Tensor):
-            log.debug("%s: %s is pickled into objects.pkl", "/".join(path), kind.__name__)
+            log.debug("%s: %s is pickled into objects.pkl", "/".join(self._path()), kind.__name__)
         return self._add_object(value)
 
-    def _recorded(self, value: Any, path: tuple[str, ...], kind: type) -> Any:
-        """``node`` for a container, keeping ``_where`` (the key path) up to date for its children."""
-        where = self._where
-        if kind is dict or kind is collections.OrderedDict:
-            items = []
-            for k, v in value.items():
+    def _items(self, value: Any, kind: type) -> list[list[Any]]:
+        """A dict's ``[key node, value node]`` pairs (keeping ``_where``, the key path, when recording)."""
+        parts, where, recording = self._parts, self._where, self.paths is not None
+        items = []
+        for k, v in value.items():
+            parts.append(k)
+            if recording:
                 where.append((kind, k))
-                items.append([self.key_node(k), self.node(v, (*path, _path_part(k)))])
+            items.append([k if type(k) is str else self.key_node(k), self.node(v)])
+            if recording:
                 where.pop()
-            return {"t": "dict" if kind is dict else "odict", "v": items}
+            parts.pop()
+        return items
+
+    def _elements(self, value: Any, kind: type) -> list[Any]:
+        parts, where, recording = self._parts, self._where, self.paths is not None
         holder = list if kind is list else (tuple, len(value))
         out = []
         for i, v in enumerate(value):
-            where.append((holder, i))
-            out.append(self.node(v, (*path, str(i))))
-            where.pop()
-        return {"t": "list" if kind is list else "tuple", "v": out}
+            parts.append(i)
+            if recording:
+                where.append((holder, i))
+            out.append(self.node(v))
+            if recording:
+                where.pop()
+            parts.pop()
+        return out
 
-    def _dtensor(self, value: Any, path: tuple[str, ...]) -> dict[str, Any]:
+    def _dtensor(self, value: Any) -> dict[str, Any]:
         """This rank's local shard, as an ordinary tensor of the step, with the layout it belongs to."""
         local = dtensor.local_shard(value)
+        path = "/".join(self._path())
         if not storable_tensor(local):
-            raise TypeError(f"{'/'.join(path)}: a DTensor whose local shard is a {type(local).__name__}")
-        node = {
-            "t": "dtensor",
-            "i": self._add_tensor(local, path),
-            "key": "/".join(path),
-            **dtensor.describe(value),
-        }
+            raise TypeError(f"{path}: a DTensor whose local shard is a {type(local).__name__}")
+        node = {"t": "dtensor", "i": self._add_tensor(local), "key": path, **dtensor.describe(value)}
         if value.requires_grad:
             node["rg"] = True
         return node
@@ -216,9 +225,9 @@ class _Flattener:
     def key_node(self, key: Any) -> Any:
         kind = type(key)
         if kind in _SCALARS or kind in (int, float):
-            return self.node(key, ())
+            return self.node(key)
         if kind is tuple and all(type(k) in (*_SCALARS, int, float) for k in key):
-            return {"t": "tuple", "v": [self.node(k, ()) for k in key]}
+            return {"t": "tuple", "v": [self.node(k) for k in key]}
         return self._add_object(key)
 
 
@@ -232,7 +241,7 @@ def flatten(state: dict[Any, Any], *, record_paths: bool = False) -> FlatState:
     if type(state) not in (dict, collections.OrderedDict):
         raise TypeError(f"a state dict must be a dict or OrderedDict, not {type(state).__name__}")
     f = _Flattener(record_paths=record_paths)
-    tree = f.node(state, ())
+    tree = f.node(state)
     return FlatState(
         tree=tree, keys=tuple(f.keys), tensors=tuple(f.tensors), objects=tuple(f.objects), paths=f.paths
     )
