@@ -123,6 +123,9 @@ class _SaveJob:
     """The state dict saved (kept until committed, to bind it for a later load into it)."""
     copied: threading.Event = dataclasses.field(default_factory=threading.Event)
     """Set once every tensor's bytes are in the mapping (or the save failed)."""
+    handed_over: threading.Event = dataclasses.field(default_factory=threading.Event)
+    """Device staging: set once the staging buffer's drain is issued (or the save failed): the next
+    snapshot can then be ordered after it on the GPU, with no wait on the CPU."""
     started: float = dataclasses.field(default_factory=time.perf_counter)
     record: RecordFor | None = None
     """Replica groups: builds the step's replica record."""
@@ -200,6 +203,7 @@ class Checkpointer:
         self._structure: tuple[LayoutPlan, int] | None = None
         self._group: Membership | None = None
         self._plans: collections.OrderedDict[tuple[Any, ...], LayoutPlan] = collections.OrderedDict()
+        self._last_plan: tuple[tuple[Any, ...], LayoutPlan] | None = None
         self._manifests = loader.ManifestCache(capacity=s.keep + 2)
         self._loader = loader.StepLoader(s, self._pool, self._manifests)
         self._packer = SavePacker()
@@ -332,6 +336,8 @@ class Checkpointer:
         refused = self._admit(step)
         if refused is not None:
             return refused
+        if self._stager is not None:
+            self._stager.speculate()  # the GPU copies the last save's tensors while this one is planned
         flat = flatten(state_dict)
         protected = self._protected() if self._overlapping else set()
         plan = self._plan(flat, protected)
@@ -377,8 +383,8 @@ class Checkpointer:
         waits = job.deferred_cpu or job.deferred_ticket is not None or (staged and staged.release.events)
         if not waits:
             job.handle._set_snapshot()
-        self._executor.submit(self._finish, job)
         self._registering = self._pool.warm(plan)  # spares for the next saves, off the training thread
+        self._executor.submit(self._finish, job)
         nbytes = sum(f.size for f in plan.files) + len(objects or b"")
         self._last_save = {"step": step, "role": "writer", "written_bytes": nbytes, "logical_bytes": nbytes}
         return job.handle
@@ -590,8 +596,13 @@ class Checkpointer:
             self._pool.use_cuda(cuda.current_device())
 
     def _admit(self, step: int) -> SaveHandle | None:
+        """None when ``step`` may be saved now (after waiting, per ``on_busy``), else its skipped handle.
+
+        Busy means the save in flight still needs what the next one would take: its slot being committed,
+        or, device-staged, its staging buffer not yet handed to the drain (once it is, the next snapshot
+        is ordered after the drain on the GPU, and the commits follow one another on the commit thread)."""
         job = self._inflight
-        if job is None or job.handle.done():
+        if job is None or (job.handed_over.is_set() if job.staged is not None else job.handle.done()):
             return None
         policy = self.settings.on_busy
         if policy == "skip":
@@ -600,8 +611,11 @@ class Checkpointer:
             return SaveHandle.skipped_save(step, reason)
         if policy == "error":
             raise SaveInProgressError(f"cannot save step {step}: step {job.step} is still committing")
-        with contextlib.suppress(Exception):  # its failure belongs to its own handle
-            job.handle.wait()
+        if job.staged is not None:
+            job.handed_over.wait()
+        else:
+            with contextlib.suppress(Exception):  # its failure belongs to its own handle
+                job.handle.wait()
         return None
 
     def _plan(self, flat: FlatState, protected: set[int] | frozenset[int] = frozenset()) -> LayoutPlan:
@@ -614,8 +628,12 @@ class Checkpointer:
             if protected
             else [False] * len(tensors)
         )
+        shapes = tuple((t.dtype, t.shape, t.device) for t in tensors)
+        last = self._last_plan
+        if last is not None and last[0] == (flat.keys, shapes, later):
+            return last[1]  # a loop saves the same state: no need to group and look up again
         groups = pack_groups(tensors, later, max_bytes=s.pack_bytes, limit=s.pack_limit)
-        signature = (flat.keys, tuple((t.dtype, t.shape) for t in tensors), groups)
+        signature = (flat.keys, shapes, groups)
         plan = self._plans.get(signature)
         if plan is None:
             specs = []
@@ -628,6 +646,7 @@ class Checkpointer:
             while len(self._plans) > _PLAN_CACHE:
                 self._plans.popitem(last=False)
         self._plans.move_to_end(signature)
+        self._last_plan = ((flat.keys, shapes, later), plan)
         return plan
 
     def _make_room(self, step: int) -> SaveHandle | None:
@@ -740,6 +759,7 @@ class Checkpointer:
                 with contextlib.suppress(Exception):
                     ticket.synchronize()
             job.copied.set()
+            job.handed_over.set()
             self._fail(job, exc)
             return
         log.debug(
@@ -763,6 +783,7 @@ class Checkpointer:
                 copy_cpu([views[i] for i, _ in job.cpu_copies], [t for _, t in job.cpu_copies])
                 job.cpu_copies = []
         job.tickets.append(staged.drain(job.slot.files))
+        job.handed_over.set()
 
     def _bind_saved(self, job: _SaveJob) -> None:
         """Remember where the saved dict's tensors are, so a load back into it skips the tree walk.

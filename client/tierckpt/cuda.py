@@ -37,6 +37,7 @@ import torch
 __all__ = [
     "BOUNCE_BYTES",
     "CopyTicket",
+    "Gather",
     "PackedCopy",
     "Segment",
     "Snapshot",
@@ -51,6 +52,7 @@ __all__ = [
     "in_use",
     "is_cuda",
     "mark",
+    "plan_gather",
     "register",
     "scatter_from_host",
     "stage_on_device",
@@ -174,19 +176,40 @@ def _fusable(a: torch.Tensor, b: torch.Tensor) -> bool:
     )
 
 
-def gather(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
-    """``dst.copy_(src)`` for device pairs: contiguous pairs in one ``_foreach_copy_`` per dtype (fused
-    multi-tensor kernels), the rest one by one."""
+@dataclasses.dataclass(frozen=True)
+class Gather:
+    """Device-to-device copies planned once (``plan_gather``) and issued as often as wanted: contiguous
+    pairs in one ``_foreach_copy_`` per dtype (fused multi-tensor kernels), the rest one by one."""
+
+    fused: tuple[tuple[list[torch.Tensor], list[torch.Tensor]], ...]
+    single: tuple[tuple[torch.Tensor, torch.Tensor], ...]
+
+    def __bool__(self) -> bool:
+        return bool(self.fused or self.single)
+
+    def run(self) -> None:
+        for dst, src in self.single:
+            dst.copy_(src)
+        for d, s in self.fused:
+            _copy_all(d, s, non_blocking=False)
+
+
+def plan_gather(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> Gather:
     by_dtype: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    single = []
     for dst, src in zip(dsts, srcs, strict=True):
         if _fusable(dst, src):
             lists = by_dtype.setdefault(dst.dtype, ([], []))
             lists[0].append(dst)
             lists[1].append(src)
         elif src.numel():
-            dst.copy_(src)
-    for d, s in by_dtype.values():
-        _copy_all(d, s, non_blocking=False)
+            single.append((dst, src))
+    return Gather(tuple(by_dtype.values()), tuple(single))
+
+
+def gather(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
+    """``dst.copy_(src)`` for device pairs (see ``Gather``)."""
+    plan_gather(dsts, srcs).run()
 
 
 def copy_to_host(
@@ -290,15 +313,15 @@ def _nbytes(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> int:
 
 def stage_on_device(
     device: torch.device,
-    staged: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    staged: Gather,
     *,
     blocking: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
     direct: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
     after: torch.cuda.Event | None = None,
 ) -> Snapshot:
-    """A device-staged snapshot of one device: the ``staged`` device-to-device copies (fused, one kernel
-    per dtype) on the current stream, ordered after ``after`` (the staging buffer's previous drain);
-    ``blocking`` and ``direct`` device-to-host copies on the side stream. Returns at once."""
+    """A device-staged snapshot of one device: the ``staged`` device-to-device copies on the current
+    stream, ordered after ``after`` (the staging buffer's previous drain); ``blocking`` and ``direct``
+    device-to-host copies on the side stream. Returns at once."""
     current = torch.cuda.current_stream(device)
     side = _side_stream(device)
     segments = []
@@ -308,8 +331,7 @@ def stage_on_device(
         start.record(current)
         if after is not None:
             current.wait_event(after)
-        if staged:
-            gather([d for d, _ in staged], [s for _, s in staged])
+        staged.run()
         done = torch.cuda.Event()
         done.record(current)
         if blocking or direct:

@@ -187,3 +187,33 @@ def test_by_default_everything_is_staged_and_the_state_may_change_once_save_retu
             assert info["staged_bytes"] == info["wanted_bytes"] > 0
             assert info["direct_bytes"] == info["blocking_bytes"] == 0
         assert opt in ck._optimizers  # found in the state, registered
+
+
+def test_a_save_does_not_wait_for_the_previous_commit_only_for_its_drain(root, job, monkeypatch):
+    """The next snapshot is ordered after the previous drain on the GPU: while step 1 still commits
+    (its checksums held back here), step 2 is saved, and both steps hold exactly what was saved."""
+    import threading
+
+    from tierckpt import checkpointer
+
+    gate = threading.Event()
+    real = checkpointer.commit_files
+
+    def held(*args, **kwargs):  # type: ignore[no-untyped-def]
+        gate.wait(60)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(checkpointer, "commit_files", held)
+    model, opt = trainer()
+    with Checkpointer(root=root, job=job) as ck:
+        handles, expected = {}, {}
+        for step in (1, 2):
+            opt.zero_grad()
+            train_step(model, opt)
+            expected[step] = snapshot(state_of(model, opt))
+            handles[step] = ck.save(step, {"model": model, "optim": opt})
+        assert not handles[1].done(), "step 2 was saved while step 1 was still committing"
+        gate.set()
+        for step in (1, 2):
+            handles[step].wait()
+            assert_saved(ck, step, expected[step])

@@ -1,4 +1,4 @@
-"""Stateful objects in the state: ``save(step, {"model": model, "optim": optimizer})``, as the README shows."""
+"""Stateful objects in the state: ``save(step, {"model": model, "optim": optimizer})``, as in the README."""
 
 from __future__ import annotations
 
@@ -81,7 +81,7 @@ def test_optimizers_in_the_state_are_registered_for_overlap_mode(root, job):
 
 
 def test_nothing_to_load_leaves_a_fresh_optimizer_untouched(root, job):
-    model, opt, sched = make()
+    model, opt, _ = make()
     with Checkpointer(root=root, job=job) as ck:
         assert ck.load({"model": model, "optim": opt}, allow_missing=True) is None
     assert not opt.state

@@ -289,10 +289,14 @@ class DevicePart:
     plan: StagePlan
     indices: tuple[int, ...]
     """The save's tensor indices of this device's tensors (``Piece.index`` counts within these)."""
-    staged: list[tuple[torch.Tensor, torch.Tensor]]
-    """``(region of the staging buffer, source)``: the device-to-device copies."""
+    staged: cuda.Gather
+    """The device-to-device copies into the staging buffer (planned once)."""
     runs: tuple[Run, ...]
     staging: torch.Tensor | None
+
+    @property
+    def all_staged(self) -> bool:
+        return not (self.plan.blocking or self.plan.direct)
 
     def pieces(self, which: Sequence[Piece]) -> list[tuple[int, int, int]]:
         """``(save's tensor index, start, length)`` of ``which`` (the blocking or direct pieces)."""
@@ -305,11 +309,17 @@ class StagedSave:
     the snapshot (the budget could not stage them), so the slot's views must exist before ``issue``."""
 
     def __init__(
-        self, stager: DeviceStager, parts: list[DevicePart], sources: Sequence[torch.Tensor]
+        self,
+        stager: DeviceStager,
+        parts: list[DevicePart],
+        sources: Sequence[torch.Tensor],
+        issued: list[cuda.Snapshot] | None = None,
     ) -> None:
         self._stager = stager
         self.parts = parts
         self._sources = sources
+        self._issued = issued
+        """The snapshots of ``DeviceStager.speculate`` when it issued these very parts already."""
         self.needs_host = any(part.plan.blocking or part.plan.direct for part in parts)
         self.blocking = cuda.CopyTicket()
         """The copies ``save`` waits for."""
@@ -328,13 +338,11 @@ class StagedSave:
         blocking: list[tuple[torch.device, torch.cuda.Event]] = []
         release: list[tuple[torch.device, torch.cuda.Event]] = []
         segments: list[cuda.Segment] = []
-        for part in self.parts:
-            snap = cuda.stage_on_device(
-                part.device,
-                part.staged,
-                blocking=self._to_host(part, part.plan.blocking, views),
-                direct=self._to_host(part, part.plan.direct, views),
-                after=self._stager.last_drain.get(part.device),  # the buffer is free once drained
+        for n, part in enumerate(self.parts):
+            snap = (
+                self._issued[n]
+                if self._issued is not None
+                else self._stager.stage(part, self._sources, views)
             )
             if snap.blocking is not None:
                 blocking.append((part.device, snap.blocking))
@@ -345,14 +353,6 @@ class StagedSave:
             segments += snap.segments
         self.blocking, self.release = cuda.CopyTicket(blocking), cuda.CopyTicket(release)
         self.segments = tuple(segments)
-
-    def _to_host(
-        self, part: DevicePart, pieces: Sequence[Piece], views: Sequence[torch.Tensor] | None
-    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        if not pieces:
-            return []
-        assert views is not None
-        return [_pair(views[i], self._sources[i], start, n) for i, start, n in part.pieces(pieces)]
 
     def drain(self, files: Sequence[MappedFile]) -> cuda.CopyTicket:
         """Issue the staging buffers' copies into ``files`` (the slot's data files) on the side streams,
@@ -397,10 +397,41 @@ class DeviceStager:
         """What each buffer's bytes are laid out for (so padding is zeroed only when it changes)."""
         self._reasons: dict[torch.device, str] = {}
         self._cached: tuple[tuple[Any, ...], list[DevicePart]] | None = None
+        self._speculated: tuple[list[DevicePart], list[cuda.Snapshot]] | None = None
 
     @property
     def device_bytes(self) -> int:
         return sum(b.numel() for b in self._buffers.values())
+
+    def stage(
+        self, part: DevicePart, sources: Sequence[torch.Tensor], views: Sequence[torch.Tensor] | None
+    ) -> cuda.Snapshot:
+        """Issue ``part``'s snapshot (its host copies into ``views``), after the buffer's last drain."""
+
+        def to_host(pieces: Sequence[Piece]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+            if not pieces:
+                return []
+            assert views is not None
+            return [_pair(views[i], sources[i], start, n) for i, start, n in part.pieces(pieces)]
+
+        return cuda.stage_on_device(
+            part.device,
+            part.staged,
+            blocking=to_host(part.plan.blocking),
+            direct=to_host(part.plan.direct),
+            after=self.last_drain.get(part.device),  # the buffer is free once drained
+        )
+
+    def speculate(self) -> None:
+        """Issue the last save's device-to-device copies now, before this save has flattened and planned
+        its state: a loop saves the same tensors every time, so the GPU copies while the CPU plans. If
+        ``plan`` then finds other tensors, the copies are issued again (the buffer is simply overwritten)."""
+        cached = self._cached
+        self._speculated = None
+        if cached is None or not all(part.all_staged for part in cached[1]):
+            return
+        parts = cached[1]
+        self._speculated = (parts, [self.stage(part, (), None) for part in parts])
 
     def allowed(self, device: torch.device) -> int:
         """Bytes of staging the budget allows on ``device`` now (never more than the headroom)."""
@@ -444,7 +475,9 @@ class DeviceStager:
             ]
             self._cached = (key, parts)
         self._report(parts, allowed)
-        return StagedSave(self, parts, tensors)
+        speculated, self._speculated = self._speculated, None
+        issued = speculated[1] if speculated is not None and speculated[0] is parts else None
+        return StagedSave(self, parts, tensors, issued)
 
     @staticmethod
     def _decision(
@@ -483,7 +516,8 @@ class DeviceStager:
         elif device in self._reasons:
             self._note(device, None)
         staged, runs = self._mirror(plan, layout, tensors, indices, buffer) if plan.staged else ([], ())
-        return DevicePart(device, plan, tuple(indices), staged, runs, buffer if runs else None)
+        gather = cuda.plan_gather([d for d, _ in staged], [s for _, s in staged])
+        return DevicePart(device, plan, tuple(indices), gather, runs, buffer if runs else None)
 
     def _mirror(
         self,
@@ -587,7 +621,7 @@ class DeviceStager:
         self.last = last
 
     def close(self) -> None:
-        self._cached = None
+        self._cached = self._speculated = None
         self._buffers.clear()
         self._layouts.clear()
         self.last_drain.clear()

@@ -11,8 +11,9 @@ spares adopted from an earlier process first (their tmpfs pages still exist, so 
 built and the mapping pinned: nothing is zeroed again), then new ones sized for the layout. A spare
 becomes *ready* only once it is completely prepared (fitted, pre-faulted and, for CUDA users,
 registered); ``take`` hands out ready spares only, so a save never sees a half-prepared slot. A save
-that finds none ready waits for the one being prepared (which is sooner than preparing its own),
-never for the rest; with nothing being prepared it prepares its own.
+that finds none ready waits for the one being prepared (which is sooner than preparing its own, and
+preparing two at once would make both late), never for the rest; with nothing being prepared it
+prepares its own.
 
 A data file with more than one hard link is never written in place: another member of a replica group
 on this node committed a step that links it (``snapshot.linked``). A retired slot in that state is
@@ -269,7 +270,7 @@ class SlotPool:
                 self._reclaim_locked()
                 if self._ready or self._raw or self._stopping:
                     break
-                if self._preparing:
+                if self._preparing or self._warm_active:  # one slot at a time is prepared soonest
                     self._cond.wait()
                 elif self._shared and time.monotonic() < deadline:
                     self._cond.wait(_SHARED_POLL)  # the member linking it retires its step any moment
@@ -379,6 +380,7 @@ class SlotPool:
         finally:
             with self._cond:
                 self._warm_active = False
+                self._cond.notify_all()
         if self.register_cuda and not self._stopping:
             with self._cond:
                 committed = list(self._by_step.values())
