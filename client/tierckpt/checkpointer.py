@@ -63,7 +63,7 @@ from tierckpt.snapshot import agree, loader, rankdir, stateful
 from tierckpt.snapshot import objects as pickled
 from tierckpt.snapshot.commit import RecordFor, StepIdentity, commit_files
 from tierckpt.snapshot.copy import copy_cpu, copy_into
-from tierckpt.snapshot.devstage import DeviceStager, StagedSave
+from tierckpt.snapshot.devstage import DeviceStager, Speculation, StagedSave
 from tierckpt.snapshot.dtypes import dtype_name
 from tierckpt.snapshot.fanout import load_broadcast
 from tierckpt.snapshot.fingerprint import structure_digest
@@ -336,15 +336,15 @@ class Checkpointer:
         refused = self._admit(step)
         if refused is not None:
             return refused
-        if self._stager is not None:
-            self._stager.speculate()  # the GPU copies the last save's tensors while this one is planned
+        # The GPU copies the last save's tensors while this one is flattened and planned.
+        speculation = self._stager.speculate() if self._stager is not None else None
         flat = flatten(state_dict)
         protected = self._protected() if self._overlapping else set()
         plan = self._plan(flat, protected)
         refused = self._make_room(step)
         if refused is not None:
             return refused
-        return self._start(step, state_dict, flat, plan, protected)
+        return self._start(step, state_dict, flat, plan, protected, speculation=speculation)
 
     def _start(
         self,
@@ -354,12 +354,13 @@ class Checkpointer:
         plan: LayoutPlan,
         protected: set[int],
         record: RecordFor | None = None,
+        speculation: Speculation | None = None,
     ) -> SaveHandle:
         """Start copying ``flat`` (into a slot, or a device-staged snapshot); the commit thread finishes."""
         objects = pickled.dumps(list(flat.objects)) if flat.objects else None
         self._use_cuda(flat)
         path = step_dir(self.rank_path, step)
-        staged = self._staged_save(flat, plan, protected)
+        staged = self._staged_save(flat, plan, protected, speculation)
         job = _SaveJob(step, path, None, plan, flat, objects, SaveHandle(step), [], [], protected)
         job.source, job.staged, job.record = state_dict, staged, record
         try:
@@ -389,7 +390,9 @@ class Checkpointer:
         self._last_save = {"step": step, "role": "writer", "written_bytes": nbytes, "logical_bytes": nbytes}
         return job.handle
 
-    def _staged_save(self, flat: FlatState, plan: LayoutPlan, protected: set[int]) -> StagedSave | None:
+    def _staged_save(
+        self, flat: FlatState, plan: LayoutPlan, protected: set[int], speculation: Speculation | None
+    ) -> StagedSave | None:
         """The device-staged snapshot of this save's CUDA tensors (None without device staging or CUDA)."""
         if self._stager is None or not any(t.is_cuda for t in flat.tensors):
             return None
@@ -400,7 +403,7 @@ class Checkpointer:
             )
             self._warned_overlap = True
         flags = [t.untyped_storage().data_ptr() in protected for t in flat.tensors] if protected else None
-        return self._stager.plan(plan, flat.tensors, flags or [False] * len(flat.tensors))
+        return self._stager.plan(plan, flat.tensors, flags or [False] * len(flat.tensors), speculation)
 
     # ------------------------------------------------------------------------------- replica groups
 

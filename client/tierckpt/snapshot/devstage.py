@@ -41,7 +41,16 @@ from tierckpt.protocol.format import ALIGNMENT, align_up
 from tierckpt.snapshot.layout import LayoutPlan
 from tierckpt.snapshot.shardfile import MappedFile
 
-__all__ = ["CopyClock", "DeviceStager", "Piece", "Run", "StagePlan", "StagedSave", "plan_staging"]
+__all__ = [
+    "CopyClock",
+    "DeviceStager",
+    "Piece",
+    "Run",
+    "Speculation",
+    "StagePlan",
+    "StagedSave",
+    "plan_staging",
+]
 
 log = logging.getLogger(__name__)
 
@@ -303,6 +312,14 @@ class DevicePart:
         return [(self.indices[p.index], p.start, p.length) for p in which]
 
 
+@dataclasses.dataclass(frozen=True)
+class Speculation:
+    """The last save's parts, issued again at the start of a save (``DeviceStager.speculate``)."""
+
+    parts: list[DevicePart]
+    snapshots: list[cuda.Snapshot]
+
+
 class StagedSave:
     """One device-staged save: ``issue`` takes the snapshot (training thread), ``drain`` moves the staging
     buffer into the slot's files (commit thread). ``needs_host``: some bytes go straight to the host at
@@ -397,7 +414,6 @@ class DeviceStager:
         """What each buffer's bytes are laid out for (so padding is zeroed only when it changes)."""
         self._reasons: dict[torch.device, str] = {}
         self._cached: tuple[tuple[Any, ...], list[DevicePart]] | None = None
-        self._speculated: tuple[list[DevicePart], list[cuda.Snapshot]] | None = None
 
     @property
     def device_bytes(self) -> int:
@@ -422,16 +438,16 @@ class DeviceStager:
             after=self.last_drain.get(part.device),  # the buffer is free once drained
         )
 
-    def speculate(self) -> None:
+    def speculate(self) -> Speculation | None:
         """Issue the last save's device-to-device copies now, before this save has flattened and planned
-        its state: a loop saves the same tensors every time, so the GPU copies while the CPU plans. If
-        ``plan`` then finds other tensors, the copies are issued again (the buffer is simply overwritten)."""
+        its state: a loop saves the same tensors every time, so the GPU copies while the CPU plans. Pass
+        the result to ``plan``: if it finds other tensors, their copies are issued again (the buffer is
+        simply overwritten)."""
         cached = self._cached
-        self._speculated = None
         if cached is None or not all(part.all_staged for part in cached[1]):
-            return
+            return None
         parts = cached[1]
-        self._speculated = (parts, [self.stage(part, (), None) for part in parts])
+        return Speculation(parts, [self.stage(part, (), None) for part in parts])
 
     def allowed(self, device: torch.device) -> int:
         """Bytes of staging the budget allows on ``device`` now (never more than the headroom)."""
@@ -442,7 +458,11 @@ class DeviceStager:
         return min(self.budget, room)
 
     def plan(
-        self, layout: LayoutPlan, tensors: Sequence[torch.Tensor], protected: Sequence[bool]
+        self,
+        layout: LayoutPlan,
+        tensors: Sequence[torch.Tensor],
+        protected: Sequence[bool],
+        speculation: Speculation | None = None,
     ) -> StagedSave:
         """The staged save of ``tensors`` (``layout``'s, in order; CUDA ones are staged, the others are the
         caller's) with ``protected`` flags (tensors only a registered optimizer's step changes)."""
@@ -475,8 +495,7 @@ class DeviceStager:
             ]
             self._cached = (key, parts)
         self._report(parts, allowed)
-        speculated, self._speculated = self._speculated, None
-        issued = speculated[1] if speculated is not None and speculated[0] is parts else None
+        issued = speculation.snapshots if speculation is not None and speculation.parts is parts else None
         return StagedSave(self, parts, tensors, issued)
 
     @staticmethod
@@ -621,7 +640,7 @@ class DeviceStager:
         self.last = last
 
     def close(self) -> None:
-        self._cached = self._speculated = None
+        self._cached = None
         self._buffers.clear()
         self._layouts.clear()
         self.last_drain.clear()
