@@ -142,6 +142,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         "blocking_s": {k: round(v, 4) for k, v in blocking.items()},
         "saving_step_s": {k: round(step_s[k - 1], 4) for k in saving},
         "quiet_step_s": statistics.median(quiet),
+        "step_s": [round(t, 5) for t in step_s],
         "window_s": window[1] - window[0] if len(window) == 2 else None,
         "window_steps": steps - steps // 2,
         "run_s": time.perf_counter() - started,
