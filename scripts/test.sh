@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Set up (idempotent), then run every check CI runs: ruff, import-linter, mypy, the docs build, and pytest.
+# Set up (idempotent), then run every check CI runs: ruff, import-linter, the declared dependencies, mypy,
+# the docs build, and pytest.
 # Extra arguments go to pytest. GPU tests are deselected here and run on the device machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -8,6 +9,7 @@ export PATH="$PWD/.venv/bin:$PATH"
 echo "== ruff" && ruff check client cli demo replicator csi operator tests bench
 echo "== ruff format" && ruff format --check --quiet client cli demo replicator csi operator tests bench
 echo "== import-linter" && lint-imports
+echo "== dependencies (deptry, per install target)" && python scripts/check-deps.py
 echo "== mypy (strict)" && mypy
 if [ -f mkdocs.yml ]; then echo "== docs (strict)" && mkdocs build --strict --quiet -d "$(mktemp -d)"; fi
 echo "== pytest"

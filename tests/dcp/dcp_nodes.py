@@ -38,6 +38,14 @@ def load_sharded(rank: int, world_size: int, base: str, per_node: int, job: str,
     sc.load_sharded(rank, world_size, node_root(base, rank, per_node), job, step, ref)
 
 
+def save_plain(rank: int, world_size: int, base: str, per_node: int, job: str, step: int, seed: int) -> None:
+    sc.save_plain(rank, world_size, node_root(base, rank, per_node), job, step, seed)
+
+
+def load_newest(rank: int, world_size: int, base: str, per_node: int, job: str, seed: int, out: str) -> None:
+    sc.load_newest(rank, world_size, node_root(base, rank, per_node), job, seed, out)
+
+
 def load_expecting_failure(
     rank: int, world_size: int, base: str, per_node: int, job: str, step: int, ref: str, out: str
 ) -> None:

@@ -7,6 +7,7 @@ in any rank fails the test with that rank's traceback.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -228,6 +229,25 @@ def load_expecting_failure(
         Path(out, f"rank-{rank}.json").write_text(json.dumps(failures))
         return
     raise AssertionError(f"rank {rank}: load of corrupt data succeeded")
+
+
+def load_newest(rank: int, world_size: int, root: str, job: str, seed: int, out: str) -> None:
+    """Load without a step: the state saved with ``seed`` must arrive bit-exact. Record the step loaded
+    and the warnings the reader logged, for the test to inspect."""
+    want = plain_state(seed)
+    got = blank_like(want)
+    reader = RamdiskReader(root, job)
+    logged: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: logged.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("tierckpt.dcp")
+    logger.addHandler(handler)
+    try:
+        dcp.load(got, storage_reader=reader)
+    finally:
+        logger.removeHandler(handler)
+    assert_same(got, want)
+    Path(out, f"rank-{rank}.json").write_text(json.dumps({"step": reader.step, "warnings": logged}))
 
 
 class DieMidWrite(DefaultSavePlanner):

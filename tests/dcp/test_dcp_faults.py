@@ -4,9 +4,12 @@ an existing step, a full ramdisk."""
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -14,11 +17,12 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.multiprocessing import ProcessExitedException
 
+from tests.dcp import dcp_nodes as dn
 from tests.dcp import dcp_scenarios as sc
 from tests.dcp.dcp_dist import run_ranks
 from tierckpt.dcp import RamdiskReader, RamdiskWriter
 from tierckpt.protocol import leases
-from tierckpt.protocol.errors import MissingCheckpointError, RamdiskFullError
+from tierckpt.protocol.errors import CorruptShardError, MissingCheckpointError, RamdiskFullError
 from tierckpt.protocol.format import DCP_METADATA_NAME, committed_steps, rank_dir, read_manifest, step_dir
 
 
@@ -96,8 +100,12 @@ def test_a_rank_killed_mid_save_leaves_no_visible_step(ramdisk: Path, job: str) 
         expected = r"step 20 under \S+ has no committed DCP metadata"
     else:
         expected = r"no committed step 20 under"
-    with pytest.raises(MissingCheckpointError, match=expected):
-        RamdiskReader(ramdisk, job, step=20).read_metadata()
+    with pytest.raises(CheckpointException) as info:
+        dcp.load(
+            sc.blank_like(sc.plain_state(2)), storage_reader=RamdiskReader(ramdisk, job, 20), no_dist=True
+        )
+    ((error, _tb),) = info.value.failures.values()
+    assert isinstance(error, MissingCheckpointError) and re.search(expected, str(error)), error
 
 
 def test_an_existing_step_is_kept_unless_overwrite(ramdisk: Path, job: str) -> None:
@@ -148,3 +156,108 @@ def test_ranks_naming_different_steps_are_refused_before_writing(
         assert any("ranks disagree on the step to save ([10, 11])" in m for m in messages), messages
         assert committed_steps(rank_dir(ramdisk, job, rank)) == []
         assert not step_dir(rank_dir(ramdisk, job, rank), 10 + rank).exists()
+
+
+# ------------------------------------------------------------------------------ falling back
+
+DAMAGE = ["deleted", "truncated", "corrupt"]
+
+
+def _damage(data_file: Path, offset: int, how: str) -> None:
+    if how == "deleted":
+        data_file.unlink()
+    elif how == "truncated":
+        os.truncate(data_file, offset + 100)
+    else:
+        _flip_byte(data_file, offset + 100)
+
+
+def _records(out: Path, world_size: int) -> list[dict[str, Any]]:
+    return [json.loads((out / f"rank-{r}.json").read_text()) for r in range(world_size)]
+
+
+@pytest.mark.parametrize("how", DAMAGE)
+def test_a_load_without_step_falls_back_past_a_damaged_data_file(
+    ramdisk: Path, job: str, how: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    older, newer = sc.plain_state(1), sc.plain_state(2)
+    with RamdiskWriter(ramdisk, job) as writer:
+        dcp.save(older, checkpoint_id=1, storage_writer=writer, no_dist=True)
+        dcp.save(newer, checkpoint_id=2, storage_writer=writer, no_dist=True)
+    data_file, offset = _find_entry(ramdisk, job, 2, "w@0,0")
+    _damage(data_file, offset, how)
+    got = sc.blank_like(older)
+    reader = RamdiskReader(ramdisk, job)
+    with caplog.at_level(logging.WARNING, logger="tierckpt.dcp"):
+        dcp.load(got, storage_reader=reader, no_dist=True)
+    sc.assert_same(got, older)
+    assert reader.step == 1
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("DCP step 2" in m and "cannot be loaded" in m and str(data_file) in m for m in warnings), (
+        warnings
+    )
+    assert any("loading DCP step 1" in m for m in warnings), warnings
+
+
+@pytest.mark.parametrize("how", DAMAGE)
+def test_a_damaged_step_with_nothing_older_is_a_corrupt_shard(ramdisk: Path, job: str, how: str) -> None:
+    dcp.save(sc.plain_state(1), checkpoint_id=5, storage_writer=RamdiskWriter(ramdisk, job), no_dist=True)
+    data_file, offset = _find_entry(ramdisk, job, 5, "w@0,0")
+    _damage(data_file, offset, how)
+    for step in (None, 5):  # newest loadable, or this step
+        with pytest.raises(CheckpointException) as info:
+            dcp.load(
+                sc.blank_like(sc.plain_state(1)),
+                checkpoint_id=step,
+                storage_reader=RamdiskReader(ramdisk, job),
+                no_dist=True,
+            )
+        ((error, _tb),) = info.value.failures.values()
+        assert isinstance(error, CorruptShardError), error
+        assert error.path == str(data_file) and str(data_file) in str(error), error
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("how", DAMAGE)
+def test_ranks_fall_back_together_past_a_file_damaged_on_one_node(tmp_path: Path, job: str, how: str) -> None:
+    """Two nodes of one rank each, each holding the whole checkpoint: step 20 is damaged on node 1 only,
+    so node 0 could load it; both ranks load step 10, bit-exact, and say why."""
+    base = tmp_path / "nodes"
+    run_ranks(2, dn.save_plain, str(base), 1, job, 10, 1)
+    run_ranks(2, dn.save_plain, str(base), 1, job, 20, 2)
+    data_file = step_dir(rank_dir(base / "node-1", job, 1), 20) / "data-00000.bin"
+    entry = next(t for t in read_manifest(data_file.parent).tensors if t.key == "w@0,0")
+    _damage(data_file, entry.offset, how)
+    out = tmp_path / "out"
+    out.mkdir()
+    run_ranks(2, dn.load_newest, str(base), 1, job, 1, str(out))
+    for record in _records(out, 2):
+        assert record["step"] == 10, record
+        assert any(
+            "DCP step 20" in w and "rank 1" in w and str(data_file) in w for w in record["warnings"]
+        ), record
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("how", DAMAGE)
+def test_ranks_of_one_node_fall_back_together_when_one_of_them_finds_the_damage(
+    ramdisk: Path, job: str, how: str, tmp_path: Path
+) -> None:
+    """The ranks of a node share out the crc check of its files: only one of them reads the damaged one."""
+    run_ranks(2, sc.save_plain, str(ramdisk), job, 10, 1)
+    run_ranks(2, sc.save_plain, str(ramdisk), job, 20, 2)
+    data_file, offset = _find_entry(ramdisk, job, 20, "w@0,0")
+    _damage(data_file, offset, how)
+    run_ranks(2, sc.load_newest, str(ramdisk), job, 1, str(tmp_path))
+    assert [r["step"] for r in _records(tmp_path, 2)] == [10, 10]
+
+
+@pytest.mark.e2e
+def test_ranks_with_nothing_older_all_raise_corrupt_shard(ramdisk: Path, job: str, tmp_path: Path) -> None:
+    run_ranks(2, sc.save_plain, str(ramdisk), job, 20, 2)
+    data_file, offset = _find_entry(ramdisk, job, 20, "w@0,0")
+    _flip_byte(data_file, offset + 100)
+    run_ranks(2, sc.load_expecting_failure, str(ramdisk), job, None, 2, str(tmp_path))
+    failures = _failures(tmp_path, 2)
+    assert failures and all(f["type"] == "CorruptShardError" for f in failures), failures
+    assert all(f["path"] == str(data_file) and "'w@0,0'" in f["message"] for f in failures), failures

@@ -169,6 +169,21 @@ def test_writer_needs_a_root(monkeypatch: pytest.MonkeyPatch) -> None:
         RamdiskWriter()
 
 
+def test_the_writer_creates_a_root_that_does_not_exist_yet(
+    ramdisk: Path, job: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Like ``Checkpointer``: the node identity comes from the ramdisk's device when no node name is set,
+    which needs the directory to exist."""
+    monkeypatch.delenv("TIERCKPT_NODE_NAME", raising=False)
+    root = ramdisk / "not" / "yet"
+    state = {"x": torch.arange(5, dtype=torch.float32), "meta": {"n": 3}}
+    dcp.save(state, checkpoint_id=1, storage_writer=RamdiskWriter(root, job), no_dist=True)
+    assert committed_steps(rank_dir(root, job, 0)) == [1]
+    got = {"x": torch.zeros(5), "meta": {"n": 0}}
+    dcp.load(got, storage_reader=RamdiskReader(root, job), no_dist=True)
+    assert torch.equal(got["x"], state["x"]) and got["meta"] == {"n": 3}
+
+
 def test_a_used_writer_pickles_for_the_process_executor(ramdisk: Path, job: str) -> None:
     """DCP's process-based async executor pickles the writer into a helper process."""
     with RamdiskWriter(ramdisk, job) as writer:

@@ -11,7 +11,9 @@ like native ones, and FSDP2/DTensor state dicts reshard on load under another wo
     dcp.save(state_dict, checkpoint_id=step, storage_writer=RamdiskWriter())
     dcp.load(state_dict, checkpoint_id=step, storage_reader=RamdiskReader())
 
-On several nodes, every rank asks ``agreed_step()`` which step to load (the same answer everywhere)::
+Without a ``checkpoint_id``, the ranks agree on the newest step every node holds whole and undamaged,
+falling back together past a damaged one (``tierckpt.dcp.choice``). With sharded state on several nodes,
+every rank asks ``agreed_step()`` which step to load (the same answer everywhere)::
 
     step = agreed_step()
     if step is not None:

@@ -30,10 +30,10 @@ def _machine() -> str:
         return socket.gethostname()
 
 
-def node_identity(root: Path, job_path: Path | None = None) -> str:
-    """This process's node: ``name:<node>`` from the environment, else ``dev:<boot id>:<st_dev>``."""
+def node_identity(ramdisk_dir: Path) -> str:
+    """This process's node: ``name:<node>`` from the environment, else ``dev:<boot id>:<st_dev>`` of
+    ``ramdisk_dir``, a directory on the ramdisk that exists (the writer creates its rank directory first)."""
     name = os.environ.get(Env.NODE_NAME, "").strip()
     if name:
         return f"name:{name}"
-    where = job_path if job_path is not None and job_path.exists() else root
-    return f"dev:{_machine()}:{os.stat(where).st_dev}"
+    return f"dev:{_machine()}:{os.stat(ramdisk_dir).st_dev}"

@@ -32,7 +32,7 @@ from tierckpt.protocol.format import (
     replica_rank_dir,
 )
 from tierckpt.settings import resolve
-from tierckpt.snapshot import restore_wait
+from tierckpt.snapshot import agree, restore_wait
 
 __all__ = ["agreed_step", "node_holdings"]
 
@@ -85,18 +85,6 @@ def _newest_commit_at(rank_path: Path) -> float | None:
     return marker.committed_at if marker is not None else None
 
 
-def _all_gather(obj: Any, group: Any) -> list[Any]:
-    try:
-        import torch.distributed as dist
-    except ImportError:
-        return [obj]
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
-        return [obj]
-    out: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
-    return out
-
-
 def agreed_step(
     root: str | os.PathLike[str] | None = None,
     job: str | None = None,
@@ -112,7 +100,7 @@ def agreed_step(
         s.root, s.job, s.rank, expect_replicator=bool(s.replicator_url), stall_timeout=s.restore_wait
     )
     instruction = restore_wait.restore_target(status, _newest_commit_at(rank_dir(s.root, s.job, s.rank)))
-    gathered = _all_gather((instruction, node_holdings(s.root, s.job)), process_group)
+    gathered = agree.all_gather((instruction, node_holdings(s.root, s.job)), process_group)
     plans = {i for i, _ in gathered if i != restore_wait.USE_LOCAL}
     if len(plans) == 1:
         step: int | None = next(iter(plans))

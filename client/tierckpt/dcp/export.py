@@ -22,8 +22,9 @@ __all__ = ["full_state_dict"]
 def full_state_dict(
     root: str | os.PathLike[str] | None = None, job: str | None = None, step: int | None = None
 ) -> dict[str, Any]:
-    """The checkpoint ``step`` (None: the newest complete one) as one unsharded CPU state dict."""
+    """The checkpoint ``step`` (None: the newest one this root holds whole and undamaged) as one unsharded
+    CPU state dict. This process alone reads it: no collective, even in a distributed program."""
     state: dict[str, Any] = {}
-    reader = RamdiskReader(root, job, step)
+    reader = RamdiskReader(root, job, step, collective=False)
     _load_state_dict(state, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(), no_dist=True)
     return state

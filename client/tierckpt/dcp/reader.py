@@ -2,26 +2,31 @@
 
 DCP's call order, and what each call does here:
 
-1. (all ranks) ``reset(checkpoint_id)``: the step to load (None: the newest complete one found here).
-2. (all ranks) ``read_metadata``: find a committed step of the checkpoint that carries its metadata on
-   this node (one rank of every node writes it; primary or replica copy), check ``dcp-metadata.json``
-   against that step's manifest, decode it into DCP's ``Metadata``.
-3. (all ranks) ``set_up_storage_reader``; 4. ``prepare_local_plan``: for every item this rank reads,
-   pick a rank holding it whose step is on this node (the writer DCP chose, or a copy). Items that no
-   rank of this node holds (a reshard across nodes, or a node that lost its copies) are fetched first:
-   the reader asks the node's replicator for those ranks' steps (``tierckpt.dcp.fetch``) and waits.
+1. (all ranks) ``reset(checkpoint_id)``: the step to load (None: the newest one every rank can load).
+2. (all ranks) ``read_metadata``: without a step, agree with the other ranks on the newest step that
+   every rank's node holds whole and undamaged (``tierckpt.dcp.choice``: older steps when the newest is
+   not). Find a committed step of the checkpoint that carries its metadata on this node (one rank of
+   every node writes it; primary or replica copy), check ``dcp-metadata.json`` against that step's
+   manifest, decode it into DCP's ``Metadata``.
+3. (all ranks) ``set_up_storage_reader``: raise what went wrong in ``read_metadata`` (see there).
+4. (all ranks) ``prepare_local_plan``: for every item this rank reads, pick a rank holding it whose step
+   is on this node (the writer DCP chose, or a copy). Items that no rank of this node holds (a reshard
+   across nodes, or a node that lost its copies) are fetched first: the reader asks the node's
+   replicator for those ranks' steps (``tierckpt.dcp.fetch``) and waits.
 5. (all ranks) ``read_data``: for each item, open (and lease) the holding rank's committed step (under
    ``<root>/<job>/rank-NNNNN`` or ``<root>/<job>/replicas/rank-NNNNN``), find the item in its manifest,
    map the data file, verify the item's crc32c, and copy its bytes once into the destination tensor
    (resharding through DCP's plan).
 
-A crc mismatch raises ``CorruptShardError`` naming the item and the file (DCP wraps it in its
-``CheckpointException``; see ``docs/dcp.md``).
+A crc mismatch, or a data file that is missing or of another size than its manifest says, raises
+``CorruptShardError`` naming the item and the file (DCP wraps it in its ``CheckpointException``; see
+``docs/dcp.md``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import logging
 import os
@@ -54,9 +59,13 @@ from tierckpt.protocol.format import (
 )
 from tierckpt.protocol.integrity import crc32c, crc32c_address
 from tierckpt.settings import resolve
+from tierckpt.snapshot import agree
 from tierckpt.snapshot.shardfile import MappedFile
+from tierckpt.verify import verify_file
 
+from ._node import node_identity
 from ._paths import find_rank_step, parse_step_id, require_step_id
+from .choice import NodeShare, newest_loadable
 from .fetch import fetch_rank_steps
 from .metadata import DcpMetadata, decode_metadata, item_holders
 from .writer import item_key
@@ -99,7 +108,11 @@ class _RankStep:
     def open(self, name: str, *, needed: int) -> MappedFile:
         """Map a data file; fault it all in up front when at least half of it (``needed`` bytes) is read."""
         size = self.manifest.file(name).size
-        mapped = MappedFile.open(self.path / name, writable=False, populate=2 * needed >= size)
+        try:
+            mapped = MappedFile.open(self.path / name, writable=False, populate=2 * needed >= size)
+        except FileNotFoundError:
+            path = self.path / name
+            raise CorruptShardError(f"{path}: missing (its manifest lists it)", path=str(path)) from None
         if name not in self._checked:
             entry = self.manifest.file(name)
             if mapped.size != entry.size:
@@ -119,11 +132,19 @@ class RamdiskReader(StorageReader):
         root: the ramdisk root (default ``$TIERCKPT_ROOT``).
         job: the job id (default ``$TIERCKPT_JOB``, else ``"local"``).
         step: the step to load; ``dcp.load(..., checkpoint_id=step)`` sets it per load. None loads the
-            newest step whose metadata and data are all present on this root (on several nodes, pass
-            the step ``tierckpt.dcp.agreed_step()`` returns, so every rank loads the same one).
+            newest step that every rank's node holds whole (the metadata and a copy of every item) and
+            undamaged: the ranks agree on it (``tierckpt.dcp.choice``), falling back together past a
+            step with a missing, short or corrupt file on any node (logged), and raise
+            ``CorruptShardError`` when no step is left. With sharded state on several nodes no node
+            holds every item: pass the step ``tierckpt.dcp.agreed_step()`` returns instead.
         fetch: ask the node's replicator for steps of other ranks this load needs and this node lacks
             (default: when a replicator is configured, ``$TIERCKPT_REPLICATOR_URL``). False: such a
             load fails with ``MissingCheckpointError`` naming the ranks.
+        process_group: the process group ``dcp.load`` runs on (default: the default group), whose ranks
+            agree on the step when none is given.
+        collective: False: without a step, this process decides alone (for a load by one process in a
+            distributed program, ``dcp.load(..., no_dist=True)``); every rank of ``process_group`` must
+            load otherwise.
     """
 
     def __init__(
@@ -133,14 +154,18 @@ class RamdiskReader(StorageReader):
         step: int | None = None,
         *,
         fetch: bool | None = None,
+        process_group: Any = None,
+        collective: bool = True,
     ) -> None:
         super().__init__()
         where = resolve(root=root, job=job)
-        self.root, self.job = where.root, where.job
+        self.root, self.job, self.rank = where.root, where.job, where.rank
         self.fetch = bool(where.replicator_url) if fetch is None else fetch
+        self.process_group = process_group
+        self.collective = collective
         self.stall_timeout = where.restore_wait
         self.requested_step = None if step is None else require_step_id(step)
-        """The step asked for (None: the newest complete one); ``step`` is the one the last load resolved."""
+        """The step asked for (None: the newest loadable one); ``step`` is the one the last load resolved."""
         self.step = self.requested_step
         self.load_id = str(uuid.uuid4())
         self.fetched: tuple[int, ...] = ()
@@ -154,10 +179,11 @@ class RamdiskReader(StorageReader):
         self._record: DcpMetadata | None = None
         self._holders: dict[MetadataIndex, tuple[int, ...]] = {}
         self._chunks: dict[tuple[str, tuple[int, ...]], tuple[torch.Size, torch.dtype]] = {}
-        self._steps: dict[int, _RankStep] = {}
+        self._steps: dict[tuple[int, int], _RankStep] = {}
         self._manifests: dict[Path, Manifest] = {}
-        self._present: dict[int, Path | None] = {}
+        self._present: dict[tuple[int, int], Path | None] = {}
         self._chosen: dict[MetadataIndex, int] = {}
+        self._failure: Exception | None = None
 
     # ------------------------------------------------------------------ identity
 
@@ -177,13 +203,21 @@ class RamdiskReader(StorageReader):
     # ------------------------------------------------------------------ metadata
 
     def read_metadata(self) -> Metadata:  # no **kwargs: DCP must not fall back to rank-local metadata
+        """The checkpoint's metadata. What goes wrong is raised by ``set_up_storage_reader``: DCP turns an
+        exception of ``read_metadata`` into an ``AssertionError`` that only quotes it ("metadata is None"),
+        while one of ``set_up_storage_reader`` reaches the caller as itself (a ``CorruptShardError``, a
+        ``MissingCheckpointError``), in ``CheckpointException.failures`` on every rank."""
         self._record, self._holders, self._chunks, self._steps = None, {}, {}, {}
         self._manifests, self._present, self._chosen, self.fetched, self.bytes_read = {}, {}, {}, (), 0
-        self.fetched_bytes, self.fetch_seconds = 0, 0.0
-        if self.requested_step is not None:
-            record = self._load_record(self.requested_step)
-        else:
-            record = self._newest_complete_record()
+        self.fetched_bytes, self.fetch_seconds, self._failure = 0, 0.0, None
+        try:
+            if self.requested_step is not None:
+                record = self._load_record(self.requested_step)
+            else:
+                record = self._agreed_record()
+        except Exception as exc:
+            self._failure = exc
+            return Metadata(state_dict_metadata={})
         self.step, self._record = record.step, record
         metadata = decode_metadata(record)
         if metadata.storage_meta is None:
@@ -248,29 +282,54 @@ class RamdiskReader(StorageReader):
             )
         return record
 
-    def _newest_complete_record(self) -> DcpMetadata:
-        """The newest step of which this node holds the metadata and a copy of every item."""
-        for step in dcp_steps(self.root, self.job):
-            try:
-                record = self._load_record(step, fetch=False)
-            except MissingCheckpointError:
-                continue
-            missing = [
-                e.fqn
-                for e in record.entries
-                for holders in item_holders(e).values()
-                if not any(find_rank_step(self.root, self.job, r, step) for r in holders)
-            ]
-            if not missing:
-                return record
-            log.info("DCP step %d is incomplete here (%s missing); trying older steps", step, missing[:3])
-        raise MissingCheckpointError(f"no complete DCP checkpoint under {job_dir(self.root, self.job)}")
+    def _agreed_record(self) -> DcpMetadata:
+        """The metadata of the newest step every rank can load from its node (``choice.newest_loadable``)."""
+        records: dict[int, DcpMetadata] = {}
+
+        def check(step: int, share: NodeShare) -> None:
+            records[step] = self._check_here(step, share)
+
+        base = job_dir(self.root, self.job)
+        # ranks reading the same job directory split its crc checks; without one there is nothing to check
+        node = f"{node_identity(base)}:{base.resolve()}" if base.is_dir() else f"none:{self.rank}"
+        gather = functools.partial(agree.all_gather, group=self.process_group) if self.collective else _alone
+        step = newest_loadable(
+            dcp_steps(self.root, self.job), check, rank=self.rank, node=node, gather=gather, where=str(base)
+        )
+        return records[step]
+
+    def _check_here(self, step: int, share: NodeShare) -> DcpMetadata:
+        """``step``'s metadata, if this node holds the step whole: the metadata, a committed step of a holder
+        of every item (the one a load reads), and, for this rank's share of the data files those items are
+        in, the whole file at its manifest's size and crc32c (``verify_file``). Raises what is wrong."""
+        record = self._load_record(step, fetch=False)
+        files: dict[tuple[Path, str], _RankStep] = {}
+        missing: list[str] = []
+        for entry in record.entries:
+            for index, holders in item_holders(entry).items():
+                rank = next((r for r in holders if self._where(r, step) is not None), None)
+                if rank is None:
+                    missing.append(item_key(index))
+                    continue
+                held = self._rank_step(rank, step, record)
+                files.setdefault((held.path, held.entry(item_key(index)).file), held)
+        if missing:
+            raise MissingCheckpointError(
+                f"step {step}: no rank holding {missing[:3]}{' and more' if len(missing) > 3 else ''} has "
+                f"its step on this node ({len(missing)} item(s) missing)"
+            )
+        for (path, name), held in share.of(sorted(files.items(), key=lambda kv: kv[0])):
+            verify_file(path, held.manifest, held.manifest.file(name))
+        return record
 
     # ------------------------------------------------------------------ planning
 
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
     ) -> None:
+        failure, self._failure = self._failure, None
+        if failure is not None:
+            raise failure
         if not isinstance(metadata.storage_data, dict):
             raise FormatError("DCP metadata has no storage data: it was not saved by RamdiskWriter")
         self._holders = metadata.storage_data
@@ -289,11 +348,15 @@ class RamdiskReader(StorageReader):
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         return plans
 
+    def _where(self, rank: int, step: int) -> Path | None:
+        """Rank ``rank``'s committed ``step`` on this node (its primary, else a replica), looked up once."""
+        if (rank, step) not in self._present:
+            self._present[(rank, step)] = find_rank_step(self.root, self.job, rank, step)
+        return self._present[(rank, step)]
+
     def _present_here(self, rank: int) -> bool:
-        if rank not in self._present:
-            assert self.step is not None
-            self._present[rank] = find_rank_step(self.root, self.job, rank, self.step)
-        return self._present[rank] is not None
+        assert self.step is not None
+        return self._where(rank, self.step) is not None
 
     def _choose(self, items: list[ReadItem], *, fetch: bool) -> None:
         missing: set[int] = set()
@@ -346,7 +409,8 @@ class RamdiskReader(StorageReader):
             by_rank[self._chosen[req.storage_index]].append(req)
         with contextlib.ExitStack() as leased:
             for rank, reqs in sorted(by_rank.items()):
-                step = self._rank_step(rank)
+                assert self.step is not None and self._record is not None
+                step = self._rank_step(rank, self.step, self._record)
                 _hold_lease(leased, step.path)
                 by_file: dict[str, list[tuple[ReadItem, TensorEntry]]] = defaultdict(list)
                 for req in reqs:
@@ -366,26 +430,26 @@ class RamdiskReader(StorageReader):
         fut.set_result(None)
         return fut
 
-    def _rank_step(self, rank: int) -> _RankStep:
-        if rank in self._steps:
-            return self._steps[rank]
-        assert self._record is not None and self.step is not None
-        path = find_rank_step(self.root, self.job, rank, self.step)
+    def _rank_step(self, rank: int, step: int, record: DcpMetadata) -> _RankStep:
+        """Rank ``rank``'s ``step`` on this node, checked to be the one it wrote for ``record``'s save."""
+        if (rank, step) in self._steps:
+            return self._steps[(rank, step)]
+        path = self._where(rank, step)
         if path is None:
             raise MissingCheckpointError(
-                f"rank {rank}'s step {self.step} is not on this node (not in "
+                f"rank {rank}'s step {step} is not on this node (not in "
                 f"{rank_dir(self.root, self.job, rank)} nor among replicas): "
                 "loading this DCP checkpoint needs that rank's data here (docs/dcp.md)"
             )
         manifest = self._manifest(path)
-        want = self._record.save_id
+        want = record.save_id
         got = manifest.extra.get("dcp", {}).get("save_id") if isinstance(manifest.extra, dict) else None
         if manifest.manifest_kind != "dcp" or (want and got != want):
             raise FormatError(
                 f"{path} is not the step rank {rank} wrote for this DCP checkpoint (rewritten since?)"
             )
-        self._steps[rank] = _RankStep(path, manifest)
-        return self._steps[rank]
+        self._steps[(rank, step)] = _RankStep(path, manifest)
+        return self._steps[(rank, step)]
 
     def _read_item(
         self, req: ReadItem, entry: TensorEntry, mapped: MappedFile, verified: set[str], planner: LoadPlanner
@@ -427,6 +491,10 @@ class RamdiskReader(StorageReader):
             )
         target.copy_(src)
         planner.commit_tensor(req, target)
+
+
+def _alone(obj: Any) -> list[Any]:
+    return [obj]
 
 
 def _hold_lease(stack: contextlib.ExitStack, path: Path) -> None:

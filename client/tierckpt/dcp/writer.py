@@ -6,7 +6,8 @@ DCP checkpoints exactly like native ones. DCP's call order, and what each call d
 
 1. (all ranks) ``reset(checkpoint_id)``: the step to write (``checkpoint_id`` names it; see
    ``parse_step_id``), unless the writer was built with ``step=``.
-2. (all ranks) ``set_up_storage_writer``: learn the role; resolve rank, world size and node.
+2. (all ranks) ``set_up_storage_writer``: learn the role; resolve rank, world size and node; create the
+   rank directory (and the root and job directories above it) if it does not exist yet.
 3. (all ranks) ``prepare_local_plan``: refuse an existing committed step unless ``overwrite=True``;
    tell the coordinator this rank's node and which items it holds.
 4. (coordinator) ``prepare_global_plan``: check that all ranks save the same step from distinct ranks;
@@ -288,7 +289,8 @@ class RamdiskWriter(StorageWriter):
         self._abandon_unfinished()
         who = resolve(root=self.root, job=self.job, rank=self._rank, world_size=self._world_size)
         path = step_dir(rank_dir(self.root, self.job, who.rank), self.step)
-        node = node_identity(self.root, path.parent.parent)
+        path.parent.mkdir(parents=True, exist_ok=True)  # root and job too, like Checkpointer
+        node = node_identity(path.parent)
         self._save = _Save(self.step, who.rank, who.world_size, bool(is_coordinator), path, node)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:

@@ -21,7 +21,7 @@ loaders), the AMP ``GradScaler``, the RNG states, Accelerate's step counter and 
 Models whose weights are DTensor shards (FSDP2 through Accelerate's FSDP plugin, or ``fully_shard``)
 go through PyTorch DCP with ``tierckpt.dcp.RamdiskWriter``/``RamdiskReader`` (states from
 ``torch.distributed.checkpoint.state_dict``), with each rank's other state under
-``accelerate/rank-NNNNN``; one node works, several need rank 0's DCP metadata on each (docs/dcp.md).
+``accelerate/rank-NNNNN``, on any number of nodes (every node holds the DCP metadata; docs/dcp.md).
 DeepSpeed keeps its own checkpoint engine (it needs CUDA and writes its own files) and is refused.
 
 The prepared objects are read from the ``Accelerator`` attributes its own ``save_state`` uses

@@ -45,9 +45,10 @@ Lightning's own.
 go through PyTorch DCP with ``tierckpt.dcp.RamdiskWriter``/``RamdiskReader`` (one committed step per
 rank, the same on-ramdisk format), together with each rank's remaining Lightning state (pickled, under
 ``lightning/rank-NNNNN``). On restore the ranks agree on the newest step every rank sees, load the shards
-with ``torch.distributed.checkpoint.state_dict`` and let Lightning restore the rest. This works on one
-node; across nodes a DCP load also needs rank 0's metadata on every node (see docs/dcp.md). DeepSpeed
-(its own checkpoint engine, CUDA only) is refused with a clear error.
+with ``torch.distributed.checkpoint.state_dict`` and let Lightning restore the rest. DCP on the ramdisk
+works on any number of nodes: every node holds the metadata and a copy of every replicated item with its
+ranks' shards, and a reshard has the node's replicator fetch what the node lacks (docs/dcp.md, "Several
+nodes"). DeepSpeed (its own checkpoint engine, CUDA only) is refused with a clear error.
 
 Lightning is imported only here, and only if installed (``lightning`` 2.x or ``pytorch_lightning``).
 """

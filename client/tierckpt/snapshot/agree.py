@@ -13,22 +13,24 @@ from typing import Any
 __all__ = ["all_gather", "all_ok", "distributed"]
 
 
-def distributed() -> bool:
+def distributed(group: Any = None) -> bool:
+    """Whether ``group`` (None: the default group) joins more than this process."""
     try:
         import torch.distributed as dist
     except ImportError:
         return False
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
 
 
-def all_gather(obj: Any) -> list[Any]:
-    """Every rank's ``obj`` (just ``[obj]`` without a process group)."""
-    if not distributed():
+def all_gather(obj: Any, group: Any = None) -> list[Any]:
+    """Every rank's ``obj``, in the order of their ranks in ``group`` (None: the default group); just
+    ``[obj]`` without a process group."""
+    if not distributed(group):
         return [obj]
     import torch.distributed as dist
 
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
     return out
 
 
