@@ -38,6 +38,7 @@ import torch
 
 from tierckpt import cuda
 from tierckpt.protocol import leases
+from tierckpt.protocol.control import RestoreStatus
 from tierckpt.protocol.errors import (
     CorruptShardError,
     FormatError,
@@ -59,7 +60,7 @@ from tierckpt.protocol.format import (
 from tierckpt.protocol.replica import REPLICA_VERSION, ReplicaRecord, content_key
 from tierckpt.replica_group import BUSY, FAILED, LEASED, Agreement, Membership, ReplicaGroup
 from tierckpt.settings import BusyPolicy, Settings, resolve
-from tierckpt.snapshot import agree, loader, rankdir, stateful
+from tierckpt.snapshot import agree, loader, rankdir, restore_wait, stateful
 from tierckpt.snapshot import objects as pickled
 from tierckpt.snapshot.commit import RecordFor, StepIdentity, commit_files
 from tierckpt.snapshot.copy import copy_cpu, copy_into
@@ -227,7 +228,7 @@ class Checkpointer:
                 )
                 if not self._group.writer:
                     self._pool.target = 0  # its steps link the node writer's files: no slots of its own
-            rankdir.clean_up_after_crash(self.rank_path, s.keep, self._pool)
+            rankdir.clean_up_after_crash(self.rank_path, s.keep, self._pool, self._restore_status())
             if cuda.in_use():
                 self._pool.use_cuda(cuda.current_device())
             self._registering = self._pool.warm(None)  # adopted spares: page tables and pinning, off-thread
@@ -283,6 +284,11 @@ class Checkpointer:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("this Checkpointer is closed")
+
+    def _restore_status(self) -> RestoreStatus | None:
+        """The replicator's restore status of this rank: retention keeps the step it stages."""
+        s = self.settings
+        return restore_wait.current_status(s.root, s.job, s.rank)
 
     # ------------------------------------------------------------------------------- queries
 
@@ -582,7 +588,7 @@ class Checkpointer:
                 cancelled=job.cancelled,
             )
             self._manifests.remember(committed.manifest, committed.marker)
-            rankdir.apply_retention(self.rank_path, s.keep, self._pool)
+            rankdir.apply_retention(self.rank_path, s.keep, self._pool, job.step, self._restore_status())
         except BaseException as exc:
             self._last_failed = job.step
             log.error("save of step %d failed, nothing was committed: %s", job.step, exc)
@@ -756,7 +762,9 @@ class Checkpointer:
             job.flat = dataclasses.replace(job.flat, tensors=())  # release the sources
             job.source = None
             self._pool.committed(job.step, job.slot)
-            rankdir.apply_retention(self.rank_path, self.settings.keep, self._pool)
+            rankdir.apply_retention(
+                self.rank_path, self.settings.keep, self._pool, job.step, self._restore_status()
+            )
         except BaseException as exc:
             for ticket in job.tickets:  # nothing may still be writing into the slot or the staging
                 with contextlib.suppress(Exception):

@@ -111,6 +111,11 @@ def checkpoint_job_body(info: JobSetInfo | None, namespace: str, name: str, uid:
 class _Restore:
     plan: RestorePlan
     acked: set[str] = dataclasses.field(default_factory=set)
+    """Nodes that accepted the plan, including any that left the job since (a node replaced)."""
+
+    def delivered(self, nodes: Sequence[str]) -> int:
+        """How many of the job's ``nodes`` hold the plan (a node that left counts no more)."""
+        return len(self.acked & set(nodes))
 
 
 class JobController:
@@ -444,7 +449,7 @@ class JobController:
             self.ctx.metrics.replicator_calls.labels("put_restore_plan", outcome).inc()
             if outcome == "ok":
                 restore.acked.add(node)
-        if len(restore.acked) < len(set(nodes)):
+        if restore.delivered(nodes) < len(set(nodes)):
             self._retry_later()
 
     async def _inventories(self, nodes: Sequence[str], cluster: ClusterView) -> list[NodeInventory]:
@@ -511,7 +516,7 @@ class JobController:
     async def _report_running(self, info: JobSetInfo, state: JobState) -> None:
         nodes = set(state.nodes)
         published = sum(1 for n in nodes if n in self.delivered)
-        restored = len(self.restore.acked) if self.restore else 0
+        restored = self.restore.delivered(state.nodes) if self.restore else 0
         if self.restore is None:  # published by an earlier run of the operator, or not yet chosen
             restore_ok = state.restore_generation == state.generation
         else:

@@ -11,7 +11,7 @@ import torch
 from tierckpt import Checkpointer, RetryableError
 from tierckpt.protocol.control import RestoreState, RestoreStatus, Tier, write_restore_status
 from tierckpt.protocol.format import job_dir
-from tierckpt.snapshot.restore_wait import USE_LOCAL, restore_target, wait_for_restore
+from tierckpt.snapshot.restore_wait import USE_LOCAL, restore_target, staged_step, wait_for_restore
 
 
 def status(
@@ -77,6 +77,52 @@ def test_restore_target_ignores_stale_statuses():
     assert restore_target(ready, 150.0) == USE_LOCAL  # saved since the replicator staged
     assert restore_target(none, 50.0) is None and restore_target(none, 150.0) == USE_LOCAL
     assert restore_target(status("j", RestoreState.STAGING, updated_at=100.0), 50.0) == USE_LOCAL
+
+
+def test_the_staged_step_is_the_fresh_status_step_being_staged_or_ready():
+    for state in (RestoreState.STAGING, RestoreState.READY):
+        st = status("j", state, step=5, updated_at=100.0)
+        assert staged_step(st, 50.0) == 5 and staged_step(st, None) == 5
+        assert staged_step(st, 150.0) is None  # the rank saved after it: normal retention again
+    for state in (RestoreState.PENDING, RestoreState.NONE, RestoreState.FAILED):
+        assert staged_step(status("j", state, step=5, updated_at=100.0), 50.0) is None
+    assert staged_step(None, 50.0) is None
+
+
+def saved_steps(root, job, steps, keep) -> dict[int, torch.Tensor]:
+    """Commit ``steps`` in order with a writer that keeps them all; each step's tensor."""
+    values = {step: torch.arange(8, dtype=torch.float32) + step for step in steps}
+    with Checkpointer(root=root, job=job, keep=keep) as ck:
+        for step in steps:
+            ck.save(step, {"v": values[step]}, blocking=True)
+    return values
+
+
+def test_a_restore_to_an_older_step_survives_the_writers_clean_up_and_training_goes_on_from_it(root, job):
+    """The replicator staged the plan's step 5 next to the rank's newer 10 and 15 (a peer group lost:
+    nothing newer is restorable everywhere). The writer's crash clean-up (keep=2) keeps step 5, the load
+    takes it, and the next save retires 10 and 15: they were saved before training went back."""
+    values = saved_steps(root, job, (5, 10, 15), keep=3)
+    publish(root, job, status(job, RestoreState.READY, step=5))
+    with Checkpointer(root=root, job=job, keep=2) as ck:
+        assert ck.committed_steps() == [5, 10, 15]
+        dest = {"v": torch.zeros(8)}
+        assert ck.load(dest) == 5 and torch.equal(dest["v"], values[5])
+        ck.save(6, {"v": dest["v"] + 1}, blocking=True)
+        assert ck.committed_steps() == [5, 6]
+    with Checkpointer(root=root, job=job, keep=2) as ck:  # a crash later: the status is stale now
+        dest = {"v": torch.zeros(8)}
+        assert ck.load(dest) == 6 and torch.equal(dest["v"], values[5] + 1)
+
+
+def test_a_new_plan_releases_the_step_the_old_one_staged(root, job):
+    saved_steps(root, job, (5, 10, 15), keep=3)
+    publish(root, job, status(job, RestoreState.STAGING, step=5))  # the step is committed, not yet ready
+    with Checkpointer(root=root, job=job, keep=2) as ck:
+        assert ck.committed_steps() == [5, 10, 15]
+    publish(root, job, status(job, RestoreState.PENDING))  # a new plan: restaging begins
+    with Checkpointer(root=root, job=job, keep=2) as ck:
+        assert ck.committed_steps() == [10, 15]
 
 
 def test_load_follows_a_fresh_status_and_ignores_a_stale_one(root, job):

@@ -617,6 +617,30 @@ class Cluster:
             PODS.format(ns=ns), pod, webhook="/mutate-pods", gvr=("", "v1", "pods"), kind="Pod", namespace=ns
         )
 
+    async def replace_pod(self, namespace: str, name: str, pod: str) -> dict[str, Any]:
+        """What the Job controller does when a pod fails within its backoff limit: the pod goes, a new
+        one for the same index and restart attempt comes (not yet scheduled). Returns the new pod."""
+        js = self.jobset(namespace, name)
+        old = self.obj("v1/pods", namespace, pod)
+        assert old is not None, f"pod {namespace}/{pod} not found"
+        labels = old["metadata"]["labels"]
+        rj = next(
+            r
+            for r in js["spec"]["replicatedJobs"]
+            if r["name"] == labels["jobset.sigs.k8s.io/replicatedjob-name"]
+        )
+        await self.delete(f"{PODS.format(ns=namespace)}/{pod}")
+        return await self._create_pod(
+            namespace,
+            js,
+            rj,
+            rj["template"]["spec"],
+            int(labels["jobset.sigs.k8s.io/job-index"]),
+            int(labels["jobset.sigs.k8s.io/job-global-index"]),
+            int(labels["batch.kubernetes.io/job-completion-index"]),
+            int(labels["jobset.sigs.k8s.io/restart-attempt"]),
+        )
+
     async def schedule(self, namespace: str, pod: str, node: str) -> None:
         """The scheduler binds the pod; the kubelet starts it."""
         await self.patch(f"{PODS.format(ns=namespace)}/{pod}", {"spec": {"nodeName": node}})

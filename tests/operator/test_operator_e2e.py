@@ -224,6 +224,54 @@ async def test_first_start_restart_and_node_replacement(env):
     assert env.cluster.events("JobDataPurged")
 
 
+def pod_on(cluster, node, attempt):
+    return next(
+        p["metadata"]["name"] for p in cluster.pods(NS, NAME, attempt) if p["spec"].get("nodeName") == node
+    )
+
+
+async def test_a_node_replaced_within_an_attempt_is_restored_and_the_job_runs_again(env):
+    """A pod fails and the Job controller recreates it (same attempt) on a new node: the replacement
+    inherits the rank, gets the attempt's plan and stages the rank; the job is ``Running`` again with
+    the plan delivered to the job's nodes only (not counting the node that left: "6/6", never "7/6")."""
+    nodes, job = await start_job(env)
+    first = await place(env, [n.name for n in nodes], 0, seed=5)
+    await restore_plan(env, 0)
+    await save_everywhere(env, job, first, STEP, 6)
+    attempt = await env.cluster.restart(NS, NAME)
+    assert await place(env, [n.name for n in nodes], attempt, seed=6) == first
+    assert (await restore_plan(env, attempt))["step"] == STEP
+
+    env.replicators.kill("n2")
+    await env.cluster.remove_node("n2")
+    (n6,) = await env.add_nodes(("n6", "b"))
+    replacement = await env.cluster.replace_pod(NS, NAME, pod_on(env.cluster, "n2", attempt))
+    await env.cluster.schedule(NS, replacement["metadata"]["name"], "n6")
+    rank = first["n2"]
+    await eventually(
+        lambda: ranks_by_node(env.cluster, attempt).get("n6") == rank, 30, "the rank moved to the replacement"
+    )
+    running = await eventually(
+        lambda: (
+            (s := status(env.cluster)).get("phase") == "Running"
+            and s["nodes"][rank] == "n6"
+            and s.get("restore", {}).get("published") == 6
+            and s
+        ),
+        40,
+        "the job running again with the replacement",
+    )
+    assert running["restore"]["generation"] == attempt and running["assignmentGeneration"] == attempt
+    planned = next(c for c in running["conditions"] if c["type"] == "RestorePlanned")
+    assert (planned["status"], planned["message"]) == ("True", "6/6 nodes")
+    staged = await eventually(
+        lambda: (s := read_restore_status(n6.root, job, rank)) and s.state == RestoreState.READY and s,
+        40,
+        "the replacement node staged its rank",
+    )
+    assert staged.step == STEP and committed_steps(rank_dir(n6.root, job, rank)) == [STEP]
+
+
 async def test_whole_failure_domain_lost(env):
     nodes, job = await start_job(env)
     first = await place(env, [n.name for n in nodes], 0, seed=3)

@@ -33,3 +33,13 @@ def test_nothing_committed_plans_nothing():
     plan = plan_retention([], keep=2, uncommitted=[])
     assert plan == plan_retention([], keep=3)
     assert plan.kept == plan.retire == plan.held == plan.discard == ()
+
+
+def test_steps_above_the_one_just_committed_were_superseded():
+    """Training went back to step 5 (a restore) and saved 6: 10 and 15 are from before, not newer."""
+    plan = plan_retention([5, 6, 10, 15], keep=2, latest=6)
+    assert plan.kept == (5, 6) and plan.retire == (10, 15)
+    plan = plan_retention([5, 6, 10, 15], keep=2, latest=6, leased={15})
+    assert plan.kept == (5, 6) and plan.held == (15,) and plan.retire == (10,)
+    assert plan_retention([5, 10], keep=2, latest=7).kept == (5, 10)  # not a committed step: no effect
+    assert plan_retention([5, 10, 15], keep=2, latest=15) == plan_retention([5, 10, 15], keep=2)

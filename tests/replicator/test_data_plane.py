@@ -3,6 +3,7 @@ refused before it can leave a torn or wrong step behind."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import socket
@@ -19,9 +20,11 @@ from tierckpt.protocol.tokens import TokenFile
 from tierckpt_demo.step_writer import step_files, write_step
 from tierckpt_replicator.replication.context import DataContext
 from tierckpt_replicator.replication.data_server import DataServer
-from tierckpt_replicator.replication.ipc import FetchSource, PeerAddress, WorkerConfig
+from tierckpt_replicator.replication.ipc import FetchSource, PeerAddress, SendTask, WorkerConfig
+from tierckpt_replicator.replication.manager import NODE_FAULTS
 from tierckpt_replicator.replication.transfer import fetch_step, push_step
 from tierckpt_replicator.replication.wire import DataReply, DataRequest, Status, recv_frame, send_frame
+from tierckpt_replicator.replication.worker import run_send
 from tierckpt_replicator.stepio import INCOMING_PREFIX
 
 pytestmark = pytest.mark.e2e
@@ -54,9 +57,11 @@ def make_peer(tmp_path: Path) -> Iterator:
     token.write_text(TOKEN + "\n")
     servers: list[DataServer] = []
 
-    def make(name: str, **overrides) -> Peer:
-        root = tmp_path / name
-        root.mkdir()
+    def make(name: str, root: Path | None = None, **overrides) -> Peer:
+        """A peer whose ramdisk is ``tmp_path/name``, or ``root`` (a tmpfs of its own, say)."""
+        if root is None:
+            root = tmp_path / name
+            root.mkdir()
         cfg = WorkerConfig(
             node=name,
             root=str(root),
@@ -313,6 +318,29 @@ def test_a_full_receiver_refuses_before_any_byte_moves(make_peer):
     out = push_step(a.ctx, JOB, 0, 1, b.address)
     assert out.status == "full" and out.bytes == 0
     assert committed_steps(replica_rank_dir(b.root, JOB, 0)) == [] and no_leftovers(b.root)
+
+
+@pytest.mark.root
+def test_a_full_sender_is_a_fault_of_its_own_not_of_its_peers(make_peer, tmpfs, caplog):
+    """The sender's ramdisk is full, so it cannot even write the lease on its primary (ENOSPC): the send
+    ends ``local`` with the reason, no other candidate is tried (nor blamed), no traceback is logged."""
+    disk = tmpfs("4m", huge="never")
+    a, b, c = make_peer("a", root=disk), make_peer("b"), make_peer("c")
+    write_step(a.root, JOB, 0, 1, sizes=(1 << 20,))
+    filler = disk / "filler"
+    with open(filler, "wb") as f, contextlib.suppress(OSError):
+        while True:
+            f.write(bytes(64 << 10))
+            f.flush()
+    task = SendTask(id=1, job=JOB, rank=0, step=1, candidates=(b.address, c.address), want=1)
+    result = run_send(a.ctx, task)
+    assert not result.ok and [(o.node, o.status) for o in result.outcomes] == [("b", "local")]
+    assert "No space left on device" in result.outcomes[0].message
+    assert "local" not in NODE_FAULTS
+    assert not [r for r in caplog.records if r.exc_info]
+    assert committed_steps(replica_rank_dir(b.root, JOB, 0)) == []
+    filler.unlink()  # room again: the step's own retry gets through
+    assert run_send(a.ctx, dataclasses.replace(task, id=2)).ok
 
 
 def test_connection_dropped_mid_stream_leaves_nothing(make_peer):

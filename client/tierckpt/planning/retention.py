@@ -4,6 +4,9 @@ Rules (docs/format.md, "Retention"):
 
 * the newest ``keep`` committed steps stay;
 * the newest committed step always stays, whatever ``keep`` says;
+* after a commit, the steps above the one just committed (``latest``) are not newer but superseded:
+  they were saved before training went back to an older step (a restore to it), so they go like older
+  ones, and the step just committed counts as the newest;
 * an older committed step with an unexpired lease stays until the lease ends ("held");
 * every other committed step is retired (its COMMIT removed first, then its files recycled or deleted);
 * step directories without a COMMIT are crash leftovers and are discarded, except the one being
@@ -37,13 +40,16 @@ def plan_retention(
     leased: Collection[int] = (),
     uncommitted: Iterable[int] = (),
     in_flight: int | None = None,
+    latest: int | None = None,
 ) -> RetentionPlan:
-    """Apply the retention rules to the steps present in one rank directory."""
+    """Apply the retention rules to the steps present in one rank directory (``latest``: the step just
+    committed, after a commit)."""
     if keep < 1:
         raise ValueError(f"keep must be at least 1, got {keep}")
     steps = sorted(set(committed))
-    kept = steps[-keep:]
-    older = steps[: len(steps) - len(kept)]
+    current = steps if latest is None or latest not in steps else [s for s in steps if s <= latest]
+    kept = current[-keep:]
+    older = sorted(set(steps) - set(kept))
     return RetentionPlan(
         kept=tuple(kept),
         held=tuple(s for s in older if s in leased),

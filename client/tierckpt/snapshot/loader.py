@@ -50,8 +50,7 @@ def candidates(settings: Settings, rank_path: Path, step: int | None, *, fallbac
     )
     scan = scan_steps(rank_path)
     present = sorted({*scan.committed, *scan.corrupt})
-    newest_at = max((m.committed_at for m in scan.committed.values()), default=None)
-    target = restore_wait.restore_target(status, newest_at) if step is None else step
+    target = restore_wait.restore_target(status, scan.newest_commit_at) if step is None else step
     gathered = agree.all_gather((present, target))
     common = common_steps(p for p, _ in gathered)
     targets = {t for _, t in gathered}

@@ -4,7 +4,8 @@ The writer (a ``Checkpointer``) holds ``<rank dir>/.writer.lock`` for its lifeti
 makes it safe to delete uncommitted step directories: no one else is writing them. Retention
 decisions are pure (``tierckpt.planning.retention``); this module does the I/O, removing COMMIT markers
 under the lease lock (``tierckpt.protocol.leases``) and recycling the retired steps' data files through the
-slot pool.
+slot pool. Besides leased steps, retention keeps the step the replicator stages for the job's restore
+(``restore_wait.staged_step`` of the rank's restore status): it may be older than steps the rank holds.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 
 from tierckpt.planning.retention import plan_retention
 from tierckpt.protocol import leases
+from tierckpt.protocol.control import RestoreStatus
 from tierckpt.protocol.errors import FormatError, TierckptError
 from tierckpt.protocol.format import (
     COMMIT_NAME,
@@ -31,6 +33,7 @@ from tierckpt.protocol.format import (
     step_dirs,
 )
 from tierckpt.snapshot.pool import SlotPool
+from tierckpt.snapshot.restore_wait import staged_step
 
 __all__ = [
     "WRITER_LOCK",
@@ -56,6 +59,11 @@ class StepScan:
     corrupt: tuple[int, ...]
     """Steps whose COMMIT exists but does not verify."""
     uncommitted: tuple[int, ...]
+
+    @property
+    def newest_commit_at(self) -> float | None:
+        """When the newest commit happened (by its marker's clock), or None when nothing is committed."""
+        return max((m.committed_at for m in self.committed.values()), default=None)
 
 
 def scan_steps(rank_path: Path) -> StepScan:
@@ -110,13 +118,26 @@ def uncommit(rank_path: Path, steps: Sequence[int]) -> None:
             fsync_dir(path)
 
 
-def clean_up_after_crash(rank_path: Path, keep: int, pool: SlotPool) -> None:
-    """At writer start: remove uncommitted steps, apply retention, adopt spare data files."""
+def _held(rank_path: Path, scan: StepScan, restore: RestoreStatus | None) -> set[int]:
+    """Steps retention must keep past ``keep`` (caller holds the lease lock): the leased ones, and the
+    one the replicator stages for the job's restore until the rank saved after it."""
+    held = leases.leased_steps(rank_path)
+    staged = staged_step(restore, scan.newest_commit_at)
+    if staged is not None:
+        held.add(staged)
+    return held
+
+
+def clean_up_after_crash(
+    rank_path: Path, keep: int, pool: SlotPool, restore: RestoreStatus | None = None
+) -> None:
+    """At writer start: remove uncommitted steps, apply retention, adopt spare data files. ``restore``:
+    the rank's restore status (its staged step stays, older than the rank's newest or not)."""
     leases.purge_expired(rank_path)
     with leases.lock(rank_path):
         scan = scan_steps(rank_path)
         plan = plan_retention(
-            scan.committed, keep=keep, leased=leases.leased_steps(rank_path), uncommitted=scan.uncommitted
+            scan.committed, keep=keep, leased=_held(rank_path, scan, restore), uncommitted=scan.uncommitted
         )
         uncommit(rank_path, plan.retire)
     for step in plan.discard:
@@ -127,12 +148,26 @@ def clean_up_after_crash(rank_path: Path, keep: int, pool: SlotPool) -> None:
         pool.recycle(step, step_dir(rank_path, step))
 
 
-def apply_retention(rank_path: Path, keep: int, pool: SlotPool) -> None:
-    """After a commit: retire what the policy lets go (recycling its files), drop older corrupt steps."""
+def apply_retention(
+    rank_path: Path, keep: int, pool: SlotPool, committed: int, restore: RestoreStatus | None = None
+) -> None:
+    """After ``committed`` was committed: retire what the policy lets go (recycling its files), the
+    steps above it included (saved before training went back to an older step), and drop older corrupt
+    steps. ``restore``: the rank's restore status (its staged step stays while the status is newer)."""
     with leases.lock(rank_path):
         scan = scan_steps(rank_path)
-        plan = plan_retention(scan.committed, keep=keep, leased=leases.leased_steps(rank_path))
+        plan = plan_retention(
+            scan.committed, keep=keep, leased=_held(rank_path, scan, restore), latest=committed
+        )
         uncommit(rank_path, plan.retire)
+    superseded = [s for s in plan.retire if s > committed]
+    if superseded:
+        log.info(
+            "retiring steps %s of %s: saved before training went back to an older step (%d was just saved)",
+            superseded,
+            rank_path,
+            committed,
+        )
     newest = max(scan.committed, default=-1)
     for step in plan.retire:
         log.debug("retiring step %d", step)

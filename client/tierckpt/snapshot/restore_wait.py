@@ -7,7 +7,10 @@ is given up on (logged), and the client loads what the ramdisk holds. Without a 
 without a replicator URL nothing waits at all.
 
 ``restore_target`` decides what a status means for this load (pure): a status older than the newest
-local commit is stale (training has saved since), and is ignored.
+local commit is stale (training has saved since), and is ignored. ``staged_step`` is the step a fresh
+status stages or staged: the writer's retention keeps it (``snapshot.rankdir``) until the rank saved
+after it, so a restore to a step older than the rank's newest survives the crash clean-up of the
+``Checkpointer`` that loads it.
 """
 
 from __future__ import annotations
@@ -18,9 +21,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from tierckpt.protocol.control import RestoreState, RestoreStatus, read_restore_status
-from tierckpt.protocol.errors import RetryableError
+from tierckpt.protocol.errors import FormatError, RetryableError
 
-__all__ = ["USE_LOCAL", "restore_target", "wait_for_restore"]
+__all__ = ["USE_LOCAL", "current_status", "restore_target", "staged_step", "wait_for_restore"]
 
 log = logging.getLogger(__name__)
 
@@ -74,10 +77,34 @@ def wait_for_restore(
         sleep(poll)
 
 
+def current_status(root: Path, job: str, rank: int) -> RestoreStatus | None:
+    """The rank's restore status as it is now, without waiting; None when there is none, or when it
+    cannot be read (logged: retention then keeps no staged step, a load reports the file itself)."""
+    try:
+        return read_restore_status(root, job, rank)
+    except (OSError, FormatError) as exc:
+        log.warning("cannot read rank %d's restore status: %s", rank, exc)
+        return None
+
+
 def restore_target(status: RestoreStatus | None, newest_commit_at: float | None) -> int | str | None:
     """The step a load should take: a step, None (start fresh) or ``USE_LOCAL`` (pure)."""
     if status is None or status.state not in (RestoreState.READY, RestoreState.NONE):
         return USE_LOCAL
-    if newest_commit_at is not None and newest_commit_at > status.updated_at:
+    if not _fresh(status, newest_commit_at):
         return USE_LOCAL  # saved since the replicator staged: its instruction is stale
     return status.step if status.state is RestoreState.READY else None
+
+
+def staged_step(status: RestoreStatus | None, newest_commit_at: float | None) -> int | None:
+    """The step the replicator stages (``staging``) or staged (``ready``) into this rank for the job's
+    restore, while no commit is newer than the status (pure); None otherwise. Retention must keep it:
+    the next load takes it, even when the rank holds newer steps the plan could not use."""
+    if status is None or status.state not in (RestoreState.STAGING, RestoreState.READY):
+        return None
+    return status.step if _fresh(status, newest_commit_at) else None
+
+
+def _fresh(status: RestoreStatus, newest_commit_at: float | None) -> bool:
+    """Whether ``status`` is newer than the rank's newest commit (training has not saved since)."""
+    return newest_commit_at is None or newest_commit_at <= status.updated_at

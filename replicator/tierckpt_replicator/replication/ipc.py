@@ -46,8 +46,10 @@ __all__ = [
 MAX_LINE = 1 << 20
 
 OutcomeStatus = Literal[
-    "ok", "already", "failed", "corrupt", "full", "busy", "unreachable", "missing", "unauthorized"
+    "ok", "already", "failed", "corrupt", "full", "busy", "unreachable", "missing", "unauthorized", "local"
 ]
+"""How one transfer ended. ``local``: a fault of this node, not of the peer (its own ramdisk full, so the
+sender cannot lease its primary): no other peer is tried, each would end the same way."""
 
 
 @dataclasses.dataclass(frozen=True)

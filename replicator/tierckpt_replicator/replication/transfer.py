@@ -129,6 +129,8 @@ def _push_from(
     except UnsafePathError as exc:
         log.warning("refusing to push %s rank %d step %d: %s", job, rank, step, exc)
         return Outcome(peer.node, "failed", f"refused: {exc}")
+    except OSError as exc:  # writing the lease on this node's ramdisk (ENOSPC: it is full)
+        return Outcome(peer.node, "local", f"cannot lease the primary here: {exc}")
     try:
         with lease:
             header = _read_header(ctx, path, job, rank, step)

@@ -70,7 +70,8 @@ def lower_priority(nice: int, idle_class: bool = False) -> None:
 
 
 def run_send(ctx: DataContext, task: SendTask) -> TaskResult:
-    """Push to the candidates in order until ``want`` hold the step."""
+    """Push to the candidates in order until ``want`` hold the step (or the primary is gone, or this
+    node cannot send it at all: ``missing``, ``local``)."""
     outcomes: list[Outcome] = []
     have = 0
     for peer in task.candidates:
@@ -79,7 +80,7 @@ def run_send(ctx: DataContext, task: SendTask) -> TaskResult:
         log_outcome(log, "send", task, f"-> {peer.node}", out)
         if out.status in ("ok", "already"):
             have += 1
-        if out.status == "missing" or have >= task.want:
+        if out.status in ("missing", "local") or have >= task.want:
             break
     return TaskResult(id=task.id, ok=have >= task.want, outcomes=tuple(outcomes))
 

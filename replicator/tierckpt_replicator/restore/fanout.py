@@ -80,7 +80,11 @@ class FanOut:
         seeder) whose committed step holds ``rank``'s data files, or None: the bucket alone."""
         if assignment is None or self.wait <= 0:  # --restore-fanout-wait 0: fan-out off
             return None
-        source = await self.backup.data_source(job, step, rank)
+        try:
+            source = await self.backup.data_source(job, step, rank)
+        except (TierckptError, OSError) as exc:  # e.g. the step is not complete in the bucket
+            log.info("restore %s rank %d: data source of step %d unknown (%s)", job, rank, step, exc)
+            return None
         if source is None:
             return None
         seeder = next(

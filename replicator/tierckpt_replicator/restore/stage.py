@@ -14,9 +14,12 @@ as a committed primary ``<job>/rank-N/step-S/``, so the client loads it as local
    member's there takes them from the node restoring that member (``restore.fanout``).
 
 Staging runs once per restore: a new node rank (``PUT peers``) and the operator's plan (``PUT
-restore-plan``) both ask for it, and whichever comes second keeps the run already staging the same
-step into the same ranks (``start_for_assignment``, ``start_for_plan``), so no rank is fetched twice.
-Sources are the plan's holders only: a rank the plan gave no holders comes from the bucket.
+restore-plan``) both ask for it, and whichever comes second keeps the run still staging the same step
+into the same ranks (``start_for_assignment``, ``start_for_plan``), so no rank is fetched twice. A run
+that already finished is never kept: a new plan stages again (ranks already here are only confirmed),
+so every rank's status is newer than the plan, never one a client has saved past since (it would
+ignore that one and load its own newest step). Sources are the plan's holders only: a rank the plan
+gave no holders comes from the bucket.
 
 Progress goes to ``<job>/control/restore-rank-N.json`` (see ``progress``); the plan comes from the
 job's state directory (``restore.json``), never from the job directory a pod can write. Each rank makes up to
@@ -31,7 +34,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import cast
 
@@ -63,7 +66,7 @@ from tierckpt_replicator.restore.progress import ProgressReporter
 from tierckpt_replicator.settings import Settings
 from tierckpt_replicator.stepio import Copy, open_job, rank_tree, rank_trees, step_name
 
-__all__ = ["Stager", "invalidate_statuses", "published_plan"]
+__all__ = ["Stager", "confirm_statuses", "invalidate_statuses", "published_plan"]
 
 log = logging.getLogger(__name__)
 
@@ -104,12 +107,37 @@ def invalidate_statuses(root: Path, job: str) -> None:
                 _invalidate(tree, name)
 
 
-def _invalidate(tree: Beneath, name: str) -> None:
+def confirm_statuses(root: Path, job: str, states: Mapping[int, RestoreState], step: int | None) -> bool:
+    """Write each rank's restore status again as it is, but updated now; False if one does not say
+    what ``states`` and ``step`` say (a pod may have rewritten the file) or cannot be rewritten."""
     try:
-        old = RestoreStatus.from_bytes(tree.read_bytes(f"control/{name}", limit=_STATUS_LIMIT))
+        tree = open_job(root, job)
+    except (FileNotFoundError, NotADirectoryError):
+        return not states
+    with tree:
+        for rank, state in states.items():
+            old = _read_status(tree, restore_status_name(rank))
+            if old is None or (old.state, old.step) != (state, step):
+                return False
+            try:
+                write_restore_status(tree, dataclasses.replace(old, updated_at=time.time()))
+            except (OSError, FormatError):
+                return False
+    return True
+
+
+def _read_status(tree: Beneath, name: str) -> RestoreStatus | None:
+    """The restore status in ``control/<name>``, if it is one and names the rank of its file."""
+    try:
+        status = RestoreStatus.from_bytes(tree.read_bytes(f"control/{name}", limit=_STATUS_LIMIT))
     except (OSError, FormatError):
-        return
-    if name != restore_status_name(old.rank):
+        return None
+    return status if name == restore_status_name(status.rank) else None
+
+
+def _invalidate(tree: Beneath, name: str) -> None:
+    old = _read_status(tree, name)
+    if old is None:
         return
     if old.state != RestoreState.PENDING:
         fresh = dataclasses.replace(
@@ -165,11 +193,16 @@ class Stager:
         return self.settings.node_name
 
     def start(self, job: str, plan: RestorePlan | None = None) -> asyncio.Task[None]:
-        """(Re)start staging ``job``; a run already going for it is cancelled."""
+        """(Re)start staging ``job``; a run already going for it is cancelled. Every restore status of
+        the job is ``pending`` when this returns: no client reads an older run's ``ready`` any more."""
         old = self._tasks.get(job)
         if old is not None and not old.done():
             old.cancel()
         self._staging.pop(job, None)
+        try:
+            invalidate_statuses(self.settings.root, job)
+        except (OSError, FormatError) as exc:  # a job tree a pod made unusable: the run reports it
+            log.warning("restore %s: cannot reset the restore statuses: %s", job, exc)
         task = asyncio.create_task(self._run(job, plan), name=f"restore-{job}")
         self._tasks[job] = task
         return task
@@ -183,25 +216,43 @@ class Stager:
         self.start(job)
 
     def start_for_plan(self, job: str, plan: RestorePlan) -> None:
-        """The operator published ``plan``: stage it, unless a run already stages its step into the ranks
-        it gives this node (then that run goes on; restarting it would fetch its ranks again)."""
-        if self._staging_same(job, self.assignments.get(job), plan) is not None:
+        """The operator published a new ``plan``: stage it, unless a run still stages its step into the
+        ranks it gives this node (then that run goes on under ``plan``, restarting it would fetch its
+        ranks again; the ranks it finished are confirmed at once, see ``_confirm_finished``)."""
+        if self._staging_same(job, self.assignments.get(job), plan) is not None and self._confirm_finished(
+            job, plan
+        ):
             log.info("restore %s: step %s already being staged; keeping that run", job, plan.step)
+            self.plans[job] = plan
             return
         self.start(job, plan)
 
     def _staging_same(
         self, job: str, assignment: PeerAssignment | None, plan: RestorePlan | None = None
     ) -> RestorePlan | None:
-        """The plan of the run that stages (or staged) exactly this node's ranks under ``assignment``,
-        and ``plan``'s step and world size if given; None if there is no such run."""
+        """The plan of the run still staging exactly this node's ranks under ``assignment``, and
+        ``plan``'s step and world size if given; None if there is no such run (a finished one is not)."""
         decided = self._staging.get(job)
-        if decided is None or assignment is None:
+        if decided is None or assignment is None or not self.running(job):
             return None
         current, ranks = decided
         if plan is not None and (current.step, current.world_size) != (plan.step, plan.world_size):
             return None
         return current if assignment.process_ranks(self.node, current.world_size) == ranks else None
+
+    def _confirm_finished(self, job: str, plan: RestorePlan) -> bool:
+        """Write again, with the time of ``plan``, the status of each rank the running run finished
+        (``ready`` or ``none``), so that none is older than the plan; False if a ``ready`` rank no longer
+        holds the step here (the run must start over)."""
+        states = self.states.get(job, {})
+        done = {r: s for r, s in states.items() if s in (RestoreState.READY, RestoreState.NONE)}
+        staged = self._staging.get(job, (plan, ()))[1]
+        if plan.step is not None and any(
+            s is RestoreState.READY and r in staged and not self._committed(job, "primary", r, plan.step)
+            for r, s in done.items()
+        ):
+            return False
+        return confirm_statuses(self.settings.root, job, done, plan.step)
 
     def running(self, job: str) -> bool:
         task = self._tasks.get(job)
@@ -225,7 +276,6 @@ class Stager:
 
     async def _run(self, job: str, plan: RestorePlan | None) -> None:
         try:
-            invalidate_statuses(self.settings.root, job)  # no client may read an older run's "ready" now
             assignment = self.assignments.get(job)
             if plan is None:
                 plan = published_plan(self.settings.root, job, assignment) or await compute_plan(
@@ -315,10 +365,16 @@ class Stager:
                 retry_error_callback=_result,  # the last round's (None, why)
             )
             started = time.monotonic()
-            async with sem:  # (tenacity infers no result type: the annotation gives it)
-                result: tuple[Tier | None, str] = await rounds(
-                    self._try_sources, job, rank, step, plan, assignment, rep
-                )
+            try:
+                async with sem:  # (tenacity infers no result type: the annotation gives it)
+                    result: tuple[Tier | None, str] = await rounds(
+                        self._try_sources, job, rank, step, plan, assignment, rep
+                    )
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a bug: the rank fails now, its client must not wait it out
+                log.exception("restore %s rank %d step %d: staging failed unexpectedly", job, rank, step)
+                result = None, f"unexpected error: {exc!r}"
             tier, why = result
             if tier is not None:
                 self.metrics.restore_seconds.observe(time.monotonic() - started)

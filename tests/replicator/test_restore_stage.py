@@ -1,0 +1,109 @@
+"""Restore staging on one node (``tierckpt_replicator.restore.stage.Stager``) with a bucket whose
+downloads the test releases: what a new plan does to a run that is still staging."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from tierckpt.protocol.control import (
+    PeerAssignment,
+    PeerNode,
+    RestorePlan,
+    RestoreState,
+    RestoreStatus,
+    Tier,
+    read_restore_status,
+)
+from tierckpt.protocol.format import read_commit
+from tierckpt_demo.step_writer import write_step
+from tierckpt_replicator.assignments import AssignmentStore
+from tierckpt_replicator.metrics import Metrics
+from tierckpt_replicator.restore.stage import Stager
+
+JOB = "ns_job_0123abcd"
+STEP = 8
+
+
+class HeldBucket:
+    """A bucket holding ``STEP`` complete, whose downloads wait until ``release`` is set."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.release = asyncio.Event()
+        self.fetched: list[int] = []
+
+    async def complete_steps(self, job: str) -> tuple[int, ...]:
+        return (STEP,)
+
+    async def data_source(self, job: str, step: int, rank: int) -> int | None:
+        return None
+
+    async def fetch_rank(self, job: str, step: int, rank: int, dest: Any, *rest: Any) -> None:
+        self.fetched.append(rank)
+        await self.release.wait()
+        write_step(self.root, job, rank, step, world_size=2, sizes=(4096,))
+
+
+def status(root: Path, rank: int) -> RestoreStatus:
+    st = read_restore_status(root, JOB, rank)
+    assert isinstance(st, RestoreStatus)
+    return st
+
+
+async def wait_state(root: Path, rank: int, state: RestoreState) -> RestoreStatus:
+    deadline = time.monotonic() + 10
+    while (st := read_restore_status(root, JOB, rank)) is None or st.state is not state:
+        assert time.monotonic() < deadline, f"rank {rank}: {st}"
+        await asyncio.sleep(0.01)
+    return st
+
+
+async def test_a_new_plan_for_the_step_a_run_still_stages_confirms_the_ranks_it_finished(tmp_path: Path):
+    """Rank 0 is here (ready at once), rank 1 still downloads. The client of rank 0 saved since its
+    status was written; then a new plan for the same step comes. The run goes on (nothing is fetched
+    twice), and rank 0's status is written again, so its client loads the plan's step, not its own."""
+    store = AssignmentStore(tmp_path)
+    store.put(
+        PeerAssignment(JOB, 1, {"a": PeerNode("a", "http://10.0.0.1:8470")}, {}, {"a": 0}, procs_per_node=2)
+    )
+    bucket = HeldBucket(tmp_path)
+    stager = Stager(
+        settings=SimpleNamespace(  # type: ignore[arg-type]
+            root=tmp_path,
+            node_name="a",
+            concurrency=4,
+            restore_attempts=1,
+            retry_max=1.0,
+            restore_fanout_wait=0.0,
+        ),
+        assignments=store,
+        supervisor=None,  # type: ignore[arg-type]  # the plan names no peer: nothing to transfer
+        peers=None,  # type: ignore[arg-type]
+        metrics=Metrics(),
+        own_inventory=None,  # type: ignore[arg-type]
+        backup=bucket,  # type: ignore[arg-type]
+    )
+    write_step(tmp_path, JOB, 0, STEP, world_size=2, sizes=(4096,))
+    first = RestorePlan(JOB, STEP, 2, {0: Tier.LOCAL, 1: Tier.GCS}, generation=1)
+    run = stager.start(JOB, first)
+    before = await wait_state(tmp_path, 0, RestoreState.READY)
+    while not bucket.fetched:
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.01)
+    saved = read_commit(write_step(tmp_path, JOB, 0, STEP + 1, world_size=2, sizes=(4096,)))
+    assert saved is not None and saved.committed_at > before.updated_at  # rank 0's client saved since:
+    # to it, this status is stale (``restore_wait.restore_target``); it would load its own step 9
+
+    stager.start_for_plan(JOB, RestorePlan(JOB, STEP, 2, {0: Tier.LOCAL, 1: Tier.GCS}, generation=2))
+    assert stager._tasks[JOB] is run and not run.done()  # the run goes on
+    confirmed = status(tmp_path, 0)
+    assert (confirmed.state, confirmed.step) == (RestoreState.READY, STEP)
+    assert confirmed.updated_at > saved.committed_at and stager.plans[JOB].generation == 2
+    bucket.release.set()
+    await asyncio.wait_for(run, 10)
+    assert status(tmp_path, 1).state is RestoreState.READY and bucket.fetched == [1]
+    await stager.close()
