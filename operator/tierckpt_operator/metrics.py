@@ -44,7 +44,8 @@ class Metrics:
         )
         self.node_certificates = Counter(
             "tierckpt_operator_node_certificates",
-            "Node certificate requests answered, by outcome (issued, unauthenticated, refused, malformed).",
+            "Node certificate requests answered, by outcome (issued, unauthenticated, refused, malformed, "
+            "throttled: past the source's rate, busy: every API call slot taken).",
             ["outcome"],
             registry=r,
         )
