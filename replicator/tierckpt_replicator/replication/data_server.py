@@ -159,7 +159,12 @@ class DataServer:
                     return
                 time.sleep(0.05)
                 continue
-            shed = _Shed(conn)
+            try:
+                shed = _Shed(conn)
+            except OSError as exc:  # out of descriptors: refused, like a connection past the limits
+                log.warning("data %s: refused: %s", addr[0], exc)
+                close_now(conn)
+                continue
             admission = self.connections.admit(addr[0], shed)  # idle or hostile connections: bounded
             if admission is None:
                 shed.close()
