@@ -15,14 +15,22 @@ a certificate for that node only if
 4. the CSR's signature checks (the replicator holds the key).
 
 The certificate names exactly that node (``Authority.node_certificate``), whatever else the CSR says.
+A review must name the audience it was asked for: one that names none (an authenticator that does not
+check audiences; for kube-apiserver, a token for its own audience) proves nothing for ours.
+
+What a request may cost the API server is bounded (``tierckpt_operator.issuer_limits``): requests per
+source address, reviews reused briefly per token, API calls in flight.
+
 Answers: 200 ``CertificateIssued``; 401 without a token or with one the API server does not
-authenticate; 403 for a token that does not prove that node; 400 for a malformed request.
+authenticate for the audience; 403 for a token that does not prove that node; 400 for a malformed
+request; 429 past the source's rate and 503 with every API call slot taken (both with Retry-After).
 """
 
 from __future__ import annotations
 
 import datetime
 import logging
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -32,6 +40,7 @@ from tierckpt.protocol.certs import certificate_pem, csr_public_key
 from tierckpt.protocol.errors import FormatError
 from tierckpt.protocol.identity import CertificateIssued, CertificateRequest
 from tierckpt_operator.credentials import OperatorCredentials
+from tierckpt_operator.issuer_limits import InFlight, ReviewCache, SourceRate
 from tierckpt_operator.kube import Kube
 from tierckpt_operator.metrics import Metrics
 from tierckpt_operator.settings import Settings
@@ -48,11 +57,11 @@ _MAX_BODY = 64 << 10
 
 
 class Refusal(Exception):
-    """No certificate: the HTTP status, the metrics outcome and why."""
+    """No certificate: the HTTP status, the metrics outcome and why (and when to ask again)."""
 
-    def __init__(self, status: int, outcome: str, message: str) -> None:
+    def __init__(self, status: int, outcome: str, message: str, *, retry_after: float = 0.0) -> None:
         super().__init__(message)
-        self.status, self.outcome = status, outcome
+        self.status, self.outcome, self.retry_after = status, outcome, retry_after
 
 
 def _one(extra: Mapping[str, Any], key: str) -> str | None:
@@ -69,8 +78,12 @@ def pod_of_token(review: Mapping[str, Any], settings: Settings) -> tuple[str, st
         raise Refusal(
             401, "unauthenticated", f"token not authenticated: {review.get('error') or 'no reason'}"
         )
-    if settings.token_audience not in (review.get("audiences") or [settings.token_audience]):
-        raise Refusal(401, "unauthenticated", f"token not valid for audience {settings.token_audience}")
+    audiences, ours = review.get("audiences"), settings.token_audience
+    if not isinstance(audiences, list) or ours not in audiences:
+        named = audiences or "none"
+        raise Refusal(
+            401, "unauthenticated", f"token not valid for audience {ours} (the review names {named})"
+        )
     user = review.get("user") or {}
     if user.get("username") != settings.replicator_user:
         raise Refusal(403, "refused", f"{user.get('username')!r} is not {settings.replicator_user}")
@@ -109,6 +122,9 @@ class NodeCertificateIssuer:
     ) -> None:
         self.settings, self.kube, self.credentials, self.metrics = settings, kube, credentials, metrics
         self.lifetime = datetime.timedelta(hours=settings.cert_hours)
+        self.rate = SourceRate(settings.issuer_rate, settings.issuer_burst)
+        self.reviews = ReviewCache(settings.review_cache_seconds)
+        self.api_calls = InFlight(settings.issuer_api_calls)
 
     async def start(self) -> web.AppRunner:
         server = self.credentials.server
@@ -130,7 +146,10 @@ class NodeCertificateIssuer:
 
     async def handle(self, request: web.Request) -> web.Response:
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        source = request.remote or "?"
         try:
+            if wait := self.rate.wait(source):
+                raise Refusal(429, "throttled", f"too many requests from {source}", retry_after=wait)
             if scheme.lower() != "bearer" or not token.strip():
                 raise Refusal(
                     401, "unauthenticated", "a bearer token (the projected ServiceAccount token) is required"
@@ -139,8 +158,13 @@ class NodeCertificateIssuer:
             issued = await self.issue(token.strip(), body)
         except Refusal as answer:
             self.metrics.node_certificates.labels(answer.outcome).inc()
-            log.warning("node certificate refused (%d) to %s: %s", answer.status, request.remote, answer)
-            return web.json_response({"detail": str(answer)}, status=answer.status)
+            headers = {}
+            if answer.retry_after:  # a flood of these is counted, not logged line by line
+                headers["Retry-After"] = str(max(1, math.ceil(answer.retry_after)))
+                log.debug("node certificate request from %s deferred (%d): %s", source, answer.status, answer)
+            else:
+                log.warning("node certificate refused (%d) to %s: %s", answer.status, source, answer)
+            return web.json_response({"detail": str(answer)}, status=answer.status, headers=headers)
         self.metrics.node_certificates.labels("issued").inc()
         return web.Response(body=issued.to_bytes(), content_type="application/json")
 
@@ -150,11 +174,15 @@ class NodeCertificateIssuer:
             req = CertificateRequest.from_bytes(body)
         except FormatError as exc:
             raise Refusal(400, "malformed", f"malformed certificate request: {exc}") from exc
-        review = await self.kube.review_token(token, self.settings.token_audience)
-        pod_name, uid, token_node = pod_of_token(review, self.settings)
-        if token_node is not None and token_node != req.node:
-            raise Refusal(403, "refused", f"the token is bound to node {token_node!r}, not {req.node!r}")
-        pod = await self.kube.get_pod(self.settings.namespace, pod_name)
+        with self.api_calls.slot() as held:
+            if not held:
+                raise Refusal(503, "busy", "too many certificate requests being checked", retry_after=1.0)
+            audience = self.settings.token_audience
+            review = await self.reviews.review(token, lambda: self.kube.review_token(token, audience))
+            pod_name, uid, token_node = pod_of_token(review, self.settings)
+            if token_node is not None and token_node != req.node:
+                raise Refusal(403, "refused", f"the token is bound to node {token_node!r}, not {req.node!r}")
+            pod = await self.kube.get_pod(self.settings.namespace, pod_name)
         why = pod_refusal(pod, uid, req.node, self.settings)
         if why is not None:
             raise Refusal(403, "refused", f"{why} (pod {self.settings.namespace}/{pod_name})")

@@ -1,6 +1,9 @@
-"""Every Prometheus metric of the operator, in one place (served at ``/metrics``)."""
+"""Every Prometheus metric of the operator, in one place (served at ``/metrics``, without credentials:
+so no label names a job; which jobs are degraded is in their CheckpointJobs, behind Kubernetes RBAC)."""
 
 from __future__ import annotations
+
+from collections.abc import Hashable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -41,16 +44,18 @@ class Metrics:
         )
         self.node_certificates = Counter(
             "tierckpt_operator_node_certificates",
-            "Node certificate requests answered, by outcome (issued, unauthenticated, refused, malformed).",
+            "Node certificate requests answered, by outcome (issued, unauthenticated, refused, malformed, "
+            "throttled: past the source's rate, busy: every API call slot taken).",
             ["outcome"],
             registry=r,
         )
-        self.degraded = Gauge(
-            "tierckpt_operator_job_degraded",
-            "1 while some rank of the job has fewer copies than its replication factor.",
-            ["job"],
+        self.jobs_degraded = Gauge(
+            "tierckpt_operator_jobs_degraded",
+            "Served jobs with some rank below its replication factor (which: their CheckpointJobs' "
+            "status.redundancy and Degraded Events; the metrics port names no job).",
             registry=r,
         )
+        self._degraded: set[Hashable] = set()
         self.redundancy_changes = Counter(
             "tierckpt_operator_redundancy_changes",
             "Times a job went below its replication factor (degraded) or back to it (healed).",
@@ -59,3 +64,11 @@ class Metrics:
         )
         self.jobs = Gauge("tierckpt_operator_jobs", "Opted-in JobSets being served.", registry=r)
         self.leader = Gauge("tierckpt_operator_leader", "1 while this replica reconciles.", registry=r)
+
+    def job_degraded(self, job: Hashable, degraded: bool) -> None:
+        """Count ``job`` among the degraded ones, or not (a job no longer served: ``False``)."""
+        if degraded:
+            self._degraded.add(job)
+        else:
+            self._degraded.discard(job)
+        self.jobs_degraded.set(len(self._degraded))

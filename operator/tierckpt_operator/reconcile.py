@@ -500,8 +500,7 @@ class JobController:
 
     def _redundancy_changed(self, redundancy: Redundancy) -> None:
         """An Event and the metric when the job goes below its replication factor or is healed again."""
-        job = f"{self.key[0]}/{self.key[1]}"
-        self.ctx.metrics.degraded.labels(job).set(1 if redundancy.degraded else 0)
+        self.ctx.metrics.job_degraded(self.key, redundancy.degraded)
         was = self.status.get("degradedSince") is not None
         text = redundancy_text(redundancy)
         if redundancy.degraded and not was:

@@ -95,6 +95,7 @@ class Runtime:
         if ctl is not None:
             self.track_nodes(key, ())
         self.metrics.jobs.set(len(self.controllers))
+        self.metrics.job_degraded(key, False)
 
     def poke(self, key: JobKey) -> None:
         ctl = self.controllers.get(key)

@@ -139,6 +139,29 @@ class Settings:
         default=24.0,
         metadata=_opt("Lifetime of node and operator certificates (renewed at two thirds).", "h"),
     )
+    issuer_rate: float = dataclasses.field(
+        default=0.2,
+        metadata=_opt(
+            "Signing requests one source address may make per second, sustained (each may cost a "
+            "TokenReview); more get 429. Raise it if a proxy hides the replicators' addresses.",
+            "1/s",
+        ),
+    )
+    issuer_burst: int = dataclasses.field(
+        default=10, metadata=_opt("Signing requests one source address may make at once, beyond the rate.")
+    )
+    issuer_api_calls: int = dataclasses.field(
+        default=8,
+        metadata=_opt(
+            "Signing requests checking with the API server at once (a TokenReview, the pod); more get 503."
+        ),
+    )
+    review_cache_seconds: float = dataclasses.field(
+        default=10.0,
+        metadata=_opt(
+            "How long a TokenReview's answer is reused for the same token (kept by its SHA-256).", "s"
+        ),
+    )
     token_file: str = dataclasses.field(
         default="", metadata=_opt("--auth token: the file with the shared bearer token (a mounted Secret).")
     )
@@ -212,13 +235,21 @@ class Settings:
     def __post_init__(self) -> None:
         if self.ramdisk_mode not in ("csi", "hostPath"):
             raise ValueError(f"--ramdisk-mode must be csi or hostPath, not {self.ramdisk_mode!r}")
-        for name in ("http_retries", "http_concurrency", "api_concurrency"):
+        for name in (
+            "http_retries",
+            "http_concurrency",
+            "api_concurrency",
+            "issuer_burst",
+            "issuer_api_calls",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
         if self.auth not in ("tls", "token"):
             raise ValueError(f"--auth must be tls or token, not {self.auth!r}")
         if not 0 < self.cert_hours <= 24 * 366:
             raise ValueError("--cert-hours must be in (0, 8784]")
+        if not (self.issuer_rate > 0 and 0 <= self.review_cache_seconds <= 300):
+            raise ValueError("--issuer-rate must be positive and --review-cache-seconds within [0, 300]")
 
     def check_credentials(self) -> None:
         """``ValueError`` unless the options of the chosen ``--auth`` are given."""

@@ -5,8 +5,8 @@
 (``--auth tls``; see ``identity``), start the probe server (its own thread and loop,
 ``tierckpt_replicator.probes``), build the parts, start the replication worker process, the commit
 watcher, the replication loop and the certificate renewal, stage restores for the jobs already known,
-then serve the control API (uvicorn with httptools behind ``api.guard``'s deadlines and connection
-limits, over mutual TLS unless ``--auth token``, on the uvloop event loop the caller runs) until
+then serve the control API (uvicorn's HTTP protocol behind ``api.guard``'s accept loop, admission and
+deadlines, over mutual TLS unless ``--auth token``, on the uvloop event loop the caller runs) until
 SIGTERM or SIGINT.
 Shutdown: back up each job's newest step (bounded by ``preemption_timeout``: a node being preempted
 leaves its newest step in the bucket), stop the API, stop the worker, cancel the loops.
@@ -19,18 +19,16 @@ import contextlib
 import logging
 import signal
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
-import uvicorn
 
 from tierckpt.protocol.client import ONE_ATTEMPT, ReplicatorClient
 from tierckpt.protocol.identity import TlsCredentials, TlsFiles
 from tierckpt.protocol.tokens import TokenFile
 from tierckpt_replicator.access import JobMembers
 from tierckpt_replicator.api.auth import Authorizer, PeerAuthorizer, TokenAuthorizer
-from tierckpt_replicator.api.guard import ApiLimits, guarded_http
+from tierckpt_replicator.api.guard import ApiLimits, GuardedServer
 from tierckpt_replicator.app import create_app, create_probe_app
 from tierckpt_replicator.assignments import AssignmentStore, load_static
 from tierckpt_replicator.backup.jobs import BackupPort, load_job_backups
@@ -319,21 +317,14 @@ class Daemon:
 # ------------------------------------------------------------------------------------ serving
 
 
-class _Server(uvicorn.Server):
-    """uvicorn, minus its own signal handling: the daemon owns SIGTERM/SIGINT (see ``serve``)."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
-
-
-def server_config(daemon: Daemon) -> uvicorn.Config:
-    """uvicorn for the daemon's app, behind ``api.guard``'s deadlines and connection limits; over mutual
-    TLS unless ``--auth token``: the guard does the handshake (the node's certificate, client
+def api_server(daemon: Daemon) -> GuardedServer:
+    """uvicorn for the daemon's app, behind ``api.guard``'s admission and deadlines; over mutual TLS
+    unless ``--auth token``: the guard's accept loop does the handshake (the node's certificate, client
     certificates required and verified against the CA, their identity passed to the app) within the
-    header deadline, so uvicorn's own ``ssl`` stays off."""
+    connection's deadline."""
     settings, tls = daemon.settings, daemon.tls
-    http, _ = guarded_http(
+    return GuardedServer(
+        daemon.app,
         ApiLimits(
             "control API",
             header_timeout=settings.api_header_timeout,
@@ -341,18 +332,11 @@ def server_config(daemon: Daemon) -> uvicorn.Config:
             total=settings.api_max_connections,
             per_source=settings.api_connections_per_source,
         ),
-        tls=tls.server if tls is not None else None,  # one context, reloaded in place on renewal
-    )
-    return uvicorn.Config(
-        daemon.app,
         host=settings.listen_host,
         port=settings.api_port,
-        http=http,
-        lifespan="off",
-        access_log=False,
-        log_level=settings.log_level.lower(),
+        tls=tls.server if tls is not None else None,  # one context, reloaded in place on renewal
+        log_level=settings.log_level,
         timeout_graceful_shutdown=5,
-        limit_concurrency=settings.api_max_connections + 1,  # the guard closes connections past it
     )
 
 
@@ -403,7 +387,7 @@ async def serve(settings: Settings) -> None:
     except BaseException:
         probes.stop()
         raise
-    server = _Server(server_config(daemon))
+    server = api_server(daemon)
     mode = "mutual TLS, client certificates of the tierckpt CA" if daemon.tls else "legacy bearer token"
     log.info("control API on %s:%d (%s)", settings.listen_host, settings.api_port, mode)
     stop = asyncio.Event()

@@ -1,18 +1,43 @@
-"""Every Prometheus metric the replicator exports, in one place (served at ``GET /metrics``).
+"""Every Prometheus metric the replicator exports, in one place, and its two views.
 
 Labels stay low-cardinality: ``job`` (one per training job on the node), ``direction``, ``result``,
 ``source``; never ranks, steps or peers.
+
+A job id names a tenant's job (``<namespace>_<jobset>_<uid>``), so the series labelled with it are
+for authenticated callers only:
+
+* ``render_jobs()``: every series, per job: ``GET /v1/metrics`` on the control API (the operator's
+  identity only, like every endpoint but a node's inventory);
+* ``render()``: the probe port's ``GET /metrics`` (plain HTTP, no credentials: the kubelet,
+  Prometheus): every series without a job label as it is, and each per-job one over this node's jobs,
+  with no job label: summed (steps, bytes, counters, the number of degraded jobs), or as
+  ``_OVER_JOBS`` says (the largest lag, the fewest copies, the oldest backup). So it says nothing
+  about which jobs run here, whatever metric is added later.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator
+
 from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import Metric
 
 __all__ = ["CONTENT_TYPE", "Metrics"]
 
 _SECONDS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
 _NS = "tierckpt_replicator"
+
+Over = Callable[[Iterable[float]], float]
+_OVER_JOBS: dict[str, tuple[Over, str] | None] = {
+    f"{_NS}_replication_lag_seconds": (max, "probe port: the largest of this node's jobs"),
+    f"{_NS}_replication_copies": (min, "probe port: the fewest of this node's jobs"),
+    f"{_NS}_replication_factor": (max, "probe port: the largest of this node's jobs"),
+    "tierckpt_backup_last_success_timestamp_seconds": (min, "probe port: the oldest of this node's jobs"),
+    "tierckpt_backup_last_complete_step": None,  # one job's step number means nothing for the node
+}
+"""How the probe port shows a per-job family (None: not at all); any other is summed over the jobs."""
+_SUMMED = (sum, "probe port: summed over this node's jobs")
 
 
 class Metrics:
@@ -102,5 +127,40 @@ class Metrics:
             registry=r,
         )
 
+        self._node_view = CollectorRegistry(auto_describe=False)
+        self._node_view.register(_OverJobs(r))
+
     def render(self) -> bytes:
+        """The probe port's page: no job named (see the module docstring)."""
+        return generate_latest(self._node_view)
+
+    def render_jobs(self) -> bytes:
+        """``GET /v1/metrics``: every series, per job."""
         return generate_latest(self.registry)
+
+
+class _OverJobs:
+    """A collector: ``source``'s families, each per-job one over the jobs (``_OVER_JOBS``)."""
+
+    def __init__(self, source: CollectorRegistry) -> None:
+        self.source = source
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.source.collect():
+            if not any("job" in sample.labels for sample in family.samples):
+                yield family
+                continue
+            rule = _OVER_JOBS.get(family.name, _SUMMED)
+            if rule is None:
+                continue
+            over, note = rule
+            values: dict[tuple[str, tuple[tuple[str, str], ...]], list[float]] = {}
+            for sample in family.samples:
+                if sample.name.endswith("_created"):  # a counter's creation time: one per job
+                    continue
+                labels = tuple(sorted((k, v) for k, v in sample.labels.items() if k != "job"))
+                values.setdefault((sample.name, labels), []).append(sample.value)
+            out = Metric(family.name, f"{family.documentation} ({note})", family.type, family.unit)
+            for (name, labels), of_jobs in values.items():
+                out.add_sample(name, dict(labels), over(of_jobs))
+            yield out

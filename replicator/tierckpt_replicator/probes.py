@@ -3,8 +3,8 @@ event loop of its own.
 
 Connections to the control API port, however many and however slow, cannot starve the kubelet's
 probes (which would restart a healthy replicator) or Prometheus: this server shares no connection
-limit, no event loop and no worker with the API. It runs the same guarded uvicorn protocol
-(``tierckpt_replicator.api.guard``: header and body deadlines, connections per source and in total),
+limit, no event loop and no worker with the API. It is a ``GuardedServer`` too
+(``tierckpt_replicator.api.guard``: connections per source and in total, header and body deadlines),
 and serves only the open endpoints of the table (``tierckpt.protocol.api.served_on("probes")``).
 The chart's probes, ServiceMonitor and PodMonitoring use this port; the NetworkPolicy admits it only
 from ``networkPolicy.metricsFrom`` (and the node, for the kubelet).
@@ -13,16 +13,12 @@ from ``networkPolicy.metricsFrom`` (and the node, for the kubelet).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
-import uvicorn
-
-from tierckpt_replicator.api.guard import ApiLimits, guarded_http
+from tierckpt_replicator.api.guard import ApiLimits, GuardedServer
 
 __all__ = ["PROBE_CONNECTIONS", "PROBE_CONNECTIONS_PER_SOURCE", "ProbeServer"]
 
@@ -30,15 +26,7 @@ log = logging.getLogger(__name__)
 
 PROBE_CONNECTIONS = 64
 """Open connections the probe server keeps in all (the kubelet and a few scrapers need a handful)."""
-PROBE_CONNECTIONS_PER_SOURCE = 16
-
-
-class _ThreadServer(uvicorn.Server):
-    """uvicorn on a thread: no signal handling (the daemon owns the signals)."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
+PROBE_CONNECTIONS_PER_SOURCE = 8
 
 
 class ProbeServer:
@@ -47,29 +35,22 @@ class ProbeServer:
     def __init__(
         self, app: Any, *, host: str, port: int, header_timeout: float, body_timeout: float, log_level: str
     ) -> None:
-        protocol, self.connections = guarded_http(
+        self.host, self.port = host, port
+        self._server = GuardedServer(
+            app,
             ApiLimits(
                 "probe server",
                 header_timeout=header_timeout,
                 body_timeout=body_timeout,
                 total=PROBE_CONNECTIONS,
                 per_source=PROBE_CONNECTIONS_PER_SOURCE,
-            )
+            ),
+            host=host,
+            port=port,
+            log_level=log_level,
+            timeout_graceful_shutdown=1,
         )
-        self.host, self.port = host, port
-        self._server = _ThreadServer(
-            uvicorn.Config(
-                app,
-                host=host,
-                port=port,
-                http=protocol,
-                lifespan="off",
-                access_log=False,
-                log_level=log_level.lower(),
-                limit_concurrency=PROBE_CONNECTIONS + 1,  # the guard closes connections past it
-                timeout_graceful_shutdown=1,
-            )
-        )
+        self.connections = self._server.connections
         self._thread = threading.Thread(target=self._run, name="probe-server", daemon=True)
 
     def start(self, timeout: float = 10.0) -> None:

@@ -177,7 +177,8 @@ class Settings:
         default=8,
         metadata=_opt(
             "Open data connections one source address may have; more are closed at once (in total: "
-            "4 x --max-incoming + 8)."
+            "4 x --max-incoming + 8; when they are all open, a new one takes the place of the oldest "
+            "unauthenticated one of the source with the most)."
         ),
     )
     retry_max: float = dataclasses.field(
@@ -317,10 +318,13 @@ class Settings:
     )
     api_max_connections: int = dataclasses.field(
         default=128,
-        metadata=_opt("Open control API connections; requests beyond them are answered 503."),
+        metadata=_opt(
+            "Open control API connections in all; when they are, a new one takes the place of the "
+            "oldest unauthenticated one of the source with the most (never of an authenticated one)."
+        ),
     )
     api_connections_per_source: int = dataclasses.field(
-        default=32,
+        default=16,
         metadata=_opt("Open control API connections one source address may have; more are closed at once."),
     )
     max_manifest_bytes: int = dataclasses.field(

@@ -14,6 +14,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from prometheus_client import generate_latest
 
 from tests.operator.operator_harness import eventually, jobset_body
 from tierckpt.protocol.contract import Annotations
@@ -181,6 +182,12 @@ async def test_first_start_restart_and_node_replacement(env):
     # every rank's replica confirmed: the job reports full redundancy from the nodes' inventories
     await eventually(lambda: status(env.cluster).get("redundancy") == "replicas: 1/1", 30, "redundancy")
     assert status(env.cluster).get("degradedSince") is None
+    # the operator's metrics (served without credentials) name no job: which one is degraded is in
+    # the CheckpointJob's status
+    assert env.operator is not None and env.operator.runtime is not None
+    page = generate_latest(env.operator.runtime.metrics.registry).decode()
+    assert f"{NS}/{NAME}" not in page and 'job="' not in page
+    assert "tierckpt_operator_jobs_degraded 0.0" in page
 
     # all pods restarted, landing on the same nodes in another order: every rank stays on its node
     attempt = await env.cluster.restart(NS, NAME)

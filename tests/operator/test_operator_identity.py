@@ -5,13 +5,15 @@ other token, pod or request. Served over real HTTPS, with the real Kubernetes ad
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import datetime
 import json
 import socket
+import time
 import uuid
 from collections.abc import AsyncIterator
-from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -105,47 +107,59 @@ class Issuer:
         return token
 
     async def ask(
-        self, node: str, token: str | None, *, csr_node: str | None = None, body: bytes | None = None
+        self,
+        node: str,
+        token: str | None,
+        *,
+        csr_node: str | None = None,
+        body: bytes | None = None,
+        source: str = "127.0.0.1",
     ):
+        """One signing request from the address ``source``: (the answer, the key of its CSR)."""
         key = new_key()
         if body is None:
             body = CertificateRequest(node=node, csr=node_csr(key, csr_node or node)).to_bytes()
         headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
-        async with httpx.AsyncClient(verify=str(self.ca.cert), trust_env=False) as http:
+        transport = httpx.AsyncHTTPTransport(verify=str(self.ca.cert), local_address=source, retries=0)
+        async with httpx.AsyncClient(transport=transport, timeout=30, trust_env=False) as http:
             resp = await http.post(self.url + ISSUE_PATH, content=body, headers=headers)
         return resp, key
 
 
-@pytest.fixture
-async def issuer(kube: KubeEmulator, tierckpt_ca: TierckptCA, tmp_path: Path) -> AsyncIterator[Issuer]:
+@contextlib.asynccontextmanager
+async def serving(kube: KubeEmulator, ca: TierckptCA, **settings: Any) -> AsyncIterator[Issuer]:
+    """The signing endpoint on 127.0.0.1 with ``settings`` over the defaults, against ``kube``."""
     await kube.post("/api/v1/namespaces", json={"metadata": {"name": SYSTEM_NS}})
-    settings = Settings(
+    config = Settings(
         server=str(kube.url).rstrip("/"),
         namespace=SYSTEM_NS,
-        ca_cert_file=str(tierckpt_ca.cert),
-        ca_key_file=str(tierckpt_ca.key),
+        ca_cert_file=str(ca.cert),
+        ca_key_file=str(ca.key),
         issuer_port=free_port(),
-        issuer_addr="127.0.0.1",
+        issuer_addr="0.0.0.0",  # reached from several loopback addresses (one source each)
         issuer_names="127.0.0.1",
         replicator_service_account=REPLICATOR_SA,
         token_audience=AUDIENCE,
         cert_hours=2,
+        **settings,
     )
     credentials = OperatorCredentials(
-        tierckpt_ca.cert,
-        tierckpt_ca.key,
-        tierckpt_ca.cert,
-        server_names=["127.0.0.1"],
-        lifetime=datetime.timedelta(hours=2),
+        ca.cert, ca.key, ca.cert, server_names=["127.0.0.1"], lifetime=datetime.timedelta(hours=2)
     )
-    adapter, metrics = Kube(api_client(settings.server)), Metrics()
-    runner = await NodeCertificateIssuer(settings, adapter, credentials, metrics).start()
+    adapter, metrics = Kube(api_client(config.server)), Metrics()
+    runner = await NodeCertificateIssuer(config, adapter, credentials, metrics).start()
     try:
-        yield Issuer(kube, tierckpt_ca, f"https://127.0.0.1:{settings.issuer_port}", metrics)
+        yield Issuer(kube, ca, f"https://127.0.0.1:{config.issuer_port}", metrics)
     finally:
         await runner.cleanup()
         adapter.close()
         credentials.close()
+
+
+@pytest.fixture
+async def issuer(kube: KubeEmulator, tierckpt_ca: TierckptCA) -> AsyncIterator[Issuer]:
+    async with serving(kube, tierckpt_ca) as served:
+        yield served
 
 
 async def test_a_replicator_pod_gets_a_certificate_for_its_node_only(issuer):
@@ -219,6 +233,62 @@ async def test_nothing_else_gets_a_certificate(issuer, case, status, why):
     outcome = {401: "unauthenticated", 403: "refused", 400: "malformed"}[status]
     assert issuer.metrics.node_certificates.labels(outcome)._value.get() == 1
     assert issuer.metrics.node_certificates.labels("issued")._value.get() == 0
+
+
+async def test_a_review_naming_no_audience_is_refused(kube, issuer):
+    """An authenticator that ignores audiences (for kube-apiserver: a token for its own audience)
+    proves nothing for ours: no certificate, though the token is the replicator pod's."""
+    kube.audience_aware = False
+    pod, uid = await issuer.pod("n1")
+    resp, _ = await issuer.ask("n1", issuer.token(pod, uid, "n1"))
+    assert resp.status_code == 401 and "the review names none" in resp.json()["detail"], resp.text
+    assert issuer.metrics.node_certificates.labels("issued")._value.get() == 0
+
+
+async def test_a_token_is_reviewed_once_while_its_review_is_fresh(kube, tierckpt_ca):
+    async with serving(kube, tierckpt_ca, review_cache_seconds=1.0) as issuer:
+        pod, uid = await issuer.pod("n1")
+        token = issuer.token(pod, uid, "n1")
+        for _ in range(3):  # a replicator asking again (a retry, a restart)
+            assert (await issuer.ask("n1", token))[0].status_code == 200
+        for _ in range(3):  # a pod repeating one string
+            assert (await issuer.ask("n1", "not-a-token"))[0].status_code == 401
+        assert kube.token_reviews == 2
+        await asyncio.sleep(1.2)
+        assert (await issuer.ask("n1", token))[0].status_code == 200
+        assert kube.token_reviews == 3  # stale: reviewed again
+
+
+async def test_bearer_strings_from_one_source_cost_reviews_at_its_rate_only(kube, tierckpt_ca):
+    """30 requests with 30 different bearer strings from one address: at most the burst (and what the
+    rate refilled meanwhile) reach the API server, the rest get 429 with when to come back; a
+    replicator from another address gets its certificate meanwhile."""
+    async with serving(kube, tierckpt_ca, issuer_rate=0.5, issuer_burst=5) as issuer:
+        started = time.monotonic()
+        answers = [(await issuer.ask("n1", f"guess-{i}", source="127.0.0.7"))[0] for i in range(30)]
+        refilled = int((time.monotonic() - started) * 0.5)
+        statuses = [r.status_code for r in answers]
+        assert statuses[:5] == [401] * 5 and set(statuses) == {401, 429}
+        assert kube.token_reviews == statuses.count(401) <= 5 + refilled + 1, statuses
+        throttled = [r for r in answers if r.status_code == 429]
+        assert all(int(r.headers["Retry-After"]) >= 1 for r in throttled)
+        assert issuer.metrics.node_certificates.labels("throttled")._value.get() == len(throttled)
+        pod, uid = await issuer.pod("n1")
+        resp, _ = await issuer.ask("n1", issuer.token(pod, uid, "n1"), source="127.0.0.8")
+        assert resp.status_code == 200, resp.text
+
+
+async def test_api_calls_in_flight_are_bounded(kube, tierckpt_ca):
+    """Twelve sources at once, each within its rate, while every review takes half a second: at most
+    three are checked with the API server at once; the others get 503 at once, not a queue."""
+    kube.review_delay = 0.5
+    async with serving(kube, tierckpt_ca, issuer_api_calls=3) as issuer:
+        asks = [issuer.ask("n1", f"guess-{i}", source=f"127.0.1.{i + 1}") for i in range(12)]
+        answers = [resp for resp, _ in await asyncio.gather(*asks)]
+        statuses = [r.status_code for r in answers]
+        assert kube.max_reviews_in_flight <= 3 and kube.token_reviews == statuses.count(401) >= 3
+        assert 503 in statuses and set(statuses) == {401, 503}, statuses
+        assert all(r.headers["Retry-After"] == "1" for r in answers if r.status_code == 503)
 
 
 def presented(port: int, node: str, ca: TierckptCA) -> bytes:

@@ -13,6 +13,7 @@ import kopf
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from prometheus_client import generate_latest
 
 from tests.fixtures.kube_rules_cases import BAD_SELECTORS, BAD_TOLERATIONS, GOOD_SELECTORS, GOOD_TOLERATIONS
 from tests.operator.operator_harness import CRD_DIR, load_crds
@@ -41,6 +42,7 @@ from tierckpt_operator.decisions import (
 )
 from tierckpt_operator.injection import Injection, inject, label_pod_templates, preferred_node
 from tierckpt_operator.jobsets import opt_in_value, parse_jobset
+from tierckpt_operator.metrics import Metrics
 from tierckpt_operator.pods import WorkerPod, replicator_of, worker_of
 from tierckpt_operator.reconcile import checkpoint_job_body
 from tierckpt_operator.resources import BackupPolicy, ConfigSpec, Retention
@@ -747,3 +749,13 @@ def test_several_replicated_jobs_get_consecutive_rank_blocks():
     assert d.complete and d.state.nodes[0] == "cpu-0"
     assert d.state.nodes[1:] == tuple(f"gpu-{j}{c}" for j in range(2) for c in range(4))
     assert d.writes["w13"][Annotations.NODE_RANK] == "8" and d.writes["w13"][Annotations.NUM_NODES] == "9"
+
+
+def test_the_operator_counts_degraded_jobs_without_naming_them():
+    metrics = Metrics()
+    for key, degraded in ((("team-a", "x"), True), (("team-b", "y"), True), (("team-a", "x"), True)):
+        metrics.job_degraded(key, degraded)
+    assert metrics.jobs_degraded._value.get() == 2
+    metrics.job_degraded(("team-b", "y"), False)  # healed, or no longer served
+    page = generate_latest(metrics.registry).decode()
+    assert "tierckpt_operator_jobs_degraded 1.0" in page and "team-" not in page

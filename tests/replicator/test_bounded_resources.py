@@ -11,15 +11,9 @@ namespaces (tierckpt_demo.cluster), attacked from the host's address on the brid
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import selectors
-import socket
-import ssl
 import struct
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 
@@ -34,6 +28,7 @@ from tests.fixtures.cluster import (
     replica_path,
     wait_restored,
 )
+from tests.fixtures.trickle import Trickle, client_hello
 from tierckpt.protocol.control import RestoreState, Tier
 from tierckpt.protocol.format import rank_dir, step_dir
 from tierckpt_demo.cluster import LocalCluster, has_netns
@@ -72,106 +67,9 @@ def cluster() -> Iterator[LocalCluster]:
         yield c
 
 
-@dataclasses.dataclass
-class Trickle:
-    """``count`` connections to ``host:port``, each sending ``payload`` one byte every ``interval``
-    seconds from one thread; with ``reconnect``, a closed connection is replaced by a new one.
-    ``lifetimes``: how long each closed connection lived (0 for one refused at connect)."""
-
-    host: str
-    port: int
-    payload: bytes
-    count: int
-    interval: float = 0.5
-    reconnect: bool = False
-    lifetimes: list[float] = dataclasses.field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self._stop = threading.Event()
-        self._open: dict[socket.socket, tuple[float, int]] = {}  # socket -> (opened at, bytes sent)
-        self._selector = selectors.DefaultSelector()
-        self._thread = threading.Thread(target=self._run, name="trickle", daemon=True)
-
-    @property
-    def open(self) -> int:
-        return len(self._open)
-
-    def __enter__(self) -> Trickle:
-        for _ in range(self.count):
-            self._connect()
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(10)
-        for sock in list(self._open):
-            self._selector.unregister(sock)
-            sock.close()
-        self._open.clear()
-
-    def _connect(self) -> None:
-        try:
-            sock = socket.create_connection((self.host, self.port), timeout=2)
-        except OSError:  # refused or reset during the handshake: closed at once
-            self.lifetimes.append(0.0)
-            return
-        sock.setblocking(False)
-        self._open[sock] = (time.monotonic(), 0)
-        self._selector.register(sock, selectors.EVENT_READ)
-
-    def _closed(self, sock: socket.socket) -> None:
-        opened, _ = self._open.pop(sock)
-        self.lifetimes.append(time.monotonic() - opened)
-        self._selector.unregister(sock)
-        sock.close()
-        if self.reconnect and not self._stop.is_set():
-            self._connect()
-
-    def _run(self) -> None:
-        next_byte = time.monotonic()
-        while not self._stop.is_set():
-            for key, _ in self._selector.select(timeout=max(0.0, next_byte - time.monotonic())):
-                sock = key.fileobj
-                assert isinstance(sock, socket.socket)
-                try:
-                    if sock.recv(1 << 16):
-                        continue  # an answer (a refusal): the close follows
-                except BlockingIOError:
-                    continue
-                except OSError:
-                    pass
-                self._closed(sock)
-            if time.monotonic() < next_byte:
-                continue
-            next_byte = time.monotonic() + self.interval
-            for sock, (opened, sent) in list(self._open.items()):
-                try:
-                    sock.send(self.payload[sent % len(self.payload) : sent % len(self.payload) + 1])
-                    self._open[sock] = (opened, sent + 1)
-                except OSError:
-                    self._closed(sock)
-
-    def wait_all_closed(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while self.open and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not self.open, f"{self.open} trickling connections still open after {timeout}s"
-
-
 # a request frame whose body never ends (one byte at a time), and HTTP headers that never end
 FRAME = MAGIC + struct.pack("!I", 60000) + b"x" * 60000
 HEADERS_FOREVER = b"GET /v1/status HTTP/1.1\r\nHost: replicator\r\nX-Slow: " + b"a" * 60000
-
-
-def client_hello() -> bytes:
-    """The first flight of a real TLS client (its ClientHello): trickled, it keeps a TLS server waiting
-    (anything that is not TLS fails the handshake at its first record header, long before a deadline)."""
-    outgoing = ssl.MemoryBIO()
-    tls = ssl.create_default_context().wrap_bio(ssl.MemoryBIO(), outgoing, server_hostname="replicator")
-    with contextlib.suppress(ssl.SSLWantReadError):
-        tls.do_handshake()
-    return outgoing.read()
 
 
 def slow_request(cluster: LocalCluster) -> bytes:

@@ -435,19 +435,36 @@ def closed_at_once(port: int) -> bool:
         return True
 
 
-@pytest.mark.parametrize(("per_source", "total"), [(100, 12), (3, 3)])
-def test_idle_connections_are_bounded(make_peer, per_source, total):
-    """In total (4 x max_incoming + 8) and per source address: an idle crowd cannot exhaust the node."""
-    b = make_peer("b", max_incoming=1, connections_per_source=per_source)
-    idle = [socket.create_connection(("127.0.0.1", b.server.port), timeout=5) for _ in range(total)]
+def test_idle_connections_are_bounded_per_source(make_peer):
+    """At most per_source from one address: one more is closed at once, and the others stay."""
+    b = make_peer("b", max_incoming=1, connections_per_source=3)
+    idle = [socket.create_connection(("127.0.0.1", b.server.port), timeout=5) for _ in range(3)]
     try:
-        LocalWait.until(lambda: b.server.connections.open == total)
+        LocalWait.until(lambda: b.server.connections.open == 3)
         assert closed_at_once(b.server.port)
-        assert b.server.connections.open == total
+        assert b.server.connections.open == 3 and b.server.connections.refused == 1
     finally:
         for s in idle:
             s.close()
     LocalWait.until(lambda: b.server.connections.open == 0)  # and the connections are released
+
+
+def test_idle_connections_are_bounded_in_total_and_the_oldest_makes_room(make_peer):
+    """In total (4 x max_incoming + 8): when all are open and pending, a new one takes the place of the
+    oldest (they all come from one address here), which is closed at once, not at its deadline."""
+    b = make_peer("b", max_incoming=1, connections_per_source=100, handshake_timeout=30.0)
+    total = 12
+    idle = [socket.create_connection(("127.0.0.1", b.server.port), timeout=5) for _ in range(total)]
+    try:
+        LocalWait.until(lambda: b.server.connections.open == total)
+        with socket.create_connection(("127.0.0.1", b.server.port), timeout=5):
+            assert closed_within(idle[0], 5.0) < 2.0
+            LocalWait.until(lambda: b.server.connections.shed == 1)
+            assert b.server.connections.open == total
+    finally:
+        for s in idle:
+            s.close()
+    LocalWait.until(lambda: b.server.connections.open == 0)
 
 
 def closed_within(sock: socket.socket, seconds: float) -> float:
@@ -474,7 +491,7 @@ def test_idle_connections_hold_no_transfer_slot(make_peer):
         with wrong:  # an unauthorized request is refused before it could take a slot either
             send_frame(wrong, DataRequest(op="get", token="nope", job=JOB, rank=0, step=1))
             assert recv_frame(wrong, DataReply).status == Status.FORBIDDEN
-        assert b.server._slots._value == 2
+        LocalWait.until(lambda: b.server._slots._value == 2)  # the push's slot comes back after its reply
     finally:
         for s in idle:
             s.close()

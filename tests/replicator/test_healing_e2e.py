@@ -12,12 +12,12 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.fixtures.cluster import (
     TEST_REPLICATOR_ARGS,
+    api_get,
     committed,
     new_job,
     replica_path,
@@ -108,8 +108,9 @@ def job_status(cluster: LocalCluster, node: Node, job: str) -> JobStatus:
 
 
 def counter(node: Node, name: str, **labels: str) -> float:
-    """Sum of a counter's samples on the node's /metrics whose labels include ``labels``."""
-    text = httpx.get(f"{node.probe_endpoint}/metrics", timeout=5).text
+    """Sum of a counter's samples on the node's ``/v1/metrics`` (the per-job series, for the operator)
+    whose labels include ``labels``."""
+    text = api_get(node.cluster, node, "/v1/metrics").text
     return sum(
         s.value
         for family in text_string_to_metric_families(text)

@@ -15,8 +15,9 @@ import threading
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
-from tests.fixtures.cluster import cluster3, committed, new_job, replica_path
+from tests.fixtures.cluster import api_get, cluster3, committed, new_job, replica_path
 from tierckpt.protocol.certs import Authority, new_key, write_identity
 from tierckpt.protocol.client import ONE_ATTEMPT, ReplicatorError, SyncReplicatorClient
 from tierckpt.protocol.control import PeerAssignment, PeerNode
@@ -32,6 +33,7 @@ pytestmark = [pytest.mark.root, pytest.mark.e2e, pytest.mark.slow]
 __all__ = ["cluster3"]
 
 HOUR = datetime.timedelta(hours=1)
+STEPS = "tierckpt_replicator_steps"
 
 
 def two_node_job(cluster: LocalCluster, job: str, generation: int = 1) -> PeerAssignment:
@@ -136,6 +138,28 @@ def test_a_node_certificate_cannot_act_as_another_node_or_the_operator(cluster3,
     impostor = Node(cluster3, 9, ip=c.ip, api_port=c.api_port, data_port=c.data_port, probe_port=c.probe_port)
     with pytest.raises(ReplicatorError, match=r"(?i)certificate|hostname"):
         cluster3.api.inventory(impostor.endpoint, job, node=b.name)
+
+
+def test_the_metrics_name_a_job_only_to_the_operator(cluster3, job_on_a_and_b):
+    """The probe port (plain HTTP, no credentials) shows the per-job series over the node's jobs, naming
+    none; ``GET /v1/metrics`` on the control API has them per job, for the operator only."""
+    a, b, c = cluster3.nodes
+    job = job_on_a_and_b
+    for node in (a, b):
+        cluster3.wait_for(  # the holdings are counted (once a second)
+            lambda node=node: f'job="{job}"' in api_get(cluster3, node, "/v1/metrics").text,
+            what=f"{node.name}'s per-job series",
+        )
+        page = httpx.get(f"{node.probe_endpoint}/metrics", timeout=5, trust_env=False).text
+        assert job not in page and 'job="' not in page
+        kind = "local" if node is a else "replica"
+        steps = [s for f in text_string_to_metric_families(page) for s in f.samples if s.name == STEPS]
+        assert any(s.labels == {"kind": kind} and s.value >= 1 for s in steps), steps
+    per_job = api_get(cluster3, a, "/v1/metrics").text
+    assert f'{STEPS}{{job="{job}",kind="local"}} 1.0' in per_job
+    for node in (b, c):  # nodes, even of the job: refused
+        refused = api_get(cluster3, a, "/v1/metrics", identity=node.name)
+        assert refused.status_code == 403 and job not in refused.text
 
 
 def test_an_assignment_cannot_send_data_to_another_node_or_a_plain_listener(cluster3):

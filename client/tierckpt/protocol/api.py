@@ -33,6 +33,7 @@ __all__ = [
     "ENDPOINTS",
     "HEALTHZ",
     "INVENTORY",
+    "JOB_METRICS",
     "METRICS",
     "OPENAPI",
     "PATH_PARAMS",
@@ -228,6 +229,18 @@ STATUS = Endpoint(
     _AUTH,
     "This node's health, worker, ramdisk space, and per job its steps, replication and restores.",
 )
+JOB_METRICS = Endpoint(
+    "job_metrics",
+    "GET",
+    "/v1/metrics",
+    None,
+    None,
+    200,
+    _AUTH,
+    "Prometheus metrics with the per-job series, labelled with the job id (the probe port's /metrics "
+    "has them over this node's jobs, naming none).",
+    media_type="text/plain",
+)
 OPENAPI = Endpoint(
     "openapi",
     "GET",
@@ -270,7 +283,8 @@ METRICS = Endpoint(
     None,
     200,
     (),
-    "Prometheus metrics (no tokens, paths or hosts); on the probe port only.",
+    "Prometheus metrics, naming no job (per-job series summed, or their largest or smallest, over this "
+    "node's jobs), no tokens, paths or hosts; on the probe port only.",
     auth=False,
     media_type="text/plain",
     ports=("probes",),
@@ -285,6 +299,7 @@ ENDPOINTS: tuple[Endpoint, ...] = (
     RESTORE,
     PURGE,
     STATUS,
+    JOB_METRICS,
     OPENAPI,
     HEALTHZ,
     READYZ,

@@ -4,7 +4,7 @@ ids, flags, bounded and typed bodies.
 Two authorizers, one per ``--auth`` mode:
 
 * ``PeerAuthorizer`` (``tls``): the caller is the identity its client certificate names (put into the
-  request's scope by ``api.transport``); what it may do is ``tierckpt_replicator.access``'s policy: the
+  request's scope by ``api.guard``); what it may do is ``tierckpt_replicator.access``'s policy: the
   operator everything, a node only the inventory of a job both belong to.
 * ``TokenAuthorizer`` (legacy ``token``): whoever presents the shared bearer token may do everything.
 """
@@ -40,7 +40,7 @@ __all__ = [
 M = TypeVar("M", bound=Message)
 
 PEER_SCOPE_KEY = "tierckpt.peer"
-"""Where ``api.transport`` puts the identity of the connection's client certificate in the ASGI scope."""
+"""Where ``api.guard`` puts the identity of the connection's client certificate in the ASGI scope."""
 
 
 class Authorizer(Protocol):

@@ -49,6 +49,7 @@ _OTHER_BODIES: dict[str, dict[str, Any]] = {
     "readyz": _PROBE,
     "openapi": {"type": "object", "description": "an OpenAPI 3.1 document"},
     "metrics": {"type": "string", "description": "Prometheus text exposition format"},
+    "job_metrics": {"type": "string", "description": "Prometheus text exposition format"},
 }
 
 

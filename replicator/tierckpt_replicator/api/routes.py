@@ -150,6 +150,9 @@ def handlers(c: Controls, app: FastAPI) -> dict[str, Handler]:
     async def status(request: Request) -> NodeStatus:
         return await c.status()
 
+    async def job_metrics(request: Request) -> Response:
+        return Response(content=c.metrics.render_jobs(), media_type=CONTENT_TYPE)
+
     async def openapi(request: Request) -> Response:
         return JSONResponse(app.openapi())
 
@@ -164,4 +167,4 @@ def handlers(c: Controls, app: FastAPI) -> dict[str, Handler]:
         return Response(content=c.metrics.render(), media_type=CONTENT_TYPE)
 
     found = (inventory, put_peers, put_policy, put_restore_plan, backup, restore, purge, status)
-    return {f.__name__: f for f in (*found, openapi, healthz, readyz, metrics)}
+    return {f.__name__: f for f in (*found, job_metrics, openapi, healthz, readyz, metrics)}

@@ -30,7 +30,6 @@ import contextlib
 import logging
 import os
 import socket
-import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -49,7 +48,7 @@ from tierckpt.protocol.identity import Peer
 from tierckpt.protocol.replica import content_key
 from tierckpt.protocol.safefs import Beneath
 from tierckpt_replicator.access import data_refusal
-from tierckpt_replicator.connlimits import SourceLimits
+from tierckpt_replicator.connlimits import Admission, ConnectionLimits, close_now
 from tierckpt_replicator.replication.context import DataContext, secure, unique_holder
 from tierckpt_replicator.replication.erasure import fragment_name
 from tierckpt_replicator.replication.fragments import (
@@ -116,8 +115,11 @@ class DataServer:
         self.ctx = ctx
         cfg = ctx.config
         self._slots = threading.BoundedSemaphore(cfg.max_incoming)
-        self.connections = SourceLimits(
-            "data endpoint", total=4 * cfg.max_incoming + 8, per_source=cfg.connections_per_source
+        self.connections = ConnectionLimits(
+            "data endpoint",
+            total=4 * cfg.max_incoming + 8,
+            per_source=cfg.connections_per_source,
+            deadline=cfg.handshake_timeout,
         )
         self._claims: set[tuple[str, int, int]] = set()
         self._claims_lock = threading.Lock()
@@ -157,34 +159,54 @@ class DataServer:
                     return
                 time.sleep(0.05)
                 continue
-            source = addr[0]
-            if not self.connections.admit(source):  # idle or hostile connections: bounded
-                _close_now(conn)
+            try:
+                shed = _Shed(conn)
+            except OSError as exc:  # out of descriptors: refused, like a connection past the limits
+                log.warning("data %s: refused: %s", addr[0], exc)
+                close_now(conn)
+                continue
+            admission = self.connections.admit(addr[0], shed)  # idle or hostile connections: bounded
+            if admission is None:
+                shed.close()
+                close_now(conn)
                 continue
             threading.Thread(
-                target=self._serve_counted, args=(conn, addr), name="data-conn", daemon=True
+                target=self._serve_admitted, args=(conn, addr, admission, shed), name="data-conn", daemon=True
             ).start()
 
-    def _serve_counted(self, conn: socket.socket, addr: tuple[str, int]) -> None:
+    def _serve_admitted(
+        self, conn: socket.socket, addr: tuple[str, int], admission: Admission, shed: _Shed
+    ) -> None:
         try:
-            self._serve(conn, addr)
+            self._serve(conn, addr, admission)
         finally:
-            self.connections.release(addr[0])
+            shed.close()
+            admission.release()
 
     # ------------------------------------------------------------------ one connection
 
-    def _serve(self, conn: socket.socket, addr: tuple[str, int]) -> None:
+    def _serve(self, conn: socket.socket, addr: tuple[str, int], admission: Admission) -> None:
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         slot = False
         try:
-            # The handshake, all of it under one deadline: TLS (``--auth tls``; the peer's identity),
-            # then the request frame. ``conn`` is the TLS socket from here on, so the error reply to a
-            # malformed frame goes through TLS too (found by tests/replicator/test_fuzz.py: it went
-            # out in clear text, which the peer's TLS layer can only take as a broken connection).
-            deadline = Deadline(self.ctx.config.handshake_timeout, "the request")
-            conn, peer = secure(self.ctx, conn, deadline)
-            req = recv_frame(conn, DataRequest, deadline=deadline)
+            # The handshake, all of it under one deadline (shorter while the port is crowded): TLS
+            # (``--auth tls``; the peer's identity), then the request frame. ``conn`` is the TLS socket
+            # from here on, so the error reply to a malformed frame goes through TLS too (found by
+            # tests/replicator/test_fuzz.py: it went out in clear text, which the peer's TLS layer can
+            # only take as a broken connection).
+            deadline = Deadline(admission.deadline, "the request")
+            try:
+                conn, peer = secure(self.ctx, conn, deadline)
+                if peer is not None:  # a certificate of the CA: never shed for a newcomer from now on
+                    admission.authenticated()
+                req = recv_frame(conn, DataRequest, deadline=deadline)
+            except (OSError, ProtocolError) as exc:
+                if not admission.was_shed:
+                    raise
+                log.debug("data %s: closed to make room for a newcomer: %s", addr[0], exc)
+                return
             self._authorize(req, peer)
+            admission.authenticated()  # --auth token: the token checked
             slot = self._slots.acquire(blocking=False)
             if not slot:
                 raise _Reject(Status.BUSY, f"already serving {self.ctx.config.max_incoming} transfers")
@@ -697,11 +719,25 @@ def _close_gently(conn: socket.socket) -> None:
     conn.close()
 
 
-def _close_now(conn: socket.socket) -> None:
-    """Close a connection over a limit at once, with a reset (no TIME_WAIT kept for it)."""
-    with contextlib.suppress(OSError):
-        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-    conn.close()
+class _Shed:
+    """Shuts a connection down from the accept thread (it was shed to make room) through a descriptor
+    of its own: its handler thread may close or wrap the socket at any time meanwhile."""
+
+    def __init__(self, conn: socket.socket) -> None:
+        self._lock = threading.Lock()
+        self._dup: socket.socket | None = conn.dup()
+
+    def __call__(self) -> None:
+        with self._lock:
+            if self._dup is not None:
+                with contextlib.suppress(OSError):
+                    self._dup.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._dup is not None:
+                self._dup.close()
+                self._dup = None
 
 
 def _receive_all(conn: socket.socket, writer: StepWriter, floor: RateFloor) -> None:
