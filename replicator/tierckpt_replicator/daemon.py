@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import ssl
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -260,11 +261,26 @@ class Daemon:
     def _not_after(self) -> float:
         return self.identity.not_after if self.identity is not None else float("inf")
 
-    def _reload_tls(self) -> None:
+    def _reload_tls(self) -> bool:
         """New certificate files: every context of this process (the API server's, the peers client's)
-        loads them, here on the event loop that runs their handshakes. The worker notices by itself."""
-        if self.tls is not None and self.tls.refresh():
+        loads them, here on the event loop that runs their handshakes; True if it did. Files that do not
+        hold this node's identity are refused (logged once per change): the identity in use stays. The
+        worker notices by itself, with the same check."""
+        if self.tls is None:
+            return False
+        try:
+            reloaded = self.tls.refresh()
+        except (OSError, ValueError, ssl.SSLError) as exc:
+            log.error(
+                "refusing the replaced certificate files, keeping this node's current identity (valid "
+                "until %s): %s",
+                time.ctime(self._not_after()),
+                exc,
+            )
+            return False
+        if reloaded:
             log.info("reloaded this node's certificate (valid until %s)", time.ctime(self._not_after()))
+        return reloaded
 
     async def _replication_loop(self) -> None:
         while True:

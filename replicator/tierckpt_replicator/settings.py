@@ -88,6 +88,14 @@ class Settings:
             "pods; default <root>/.tierckpt/identity)."
         ),
     )
+    tls_reload_interval: float = dataclasses.field(
+        default=60.0,
+        metadata=_opt(
+            "--tls-cert: how often its files are looked at for a replacement (reloaded if they hold this "
+            "node's identity, else refused with an error and the identity in use kept).",
+            unit="seconds",
+        ),
+    )
     token_file: Path | None = dataclasses.field(
         default=None,
         metadata=_opt("--auth token: the file holding the shared bearer token (a mounted Secret)."),
@@ -354,7 +362,7 @@ class Settings:
             raise ValueError("--send-method must be 'mmap' or 'sendfile'")
         if self.replica_keep < 1:
             raise ValueError("--replica-keep must be at least 1")
-        for name in ("handshake_timeout", "api_header_timeout", "api_body_timeout"):
+        for name in ("handshake_timeout", "api_header_timeout", "api_body_timeout", "tls_reload_interval"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive")
         if not self.min_transfer_rate >= 0:
