@@ -29,7 +29,7 @@ from tierckpt.protocol.control import (
     Tier,
 )
 from tierckpt.protocol.errors import ContractError
-from tierckpt_csi.quantity import parse_quantity as csi_quantity
+from tierckpt.protocol.quantity import parse_quantity as csi_quantity
 from tierckpt_operator.decisions import (
     JobState,
     decide_assignment,
