@@ -160,6 +160,15 @@ class Settings:
             unit="bytes",
         ),
     )
+    job_quota: int = dataclasses.field(
+        default=0,
+        metadata=_opt(
+            "The most bytes one rank's step of any job may declare to be sent, received or uploaded "
+            "(a job's policy may set less: its ramdisk size; this node's ramdisk size always applies); "
+            "0: no node-wide limit.",
+            unit="bytes",
+        ),
+    )
     transfer_timeout: float = dataclasses.field(
         default=30.0,
         metadata=_opt("A transfer with no progress for this long is abandoned and retried.", unit="s"),
@@ -362,6 +371,8 @@ class Settings:
             raise ValueError("--send-method must be 'mmap' or 'sendfile'")
         if self.replica_keep < 1:
             raise ValueError("--replica-keep must be at least 1")
+        if self.job_quota < 0:
+            raise ValueError("--job-quota must be 0 (none) or more")
         for name in ("handshake_timeout", "api_header_timeout", "api_body_timeout", "tls_reload_interval"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive")

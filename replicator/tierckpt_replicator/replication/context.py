@@ -25,6 +25,8 @@ from tierckpt.protocol.tokens import TokenFile
 from tierckpt_replicator.access import JobMembers
 from tierckpt_replicator.assignments import AssignmentStore, load_static
 from tierckpt_replicator.identity import check_node_files
+from tierckpt_replicator.policies import PolicyStore
+from tierckpt_replicator.quota import JobQuotas
 from tierckpt_replicator.replication.ipc import PeerAddress, WorkerConfig
 from tierckpt_replicator.replication.pacing import Deadline
 from tierckpt_replicator.replication.throttle import TokenBucket
@@ -44,6 +46,8 @@ class DataContext:
     bucket: TokenBucket
     members: JobMembers
     """Who belongs to which job, as this node knows it (the data plane's authorization)."""
+    quotas: JobQuotas
+    """Each job's quota: no step that declares more is sent, received or staged."""
     tokens: TokenFile | None = None
     """--auth token: the shared bearer token."""
     tls_files: TlsFiles | None = None
@@ -61,6 +65,7 @@ class DataContext:
             config=config,
             bucket=TokenBucket(config.bandwidth_bytes_per_s),
             members=JobMembers(root, AssignmentStore(root, static)),
+            quotas=JobQuotas(root, PolicyStore(root), config.job_quota),
             emit=emit,
         )
         if config.auth == "tls":
