@@ -29,6 +29,7 @@ from tierckpt.protocol.control import (
     Redundancy,
     RestorePlan,
     StepBytes,
+    StepOverQuota,
     read_control,
     write_control,
 )
@@ -76,6 +77,8 @@ class LocalInventory:
         """The replication loop's replica group view (its accounting and diverged ranks), once it runs."""
         self.restoring: Callable[[str], dict[int, str]] = lambda job: {}
         """Rank -> state of this node's restore staging of ``job`` (the daemon sets it)."""
+        self.over_quota: Callable[[str], tuple[StepOverQuota, ...]] = lambda job: ()
+        """The job's newest local steps refused for its quota (the replication loop's; the daemon sets it)."""
         self._cache: dict[str, tuple[float, dict[int, int]]] = {}
 
     async def __call__(self, job: str) -> NodeInventory:
@@ -84,7 +87,11 @@ class LocalInventory:
         # a step known only from the bucket still needs its world size, or nobody knows its ranks
         world_sizes = {**{s: ws for s, ws in bucket.items() if ws > 0}, **inv.world_sizes}
         inv = dataclasses.replace(
-            inv, world_sizes=world_sizes, redundancy=self.redundancy(job), restoring=self.restoring(job)
+            inv,
+            world_sizes=world_sizes,
+            redundancy=self.redundancy(job),
+            restoring=self.restoring(job),
+            over_quota=self.over_quota(job),
         )
         if self.groups is not None:
             inv = dataclasses.replace(
@@ -260,6 +267,7 @@ class NodeControls:
                     groups=self.replication.groups.groups(job),
                     diverged=self.replication.groups.diverged(job),
                     step_bytes=step_bytes(self.replication.groups.step_bytes(job), self.backup, job),
+                    over_quota=self.replication.over_quota(job),
                 )
             )
         ok, why = self.ready()

@@ -19,7 +19,9 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from tests.backup.helpers import KiB, make_service, make_store, write_cluster_step, write_peers
+from tests.fixtures.cluster import write_sparse_step
 from tierckpt.protocol.bucket_layout import BucketLayout, RankBackup, StepBackup
+from tierckpt.protocol.control import JobPolicy, write_control
 from tierckpt.protocol.errors import CorruptShardError, MissingCheckpointError
 from tierckpt.protocol.format import rank_dir, read_manifest, step_dir
 from tierckpt_demo.fakegcs import FakeGcsServer, FaultProxy, FaultRule
@@ -574,3 +576,41 @@ def test_no_event_loop_is_blocked_by_uploads(gcs_server: FakeGcsServer, bucket: 
 
     assert asyncio.run(main()) > 5
     assert os.path.exists(step_dir(rank_dir(root, JOB, 0), 9))
+
+
+async def test_a_rank_over_its_jobs_quota_uploads_nothing_and_holds_no_later_backup_back(
+    gcs_server: FakeGcsServer, bucket: str, tmp_path: Path
+) -> None:
+    """Rank 0's step 2 is a 48 MiB hole in a job whose quota is 8 MiB: node a uploads nothing of it and
+    marks the step refused, so node b's share of it stays a partial step nobody waits for, and step 3
+    (which a started step 2 would hold back for ``stale_after``) is backed up at once."""
+    roots = {n: tmp_path / n for n in ("a", "b")}
+    services = {}
+    for node, root in roots.items():
+        root.mkdir()
+        write_control(root, JOB, JobPolicy.FILE, JobPolicy(job=JOB, generation=1, quota_bytes=8 << 20))
+        services[node] = make_service(
+            make_store(gcs_server.url, bucket), root, node, interval_steps=1, interval_seconds=0
+        )
+
+    async def save(step: int, *, sparse: bool = False) -> None:
+        for rank, node in ((1, "b"), (0, "a")):  # b first: it starts the step's backup
+            if sparse and rank == 0:
+                write_sparse_step(roots[node], JOB, rank, step, declared=48 << 20, world_size=2)
+            else:
+                write_step(roots[node], JOB, rank, step, world_size=2, sizes=(1000,))
+            await services[node].on_step_committed(JOB, step, [rank], {rank: [node]})
+
+    await save(1)
+    await save(2, sparse=True)
+    store = make_store(gcs_server.url, bucket)
+    assert not store.list(LAYOUT.rank_dir(JOB, 2, 0))[0]
+    assert not store.list(LAYOUT.rank_commit_key(JOB, 2, 0))[0]
+    assert store.stat(LAYOUT.refused_key(JOB, 2)) is not None
+    assert (
+        "rank 0 step 2 declares 48.0Mi, over the job's quota of 8.0Mi" in services["a"].status(JOB).last_error
+    )
+    await save(3)
+    assert await services["a"].complete_steps(JOB) == (1, 3)
+    for svc in services.values():
+        await svc.close()

@@ -7,6 +7,7 @@ Spec: docs/bucket-layout.md. Pure: no I/O, no cloud library. The replicator's ba
     <prefix>/local/<job>/                              any other job id (local and demo runs)
         complete/<step:012d>.json                      StepBackup: the step is complete (written last)
         steps/<step:012d>/started.json                 StepStarted: an upload of the step began
+        steps/<step:012d>/refused.json                 StepRefused: a rank of it was refused (never complete)
         steps/<step:012d>/ranks/<rank:05d>.json        RankBackup: one rank's objects are all present
         steps/<step:012d>/rank-<rank:05d>/COMMIT       the rank's ramdisk COMMIT marker, byte for byte
         steps/<step:012d>/rank-<rank:05d>/manifest.json  its manifest, byte for byte
@@ -37,6 +38,7 @@ __all__ = [
     "RankBackup",
     "RankRef",
     "StepBackup",
+    "StepRefused",
     "StepStarted",
     "job_from_prefix",
     "job_prefix",
@@ -55,7 +57,7 @@ _RANK_PART = r"([0-9]{5,})"
 _PART_RE = re.compile(r"[0-9]{3}")
 """Every pattern here is matched whole (``re.fullmatch``) and ASCII only (``[0-9]``, not ``\\d``)."""
 
-KeyKind = Literal["complete", "started", "rank_commit", "rank_file", "part", "other"]
+KeyKind = Literal["complete", "started", "refused", "rank_commit", "rank_file", "part", "other"]
 
 
 def split_job_id(job: str) -> tuple[str, str, str] | None:
@@ -156,6 +158,9 @@ class BucketLayout:
     def started_key(self, job: str, step: int) -> str:
         return f"{self.step_dir(job, step)}started.json"
 
+    def refused_key(self, job: str, step: int) -> str:
+        return f"{self.step_dir(job, step)}refused.json"
+
     def rank_commits_dir(self, job: str, step: int) -> str:
         return f"{self.step_dir(job, step)}ranks/"
 
@@ -219,6 +224,8 @@ def _classify(job: str, parts: list[str]) -> ParsedKey:
     step = int(parts[1])
     if parts[2:] == ["started.json"]:
         return ParsedKey(job, "started", step=step)
+    if parts[2:] == ["refused.json"]:
+        return ParsedKey(job, "refused", step=step)
     if len(parts) == 4 and parts[2] == "ranks" and (m := re.fullmatch(_RANK_PART + r"\.json", parts[3])):
         return ParsedKey(job, "rank_commit", step=step, rank=int(m.group(1)))
     m = re.fullmatch(r"rank-" + _RANK_PART, parts[2])
@@ -329,4 +336,22 @@ class StepStarted(Message):
     world_size: int
     started_by: str
     started_at: float
+    reason: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRefused(Message):
+    """``steps/<step>/refused.json``: a node refused to upload one of the step's ranks because its
+    manifest declares more bytes than the job's quota (sparse files cost a pod nothing on its ramdisk,
+    the bucket all of it). The step can never complete, so no node joins it or holds newer backups back
+    for it; it is removed like any incomplete step once a newer one is complete."""
+
+    KIND = "tierckpt.backup.refused"
+    VERSION = LAYOUT_VERSION
+
+    job: str
+    step: int
+    rank: int
+    refused_by: str
+    refused_at: float
     reason: str = ""

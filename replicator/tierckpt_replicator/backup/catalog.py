@@ -23,7 +23,14 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 
-from tierckpt.protocol.bucket_layout import BucketLayout, RankBackup, RankRef, StepBackup, StepStarted
+from tierckpt.protocol.bucket_layout import (
+    BucketLayout,
+    RankBackup,
+    RankRef,
+    StepBackup,
+    StepRefused,
+    StepStarted,
+)
 from tierckpt.protocol.errors import CorruptShardError, FormatError, MissingCheckpointError
 from tierckpt.protocol.integrity import crc32c
 from tierckpt_replicator.backup.store import ObjectInfo, ObjectNotFound, ObjectStore, PreconditionFailed
@@ -46,6 +53,9 @@ class BucketView:
     """Started but incomplete step (newer than the newest complete one) -> started_at."""
     incomplete_old: tuple[int, ...]
     """Incomplete steps older than the newest complete one (garbage once their uploads stopped)."""
+    refused: tuple[int, ...] = ()
+    """Incomplete steps newer than the newest complete one that a node refused a rank of (its quota):
+    they never complete, so they are neither joined nor in progress."""
 
     @property
     def newest_complete(self) -> tuple[int, float] | None:
@@ -113,7 +123,7 @@ class Catalog:
         _, dirs = self.store.list(self.layout.steps_dir(job), delimiter="/")
         newest = max(complete, default=-1)
         in_progress: dict[int, float] = {}
-        old = []
+        old, refused = [], []
         for d in dirs:
             step = self.layout.step_of_dir(job, d)
             if step is None or step in complete or step in unreadable:
@@ -121,9 +131,17 @@ class Catalog:
             if step < newest:
                 old.append(step)
                 continue
+            if self.store.stat(self.layout.refused_key(job, step)) is not None:
+                refused.append(step)
+                continue
             started = self.store.stat(self.layout.started_key(job, step))
             in_progress[step] = started.updated if started else 0.0
-        return BucketView(complete=complete, in_progress=in_progress, incomplete_old=tuple(sorted(old)))
+        return BucketView(
+            complete=complete,
+            in_progress=in_progress,
+            incomplete_old=tuple(sorted(old)),
+            refused=tuple(sorted(refused)),
+        )
 
     def rank_commits(self, job: str, step: int) -> dict[int, ObjectInfo]:
         objects, _ = self.store.list(self.layout.rank_commits_dir(job, step))
@@ -158,6 +176,15 @@ class Catalog:
         )
         with contextlib.suppress(PreconditionFailed):
             self.store.put_bytes(self.layout.started_key(job, step), msg.to_bytes(), create_only=True)
+
+    def mark_refused(self, job: str, step: int, rank: int, reason: str) -> None:
+        """Create ``refused.json`` unless it exists: ``rank`` of ``step`` will not be uploaded (its
+        manifest declares more than the job's quota), so the step never completes and nobody waits."""
+        msg = StepRefused(
+            job=job, step=step, rank=rank, refused_by=self.node, refused_at=time.time(), reason=reason[:1000]
+        )
+        with contextlib.suppress(PreconditionFailed):
+            self.store.put_bytes(self.layout.refused_key(job, step), msg.to_bytes(), create_only=True)
 
     def try_complete(self, job: str, step: int, world_size: int) -> bool:
         """Create the completion object if every rank is committed. True if the step is complete now

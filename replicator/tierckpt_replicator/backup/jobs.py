@@ -24,6 +24,7 @@ from tierckpt.protocol.errors import MissingCheckpointError
 from tierckpt.protocol.format import Dir
 from tierckpt.protocol.safefs import Beneath
 from tierckpt_replicator.policies import PolicyStore
+from tierckpt_replicator.quota import JobQuotas
 from tierckpt_replicator.settings import Settings
 
 if TYPE_CHECKING:
@@ -128,6 +129,7 @@ class JobBackups:
         self, settings: Settings, *, policies: PolicyStore, registry: CollectorRegistry | None = None
     ) -> None:
         self.settings, self.policies, self.registry = settings, policies, registry
+        self.quotas = JobQuotas(settings.root, policies, settings.job_quota)
         self._node: BackupSettings | None = None
         self._metrics: BackupMetrics | None = None
         self._services: dict[BackupSettings, BackupService] = {}
@@ -176,7 +178,12 @@ class JobBackups:
                 self._retire(before)
         svc = self._services.get(settings)
         if svc is None:
-            svc = settings.build(node=self.settings.node_name, root=self.settings.root, metrics=self.metrics)
+            svc = settings.build(
+                node=self.settings.node_name,
+                root=self.settings.root,
+                metrics=self.metrics,
+                quotas=self.quotas,
+            )
             self._services[settings] = svc
         return svc
 

@@ -13,6 +13,9 @@ loop never blocks. One pass per call, serialised per job:
    a step became complete run retention (and remove abandoned incomplete steps).
 
 A failure never deletes anything complete and never makes a partial step visible (see catalog.py).
+A rank refused for its job's quota (``quota.OverQuotaError``: its manifest declares more bytes than
+the job's ramdisk size, as sparse files can) uploads nothing and marks its step refused in the bucket
+(``refused.json``): that step never completes, so no node joins it or holds newer backups back for it.
 Call ``poll(job)`` periodically (every few tens of seconds) so a node that committed no new step still
 joins backups others started (preemption), takes over ranks of dead nodes, and completes steps whose
 last uploader died before writing the completion object.
@@ -47,6 +50,8 @@ from tierckpt_replicator.backup.restorer import Restorer
 from tierckpt_replicator.backup.spread import assign_uploads, data_rank
 from tierckpt_replicator.backup.store import ObjectStore
 from tierckpt_replicator.backup.uploader import Uploader
+from tierckpt_replicator.policies import PolicyStore
+from tierckpt_replicator.quota import JobQuotas, OverQuotaError
 from tierckpt_replicator.stepio import find_committed, open_job, rank_trees
 
 __all__ = ["BackupService", "BackupStatus"]
@@ -87,6 +92,8 @@ class BackupService:
     name as it appears in ``holders``. ``store``: the bucket (a ``GcsStore`` in production; tests pass
     one against fake-gcs-server, or a fake at the ``ObjectStore`` boundary). ``metrics``: where to count
     (default: the process-wide ``BackupMetrics``). ``clock``: the wall clock (schedules, takeover).
+    ``quotas``: each job's quota, which no rank's upload may exceed (default: the jobs' policies and
+    this node's ramdisk size).
     """
 
     def __init__(
@@ -98,8 +105,10 @@ class BackupService:
         store: ObjectStore,
         metrics: BackupMetrics | None = None,
         clock: Callable[[], float] = time.time,
+        quotas: JobQuotas | None = None,
     ) -> None:
         self.settings, self.store, self.node, self.root = settings, store, node, Path(root)
+        self.quotas = quotas or JobQuotas(self.root, PolicyStore(self.root))
         self.policy = settings.policy()
         self.layout = BucketLayout(settings.prefix)
         self.metrics = metrics or BackupMetrics.default()
@@ -118,6 +127,7 @@ class BackupService:
             on_bytes=self.metrics.bytes_uploaded.inc,
             should_stop=lambda job: job in self._cancelled,
             group_wait=settings.group_wait,
+            quotas=self.quotas,
         )
         self.restorer = Restorer(
             store,
@@ -275,7 +285,11 @@ class BackupService:
             view = self.catalog.view(job)
             now = self.clock()
             targets: dict[int, str] = {}
-            if step is not None:
+            if step is not None and step in view.refused:
+                log.info(
+                    "step %d of %s not backed up: a rank of it was refused for the job's quota", step, job
+                )
+            elif step is not None:
                 decision = self.policy.due(
                     step,
                     newest_complete=view.newest_complete,
@@ -450,6 +464,9 @@ class BackupService:
                 except (TierckptError, OSError) as exc:
                     log.error("upload of rank %d of %s failed: %s", futures[fut], job, exc)
                     errors.append(exc)
+        for error in errors:
+            if isinstance(error, OverQuotaError):  # the step can never complete: no node joins or waits
+                self.catalog.mark_refused(job, error.over.step, error.over.rank, str(error))
         if errors:
             raise errors[0]
         return sent, logical

@@ -25,6 +25,7 @@ __all__ = ["BackupSettings"]
 
 if TYPE_CHECKING:
     from tierckpt_replicator.backup.service import BackupService
+    from tierckpt_replicator.quota import JobQuotas
 
 MiB = 1 << 20
 
@@ -148,8 +149,11 @@ class BackupSettings:
             raise ValueError("backups are disabled: no bucket configured")
         return GcsStore(self.gcs())
 
-    def build(self, *, node: str, root: Path, metrics: BackupMetrics | None = None) -> BackupService:
-        """The service for this node on ``bucket`` (raises ``ValueError`` if no bucket is configured)."""
+    def build(
+        self, *, node: str, root: Path, metrics: BackupMetrics | None = None, quotas: JobQuotas | None = None
+    ) -> BackupService:
+        """The service for this node on ``bucket`` (raises ``ValueError`` if no bucket is configured);
+        ``quotas``: the jobs' quotas (default: their policies' and this node's ramdisk size)."""
         from tierckpt_replicator.backup.service import BackupService
 
-        return BackupService(self, node=node, root=root, store=self.store(), metrics=metrics)
+        return BackupService(self, node=node, root=root, store=self.store(), metrics=metrics, quotas=quotas)

@@ -19,6 +19,8 @@ groups.
 
 The step is read through its job's confined tree (a ``Beneath`` view): a data file, COMMIT or manifest
 that a pod replaced by a symlink is refused (``UnsafePathError``), so no other job's bytes are uploaded.
+A rank whose manifest declares more bytes than its job's quota is refused before any object is written
+(``quota.OverQuotaError``: a pod's sparse files would cost the bucket what they never cost the pod).
 """
 
 from __future__ import annotations
@@ -49,7 +51,8 @@ from tierckpt.protocol.safefs import Beneath
 from tierckpt_replicator.backup.catalog import Catalog
 from tierckpt_replicator.backup.spread import data_rank
 from tierckpt_replicator.backup.store import ObjectInfo, ObjectNotFound, ObjectStore, PreconditionFailed
-from tierckpt_replicator.stepio import is_data_file
+from tierckpt_replicator.quota import JobQuotas
+from tierckpt_replicator.stepio import is_data_file, open_files
 
 __all__ = ["RankUpload", "StaleStepError", "UploadCancelled", "Uploader", "plan_slices"]
 
@@ -102,8 +105,10 @@ class Uploader:
         on_bytes: Callable[[int], None] | None = None,
         should_stop: Callable[[str], bool] | None = None,
         group_wait: float = 60.0,
+        quotas: JobQuotas,
     ) -> None:
         self.group_wait = group_wait
+        self.quotas = quotas
         self.store, self.layout, self.catalog, self.node, self.pool = store, layout, catalog, node, pool
         self.should_stop = should_stop or (lambda job: False)
         self.slice_size = slice_size
@@ -122,6 +127,8 @@ class Uploader:
         rank, step = manifest.rank, manifest.step
         if manifest.job != job:
             raise FormatError(f"{step_path.where} belongs to job {manifest.job!r}, not {job!r}")
+        with open_files(step_path, manifest) as fds:  # before anything goes to the bucket
+            self.quotas.check(manifest, fds=fds)
         existing = self._existing_commit(job, step, rank)
         if existing is not None:
             if existing.manifest_crc32c == marker.manifest_crc32c:

@@ -20,6 +20,12 @@ the worker encodes each rank's newest step and sends its ``k + m`` fragments to 
 (``ErasureTask``); the job's target is then ``m`` (the nodes it may lose) and a rank's copies are the
 fragments placed beyond ``k``. Replicas left from before are retired.
 
+Quota: a newest step whose COMMIT declares more bytes than the job's quota (``quota.JobQuotas``; a
+sparse file costs the pod nothing, a peer all of it) is not sent, nor encoded; it is logged and counted
+once and reported (``over_quota(job)``: the inventory's ``over_quota``, which the operator turns into an
+Event). The rank's older steps keep their copies on the peers; its next step within the quota goes out
+as usual.
+
 Only the newest step of a rank is ever sent: an older one that is still in flight when a newer one
 commits finishes, and the newer one follows. A rank saved in a replica group goes first to peers that
 hold an identical member step (they link its data files: ``replication.groups``); such a linked copy
@@ -36,11 +42,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequ
 
 from tierckpt.planning.common_step import newest_common_step
 from tierckpt.protocol.client import ReplicatorClient
-from tierckpt.protocol.control import PeerAssignment, Redundancy
+from tierckpt.protocol.control import PeerAssignment, Redundancy, StepOverQuota
 from tierckpt.protocol.errors import ContractError, RetryableError
 from tierckpt_replicator.assignments import AssignmentStore
 from tierckpt_replicator.inventory import Holdings, InventoryScanner, list_jobs
 from tierckpt_replicator.metrics import Metrics
+from tierckpt_replicator.policies import PolicyStore
+from tierckpt_replicator.quota import JobQuotas
 from tierckpt_replicator.replication.groups import GroupTracker
 from tierckpt_replicator.replication.ipc import (
     ErasureTask,
@@ -116,8 +124,12 @@ class ReplicationManager:
         kick: Callable[[], None] = lambda: None,
         factor: Callable[[str], int] | None = None,
         erasure: Callable[[str], tuple[int, int] | None] = lambda job: None,
+        quotas: JobQuotas | None = None,
     ) -> None:
         self.node, self.k = node, k
+        self.quotas = quotas or JobQuotas(scanner.root, PolicyStore(scanner.root))
+        """Each job's quota: newest steps that declare more are neither sent nor encoded."""
+        self._over_quota: dict[Key, StepOverQuota] = {}
         self.factor: Callable[[str], int] = factor or (lambda job: k)
         """The job's replication factor (``k``, the node's ``--replicas``, unless its policy says)."""
         self.erasure = erasure
@@ -205,6 +217,7 @@ class ReplicationManager:
     async def _pass_job(self, job: str) -> None:
         holdings = self.scanner.holdings(job)
         newest = holdings.newest_local()
+        over_quota = self._refuse_over_quota(job, holdings)
         self._notify_committed(job, holdings)
         self._prune(job, newest)
         assignment = self.assignments.get(job)
@@ -218,6 +231,7 @@ class ReplicationManager:
         now = time.monotonic()
         in_flight = {(r, s) for (j, r, s) in self._in_flight if j == job}
         in_backoff = {(r, s) for (r, s) in newest.items() if not self._step_backoff.ready((job, r, s), now)}
+        in_backoff |= over_quota
         avoid = {n for n in self._node_backoff.blocked(now) if isinstance(n, str)}
         ec = self.erasure(job)
         if ec is not None:
@@ -248,6 +262,34 @@ class ReplicationManager:
         for item in items:
             self._spawn(self._send(item, assignment))
         self._retire_surplus(job, assignment, newest, k, now)
+
+    def _refuse_over_quota(self, job: str, holdings: Holdings) -> set[tuple[int, int]]:
+        """The (rank, step) of the newest local steps that declare more than the job's quota: logged and
+        counted once each, kept for ``over_quota``, never sent."""
+        refused: dict[Key, StepOverQuota] = {}
+        quota = self.quotas.of(job)
+        for rank, step in holdings.newest_local().items():
+            declared = holdings.newest_bytes.get(rank, 0)
+            if declared <= quota:
+                continue
+            key = (job, rank, step)
+            over = self._over_quota.get(key)
+            if over is None or over.quota != quota:
+                limit = self.scanner.max_manifest_bytes
+                over = self.quotas.committed_over(job, rank, step, declared=declared, limit=limit)
+                if over is None:  # the quota grew meanwhile
+                    continue
+                log.warning("%s: not replicated, not backed up", over.describe(job))
+                self.metrics.quota_refusals.labels(job, "send").inc()
+            refused[key] = over
+        for key in [k for k in self._over_quota if k[0] == job]:
+            del self._over_quota[key]
+        self._over_quota.update(refused)
+        return {(rank, step) for (_, rank, step) in refused}
+
+    def over_quota(self, job: str) -> tuple[StepOverQuota, ...]:
+        """The job's newest local steps refused for its quota, as the last pass found them."""
+        return tuple(o for (j, _, _), o in sorted(self._over_quota.items()) if j == job)
 
     def _send_fragments_due(
         self,
@@ -591,6 +633,7 @@ class ReplicationManager:
             del self.placed[key]
         self._notified.pop(job, None)
         self._plans.pop(job, None)
+        self._over_quota = {k: o for k, o in self._over_quota.items() if k[0] != job}
         self.redundancy.pop(job, None)
         self._degraded.forget(job)
         self._lost = {k for k in self._lost if k[0] != job}
