@@ -80,6 +80,7 @@ def incoming(node: Node, job: str, rank: int) -> list[str]:
     return [p.name for p in parent.iterdir() if p.name.startswith(".incoming")] if parent.exists() else []
 
 
+# The probe port serves per-job families summed over the node's jobs, with no job label (docs/security.md).
 def metric(node: Node, name: str, **labels: str) -> float:
     text = httpx.get(f"{node.probe_endpoint}/metrics", timeout=5).text
     want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
@@ -154,14 +155,14 @@ def test_a_sparse_step_over_the_jobs_quota_is_refused_on_both_sides(
     assert (over.rank, over.step, over.bytes, over.quota, over.allocated) == (0, 2, SPARSE, QUOTA, 0)
     (mine,) = [j for j in pair.api.status(a.endpoint, node=a.name).jobs if j.job == job]
     assert mine.over_quota == inv.over_quota and refusal in mine.backup_error
-    assert metric(a, "tierckpt_replicator_quota_refusals_total", job=job, op="send") == 1
+    assert metric(a, "tierckpt_replicator_quota_refusals_total", op="send") == 1
 
     # the same kind of step put straight to node-1 by node-0 (a member of the job): refused up front
     forged = write_sparse_step(tmp_path, job, 0, 3, declared=SPARSE, world_size=2)
     reply = put_as(a, b, forged, job=job, rank=0, step=3)
     assert reply.status == Status.TOO_LARGE, reply
     assert f"job {job} rank 0 step 3 declares 48.0Mi, over the job's quota of 8.0Mi" in reply.message
-    assert metric(b, "tierckpt_replicator_quota_refusals_total", job=job, op="receive") == 1
+    assert metric(b, "tierckpt_replicator_quota_refusals_total", op="receive") == 1
     assert f"put from {a.name}: refused: job {job} rank 0 step 3 declares 48.0Mi" in b.log_text()
 
     # nothing of either reached node-1 or the bucket; the rank's older step is still there
