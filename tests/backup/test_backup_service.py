@@ -24,6 +24,7 @@ from tierckpt.protocol.errors import CorruptShardError, MissingCheckpointError
 from tierckpt.protocol.format import rank_dir, read_manifest, step_dir
 from tierckpt_demo.fakegcs import FakeGcsServer, FaultProxy, FaultRule
 from tierckpt_demo.step_writer import step_files, write_step
+from tierckpt_replicator.backup.fence import JobFenced
 from tierckpt_replicator.backup.gcs import GcsStore, RetryPolicy
 from tierckpt_replicator.backup.metrics import BackupMetrics
 from tierckpt_replicator.backup.service import BackupService
@@ -56,10 +57,10 @@ class SpyStore:
         self._log("upload", key)
         return info
 
-    def put_bytes(self, key: str, data: bytes, *, create_only: bool = False):  # type: ignore[no-untyped-def]
+    def put_bytes(self, key: str, data: bytes, **kw: object):  # type: ignore[no-untyped-def]
         if self.barrier is not None and "/complete/" in key:
             self.barrier.wait(timeout=10)
-        info = self.inner.put_bytes(key, data, create_only=create_only)
+        info = self.inner.put_bytes(key, data, **kw)  # type: ignore[arg-type]
         self._log("put", key)
         return info
 
@@ -187,14 +188,15 @@ async def test_completion_is_written_last_and_only_once(
     services = {n: make_service(spies[n], roots[n], n, takeover_after=1e9) for n in roots}
     # Upload each node's share without completing, then let both nodes complete at the same moment.
     for svc in services.values():
-        with open_job(svc.root, JOB) as tree:
+        with open_job(svc.root, JOB) as tree, svc.fences.writing(JOB, 10):
             local = svc._local_copies(tree, 10, ())
             for r in svc._my_share(JOB, 10, 4, local, None, False):
                 svc.uploader.upload_rank(JOB, local[r][1])
     results: dict[str, bool] = {}
 
     def complete(node: str) -> None:
-        results[node] = services[node].catalog.try_complete(JOB, 10, 4)
+        with services[node].fences.writing(JOB, 10):
+            results[node] = services[node].catalog.try_complete(JOB, 10, 4)
 
     threads = [threading.Thread(target=complete, args=(n,)) for n in roots]
     for t in threads:
@@ -410,7 +412,8 @@ async def test_a_newer_save_of_the_same_step_replaces_an_incomplete_older_one(
     for r in range(2):
         write_step(old_root, JOB, r, 60, world_size=2, sizes=(8 * KiB,), seed=1)
     svc_old = make_service(make_store(gcs_server.url, bucket), old_root, "n")
-    svc_old.uploader.upload_rank(JOB, step_dir(rank_dir(old_root, JOB, 0), 60))  # a dead attempt's rank 0
+    with svc_old.fences.writing(JOB, 60):  # a dead attempt's rank 0
+        svc_old.uploader.upload_rank(JOB, step_dir(rank_dir(old_root, JOB, 0), 60))
     time.sleep(0.01)
     new = {r: write_step(new_root, JOB, r, 60, world_size=2, sizes=(8 * KiB,), seed=2) for r in range(2)}
     svc = make_service(make_store(gcs_server.url, bucket), new_root, "n")
@@ -418,7 +421,7 @@ async def test_a_newer_save_of_the_same_step_replaces_an_incomplete_older_one(
     await svc.fetch_rank(JOB, 60, 0, tmp_path / "out")
     assert step_files(step_dir(tmp_path / "out", 60)) == step_files(new[0])
     # The old attempt can no longer overwrite it.
-    with pytest.raises(StaleStepError, match="already complete"):
+    with pytest.raises(StaleStepError, match="already complete"), svc_old.fences.writing(JOB, 60):
         svc_old.uploader.upload_rank(JOB, step_dir(rank_dir(old_root, JOB, 1), 60))
     for s in (svc_old, svc):
         await s.close()
@@ -440,7 +443,7 @@ async def test_retention_keeps_the_last_n_and_every_kth_deleting_completion_obje
     store = spy.inner
     for gone in (20, 40, 50):
         assert store.list(LAYOUT.step_dir(JOB, gone))[0] == []
-        deletes = [k for op, k in spy.ops if op == "delete" and f"/{gone:012d}" in k]
+        deletes = [k for op, k in spy.ops if op == "delete" and f"/{gone:012d}" in k and "/writers/" not in k]
         assert deletes[0] == LAYOUT.complete_key(
             JOB, gone
         )  # the step stops existing before anything else goes
@@ -466,7 +469,7 @@ async def test_a_completion_object_this_version_cannot_read_is_never_collected(
     await svc.close()
 
 
-async def test_stop_job_forgets_locally_and_delete_backups_empties_the_job(
+async def test_a_fenced_job_is_not_backed_up_and_delete_backups_empties_the_job(
     gcs_server: FakeGcsServer, bucket: str, tmp_path: Path
 ) -> None:
     root = tmp_path / "n"
@@ -474,8 +477,14 @@ async def test_stop_job_forgets_locally_and_delete_backups_empties_the_job(
     write_step(root, "other", 0, 1, sizes=(KiB,))
     svc = make_service(make_store(gcs_server.url, bucket), root, "n")
     assert await svc.backup_now(JOB) == 1 and await svc.backup_now("other") == 1
-    await svc.stop_job(JOB)
-    assert await svc.complete_steps(JOB) == (1,)  # the bucket keeps backups when a node forgets a job
+    await svc.fence(JOB)
+    assert await svc.complete_steps(JOB) == (1,)  # the bucket keeps backups when a node fences a job
+    write_step(root, JOB, 0, 2, sizes=(KiB,))
+    with pytest.raises(JobFenced):
+        await svc.backup_now(JOB)
+    await svc.on_step_committed(JOB, 2, [0], {})
+    await svc.poll(JOB)
+    assert await svc.complete_steps(JOB) == (1,)
     await svc.delete_backups(JOB)
     assert await svc.complete_steps(JOB) == ()
     assert make_store(gcs_server.url, bucket).list(LAYOUT.job(JOB))[0] == []

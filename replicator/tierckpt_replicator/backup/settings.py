@@ -94,6 +94,11 @@ class BackupSettings:
     lease_ttl: float = 60.0
     """Seconds [60]. Lifetime of the leases (renewed in the background) that keep the client's retention
     off a step being uploaded; a dead uploader's lease lapses after this long."""
+    writer_ttl: float = 30.0
+    """Seconds [30]. Lifetime of the bucket leases a node holds while it writes a step's objects
+    (``writers/``, renewed every fifth of it): a purge of the job waits for live writers, and takes a
+    writer that has not renewed its lease for this long for gone. Its writes stop once it cannot renew
+    within half of it."""
 
     # --- transient errors (``RetryPolicy``) and HTTP timeouts
     retry_initial: float = 1.0
@@ -114,8 +119,8 @@ class BackupSettings:
         for name in ("slice_size", "range_size", "takeover_after", "incomplete_grace", "group_wait"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative")
-        if self.lease_ttl <= 0 or self.max_manifest_bytes <= 0:
-            raise ValueError("lease_ttl and max_manifest_bytes must be positive")
+        if self.lease_ttl <= 0 or self.writer_ttl <= 0 or self.max_manifest_bytes <= 0:
+            raise ValueError("lease_ttl, writer_ttl and max_manifest_bytes must be positive")
         self.policy()  # the schedule and retention fields are valid
 
     @property
