@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -21,7 +22,7 @@ from prometheus_client import CollectorRegistry
 from tests.backup.helpers import KiB, make_service, make_store, write_cluster_step, write_peers
 from tierckpt.protocol.bucket_layout import BucketLayout, RankBackup, StepBackup
 from tierckpt.protocol.errors import CorruptShardError, MissingCheckpointError
-from tierckpt.protocol.format import rank_dir, read_manifest, step_dir
+from tierckpt.protocol.format import rank_dir, read_manifest, replica_rank_dir, step_dir
 from tierckpt_demo.fakegcs import FakeGcsServer, FaultProxy, FaultRule
 from tierckpt_demo.step_writer import step_files, write_step
 from tierckpt_replicator.backup.fence import JobFenced
@@ -29,6 +30,7 @@ from tierckpt_replicator.backup.gcs import GcsStore, RetryPolicy
 from tierckpt_replicator.backup.metrics import BackupMetrics
 from tierckpt_replicator.backup.service import BackupService
 from tierckpt_replicator.backup.settings import BackupSettings
+from tierckpt_replicator.backup.spread import assign_uploads
 from tierckpt_replicator.backup.store import TransientStoreError, UploadCorrupted
 from tierckpt_replicator.backup.uploader import StaleStepError
 from tierckpt_replicator.stepio import open_job
@@ -243,6 +245,42 @@ async def test_ranks_of_a_silent_holder_are_taken_over(
     await svc.poll(JOB)
     assert await svc.complete_steps(JOB) == (40,)
     await svc.close()
+
+
+async def test_a_step_that_can_no_longer_complete_is_given_up_and_the_next_one_completes(
+    gcs_server: FakeGcsServer, bucket: str, roots: dict[str, Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Node-b is the assigned uploader of one of node-a's ranks but holds no copy (the replica went to a
+    fallback node), and node-a's retention removes the step before its takeover window ends: the
+    step can never complete. The next due step is backed up at once, not ``stale_after`` later."""
+    holders = {r: ("node-a", "node-b") for r in range(4)}
+    stuck = next(
+        s for s in range(10, 10_000, 10) if "node-b" in {assign_uploads(JOB, s, holders)[r] for r in (0, 1)}
+    )
+    for r in range(4):  # every rank on its primary only; node-a also holds node-b's replicas
+        write_step(roots["node-a" if r < 2 else "node-b"], JOB, r, stuck, world_size=4, sizes=(8 * KiB,))
+        if r >= 2:
+            shutil.copytree(
+                step_dir(rank_dir(roots["node-b"], JOB, r), stuck),
+                step_dir(replica_rank_dir(roots["node-a"], JOB, r), stuck),
+            )
+    services = {
+        n: make_service(
+            make_store(gcs_server.url, bucket), roots[n], n, takeover_after=1.0, interval_steps=10
+        )
+        for n in roots
+    }
+    await _back_up_everywhere(services, roots, stuck)
+    commits = make_store(gcs_server.url, bucket).list(LAYOUT.rank_commits_dir(JOB, stuck))[0]
+    assert 0 < len(commits) < 4 and await services["node-a"].complete_steps(JOB) == ()
+    shutil.rmtree(roots["node-a"] / JOB)  # node-a's retention: the step is gone from every node
+    write_cluster_step(roots, JOB, stuck + 10, 4)
+    time.sleep(1.0)  # the takeover window of the stuck step ends; stale_after (3600 s) is far off
+    await _back_up_everywhere(services, roots, stuck + 10)
+    assert await services["node-a"].complete_steps(JOB) == (stuck + 10,)
+    assert f"giving up on step {stuck}" in caplog.text
+    for svc in services.values():
+        await svc.close()
 
 
 # --------------------------------------------------------------------------------------------- failures

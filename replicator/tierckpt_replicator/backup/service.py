@@ -5,7 +5,8 @@ loop never blocks. One pass per call, serialised per job:
 
 1. Read the bucket's view of the job (complete steps, started-but-incomplete steps).
 2. Targets: the new step if ``BackupPolicy.due`` says so, plus any backup another node started that is
-   not complete yet (so nodes join the same step even when their own schedules disagree).
+   not complete yet (so nodes join the same step even when their own schedules disagree), unless it
+   can no longer complete (``BackupPolicy.gives_up``: then it holds no new backup back either).
 3. For each target step, upload this node's share, holding a writer lease on the step in the bucket
    (``fence.Fences.writing``: a purge on another node waits for it): of the ranks this node holds
    (primary or replica), the ones ``assign_uploads`` gives it, spread over all holders; after
@@ -147,6 +148,8 @@ class BackupService:
         self._latest: dict[str, int] = {}
         self._fetching: dict[str, collections.Counter[int]] = {}
         self._status: dict[str, BackupStatus] = {}
+        self._given_up: dict[str, set[int]] = {}
+        """Job -> started steps this node found unable to complete (logged once each)."""
         self._holder = "backup." + re.sub(r"[^A-Za-z0-9_.-]", "-", node)[:100]
 
     # ------------------------------------------------------------------------------------ API
@@ -261,7 +264,7 @@ class BackupService:
     def unfence(self, job: str) -> None:
         """Lift the fence (the job was purged): forget its state here; it starts afresh if it returns."""
         self.fences.lift(job)
-        for state in (self._holders, self._latest, self._status):
+        for state in (self._holders, self._latest, self._status, self._given_up):
             state.pop(job, None)  # its lock stays: a call waiting on it must not run beside a new one
         log.info("job %s: backup state forgotten on this node", job)
 
@@ -360,9 +363,45 @@ class BackupService:
 
     def _running(self, job: str, view: BucketView, now: float) -> dict[int, float]:
         """The started backups (step -> started_at) that hold new ones back and that this node joins:
-        newer than the newest complete step and younger than ``stale_after``."""
+        newer than the newest complete step, younger than ``stale_after``, and not given up
+        (``BackupPolicy.gives_up``: past the takeover window, nobody uploading, no missing rank here)."""
         floor = view.newest_complete[0] if view.newest_complete else -1
-        return {s: t for s, t in view.in_progress.items() if s > floor and now - t < self.policy.stale_after}
+        young = {s: t for s, t in view.in_progress.items() if s > floor and now - t < self.policy.stale_after}
+        past = [s for s, t in young.items() if now - t >= self.policy.takeover_after]
+        if not past:
+            return young
+        uploading = self.fences.uploading(job)
+        given_up = self._given_up.setdefault(job, set())
+        given_up &= set(young)
+        for s in past:
+            missing_here = self._missing_here(job, s)
+            if not self.policy.gives_up(
+                started_at=young[s], now=now, holds_missing=bool(missing_here), being_uploaded=s in uploading
+            ):
+                continue
+            del young[s]
+            if s not in given_up:
+                given_up.add(s)
+                log.warning(
+                    "job %s: giving up on step %d: incomplete %.0fs after its backup began, no node is "
+                    "uploading it and this node holds none of its missing ranks; moving on to newer steps",
+                    job,
+                    s,
+                    now - view.in_progress[s],
+                )
+        return young
+
+    def _missing_here(self, job: str, step: int) -> set[int]:
+        """Ranks of ``step`` this node holds a committed copy of that are not committed in the bucket."""
+        try:
+            tree = open_job(self.root, job)
+        except FileNotFoundError:
+            return set()
+        with tree:
+            local = self._local_copies(tree, step, ())
+        if not local:
+            return set()
+        return set(local) - set(self.catalog.rank_commits(job, step))
 
     def _backup_step(
         self,

@@ -59,7 +59,9 @@ class BackupSettings:
     checkpoints, e.g. every 10 000 steps)."""
     stale_after: float = 3600.0
     """Seconds [3600]. A started backup still incomplete after this long no longer holds new ones back
-    (its uploaders are presumed dead)."""
+    (its uploaders are presumed dead), even if it could still complete. One that cannot (no node is
+    uploading it and this node holds none of its missing ranks) is given up ``takeover_after`` after
+    it began."""
 
     # --- transfers
     parallelism: int = 8
@@ -134,6 +136,7 @@ class BackupSettings:
             keep_last=self.keep_last,
             keep_every=self.keep_every,
             stale_after=self.stale_after,
+            takeover_after=self.takeover_after,
         )
 
     def gcs(self) -> GcsSettings:
