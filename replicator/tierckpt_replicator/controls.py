@@ -15,7 +15,7 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import tierckpt_replicator
@@ -217,20 +217,35 @@ class NodeControls:
         self.stager.forget(job)
         if self.requests is not None:
             self.requests.forget(job)
-        if bucket and self.backup is not None:  # first: the job's policy on disk names its bucket
-            await self.backup.delete_job(job)
-            log.info("job %s: purged its backups from the bucket", job)
-        root = self.settings.root
-        existed = os.path.lexists(root / check_job_id(job)) or state_dir(root, job).exists()
-        if existed:
-            await asyncio.to_thread(remove_job_tree, root, job)
-            log.info("job %s: purged from this node's ramdisk", job)
-        # forgotten once the steps are gone, so no loop sees them as new (and backs them up) meanwhile
-        self.replication.forget(job)
-        self.assignments.forget(job)
-        self.policies.forget(job)
-        self.scanner.forget(job)
+        async with self._fenced(job):
+            if bucket and self.backup is not None:  # first: the job's policy on disk names its bucket
+                await self.backup.delete_backups(job)
+                log.info("job %s: purged its backups from the bucket", job)
+            root = self.settings.root
+            existed = os.path.lexists(root / check_job_id(job)) or state_dir(root, job).exists()
+            if existed:
+                await asyncio.to_thread(remove_job_tree, root, job)
+                log.info("job %s: purged from this node's ramdisk", job)
+            self.replication.forget(job)
+            self.assignments.forget(job)
+            self.policies.forget(job)
+            self.scanner.forget(job)
         return existed
+
+    @contextlib.asynccontextmanager
+    async def _fenced(self, job: str) -> AsyncIterator[None]:
+        """While the block deletes the job: no backup, upload, replica send or retirement of it starts on
+        this node, and those under way have finished (backups first: a replication task may be waiting
+        on one to tell it about a commit)."""
+        if self.backup is not None:
+            await self.backup.fence(job)
+        await self.replication.fence(job)
+        try:
+            yield
+        finally:
+            self.replication.unfence(job)
+            if self.backup is not None:
+                self.backup.unfence(job)
 
     async def status(self) -> NodeStatus:
         jobs = []

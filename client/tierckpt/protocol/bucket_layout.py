@@ -13,6 +13,8 @@ Spec: docs/bucket-layout.md. Pure: no I/O, no cloud library. The replicator's ba
         steps/<step:012d>/rank-<rank:05d>/manifest.json  its manifest, byte for byte
         steps/<step:012d>/rank-<rank:05d>/data-NNNNN.bin, objects.pkl   its files
         steps/<step:012d>/rank-<rank:05d>/.parts/<file>/<i:03d>         slices of a parallel upload
+        writers/<step:012d>/<writer>.json              WriterLease: a node is writing objects of the step
+        purging.json                                   PurgeFence: a purge of the job is under way
 
 ``jobs/`` and ``local/`` are separate roots so no job's prefix is ever a prefix of another job's
 (a Kubernetes namespace may well be called ``local``). A step exists for readers only once its
@@ -35,11 +37,13 @@ __all__ = [
     "DataRef",
     "KeyKind",
     "ParsedKey",
+    "PurgeFence",
     "RankBackup",
     "RankRef",
     "StepBackup",
     "StepRefused",
     "StepStarted",
+    "WriterLease",
     "job_from_prefix",
     "job_prefix",
     "parse_gs_url",
@@ -55,9 +59,13 @@ _PREFIX_RE = re.compile(r"[A-Za-z0-9_.-]+(?:/[A-Za-z0-9_.-]+)*")
 _STEP_PART = r"([0-9]{12,})"
 _RANK_PART = r"([0-9]{5,})"
 _PART_RE = re.compile(r"[0-9]{3}")
+_WRITER_RE = re.compile(r"[A-Za-z0-9_.-]{1,160}")
+"""A writer's name in ``writers/<step>/<writer>.json``: the node's name (made safe) and a nonce."""
 """Every pattern here is matched whole (``re.fullmatch``) and ASCII only (``[0-9]``, not ``\\d``)."""
 
-KeyKind = Literal["complete", "started", "refused", "rank_commit", "rank_file", "part", "other"]
+KeyKind = Literal[
+    "complete", "started", "refused", "rank_commit", "rank_file", "part", "writer", "fence", "other"
+]
 
 
 def split_job_id(job: str) -> tuple[str, str, str] | None:
@@ -181,6 +189,22 @@ class BucketLayout:
             raise FormatError(f"slice index {index} out of range")
         return f"{self.rank_dir(job, step, rank)}.parts/{name}/{index:03d}"
 
+    def writers_dir(self, job: str) -> str:
+        return f"{self.job(job)}writers/"
+
+    def writer_key(self, job: str, step: int, writer: str) -> str:
+        if not _WRITER_RE.fullmatch(writer) or writer.startswith("."):
+            raise FormatError(f"invalid writer name {writer!r}")
+        return f"{self.writers_dir(job)}{_step(step)}/{writer}.json"
+
+    def step_of_writer(self, job: str, key: str) -> int | None:
+        """The step a writer lease ``writers/<step>/<writer>.json`` is held for."""
+        m = re.fullmatch(re.escape(self.writers_dir(job)) + _STEP_PART + r"/[^/]+\.json", key)
+        return int(m.group(1)) if m else None
+
+    def purge_fence_key(self, job: str) -> str:
+        return f"{self.job(job)}purging.json"
+
     def parse(self, key: str) -> ParsedKey | None:
         """Classify a key; None if it is not under any job of this prefix."""
         found = job_from_prefix(self.prefix, key)
@@ -217,6 +241,13 @@ def _rank(rank: int) -> str:
 
 def _classify(job: str, parts: list[str]) -> ParsedKey:
     other = ParsedKey(job, "other")
+    if parts == ["purging.json"]:
+        return ParsedKey(job, "fence")
+    if len(parts) == 3 and parts[0] == "writers" and re.fullmatch(_STEP_PART, parts[1]):
+        name = parts[2].removesuffix(".json")
+        if parts[2].endswith(".json") and _WRITER_RE.fullmatch(name) and not name.startswith("."):
+            return ParsedKey(job, "writer", step=int(parts[1]))
+        return other
     if len(parts) == 2 and parts[0] == "complete" and (m := re.fullmatch(_STEP_PART + r"\.json", parts[1])):
         return ParsedKey(job, "complete", step=int(m.group(1)))
     if len(parts) < 3 or parts[0] != "steps" or not re.fullmatch(_STEP_PART, parts[1]):
@@ -355,3 +386,35 @@ class StepRefused(Message):
     refused_by: str
     refused_at: float
     reason: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class WriterLease(Message):
+    """``writers/<step>/<writer>.json``: a node is writing objects of ``step`` (uploading its share,
+    marking the step started, completing it). Created before the first write and deleted after the
+    last; rewritten (conditional on its generation) every ``ttl / 5`` seconds while the writes go on.
+    A purge waits until every lease is gone or has not changed for ``ttl`` seconds (its writer is dead,
+    cut off, or stopped writing when its lease could no longer be renewed in time); see
+    docs/bucket-layout.md, "Purging a job"."""
+
+    KIND = "tierckpt.backup.writer"
+    VERSION = LAYOUT_VERSION
+
+    job: str
+    step: int
+    node: str
+    renewed_at: float
+    ttl: float
+
+
+@dataclasses.dataclass(frozen=True)
+class PurgeFence(Message):
+    """``purging.json``: a purge of the job is under way. A writer that finds it writes nothing more of
+    the job; the purge deletes it last, once nothing else of the job is left."""
+
+    KIND = "tierckpt.backup.purging"
+    VERSION = LAYOUT_VERSION
+
+    job: str
+    purged_by: str
+    started_at: float

@@ -11,7 +11,8 @@ The completion protocol (docs/bucket-layout.md):
    are then verified by crc32c along the chain completion -> rank commit -> manifest -> files.
 
 Deleting a step removes its completion object first (the step stops existing at once), then the rank
-commits (so it cannot be completed again from stale commits), then everything else.
+commits (so it cannot be completed again from stale commits), then everything else. Purging a whole
+job is ``fence.Fences.purge`` (other nodes may still be writing it).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 from tierckpt.protocol.bucket_layout import (
     BucketLayout,
@@ -290,15 +291,6 @@ class Catalog:
                 removed.append(step)
         return removed
 
-    def purge(self, job: str) -> int:
-        """Delete everything of ``job``: every completion object first, then all the rest."""
-        complete, _ = self.store.list(self.layout.complete_dir(job))
-        deleted = sum(self.pool.map(lambda o: self.store.delete(o.name), complete))
-        rest, _ = self.store.list(self.layout.job(job))
-        deleted += sum(self.pool.map(lambda o: self.store.delete(o.name), rest))
-        self._forget(lambda done: done.job == job)
-        log.info("purged job %s from the bucket (%d objects)", job, deleted)
-        return deleted
-
-    def _forget(self, which: Callable[[StepBackup], bool]) -> None:
-        self._complete_cache = {k: v for k, v in self._complete_cache.items() if not which(v)}
+    def forget(self, job: str) -> None:
+        """Drop the cached completion objects of ``job`` (it was purged)."""
+        self._complete_cache = {k: v for k, v in self._complete_cache.items() if v.job != job}

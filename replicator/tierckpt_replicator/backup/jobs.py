@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 
 class BackupPort(Protocol):
     """What the daemon (and restore staging) use of tier 3. The methods mean what ``BackupService``'s
-    of the same name mean (see there), except ``delete_job``, which the service splits in two."""
+    of the same name mean (see there), whichever service the job's settings route it to."""
 
     async def on_step_committed(
         self, job: str, step: int, ranks_here: Sequence[int], holders: Mapping[int, Sequence[str]]
@@ -71,8 +71,18 @@ class BackupPort(Protocol):
         """The rank whose bucket objects hold ``rank``'s data files (None: its own)."""
         ...
 
-    async def delete_job(self, job: str) -> None:
-        """Stop the job's uploads on this node AND delete its backups from its bucket (irreversible)."""
+    async def fence(self, job: str) -> None:
+        """No backup or upload of the job starts on this node until ``unfence``; the one running has
+        stopped when this returns (a purge calls it before it deletes anything)."""
+        ...
+
+    def unfence(self, job: str) -> None:
+        """Lift the fence and forget the job's backup state on this node (it was purged)."""
+        ...
+
+    async def delete_backups(self, job: str) -> None:
+        """Delete the job's backups from its bucket, also while other nodes still upload some
+        (irreversible)."""
         ...
 
     def status(self, job: str) -> BackupStatus | None:
@@ -135,6 +145,7 @@ class JobBackups:
         self._services: dict[BackupSettings, BackupService] = {}
         self._bound: dict[str, BackupSettings] = {}
         self._closing: set[asyncio.Task[None]] = set()
+        self._fenced: set[str] = set()
 
     @property
     def node_settings(self) -> BackupSettings:
@@ -192,12 +203,16 @@ class JobBackups:
     async def on_step_committed(
         self, job: str, step: int, ranks_here: Sequence[int], holders: Mapping[int, Sequence[str]]
     ) -> None:
-        if (svc := self._service_or_log(job)) is not None:
+        if job not in self._fenced and (svc := self._service_or_log(job)) is not None:
             await svc.on_step_committed(job, step, ranks_here, holders)
 
     async def backup_now(
         self, job: str, *, holders: Mapping[int, Sequence[str]] | None = None, all_local: bool = False
     ) -> int | None:
+        if job in self._fenced:
+            from tierckpt_replicator.backup.fence import JobFenced
+
+            raise JobFenced(f"job {job} is being purged: no backup of it starts")
         svc = self.service(job)
         if svc is None:
             raise LookupError(
@@ -206,7 +221,7 @@ class JobBackups:
         return await svc.backup_now(job, holders=holders, all_local=all_local)
 
     async def poll(self, job: str) -> None:
-        if (svc := self._service_or_log(job)) is not None:
+        if job not in self._fenced and (svc := self._service_or_log(job)) is not None:
             await svc.poll(job)
 
     async def complete_steps(self, job: str) -> tuple[int, ...]:
@@ -235,13 +250,20 @@ class JobBackups:
         svc = self.service(job)
         return await svc.data_source(job, step, rank) if svc is not None else None
 
-    async def delete_job(self, job: str) -> None:
-        svc = self.service(job)
-        if svc is None:
-            return
-        await svc.stop_job(job)
-        await svc.delete_backups(job)
+    async def fence(self, job: str) -> None:
+        self._fenced.add(job)  # no call reaches a service now, not even one built meanwhile
+        await asyncio.gather(*(svc.fence(job) for svc in self._services.values()))
+
+    def unfence(self, job: str) -> None:
+        self._fenced.discard(job)
+        for svc in self._services.values():
+            svc.unfence(job)
         self._unbind(job)
+
+    async def delete_backups(self, job: str) -> None:
+        svc = self.service(job)
+        if svc is not None:
+            await svc.delete_backups(job)
 
     def status(self, job: str) -> BackupStatus | None:
         settings = self._bound.get(job)

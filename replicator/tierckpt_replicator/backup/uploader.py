@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable
 
 from tierckpt.protocol.bucket_layout import BucketLayout, DataRef, RankBackup
-from tierckpt.protocol.errors import CorruptShardError, FormatError, TierckptError
+from tierckpt.protocol.errors import CorruptShardError, FormatError
 from tierckpt.protocol.format import (
     COMMIT_LIMIT,
     COMMIT_NAME,
@@ -49,20 +49,17 @@ from tierckpt.protocol.integrity import crc32c
 from tierckpt.protocol.replica import content_key
 from tierckpt.protocol.safefs import Beneath
 from tierckpt_replicator.backup.catalog import Catalog
+from tierckpt_replicator.backup.fence import JobFenced
 from tierckpt_replicator.backup.spread import data_rank
 from tierckpt_replicator.backup.store import ObjectInfo, ObjectNotFound, ObjectStore, PreconditionFailed
 from tierckpt_replicator.quota import JobQuotas
 from tierckpt_replicator.stepio import is_data_file, open_files
 
-__all__ = ["RankUpload", "StaleStepError", "UploadCancelled", "Uploader", "plan_slices"]
+__all__ = ["RankUpload", "StaleStepError", "Uploader", "plan_slices"]
 
 log = logging.getLogger(__name__)
 
 MAX_COMPOSE = 32
-
-
-class UploadCancelled(TierckptError):
-    """The job was purged on this node while its upload ran."""
 
 
 class StaleStepError(FormatError):
@@ -229,7 +226,7 @@ class Uploader:
 
     def _check_stop(self, job: str) -> None:
         if self.should_stop(job):
-            raise UploadCancelled(f"uploads of job {job} were cancelled")
+            raise JobFenced(f"uploads of job {job} stopped: it is being purged on this node")
 
     def _read_local(self, step_path: Beneath) -> tuple[bytes, bytes, CommitMarker, Manifest]:
         where = step_path.where

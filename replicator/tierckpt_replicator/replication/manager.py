@@ -26,6 +26,9 @@ once and reported (``over_quota(job)``: the inventory's ``over_quota``, which th
 Event). The rank's older steps keep their copies on the peers; its next step within the quota goes out
 as usual.
 
+A purge fences the job first (``fence``): no send, fragment, retirement, healing or backup notification
+of it starts any more, and those in flight are waited for; ``unfence`` once its steps are gone.
+
 Only the newest step of a rank is ever sent: an older one that is still in flight when a newer one
 commits finishes, and the newer one follows. A rank saved in a replica group goes first to peers that
 hold an identical member step (they link its data files: ``replication.groups``); such a linked copy
@@ -38,7 +41,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Coroutine, Sequence
+from typing import Any
 
 from tierckpt.planning.common_step import newest_common_step
 from tierckpt.protocol.client import ReplicatorClient
@@ -151,6 +155,8 @@ class ReplicationManager:
         self._node_backoff = _Backoff(2.0, retry_max)
         self._notified: dict[str, int] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        self._job_tasks: dict[str, set[asyncio.Task[None]]] = {}
+        self._fenced: set[str] = set()
         self._last_reconcile = time.monotonic()
         self._reconciling: asyncio.Task[None] | None = None
         self._plans: dict[str, tuple[int, int, tuple[int, int] | None]] = {}
@@ -199,6 +205,8 @@ class ReplicationManager:
         """One pass over every job (never raises for a single job's trouble). Starts a reconcile in
         the background when one is due and none is running."""
         for job in list_jobs(self.scanner.root):
+            if job in self._fenced:
+                continue
             try:
                 await self._pass_job(job)
             except ContractError as exc:
@@ -260,7 +268,7 @@ class ReplicationManager:
         if held:
             asyncio.get_running_loop().call_later(self.groups.wait, self.kick)
         for item in items:
-            self._spawn(self._send(item, assignment))
+            self._spawn(job, self._send(item, assignment))
         self._retire_surplus(job, assignment, newest, k, now)
 
     def _refuse_over_quota(self, job: str, holdings: Holdings) -> set[tuple[int, int]]:
@@ -309,7 +317,7 @@ class ReplicationManager:
                 continue
             candidates = tuple(n for n in base if n not in placed)
             if candidates:
-                self._spawn(self._send_fragments(key, ec, candidates, assignment))
+                self._spawn(job, self._send_fragments(key, ec, candidates, assignment))
 
     async def _send_fragments(
         self, key: Key, ec: tuple[int, int], candidates: tuple[str, ...], assignment: PeerAssignment
@@ -369,7 +377,7 @@ class ReplicationManager:
             keep = sorted(have, key=lambda n: (n not in linked, order.get(n, len(order)), n))[:k]
             surplus = tuple(sorted(n for n in have if n not in keep and n in assignment.nodes))
             if surplus:
-                self._spawn(self._retire(key, surplus, assignment))
+                self._spawn(job, self._retire(key, surplus, assignment))
 
     async def _retire(self, key: Key, holders: tuple[str, ...], assignment: PeerAssignment) -> None:
         async with self._working(key):
@@ -396,10 +404,33 @@ class ReplicationManager:
                     "retiring %s rank %d step %d: %s; retrying in %.0fs", *key, result.outcomes, delay
                 )
 
-    def _spawn(self, coro: Awaitable[None]) -> None:
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+    def _spawn(self, job: str, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(self._unless_fenced(job, coro))
+        of_job = self._job_tasks.setdefault(job, set())
+        for tasks in (self._tasks, of_job):
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+
+    async def _unless_fenced(self, job: str, coro: Coroutine[Any, Any, None]) -> None:
+        """Run ``coro``, unless ``job`` was fenced before it started (it never began, so it is closed)."""
+        if job in self._fenced:
+            coro.close()
+            return
+        await coro
+
+    async def fence(self, job: str) -> None:
+        """No send, fragment, retirement, healing or backup notification of ``job`` starts on this node
+        until ``unfence``; returns once those already started have finished."""
+        self._fenced.add(job)
+        tasks = self._job_tasks.get(job, set())
+        if tasks:
+            await asyncio.wait(set(tasks))
+
+    def unfence(self, job: str) -> None:
+        """Lift the fence (call ``forget`` first: the job's steps are gone)."""
+        self._fenced.discard(job)
+        if not self._job_tasks.get(job):
+            self._job_tasks.pop(job, None)
 
     async def _send(self, item: SendItem, assignment: PeerAssignment) -> None:
         key = (item.job, item.rank, item.step)
@@ -500,7 +531,7 @@ class ReplicationManager:
             before,
             f", copies on {sorted(gone)} (gone from the plan) no longer count" if gone else "",
         )
-        self._spawn(self._heal(job))
+        self._spawn(job, self._heal(job))
 
     async def _heal(self, job: str) -> None:
         try:
@@ -560,7 +591,7 @@ class ReplicationManager:
             return
         self._notified[job] = step
         ranks = tuple(sorted(r for r, h in holdings.ranks.items() if step in h.local))
-        self._spawn(self._call_on_committed(job, step, ranks))
+        self._spawn(job, self._call_on_committed(job, step, ranks))
 
     async def _call_on_committed(self, job: str, step: int, ranks: tuple[int, ...]) -> None:
         assert self.on_committed is not None
