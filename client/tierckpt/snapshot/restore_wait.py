@@ -7,20 +7,23 @@ is given up on (logged), and the client loads what the ramdisk holds. Without a 
 without a replicator URL nothing waits at all.
 
 ``restore_target`` decides what a status means for this load (pure): a status older than the newest
-local commit is stale (training has saved since), and is ignored.
+local commit is stale (training has saved since), and is ignored. ``restored_from`` says, after a load,
+where the step came from (the tier the replicator staged it from, or this node's own ramdisk).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-from tierckpt.protocol.control import RestoreState, RestoreStatus, read_restore_status
-from tierckpt.protocol.errors import RetryableError
+from tierckpt.protocol.control import RestoreState, RestoreStatus, Tier, read_restore_status
+from tierckpt.protocol.errors import FormatError, RetryableError
+from tierckpt.protocol.format import rank_dir, read_commit, step_dir
 
-__all__ = ["USE_LOCAL", "restore_target", "wait_for_restore"]
+__all__ = ["USE_LOCAL", "Restored", "restore_target", "restored_from", "wait_for_restore"]
 
 log = logging.getLogger(__name__)
 
@@ -81,3 +84,35 @@ def restore_target(status: RestoreStatus | None, newest_commit_at: float | None)
     if newest_commit_at is not None and newest_commit_at > status.updated_at:
         return USE_LOCAL  # saved since the replicator staged: its instruction is stale
     return status.step if status.state is RestoreState.READY else None
+
+
+@dataclasses.dataclass(frozen=True)
+class Restored:
+    """Where the step a rank loaded came from."""
+
+    step: int
+    tier: Tier
+    """The tier the node's replicator staged the step from (its restore status names this step), else
+    ``Tier.LOCAL``: the step was on this node's ramdisk already."""
+    committed_at: float
+    """When the step was saved (its COMMIT marker; 0.0 when that is unreadable)."""
+    total_bytes: int
+    staged_at: float
+    """When the replicator finished staging it (0.0: it did not stage it)."""
+
+
+def restored_from(root: str | Path, job: str, rank: int, step: int) -> Restored:
+    """Where ``rank``'s ``step``, just loaded from ``<root>/<job>``, came from (reads its COMMIT and the
+    replicator's restore status)."""
+    try:
+        marker = read_commit(step_dir(rank_dir(root, job, rank), step))
+    except FormatError:
+        marker = None
+    try:
+        status = read_restore_status(root, job, rank)
+    except FormatError:
+        status = None
+    committed_at, total_bytes = (marker.committed_at, marker.total_bytes) if marker else (0.0, 0)
+    if status is not None and status.state is RestoreState.READY and status.step == step and status.source:
+        return Restored(step, status.source, committed_at, total_bytes, status.updated_at)
+    return Restored(step, Tier.LOCAL, committed_at, total_bytes, 0.0)
