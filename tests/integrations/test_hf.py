@@ -96,7 +96,7 @@ def test_sigterm_saves_the_step_reached_then_exits_and_the_next_launch_resumes_b
     assert same_tensors(finished["weights"], reference["weights"])
 
 
-def _trainer(root: Path, n_embd: int, tmp_path: Path, max_steps: int = 4):
+def _trainer(root: Path, n_embd: int, tmp_path: Path, max_steps: int = 4, epochs: float = 3.0):
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
 
@@ -112,6 +112,7 @@ def _trainer(root: Path, n_embd: int, tmp_path: Path, max_steps: int = 4):
     args = TrainingArguments(
         output_dir=str(tmp_path / "out"),
         max_steps=max_steps,
+        num_train_epochs=epochs,
         per_device_train_batch_size=4,
         save_steps=2,
         use_cpu=True,
@@ -135,3 +136,19 @@ def test_another_architecture_is_refused_with_the_strict_error(root: Path, tmp_p
     resumed = _trainer(root, 32, tmp_path, max_steps=6)
     resumed.train()  # the same architecture resumes
     assert resumed.tierckpt_restored_step == 4 and resumed.state.global_step == 6
+
+
+def test_a_job_that_trained_its_epochs_trains_nothing_when_launched_again(root: Path, tmp_path: Path):
+    """Without ``max_steps`` the end is ``num_train_epochs`` (12 steps of 4 samples: 48 samples, one
+    epoch): launched again, ``train()`` returns the finished run's state without training."""
+    first = _trainer(root, 32, tmp_path, max_steps=-1, epochs=1)
+    assert first.train().global_step == 12
+    assert committed_steps(rank_dir(root, "strict", 0)) == [10, 12]
+    weights = {k: v.clone() for k, v in first.model.state_dict().items()}
+
+    again = _trainer(root, 32, tmp_path, max_steps=-1, epochs=1)
+    output = again.train()
+    assert again.tierckpt_restored_step == 12 and output.global_step == 12 and again.state.global_step == 12
+    assert again.state.epoch == 1.0 and again.optimizer is None  # nothing was set up to train
+    assert same_tensors(again.model.state_dict(), weights)
+    assert committed_steps(rank_dir(root, "strict", 0)) == [10, 12]
