@@ -9,8 +9,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import os
 import socket
 import ssl
+import struct
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -22,6 +24,7 @@ from tierckpt.protocol.control import PeerAssignment, PeerNode
 from tierckpt.protocol.format import Manifest, rank_dir, replica_rank_dir, step_dir
 from tierckpt.protocol.identity import TlsCredentials, TlsFiles, node_server_name
 from tierckpt_demo.step_writer import step_files, write_step
+from tierckpt_replicator.replication.channel import open_channel
 from tierckpt_replicator.replication.context import DataContext
 from tierckpt_replicator.replication.data_server import DataServer
 from tierckpt_replicator.replication.ipc import FetchSource, PeerAddress, WorkerConfig
@@ -105,6 +108,7 @@ def peers(tmp_path: Path, pki: dict[str, TlsFiles]) -> Iterator[dict[str, Peer]]
             data_port=0,
             holder=f"replicator-{node}",
             transfer_timeout=5.0,
+            handshake_timeout=2.0,
         )
         server = DataServer(DataContext.from_config(cfg))
         server.start()
@@ -270,8 +274,6 @@ def test_a_peer_that_keeps_to_tls_records_is_still_served(peers, pki):
 
 
 def test_a_second_hello_inside_the_channel_is_a_bad_request(peers, pki):
-    from tierckpt_replicator.replication.channel import open_channel
-
     a, b = peers["node-a"], peers["node-b"]
     with open_channel(_tls_to(a, b.name, pki)) as channel:
         send_frame(channel, ChannelHello(random="00" * 32))
@@ -301,3 +303,36 @@ def test_a_peer_that_refuses_a_sealed_channel_fails_the_transfer_cleanly(peers, 
     listener.close()
     assert out.status == "failed"
     assert "refused a sealed channel (400)" in out.message
+
+
+def test_a_request_trickled_into_the_channel_is_closed_at_the_handshake_deadline(peers, pki):
+    """The handshake deadline covers the channel too: a sealed record's bytes trickled every 0.2 s
+    (each well inside the transfer timeout) do not keep the connection past the 2 s deadline."""
+    import time
+
+    a, b = peers["node-a"], peers["node-b"]
+    start = time.monotonic()
+    with open_channel(_tls_to(a, b.name, pki)) as channel:
+        raw = socket.socket(fileno=os.dup(channel.fileno()))
+        with raw:
+            raw.sendall(struct.pack("!I", 1000))
+            for _ in range(40):
+                try:
+                    raw.sendall(b"x")
+                except OSError:
+                    break
+                time.sleep(0.2)
+                if _closed(raw):
+                    break
+    lived = time.monotonic() - start
+    assert lived < 4.0, f"the connection lived {lived:.1f}s"
+
+
+def _closed(sock: socket.socket) -> bool:
+    """Whether the peer has closed ``sock`` (without waiting)."""
+    try:
+        return sock.recv(1 << 16, socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
