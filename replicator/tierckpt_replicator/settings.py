@@ -145,6 +145,13 @@ class Settings:
         default=2,
         metadata=_opt("Committed replica steps kept per rank (the newest complete copy is always kept)."),
     )
+    orbax_keep: int = dataclasses.field(
+        default=2,
+        metadata=_opt(
+            "Orbax-mode jobs: committed steps kept per process on its node (Orbax leaves retention to the "
+            "replicator; leased steps and the restore plan's are kept too)."
+        ),
+    )
     reserve_bytes: int = dataclasses.field(
         default=64 * MiB,
         metadata=_opt(
@@ -358,6 +365,8 @@ class Settings:
             raise ValueError("--send-method must be 'mmap' or 'sendfile'")
         if self.replica_keep < 1:
             raise ValueError("--replica-keep must be at least 1")
+        if self.orbax_keep < 1:
+            raise ValueError("--orbax-keep must be at least 1")
         for name in ("handshake_timeout", "api_header_timeout", "api_body_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive")
