@@ -103,7 +103,11 @@ def train(cluster: LocalCluster, op: LocalOperator, job: str, *, save: str = "",
         cmd += ["--slices", str(SLICES), "--save", save, "--backup-interval-steps", "1"]
         cmd += ["--run-name", "orbaxjob", "--out", str(out)]
         with open(log, "wb") as f:
-            procs[node.name] = (node.popen_in_node(cmd, env=env, stdout=f, stderr=subprocess.STDOUT), out, log)
+            procs[node.name] = (
+                node.popen_in_node(cmd, env=env, stdout=f, stderr=subprocess.STDOUT),
+                out,
+                log,
+            )
     deadline = time.monotonic() + RUN_TIMEOUT
     failed = []
     for name, (proc, _, _) in procs.items():
@@ -177,7 +181,9 @@ def test_a_lost_node_is_restored_from_its_peer_bit_exact(cluster4: LocalCluster)
     for name, s in seen.items():
         assert (s["latest"], s["restored"], s["bit_exact"]) == (2, 2, True), (name, s)
     moved = {k: v - before[k] for k, v in staged(cluster4, op.nodes).items()}
-    assert {k for k, v in moved.items() if v} == {(lost.name, Tier.PEER)}, f"only the lost node fetched: {moved}"
+    assert {k for k, v in moved.items() if v} == {(lost.name, Tier.PEER)}, (
+        f"only the lost node fetched: {moved}"
+    )
 
 
 def test_every_ramdisk_wiped_restores_from_the_bucket(cluster4: LocalCluster) -> None:
@@ -194,7 +200,9 @@ def test_every_ramdisk_wiped_restores_from_the_bucket(cluster4: LocalCluster) ->
     for name, s in seen.items():
         assert (s["latest"], s["restored"], s["bit_exact"]) == (2, 2, True), (name, s)
     got = staged(cluster4, op.nodes)  # the replicators started empty
-    assert all(got[n.name, Tier.GCS] > 0 for n in op.nodes), f"every process's step came from the bucket: {got}"
+    assert all(got[n.name, Tier.GCS] > 0 for n in op.nodes), (
+        f"every process's step came from the bucket: {got}"
+    )
 
 
 def test_process_ids_follow_their_data_when_pods_move(cluster4: LocalCluster) -> None:
@@ -208,7 +216,12 @@ def test_process_ids_follow_their_data_when_pods_move(cluster4: LocalCluster) ->
     before = staged(cluster4, op.nodes)
     new_attempt(op, 2)
     seen = train(cluster4, op, job, tag="restore")
-    assert {name: s["process_index"] for name, s in seen.items()} == {a.name: 0, b.name: 1, c.name: 2, d.name: 3}
+    assert {name: s["process_index"] for name, s in seen.items()} == {
+        a.name: 0,
+        b.name: 1,
+        c.name: 2,
+        d.name: 3,
+    }
     for name, s in seen.items():
         assert (s["latest"], s["restored"], s["bit_exact"]) == (2, 2, True), (name, s)
     assert staged(cluster4, op.nodes) == before, "every process restored what its node held"

@@ -52,10 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     import numpy as np
     import orbax.checkpoint as ocp
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
-    from orbax.checkpoint.experimental.emergency.multi_tier_checkpointing import initialization
-    from orbax.checkpoint.experimental.emergency.multi_tier_checkpointing.replicator_checkpoint_manager import (
-        ReplicatorCheckpointManager,
-        ReplicatorCheckpointManagerOptions,
+    from orbax.checkpoint.experimental.emergency.multi_tier_checkpointing import (
+        initialization,
+        replicator_checkpoint_manager,
     )
 
     started = time.monotonic()
@@ -82,11 +81,14 @@ def main(argv: list[str] | None = None) -> int:
     def arrays(step: int) -> dict[str, Any]:
         full = expected(step, rows)
         return {
-            k: jax.make_array_from_callback(v.shape, sharding, lambda idx, v=v: v[idx]) for k, v in full.items()
+            k: jax.make_array_from_callback(v.shape, sharding, lambda idx, v=v: v[idx])
+            for k, v in full.items()
         }
 
-    manager = ReplicatorCheckpointManager(
-        args.dir, ReplicatorCheckpointManagerOptions(save_interval_steps=1), global_mesh=mesh
+    manager = replicator_checkpoint_manager.ReplicatorCheckpointManager(
+        args.dir,
+        replicator_checkpoint_manager.ReplicatorCheckpointManagerOptions(save_interval_steps=1),
+        global_mesh=mesh,
     )
     seen: dict[str, Any] = {
         "process_index": jax.process_index(),
@@ -104,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
         }
         restore_args = ocp.checkpoint_utils.construct_restore_args(abstract)
         got = manager.restore(
-            latest, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(item=abstract, restore_args=restore_args))
+            latest,
+            args=ocp.args.Composite(state=ocp.args.PyTreeRestore(item=abstract, restore_args=restore_args)),
         )["state"]
         want = expected(latest, rows)
         exact = True

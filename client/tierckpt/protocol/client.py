@@ -484,7 +484,9 @@ class SyncReplicatorClient(_Client):
         req = self._req(api.PUT_RESTORE_PLAN, endpoint, job=plan.job, body=plan, node=node)
         return _must(self._call(req, RestorePlan))
 
-    def put_orbax_session(self, endpoint: str, session: OrbaxSession, *, node: str | None = None) -> OrbaxSession:
+    def put_orbax_session(
+        self, endpoint: str, session: OrbaxSession, *, node: str | None = None
+    ) -> OrbaxSession:
         req = self._req(api.PUT_ORBAX_SESSION, endpoint, job=session.job, body=session, node=node)
         return _must(self._call(req, OrbaxSession))
 

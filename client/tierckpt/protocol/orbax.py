@@ -5,19 +5,20 @@ Orbax (``initialize_multi_tier_checkpointing`` and ``ReplicatorCheckpointManager
 them) talks to its node's replicator through files in its local checkpoint directory, the job's
 directory in tierckpt (``<root>/<job>``, the pod's CSI mount):
 
-==============================  ==========  ================================================================
+==============================  ==========  ===========================================================
 file                            written by  what it is
-==============================  ==========  ================================================================
-``jax-init-info.txt``           replicator  the process id, then the JAX coordinator ``host:port`` (one line each)
-``replicator.yaml``             Orbax       this process's node rank, the node count, its DP peers, the backup
-                                            interval (written as ``.tmp``, renamed); deleting it releases Orbax
+==============================  ==========  ===========================================================
+``jax-init-info.txt``           replicator  the process id, then the JAX coordinator ``host:port``
+``replicator.yaml``             Orbax       this process's node rank, the node count, its DP peers, the
+                                            backup interval (written as ``.tmp``, renamed); deleting it
+                                            releases Orbax
 ``replicator.errors``           replicator  log lines Orbax reads, logs and deletes
 ``replicator.failed``           replicator  fatal: Orbax reads and deletes it, and raises
-``replicator.prerestore``       replicator  the step about to be handed over (``restore-step: N``, or ``{}``)
-``<run>-s<S>-n<R>-w0.restore``  replicator  step ``S`` for node rank ``R`` (a directory Orbax renames to ``<S>``),
-                                            or, with ``S`` = 0, an empty file: nothing to restore
-``<S>/``                        Orbax       a committed step (it appears by rename: that is Orbax's commit)
-==============================  ==========  ================================================================
+``replicator.prerestore``       replicator  the step about to be handed over (``restore-step: N``, ``{}``)
+``<run>-s<S>-n<R>-w0.restore``  replicator  step ``S`` for node rank ``R`` (a directory Orbax renames to
+                                            ``<S>``), or, with ``S`` = 0, an empty file: nothing to restore
+``<S>/``                        Orbax       a committed step (it appears by rename: Orbax's commit)
+==============================  ==========  ===========================================================
 
 Everything Orbax writes is untrusted input to the replicator (the pod writes the directory):
 ``parse_replicator_yaml`` reads a strict, bounded subset of YAML (the ``key: value`` lines Orbax writes)
@@ -232,7 +233,9 @@ class _Fields:
         if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
             value = value[1:-1]
         if not 0 < len(value) <= 253 or not value.isprintable() or not value.isascii():
-            raise FormatError(f"line {number}: {key} must be 1-253 printable ASCII characters, got {_show(value)}")
+            raise FormatError(
+                f"line {number}: {key} must be 1-253 printable ASCII characters, got {_show(value)}"
+            )
         return value
 
     def integer(self, key: str, low: int, high: int, *, required: bool = True) -> int | None:
@@ -252,10 +255,14 @@ class _Fields:
         inner = value[1:-1].strip() if value.startswith("[") and value.endswith("]") else None
         items = [] if not inner else [v.strip() for v in inner.split(",")]
         if inner is None or len(items) > _MAX_PEERS or not all(_INT_RE.fullmatch(v) for v in items):
-            raise FormatError(f"line {number}: {key} must be a list of node ranks like [1, 3], got {_show(value)}")
+            raise FormatError(
+                f"line {number}: {key} must be a list of node ranks like [1, 3], got {_show(value)}"
+            )
         ranks = tuple(int(v) for v in items)
         if any(not 0 <= r < nodes for r in ranks) or len(set(ranks)) != len(ranks):
-            raise FormatError(f"line {number}: {key} must name distinct node ranks below {nodes}, got {_show(value)}")
+            raise FormatError(
+                f"line {number}: {key} must name distinct node ranks below {nodes}, got {_show(value)}"
+            )
         return ranks
 
 
@@ -307,7 +314,9 @@ class OrbaxLayout(Record):
         for f in self.files:
             parent = check_relative_path(f).rpartition("/")[0]
             if f in seen or f in names or (parent and parent not in seen):
-                raise FormatError(f"Orbax step file {f!r} is repeated, a directory, or in no listed directory")
+                raise FormatError(
+                    f"Orbax step file {f!r} is repeated, a directory, or in no listed directory"
+                )
             names.add(f)
 
     @classmethod
@@ -400,7 +409,10 @@ class OrbaxRun(Message):
             raise FormatError("orbax run: generation must be in -1..2**53-1")
         if self.run and not _RUN_RE.fullmatch(self.run):
             raise FormatError(f"orbax run: invalid run name {self.run!r}")
-        if not 0 <= self.backup_interval_steps <= _MAX_STEPS or not 0 <= self.backup_interval_minutes <= _MAX_MINUTES:
+        if (
+            not 0 <= self.backup_interval_steps <= _MAX_STEPS
+            or not 0 <= self.backup_interval_minutes <= _MAX_MINUTES
+        ):
             raise FormatError("orbax run: backup intervals out of range")
         if self.restored is not None and not 0 <= self.restored <= _MAX_STEPS:
             raise FormatError("orbax run: restored step out of range")

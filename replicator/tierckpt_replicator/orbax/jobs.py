@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -155,7 +156,7 @@ class OrbaxJobs:
             if run.generation == session.generation and not run.delivered and job not in self._deliveries:
                 task = asyncio.create_task(self._deliver(job, session), name=f"orbax-handover-{job}")
                 self._deliveries[job] = task
-                task.add_done_callback(lambda t, job=job: self._delivered(job, t))
+                task.add_done_callback(functools.partial(self._delivered, job))
 
     def _lock(self, job: str) -> asyncio.Lock:
         return self._locks.setdefault(job, asyncio.Lock())
@@ -174,14 +175,14 @@ class OrbaxJobs:
             run = self.store.run(job)
             self._adopt_all(tree, job, session, run, protect)
             run = self.store.run(job)
-            if session.generation > run.generation:
-                if files.write_jax_init_info(tree, jax_init_info(session.process_id, session.coordinator)):
-                    log.info("job %s: jax-init-info.txt says process %d", job, session.process_id)
+            info = jax_init_info(session.process_id, session.coordinator)
+            if session.generation > run.generation and files.write_jax_init_info(tree, info):
+                log.info("job %s: jax-init-info.txt says process %d", job, session.process_id)
             try:
                 data = files.read_yaml(tree)
                 unsafe = ""
             except FormatError as exc:  # a link, a FIFO, a directory, too large: refused, never followed
-                data, unsafe = b"", str(exc)
+                data, unsafe = b"", _inside(tree, exc)
             if data is None:
                 return None
             return self._handshake(tree, job, session, run, data, unsafe)
@@ -203,7 +204,8 @@ class OrbaxJobs:
                     self._refused.add(f"{job}/{name}")
                     log.warning("job %s: Orbax step %d cannot be adopted: %s", job, step, exc)
                     with contextlib.suppress(OSError, FormatError):
-                        files.report(tree, ERRORS, f"{self._me()}: step {step} is not replicated: {exc}")
+                        why = _inside(tree, exc)
+                        files.report(tree, ERRORS, f"{self._me()}: step {step} is not replicated: {why}")
                 continue
             adopted.append(got)
             self.metrics.orbax_adopted.labels(job).inc()
@@ -265,7 +267,9 @@ class OrbaxJobs:
             )
         removed = files.clear_for_handshake(tree)
         if problem:
-            files.report(tree, ERRORS, f"{self._me()}: {problem}; the job's configured backup schedule applies")
+            files.report(
+                tree, ERRORS, f"{self._me()}: {problem}; the job's configured backup schedule applies"
+            )
             log.warning("job %s: %s", job, problem)
         if fatal:
             files.report(tree, FAILED, f"{self._me()}: {fatal}")
@@ -304,7 +308,12 @@ class OrbaxJobs:
             waited = time.monotonic() - waiting_since
             if waited - said >= 30:
                 said = waited
-                log.info("job %s: attempt %d waits %.0fs for its restore to be staged", job, session.generation, waited)
+                log.info(
+                    "job %s: attempt %d waits %.0fs for its restore to be staged",
+                    job,
+                    session.generation,
+                    waited,
+                )
             await asyncio.sleep(self.poll)
         async with self._lock(job):
             try:
@@ -365,7 +374,7 @@ class OrbaxJobs:
                         tree, rank, ho.step, job_id=job, limit=self.settings.max_manifest_bytes
                     )
                 except (FormatError, UnsafePathError, FileNotFoundError) as exc:
-                    failed = f"step {ho.step} of process {rank} cannot be laid out: {exc}"
+                    failed = f"step {ho.step} of process {rank} cannot be laid out: {_inside(tree, exc)}"
                 else:
                     # recorded first: once renamed by Orbax, the step's directory is not a new save
                     self.store.put_run(dataclasses.replace(run, delivered=True, restored=ho.step))
@@ -374,7 +383,7 @@ class OrbaxJobs:
                         files.hand_over_step(tree, layout, marker, ho.step)
                     except (OSError, FormatError) as exc:
                         files.remove(tree, layout)
-                        failed = f"step {ho.step} could not be handed over: {exc}"
+                        failed = f"step {ho.step} could not be handed over: {_inside(tree, exc)}"
                     else:
                         log.info("job %s: step %d handed over to process %d (%s)", job, ho.step, rank, marker)
                         return "restore"
@@ -382,6 +391,11 @@ class OrbaxJobs:
             self.store.put_run(dataclasses.replace(run, delivered=True))
             log.error("job %s: failed the run: %s", job, failed)
             return "failed"
+
+
+def _inside(tree: Beneath, exc: BaseException) -> str:
+    """``exc`` as the pod is told it: paths in its own directory, not where the node keeps it."""
+    return str(exc).replace(f"{tree.where}/", "").replace(tree.where, ".")
 
 
 def _published(settings: Settings, job: str) -> RestorePlan | None:

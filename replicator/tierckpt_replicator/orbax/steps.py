@@ -181,7 +181,12 @@ def apply_retention(
             discard_step(parent.at(present[step]))
     superseded = [s for s in plan.retire if s > latest]
     if superseded:
-        log.info("%s: retired steps %s, saved before training went back to step %d", parent.where, superseded, latest)
+        log.info(
+            "%s: retired steps %s, saved before training went back to step %d",
+            parent.where,
+            superseded,
+            latest,
+        )
     return plan.retire
 
 
