@@ -112,6 +112,9 @@ class AssignmentDecision:
     problem: str = ""
     coordinator: str = ""
     """The address of the pod holding node rank 0 (``tierckpt.io/coordinator``)."""
+    coordinator_ip: str = ""
+    """The IP of that pod ("" until it runs): the JAX coordinator of an Orbax-mode job, as on GKE (a pod's
+    DNS name needs search domains that not every resolver reads)."""
 
     @property
     def complete(self) -> bool:
@@ -165,7 +168,14 @@ def decide_assignment(
         pods=tuple(pods_by_rank),
     )
     return AssignmentDecision(
-        attempt, len(members), n, new_state, assignment, writes, coordinator=coordinator
+        attempt,
+        len(members),
+        n,
+        new_state,
+        assignment,
+        writes,
+        coordinator=coordinator,
+        coordinator_ip=rank0.ip if rank0 is not None else "",
     )
 
 

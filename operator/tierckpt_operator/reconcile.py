@@ -207,7 +207,7 @@ class JobController:
         await self._publish_policy(info, spec, state, cluster)
         state = await self._publish_peers(info, spec, state, cluster)
         if info.mode == "orbax":  # before the plan: Orbax's processes wait for jax-init-info.txt
-            await self._publish_sessions(info, state, decision.coordinator, cluster)
+            await self._publish_sessions(info, state, decision.coordinator_ip, cluster)
         state = await self._publish_restore(info, state, cluster)
         await self._report_running(info, state)
 
@@ -409,9 +409,9 @@ class JobController:
         self, info: JobSetInfo, state: JobState, address: str, cluster: ClusterView
     ) -> None:
         """Orbax mode: send every node its session for this attempt (its process id, the JAX coordinator
-        on the pod of node rank 0), as GKE's controller writes jax-init-info.txt."""
+        on the IP of the pod of node rank 0), as GKE's controller writes jax-init-info.txt."""
         coordinator = jax_coordinator(address, self.ctx.settings.jax_coordinator_port)
-        if coordinator is None:  # the rank 0 pod has no address yet: its IP comes when it runs
+        if coordinator is None:  # the rank 0 pod has no IP yet: it comes when the pod runs
             self._retry_later()
             return
         wanted = orbax_sessions(info.job_id, state, coordinator)

@@ -50,19 +50,31 @@ def where_pods_ran(env, attempt):
 
 
 def rank0_address(env, attempt, ranks):
+    """The IP of the pod of node rank 0 in ``attempt`` (as on GKE; every pod is 127.0.0.1 here)."""
     rank0 = next(node for node, rank in ranks.items() if rank == 0)
     pod = next(p for p in env.cluster.pods(NS, NAME, attempt) if p["spec"]["nodeName"] == rank0)
-    return f"{pod['spec']['hostname']}.{pod['spec']['subdomain']}"
+    return pod["status"]["podIP"]
 
 
 async def every_node_says(env, job, ranks, attempt):
-    """Each node's jax-init-info.txt names its node's rank and the rank 0 pod of ``attempt``."""
+    """Each node holds the session of ``attempt`` and its jax-init-info.txt names its node's rank and the
+    rank 0 pod of ``attempt``."""
     coordinator = f"{rank0_address(env, attempt, ranks)}:{PORT}"
     want = {node: f"{rank}\n{coordinator}\n" for node, rank in ranks.items()}
+
+    def sessions():
+        return {
+            n: read_control(env.replicators.nodes[n].root, job, OrbaxSession.FILE, OrbaxSession) for n in want
+        }
+
     return await eventually(
-        lambda: {n: init_info(env.replicators.nodes[n], job) for n in want} == want and want,
+        lambda: (
+            all(s is not None and s.generation == attempt for s in sessions().values())
+            and {n: init_info(env.replicators.nodes[n], job) for n in want} == want
+            and sessions()
+        ),
         30,
-        f"jax-init-info.txt of attempt {attempt} on every node",
+        f"the sessions and jax-init-info.txt of attempt {attempt} on every node",
     )
 
 
@@ -81,10 +93,9 @@ async def test_orbax_mode_process_ids_follow_their_data(env):
         mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
         assert mounts["tierckpt-ramdisk"] == MOUNT
         assert {"name": "JOBSET_NAME", "value": NAME} in container["env"]
-    await every_node_says(env, job, first, 0)
+    sessions = await every_node_says(env, job, first, 0)
     for node in nodes:
-        session = read_control(node.root, job, OrbaxSession.FILE, OrbaxSession)
-        assert isinstance(session, OrbaxSession)
+        session = sessions[node.name]
         assert (session.node, session.process_id, session.num_processes) == (node.name, first[node.name], 4)
     await eventually(
         lambda: any(
@@ -100,7 +111,5 @@ async def test_orbax_mode_process_ids_follow_their_data(env):
     again = await place(env, [n.name for n in reversed(nodes)], attempt, seed=6)
     assert again == first
     assert where_pods_ran(env, 0) != where_pods_ran(env, attempt), "some pod runs on another node now"
-    await every_node_says(env, job, first, attempt)
-    for node in nodes:
-        session = read_control(node.root, job, OrbaxSession.FILE, OrbaxSession)
-        assert isinstance(session, OrbaxSession) and session.generation == attempt
+    sessions = await every_node_says(env, job, first, attempt)
+    assert {n: s.process_id for n, s in sessions.items()} == first

@@ -4,14 +4,15 @@ webhook injects in that mode, and the sessions each node's replicator gets."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 
-from tests.operator.test_operator_units import _jobset, _pod
+from tests.operator.test_operator_units import _info, _jobset, _pod, _workers
 from tierckpt.protocol.contract import Annotations
 from tierckpt.protocol.errors import ContractError
 from tierckpt.protocol.orbax import OrbaxSession
-from tierckpt_operator.decisions import JobState, jax_coordinator, orbax_sessions
+from tierckpt_operator.decisions import JobState, decide_assignment, jax_coordinator, orbax_sessions
 from tierckpt_operator.injection import ORBAX_RUN_ENV, Injection, inject
 from tierckpt_operator.jobsets import parse_jobset
 
@@ -55,6 +56,19 @@ def test_each_node_gets_its_rank_as_its_process_id() -> None:
         node: OrbaxSession("ns_j_01234567", node, 3, rank, 3, "llama-0-0.llama:8476")
         for rank, node in enumerate(("n2", "n0", "n1"))
     }
+
+
+def test_the_coordinator_is_the_ip_of_the_pod_given_rank_0() -> None:
+    nodes = [f"n{i}" for i in range(8)]
+    first = decide_assignment(_info(), _workers(nodes), JobState(), {}).state
+    # the restart: the pod of index 0 lands on n5, the one of index 5 on n0 (which holds rank 0)
+    moved = [nodes[5], *nodes[1:5], nodes[0], *nodes[6:]]
+    pods = [dataclasses.replace(w, ip=f"10.0.0.{i + 1}") for i, w in enumerate(_workers(moved, attempt=1))]
+    d = decide_assignment(_info(restarts=1), pods, first, {})
+    assert d.state.nodes == first.nodes
+    assert d.coordinator_ip == "10.0.0.6", "the pod on n0, which keeps rank 0"
+    unstarted = [dataclasses.replace(w, ip="") for w in pods]
+    assert decide_assignment(_info(restarts=1), unstarted, first, {}).coordinator_ip == ""
 
 
 @pytest.mark.parametrize(

@@ -18,7 +18,9 @@ from tierckpt_demo.local_operator import LocalOperator
 
 pytestmark = [pytest.mark.e2e]
 
-YAML = "job-name: run\nframework: orbax\nnode-rank: {rank}\nnodes: 2\npeer-ranks: []\nbackup-interval-steps: 1"
+YAML = (
+    "job-name: run\nframework: orbax\nnode-rank: {rank}\nnodes: 2\npeer-ranks: []\nbackup-interval-steps: 3"
+)
 
 
 @pytest.fixture(scope="module")
@@ -52,9 +54,10 @@ def test_a_malformed_yaml_gets_a_clear_error_and_the_daemon_keeps_running(cluste
     write_yaml(a, job, b"node-rank: 0\nnodes: 2\x00\nframework: [orbax")  # what a buggy or hostile pod writes
     write_yaml(b, job, YAML.format(rank=0))  # node b runs process 1: this is another process's yaml
     for node in (a, b):
-        wait(cluster2, lambda n=node: not (n.root / job / REPLICATOR_YAML).exists(), 20, f"{node.name} answered")
+        answered = f"{node.name} answered"
+        wait(cluster2, lambda n=node: not (n.root / job / REPLICATOR_YAML).exists(), 20, answered)
     errors = (a.root / job / ERRORS).read_text()
-    assert "tierckpt replicator on node-0: replicator.yaml is malformed: line 2: nodes must be an integer" in errors
+    assert "on node-0: replicator.yaml is malformed: line 2: nodes must be an integer" in errors
     assert "the job's configured backup schedule applies" in errors
     failed = (b.root / job / FAILED).read_text()
     assert "says node-rank 0 of 2 nodes, but this node runs process 1 of 2 in restart attempt 1" in failed

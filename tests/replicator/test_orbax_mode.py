@@ -67,8 +67,16 @@ class Staged:
     plans: dict[str, RestorePlan] = dataclasses.field(default_factory=dict)
     states: dict[str, dict[int, RestoreState]] = dataclasses.field(default_factory=dict)
 
+    started: list[RestorePlan] = dataclasses.field(default_factory=list)
+
     def running(self, job: str) -> bool:
         return False
+
+    def start_for_plan(self, job: str, plan: RestorePlan) -> None:
+        """Staging the plan: done at once, every rank here ready."""
+        self.started.append(plan)
+        self.plans[job] = plan
+        self.states[job] = {0: RestoreState.READY if plan.step is not None else RestoreState.NONE}
 
 
 @dataclasses.dataclass
@@ -226,6 +234,19 @@ def test_retention_keeps_the_newest_steps_and_retires_steps_of_an_abandoned_time
     orbax_step(node.job, 25)  # training went back to an older step: 30 was saved before that
     node.scan()
     assert committed_steps(rank_dir(node.root, A, 0)) == [20, 25]
+
+
+def test_a_plan_staged_for_another_step_is_staged_again_as_the_operator_published_it(node: Node) -> None:
+    """A replicator that restarted computes a plan of its own; the hand-over waits for the operator's."""
+    orbax_step(node.job, 3)
+    orbax_step(node.job, 4)
+    node.scan()
+    node.write(REPLICATOR_YAML, GOOD_YAML)
+    node.plan(3)
+    node.stager.plans[A] = dataclasses.replace(node.stager.plans[A], step=4, generation=1767225600456)
+    asyncio.run(deliver(node))
+    assert [p.step for p in node.stager.started] == [3]
+    assert (node.job / "llama-s3-n0-w0.restore").is_dir()
 
 
 def test_a_failed_staging_fails_the_run_with_its_reason(node: Node) -> None:

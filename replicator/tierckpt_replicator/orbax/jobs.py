@@ -333,9 +333,14 @@ class OrbaxJobs:
     def _hand_over(self, job: str, session: OrbaxSession) -> _HandOver | None:
         """What to hand over once the attempt's plan is staged for this process's rank (None: not yet)."""
         plan = _published(self.settings, job)
-        if plan is None or plan.generation != session.generation:
+        if plan is None or plan.generation != session.generation or self.stager.running(job):
             return None
-        if self.stager.running(job) or self.stager.plans.get(job) != plan:
+        staged = self.stager.plans.get(job)
+        if staged is None or (staged.step, staged.world_size) != (plan.step, plan.world_size):
+            # staging ran for another plan (one this node computed itself after it restarted): every
+            # process must get the operator's step, so that one is staged now
+            log.info("job %s: staging the operator's plan (step %s) for the hand-over", job, plan.step)
+            self.stager.start_for_plan(job, plan)
             return None
         rank = session.process_id
         state = self.stager.states.get(job, {}).get(rank)
