@@ -563,3 +563,13 @@ def test_backups_follow_the_interval_orbax_asked_for(node: Node) -> None:
     node.write(REPLICATOR_YAML, GOOD_YAML.replace(b"backup-interval-steps: 5", b"backup-interval-minutes: 2"))
     node.scan()
     assert store.schedule(A) == (0, 120.0)
+
+
+def test_a_job_without_a_session_is_not_in_orbax_mode(node: Node) -> None:
+    """A native job's pod writing Orbax's files gets no answer: nothing is adopted, read or removed."""
+    native = node.root / "ns_native_cccccccc"
+    orbax_step(native, 5)
+    (native / REPLICATOR_YAML).write_bytes(GOOD_YAML)
+    node.scan()
+    assert (native / REPLICATOR_YAML).read_bytes() == GOOD_YAML and (native / "5").is_dir()
+    assert not (native / JAX_INIT_INFO).exists() and not (native / "rank-00000").exists()
