@@ -109,6 +109,8 @@ def _print_summary(meta: dict[str, Any], spec: dict[str, Any], st: dict[str, Any
     )
     if st.get("redundancy"):
         out_console.print(f"redundancy: {st['redundancy']}", markup=False)
+    if st.get("overQuota"):
+        out_console.print(f"over quota (not replicated, not backed up): {st['overQuota']}", markup=False)
     restore = st.get("restore") or {}
     if restore:
         sources = ", ".join(

@@ -879,15 +879,28 @@ class Checkpointer:
         ``blocking=False`` returns at once: the slots are prepared on a background thread while training
         starts, and a save arriving meanwhile takes a slot that is ready (or the one being prepared),
         never a half-prepared one. The returned future completes when every slot is ready.
+
+        ``load`` does this in the background for the state it loads (or finds nothing for): the state a
+        job loads is the state it saves.
         """
         self._check_open()
-        flat = flatten(state_dict)
+        flat = flatten(self._expand(state_dict).state)
         self._use_cuda(flat)
         protected = self._protected() if self._overlapping else set()
         future = self._registering = self._pool.warm(self._plan(flat, protected))
         if blocking:
             future.result()
         return future
+
+    def _prepare_saves(self, state_dict: dict[Any, Any]) -> None:
+        """After a load: prepare the slots for this state in the background (``prepare(blocking=False)``),
+        so the first saves find them ready; a state that cannot be prepared is left to the first save."""
+        if self._group is not None and not self._group.writer:
+            return
+        try:
+            self.prepare(state_dict, blocking=False)
+        except Exception as exc:  # e.g. a state that cannot be flattened: the save will say so
+            log.debug("not preparing slots after the load: %s", exc)
 
     # ------------------------------------------------------------------------------- overlap
 
@@ -963,6 +976,7 @@ class Checkpointer:
         if not candidates:
             if allow_missing:
                 log.info("no checkpoint to load for rank %d; starting fresh", self.settings.rank)
+                self._prepare_saves(state_dict)
                 return None
             raise MissingCheckpointError(
                 f"no committed step {'' if step is None else step} that every rank holds in {self.rank_path}"
@@ -980,6 +994,7 @@ class Checkpointer:
                 if n:
                     log.warning("loaded step %d after falling back from step %d", candidate, candidates[0])
                 expanded.finish_load(state_dict)
+                self._prepare_saves(expanded.state)
                 return candidate
             mismatched = [r for r, o in enumerate(outcomes) if o == _MISMATCH]
             if error is not None:

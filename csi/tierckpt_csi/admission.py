@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-from tierckpt_csi.quantity import format_bytes as _b
+from tierckpt.protocol.quantity import format_bytes as _b
 
 __all__ = ["Admission", "JobUse", "admit", "mem_available"]
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import typer
 
 from tierckpt.protocol.contract import Csi
-from tierckpt_csi.quantity import format_bytes, parse_quantity
+from tierckpt.protocol.quantity import format_bytes, parse_quantity
 
 __all__ = ["app", "main"]
 

@@ -14,6 +14,7 @@ import logging
 import os
 from pathlib import Path
 
+from tierckpt.protocol.quantity import format_bytes
 from tierckpt_csi.mounts import (
     MS_NODEV,
     MS_NOEXEC,
@@ -22,7 +23,6 @@ from tierckpt_csi.mounts import (
     mount,
     mount_at,
 )
-from tierckpt_csi.quantity import format_bytes
 
 __all__ = ["RAMDISK_SOURCE", "Ramdisk", "RamdiskUsage", "ensure_ramdisk", "tree_bytes"]
 

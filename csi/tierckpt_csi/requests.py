@@ -17,9 +17,9 @@ from pathlib import Path, PurePosixPath
 from tierckpt.protocol.contract import Csi
 from tierckpt.protocol.errors import FormatError
 from tierckpt.protocol.format import check_job_id
+from tierckpt.protocol.quantity import parse_quantity
 from tierckpt_csi._proto import csi_pb2
 from tierckpt_csi.errors import invalid
-from tierckpt_csi.quantity import parse_quantity
 
 __all__ = ["EPHEMERAL", "POD_NAME", "POD_NAMESPACE", "POD_UID", "Publish", "check_target", "parse_publish"]
 

@@ -285,30 +285,22 @@ class Node:
         self._need_netns("restore_link")
         _run(["ip", "link", "set", self.veth, "up"])
 
-    def limit_rate(self, rate: str) -> None:
-        """Shape the node's incoming link to ``rate`` (``tc tbf``, e.g. ``"50mbit"``): a slow peer."""
+    def limit_rate(self, rate: str, *, outgoing: bool = False) -> None:
+        """Shape the node's incoming link (``outgoing``: its outgoing one) to ``rate`` (``tc tbf``, e.g.
+        ``"50mbit"``): a slow peer, or a node whose uploads crawl."""
         self._need_netns("limit_rate")
-        _run(
-            [
-                "tc",
-                "qdisc",
-                "replace",
-                "dev",
-                self.veth,
-                "root",
-                "tbf",
-                "rate",
-                rate,
-                "burst",
-                "256kb",
-                "latency",
-                "400ms",
-            ]
-        )
+        tbf = ["root", "tbf", "rate", rate, "burst", "256kb", "latency", "400ms"]
+        if outgoing:
+            _run(["tc", "-n", str(self.netns), "qdisc", "replace", "dev", "eth0", *tbf])
+        else:
+            _run(["tc", "qdisc", "replace", "dev", self.veth, *tbf])
 
-    def unlimit_rate(self) -> None:
+    def unlimit_rate(self, *, outgoing: bool = False) -> None:
         self._need_netns("unlimit_rate")
-        _run(["tc", "qdisc", "del", "dev", self.veth, "root"], check=False)
+        if outgoing:
+            _run(["tc", "-n", str(self.netns), "qdisc", "del", "dev", "eth0", "root"], check=False)
+        else:
+            _run(["tc", "qdisc", "del", "dev", self.veth, "root"], check=False)
 
     def drop_port(self, port: int, *, source: Node | None = None) -> None:
         """Silently drop incoming TCP to ``port`` inside the node (nft), from every node or only from

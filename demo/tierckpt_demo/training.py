@@ -37,9 +37,7 @@ import torch
 import torch.distributed as dist
 
 from tierckpt.protocol.codec import Message
-from tierckpt.protocol.control import RestoreState, RestoreStatus, read_restore_status
-from tierckpt.protocol.errors import FormatError
-from tierckpt.protocol.format import rank_dir, read_commit, step_dir
+from tierckpt.snapshot.restore_wait import restored_from
 
 __all__ = [
     "MODEL_PRESETS",
@@ -305,23 +303,13 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def describe_restore(ckpt: Any, step: int | None) -> tuple[str, int, float]:
-    """(tier, bytes, staged_at) of the step ``ckpt.load`` just restored.
-
-    The tier is the one the node's replicator reported in this rank's restore status when it staged
-    that step (``local`` when no replicator staged it); the bytes are the step's, from its commit.
-    """
+    """(tier, bytes, staged_at) of the step ``ckpt.load`` just restored (``restore_wait.restored_from``:
+    the tier the node's replicator staged it from, ``local`` when it did not stage it)."""
     if step is None:
         return "none", 0, 0.0
     s = ckpt.settings
-    marker = read_commit(step_dir(rank_dir(s.root, s.job, s.rank), step))
-    nbytes = marker.total_bytes if marker is not None else 0
-    try:
-        status = read_restore_status(s.root, s.job, s.rank)
-    except FormatError:
-        status = None
-    if isinstance(status, RestoreStatus) and status.step == step and status.state is RestoreState.READY:
-        return (status.source.value if status.source else "local"), nbytes, status.updated_at
-    return "local", nbytes, 0.0
+    restored = restored_from(s.root, s.job, s.rank, step)
+    return restored.tier.value, restored.total_bytes, restored.staged_at
 
 
 def _flip_one_bit(state: dict[str, Any]) -> None:

@@ -19,6 +19,10 @@ __all__ = ["PurgeResult", "purge_job"]
 
 log = logging.getLogger(__name__)
 
+BACKUP_PURGE_TIMEOUT = 420.0
+"""Seconds one replicator may take to delete the job's backups: it waits for the uploads other nodes
+still have in flight (their writer leases) before its last sweep."""
+
 
 @dataclasses.dataclass(frozen=True)
 class PurgeResult:
@@ -61,7 +65,9 @@ async def purge_job(
         backups = False
         for node in sorted(purged) or sorted(targets):
             try:
-                await client.purge(targets[node], job_id, backups=True, node=node)
+                await client.purge(
+                    targets[node], job_id, backups=True, timeout=BACKUP_PURGE_TIMEOUT, node=node
+                )
                 backups = True
                 break
             except Exception as exc:  # the next replicator may succeed

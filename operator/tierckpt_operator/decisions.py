@@ -252,6 +252,7 @@ def job_policy(job: str, spec: ConfigSpec, generation: int = 0) -> JobPolicy:
         erasure_data=spec.erasure_data,
         erasure_parity=spec.erasure_parity,
         delete_backups_on_deletion=spec.delete_backups,
+        quota_bytes=spec.ramdisk_bytes,
         config=spec.name,
     )
 

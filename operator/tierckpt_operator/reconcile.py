@@ -46,6 +46,7 @@ from tierckpt_operator.status_fields import (
     condition,
     iso_time,
     merge_conditions,
+    over_quota_text,
     rank_ranges,
     redundancy_of,
     redundancy_text,
@@ -538,6 +539,11 @@ class JobController:
         }
         if (groups := replica_groups(invs)) is not None:
             fields["replicaGroups"] = groups
+        fields["overQuota"] = over = over_quota_text(invs)
+        if over is None:
+            self._said.pop("quota", None)
+        else:
+            self._event_once("quota", "Warning", "QuotaExceeded", f"not replicated, not backed up: {over}")
         redundancy = redundancy_of(invs)
         if redundancy is not None:
             fields["redundancy"] = redundancy_text(redundancy)

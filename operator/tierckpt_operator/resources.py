@@ -15,6 +15,7 @@ from typing import Any
 from tierckpt.protocol.bucket_layout import BucketLayout
 from tierckpt.protocol.control import MAX_ERASURE_FRAGMENTS
 from tierckpt.protocol.errors import ContractError, FormatError
+from tierckpt.protocol.quantity import parse_quantity
 from tierckpt_operator.kube_rules import check_node_selector, check_positive_quantity, check_tolerations
 
 __all__ = [
@@ -66,6 +67,9 @@ class ConfigSpec:
     bucket: str
     prefix: str = "tierckpt"
     ramdisk_size: str = "64Gi"
+    ramdisk_bytes: int = 64 << 30
+    """``ramdisk_size`` in bytes: the job's reservation on each node, and its quota in the replicators
+    (no rank's step can legitimately be larger; ``JobPolicy.quota_bytes``)."""
     mount_root: str = "/tierckpt"
     node_selector: tuple[tuple[str, str], ...] = ()
     tolerations: tuple[dict[str, Any], ...] = ()
@@ -107,6 +111,10 @@ class ConfigSpec:
         except FormatError as exc:
             raise ContractError(f"spec.gcs.prefix: {exc}") from exc
         size = check_positive_quantity(ramdisk.get("size", cls.ramdisk_size), "spec.ramdisk.size")
+        try:
+            size_bytes = parse_quantity(size)
+        except ValueError as exc:
+            raise ContractError(f"spec.ramdisk.size: {exc}") from exc
         mount_root = ramdisk.get("mountRoot", cls.mount_root)
         if not isinstance(mount_root, str) or not mount_root.startswith("/") or ".." in mount_root.split("/"):
             raise ContractError(f"spec.ramdisk.mountRoot {mount_root!r} must be an absolute path")
@@ -118,6 +126,7 @@ class ConfigSpec:
             bucket=bucket,
             prefix=prefix,
             ramdisk_size=size,
+            ramdisk_bytes=size_bytes,
             mount_root=mount_root.rstrip("/") or "/",
             node_selector=selector,
             tolerations=tolerations,

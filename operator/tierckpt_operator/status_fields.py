@@ -23,6 +23,7 @@ __all__ = [
     "config_status",
     "iso_time",
     "merge_conditions",
+    "over_quota_text",
     "parse_ranges",
     "rank_ranges",
     "redundancy_of",
@@ -144,6 +145,23 @@ def redundancy_text(redundancy: Redundancy) -> str:
     if redundancy.degraded_since is None:
         return replicas
     return f"degraded since {iso_time(redundancy.degraded_since)} ({replicas})"
+
+
+_OVER_QUOTA_SHOWN = 3
+
+
+def over_quota_text(inventories: Sequence[NodeInventory]) -> str | None:
+    """The ``status.overQuota`` text: the steps the replicators refuse for the job's quota (neither
+    replicated nor backed up: they declare more bytes than the job's ramdisk size, sparse files say),
+    the first few by node, rank and step; None when there is none."""
+    found = sorted(
+        (inv.node, o.rank, o.step, o.describe(inv.job)) for inv in inventories for o in inv.over_quota
+    )
+    if not found:
+        return None
+    text = "; ".join(f"{node}: {what}" for node, _, _, what in found[:_OVER_QUOTA_SHOWN])
+    more = len(found) - _OVER_QUOTA_SHOWN
+    return text + (f"; and {more} more" if more > 0 else "")
 
 
 _BYTE_FIELDS = (

@@ -19,9 +19,11 @@ imports the other), ``:`` siblings that may import each other:
    worker), or the bucket (through ``backup.jobs.BackupPort``).
 7. ``replication`` | ``backup``: tier 2 (peer replicas: loop, worker process, data plane) and tier 3
    (GCS backups). Neither knows the other; the daemon tells backup about commits replication saw.
-8. ``watch`` | ``access`` | ``identity``: inotify wake-ups for new commits (other nodes' control APIs
-   are reached through ``tierckpt.protocol.client``); who may do what here (the peer certificate's
-   identity against the job's members); this node's certificate (obtained from the operator, renewed).
+8. ``watch`` | ``access`` | ``identity`` | ``quota``: inotify wake-ups for new commits (other nodes'
+   control APIs are reached through ``tierckpt.protocol.client``); who may do what here (the peer
+   certificate's identity against the job's members); this node's certificate (obtained from the
+   operator, renewed, always this node's own); each job's quota (the most bytes a step may declare to
+   be sent, received or uploaded).
 9. ``assignments`` | ``inventory`` | ``policies`` | ``orbax_state`` | ``metrics`` | ``settings`` |
    ``connlimits``: peers.json, what this node holds, policy.json, Orbax-mode jobs' session and run,
    Prometheus metrics, the daemon's options, and open connections bounded per source (the data port

@@ -27,8 +27,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     import uvloop
 
     from tierckpt_replicator.daemon import serve
+    from tierckpt_replicator.identity import IdentityRefused
 
-    uvloop.run(serve(settings))  # asyncio.Runner with uvloop's loop (and Python 3.10's equivalent)
+    try:
+        uvloop.run(serve(settings))  # asyncio.Runner with uvloop's loop (and Python 3.10's equivalent)
+    except IdentityRefused as exc:  # another node's certificate, a foreign CA's, the operator's: peers
+        # would refuse it, so the node would only look alive
+        print(f"tierckpt-replicator: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

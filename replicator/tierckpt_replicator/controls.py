@@ -15,7 +15,7 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import tierckpt_replicator
@@ -29,6 +29,7 @@ from tierckpt.protocol.control import (
     Redundancy,
     RestorePlan,
     StepBytes,
+    StepOverQuota,
     read_control,
     write_control,
 )
@@ -78,6 +79,8 @@ class LocalInventory:
         """The replication loop's replica group view (its accounting and diverged ranks), once it runs."""
         self.restoring: Callable[[str], dict[int, str]] = lambda job: {}
         """Rank -> state of this node's restore staging of ``job`` (the daemon sets it)."""
+        self.over_quota: Callable[[str], tuple[StepOverQuota, ...]] = lambda job: ()
+        """The job's newest local steps refused for its quota (the replication loop's; the daemon sets it)."""
         self._cache: dict[str, tuple[float, dict[int, int]]] = {}
 
     async def __call__(self, job: str) -> NodeInventory:
@@ -86,7 +89,11 @@ class LocalInventory:
         # a step known only from the bucket still needs its world size, or nobody knows its ranks
         world_sizes = {**{s: ws for s, ws in bucket.items() if ws > 0}, **inv.world_sizes}
         inv = dataclasses.replace(
-            inv, world_sizes=world_sizes, redundancy=self.redundancy(job), restoring=self.restoring(job)
+            inv,
+            world_sizes=world_sizes,
+            redundancy=self.redundancy(job),
+            restoring=self.restoring(job),
+            over_quota=self.over_quota(job),
         )
         if self.groups is not None:
             inv = dataclasses.replace(
@@ -222,20 +229,35 @@ class NodeControls:
             self.requests.forget(job)
         if self.orbax is not None:
             await self.orbax.forget(job)
-        if bucket and self.backup is not None:  # first: the job's policy on disk names its bucket
-            await self.backup.delete_job(job)
-            log.info("job %s: purged its backups from the bucket", job)
-        root = self.settings.root
-        existed = os.path.lexists(root / check_job_id(job)) or state_dir(root, job).exists()
-        if existed:
-            await asyncio.to_thread(remove_job_tree, root, job)
-            log.info("job %s: purged from this node's ramdisk", job)
-        # forgotten once the steps are gone, so no loop sees them as new (and backs them up) meanwhile
-        self.replication.forget(job)
-        self.assignments.forget(job)
-        self.policies.forget(job)
-        self.scanner.forget(job)
+        async with self._fenced(job):
+            if bucket and self.backup is not None:  # first: the job's policy on disk names its bucket
+                await self.backup.delete_backups(job)
+                log.info("job %s: purged its backups from the bucket", job)
+            root = self.settings.root
+            existed = os.path.lexists(root / check_job_id(job)) or state_dir(root, job).exists()
+            if existed:
+                await asyncio.to_thread(remove_job_tree, root, job)
+                log.info("job %s: purged from this node's ramdisk", job)
+            self.replication.forget(job)
+            self.assignments.forget(job)
+            self.policies.forget(job)
+            self.scanner.forget(job)
         return existed
+
+    @contextlib.asynccontextmanager
+    async def _fenced(self, job: str) -> AsyncIterator[None]:
+        """While the block deletes the job: no backup, upload, replica send or retirement of it starts on
+        this node, and those under way have finished (backups first: a replication task may be waiting
+        on one to tell it about a commit)."""
+        if self.backup is not None:
+            await self.backup.fence(job)
+        await self.replication.fence(job)
+        try:
+            yield
+        finally:
+            self.replication.unfence(job)
+            if self.backup is not None:
+                self.backup.unfence(job)
 
     async def status(self) -> NodeStatus:
         jobs = []
@@ -272,6 +294,7 @@ class NodeControls:
                     groups=self.replication.groups.groups(job),
                     diverged=self.replication.groups.diverged(job),
                     step_bytes=step_bytes(self.replication.groups.step_bytes(job), self.backup, job),
+                    over_quota=self.replication.over_quota(job),
                 )
             )
         ok, why = self.ready()

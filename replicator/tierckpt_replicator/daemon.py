@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import ssl
 import time
 from typing import Any
 
@@ -40,11 +41,13 @@ from tierckpt_replicator.orbax import OrbaxJobs
 from tierckpt_replicator.orbax_state import OrbaxStore
 from tierckpt_replicator.policies import PolicyStore
 from tierckpt_replicator.probes import ProbeServer
+from tierckpt_replicator.quota import JobQuotas
 from tierckpt_replicator.replication.fragments import FragmentScanner
 from tierckpt_replicator.replication.ipc import DataEvent, WorkerConfig
 from tierckpt_replicator.replication.manager import ReplicationManager
 from tierckpt_replicator.replication.supervisor import WorkerSupervisor
 from tierckpt_replicator.replication.transfer import outcome_status
+from tierckpt_replicator.replication.wire import Status
 from tierckpt_replicator.restore.requests import FetchRequests
 from tierckpt_replicator.restore.stage import Stager
 from tierckpt_replicator.settings import Settings
@@ -79,6 +82,7 @@ def worker_config(settings: Settings, tls: TlsFiles | None = None) -> WorkerConf
         connections_per_source=settings.data_connections_per_source,
         max_manifest_bytes=settings.max_manifest_bytes,
         reserve_bytes=settings.reserve_bytes,
+        job_quota=settings.job_quota,
         replica_keep=settings.replica_keep,
         nice=settings.worker_nice,
         idle_class=settings.worker_idle,
@@ -122,6 +126,7 @@ class Daemon:
             self.tokens = TokenFile(settings.token_file or "")
             auth = TokenAuthorizer(self.tokens)
         self.policies = PolicyStore(settings.root)
+        self.quotas = JobQuotas(settings.root, self.policies, settings.job_quota)
         self.scanner = InventoryScanner(
             settings.root,
             node=settings.node_name,
@@ -158,8 +163,10 @@ class Daemon:
             kick=self.watcher.kick,
             factor=lambda job: self.policies.replication_factor(job, settings.replicas),
             erasure=self.policies.erasure,
+            quotas=self.quotas,
         )
         self.local_inventory.groups = self.replication.groups
+        self.local_inventory.over_quota = self.replication.over_quota
         self.local_inventory.restoring = lambda job: {
             r: s.value for r, s in self.stager.states.get(job, {}).items()
         }
@@ -269,11 +276,26 @@ class Daemon:
     def _not_after(self) -> float:
         return self.identity.not_after if self.identity is not None else float("inf")
 
-    def _reload_tls(self) -> None:
+    def _reload_tls(self) -> bool:
         """New certificate files: every context of this process (the API server's, the peers client's)
-        loads them, here on the event loop that runs their handshakes. The worker notices by itself."""
-        if self.tls is not None and self.tls.refresh():
+        loads them, here on the event loop that runs their handshakes; True if it did. Files that do not
+        hold this node's identity are refused (logged once per change): the identity in use stays. The
+        worker notices by itself, with the same check."""
+        if self.tls is None:
+            return False
+        try:
+            reloaded = self.tls.refresh()
+        except (OSError, ValueError, ssl.SSLError) as exc:
+            log.error(
+                "refusing the replaced certificate files, keeping this node's current identity (valid "
+                "until %s): %s",
+                time.ctime(self._not_after()),
+                exc,
+            )
+            return False
+        if reloaded:
             log.info("reloaded this node's certificate (valid until %s)", time.ctime(self._not_after()))
+        return reloaded
 
     async def _replication_loop(self) -> None:
         while True:
@@ -314,6 +336,8 @@ class Daemon:
         incoming, served = event.op in ("put", "fragment"), event.op in ("get", "getfrag")
         direction = "in" if incoming else "served" if served else "report"
         self.metrics.transfers.labels(direction, outcome_status(event.status)).inc()
+        if incoming and event.status == Status.TOO_LARGE:  # the data server's quota refusals
+            self.metrics.quota_refusals.labels(event.job, "receive").inc()
         if event.status == 200 and (incoming or served):
             self.metrics.transfer_bytes.labels(direction).inc(event.bytes)
         if incoming:

@@ -12,8 +12,15 @@ Two sources:
   replicator restarting while the operator is away keeps serving.
 
 ``NodeIdentity.obtain()`` waits (retrying with backoff) until a certificate is at hand;
-``NodeIdentity.run(on_renewed)`` renews it forever. The contexts read the files
-(``tierckpt.protocol.identity.TlsCredentials``); ``on_renewed`` reloads them.
+``NodeIdentity.run(reload)`` renews it forever. The contexts read the files
+(``tierckpt.protocol.identity.TlsCredentials``); ``reload`` reloads them.
+
+Whatever the source, the files must hold THIS node's identity (``check_node_files``): a certificate of
+the configured CA (``--tls-ca``), valid now, naming this node (``--node-name``) and usable as a server
+and a client, with its own key. Another node's certificate, one of a foreign CA or the operator's
+client-only one is refused: at start the replicator exits with the reason (``IdentityRefused``); files
+replaced later by such a certificate are refused at reload, logged as an error, and the identity in use
+stays (peers would refuse the other one; until it expires, the node keeps serving).
 """
 
 from __future__ import annotations
@@ -30,11 +37,10 @@ import httpx
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential
 
 from tierckpt.protocol.certs import (
-    issued_by,
-    matches_key,
-    named_peer,
     new_key,
     node_csr,
+    node_identity_problem,
+    private_pem,
     validity,
     write_identity,
 )
@@ -42,14 +48,13 @@ from tierckpt.protocol.errors import FormatError, RetryableError
 from tierckpt.protocol.identity import (
     CertificateIssued,
     CertificateRequest,
-    Peer,
     TlsCredentials,
     TlsFiles,
     ca_client_context,
 )
 from tierckpt_replicator.settings import Settings
 
-__all__ = ["ISSUE_PATH", "NodeIdentity"]
+__all__ = ["ISSUE_PATH", "IdentityRefused", "NodeIdentity", "check_node_files"]
 
 log = logging.getLogger(__name__)
 
@@ -58,11 +63,29 @@ _RENEW_AT = 2 / 3
 """Renew once this fraction of the certificate's life has passed."""
 _MAX_ANSWER = 64 << 10
 _IDENTITY_FILE = "node.pem"
-_STATIC_CHECK = 60.0
 
 
 class _Refused(RetryableError):
     """The operator did not issue a certificate (it may be starting, or this pod not yet known)."""
+
+
+class IdentityRefused(ValueError):
+    """This node's certificate files do not hold its own identity (the replicator does not start)."""
+
+
+def check_node_files(files: TlsFiles, node: str) -> None:
+    """``ValueError`` saying what is wrong unless ``files`` hold ``node``'s own replicator identity:
+    the certificate is valid now, signed by a CA of ``files.ca``, names ``node`` (its SPIFFE ID and
+    server name), is a server and client certificate, and ``files.key`` (or the certificate's file)
+    holds its private key."""
+    try:
+        chain, ca = files.cert.read_bytes(), files.ca.read_bytes()
+        key = files.key.read_bytes() if files.key is not None else None
+    except OSError as exc:
+        raise ValueError(f"cannot read this node's certificate files: {exc}") from exc
+    why = node_identity_problem(chain, ca, node, key=key)
+    if why:
+        raise ValueError(f"{files.cert} does not hold this node's identity: {why} (CA bundle {files.ca})")
 
 
 class NodeIdentity:
@@ -81,7 +104,12 @@ class NodeIdentity:
         self.obtained_at = self.not_after = 0.0
 
     def credentials(self) -> TlsCredentials:
-        return TlsCredentials(self.files)
+        """Contexts from the files, which must hold this node's identity (``ValueError`` otherwise, also
+        when a later change of the files is refused: see ``TlsCredentials.check``)."""
+        return TlsCredentials(self.files, check=self.check)
+
+    def check(self, files: TlsFiles) -> None:
+        check_node_files(files, self.node)
 
     @property
     def renew_at(self) -> float:
@@ -95,15 +123,17 @@ class NodeIdentity:
     # ------------------------------------------------------------------ lifecycle
 
     def loaded(self) -> NodeIdentity:
-        """This identity with its static files (``--tls-cert``) loaded; ``ValueError`` if they do not load
-        (an issued certificate must be ``obtain``-ed first)."""
+        """This identity with its static files (``--tls-cert``) loaded; ``IdentityRefused`` if they do not
+        load or do not hold this node's identity (an issued certificate must be ``obtain``-ed first)."""
         if self.issued:
             raise ValueError("--issuer-url: obtain() the certificate before the daemon is built")
         try:
-            self.credentials()  # the files load and the key matches the certificate
+            self.credentials()  # this node's identity, and the files load into TLS contexts
             self._use(self.files.cert.read_bytes())
-        except (OSError, ssl.SSLError, FormatError) as exc:
-            raise ValueError(f"cannot load --tls-cert {self.files.cert}: {exc}") from exc
+        except ValueError as exc:  # the check says what the files hold instead, and where they are
+            raise IdentityRefused(f"--tls-cert: {exc}") from exc
+        except (OSError, ssl.SSLError) as exc:
+            raise IdentityRefused(f"cannot load --tls-cert {self.files.cert}: {exc}") from exc
         return self
 
     async def obtain(self) -> None:
@@ -120,34 +150,33 @@ class NodeIdentity:
             return
         await self._request_until_issued()
 
-    async def run(self, on_renewed: Callable[[], None]) -> None:
+    async def run(self, reload: Callable[[], bool]) -> None:
         """Renew at two thirds of the certificate's life, forever; static files are looked at every
-        minute (replaced by hand or by the rig: ``on_renewed`` reloads them if they changed)."""
+        ``--tls-reload-interval`` (replaced by hand or by the rig). ``reload()`` loads changed files into
+        every context and says whether it did (False: unchanged, or refused and the identity in use
+        stays)."""
         while not self.issued:
-            await asyncio.sleep(_STATIC_CHECK)
-            with contextlib.suppress(OSError, ValueError, FormatError):
-                self._use(self.files.cert.read_bytes())
-            on_renewed()
+            await asyncio.sleep(self.settings.tls_reload_interval)
+            if reload():
+                with contextlib.suppress(OSError, ValueError, FormatError):
+                    self._use(self.files.cert.read_bytes())
         while True:
             await asyncio.sleep(max(0.0, self.renew_at - time.time()))
             await self._request_until_issued()
-            on_renewed()
+            reload()
 
     # ------------------------------------------------------------------ internals
 
     def _kept(self) -> bool:
         """Whether the certificate kept from an earlier run is this node's, from the current CA, loads
         with its key, and has more than a third of its life left."""
-        try:
-            pem = self.files.cert.read_bytes()
-            self.credentials()
-            ca = self.ca.read_bytes()
-        except (OSError, ValueError) as exc:
-            if not isinstance(exc, FileNotFoundError):
-                log.warning("ignoring the kept certificate %s: %s", self.files.cert, exc)
+        if not self.files.cert.exists():
             return False
-        if named_peer(pem) != Peer.of_node(self.node) or not issued_by(pem, ca):
-            log.info("the kept certificate is not this node's from the current CA; asking for a new one")
+        try:
+            self.credentials()
+            pem = self.files.cert.read_bytes()
+        except (OSError, ValueError, ssl.SSLError) as exc:
+            log.info("not reusing the kept certificate (%s); asking for a new one", exc)
             return False
         not_before, not_after = validity(pem)
         if not_after - time.time() <= (1 - _RENEW_AT) * (not_after - not_before):
@@ -188,12 +217,11 @@ class NodeIdentity:
             raise _Refused(f"HTTP {resp.status_code}: {resp.text[:300]!r}")
         try:
             pem = CertificateIssued.from_bytes(resp.content).certificate.encode()
-            if named_peer(pem) != Peer.of_node(self.node) or not issued_by(pem, self.ca.read_bytes()):
-                raise FormatError("the certificate is not this node's from the configured CA")
-            if not matches_key(pem, key):
-                raise FormatError("the certificate is not for the key this node sent")
         except FormatError as exc:
             raise _Refused(f"unusable answer: {exc}") from exc
+        why = node_identity_problem(pem, self.ca.read_bytes(), self.node, key=private_pem(key))
+        if why:
+            raise _Refused(f"unusable certificate: {why} (CA bundle {self.ca})")
         write_identity(self.files.cert, key, pem)
         self._use(pem)
         log.info("obtained this node's certificate (valid until %s)", time.ctime(self.not_after))

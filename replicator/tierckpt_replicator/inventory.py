@@ -67,6 +67,8 @@ class Holdings:
     """Rank -> commit time of its newest local step (for replication lag)."""
     contents: tuple[StepContent, ...] = ()
     """The steps above that saved in a replica group, with their recomputed content keys."""
+    newest_bytes: dict[int, int] = dataclasses.field(default_factory=dict)
+    """Rank -> bytes its newest local step's COMMIT declares (checked against the job's quota)."""
 
     def newest_local(self) -> dict[int, int]:
         return {r: h.local[-1] for r, h in self.ranks.items() if h.local}
@@ -102,6 +104,7 @@ class InventoryScanner:
         world_sizes: dict[int, int] = {}
         sizes = {"local": 0, "replica": 0}
         newest_at: dict[int, float] = {}
+        newest_bytes: dict[int, int] = {}
         contents: list[StepContent] = []
         try:
             tree = open_job(self.root, job)
@@ -124,7 +127,7 @@ class InventoryScanner:
                         sizes[kind] += total
                         world_sizes.setdefault(step, facts.world_size)
                         if kind == "local":
-                            newest_at[rank] = committed_at
+                            newest_at[rank], newest_bytes[rank] = committed_at, total
                         if facts.content is not None:
                             found = dataclasses.replace(facts.content, rank=rank, step=step, copy=kind)
                             contents.append(found)
@@ -135,7 +138,9 @@ class InventoryScanner:
                     world_sizes.setdefault(step, ws)
                 fragments = {step: index_k for step, (index_k, _) in held.items()}
                 ranks[rank] = dataclasses.replace(ranks.get(rank, RankHoldings()), fragments=fragments)
-        return Holdings(ranks, world_sizes, sizes["local"], sizes["replica"], newest_at, tuple(contents))
+        return Holdings(
+            ranks, world_sizes, sizes["local"], sizes["replica"], newest_at, tuple(contents), newest_bytes
+        )
 
     def _step_info(self, step: Beneath) -> tuple[int, _StepFacts, float] | None:
         try:

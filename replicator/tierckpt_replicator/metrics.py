@@ -104,6 +104,13 @@ class Metrics:
             ["job"],
             registry=r,
         )
+        self.quota_refusals = Counter(
+            f"{_NS}_quota_refusals",
+            "Steps refused for declaring more bytes than their job's quota: 'send' (a newest local step, "
+            "neither replicated nor backed up; counted once), 'receive' (a peer's put or fragment).",
+            ["job", "op"],
+            registry=r,
+        )
         self.steps = Gauge(f"{_NS}_steps", "Committed steps held on this node.", ["job", "kind"], registry=r)
         self.held_bytes = Gauge(
             f"{_NS}_held_bytes", "Bytes of committed steps held on this node.", ["job", "kind"], registry=r

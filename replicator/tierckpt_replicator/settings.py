@@ -88,6 +88,14 @@ class Settings:
             "pods; default <root>/.tierckpt/identity)."
         ),
     )
+    tls_reload_interval: float = dataclasses.field(
+        default=60.0,
+        metadata=_opt(
+            "--tls-cert: how often its files are looked at for a replacement (reloaded if they hold this "
+            "node's identity, else refused with an error and the identity in use kept).",
+            unit="seconds",
+        ),
+    )
     token_file: Path | None = dataclasses.field(
         default=None,
         metadata=_opt("--auth token: the file holding the shared bearer token (a mounted Secret)."),
@@ -156,6 +164,15 @@ class Settings:
         default=64 * MiB,
         metadata=_opt(
             "Free ramdisk space never given to replicas, on top of room for the client's next save.",
+            unit="bytes",
+        ),
+    )
+    job_quota: int = dataclasses.field(
+        default=0,
+        metadata=_opt(
+            "The most bytes one rank's step of any job may declare to be sent, received or uploaded "
+            "(a job's policy may set less: its ramdisk size; this node's ramdisk size always applies); "
+            "0: no node-wide limit.",
             unit="bytes",
         ),
     )
@@ -367,7 +384,9 @@ class Settings:
             raise ValueError("--replica-keep must be at least 1")
         if self.orbax_keep < 1:
             raise ValueError("--orbax-keep must be at least 1")
-        for name in ("handshake_timeout", "api_header_timeout", "api_body_timeout"):
+        if self.job_quota < 0:
+            raise ValueError("--job-quota must be 0 (none) or more")
+        for name in ("handshake_timeout", "api_header_timeout", "api_body_timeout", "tls_reload_interval"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive")
         if not self.min_transfer_rate >= 0:

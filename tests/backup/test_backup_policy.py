@@ -41,11 +41,22 @@ def test_no_new_backup_starts_while_one_is_in_progress_until_it_goes_stale() -> 
     assert p.due(300, newest_complete=(100, 0.0), in_progress=[(50, 1000.0)], now=1030.0)  # older: ignored
 
 
+def test_a_started_backup_is_given_up_only_once_nobody_can_complete_it() -> None:
+    p = BackupPolicy(takeover_after=120)
+    gone = {"holds_missing": False, "being_uploaded": False}
+    assert not p.gives_up(started_at=1000.0, now=1119.0, **gone)  # its holders may still take over
+    assert p.gives_up(started_at=1000.0, now=1120.0, **gone)
+    assert not p.gives_up(started_at=1000.0, now=5000.0, holds_missing=True, being_uploaded=False)
+    assert not p.gives_up(started_at=1000.0, now=5000.0, holds_missing=False, being_uploaded=True)
+
+
 def test_settings_are_checked() -> None:
     with pytest.raises(ValueError):
         BackupPolicy(keep_last=0)
     with pytest.raises(ValueError):
         BackupPolicy(interval_steps=-1)
+    with pytest.raises(ValueError):
+        BackupPolicy(takeover_after=-1)
 
 
 def test_keep_last_and_every_window() -> None:

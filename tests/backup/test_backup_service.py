@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,15 +20,19 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from tests.backup.helpers import KiB, make_service, make_store, write_cluster_step, write_peers
+from tests.fixtures.cluster import write_sparse_step
 from tierckpt.protocol.bucket_layout import BucketLayout, RankBackup, StepBackup
+from tierckpt.protocol.control import JobPolicy, write_control
 from tierckpt.protocol.errors import CorruptShardError, MissingCheckpointError
-from tierckpt.protocol.format import rank_dir, read_manifest, step_dir
+from tierckpt.protocol.format import rank_dir, read_manifest, replica_rank_dir, step_dir
 from tierckpt_demo.fakegcs import FakeGcsServer, FaultProxy, FaultRule
 from tierckpt_demo.step_writer import step_files, write_step
+from tierckpt_replicator.backup.fence import JobFenced
 from tierckpt_replicator.backup.gcs import GcsStore, RetryPolicy
 from tierckpt_replicator.backup.metrics import BackupMetrics
 from tierckpt_replicator.backup.service import BackupService
 from tierckpt_replicator.backup.settings import BackupSettings
+from tierckpt_replicator.backup.spread import assign_uploads
 from tierckpt_replicator.backup.store import TransientStoreError, UploadCorrupted
 from tierckpt_replicator.backup.uploader import StaleStepError
 from tierckpt_replicator.stepio import open_job
@@ -56,10 +61,10 @@ class SpyStore:
         self._log("upload", key)
         return info
 
-    def put_bytes(self, key: str, data: bytes, *, create_only: bool = False):  # type: ignore[no-untyped-def]
+    def put_bytes(self, key: str, data: bytes, **kw: object):  # type: ignore[no-untyped-def]
         if self.barrier is not None and "/complete/" in key:
             self.barrier.wait(timeout=10)
-        info = self.inner.put_bytes(key, data, create_only=create_only)
+        info = self.inner.put_bytes(key, data, **kw)  # type: ignore[arg-type]
         self._log("put", key)
         return info
 
@@ -187,14 +192,15 @@ async def test_completion_is_written_last_and_only_once(
     services = {n: make_service(spies[n], roots[n], n, takeover_after=1e9) for n in roots}
     # Upload each node's share without completing, then let both nodes complete at the same moment.
     for svc in services.values():
-        with open_job(svc.root, JOB) as tree:
+        with open_job(svc.root, JOB) as tree, svc.fences.writing(JOB, 10):
             local = svc._local_copies(tree, 10, ())
             for r in svc._my_share(JOB, 10, 4, local, None, False):
                 svc.uploader.upload_rank(JOB, local[r][1])
     results: dict[str, bool] = {}
 
     def complete(node: str) -> None:
-        results[node] = services[node].catalog.try_complete(JOB, 10, 4)
+        with services[node].fences.writing(JOB, 10):
+            results[node] = services[node].catalog.try_complete(JOB, 10, 4)
 
     threads = [threading.Thread(target=complete, args=(n,)) for n in roots]
     for t in threads:
@@ -241,6 +247,42 @@ async def test_ranks_of_a_silent_holder_are_taken_over(
     await svc.poll(JOB)
     assert await svc.complete_steps(JOB) == (40,)
     await svc.close()
+
+
+async def test_a_step_that_can_no_longer_complete_is_given_up_and_the_next_one_completes(
+    gcs_server: FakeGcsServer, bucket: str, roots: dict[str, Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Node-b is the assigned uploader of one of node-a's ranks but holds no copy (the replica went to a
+    fallback node), and node-a's retention removes the step before its takeover window ends: the
+    step can never complete. The next due step is backed up at once, not ``stale_after`` later."""
+    holders = {r: ("node-a", "node-b") for r in range(4)}
+    stuck = next(
+        s for s in range(10, 10_000, 10) if "node-b" in {assign_uploads(JOB, s, holders)[r] for r in (0, 1)}
+    )
+    for r in range(4):  # every rank on its primary only; node-a also holds node-b's replicas
+        write_step(roots["node-a" if r < 2 else "node-b"], JOB, r, stuck, world_size=4, sizes=(8 * KiB,))
+        if r >= 2:
+            shutil.copytree(
+                step_dir(rank_dir(roots["node-b"], JOB, r), stuck),
+                step_dir(replica_rank_dir(roots["node-a"], JOB, r), stuck),
+            )
+    services = {
+        n: make_service(
+            make_store(gcs_server.url, bucket), roots[n], n, takeover_after=1.0, interval_steps=10
+        )
+        for n in roots
+    }
+    await _back_up_everywhere(services, roots, stuck)
+    commits = make_store(gcs_server.url, bucket).list(LAYOUT.rank_commits_dir(JOB, stuck))[0]
+    assert 0 < len(commits) < 4 and await services["node-a"].complete_steps(JOB) == ()
+    shutil.rmtree(roots["node-a"] / JOB)  # node-a's retention: the step is gone from every node
+    write_cluster_step(roots, JOB, stuck + 10, 4)
+    time.sleep(1.0)  # the takeover window of the stuck step ends; stale_after (3600 s) is far off
+    await _back_up_everywhere(services, roots, stuck + 10)
+    assert await services["node-a"].complete_steps(JOB) == (stuck + 10,)
+    assert f"giving up on step {stuck}" in caplog.text
+    for svc in services.values():
+        await svc.close()
 
 
 # --------------------------------------------------------------------------------------------- failures
@@ -410,7 +452,8 @@ async def test_a_newer_save_of_the_same_step_replaces_an_incomplete_older_one(
     for r in range(2):
         write_step(old_root, JOB, r, 60, world_size=2, sizes=(8 * KiB,), seed=1)
     svc_old = make_service(make_store(gcs_server.url, bucket), old_root, "n")
-    svc_old.uploader.upload_rank(JOB, step_dir(rank_dir(old_root, JOB, 0), 60))  # a dead attempt's rank 0
+    with svc_old.fences.writing(JOB, 60):  # a dead attempt's rank 0
+        svc_old.uploader.upload_rank(JOB, step_dir(rank_dir(old_root, JOB, 0), 60))
     time.sleep(0.01)
     new = {r: write_step(new_root, JOB, r, 60, world_size=2, sizes=(8 * KiB,), seed=2) for r in range(2)}
     svc = make_service(make_store(gcs_server.url, bucket), new_root, "n")
@@ -418,7 +461,7 @@ async def test_a_newer_save_of_the_same_step_replaces_an_incomplete_older_one(
     await svc.fetch_rank(JOB, 60, 0, tmp_path / "out")
     assert step_files(step_dir(tmp_path / "out", 60)) == step_files(new[0])
     # The old attempt can no longer overwrite it.
-    with pytest.raises(StaleStepError, match="already complete"):
+    with pytest.raises(StaleStepError, match="already complete"), svc_old.fences.writing(JOB, 60):
         svc_old.uploader.upload_rank(JOB, step_dir(rank_dir(old_root, JOB, 1), 60))
     for s in (svc_old, svc):
         await s.close()
@@ -440,7 +483,7 @@ async def test_retention_keeps_the_last_n_and_every_kth_deleting_completion_obje
     store = spy.inner
     for gone in (20, 40, 50):
         assert store.list(LAYOUT.step_dir(JOB, gone))[0] == []
-        deletes = [k for op, k in spy.ops if op == "delete" and f"/{gone:012d}" in k]
+        deletes = [k for op, k in spy.ops if op == "delete" and f"/{gone:012d}" in k and "/writers/" not in k]
         assert deletes[0] == LAYOUT.complete_key(
             JOB, gone
         )  # the step stops existing before anything else goes
@@ -466,7 +509,7 @@ async def test_a_completion_object_this_version_cannot_read_is_never_collected(
     await svc.close()
 
 
-async def test_stop_job_forgets_locally_and_delete_backups_empties_the_job(
+async def test_a_fenced_job_is_not_backed_up_and_delete_backups_empties_the_job(
     gcs_server: FakeGcsServer, bucket: str, tmp_path: Path
 ) -> None:
     root = tmp_path / "n"
@@ -474,8 +517,14 @@ async def test_stop_job_forgets_locally_and_delete_backups_empties_the_job(
     write_step(root, "other", 0, 1, sizes=(KiB,))
     svc = make_service(make_store(gcs_server.url, bucket), root, "n")
     assert await svc.backup_now(JOB) == 1 and await svc.backup_now("other") == 1
-    await svc.stop_job(JOB)
-    assert await svc.complete_steps(JOB) == (1,)  # the bucket keeps backups when a node forgets a job
+    await svc.fence(JOB)
+    assert await svc.complete_steps(JOB) == (1,)  # the bucket keeps backups when a node fences a job
+    write_step(root, JOB, 0, 2, sizes=(KiB,))
+    with pytest.raises(JobFenced):
+        await svc.backup_now(JOB)
+    await svc.on_step_committed(JOB, 2, [0], {})
+    await svc.poll(JOB)
+    assert await svc.complete_steps(JOB) == (1,)
     await svc.delete_backups(JOB)
     assert await svc.complete_steps(JOB) == ()
     assert make_store(gcs_server.url, bucket).list(LAYOUT.job(JOB))[0] == []
@@ -574,3 +623,41 @@ def test_no_event_loop_is_blocked_by_uploads(gcs_server: FakeGcsServer, bucket: 
 
     assert asyncio.run(main()) > 5
     assert os.path.exists(step_dir(rank_dir(root, JOB, 0), 9))
+
+
+async def test_a_rank_over_its_jobs_quota_uploads_nothing_and_holds_no_later_backup_back(
+    gcs_server: FakeGcsServer, bucket: str, tmp_path: Path
+) -> None:
+    """Rank 0's step 2 is a 48 MiB hole in a job whose quota is 8 MiB: node a uploads nothing of it and
+    marks the step refused, so node b's share of it stays a partial step nobody waits for, and step 3
+    (which a started step 2 would hold back for ``stale_after``) is backed up at once."""
+    roots = {n: tmp_path / n for n in ("a", "b")}
+    services = {}
+    for node, root in roots.items():
+        root.mkdir()
+        write_control(root, JOB, JobPolicy.FILE, JobPolicy(job=JOB, generation=1, quota_bytes=8 << 20))
+        services[node] = make_service(
+            make_store(gcs_server.url, bucket), root, node, interval_steps=1, interval_seconds=0
+        )
+
+    async def save(step: int, *, sparse: bool = False) -> None:
+        for rank, node in ((1, "b"), (0, "a")):  # b first: it starts the step's backup
+            if sparse and rank == 0:
+                write_sparse_step(roots[node], JOB, rank, step, declared=48 << 20, world_size=2)
+            else:
+                write_step(roots[node], JOB, rank, step, world_size=2, sizes=(1000,))
+            await services[node].on_step_committed(JOB, step, [rank], {rank: [node]})
+
+    await save(1)
+    await save(2, sparse=True)
+    store = make_store(gcs_server.url, bucket)
+    assert not store.list(LAYOUT.rank_dir(JOB, 2, 0))[0]
+    assert not store.list(LAYOUT.rank_commit_key(JOB, 2, 0))[0]
+    assert store.stat(LAYOUT.refused_key(JOB, 2)) is not None
+    assert (
+        "rank 0 step 2 declares 48.0Mi, over the job's quota of 8.0Mi" in services["a"].status(JOB).last_error
+    )
+    await save(3)
+    assert await services["a"].complete_steps(JOB) == (1, 3)
+    for svc in services.values():
+        await svc.close()

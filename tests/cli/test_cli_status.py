@@ -37,6 +37,7 @@ STATUS = {
     "latestBackedUpStep": 200,
     "inventoryNodes": "2/2",
     "inventoryTime": "2026-11-26T00:00:00Z",
+    "overQuota": "gke-b-1: job team-a_train_0123abcd rank 1 step 300 declares 64.0Gi, over the job's quota",
     "replicaGroups": {
         "groups": 2,
         "divergedRanks": "3",
@@ -142,6 +143,7 @@ def test_status_of_one_job(kubeconfig: Path) -> None:
     assert "gke-b-1" in out and "zone-b" in out and "Restored" in out
     # The replica groups' accounting, as the operator gathered it (kept by the CRD's schema).
     assert "replica groups: 2; ranks 3 DIFFER from their group (not deduplicated)" in out
+    assert "over quota (not replicated, not backed up): gke-b-1: job team-a_train_0123abcd rank 1" in out
     assert "step 300: written 4.0 MiB of 8.0 MiB, replicated 1.0 MiB of 8.0 MiB, uploaded 4.0 MiB" in out
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import resource
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -157,6 +159,35 @@ def test_one_writer_per_rank(root, job):
             Checkpointer(root=root, job=job, rank=0, world_size=2, writer_lock_timeout=0.2)
         Checkpointer(root=root, job=job, rank=1, world_size=2).close()  # another rank is fine
     Checkpointer(root=root, job=job, rank=0, world_size=2).close()  # released by close()
+
+
+HOLD_THE_LOCK = """
+import sys, time
+from tierckpt import Checkpointer
+ck = Checkpointer(root=sys.argv[1], job=sys.argv[2], rank=0, world_size=1)
+print("holding", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_writer_kept_waiting_names_the_holders_pid_and_command_line(root, job):
+    """A process left holding the rank (a torchrun worker after kill -9 on torchrun): the next writer's
+    error names its pid, host and command line, which it wrote into the lock file."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_THE_LOCK, str(root), job, "--marker=left behind"], stdout=subprocess.PIPE
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == b"holding\n"
+        with pytest.raises(TierckptError) as err:
+            Checkpointer(root=root, job=job, rank=0, world_size=1, writer_lock_timeout=0.2)
+        message = str(err.value)
+        assert f"pid {holder.pid} on host {os.uname().nodename} (" in message, message
+        assert "'--marker=left behind'" in message and " -c " in message, message
+        assert "kill -9 on torchrun" in message and "pid namespace" in message
+    finally:
+        holder.kill()
+        holder.wait()
+    Checkpointer(root=root, job=job, rank=0, world_size=1, writer_lock_timeout=5).close()  # free again
 
 
 def test_close_waits_for_the_commit_and_refuses_further_use(root, job):

@@ -9,9 +9,16 @@ import pytest
 import torch
 
 from tierckpt import Checkpointer, RetryableError
+from tierckpt.integrations.resume import resume_message
 from tierckpt.protocol.control import RestoreState, RestoreStatus, Tier, write_restore_status
 from tierckpt.protocol.format import job_dir
-from tierckpt.snapshot.restore_wait import USE_LOCAL, restore_target, staged_step, wait_for_restore
+from tierckpt.snapshot.restore_wait import (
+    USE_LOCAL,
+    restore_target,
+    restored_from,
+    staged_step,
+    wait_for_restore,
+)
 
 
 def status(
@@ -139,3 +146,18 @@ def test_load_follows_a_fresh_status_and_ignores_a_stale_one(root, job):
         publish(root, job, status(job, RestoreState.FAILED))
         with pytest.raises(RetryableError):
             ck.load({})
+
+
+def test_restored_from_names_the_tier_the_replicator_staged_the_loaded_step_from(root, job):
+    with Checkpointer(root=root, job=job) as ck:
+        ck.save(4, {"w": torch.ones(8)}, blocking=True)
+        ck.save(8, {"w": torch.ones(8)}, blocking=True)
+    assert restored_from(root, job, 0, 8).tier is Tier.LOCAL  # no restore status: the node's own copy
+    publish(root, job, status(job, RestoreState.READY, step=8))
+    staged = restored_from(root, job, 0, 8)
+    assert staged.tier is Tier.PEER and staged.total_bytes > 0 and staged.staged_at > 0
+    assert 0 < time.time() - staged.committed_at < 60
+    assert restored_from(root, job, 0, 4).tier is Tier.LOCAL  # another step than the one staged
+    message = resume_message(root, job, 0, 8)
+    assert message.startswith(f"tierckpt: resumed job {job!r} from step 8 (saved ") and " s ago)" in message
+    assert "rank 0 from a peer node (fetched by the replicator)" in message and str(root / job) in message

@@ -160,3 +160,31 @@ def test_close_during_warm_up_stops_it_and_keeps_what_is_committed(root, job, mo
         dest = {}
         assert again.load(dest) == 1
     assert_same(state, dest)
+
+
+def test_a_load_prepares_the_slots_of_the_state_it_loads_so_no_save_creates_one(root, job, monkeypatch):
+    """The README's flow: ``load`` first (fresh, or a restart), then saves. The slots are prepared in the
+    background from the load on, so not even the first save creates or faults a data file."""
+    on_training_thread = []
+    real_create = MappedFile.create
+
+    def create(cls, path, size):
+        if threading.current_thread() is threading.main_thread():
+            on_training_thread.append(path)
+        return real_create(path, size)
+
+    monkeypatch.setattr(MappedFile, "create", classmethod(create))
+    state = state_of(6.0)
+    with Checkpointer(root=root, job=job, keep=2) as ck:
+        assert ck.load(state, allow_missing=True) is None  # a fresh job: nothing to load
+        ck._registering.result(30)
+        assert ck._pool.ready_spares == 3  # keep + 1 slots, before the first save
+        for step in (1, 2):
+            ck.save(step, state_of(float(step)), blocking=True)
+    with Checkpointer(root=root, job=job, keep=2) as ck:  # a restart
+        dest = state_of(0.0)
+        assert ck.load(dest) == 2
+        ck._registering.result(30)
+        ck.save(3, state_of(3.0), blocking=True)
+    assert on_training_thread == [], "no save created or faulted a data file"
+    assert_same(state_of(2.0), dest)

@@ -11,10 +11,10 @@ from hypothesis import strategies as st
 
 from tests.csi.csi_helpers import Node, publish_request
 from tierckpt.protocol.contract import Csi
+from tierckpt.protocol.quantity import MAX_BYTES, format_bytes, parse_quantity
 from tierckpt_csi.admission import JobUse, admit
 from tierckpt_csi.errors import CsiError
 from tierckpt_csi.mounts import parse_mountinfo
-from tierckpt_csi.quantity import MAX_BYTES, format_bytes, parse_quantity
 from tierckpt_csi.requests import check_target, parse_publish
 
 GiB = 1 << 30

@@ -1,9 +1,10 @@
 """Running the framework examples (tests/integrations/examples) as real training jobs under torchrun.
 
-``Run`` starts ``torchrun --nproc-per-node N example.py`` in its own session with the tierckpt
-environment, optionally holds it at a step (the example's ``PAUSE_AT``) and ends it the way a node or a
-pod ends: ``SIGKILL`` to torchrun and every worker at once (the node is gone), or ``SIGTERM`` to
-torchrun alone (Kubernetes deleting the pod; torchrun forwards it to the workers).
+``Run`` starts ``torchrun --nproc-per-node N example.py`` (or, with ``torchrun=False``, plain
+``python example.py``) in its own session with the tierckpt environment, optionally holds it at a step
+(the example's ``PAUSE_AT``) and ends it the way a node or a pod ends: ``SIGKILL`` to torchrun and every
+worker at once (the node is gone), or ``SIGTERM`` to torchrun alone (Kubernetes deleting the pod;
+torchrun forwards it to the workers).
 """
 
 from __future__ import annotations
@@ -48,11 +49,12 @@ class Run:
         torchrun_args: Sequence[str] = (),
         pause_at: int | str | None = None,
         launcher: Sequence[str] = (),
+        torchrun: bool = True,
     ) -> None:
         self.result = workdir / f"{name}.pt"
         self.log = workdir / f"{name}.log"
         self.marker = Path(f"{self.result}.paused")
-        self.nproc = nproc
+        self.nproc = nproc if torchrun else 1
         full_env = {
             **os.environ,
             **env,
@@ -63,15 +65,17 @@ class Run:
         full_env.pop("PAUSE_AT", None)
         if pause_at is not None:
             full_env["PAUSE_AT"] = str(pause_at)
-        torchrun = Path(sys.executable).parent / "torchrun"
-        cmd = [
-            *launcher,
-            str(torchrun),
-            "--nproc-per-node",
-            str(nproc),
-            *(torchrun_args or ("--master-port", str(free_port()))),
-            str(EXAMPLES / example),
-        ]
+        if torchrun:
+            cmd = [
+                *launcher,
+                str(Path(sys.executable).parent / "torchrun"),
+                "--nproc-per-node",
+                str(nproc),
+                *(torchrun_args or ("--master-port", str(free_port()))),
+                str(EXAMPLES / example),
+            ]
+        else:
+            cmd = [*launcher, sys.executable, str(EXAMPLES / example)]
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(
                 cmd,

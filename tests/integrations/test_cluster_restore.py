@@ -2,7 +2,7 @@
 real replicator per node): Lightning DDP with one rank per node under torchrun, a node lost (its
 ramdisk wiped, its replicator replaced), the ranks reassigned to other nodes (as the operator does for a
 replacement), each node's replicator staging its new rank (one from a peer, one from its own replica),
-and the job resuming bit-exact."""
+and the job resuming bit-exact, rank 0 saying where each rank's step came from."""
 
 from __future__ import annotations
 
@@ -94,3 +94,7 @@ def test_lost_node_and_moved_ranks_resume_bit_exact(
     finished = second[0].finish()
     assert finished["restored_step"] == 4
     assert same_tensors(finished["weights"], lightning_reference["weights"])
+    announced = [line for line in second[0].log_text().splitlines() if "tierckpt: resumed job" in line]
+    assert len(announced) == 1 and " from step 4 " in announced[0], announced  # by rank 0, for both ranks
+    assert "rank 0 from a replica this node held" in announced[0], announced
+    assert "rank 1 from a peer node (fetched by the replicator)" in announced[0], announced

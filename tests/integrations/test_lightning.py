@@ -4,13 +4,16 @@ run's bit for bit; FSDP2 (``ModelParallelStrategy``) through DCP; and in-process
 
 from __future__ import annotations
 
+import os
+import signal
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
 from tests.integrations.harness import Run, free_port, same_tensors
-from tierckpt import StateMismatchError
+from tierckpt import Checkpointer, StateMismatchError, TierckptError
 from tierckpt.protocol.format import committed_steps, rank_dir
 
 pytest.importorskip("lightning")
@@ -34,8 +37,12 @@ def test_ddp_rank_killed_restarted_by_torchrun_then_terminated_resumes_bit_exact
     run.terminate()
     assert [committed_steps(d)[-1] for d in ranks] == [15, 15], run.log_text()  # saved on SIGTERM
     assert "SIGTERM: saving step 15" in run.log_text()
+    assert announced(run.log_text(), "ddp") == ["4"]  # once (rank 0), with Lightning's default logging
 
-    finished = Run("lightning_ddp.py", tmp_path, "finished", env=env).finish()
+    last = Run("lightning_ddp.py", tmp_path, "finished", env=env)
+    finished = last.finish()
+    assert announced(last.log_text(), "ddp") == ["15"]
+    assert "ranks 0-1 from this node's RAM disk" in last.log_text()
     assert finished["restored_step"] == 15 and finished["global_step"] == 30
     assert same_tensors(finished["weights"], lightning_reference["weights"])
     # the module's checkpoint hooks and another callback's state came back too
@@ -43,6 +50,66 @@ def test_ddp_rank_killed_restarted_by_torchrun_then_terminated_resumes_bit_exact
         lightning_reference["steps_seen"],
         lightning_reference["batches"],
     )
+
+
+def announced(log: str, job: str) -> list[str]:
+    """The steps of the resume messages in a run's output."""
+    head = f"tierckpt: resumed job {job!r} from step "
+    return [line.split(head)[1].split()[0] for line in log.splitlines() if head in line]
+
+
+@pytest.mark.e2e
+def test_the_documented_trainer_runs_under_plain_python_and_a_finished_job_trains_nothing(
+    module_root: Path, tmp_path: Path
+):
+    """The snippet's ``Trainer`` under ``python`` (no torchrun environment: one process). Launched again
+    once finished, the job resumes its last step, says so and that it is complete (Lightning's
+    ``rank_zero_info``, shown by default), and trains nothing."""
+    env = {"TIERCKPT_ROOT": str(module_root), "TIERCKPT_JOB": "plain"}
+    first = Run("lightning_ddp.py", tmp_path, "first", env=env, torchrun=False).finish()
+    assert first["restored_step"] is None and first["global_step"] == 30
+
+    run = Run("lightning_ddp.py", tmp_path, "again", env=env, torchrun=False)
+    again = run.finish()
+    assert again["restored_step"] == 30 and again["global_step"] == 30
+    assert same_tensors(again["weights"], first["weights"]) and again["batches"] == first["batches"]
+    assert committed_steps(rank_dir(module_root, "plain", 0)) == [28, 30]
+    log = run.log_text()
+    assert announced(log, "plain") == ["30"] and "rank 0 from this node's RAM disk" in log
+    assert "tierckpt: the job is already complete: step 30 reached max_steps=30, so fit() returns" in log
+
+
+@pytest.mark.e2e
+def test_kill_9_on_torchrun_leaves_workers_that_hold_the_ramdisk_until_ended(
+    module_root: Path, tmp_path: Path, lightning_reference: dict
+):
+    """What docs/quickstart.md says about ``kill -9``: SIGKILL to torchrun's whole process group kills
+    torchrun alone (it starts each worker in a session of its own); the workers live on, holding their
+    ranks' writer locks, and a new writer is told each holder's pid and command line. Once those are
+    ended, the next launch resumes bit-exact."""
+    env = {"TIERCKPT_ROOT": str(module_root), "TIERCKPT_JOB": "orphans"}
+    run = Run("lightning_ddp.py", tmp_path, "first", env=env, pause_at=6)
+    run.wait_paused()
+    workers = psutil.Process(run.proc.pid).children()
+    assert len(workers) == 2
+    os.killpg(run.proc.pid, signal.SIGKILL)  # kill -9 -<pgid>: torchrun leads its process group
+    run.proc.wait()
+    try:
+        for worker in workers:
+            assert worker.is_running() and worker.status() != psutil.STATUS_ZOMBIE
+            assert os.getsid(worker.pid) == worker.pid  # a session (and process group) of its own
+        with pytest.raises(TierckptError) as err:
+            Checkpointer(root=module_root, job="orphans", rank=0, world_size=2, writer_lock_timeout=0.5)
+        (holder,) = [w for w in workers if f"pid {w.pid} on host " in str(err.value)]
+        assert "examples/lightning_ddp.py" in str(err.value) and holder.environ()["RANK"] == "0"
+    finally:
+        for worker in workers:  # what the docs say to do: kill -KILL <pid>, or pkill -KILL -f <script>
+            worker.kill()
+        psutil.wait_procs(workers, timeout=10)
+    last = Run("lightning_ddp.py", tmp_path, "second", env=env)
+    finished = last.finish()
+    assert finished["restored_step"] == 4
+    assert same_tensors(finished["weights"], lightning_reference["weights"])
 
 
 @pytest.mark.e2e

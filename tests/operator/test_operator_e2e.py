@@ -16,6 +16,7 @@ import random
 import pytest
 from prometheus_client import generate_latest
 
+from tests.fixtures.cluster import write_sparse_step
 from tests.operator.operator_harness import eventually, jobset_body
 from tierckpt.protocol.contract import Annotations
 from tierckpt.protocol.control import (
@@ -27,7 +28,7 @@ from tierckpt.protocol.control import (
     read_control,
     read_restore_status,
 )
-from tierckpt.protocol.format import committed_steps, job_dir, rank_dir
+from tierckpt.protocol.format import committed_steps, job_dir, rank_dir, replica_rank_dir
 from tierckpt_demo.step_writer import write_step
 from tierckpt_operator.status_fields import parse_ranges
 
@@ -120,11 +121,12 @@ def policies_as_configured(env, job, names):
     return got if all(policy_matches(p, spec) for p in got.values()) else None
 
 
-async def start_job(env, zones=ZONES, factor=1):
+async def start_job(env, zones=ZONES, factor=1, **spec):
     nodes = await env.add_nodes(*zones)
     await env.cluster.config(
         replication={"factor": factor, "failureDomainLabel": "topology.kubernetes.io/zone"},
         backup={"intervalSteps": 100, "retention": {"keepLast": 2}},
+        **spec,
     )
     await env.start_operator()
     js = await env.cluster.create_jobset(NS, jobset_body(NAME, [("workers", 3, 2)]))
@@ -277,6 +279,29 @@ async def test_a_node_replaced_within_an_attempt_is_restored_and_the_job_runs_ag
         "the replacement node staged its rank",
     )
     assert staged.step == STEP and committed_steps(rank_dir(n6.root, job, rank)) == [STEP]
+
+
+async def test_a_step_over_the_jobs_ramdisk_size_is_refused_and_reported(env):
+    """A pod commits a step whose data file is a hole far larger than the job's ramdisk size: the
+    replicators refuse to send it (the operator gave them that size as the job's quota) and the
+    CheckpointJob says so, with a QuotaExceeded event."""
+    nodes, job = await start_job(env, ramdisk={"size": "8Mi"})
+    first = await place(env, [n.name for n in nodes], 0, seed=5)
+    await restore_plan(env, 0)
+    stored = await eventually(lambda: policies_as_configured(env, job, first), 20, "the policies")
+    assert {p.quota_bytes for p in stored.values()} == {8 << 20}
+    await save_everywhere(env, job, first, STEP, 6)
+    name, rank = min(first.items())
+    write_sparse_step(env.replicators.nodes[name].root, job, rank, STEP + 1, declared=24 << 20, world_size=6)
+    refused = f"{name}: job {job} rank {rank} step {STEP + 1} declares 24.0Mi, over the job's quota of 8.0Mi"
+    await eventually(lambda: refused in (status(env.cluster).get("overQuota") or ""), 30, "status.overQuota")
+    (event,) = await eventually(lambda: env.cluster.events("QuotaExceeded"), 30, "a QuotaExceeded event")
+    assert event["type"] == "Warning" and refused in event["message"] and "sparse" in event["message"]
+    for node in env.replicators.nodes.values():  # no peer took it
+        assert STEP + 1 not in committed_steps(replica_rank_dir(node.root, job, rank))
+    # the next step within the quota clears the report
+    await save_everywhere(env, job, first, STEP + 2, 6)
+    await eventually(lambda: status(env.cluster).get("overQuota") is None, 30, "status.overQuota cleared")
 
 
 async def test_whole_failure_domain_lost(env):

@@ -27,10 +27,11 @@ from tierckpt.protocol.control import (
     RestorePlan,
     StepBytes,
     StepContent,
+    StepOverQuota,
     Tier,
 )
 from tierckpt.protocol.errors import ContractError
-from tierckpt_csi.quantity import parse_quantity as csi_quantity
+from tierckpt.protocol.quantity import parse_quantity as csi_quantity
 from tierckpt_operator.decisions import (
     JobState,
     decide_assignment,
@@ -49,6 +50,7 @@ from tierckpt_operator.resources import BackupPolicy, ConfigSpec, Retention
 from tierckpt_operator.settings import parse_settings
 from tierckpt_operator.status_fields import (
     merge_conditions,
+    over_quota_text,
     parse_ranges,
     rank_ranges,
     redundancy_of,
@@ -196,6 +198,7 @@ def test_job_policy_carries_the_configuration():
                     "retention": {"keepLast": 2, "keepEvery": 10},
                 },
                 "replication": {"factor": 3},
+                "ramdisk": {"size": "1.5Gi"},
                 "deleteBackupsOnJobSetDeletion": True,
             },
         }
@@ -212,12 +215,14 @@ def test_job_policy_carries_the_configuration():
         keep_every=10,
         replication_factor=3,
         delete_backups_on_deletion=True,
+        quota_bytes=3 << 29,  # the job's ramdisk size: no rank's step may declare more
         config="fast",
     )
     assert JobPolicy.from_bytes(policy.to_bytes()) == policy
     plain = ConfigSpec.from_body({"metadata": {"name": "d"}, "spec": {"gcs": {"bucket": "bkt"}}})
     defaults = job_policy("j", plain)
     assert (defaults.backup_interval_minutes, defaults.keep_last, defaults.prefix) == (30.0, 3, "tierckpt")
+    assert defaults.quota_bytes == 64 << 30
     assert (defaults.erasure, plain.peers_per_node) == (None, 1)
 
 
@@ -523,6 +528,23 @@ def test_redundancy_of_a_job_is_its_weakest_node():
     assert job == Redundancy(factor=2, copies=1, degraded_since=1e9)
     assert redundancy_text(job) == "degraded since 2001-09-09T01:46:40Z (replicas: 1/2)"
     assert redundancy_of([_inv("c", {}, 2)]) is None  # nobody reported: nothing to say yet
+
+
+def test_steps_over_the_quota_are_reported_by_node_rank_and_step():
+    assert over_quota_text([_inv("a", {0: ([10], [])}, 2)]) is None
+    sparse = StepOverQuota(rank=3, step=20, bytes=64 << 30, quota=8 << 20, allocated=4096)
+    dense = StepOverQuota(rank=0, step=20, bytes=9 << 20, quota=8 << 20)
+    invs = [
+        dataclasses.replace(_inv("b", {3: ([20], [])}, 4), over_quota=(sparse,)),
+        dataclasses.replace(_inv("a", {0: ([20], [])}, 4), over_quota=(dense,)),
+    ]
+    assert over_quota_text(invs) == (
+        "a: job j rank 0 step 20 declares 9.0Mi, over the job's quota of 8.0Mi; "
+        "b: job j rank 3 step 20 declares 64.0Gi, over the job's quota of 8.0Mi "
+        "(its files take 4.0Ki on this node's ramdisk: sparse)"
+    )
+    many = [dataclasses.replace(_inv(f"n{i}", {}, 4), over_quota=(dense,)) for i in range(5)]
+    assert over_quota_text(many).endswith("; and 2 more")
 
 
 def test_replica_groups_summary_sums_the_newest_accounted_step():

@@ -67,6 +67,7 @@ def test_every_key_parses_back(job: str, step: int, rank: int) -> None:
         layout.rank_file_key(job, step, rank, "data-00002.bin"): ("rank_file", rank, "data-00002.bin", None),
         layout.rank_file_key(job, step, rank, "COMMIT"): ("rank_file", rank, "COMMIT", None),
         layout.part_key(job, step, rank, "objects.pkl", 31): ("part", rank, "objects.pkl", 31),
+        layout.writer_key(job, step, "node-a.0123abcd"): ("writer", None, None, None),
     }
     for key, (kind, r, f, part) in cases.items():
         parsed = layout.parse(key)
@@ -75,6 +76,9 @@ def test_every_key_parses_back(job: str, step: int, rank: int) -> None:
     assert layout.step_of_dir(job, layout.step_dir(job, step)) == step
     assert layout.step_of_complete(job, layout.complete_key(job, step)) == step
     assert layout.rank_of_commit(job, step, layout.rank_commit_key(job, step, rank)) == rank
+    assert layout.step_of_writer(job, layout.writer_key(job, step, "n.1")) == step
+    fence = layout.parse(layout.purge_fence_key(job))
+    assert fence is not None and (fence.job, fence.kind, fence.step) == (job, "fence", None)
 
 
 def test_keys_outside_the_prefix_or_malformed_are_not_ours() -> None:
@@ -90,6 +94,12 @@ def test_keys_outside_the_prefix_or_malformed_are_not_ours() -> None:
 def test_bad_prefixes_are_refused(bad: str) -> None:
     with pytest.raises(FormatError):
         BucketLayout(bad)
+
+
+@pytest.mark.parametrize("bad", ["../x", "a/b", "", ".hidden", "x" * 161])
+def test_writer_names_are_one_safe_key_segment(bad: str) -> None:
+    with pytest.raises(FormatError):
+        BucketLayout("t").writer_key("demo", 1, bad)
 
 
 @pytest.mark.parametrize("bad", ["../evil", "a/b", "", "data-1.bin"])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import datetime
+import os
 import socket
 import ssl
 import threading
@@ -25,6 +26,8 @@ from tierckpt.protocol.certs import (
     named_peer,
     new_key,
     node_csr,
+    node_identity_problem,
+    private_pem,
     write_identity,
 )
 from tierckpt.protocol.errors import FormatError
@@ -210,3 +213,104 @@ def _presented(server: ssl.SSLContext, client: ssl.SSLContext) -> bytes:
             out["cert"] = tls.getpeercert(binary_form=True) or b""
         thread.join(5)
     return out["cert"]
+
+
+def test_node_identity_problem_names_what_is_not_this_nodes(ca: Authority, tmp_path: Path) -> None:
+    key = new_key()
+    own = private_pem(key) + certificate_pem(ca.node_certificate(key.public_key(), "n1", HOUR))
+    assert node_identity_problem(own, ca.pem, "n1") == ""
+    assert node_identity_problem(own, Authority.create().pem + ca.pem, "n1") == ""  # a CA rotation's bundle
+    cert_only = certificate_pem(ca.node_certificate(key.public_key(), "n1", HOUR))
+    assert node_identity_problem(cert_only, ca.pem, "n1", key=private_pem(key)) == ""  # --tls-key
+    cases = {
+        "another node's": (own, ca.pem, "n2", "it is node/n1's certificate, not this node's (node/n2)"),
+        "a foreign CA's": (own, Authority.create().pem, "n1", "it is not signed by a CA of the CA bundle"),
+        "the operator's": (
+            private_pem(key) + certificate_pem(ca.operator_certificate(key.public_key(), HOUR)),
+            ca.pem,
+            "n1",
+            "it is the operator's certificate, not this node's (node/n1)",
+        ),
+        "a server certificate": (
+            private_pem(key) + certificate_pem(ca.server_certificate(key.public_key(), ["n1"], HOUR)),
+            ca.pem,
+            "n1",
+            "it names no tierckpt identity",
+        ),
+        "an expired one": (
+            private_pem(key)
+            + certificate_pem(ca.node_certificate(key.public_key(), "n1", -datetime.timedelta(minutes=1))),
+            ca.pem,
+            "n1",
+            "it is not valid now",
+        ),
+        "another key's": (
+            private_pem(new_key()) + cert_only,
+            ca.pem,
+            "n1",
+            "the private key is not the certificate's",
+        ),
+        "no key": (cert_only, ca.pem, "n1", "no usable private key"),
+        "not PEM": (b"junk", ca.pem, "n1", "not a PEM certificate"),
+    }
+    for case, (chain, bundle, node, why) in cases.items():
+        assert why in node_identity_problem(chain, bundle, node), case
+
+
+def test_node_identity_problem_wants_a_server_and_client_certificate(ca: Authority) -> None:
+    """A certificate naming the node but usable only as a client (not one the CA issues to nodes) is
+    refused too: peers could not verify it as a server."""
+    key = new_key()
+    client_only = ca._issue(  # the issuer's own builder, to make what it never makes
+        key.public_key(),
+        "n1",
+        [x509.UniformResourceIdentifier(node_id("n1")), x509.DNSName(node_server_name("n1"))],
+        HOUR,
+        server=False,
+        client=True,
+    )
+    why = node_identity_problem(private_pem(key) + certificate_pem(client_only), ca.pem, "n1")
+    assert why.startswith("it is not a server and client certificate (extended key usage: client)")
+
+
+def test_a_checked_credentials_refuses_a_change_once_and_keeps_its_contexts(
+    ca: Authority, tmp_path: Path
+) -> None:
+    files = issue(ca, tmp_path, "a")
+    own, other = files.cert.read_bytes(), issue(ca, tmp_path, "b").cert.read_bytes()
+    versions = iter(range(1, 100))
+
+    def put(data: bytes) -> None:
+        """Replace a's file (each version with a modification time of its own: a new stamp)."""
+        tmp = tmp_path / "a.pem.new"
+        tmp.write_bytes(data)
+        os.utime(tmp, ns=(0, next(versions) * 10**9))
+        os.replace(tmp, files.cert)
+
+    def only_a(f: TlsFiles) -> None:
+        why = node_identity_problem(f.cert.read_bytes(), f.ca.read_bytes(), "a")
+        if why:
+            raise ValueError(why)
+
+    creds = TlsCredentials(files, check=only_a)
+    server = creds.server()
+    client = TlsCredentials(TlsFiles(tmp_path / "b.pem", tmp_path / "ca.crt")).client(named=True)
+    first = _presented(server, client)
+    put(other)  # b's certificate in a's file
+    assert creds.changed()
+    with pytest.raises(ValueError, match="node/b's certificate"):
+        creds.refresh()
+    assert not creds.changed() and not creds.refresh()  # refused once, then ignored
+    assert creds.renewed() is creds
+    assert _presented(server, client) == first  # still a's
+    put(own)  # a's own again: taken
+    assert creds.changed() and creds.refresh()
+    put(other)
+    with pytest.raises(ValueError, match="node/b's certificate"):
+        creds.renewed()
+    assert creds.renewed() is creds
+    put(own)
+    renewed = creds.renewed()
+    assert renewed is not creds and _presented(renewed.server(), client) == first
+    with pytest.raises(ValueError, match="node/b's certificate"):
+        TlsCredentials(TlsFiles(tmp_path / "b.pem", tmp_path / "ca.crt"), check=only_a)

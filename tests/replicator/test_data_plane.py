@@ -15,11 +15,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.fixtures.cluster import write_sparse_step
 from tierckpt.protocol.format import committed_steps, rank_dir, replica_rank_dir, step_dir
 from tierckpt.protocol.tokens import TokenFile
 from tierckpt_demo.step_writer import step_files, write_step
 from tierckpt_replicator.replication.context import DataContext
 from tierckpt_replicator.replication.data_server import DataServer
+from tierckpt_replicator.replication.erasure import encode_step
 from tierckpt_replicator.replication.ipc import FetchSource, PeerAddress, SendTask, WorkerConfig
 from tierckpt_replicator.replication.manager import NODE_FAULTS
 from tierckpt_replicator.replication.transfer import fetch_step, push_step
@@ -341,6 +343,67 @@ def test_a_full_sender_is_a_fault_of_its_own_not_of_its_peers(make_peer, tmpfs, 
     assert committed_steps(replica_rank_dir(b.root, JOB, 0)) == []
     filler.unlink()  # room again: the step's own retry gets through
     assert run_send(a.ctx, dataclasses.replace(task, id=2)).ok
+
+
+def test_a_sparse_step_over_the_quota_is_neither_pushed_nor_taken(make_peer, tmp_path):
+    """A step whose data file is one hole, declaring 48 MiB against an 8 MiB quota (``--job-quota``):
+    the sender connects to nobody; a receiver sent its header anyway answers 413 before it creates a
+    staging directory or reserves a byte; a step within the quota still goes through."""
+    quota = 8 << 20
+    a, b = make_peer("a", job_quota=quota), make_peer("b", job_quota=quota)
+    write_sparse_step(a.root, JOB, 0, 1, declared=48 << 20)
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.5)
+    with listener:
+        out = push_step(a.ctx, JOB, 0, 1, PeerAddress("x", "127.0.0.1", listener.getsockname()[1]))
+        with pytest.raises(TimeoutError):
+            listener.accept()  # not even a connection
+    assert out.status == "too_large" and out.bytes == 0
+    assert (
+        "declares 48.0Mi, over the job's quota of 8.0Mi (its files take 0B on this node's ramdisk"
+        in out.message
+    )
+    forged = write_sparse_step(tmp_path / "elsewhere", JOB, 0, 2, declared=48 << 20)
+    commit, manifest = (forged / "COMMIT").read_bytes(), (forged / "manifest.json").read_bytes()
+    req = DataRequest(
+        op="put", token=TOKEN, job=JOB, rank=0, step=2, commit_size=len(commit), manifest_size=len(manifest)
+    )
+    with socket.create_connection(("127.0.0.1", b.server.port), timeout=5) as s:
+        send_frame(s, req, commit + manifest)
+        reply = recv_frame(s, DataReply)
+    assert reply.status == Status.TOO_LARGE and "over the job's quota of 8.0Mi" in reply.message
+    assert not (b.root / JOB / "replicas").exists() and no_leftovers(b.root)
+    assert [(e.op, e.status, e.bytes) for e in b.events] == [("put", Status.TOO_LARGE, 48 << 20)]
+    write_step(a.root, JOB, 0, 3, sizes=(1 << 20,))
+    assert push_step(a.ctx, JOB, 0, 3, b.address).status == "ok"
+
+
+def test_a_fragment_of_a_step_over_the_quota_is_refused(make_peer, tmp_path):
+    """An erasure-coded fragment is checked against the quota too (the step it belongs to)."""
+    b = make_peer("b", job_quota=512 << 10)
+    src = write_step(tmp_path / "src", JOB, 0, 5, sizes=(1 << 20,))
+    em = encode_step(src, tmp_path / "enc", 2, 1)
+    commit, manifest, erasure = (
+        (src / "COMMIT").read_bytes(),
+        (src / "manifest.json").read_bytes(),
+        em.to_bytes(),
+    )
+    req = DataRequest(
+        op="fragment",
+        token=TOKEN,
+        job=JOB,
+        rank=0,
+        step=5,
+        index=0,
+        commit_size=len(commit),
+        manifest_size=len(manifest),
+        erasure_size=len(erasure),
+    )
+    with socket.create_connection(("127.0.0.1", b.server.port), timeout=5) as s:
+        send_frame(s, req, commit + manifest + erasure)
+        reply = recv_frame(s, DataReply)
+    assert reply.status == Status.TOO_LARGE and "over the job's quota of 512.0Ki" in reply.message
+    assert not (b.root / JOB / "fragments").exists()
 
 
 def test_connection_dropped_mid_stream_leaves_nothing(make_peer):

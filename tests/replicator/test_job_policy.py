@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import subprocess
 import sys
 import time
@@ -189,7 +190,10 @@ async def test_job_backs_up_to_its_policy_bucket_on_its_interval(replicator, gcs
             inv is not None and inv.gcs == (30, 50) and inv.world_sizes[30] == 1
         )  # read back from the policy's bucket
 
-        # the configuration is edited: a new prefix and every 5 steps; the next step goes there
+        # step 60 is not due under the policy (10 steps after 50); the configuration is edited: a new
+        # prefix and every 5 steps. The next backup goes there, and it is of the newest step (the poll
+        # runs at once: a step written after the edit could find step 50 already backed up there).
+        write_step(root, job, 0, 60, sizes=(8192, 300))
         edited = JobPolicy(
             job=job,
             generation=2,
@@ -200,7 +204,6 @@ async def test_job_backs_up_to_its_policy_bucket_on_its_interval(replicator, gcs
             keep_last=2,
         )
         assert await api.put_policy(url, edited) == edited
-        write_step(root, job, 0, 60, sizes=(8192, 300))
         await until(lambda: complete_steps(gcs, POLICY_BUCKET, "pol/edited", job) == [60], "step 60 moved")
         assert complete_steps(gcs, POLICY_BUCKET, "pol/team", job) == [30, 50]  # old backups stay
 
@@ -208,3 +211,42 @@ async def test_job_backs_up_to_its_policy_bucket_on_its_interval(replicator, gcs
         assert await api.purge(url, job, backups=True) == PurgeResult(job=job, purged=True, bucket=True)
         assert complete_steps(gcs, POLICY_BUCKET, "pol/edited", job) == []
         assert [k for k in keys(gcs, POLICY_BUCKET) if k.startswith("pol/edited/")] == []
+
+
+async def test_a_purge_outlasts_every_backup_in_flight(replicator, gcs):
+    """Many times over: steps are committed and every one is due, so backups run back to back; the
+    commits stop and, at a random moment while the last backups are under way, the job is purged with
+    its backups. Nothing of the job is left in the bucket when the purge returns, nor afterwards (no
+    backup started during the purge, none in flight landed after it)."""
+    url, root = replicator
+    rng = random.Random(os.getpid())
+    prefix = "stress"
+    jobs = [f"stress_{os.getpid()}_{i}" for i in range(15)]
+
+    def left(job: str) -> list[str]:
+        layout = BucketLayout(prefix)
+        return [b.name for b in gcs.client().list_blobs(POLICY_BUCKET, prefix=layout.job(job))]
+
+    async with ReplicatorClient(token=TokenFile(root.parent / "token"), timeout=60) as api:
+        for job in jobs:
+            policy = JobPolicy(
+                job=job,
+                generation=1,
+                bucket=POLICY_BUCKET,
+                prefix=prefix,
+                backup_interval_steps=1,
+                backup_interval_minutes=0,
+                keep_last=2,
+            )
+            assert await api.put_policy(url, policy) == policy
+            step = 0
+            deadline = time.monotonic() + rng.uniform(0.3, 0.8)
+            while time.monotonic() < deadline:
+                step += 1
+                await asyncio.to_thread(write_step, root, job, 0, step, sizes=(1 << 20, 300))
+                await asyncio.sleep(0.02)
+            await asyncio.sleep(rng.uniform(0.0, 0.3))
+            assert await api.purge(url, job, backups=True) == PurgeResult(job=job, purged=True, bucket=True)
+            assert left(job) == [], f"{job}: left in the bucket by a backup racing its purge"
+        await asyncio.sleep(2.0)  # any upload still in flight would have landed by now
+        assert {job: left(job) for job in jobs if left(job)} == {}

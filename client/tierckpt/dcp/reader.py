@@ -57,9 +57,12 @@ from tierckpt.protocol.format import (
     read_manifest,
     replica_rank_dir,
 )
-from tierckpt.protocol.integrity import crc32c, crc32c_address
+from tierckpt.protocol.integrity import crc32c
 from tierckpt.settings import resolve
-from tierckpt.snapshot import agree
+from tierckpt.snapshot import agree, upload
+from tierckpt.snapshot.checksum import region_crcs
+from tierckpt.snapshot.copy import memmove
+from tierckpt.snapshot.dtypes import torch_dtype
 from tierckpt.snapshot.shardfile import MappedFile
 from tierckpt.verify import verify_file
 
@@ -97,7 +100,21 @@ class _RankStep:
         self.path = path
         self.manifest = manifest
         self.entries: dict[str, TensorEntry] = {t.key: t for t in manifest.tensors}
+        self.index: dict[str, int] = {t.key: i for i, t in enumerate(manifest.tensors)}
         self._checked: set[str] = set()
+
+    def views(self, mapped: MappedFile) -> list[torch.Tensor]:
+        """Typed views of this step's items (those of ``mapped``'s file are backed by it; the others are
+        empty placeholders), indexed like the manifest's tensors."""
+        empty = torch.empty(0, dtype=torch.uint8)
+        out = []
+        for t in self.manifest.tensors:
+            if t.file != mapped.path.name:
+                out.append(empty)
+                continue
+            raw = mapped.buffer[t.offset : t.offset + t.length]
+            out.append(raw.view(torch_dtype(t.dtype)).view(t.shape))
+        return out
 
     def entry(self, key: str) -> TensorEntry:
         try:
@@ -164,6 +181,8 @@ class RamdiskReader(StorageReader):
         self.process_group = process_group
         self.collective = collective
         self.stall_timeout = where.restore_wait
+        self._staging = upload.RestoreStaging()
+        """Device staging of the small items loaded to a GPU (kept for the next load of the same step)."""
         self.requested_step = None if step is None else require_step_id(step)
         """The step asked for (None: the newest loadable one); ``step`` is the one the last load resolved."""
         self.step = self.requested_step
@@ -421,9 +440,7 @@ class RamdiskReader(StorageReader):
                     self.bytes_read += needed
                     mapped = step.open(name, needed=needed)
                     try:
-                        verified: set[str] = set()
-                        for req, entry in sorted(entries, key=lambda it: it[1].offset):
-                            self._read_item(req, entry, mapped, verified, planner)
+                        self._read_file(step, mapped, sorted(entries, key=lambda it: it[1].offset), planner)
                     finally:
                         mapped.close()
         fut: Future[None] = Future()
@@ -451,46 +468,81 @@ class RamdiskReader(StorageReader):
         self._steps[(rank, step)] = _RankStep(path, manifest)
         return self._steps[(rank, step)]
 
-    def _read_item(
-        self, req: ReadItem, entry: TensorEntry, mapped: MappedFile, verified: set[str], planner: LoadPlanner
+    def _read_file(
+        self,
+        step: _RankStep,
+        mapped: MappedFile,
+        entries: list[tuple[ReadItem, TensorEntry]],
+        planner: LoadPlanner,
     ) -> None:
-        key = entry.key
-        if entry.offset + entry.length > mapped.size:
-            raise CorruptShardError(
-                f"{mapped.path}: item {key!r} runs past the end of the file", path=str(mapped.path), key=key
-            )
-        region = mapped.buffer[entry.offset : entry.offset + entry.length]
-        if key not in verified:
-            actual = crc32c_address(region.data_ptr(), entry.length) if entry.length else 0
-            if actual != entry.crc32c:
+        """Read ``entries`` (in file order) from one mapped data file: verify every item once (in
+        parallel over the CPUs), copy whole items bound for a GPU as the native load does (small ones
+        packed, large ones through pinned bounce buffers filled by parallel memcpy), the rest (slices of
+        an item when resharding, CPU destinations, byte items) one by one; then commit each to the
+        planner in order."""
+        for _, entry in entries:
+            if entry.offset + entry.length > mapped.size:
                 raise CorruptShardError(
-                    f"{mapped.path}: item {key!r} (bytes {entry.offset}..{entry.offset + entry.length}) has "
-                    f"crc32c {actual:08x}, expected {entry.crc32c:08x}: the shard is corrupt",
+                    f"{mapped.path}: item {entry.key!r} runs past the end of the file",
                     path=str(mapped.path),
-                    key=key,
+                    key=entry.key,
                 )
-            verified.add(key)
-        if req.type == LoadItemType.BYTE_IO:
-            planner.load_bytes(req, io.BytesIO(region.numpy().tobytes()))
-            return
-        self._load_tensor(req, region, planner)
+        unique = list({e.key: e for _, e in entries}.values())
+        actual = region_crcs([(mapped.address + e.offset, e.length) for e in unique])
+        for entry, crc in zip(unique, actual, strict=True):
+            if crc != entry.crc32c:
+                raise CorruptShardError(
+                    f"{mapped.path}: item {entry.key!r} (bytes {entry.offset}..{entry.offset + entry.length})"
+                    f" has crc32c {crc:08x}, expected {entry.crc32c:08x}: the shard is corrupt",
+                    path=str(mapped.path),
+                    key=entry.key,
+                )
+        commits: list[tuple[ReadItem, torch.Tensor]] = []
+        whole_gpu: list[tuple[int, torch.Tensor]] = []
+        for req, entry in entries:
+            region = mapped.buffer[entry.offset : entry.offset + entry.length]
+            if req.type == LoadItemType.BYTE_IO:
+                planner.load_bytes(req, io.BytesIO(region.numpy().tobytes()))
+                continue
+            src, whole = self._source(req, region)
+            target = planner.resolve_tensor(req).detach()
+            if target.size() != src.size():
+                raise FormatError(
+                    f"item {item_key(req.storage_index)!r}: stored slice {tuple(src.size())} does not fit "
+                    f"destination {tuple(target.size())}"
+                )
+            if whole and target.is_cuda and target.dtype == src.dtype and target.is_contiguous():
+                whole_gpu.append((step.index[entry.key], target))
+            else:
+                target.copy_(src)
+            commits.append((req, target))
+        if whole_gpu:
+            views = step.views(mapped)
+            upload.to_device(
+                step.manifest,
+                {mapped.path.name: mapped},
+                views,
+                whole_gpu,
+                staging=self._staging,
+                pack_bytes=1 << 20,
+                pack_limit=256 << 20,
+                memcpy=memmove,
+            )
+        for req, target in commits:
+            planner.commit_tensor(req, target)
 
-    def _load_tensor(self, req: ReadItem, region: torch.Tensor, planner: LoadPlanner) -> None:
+    def _source(self, req: ReadItem, region: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """The stored bytes ``req`` reads, typed and shaped (a slice of the item when resharding), and
+        whether that is the whole item."""
         index = req.storage_index
         sizes, dtype = self._chunks[(index.fqn, tuple(index.offset or ()))]
         if region.numel() != sizes.numel() * dtype.itemsize:
             raise FormatError(
                 f"item {item_key(index)!r}: {region.numel()} bytes do not hold {dtype} {tuple(sizes)}"
             )
-        src = narrow_tensor_by_index(region.view(dtype).reshape(sizes), req.storage_offsets, req.lengths)
-        target = planner.resolve_tensor(req).detach()
-        if target.size() != src.size():
-            raise FormatError(
-                f"item {item_key(index)!r}: stored slice {tuple(src.size())} does not fit "
-                f"destination {tuple(target.size())}"
-            )
-        target.copy_(src)
-        planner.commit_tensor(req, target)
+        item = region.view(dtype).reshape(sizes)
+        whole = all(o == 0 for o in req.storage_offsets) and tuple(req.lengths) == tuple(sizes)
+        return (item if whole else narrow_tensor_by_index(item, req.storage_offsets, req.lengths)), whole
 
 
 def _alone(obj: Any) -> list[Any]:

@@ -6,6 +6,7 @@
 * ``tierckpt.integrations.accelerate``: ``TierckptAccelerator`` / ``TierckptAcceleratorMixin``
   (``accelerate.Accelerator``; ``tierckpt[hf]``)
 * ``tierckpt.integrations.rng``: RNG states of a process, for frameworks that do not save them
+* ``tierckpt.integrations.resume``: what the adapters say when a job resumes, or has nothing left to train
 
 The rest of tierckpt never imports a framework (an import-linter contract in pyproject.toml).
 """

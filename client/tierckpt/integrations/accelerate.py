@@ -6,17 +6,20 @@
 
     accelerator = TierckptAccelerator()                 # an accelerate.Accelerator
     model, opt, loader, sched = accelerator.prepare(model, opt, loader, sched)
-    start = accelerator.load_state()                   # the newest step every rank holds, or None
+    start = accelerator.load_state(max_steps=N)        # the newest step every rank holds, or None
     ...
     accelerator.save_state(step=step)                  # this rank's state, a copy into RAM
 
 ``TierckptAccelerator`` is ``accelerate.Accelerator`` whose ``save_state``/``load_state`` without a
 directory go through tierckpt; with a directory they write and read Accelerate's own files as before.
 Each rank saves what Accelerate's ``save_state`` covers: every prepared model, optimizer and LR
-scheduler, the data loaders' positions (the seedable sampler's epoch; ``state_dict`` of stateful
-loaders), the AMP ``GradScaler``, the RNG states, Accelerate's step counter and the objects given to
-``register_for_checkpointing``. Loading is strict: a model of another architecture raises
-``tierckpt.StateMismatchError`` before anything is copied.
+scheduler, the AMP ``GradScaler``, the RNG states, Accelerate's step counter and the objects given to
+``register_for_checkpointing``; and the prepared data loaders' positions: their epoch, the batches
+handed out in it and their generators' states (``integrations.accelerate_data``: the loaders
+``prepare`` returns continue, after a load, with the rest of the saved epoch in the same order). Loading
+is strict: a model of another architecture raises ``tierckpt.StateMismatchError`` before anything is
+copied. ``load_state`` says on rank 0 (a warning, through Accelerate's logger) which step it resumed and
+where each rank's copy came from; given ``max_steps``, also that the job is already complete.
 
 Models whose weights are DTensor shards (FSDP2 through Accelerate's FSDP plugin, or ``fully_shard``)
 go through PyTorch DCP with ``tierckpt.dcp.RamdiskWriter``/``RamdiskReader`` (states from
@@ -38,7 +41,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tierckpt.integrations.accelerate_data import ResumableLoader, own_generator
 from tierckpt.integrations.lazy import framework_subclass
+from tierckpt.integrations.resume import complete_message, resume_message
 
 __all__ = ["TierckptAccelerator", "TierckptAcceleratorMixin"]
 
@@ -64,6 +69,40 @@ class TierckptAcceleratorMixin:
         super().__init__(*args, **kwargs)
         self.tierckpt_options = {"keep": 2, **(tierckpt or {})}
         self._tierckpt: Any = None
+        self._tierckpt_loaders: list[ResumableLoader] = []
+
+    # ------------------------------------------------------------------------------- data loaders
+
+    def prepare_data_loader(self, data_loader: Any, *args: Any, **kwargs: Any) -> Any:
+        """Accelerate's ``prepare_data_loader``, given a generator of its own first and returning a
+        ``ResumableLoader``: its position is saved with each step and resumed by its next pass."""
+        if isinstance(data_loader, ResumableLoader):
+            return data_loader
+        own_generator(data_loader)
+        prepared = super().prepare_data_loader(data_loader, *args, **kwargs)  # type: ignore[misc]
+        return self._tierckpt_loader(prepared)
+
+    def skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> Any:
+        """Accelerate's ``skip_first_batches`` of the loader ``prepare`` returned. After ``load_state`` the
+        loader resumes its position by itself; skipping instead replaces that (logged)."""
+        if isinstance(dataloader, ResumableLoader):
+            if dataloader.skip_pending_resume():
+                log.warning(
+                    "skip_first_batches after load_state: the loader would have resumed the saved position "
+                    "by itself; it now starts its next pass at the beginning of epoch %d",
+                    dataloader.epoch,
+                )
+            dataloader = dataloader.loader
+        return super().skip_first_batches(dataloader, num_batches)  # type: ignore[misc]
+
+    def _tierckpt_loader(self, prepared: Any) -> ResumableLoader:
+        """The ``ResumableLoader`` of a loader Accelerate prepared (made on first use)."""
+        for loader in self._tierckpt_loaders:
+            if loader.loader is prepared:
+                return loader
+        loader = ResumableLoader(prepared)
+        self._tierckpt_loaders.append(loader)
+        return loader
 
     # ------------------------------------------------------------------------------- plumbing
 
@@ -106,17 +145,7 @@ class TierckptAcceleratorMixin:
         """Everything but the models and optimizers: schedulers, loaders, scaler, RNG, step, objects."""
         from tierckpt.integrations.rng import collect_rng_states
 
-        loaders = []
-        for loader in self._dataloaders:  # type: ignore[attr-defined]
-            sampler = getattr(loader, "get_sampler", lambda: None)()
-            loaders.append(
-                {
-                    "epoch": getattr(sampler, "epoch", None),
-                    "state": loader.state_dict()
-                    if getattr(loader, "use_stateful_dataloader", False)
-                    else None,
-                }
-            )
+        loaders = [self._tierckpt_loader(d).state_dict() for d in self._dataloaders]  # type: ignore[attr-defined]
         scaler = self.scaler  # type: ignore[attr-defined]
         return {
             "schedulers": [s.state_dict() for s in self._schedulers],  # type: ignore[attr-defined]
@@ -133,11 +162,7 @@ class TierckptAcceleratorMixin:
         for scheduler, saved in zip(self._schedulers, rest["schedulers"], strict=True):  # type: ignore[attr-defined]
             scheduler.load_state_dict(saved)
         for loader, saved in zip(self._dataloaders, rest["dataloaders"], strict=True):  # type: ignore[attr-defined]
-            sampler = getattr(loader, "get_sampler", lambda: None)()
-            if saved["epoch"] is not None and sampler is not None and hasattr(sampler, "set_epoch"):
-                sampler.set_epoch(saved["epoch"])
-            if saved["state"] is not None:
-                loader.load_state_dict(saved["state"])
+            self._tierckpt_loader(loader).load_state_dict(saved)
         if self.scaler is not None and rest["scaler"]:  # type: ignore[attr-defined]
             self.scaler.load_state_dict(rest["scaler"])  # type: ignore[attr-defined]
         for obj, saved in zip(self._custom_objects, rest["custom"], strict=True):  # type: ignore[attr-defined]
@@ -197,9 +222,16 @@ class TierckptAcceleratorMixin:
 
     # ------------------------------------------------------------------------------- load
 
-    def load_state(self, input_dir: str | os.PathLike[str] | None = None, *args: Any, **kwargs: Any) -> Any:
+    def load_state(
+        self,
+        input_dir: str | os.PathLike[str] | None = None,
+        *args: Any,
+        max_steps: int | None = None,
+        **kwargs: Any,
+    ) -> Any:
         """Without ``input_dir``: load the newest step every rank holds from the ramdisk and return it
-        (None when there is none). With it: Accelerate's own ``load_state``."""
+        (None when there is none); say on rank 0 which step and from where, and, when the step reached
+        ``max_steps``, that the job is already complete. With it: Accelerate's own ``load_state``."""
         if input_dir is not None or self.project_configuration.automatic_checkpoint_naming:  # type: ignore[attr-defined]
             return super().load_state(input_dir, *args, **kwargs)  # type: ignore[misc]
         models, optimizers = self._models, self._optimizers  # type: ignore[attr-defined]
@@ -218,7 +250,19 @@ class TierckptAcceleratorMixin:
         if step is not None:
             self.project_configuration.iteration = step + 1  # type: ignore[attr-defined]
             log.info("rank %d resumed from step %d", self.process_index, step)  # type: ignore[attr-defined]
+            where = getattr(self._tierckpt, "settings", self._tierckpt)  # a Checkpointer's, or the writer
+            self._tierckpt_warn(resume_message(where.root, where.job, self.process_index, step))  # type: ignore[attr-defined]
+            if max_steps is not None and step >= max_steps:
+                self._tierckpt_warn(
+                    complete_message(step, f"max_steps={max_steps}", "nothing is left to train")
+                )
         return step
+
+    def _tierckpt_warn(self, message: str) -> None:
+        """A warning on the main process, through Accelerate's logger (shown with default settings)."""
+        from accelerate.logging import get_logger
+
+        get_logger(__name__).warning(message, main_process_only=True)
 
     def _tierckpt_load_sharded(self) -> int | None:
         from torch.distributed.checkpoint.state_dict import (

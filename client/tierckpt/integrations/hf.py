@@ -22,7 +22,11 @@ places the Trainer itself checkpoints:
   (the data position) exactly as for its own checkpoints, and the loading methods it calls
   (``_load_from_checkpoint``, ``_load_optimizer_and_scheduler``, ``_load_scaler``,
   ``_load_rng_state``) take the states from that step. A path given as ``resume_from_checkpoint``
-  resumes from that ``checkpoint-N`` directory as usual.
+  resumes from that ``checkpoint-N`` directory as usual. Rank 0 says which step it resumed, when it was
+  saved and where each rank's copy came from (a warning: the level Python and transformers show by
+  default). A step that already reached ``max_steps`` (or else ``num_train_epochs``) is a finished job
+  launched again: ``train()`` warns and returns at once, with that step's ``TrainerState``, instead of
+  training one step more as ``Trainer`` resumed from its final checkpoint does.
 
 A ``TrainerCallback`` alone cannot do this: the Trainer decides the data position from the checkpoint
 it resumes, before any callback runs. The methods overridden are private to ``transformers``; the
@@ -57,6 +61,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from tierckpt.integrations.lazy import framework_subclass
+from tierckpt.integrations.resume import complete_message, resume_message
 
 __all__ = ["TierckptTrainer", "TierckptTrainerMixin"]
 
@@ -109,7 +114,7 @@ class TierckptTrainerMixin:
             "scheduler": self.lr_scheduler.state_dict(),  # type: ignore[attr-defined]
             "scaler": None if scaler is None else scaler.state_dict(),
             "rng": collect_rng_states(),
-            "trainer_state": json.dumps(dataclasses.asdict(self.state)),  # type: ignore[attr-defined]
+            "trainer_state": json.dumps(dataclasses.asdict(self.state)),
         }
 
     # ------------------------------------------------------------------------------- saving
@@ -120,7 +125,7 @@ class TierckptTrainerMixin:
 
         if self.hp_search_backend is None and trial is None:  # type: ignore[attr-defined]
             self.store_flos()  # type: ignore[attr-defined]
-        state = self.state  # type: ignore[attr-defined]
+        state = self.state
         for cb in [*self.callback_handler.callbacks, self.control]:  # type: ignore[attr-defined]
             if isinstance(cb, ExportableState):  # as the Trainer records them before saving its state
                 name = type(cb).__name__
@@ -140,6 +145,9 @@ class TierckptTrainerMixin:
             if resume_from_checkpoint in (None, True) and self.tierckpt_resume:
                 staged = self._tierckpt_restore()
                 if staged is not None:
+                    finished = self._tierckpt_finished()
+                    if finished is not None:
+                        return finished
                     resume_from_checkpoint = staged
             return super().train(resume_from_checkpoint, *args, **kwargs)  # type: ignore[misc]
         finally:
@@ -187,8 +195,35 @@ class TierckptTrainerMixin:
         self._tierckpt_dir = tempfile.mkdtemp(prefix="tierckpt-hf-")
         with open(os.path.join(self._tierckpt_dir, _STATE_NAME), "w") as f:
             f.write(loaded["trainer_state"])
-        log.info("resuming from step %d of the ramdisk", step)
+        where = self._tierckpt.settings
+        message = resume_message(where.root, where.job, where.rank, step)  # every rank: a collective
+        if self.is_world_process_zero():  # type: ignore[attr-defined]
+            log.warning("%s", message)
         return self._tierckpt_dir
+
+    def _tierckpt_finished(self) -> Any:
+        """When the step just loaded already reached the end of training (``max_steps``, or else
+        ``num_train_epochs``): say so on rank 0, take its ``TrainerState`` and return ``train()``'s
+        ``TrainOutput`` without training. None while there is training left."""
+        from transformers import TrainerState
+        from transformers.trainer_utils import TrainOutput
+
+        assert self._tierckpt_loaded is not None and self._tierckpt_dir is not None
+        saved = json.loads(self._tierckpt_loaded["trainer_state"])
+        args = self.args  # type: ignore[attr-defined]
+        if args.max_steps > 0:
+            limit = f"max_steps={args.max_steps}" if saved["global_step"] >= args.max_steps else None
+        else:
+            done = (saved.get("epoch") or 0.0) >= args.num_train_epochs
+            limit = f"num_train_epochs={args.num_train_epochs:g}" if done else None
+        if limit is None:
+            return None
+        self.state = TrainerState.load_from_json(os.path.join(self._tierckpt_dir, _STATE_NAME))
+        if self.is_world_process_zero():  # type: ignore[attr-defined]
+            log.warning(
+                "%s", complete_message(self.state.global_step, limit, "train() returns without training")
+            )
+        return TrainOutput(self.state.global_step, 0.0, {})
 
     def _restoring(self, checkpoint: str | None) -> dict[str, Any] | None:
         return self._tierckpt_loaded if checkpoint is not None and checkpoint == self._tierckpt_dir else None

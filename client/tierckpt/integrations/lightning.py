@@ -26,7 +26,10 @@ it from a peer or the bucket) and hands it to Lightning's own restore sequence (
 ``restore_datamodule``, ``restore_callbacks``, then the Trainer's ``restore_training_state``), in the
 order Lightning uses for strategies that restore after setup. Loading is strict: a module whose
 architecture differs raises ``tierckpt.StateMismatchError`` before anything is copied. An explicit
-``trainer.fit(ckpt_path=...)`` takes precedence (logged).
+``trainer.fit(ckpt_path=...)`` takes precedence (logged). Rank 0 says, with Lightning's
+``rank_zero_info`` (shown by default), which step it resumed, when it was saved and where each rank's
+copy came from (``integrations.resume``); and when that step already reached ``max_steps`` or
+``max_epochs``, that the job is complete: Lightning's fit loop then trains nothing.
 
 **Why a callback around Lightning's dump, not a ``CheckpointIO`` plugin.** A ``CheckpointIO`` would use
 only public API, but (1) ``Strategy.save_checkpoint`` calls it on global rank 0 alone, so the other
@@ -61,6 +64,7 @@ from typing import Any
 
 import torch
 
+from tierckpt.integrations.resume import complete_message, resume_message
 from tierckpt.integrations.rng import collect_rng_states, set_rng_states
 
 __all__ = ["TierckptCallback"]
@@ -197,12 +201,23 @@ class TierckptCallback(_callback_base()):  # type: ignore[misc]
                 "rank %d: fit(ckpt_path=%r) given; not restoring from tierckpt", self._rank, trainer.ckpt_path
             )
             return
-        step = (
+        step, checkpoint = (
             self._restore_sharded(trainer) if self.writer is not None else self._restore(trainer, pl_module)
         )
         if step is not None:
             log.info("rank %d resumed from step %d", self._rank, step)
+            self._announce(trainer, step, checkpoint)
         self.restored_step = self.last_saved_step = step
+
+    def _announce(self, trainer: Any, step: int, checkpoint: dict[str, Any]) -> None:
+        """Say on rank 0, with Lightning's ``rank_zero_info`` (shown by default), where the job resumed
+        from, and whether it was complete already (Lightning then trains nothing)."""
+        info = _lightning("utilities").rank_zero_info  # logs on global rank 0 only
+        where = self.checkpointer.settings if self.checkpointer is not None else self.writer
+        info(resume_message(where.root, where.job, self._rank, step))  # every rank: a collective
+        limit = _reached_limit(trainer, checkpoint)
+        if limit is not None:
+            info(complete_message(step, limit, "fit() returns without training"))
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if self._pending_rng is not None:
@@ -273,23 +288,23 @@ class TierckptCallback(_callback_base()):  # type: ignore[misc]
 
     # ------------------------------------------------------------------------------- restoring
 
-    def _restore(self, trainer: Any, pl_module: Any) -> int | None:
+    def _restore(self, trainer: Any, pl_module: Any) -> tuple[int | None, dict[str, Any]]:
         checkpoint: dict[str, Any] = {
             "state_dict": pl_module.state_dict(),
             "optimizer_states": [opt.state_dict() for opt in trainer.optimizers],
         }
         step: int | None = self.checkpointer.load(checkpoint, allow_missing=True)
         if step is None:
-            return None
+            return None, checkpoint
         connector = trainer._checkpoint_connector
         connector._loaded_checkpoint = checkpoint
         if not trainer.strategy.restore_checkpoint_after_setup:  # otherwise the Trainer does it next
             connector.restore_model()
             connector.restore_datamodule()
             connector.restore_callbacks()
-        return step  # the Trainer restores precision, loops, optimizers and schedulers next
+        return step, checkpoint  # the Trainer restores precision, loops, optimizers and schedulers next
 
-    def _restore_sharded(self, trainer: Any) -> int | None:
+    def _restore_sharded(self, trainer: Any) -> tuple[int | None, dict[str, Any]]:
         from torch.distributed.checkpoint.state_dict import (
             get_model_state_dict,
             get_optimizer_state_dict,
@@ -304,7 +319,7 @@ class TierckptCallback(_callback_base()):  # type: ignore[misc]
 
         step = newest_common_step(agree.all_gather(dcp_steps(self.writer.root, self.writer.job)))
         if step is None:
-            return None
+            return None, {}
         model, optimizers = trainer.strategy.model, trainer.optimizers
         key = f"{_REMAINDER_PREFIX}{self._rank:05d}"
         state: dict[str, Any] = {
@@ -318,4 +333,17 @@ class TierckptCallback(_callback_base()):  # type: ignore[misc]
             set_optimizer_state_dict(model, opt, saved)
         remainder = torch.load(io.BytesIO(state[key]), weights_only=False)  # written by this rank
         trainer._checkpoint_connector._loaded_checkpoint = remainder  # the Trainer restores the rest next
-        return step
+        return step, remainder
+
+
+def _reached_limit(trainer: Any, checkpoint: dict[str, Any]) -> str | None:
+    """The limit a restored checkpoint already reached (``"max_steps=30"``), as Lightning's fit loop
+    decides when it is done (global steps, epochs processed); None while there is training left."""
+    max_steps, max_epochs = trainer.max_steps, trainer.max_epochs
+    if max_steps not in (None, -1) and checkpoint.get("global_step", 0) >= max_steps:
+        return f"max_steps={max_steps}"
+    fit_loop = checkpoint.get("loops", {}).get("fit_loop", {})
+    epochs = fit_loop.get("epoch_progress", {}).get("current", {}).get("processed", 0)
+    if max_epochs not in (None, -1) and epochs >= max_epochs:
+        return f"max_epochs={max_epochs}"
+    return None

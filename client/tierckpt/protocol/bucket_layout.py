@@ -7,11 +7,14 @@ Spec: docs/bucket-layout.md. Pure: no I/O, no cloud library. The replicator's ba
     <prefix>/local/<job>/                              any other job id (local and demo runs)
         complete/<step:012d>.json                      StepBackup: the step is complete (written last)
         steps/<step:012d>/started.json                 StepStarted: an upload of the step began
+        steps/<step:012d>/refused.json                 StepRefused: a rank of it was refused (never complete)
         steps/<step:012d>/ranks/<rank:05d>.json        RankBackup: one rank's objects are all present
         steps/<step:012d>/rank-<rank:05d>/COMMIT       the rank's ramdisk COMMIT marker, byte for byte
         steps/<step:012d>/rank-<rank:05d>/manifest.json  its manifest, byte for byte
         steps/<step:012d>/rank-<rank:05d>/data-NNNNN.bin, objects.pkl   its files
         steps/<step:012d>/rank-<rank:05d>/.parts/<file>/<i:03d>         slices of a parallel upload
+        writers/<step:012d>/<writer>.json              WriterLease: a node is writing objects of the step
+        purging.json                                   PurgeFence: a purge of the job is under way
 
 ``jobs/`` and ``local/`` are separate roots so no job's prefix is ever a prefix of another job's
 (a Kubernetes namespace may well be called ``local``). A step exists for readers only once its
@@ -34,10 +37,13 @@ __all__ = [
     "DataRef",
     "KeyKind",
     "ParsedKey",
+    "PurgeFence",
     "RankBackup",
     "RankRef",
     "StepBackup",
+    "StepRefused",
     "StepStarted",
+    "WriterLease",
     "job_from_prefix",
     "job_prefix",
     "parse_gs_url",
@@ -53,9 +59,13 @@ _PREFIX_RE = re.compile(r"[A-Za-z0-9_.-]+(?:/[A-Za-z0-9_.-]+)*")
 _STEP_PART = r"([0-9]{12,})"
 _RANK_PART = r"([0-9]{5,})"
 _PART_RE = re.compile(r"[0-9]{3}")
+_WRITER_RE = re.compile(r"[A-Za-z0-9_.-]{1,160}")
+"""A writer's name in ``writers/<step>/<writer>.json``: the node's name (made safe) and a nonce."""
 """Every pattern here is matched whole (``re.fullmatch``) and ASCII only (``[0-9]``, not ``\\d``)."""
 
-KeyKind = Literal["complete", "started", "rank_commit", "rank_file", "part", "other"]
+KeyKind = Literal[
+    "complete", "started", "refused", "rank_commit", "rank_file", "part", "writer", "fence", "other"
+]
 
 
 def split_job_id(job: str) -> tuple[str, str, str] | None:
@@ -156,6 +166,9 @@ class BucketLayout:
     def started_key(self, job: str, step: int) -> str:
         return f"{self.step_dir(job, step)}started.json"
 
+    def refused_key(self, job: str, step: int) -> str:
+        return f"{self.step_dir(job, step)}refused.json"
+
     def rank_commits_dir(self, job: str, step: int) -> str:
         return f"{self.step_dir(job, step)}ranks/"
 
@@ -175,6 +188,22 @@ class BucketLayout:
         if not 0 <= index < 1000:
             raise FormatError(f"slice index {index} out of range")
         return f"{self.rank_dir(job, step, rank)}.parts/{name}/{index:03d}"
+
+    def writers_dir(self, job: str) -> str:
+        return f"{self.job(job)}writers/"
+
+    def writer_key(self, job: str, step: int, writer: str) -> str:
+        if not _WRITER_RE.fullmatch(writer) or writer.startswith("."):
+            raise FormatError(f"invalid writer name {writer!r}")
+        return f"{self.writers_dir(job)}{_step(step)}/{writer}.json"
+
+    def step_of_writer(self, job: str, key: str) -> int | None:
+        """The step a writer lease ``writers/<step>/<writer>.json`` is held for."""
+        m = re.fullmatch(re.escape(self.writers_dir(job)) + _STEP_PART + r"/[^/]+\.json", key)
+        return int(m.group(1)) if m else None
+
+    def purge_fence_key(self, job: str) -> str:
+        return f"{self.job(job)}purging.json"
 
     def parse(self, key: str) -> ParsedKey | None:
         """Classify a key; None if it is not under any job of this prefix."""
@@ -212,6 +241,13 @@ def _rank(rank: int) -> str:
 
 def _classify(job: str, parts: list[str]) -> ParsedKey:
     other = ParsedKey(job, "other")
+    if parts == ["purging.json"]:
+        return ParsedKey(job, "fence")
+    if len(parts) == 3 and parts[0] == "writers" and re.fullmatch(_STEP_PART, parts[1]):
+        name = parts[2].removesuffix(".json")
+        if parts[2].endswith(".json") and _WRITER_RE.fullmatch(name) and not name.startswith("."):
+            return ParsedKey(job, "writer", step=int(parts[1]))
+        return other
     if len(parts) == 2 and parts[0] == "complete" and (m := re.fullmatch(_STEP_PART + r"\.json", parts[1])):
         return ParsedKey(job, "complete", step=int(m.group(1)))
     if len(parts) < 3 or parts[0] != "steps" or not re.fullmatch(_STEP_PART, parts[1]):
@@ -219,6 +255,8 @@ def _classify(job: str, parts: list[str]) -> ParsedKey:
     step = int(parts[1])
     if parts[2:] == ["started.json"]:
         return ParsedKey(job, "started", step=step)
+    if parts[2:] == ["refused.json"]:
+        return ParsedKey(job, "refused", step=step)
     if len(parts) == 4 and parts[2] == "ranks" and (m := re.fullmatch(_RANK_PART + r"\.json", parts[3])):
         return ParsedKey(job, "rank_commit", step=step, rank=int(m.group(1)))
     m = re.fullmatch(r"rank-" + _RANK_PART, parts[2])
@@ -330,3 +368,53 @@ class StepStarted(Message):
     started_by: str
     started_at: float
     reason: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRefused(Message):
+    """``steps/<step>/refused.json``: a node refused to upload one of the step's ranks because its
+    manifest declares more bytes than the job's quota (sparse files cost a pod nothing on its ramdisk,
+    the bucket all of it). The step can never complete, so no node joins it or holds newer backups back
+    for it; it is removed like any incomplete step once a newer one is complete."""
+
+    KIND = "tierckpt.backup.refused"
+    VERSION = LAYOUT_VERSION
+
+    job: str
+    step: int
+    rank: int
+    refused_by: str
+    refused_at: float
+    reason: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class WriterLease(Message):
+    """``writers/<step>/<writer>.json``: a node is writing objects of ``step`` (uploading its share,
+    marking the step started, completing it). Created before the first write and deleted after the
+    last; rewritten (conditional on its generation) every ``ttl / 5`` seconds while the writes go on.
+    A purge waits until every lease is gone or has not changed for ``ttl`` seconds (its writer is dead,
+    cut off, or stopped writing when its lease could no longer be renewed in time); see
+    docs/bucket-layout.md, "Purging a job"."""
+
+    KIND = "tierckpt.backup.writer"
+    VERSION = LAYOUT_VERSION
+
+    job: str
+    step: int
+    node: str
+    renewed_at: float
+    ttl: float
+
+
+@dataclasses.dataclass(frozen=True)
+class PurgeFence(Message):
+    """``purging.json``: a purge of the job is under way. A writer that finds it writes nothing more of
+    the job; the purge deletes it last, once nothing else of the job is left."""
+
+    KIND = "tierckpt.backup.purging"
+    VERSION = LAYOUT_VERSION
+
+    job: str
+    purged_by: str
+    started_at: float

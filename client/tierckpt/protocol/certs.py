@@ -7,6 +7,7 @@ cryptography (the ``cryptography`` package, in the replicator, operator and demo
   by the operator) issuing node, operator and server certificates;
 * ``new_key``/``node_csr``: what a replicator makes for itself (its key never leaves the node);
 * ``csr_public_key``: the public key of a request whose signature checks (proof of possession);
+* ``node_identity_problem``: what keeps a certificate (and its key) from being a node's own identity;
 * ``write_identity``: a private key and its certificate in one 0600 file, replaced atomically (a
   reader never sees a key that does not match the certificate).
 """
@@ -25,7 +26,7 @@ from cryptography import x509
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
-from cryptography.hazmat.primitives.asymmetric.types import CertificatePublicKeyTypes
+from cryptography.hazmat.primitives.asymmetric.types import PublicKeyTypes
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from tierckpt.protocol.errors import FormatError
@@ -42,6 +43,7 @@ __all__ = [
     "named_peer",
     "new_key",
     "node_csr",
+    "node_identity_problem",
     "private_pem",
     "validity",
     "write_identity",
@@ -110,7 +112,7 @@ def csr_public_key(pem: str) -> PublicKey:
     raise FormatError("the request's key must be EC (P-256 or larger) or RSA (2048 bits or more)")
 
 
-def _spki(key: CertificatePublicKeyTypes) -> bytes:
+def _spki(key: PublicKeyTypes) -> bytes:
     return key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
 
 
@@ -165,6 +167,50 @@ def issued_by(pem: bytes, ca_bundle: bytes) -> bool:
         except (ValueError, TypeError, InvalidSignature):
             continue
     return False
+
+
+def node_identity_problem(chain: bytes, ca_bundle: bytes, node: str, *, key: bytes | None = None) -> str:
+    """What keeps the first certificate of ``chain`` (PEM; the file may hold its private key too) from
+    being ``node``'s replicator identity under the CA certificates of ``ca_bundle``, or "" when nothing
+    does. It must be valid now, issued by one of those CAs, name exactly ``node``'s identity and carry
+    the DNS name peers ask for, be usable as a TLS server and client, and be the certificate of the
+    private key in ``key`` (default: the one in ``chain``)."""
+    try:
+        cert = _certificates(chain)[0]
+        _certificates(ca_bundle)
+    except (FormatError, IndexError) as exc:
+        return f"not a PEM certificate and CA bundle ({exc or 'no certificate'})"
+    now = datetime.datetime.now(datetime.timezone.utc)
+    if not cert.not_valid_before_utc <= now < cert.not_valid_after_utc:
+        span = f"{cert.not_valid_before_utc:%Y-%m-%d %H:%M} to {cert.not_valid_after_utc:%Y-%m-%d %H:%M} UTC"
+        return f"it is not valid now (valid from {span})"
+    if not issued_by(chain, ca_bundle):
+        return "it is not signed by a CA of the CA bundle"
+    own = Peer.of_node(node)
+    named = named_peer(chain)
+    if named is None:
+        return f"it names no tierckpt identity (a node's names {node_id(node)})"
+    if named != own:
+        who = "the operator's" if named.role == "operator" else f"{named}'s"
+        return f"it is {who} certificate, not this node's ({own})"
+    san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    if node_server_name(node) not in san.get_values_for_type(x509.DNSName):
+        return f"it lacks the DNS name {node_server_name(node)} that peers verify"
+    try:
+        usages = set(cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value)
+    except x509.ExtensionNotFound:
+        usages = set()
+    wanted = {ExtendedKeyUsageOID.SERVER_AUTH: "server", ExtendedKeyUsageOID.CLIENT_AUTH: "client"}
+    if not set(wanted) <= usages:
+        has = ", ".join(name for oid, name in wanted.items() if oid in usages) or "neither"
+        return f"it is not a server and client certificate (extended key usage: {has}); a node's is both"
+    try:
+        private = serialization.load_pem_private_key(chain if key is None else key, password=None)
+    except (ValueError, TypeError) as exc:
+        return f"no usable private key for it ({exc})"
+    if _spki(private.public_key()) != _spki(cert.public_key()):
+        return "the private key is not the certificate's"
+    return ""
 
 
 def write_private(path: str | os.PathLike[str], data: bytes) -> None:

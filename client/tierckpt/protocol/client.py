@@ -365,10 +365,26 @@ class ReplicatorClient(_Client):
         return _must(await self._call(self._req(api.RESTORE, endpoint, job=job, node=node), RestoreAccepted))
 
     async def purge(
-        self, endpoint: str, job: str, *, backups: bool = False, node: str | None = None
+        self,
+        endpoint: str,
+        job: str,
+        *,
+        backups: bool = False,
+        timeout: float | None = None,
+        node: str | None = None,
     ) -> PurgeResult | None:
-        """Delete the job on the node (with ``backups``, its bucket backups too); None if it answers 404."""
-        req = self._req(api.PURGE, endpoint, job=job, flags={"bucket": backups}, missing_ok=True, node=node)
+        """Delete the job on the node (with ``backups``, its bucket backups too: that waits for the
+        uploads other nodes have in flight, so give it a ``timeout`` of a minute or more); None if it
+        answers 404."""
+        req = self._req(
+            api.PURGE,
+            endpoint,
+            job=job,
+            flags={"bucket": backups},
+            missing_ok=True,
+            timeout=timeout,
+            node=node,
+        )
         return await self._call(req, PurgeResult)
 
     async def status(self, endpoint: str, *, node: str | None = None) -> NodeStatus:
@@ -501,9 +517,23 @@ class SyncReplicatorClient(_Client):
         return _must(self._call(self._req(api.RESTORE, endpoint, job=job, node=node), RestoreAccepted))
 
     def purge(
-        self, endpoint: str, job: str, *, backups: bool = False, node: str | None = None
+        self,
+        endpoint: str,
+        job: str,
+        *,
+        backups: bool = False,
+        timeout: float | None = None,
+        node: str | None = None,
     ) -> PurgeResult | None:
-        req = self._req(api.PURGE, endpoint, job=job, flags={"bucket": backups}, missing_ok=True, node=node)
+        req = self._req(
+            api.PURGE,
+            endpoint,
+            job=job,
+            flags={"bucket": backups},
+            missing_ok=True,
+            timeout=timeout,
+            node=node,
+        )
         return self._call(req, PurgeResult)
 
     def status(self, endpoint: str, *, node: str | None = None) -> NodeStatus:

@@ -30,6 +30,7 @@ from tierckpt.protocol.codec import Message, Record
 from tierckpt.protocol.contract import CONTRACT_VERSION
 from tierckpt.protocol.errors import ContractError, FormatError
 from tierckpt.protocol.format import Dir, as_tree, check_job_id, control_dir, state_dir, write_atomic
+from tierckpt.protocol.quantity import MAX_BYTES, format_bytes
 
 __all__ = [
     "MAX_ERASURE_FRAGMENTS",
@@ -53,6 +54,7 @@ __all__ = [
     "RestoreStatus",
     "StepBytes",
     "StepContent",
+    "StepOverQuota",
     "Tier",
     "check_endpoint",
     "check_generation",
@@ -303,6 +305,34 @@ class StepBytes(Record):
 
 
 @dataclasses.dataclass(frozen=True)
+class StepOverQuota(Record):
+    """A committed step of a rank this node runs that is neither replicated nor backed up: its manifest
+    declares more bytes than the job's quota (``JobPolicy.quota_bytes``, the node's ``--job-quota``, its
+    ramdisk's size). Sparse files cost the pod nothing there but a peer and the bucket all of them."""
+
+    rank: int
+    step: int
+    bytes: int
+    """What the step's manifest declares."""
+    quota: int
+    """The job's quota on this node."""
+    allocated: int = -1
+    """Bytes its files take on this node's ramdisk (-1: not measured); far fewer than ``bytes``: sparse."""
+
+    def describe(self, job: str) -> str:
+        """``job J rank R step S declares 64.0Gi, over the job's quota of 1.0Gi (its files take 8.0Ki on
+        this node's ramdisk: sparse)``."""
+        text = (
+            f"job {job} rank {self.rank} step {self.step} declares {format_bytes(self.bytes)}, over the "
+            f"job's quota of {format_bytes(self.quota)}"
+        )
+        if self.allocated >= 0:
+            sparse = ": sparse" if self.allocated < self.bytes // 2 else ""
+            text += f" (its files take {format_bytes(self.allocated)} on this node's ramdisk{sparse})"
+        return text
+
+
+@dataclasses.dataclass(frozen=True)
 class NodeInventory(Message):
     """What one node's replicator holds for a job. Served at ``GET /v1/jobs/{job}/inventory``."""
 
@@ -330,6 +360,8 @@ class NodeInventory(Message):
     restoring: dict[int, str] = dataclasses.field(default_factory=dict)
     """Rank -> state (``RestoreState`` value) of this node's current restore staging: a peer waiting
     to fetch a rank from this node (a restore's fan-out) follows it."""
+    over_quota: tuple[StepOverQuota, ...] = ()
+    """This node's newest steps refused for the job's quota: neither replicated nor backed up."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -501,6 +533,11 @@ class JobPolicy(Message):
     """... and ``m`` parity fragments, on ``k + m`` other nodes: any ``m`` of them may be lost."""
     delete_backups_on_deletion: bool = False
     """Whether the job's backups are deleted with the job."""
+    quota_bytes: int = 0
+    """The most bytes one rank's step may declare in its manifest to be sent to a peer, received from
+    one or uploaded: the job's ramdisk size (``spec.ramdisk.size``), which no rank can legitimately
+    exceed (sparse files can, at no cost on the ramdisk). 0: no limit from the policy (the node's
+    ``--job-quota`` and its ramdisk's size still apply)."""
     config: str = ""
     """The CheckpointConfiguration it came from (informational)."""
 
@@ -522,6 +559,8 @@ class JobPolicy(Message):
                 raise FormatError(f"job policy: {name} must be a finite number in 0..{top}")
         if not 0 <= self.replication_factor <= 8:
             raise FormatError("job policy: replication_factor must be in [0, 8]")
+        if not 0 <= self.quota_bytes <= MAX_BYTES:  # the largest Kubernetes quantity of bytes
+            raise FormatError(f"job policy: quota_bytes must be in 0..{MAX_BYTES}")
         k, m = self.erasure_data, self.erasure_parity
         if (k, m) != (0, 0) and not (k >= 1 and m >= 1 and k + m <= MAX_ERASURE_FRAGMENTS):
             raise FormatError(
@@ -646,6 +685,8 @@ class JobStatus(Record):
     """Local ranks whose newest step differs from another member's of its group (not deduplicated)."""
     step_bytes: StepBytes | None = None
     """Bytes of this node's newest local step against what they would be without dedup."""
+    over_quota: tuple[StepOverQuota, ...] = ()
+    """Newest local steps refused for the job's quota (neither replicated nor backed up)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -54,12 +54,14 @@ __all__ = [
     "MANIFEST_NAME",
     "OBJECTS_NAME",
     "STATE_DIR_NAME",
+    "WRITER_LOCK_LIMIT",
     "CommitMarker",
     "Dir",
     "FileEntry",
     "Lease",
     "Manifest",
     "TensorEntry",
+    "WriterLock",
     "align_up",
     "as_tree",
     "check_job_id",
@@ -374,6 +376,29 @@ class Lease(Message):
 
     def expired(self, now: float | None = None) -> bool:
         return (time.time() if now is None else now) >= self.expires_at
+
+
+@dataclasses.dataclass(frozen=True)
+class WriterLock(Message):
+    """Who holds a rank's writer lock: the content of ``<rank dir>/.writer.lock``, written by the
+    ``Checkpointer`` that took the ``flock`` on it, so that the next writer kept waiting can name it.
+
+    ``pid`` is in the writer's pid namespace (on Kubernetes, its pod's), ``host`` is its hostname (the
+    pod's name).
+    """
+
+    KIND = "tierckpt.writer-lock"
+    VERSION = FORMAT_VERSION
+
+    pid: int
+    host: str
+    command: tuple[str, ...]
+    """The holder's command line (``/proc/<pid>/cmdline``), as far as it fits ``WRITER_LOCK_LIMIT``."""
+    since: float
+
+
+WRITER_LOCK_LIMIT = 8 << 10
+"""Most bytes of a ``.writer.lock`` that are read back (its command line is cut to fit)."""
 
 
 # --------------------------------------------------------------------------------------------- I/O

@@ -12,7 +12,8 @@ URI in its subjectAltName:
 ``peer_of`` reads the identity from a verified peer certificate (``SSLSocket.getpeercert()``).
 ``TlsFiles`` names the PEM files (a certificate chain with its key, the CA bundle);
 ``TlsCredentials`` makes the server and client contexts from them (TLS 1.3 only, client certificates
-required) and reloads them in place when the files change (``refresh``).
+required) and reloads them in place when the files change (``refresh``), unless its ``check`` refuses
+the new files (a replicator's: they must hold its own node identity).
 
 Only the standard library: issuing certificates (``tierckpt.protocol.certs``) needs ``cryptography``,
 verifying and presenting them does not.
@@ -24,6 +25,7 @@ import dataclasses
 import os
 import ssl
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -192,15 +194,23 @@ class TlsCredentials:
 
     Each kind is made once and then reloaded in place by ``refresh()`` when the files change. Call
     ``refresh`` from the thread that runs the handshakes (the event loop): OpenSSL does not guard a
-    context being reloaded against a handshake in another thread. Threaded servers make a new
-    ``TlsCredentials`` instead once ``changed()``.
+    context being reloaded against a handshake in another thread. Threaded servers take ``renewed()``
+    instead: new credentials once the files changed.
+
+    ``check(files)`` (optional) raises ``ValueError`` for files that must not be used: at construction,
+    and for every change of the files. A refused change raises once (from ``refresh`` or ``renewed``)
+    and is then ignored: the contexts keep what they hold until the files change again.
     """
 
-    def __init__(self, files: TlsFiles) -> None:
+    def __init__(self, files: TlsFiles, *, check: Callable[[TlsFiles], None] | None = None) -> None:
         self.files = files
+        self.check = check
         self._lock = threading.Lock()
         self._contexts: dict[ContextKind, ssl.SSLContext] = {}
         self._stamp = files.stamp()
+        self._refused: tuple[tuple[int, int], ...] | None = None
+        if check is not None:
+            check(files)
         self.server()  # fail fast on unreadable or mismatched files
 
     def server(self, *, clients: bool = True) -> ssl.SSLContext:
@@ -225,19 +235,40 @@ class TlsCredentials:
             return ctx
 
     def changed(self) -> bool:
-        """Whether the files changed since the contexts were loaded."""
+        """Whether the files changed since the contexts were loaded (a refused change does not count)."""
         try:
-            return self.files.stamp() != self._stamp
+            return self.files.stamp() not in (self._stamp, self._refused)
         except FileNotFoundError:
             return False  # mid-replacement: the next look sees the new files
 
     def refresh(self) -> bool:
-        """Reload every context made so far if the files changed; True if they did."""
+        """Reload every context made so far if the files changed; True if they did. Files ``check``
+        refuses raise its ``ValueError`` (once) and leave the contexts as they are."""
         if not self.changed():
             return False
         with self._lock:
             stamp = self.files.stamp()
+            self._vet(stamp)
             for ctx in self._contexts.values():
                 self.files.load_into(ctx)
             self._stamp = stamp
         return True
+
+    def renewed(self) -> TlsCredentials:
+        """These credentials while the files are unchanged, else new ones made from them (a threaded
+        server never reloads a context that a handshake in another thread may be using). Files
+        ``check`` refuses raise its ``ValueError`` (once); these credentials stay in use."""
+        if not self.changed():
+            return self
+        with self._lock:
+            self._vet(self.files.stamp())
+        return TlsCredentials(self.files, check=self.check)
+
+    def _vet(self, stamp: tuple[tuple[int, int], ...]) -> None:
+        if self.check is None:
+            return
+        try:
+            self.check(self.files)
+        except ValueError:
+            self._refused = stamp
+            raise

@@ -1,10 +1,10 @@
-"""How tierckpt's programs write protocol values for people: rank lists as ranges."""
+"""How tierckpt's programs write protocol values for people: rank lists as ranges, durations."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-__all__ = ["rank_ranges"]
+__all__ = ["duration", "rank_ranges"]
 
 
 def rank_ranges(ranks: Iterable[int]) -> str:
@@ -16,3 +16,16 @@ def rank_ranges(ranks: Iterable[int]) -> str:
         else:
             out.append(str(r))
     return " ".join(out)
+
+
+def duration(seconds: float) -> str:
+    """A duration for people: ``42`` -> ``"42 s"``, ``150`` -> ``"2.5 min"``, ``7200`` -> ``"2.0 h"``,
+    ``259200`` -> ``"3.0 days"``."""
+    seconds = max(seconds, 0.0)
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 90 * 60:
+        return f"{seconds / 60:.1f} min"
+    if seconds < 36 * 3600:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.1f} days"

@@ -1,7 +1,8 @@
 """One rank directory as its single writer sees it: step states, the writer lock, crash cleanup, retention.
 
 The writer (a ``Checkpointer``) holds ``<rank dir>/.writer.lock`` for its lifetime, which is what
-makes it safe to delete uncommitted step directories: no one else is writing them. Retention
+makes it safe to delete uncommitted step directories: no one else is writing them. The file names the
+holder (``format.WriterLock``: pid, host, command line), so that a writer kept waiting can say who. Retention
 decisions are pure (``tierckpt.planning.retention``); this module does the I/O, removing COMMIT markers
 under the lease lock (``tierckpt.protocol.leases``) and recycling the retired steps' data files through the
 slot pool. Besides leased steps, retention keeps the step the replicator stages for the job's restore
@@ -15,6 +16,9 @@ import dataclasses
 import fcntl
 import logging
 import os
+import shlex
+import socket
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -25,13 +29,16 @@ from tierckpt.protocol.control import RestoreStatus
 from tierckpt.protocol.errors import FormatError, TierckptError
 from tierckpt.protocol.format import (
     COMMIT_NAME,
+    WRITER_LOCK_LIMIT,
     CommitMarker,
+    WriterLock,
     discard_step,
     fsync_dir,
     read_commit,
     step_dir,
     step_dirs,
 )
+from tierckpt.protocol.text import duration
 from tierckpt.snapshot.pool import SlotPool
 from tierckpt.snapshot.restore_wait import staged_step
 
@@ -86,7 +93,9 @@ def scan_steps(rank_path: Path) -> StepScan:
 
 
 def lock_writer(rank_path: Path, timeout: float) -> int:
-    """Take ``<rank dir>/.writer.lock`` exclusively, waiting up to ``timeout`` for a previous writer.
+    """Take ``<rank dir>/.writer.lock`` exclusively, waiting up to ``timeout`` for a previous writer, and
+    write this process into it (``format.WriterLock``). A holder that stays past ``timeout`` is named in
+    the ``TierckptError`` raised.
 
     Returns the file descriptor; closing it releases the lock (so does the process dying).
     """
@@ -98,15 +107,57 @@ def lock_writer(rank_path: Path, timeout: float) -> int:
             break
         except BlockingIOError:
             if time.monotonic() >= deadline:
+                holder = _describe_holder(fd)
                 os.close(fd)
                 raise TierckptError(
-                    f"another process still writes {rank_path} (it holds {WRITER_LOCK}); "
-                    "one Checkpointer per rank"
+                    f"another process still writes {rank_path}: {holder} holds {WRITER_LOCK} (waited "
+                    f"{timeout:.0f} s; one Checkpointer per rank). A training process left behind by an "
+                    "earlier launch (kill -9 on torchrun leaves its workers running: each has a session of "
+                    "its own) must be ended first; the pid is in that host's pid namespace (on Kubernetes, "
+                    "the pod's)"
                 ) from None
             time.sleep(0.1)
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    record = _this_writer().to_bytes()
+    os.pwrite(fd, record, 0)  # then cut: a reader never sees an empty file between two holders
+    os.ftruncate(fd, len(record))
     return fd
+
+
+def _this_writer() -> WriterLock:
+    """This process as a lock holder, its command line cut to fit ``WRITER_LOCK_LIMIT``."""
+    try:
+        cmdline = Path("/proc/self/cmdline").read_bytes()
+        raw = [a.decode(errors="replace") for a in cmdline.split(b"\0") if a]
+    except OSError:
+        raw = list(sys.orig_argv)
+    command: list[str] = []
+    room = WRITER_LOCK_LIMIT // 2  # what the pid, host and time leave, with room for JSON escapes
+    for arg in raw:
+        arg = arg[:512]
+        room -= len(arg) + 3
+        if room < 0:
+            command.append("...")
+            break
+        command.append(arg)
+    return WriterLock(
+        pid=os.getpid(), host=socket.gethostname()[:255], command=tuple(command), since=time.time()
+    )
+
+
+def _describe_holder(fd: int) -> str:
+    """The lock holder recorded in the lock file, for an error message (it may be any content)."""
+    try:
+        body = os.pread(fd, WRITER_LOCK_LIMIT, 0)
+    except OSError:
+        body = b""
+    if body.strip().isdigit():  # written by a client before the record had a format
+        return f"pid {int(body)}"
+    try:
+        holder = WriterLock.from_bytes(body)
+    except FormatError:
+        return "a process that left no record"
+    age = duration(time.time() - holder.since)
+    return f"pid {holder.pid} on host {holder.host} ({shlex.join(holder.command)}; since {age} ago)"
 
 
 def uncommit(rank_path: Path, steps: Sequence[int]) -> None:

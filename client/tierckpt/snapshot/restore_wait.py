@@ -10,20 +10,31 @@ without a replicator URL nothing waits at all.
 local commit is stale (training has saved since), and is ignored. ``staged_step`` is the step a fresh
 status stages or staged: the writer's retention keeps it (``snapshot.rankdir``) until the rank saved
 after it, so a restore to a step older than the rank's newest survives the crash clean-up of the
-``Checkpointer`` that loads it.
+``Checkpointer`` that loads it. ``restored_from`` says, after a load, where the step came from (the tier
+the replicator staged it from, or this node's own ramdisk).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-from tierckpt.protocol.control import RestoreState, RestoreStatus, read_restore_status
+from tierckpt.protocol.control import RestoreState, RestoreStatus, Tier, read_restore_status
 from tierckpt.protocol.errors import FormatError, RetryableError
+from tierckpt.protocol.format import rank_dir, read_commit, step_dir
 
-__all__ = ["USE_LOCAL", "current_status", "restore_target", "staged_step", "wait_for_restore"]
+__all__ = [
+    "USE_LOCAL",
+    "Restored",
+    "current_status",
+    "restore_target",
+    "restored_from",
+    "staged_step",
+    "wait_for_restore",
+]
 
 log = logging.getLogger(__name__)
 
@@ -108,3 +119,35 @@ def staged_step(status: RestoreStatus | None, newest_commit_at: float | None) ->
 def _fresh(status: RestoreStatus, newest_commit_at: float | None) -> bool:
     """Whether ``status`` is newer than the rank's newest commit (training has not saved since)."""
     return newest_commit_at is None or newest_commit_at <= status.updated_at
+
+
+@dataclasses.dataclass(frozen=True)
+class Restored:
+    """Where the step a rank loaded came from."""
+
+    step: int
+    tier: Tier
+    """The tier the node's replicator staged the step from (its restore status names this step), else
+    ``Tier.LOCAL``: the step was on this node's ramdisk already."""
+    committed_at: float
+    """When the step was saved (its COMMIT marker; 0.0 when that is unreadable)."""
+    total_bytes: int
+    staged_at: float
+    """When the replicator finished staging it (0.0: it did not stage it)."""
+
+
+def restored_from(root: str | Path, job: str, rank: int, step: int) -> Restored:
+    """Where ``rank``'s ``step``, just loaded from ``<root>/<job>``, came from (reads its COMMIT and the
+    replicator's restore status)."""
+    try:
+        marker = read_commit(step_dir(rank_dir(root, job, rank), step))
+    except FormatError:
+        marker = None
+    try:
+        status = read_restore_status(root, job, rank)
+    except FormatError:
+        status = None
+    committed_at, total_bytes = (marker.committed_at, marker.total_bytes) if marker else (0.0, 0)
+    if status is not None and status.state is RestoreState.READY and status.step == step and status.source:
+        return Restored(step, status.source, committed_at, total_bytes, status.updated_at)
+    return Restored(step, Tier.LOCAL, committed_at, total_bytes, 0.0)

@@ -11,7 +11,8 @@ The completion protocol (docs/bucket-layout.md):
    are then verified by crc32c along the chain completion -> rank commit -> manifest -> files.
 
 Deleting a step removes its completion object first (the step stops existing at once), then the rank
-commits (so it cannot be completed again from stale commits), then everything else.
+commits (so it cannot be completed again from stale commits), then everything else. Purging a whole
+job is ``fence.Fences.purge`` (other nodes may still be writing it).
 """
 
 from __future__ import annotations
@@ -21,9 +22,16 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
-from tierckpt.protocol.bucket_layout import BucketLayout, RankBackup, RankRef, StepBackup, StepStarted
+from tierckpt.protocol.bucket_layout import (
+    BucketLayout,
+    RankBackup,
+    RankRef,
+    StepBackup,
+    StepRefused,
+    StepStarted,
+)
 from tierckpt.protocol.errors import CorruptShardError, FormatError, MissingCheckpointError
 from tierckpt.protocol.integrity import crc32c
 from tierckpt_replicator.backup.store import ObjectInfo, ObjectNotFound, ObjectStore, PreconditionFailed
@@ -46,6 +54,9 @@ class BucketView:
     """Started but incomplete step (newer than the newest complete one) -> started_at."""
     incomplete_old: tuple[int, ...]
     """Incomplete steps older than the newest complete one (garbage once their uploads stopped)."""
+    refused: tuple[int, ...] = ()
+    """Incomplete steps newer than the newest complete one that a node refused a rank of (its quota):
+    they never complete, so they are neither joined nor in progress."""
 
     @property
     def newest_complete(self) -> tuple[int, float] | None:
@@ -113,7 +124,7 @@ class Catalog:
         _, dirs = self.store.list(self.layout.steps_dir(job), delimiter="/")
         newest = max(complete, default=-1)
         in_progress: dict[int, float] = {}
-        old = []
+        old, refused = [], []
         for d in dirs:
             step = self.layout.step_of_dir(job, d)
             if step is None or step in complete or step in unreadable:
@@ -121,9 +132,17 @@ class Catalog:
             if step < newest:
                 old.append(step)
                 continue
+            if self.store.stat(self.layout.refused_key(job, step)) is not None:
+                refused.append(step)
+                continue
             started = self.store.stat(self.layout.started_key(job, step))
             in_progress[step] = started.updated if started else 0.0
-        return BucketView(complete=complete, in_progress=in_progress, incomplete_old=tuple(sorted(old)))
+        return BucketView(
+            complete=complete,
+            in_progress=in_progress,
+            incomplete_old=tuple(sorted(old)),
+            refused=tuple(sorted(refused)),
+        )
 
     def rank_commits(self, job: str, step: int) -> dict[int, ObjectInfo]:
         objects, _ = self.store.list(self.layout.rank_commits_dir(job, step))
@@ -158,6 +177,15 @@ class Catalog:
         )
         with contextlib.suppress(PreconditionFailed):
             self.store.put_bytes(self.layout.started_key(job, step), msg.to_bytes(), create_only=True)
+
+    def mark_refused(self, job: str, step: int, rank: int, reason: str) -> None:
+        """Create ``refused.json`` unless it exists: ``rank`` of ``step`` will not be uploaded (its
+        manifest declares more than the job's quota), so the step never completes and nobody waits."""
+        msg = StepRefused(
+            job=job, step=step, rank=rank, refused_by=self.node, refused_at=time.time(), reason=reason[:1000]
+        )
+        with contextlib.suppress(PreconditionFailed):
+            self.store.put_bytes(self.layout.refused_key(job, step), msg.to_bytes(), create_only=True)
 
     def try_complete(self, job: str, step: int, world_size: int) -> bool:
         """Create the completion object if every rank is committed. True if the step is complete now
@@ -263,15 +291,6 @@ class Catalog:
                 removed.append(step)
         return removed
 
-    def purge(self, job: str) -> int:
-        """Delete everything of ``job``: every completion object first, then all the rest."""
-        complete, _ = self.store.list(self.layout.complete_dir(job))
-        deleted = sum(self.pool.map(lambda o: self.store.delete(o.name), complete))
-        rest, _ = self.store.list(self.layout.job(job))
-        deleted += sum(self.pool.map(lambda o: self.store.delete(o.name), rest))
-        self._forget(lambda done: done.job == job)
-        log.info("purged job %s from the bucket (%d objects)", job, deleted)
-        return deleted
-
-    def _forget(self, which: Callable[[StepBackup], bool]) -> None:
-        self._complete_cache = {k: v for k, v in self._complete_cache.items() if not which(v)}
+    def forget(self, job: str) -> None:
+        """Drop the cached completion objects of ``job`` (it was purged)."""
+        self._complete_cache = {k: v for k, v in self._complete_cache.items() if v.job != job}

@@ -150,7 +150,9 @@ class GcsStore:
             )
         return self._check(blob, key, crc32c)
 
-    def put_bytes(self, key: str, data: bytes, *, create_only: bool = False) -> ObjectInfo:
+    def put_bytes(
+        self, key: str, data: bytes, *, create_only: bool = False, if_generation: int | None = None
+    ) -> ObjectInfo:
         blob = self._bucket.blob(key)
         with _errors(key):
             blob.upload_from_string(
@@ -159,7 +161,7 @@ class GcsStore:
                 checksum="crc32c",
                 retry=self._retry,
                 timeout=self._timeout,
-                if_generation_match=0 if create_only else None,
+                if_generation_match=0 if create_only else if_generation,
             )
         return self._check(blob, key, google_crc32c.value(data))
 
@@ -322,7 +324,9 @@ def _errors(key: str) -> Iterator[None]:
         if code == 404:
             raise ObjectNotFound(f"{key}: not found") from exc
         if code == 412:
-            raise PreconditionFailed(f"{key}: already exists (precondition failed)") from exc
+            raise PreconditionFailed(
+                f"{key}: precondition failed (it exists, or not in that generation)"
+            ) from exc
         if code in _TRANSIENT_CODES or code is None:
             raise TransientStoreError(f"{key}: {type(exc).__name__}: {exc}") from exc
         raise StoreError(f"{key}: {type(exc).__name__}: {exc}") from exc

@@ -26,6 +26,7 @@ from tierckpt.protocol.format import Dir
 from tierckpt.protocol.safefs import Beneath
 from tierckpt_replicator.orbax_state import OrbaxStore
 from tierckpt_replicator.policies import PolicyStore
+from tierckpt_replicator.quota import JobQuotas
 from tierckpt_replicator.settings import Settings
 
 if TYPE_CHECKING:
@@ -40,7 +41,7 @@ log = logging.getLogger(__name__)
 
 class BackupPort(Protocol):
     """What the daemon (and restore staging) use of tier 3. The methods mean what ``BackupService``'s
-    of the same name mean (see there), except ``delete_job``, which the service splits in two."""
+    of the same name mean (see there), whichever service the job's settings route it to."""
 
     async def on_step_committed(
         self, job: str, step: int, ranks_here: Sequence[int], holders: Mapping[int, Sequence[str]]
@@ -72,8 +73,18 @@ class BackupPort(Protocol):
         """The rank whose bucket objects hold ``rank``'s data files (None: its own)."""
         ...
 
-    async def delete_job(self, job: str) -> None:
-        """Stop the job's uploads on this node AND delete its backups from its bucket (irreversible)."""
+    async def fence(self, job: str) -> None:
+        """No backup or upload of the job starts on this node until ``unfence``; the one running has
+        stopped when this returns (a purge calls it before it deletes anything)."""
+        ...
+
+    def unfence(self, job: str) -> None:
+        """Lift the fence and forget the job's backup state on this node (it was purged)."""
+        ...
+
+    async def delete_backups(self, job: str) -> None:
+        """Delete the job's backups from its bucket, also while other nodes still upload some
+        (irreversible)."""
         ...
 
     def status(self, job: str) -> BackupStatus | None:
@@ -148,11 +159,13 @@ class JobBackups:
         self.settings, self.policies, self.registry = settings, policies, registry
         self.orbax = orbax or OrbaxStore(settings.root)
         """Orbax-mode jobs' state: the backup interval each asked for replaces its policy's schedule."""
+        self.quotas = JobQuotas(settings.root, policies, settings.job_quota)
         self._node: BackupSettings | None = None
         self._metrics: BackupMetrics | None = None
         self._services: dict[BackupSettings, BackupService] = {}
         self._bound: dict[str, BackupSettings] = {}
         self._closing: set[asyncio.Task[None]] = set()
+        self._fenced: set[str] = set()
 
     @property
     def node_settings(self) -> BackupSettings:
@@ -196,7 +209,12 @@ class JobBackups:
                 self._retire(before)
         svc = self._services.get(settings)
         if svc is None:
-            svc = settings.build(node=self.settings.node_name, root=self.settings.root, metrics=self.metrics)
+            svc = settings.build(
+                node=self.settings.node_name,
+                root=self.settings.root,
+                metrics=self.metrics,
+                quotas=self.quotas,
+            )
             self._services[settings] = svc
         return svc
 
@@ -205,12 +223,16 @@ class JobBackups:
     async def on_step_committed(
         self, job: str, step: int, ranks_here: Sequence[int], holders: Mapping[int, Sequence[str]]
     ) -> None:
-        if (svc := self._service_or_log(job)) is not None:
+        if job not in self._fenced and (svc := self._service_or_log(job)) is not None:
             await svc.on_step_committed(job, step, ranks_here, holders)
 
     async def backup_now(
         self, job: str, *, holders: Mapping[int, Sequence[str]] | None = None, all_local: bool = False
     ) -> int | None:
+        if job in self._fenced:
+            from tierckpt_replicator.backup.fence import JobFenced
+
+            raise JobFenced(f"job {job} is being purged: no backup of it starts")
         svc = self.service(job)
         if svc is None:
             raise LookupError(
@@ -219,7 +241,7 @@ class JobBackups:
         return await svc.backup_now(job, holders=holders, all_local=all_local)
 
     async def poll(self, job: str) -> None:
-        if (svc := self._service_or_log(job)) is not None:
+        if job not in self._fenced and (svc := self._service_or_log(job)) is not None:
             await svc.poll(job)
 
     async def complete_steps(self, job: str) -> tuple[int, ...]:
@@ -248,13 +270,20 @@ class JobBackups:
         svc = self.service(job)
         return await svc.data_source(job, step, rank) if svc is not None else None
 
-    async def delete_job(self, job: str) -> None:
-        svc = self.service(job)
-        if svc is None:
-            return
-        await svc.stop_job(job)
-        await svc.delete_backups(job)
+    async def fence(self, job: str) -> None:
+        self._fenced.add(job)  # no call reaches a service now, not even one built meanwhile
+        await asyncio.gather(*(svc.fence(job) for svc in self._services.values()))
+
+    def unfence(self, job: str) -> None:
+        self._fenced.discard(job)
+        for svc in self._services.values():
+            svc.unfence(job)
         self._unbind(job)
+
+    async def delete_backups(self, job: str) -> None:
+        svc = self.service(job)
+        if svc is not None:
+            await svc.delete_backups(job)
 
     def status(self, job: str) -> BackupStatus | None:
         settings = self._bound.get(job)

@@ -8,6 +8,9 @@ nodes of a job back up the same steps without talking to each other:
   ``interval_seconds`` seconds have passed since the newest *complete* backup. A step that is not
   newer than the newest complete backup is never due, and while another backup of the job is in
   progress (started less than ``stale_after`` seconds ago) no new one starts: nodes join that one.
+* ``BackupPolicy.gives_up`` decides when a started backup can no longer complete, so that it stops
+  holding new ones back: once its takeover window is over, no node is uploading it and this node
+  holds none of its missing ranks (retention removed them, or its replicas went elsewhere).
 * ``BackupPolicy.retention`` keeps the newest ``keep_last`` complete steps plus, when ``keep_every``
   is set, the oldest complete step of every ``keep_every``-step window (step 0-999, 1000-1999, ... for
   ``keep_every=1000``), so a step once kept for its window stays kept as newer steps arrive.
@@ -48,7 +51,9 @@ class BackupPolicy:
     newest complete backup was completed (0: no time-based schedule). With both 0 backups happen only
     on demand. ``keep_last`` (>= 1): newest complete steps kept. ``keep_every``: also keep the oldest
     complete step of every window of this many steps (0: off). ``stale_after``: a started backup that
-    is not complete after this many seconds no longer holds back a new one.
+    is not complete after this many seconds no longer holds back a new one. ``takeover_after``: the
+    seconds after a backup began during which its missing ranks may still be taken over by their
+    holders (after that, see ``gives_up``).
     """
 
     interval_steps: int = 0
@@ -56,11 +61,12 @@ class BackupPolicy:
     keep_last: int = 3
     keep_every: int = 0
     stale_after: float = 3600.0
+    takeover_after: float = 120.0
 
     def __post_init__(self) -> None:
         if self.keep_last < 1:
             raise ValueError("keep_last must be at least 1: the newest complete backup is always kept")
-        for name in ("interval_steps", "interval_seconds", "keep_every", "stale_after"):
+        for name in ("interval_steps", "interval_seconds", "keep_every", "stale_after", "takeover_after"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative")
 
@@ -98,6 +104,14 @@ class BackupPolicy:
         if self.interval_seconds and seconds >= self.interval_seconds:
             return Decision(True, f"{seconds:.0f}s since the last backup (every {self.interval_seconds:g}s)")
         return Decision(False, "not due yet")
+
+    def gives_up(self, *, started_at: float, now: float, holds_missing: bool, being_uploaded: bool) -> bool:
+        """Can a started, incomplete backup no longer complete? Yes once its takeover window is over
+        (every holder of a missing rank has had ``takeover_after`` seconds to upload it), no node holds a
+        live writer lease on it (``being_uploaded``) and this node holds none of its missing ranks
+        (``holds_missing``: it would upload them now). Such a backup no longer holds new ones back and
+        nodes stop joining it; if a holder still completes it, it is kept like any complete step."""
+        return now - started_at >= self.takeover_after and not holds_missing and not being_uploaded
 
     def retention(self, complete: Iterable[int], protect: Iterable[int] = ()) -> RetentionPlan:
         """Which complete steps to keep and delete. ``protect``: steps never deleted (e.g. being restored)."""

@@ -5,14 +5,24 @@ loop never blocks. One pass per call, serialised per job:
 
 1. Read the bucket's view of the job (complete steps, started-but-incomplete steps).
 2. Targets: the new step if ``BackupPolicy.due`` says so, plus any backup another node started that is
-   not complete yet (so nodes join the same step even when their own schedules disagree).
-3. For each target step, upload this node's share: of the ranks this node holds (primary or replica),
-   the ones ``assign_uploads`` gives it, spread over all holders; after ``takeover_after`` seconds
-   also any rank still missing in the bucket (its assigned node may be gone).
+   not complete yet (so nodes join the same step even when their own schedules disagree), unless it
+   can no longer complete (``BackupPolicy.gives_up``: then it holds no new backup back either).
+3. For each target step, upload this node's share, holding a writer lease on the step in the bucket
+   (``fence.Fences.writing``: a purge on another node waits for it): of the ranks this node holds
+   (primary or replica), the ones ``assign_uploads`` gives it, spread over all holders; after
+   ``takeover_after`` seconds also any rank still missing in the bucket (its assigned node may be
+   gone).
 4. Try to complete the step (creates ``complete/<step>.json`` once every rank is committed), and when
    a step became complete run retention (and remove abandoned incomplete steps).
 
 A failure never deletes anything complete and never makes a partial step visible (see catalog.py).
+A rank refused for its job's quota (``quota.OverQuotaError``: its manifest declares more bytes than
+the job's ramdisk size, as sparse files can) uploads nothing and marks its step refused in the bucket
+(``refused.json``): that step never completes, so no node joins it or holds newer backups back for it.
+
+A purge fences the job first (``fence``): no pass of it starts, the running one stops at its next
+bucket write and is waited for; ``delete_backups`` then empties the bucket (``fence.Fences.purge``).
+
 Call ``poll(job)`` periodically (every few tens of seconds) so a node that committed no new step still
 joins backups others started (preemption), takes over ranks of dead nodes, and completes steps whose
 last uploader died before writing the completion object.
@@ -41,12 +51,15 @@ from tierckpt.protocol.control import PeerAssignment, read_control
 from tierckpt.protocol.errors import FormatError, MissingCheckpointError, TierckptError
 from tierckpt.protocol.format import Dir, committed_steps, read_manifest
 from tierckpt.protocol.safefs import Beneath
-from tierckpt_replicator.backup.catalog import Catalog
+from tierckpt_replicator.backup.catalog import BucketView, Catalog
+from tierckpt_replicator.backup.fence import Fences, JobFenced
 from tierckpt_replicator.backup.metrics import BackupMetrics
 from tierckpt_replicator.backup.restorer import Restorer
 from tierckpt_replicator.backup.spread import assign_uploads, data_rank
 from tierckpt_replicator.backup.store import ObjectStore
 from tierckpt_replicator.backup.uploader import Uploader
+from tierckpt_replicator.policies import PolicyStore
+from tierckpt_replicator.quota import JobQuotas, OverQuotaError
 from tierckpt_replicator.stepio import find_committed, open_job, rank_trees
 
 __all__ = ["BackupService", "BackupStatus"]
@@ -87,6 +100,8 @@ class BackupService:
     name as it appears in ``holders``. ``store``: the bucket (a ``GcsStore`` in production; tests pass
     one against fake-gcs-server, or a fake at the ``ObjectStore`` boundary). ``metrics``: where to count
     (default: the process-wide ``BackupMetrics``). ``clock``: the wall clock (schedules, takeover).
+    ``quotas``: each job's quota, which no rank's upload may exceed (default: the jobs' policies and
+    this node's ramdisk size).
     """
 
     def __init__(
@@ -98,17 +113,28 @@ class BackupService:
         store: ObjectStore,
         metrics: BackupMetrics | None = None,
         clock: Callable[[], float] = time.time,
+        quotas: JobQuotas | None = None,
     ) -> None:
         self.settings, self.store, self.node, self.root = settings, store, node, Path(root)
+        self.quotas = quotas or JobQuotas(self.root, PolicyStore(self.root))
         self.policy = settings.policy()
         self.layout = BucketLayout(settings.prefix)
         self.metrics = metrics or BackupMetrics.default()
         self.clock = clock
         self._io = cf.ThreadPoolExecutor(settings.parallelism, thread_name_prefix="backup-io")
         self._ops = cf.ThreadPoolExecutor(4, thread_name_prefix="backup-op")
-        self.catalog = Catalog(store, self.layout, node, self._io)
-        self.uploader = Uploader(
+        self.fences = Fences(
             store,
+            self.layout,
+            node,
+            self._io,
+            ttl=settings.writer_ttl,
+            wait_limit=settings.retry_deadline + 2 * settings.writer_ttl,
+        )
+        writes = self.fences.store  # every write of a job's objects: its writer lease held, not fenced here
+        self.catalog = Catalog(writes, self.layout, node, self._io)
+        self.uploader = Uploader(
+            writes,
             self.layout,
             self.catalog,
             node,
@@ -116,8 +142,9 @@ class BackupService:
             slice_size=settings.slice_size,
             max_manifest_bytes=settings.max_manifest_bytes,
             on_bytes=self.metrics.bytes_uploaded.inc,
-            should_stop=lambda job: job in self._cancelled,
+            should_stop=self.fences.fenced,
             group_wait=settings.group_wait,
+            quotas=self.quotas,
         )
         self.restorer = Restorer(
             store,
@@ -132,7 +159,8 @@ class BackupService:
         self._latest: dict[str, int] = {}
         self._fetching: dict[str, collections.Counter[int]] = {}
         self._status: dict[str, BackupStatus] = {}
-        self._cancelled: set[str] = set()
+        self._given_up: dict[str, set[int]] = {}
+        """Job -> started steps this node found unable to complete (logged once each)."""
         self._holder = "backup." + re.sub(r"[^A-Za-z0-9_.-]", "-", node)[:100]
 
     # ------------------------------------------------------------------------------------ API
@@ -153,6 +181,9 @@ class BackupService:
             if step < self._latest[job]:
                 log.debug("step %d of %s superseded by step %d before its turn", step, job, self._latest[job])
                 return
+            if self.fences.fenced(job):
+                log.debug("step %d of %s not backed up: the job is fenced (being purged)", step, job)
+                return
             with contextlib.suppress(Exception):  # _pass logged and counted it
                 await self._run(self._pass, job, step, tuple(ranks_here), False, False)
 
@@ -166,11 +197,14 @@ class BackupService:
         the caller knows the step's copies are (rank -> nodes, primary first; the daemon reports its
         primaries and the peers that confirmed their replicas): a rank whose assigned uploader is not
         among them is uploaded by its primary now, not after ``takeover_after`` (a replica may have
-        gone to another node than ``peers.json`` names)."""
+        gone to another node than ``peers.json`` names). Raises ``JobFenced`` while the job is being
+        purged."""
         if holders:
             self._remember_holders(job, holders)
         placed = {int(r): tuple(h) for r, h in (holders or {}).items()}
         async with self._lock(job):
+            if self.fences.fenced(job):
+                raise JobFenced(f"job {job} is being purged: no backup of it starts")
             return await self._run(self._backup_now, job, all_local, placed)
 
     async def poll(self, job: str) -> None:
@@ -178,6 +212,8 @@ class BackupService:
         committed while another backup ran, or the last step of a stopped job, becomes due by time or
         steps with no new commit), join started backups, take over orphaned ranks, complete, retain."""
         async with self._lock(job):
+            if self.fences.fenced(job):
+                return
             with contextlib.suppress(Exception):  # _pass logged and counted it
                 await self._run(self._poll, job)
 
@@ -228,24 +264,29 @@ class BackupService:
         own); a restore can then fetch that rank's step from the peer restoring it instead."""
         return await self._run(self.restorer.data_source, job, step, rank)
 
-    async def stop_job(self, job: str) -> None:
-        """Stop backing up ``job`` on this node: stop its uploads (the transfers under way finish, no new
-        one starts; a partial step stays invisible) and drop its state. The bucket KEEPS its backups;
-        ``delete_backups`` removes them."""
-        self._cancelled.add(job)
-        try:
-            async with self._lock(job):
-                pass  # wait for the running pass to stop
-        finally:
-            self._cancelled.discard(job)
-        for state in (self._holders, self._latest, self._status, self._locks):
-            state.pop(job, None)
+    async def fence(self, job: str) -> None:
+        """Stop backing ``job`` up on this node until ``unfence``: no pass of it starts, and the one
+        running stops at its next bucket write (a partial step stays invisible) and is waited for.
+        Call it before deleting anything of the job."""
+        self.fences.fence_here(job)
+        async with self._lock(job):
+            pass  # the running pass has stopped
+
+    def unfence(self, job: str) -> None:
+        """Lift the fence (the job was purged): forget its state here; it starts afresh if it returns."""
+        self.fences.lift(job)
+        for state in (self._holders, self._latest, self._status, self._given_up):
+            state.pop(job, None)  # its lock stays: a call waiting on it must not run beside a new one
         log.info("job %s: backup state forgotten on this node", job)
 
     async def delete_backups(self, job: str) -> None:
-        """Delete every object of ``job`` from the bucket (completion objects first). Irreversible."""
+        """Delete every object of ``job`` from the bucket, also while other nodes are still writing some
+        (``Fences.purge``; this can take up to ``writer_ttl`` and more while they stop). Fences the job
+        here first; it stays fenced until ``unfence``. Irreversible."""
+        await self.fence(job)
         async with self._lock(job):
-            await self._run(self.catalog.purge, job)
+            await self._run(self.fences.purge, job)
+        self.catalog.forget(job)
         self._status.pop(job, None)
 
     def status(self, job: str) -> BackupStatus:
@@ -274,12 +315,17 @@ class BackupService:
         try:
             view = self.catalog.view(job)
             now = self.clock()
+            running = self._running(job, view, now)
             targets: dict[int, str] = {}
-            if step is not None:
+            if step is not None and step in view.refused:
+                log.info(
+                    "step %d of %s not backed up: a rank of it was refused for the job's quota", step, job
+                )
+            elif step is not None:
                 decision = self.policy.due(
                     step,
                     newest_complete=view.newest_complete,
-                    in_progress=view.in_progress.items(),
+                    in_progress=running.items(),
                     now=now,
                     on_demand=on_demand,
                 )
@@ -287,10 +333,8 @@ class BackupService:
                     targets[step] = decision.reason
                 else:
                     log.debug("step %d of %s not backed up: %s", step, job, decision.reason)
-            floor = view.newest_complete[0] if view.newest_complete else -1
-            for s, started in view.in_progress.items():
-                if s > floor and s not in targets and now - started < self.policy.stale_after:
-                    targets[s] = "joining a backup in progress"
+            for s in running:
+                targets.setdefault(s, "joining a backup in progress")
             completed = False
             for s in sorted(targets):
                 hint, known = (ranks_here, placed) if s == step else ((), None)
@@ -301,6 +345,17 @@ class BackupService:
                 self._maintain(job)
             else:
                 self._set_status(job, complete=tuple(sorted(view.complete)))
+        except JobFenced as exc:
+            if exc.elsewhere and not self.fences.fenced(job):
+                log.warning(
+                    "job %s: its backups are being purged from the bucket by another node; this node stops "
+                    "backing it up (until the job is purged here or the replicator restarts)",
+                    job,
+                )
+                self.fences.fence_here(job)
+            else:
+                log.info("backup of %s stopped: %s", job, exc)
+            raise
         except Exception as exc:
             self.metrics.failures.labels(op="upload").inc()
             self._set_status(job, last_error=f"{type(exc).__name__}: {exc}")
@@ -320,6 +375,48 @@ class BackupService:
             return None
         self._pass(job, step, (), True, all_local, placed)
         return step
+
+    def _running(self, job: str, view: BucketView, now: float) -> dict[int, float]:
+        """The started backups (step -> started_at) that hold new ones back and that this node joins:
+        newer than the newest complete step, younger than ``stale_after``, and not given up
+        (``BackupPolicy.gives_up``: past the takeover window, nobody uploading, no missing rank here)."""
+        floor = view.newest_complete[0] if view.newest_complete else -1
+        young = {s: t for s, t in view.in_progress.items() if s > floor and now - t < self.policy.stale_after}
+        past = [s for s, t in young.items() if now - t >= self.policy.takeover_after]
+        if not past:
+            return young
+        uploading = self.fences.uploading(job)
+        given_up = self._given_up.setdefault(job, set())
+        given_up &= set(young)
+        for s in past:
+            missing_here = self._missing_here(job, s)
+            if not self.policy.gives_up(
+                started_at=young[s], now=now, holds_missing=bool(missing_here), being_uploaded=s in uploading
+            ):
+                continue
+            del young[s]
+            if s not in given_up:
+                given_up.add(s)
+                log.warning(
+                    "job %s: giving up on step %d: incomplete %.0fs after its backup began, no node is "
+                    "uploading it and this node holds none of its missing ranks; moving on to newer steps",
+                    job,
+                    s,
+                    now - view.in_progress[s],
+                )
+        return young
+
+    def _missing_here(self, job: str, step: int) -> set[int]:
+        """Ranks of ``step`` this node holds a committed copy of that are not committed in the bucket."""
+        try:
+            tree = open_job(self.root, job)
+        except FileNotFoundError:
+            return set()
+        with tree:
+            local = self._local_copies(tree, step, ())
+        if not local:
+            return set()
+        return set(local) - set(self.catalog.rank_commits(job, step))
 
     def _backup_step(
         self,
@@ -357,6 +454,23 @@ class BackupService:
             next(iter(local.values()))[1], limit=self.settings.max_manifest_bytes
         ).world_size
         mine = self._my_share(job, step, world_size, local, started_at, all_local, placed)
+        if not mine and started_at is not None and len(self.catalog.rank_commits(job, step)) < world_size:
+            return False  # nothing to write here: no share, already started, not completable yet
+        with self.fences.writing(job, step):
+            return self._write_step(job, step, world_size, reason, started_at, mine, local)
+
+    def _write_step(
+        self,
+        job: str,
+        step: int,
+        world_size: int,
+        reason: str,
+        started_at: float | None,
+        mine: list[int],
+        local: Mapping[int, tuple[Beneath, Beneath]],
+    ) -> bool:
+        """The writes of this node's pass over ``step`` (under its writer lease): mark it started, upload
+        ``mine``, complete it. True if the step is complete in the bucket afterwards."""
         if mine or started_at is None:  # also with no share here: a started backup is visible, so
             # its missing ranks are taken over even if no rank's assigned uploader holds a copy
             self.catalog.mark_started(job, step, world_size, reason)
@@ -433,7 +547,7 @@ class BackupService:
         after all have finished, so every rank that can be committed is. Ranks that carry their replica
         group's data files go first: members waiting for them never hold every thread. Returns (bytes
         sent, bytes a no-dedup upload would have sent)."""
-        errors = []
+        errors: list[Exception] = []
         sent = logical = 0
         if not paths:
             return 0, 0
@@ -447,9 +561,14 @@ class BackupService:
                     logical += done.logical_bytes
                     if not done.skipped:
                         self.metrics.ranks_uploaded.inc()
+                except JobFenced as exc:
+                    errors.insert(0, exc)  # raised first: the pass then knows the job is being purged
                 except (TierckptError, OSError) as exc:
                     log.error("upload of rank %d of %s failed: %s", futures[fut], job, exc)
                     errors.append(exc)
+        for error in errors:
+            if isinstance(error, OverQuotaError):  # the step can never complete: no node joins or waits
+                self.catalog.mark_refused(job, error.over.step, error.over.rank, str(error))
         if errors:
             raise errors[0]
         return sent, logical

@@ -25,6 +25,7 @@ __all__ = ["BackupSettings"]
 
 if TYPE_CHECKING:
     from tierckpt_replicator.backup.service import BackupService
+    from tierckpt_replicator.quota import JobQuotas
 
 MiB = 1 << 20
 
@@ -59,7 +60,9 @@ class BackupSettings:
     checkpoints, e.g. every 10 000 steps)."""
     stale_after: float = 3600.0
     """Seconds [3600]. A started backup still incomplete after this long no longer holds new ones back
-    (its uploaders are presumed dead)."""
+    (its uploaders are presumed dead), even if it could still complete. One that cannot (no node is
+    uploading it and this node holds none of its missing ranks) is given up ``takeover_after`` after
+    it began."""
 
     # --- transfers
     parallelism: int = 8
@@ -94,6 +97,11 @@ class BackupSettings:
     lease_ttl: float = 60.0
     """Seconds [60]. Lifetime of the leases (renewed in the background) that keep the client's retention
     off a step being uploaded; a dead uploader's lease lapses after this long."""
+    writer_ttl: float = 30.0
+    """Seconds [30]. Lifetime of the bucket leases a node holds while it writes a step's objects
+    (``writers/``, renewed every fifth of it): a purge of the job waits for live writers, and takes a
+    writer that has not renewed its lease for this long for gone. Its writes stop once it cannot renew
+    within half of it."""
 
     # --- transient errors (``RetryPolicy``) and HTTP timeouts
     retry_initial: float = 1.0
@@ -114,8 +122,8 @@ class BackupSettings:
         for name in ("slice_size", "range_size", "takeover_after", "incomplete_grace", "group_wait"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative")
-        if self.lease_ttl <= 0 or self.max_manifest_bytes <= 0:
-            raise ValueError("lease_ttl and max_manifest_bytes must be positive")
+        if self.lease_ttl <= 0 or self.writer_ttl <= 0 or self.max_manifest_bytes <= 0:
+            raise ValueError("lease_ttl, writer_ttl and max_manifest_bytes must be positive")
         self.policy()  # the schedule and retention fields are valid
 
     @property
@@ -129,6 +137,7 @@ class BackupSettings:
             keep_last=self.keep_last,
             keep_every=self.keep_every,
             stale_after=self.stale_after,
+            takeover_after=self.takeover_after,
         )
 
     def gcs(self) -> GcsSettings:
@@ -148,8 +157,11 @@ class BackupSettings:
             raise ValueError("backups are disabled: no bucket configured")
         return GcsStore(self.gcs())
 
-    def build(self, *, node: str, root: Path, metrics: BackupMetrics | None = None) -> BackupService:
-        """The service for this node on ``bucket`` (raises ``ValueError`` if no bucket is configured)."""
+    def build(
+        self, *, node: str, root: Path, metrics: BackupMetrics | None = None, quotas: JobQuotas | None = None
+    ) -> BackupService:
+        """The service for this node on ``bucket`` (raises ``ValueError`` if no bucket is configured);
+        ``quotas``: the jobs' quotas (default: their policies' and this node's ramdisk size)."""
         from tierckpt_replicator.backup.service import BackupService
 
-        return BackupService(self, node=node, root=root, store=self.store(), metrics=metrics)
+        return BackupService(self, node=node, root=root, store=self.store(), metrics=metrics, quotas=quotas)

@@ -5,10 +5,10 @@
 explicit fakes here to reach paths an emulator cannot (server-side checksum rejection, preconditions
 on resumable uploads). Every method blocks: the service runs them in its thread pool.
 
-Errors: ``ObjectNotFound`` (404), ``PreconditionFailed`` (412: a create-only write found the object),
-``UploadCorrupted`` (the stored object's crc32c is not the one the caller expected; the object was
-deleted), ``TransientStoreError`` (5xx, timeouts, resets still failing after the retry policy gave up;
-safe to retry later) and ``StoreError`` for anything else.
+Errors: ``ObjectNotFound`` (404), ``PreconditionFailed`` (412: a create-only write found the object, a
+conditional one another generation or none), ``UploadCorrupted`` (the stored object's crc32c is not the
+one the caller expected; the object was deleted), ``TransientStoreError`` (5xx, timeouts, resets still
+failing after the retry policy gave up; safe to retry later) and ``StoreError`` for anything else.
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ class ObjectNotFound(StoreError):
 
 
 class PreconditionFailed(StoreError):
-    """A create-only write found the object already there (HTTP 412)."""
+    """A create-only write found the object already there, or a write conditional on a generation found
+    another one or none (HTTP 412)."""
 
 
 class UploadCorrupted(StoreError):
@@ -74,8 +75,11 @@ class ObjectStore(Protocol):
         """
         ...
 
-    def put_bytes(self, key: str, data: bytes, *, create_only: bool = False) -> ObjectInfo:
-        """Single-request upload. ``create_only``: ``PreconditionFailed`` if the object exists."""
+    def put_bytes(
+        self, key: str, data: bytes, *, create_only: bool = False, if_generation: int | None = None
+    ) -> ObjectInfo:
+        """Single-request upload. ``create_only``: ``PreconditionFailed`` if the object exists.
+        ``if_generation``: ``PreconditionFailed`` unless the object exists with this generation."""
         ...
 
     def get_bytes(self, key: str, *, max_size: int) -> bytes:

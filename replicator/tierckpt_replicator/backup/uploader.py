@@ -19,6 +19,8 @@ groups.
 
 The step is read through its job's confined tree (a ``Beneath`` view): a data file, COMMIT or manifest
 that a pod replaced by a symlink is refused (``UnsafePathError``), so no other job's bytes are uploaded.
+A rank whose manifest declares more bytes than its job's quota is refused before any object is written
+(``quota.OverQuotaError``: a pod's sparse files would cost the bucket what they never cost the pod).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import time
 from collections.abc import Callable
 
 from tierckpt.protocol.bucket_layout import BucketLayout, DataRef, RankBackup
-from tierckpt.protocol.errors import CorruptShardError, FormatError, TierckptError
+from tierckpt.protocol.errors import CorruptShardError, FormatError
 from tierckpt.protocol.format import (
     COMMIT_LIMIT,
     COMMIT_NAME,
@@ -47,19 +49,17 @@ from tierckpt.protocol.integrity import crc32c
 from tierckpt.protocol.replica import content_key
 from tierckpt.protocol.safefs import Beneath
 from tierckpt_replicator.backup.catalog import Catalog
+from tierckpt_replicator.backup.fence import JobFenced
 from tierckpt_replicator.backup.spread import data_rank
 from tierckpt_replicator.backup.store import ObjectInfo, ObjectNotFound, ObjectStore, PreconditionFailed
-from tierckpt_replicator.stepio import is_data_file
+from tierckpt_replicator.quota import JobQuotas
+from tierckpt_replicator.stepio import is_data_file, open_files
 
-__all__ = ["RankUpload", "StaleStepError", "UploadCancelled", "Uploader", "plan_slices"]
+__all__ = ["RankUpload", "StaleStepError", "Uploader", "plan_slices"]
 
 log = logging.getLogger(__name__)
 
 MAX_COMPOSE = 32
-
-
-class UploadCancelled(TierckptError):
-    """The job was purged on this node while its upload ran."""
 
 
 class StaleStepError(FormatError):
@@ -102,8 +102,10 @@ class Uploader:
         on_bytes: Callable[[int], None] | None = None,
         should_stop: Callable[[str], bool] | None = None,
         group_wait: float = 60.0,
+        quotas: JobQuotas,
     ) -> None:
         self.group_wait = group_wait
+        self.quotas = quotas
         self.store, self.layout, self.catalog, self.node, self.pool = store, layout, catalog, node, pool
         self.should_stop = should_stop or (lambda job: False)
         self.slice_size = slice_size
@@ -122,6 +124,8 @@ class Uploader:
         rank, step = manifest.rank, manifest.step
         if manifest.job != job:
             raise FormatError(f"{step_path.where} belongs to job {manifest.job!r}, not {job!r}")
+        with open_files(step_path, manifest) as fds:  # before anything goes to the bucket
+            self.quotas.check(manifest, fds=fds)
         existing = self._existing_commit(job, step, rank)
         if existing is not None:
             if existing.manifest_crc32c == marker.manifest_crc32c:
@@ -222,7 +226,7 @@ class Uploader:
 
     def _check_stop(self, job: str) -> None:
         if self.should_stop(job):
-            raise UploadCancelled(f"uploads of job {job} were cancelled")
+            raise JobFenced(f"uploads of job {job} stopped: it is being purged on this node")
 
     def _read_local(self, step_path: Beneath) -> tuple[bytes, bytes, CommitMarker, Manifest]:
         where = step_path.where

@@ -11,8 +11,10 @@ shared token (``DataContext.token``).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import secrets
 import socket
+import ssl
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -22,11 +24,16 @@ from tierckpt.protocol.identity import Peer, TlsCredentials, TlsFiles, node_serv
 from tierckpt.protocol.tokens import TokenFile
 from tierckpt_replicator.access import JobMembers
 from tierckpt_replicator.assignments import AssignmentStore, load_static
+from tierckpt_replicator.identity import check_node_files
+from tierckpt_replicator.policies import PolicyStore
+from tierckpt_replicator.quota import JobQuotas
 from tierckpt_replicator.replication.ipc import PeerAddress, WorkerConfig
 from tierckpt_replicator.replication.pacing import Deadline
 from tierckpt_replicator.replication.throttle import TokenBucket
 
 __all__ = ["DataContext", "connect", "secure", "unique_holder"]
+
+log = logging.getLogger(__name__)
 
 
 def _drop(_: Message) -> None:
@@ -39,10 +46,13 @@ class DataContext:
     bucket: TokenBucket
     members: JobMembers
     """Who belongs to which job, as this node knows it (the data plane's authorization)."""
+    quotas: JobQuotas
+    """Each job's quota: no step that declares more is sent, received or staged."""
     tokens: TokenFile | None = None
     """--auth token: the shared bearer token."""
     tls_files: TlsFiles | None = None
-    """--auth tls: this node's certificate files (``credentials()`` follows them)."""
+    """--auth tls: this node's certificate files (``credentials()`` follows them while they hold this
+    node's identity)."""
     emit: Callable[[Message], None] = _drop
     _tls: TlsCredentials | None = dataclasses.field(default=None, init=False, repr=False)
     _tls_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, init=False, repr=False)
@@ -55,6 +65,7 @@ class DataContext:
             config=config,
             bucket=TokenBucket(config.bandwidth_bytes_per_s),
             members=JobMembers(root, AssignmentStore(root, static)),
+            quotas=JobQuotas(root, PolicyStore(root), config.job_quota),
             emit=emit,
         )
         if config.auth == "tls":
@@ -74,14 +85,26 @@ class DataContext:
         return self.tokens.text() if self.tokens is not None else ""
 
     def credentials(self) -> TlsCredentials | None:
-        """This node's current TLS credentials: a new ``TlsCredentials`` once the files changed (the
-        daemon renewed the certificate), so no connection thread ever sees a context being reloaded."""
+        """This node's current TLS credentials: new ones once the files changed (the daemon renewed the
+        certificate), so no connection thread ever sees a context being reloaded. The files must hold
+        this node's identity: at start a ``ValueError`` says why not; a later change that does not is
+        refused (logged once) and the credentials in use stay."""
         if self.tls_files is None:
             return None
         with self._tls_lock:
-            if self._tls is None or self._tls.changed():
-                self._tls = TlsCredentials(self.tls_files)
+            if self._tls is None:
+                self._tls = TlsCredentials(self.tls_files, check=self._check_identity)
+            else:
+                try:
+                    self._tls = self._tls.renewed()
+                except (OSError, ValueError, ssl.SSLError) as exc:
+                    log.error(
+                        "refusing the replaced certificate files, keeping this node's identity: %s", exc
+                    )
             return self._tls
+
+    def _check_identity(self, files: TlsFiles) -> None:
+        check_node_files(files, self.config.node)
 
 
 def connect(ctx: DataContext, peer: PeerAddress) -> socket.socket:

@@ -5,7 +5,7 @@ at most ``max_incoming`` transfers at once; everything else is refused as busy (
 moves.
 
 Bounded before authentication: a connection is admitted only within the per-source and total
-connection limits (``SourceLimits``); its handshake (the TLS handshake, then the request frame) must be
+connection limits (``ConnectionLimits``); its handshake (the TLS handshake, then the request frame) must be
 complete within ONE deadline (``handshake_timeout``), else it is closed; the request is authorized, and
 only THEN is a transfer slot taken. So idle or trickling connections hold no slot, and every source has
 at most its share of connections. During a transfer the sender must keep up ``min_transfer_rate`` over
@@ -16,9 +16,12 @@ must name the node that certificate names, and that node must be a member of the
 (``tierckpt_replicator.access.data_refusal``), else 403 before anything is read or written. Legacy
 ``--auth token``: the request's shared token.
 
-Put: auth → parse and cross-check COMMIT + manifest → already held? (208) → in progress? (409) → room?
-(507, after dropping what retention allows) → preallocate every file (507 on ENOSPC) → ``100
-continue`` → receive with crc32c → all match? commit atomically (200) : drop the staging dir (422).
+Put: auth → parse and cross-check COMMIT + manifest → within the job's quota? (413; a pod's sparse
+files or a manifest's declared sizes would otherwise cost this node what they never cost the sender's
+ramdisk) → already held? (208) → in progress? (409) → room? (507, after dropping what retention
+allows) → preallocate every file (507 on ENOSPC) → ``100 continue`` → receive with crc32c → all match?
+commit atomically (200) : drop the staging dir (422). A fragment is checked against the quota alike;
+a step served to a restoring node (``get``) too. Quota refusals are reported as ``DataEvent`` 413.
 
 Every file is reached through the job's confined tree (``stepio.open_job``): a symlink a pod planted in
 its job directory (a rank, a step, a data file) is refused (422, logged), never followed.
@@ -36,6 +39,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, cast
 
 from tierckpt.protocol import leases
+from tierckpt.protocol.control import StepOverQuota
 from tierckpt.protocol.errors import (
     CorruptShardError,
     FormatError,
@@ -43,12 +47,20 @@ from tierckpt.protocol.errors import (
     RamdiskFullError,
     UnsafePathError,
 )
-from tierckpt.protocol.format import check_job_id, committed_steps, discard_step, read_commit, read_manifest
+from tierckpt.protocol.format import (
+    Manifest,
+    check_job_id,
+    committed_steps,
+    discard_step,
+    read_commit,
+    read_manifest,
+)
 from tierckpt.protocol.identity import Peer
 from tierckpt.protocol.replica import content_key
 from tierckpt.protocol.safefs import Beneath
 from tierckpt_replicator.access import data_refusal
 from tierckpt_replicator.connlimits import Admission, ConnectionLimits, close_now
+from tierckpt_replicator.quota import OverQuotaError
 from tierckpt_replicator.replication.context import DataContext, secure, unique_holder
 from tierckpt_replicator.replication.erasure import fragment_name
 from tierckpt_replicator.replication.fragments import (
@@ -291,6 +303,7 @@ class DataServer:
 
     def _put(self, conn: socket.socket, req: DataRequest) -> None:
         header = self._read_header(conn, req)
+        self._within_quota(req, header.manifest)
         with open_job(self.ctx.root, req.job, create=True) as job:
             parent = rank_tree(job, "replica", req.rank)
             if read_commit(parent.at(step_name(req.step))) is not None:
@@ -422,6 +435,19 @@ class DataServer:
             self._event(req, Status.ABORTED, message=f"transfer aborted: {exc}")
             raise
 
+    def _within_quota(self, req: DataRequest, manifest: Manifest, fragment: int = 0) -> None:
+        """413 (logged, and reported as a ``DataEvent``) if the step declares more bytes than its job's
+        quota, or a fragment of it more than the quota: before anything of it is reserved or stored."""
+        over = self.ctx.quotas.over(manifest)
+        if over is None and fragment > (quota := self.ctx.quotas.of(req.job)):
+            over = StepOverQuota(manifest.rank, manifest.step, fragment, quota)  # its fragment, declared
+        if over is None:
+            return
+        message = f"refused: {over.describe(req.job)}"
+        log.warning("%s from %s: %s", req.op, req.node or "?", message)
+        self._event(req, Status.TOO_LARGE, bytes=over.bytes, message=message)
+        raise _Reject(Status.TOO_LARGE, message)
+
     def _event(self, req: DataRequest, status: int, **fields: Any) -> None:
         self.ctx.emit(
             DataEvent(
@@ -472,6 +498,11 @@ class DataServer:
             except FormatError as exc:
                 raise _Reject(Status.CORRUPT, f"local copy unreadable: {exc}") from exc
             with open_files(path, header.manifest) as fds:  # all of them, before a byte goes out
+                try:
+                    self.ctx.quotas.check(header.manifest, fds=fds)
+                except OverQuotaError as exc:
+                    log.warning("not serving a step to %s: %s", req.node or "?", exc)
+                    raise _Reject(Status.TOO_LARGE, f"not served: {exc}") from exc
                 reply = DataReply(
                     status=Status.OK,
                     commit_size=len(header.commit_bytes),
@@ -499,6 +530,7 @@ class DataServer:
     def _fragment(self, conn: socket.socket, req: DataRequest) -> None:
         """Receive one erasure-coded fragment of a rank's step (this node holds at most one per step)."""
         header = self._read_fragment_header(conn, req)
+        self._within_quota(req, header.step.manifest, fragment=header.size)
         with open_job(self.ctx.root, req.job, create=True) as job:
             held = find_fragment(job, req.rank, req.step)
             if held is not None:

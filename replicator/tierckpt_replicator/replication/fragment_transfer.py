@@ -5,7 +5,8 @@ Encoding reads the primary through the job's confined tree (leased, every byte c
 step's crc32c) and writes the ``k + m`` fragments into a scratch directory in the replicator's own
 state directory (``format.state_dir``: no pod reaches it), removed once they are sent. Each fragment
 goes to its own node (``fragment``; see ``data_server``), candidates in the manager's order; a node
-that already holds a fragment of the step says which (``208``, or ``409`` naming another index).
+that already holds a fragment of the step says which (``208``, or ``409`` naming another index). A
+step that declares more bytes than its job's quota is not encoded, and no fragment of one is fetched.
 
 Rebuilding fetches fragments (``getfrag``) into a scratch directory, each checked against its crc32c
 as it arrives and against the first fragment's erasure manifest and COMMIT (all must describe the same
@@ -37,6 +38,7 @@ from tierckpt.protocol.errors import (
     UnsafePathError,
 )
 from tierckpt.protocol.format import STATE_DIR_NAME, read_commit, state_dir
+from tierckpt_replicator.quota import OverQuotaError
 from tierckpt_replicator.replication.context import DataContext, connect, unique_holder
 from tierckpt_replicator.replication.erasure import decode_streams, encode_streams, fragment_name
 from tierckpt_replicator.replication.fragments import FragmentHeader, parse_fragment_header
@@ -117,6 +119,10 @@ def send_fragments(ctx: DataContext, task: ErasureTask) -> TaskResult:
             header, erasure = _encode(ctx, task, scratch)
         except MissingCheckpointError as exc:
             return TaskResult(id=task.id, ok=False, outcomes=(Outcome("", "missing", str(exc)),))
+        except OverQuotaError as exc:
+            return TaskResult(
+                id=task.id, ok=False, outcomes=(Outcome("", "too_large", f"not encoded: {exc}"),)
+            )
         except (FormatError, UnsafePathError, CorruptShardError, OSError) as exc:
             log.warning("cannot encode %s rank %d step %d: %s", task.job, task.rank, task.step, exc)
             return TaskResult(id=task.id, ok=False, message=f"encoding failed: {exc}")
@@ -143,6 +149,7 @@ def _encode(ctx: DataContext, task: ErasureTask, scratch: Path) -> tuple[StepHea
                 path, job=task.job, rank=task.rank, step_no=task.step, limit=ctx.config.max_manifest_bytes
             )
             with open_files(path, header.manifest) as fds, contextlib.ExitStack() as stack:
+                ctx.quotas.check(header.manifest, fds=fds)  # encoding writes k + m fragments of it
                 sources: list[BinaryIO] = [
                     stack.enter_context(open(fd, "rb", buffering=0, closefd=False)) for fd in fds
                 ]
@@ -267,6 +274,8 @@ def _fetch_fragment(
             return _receive_fragment(ctx, task, sock, source, scratch, first, got, progress, started)
     except CorruptShardError as exc:
         return Outcome(source.node, "corrupt", str(exc)), None
+    except OverQuotaError as exc:
+        return Outcome(source.node, "too_large", f"not fetched: {exc}"), None
     except FormatError as exc:
         return Outcome(source.node, "corrupt", f"bad fragment header: {exc}"), None
     except (OSError, ProtocolError) as exc:
@@ -299,6 +308,9 @@ def _receive_fragment(
     header = parse_fragment_header(*parts, job=task.job, rank=task.rank, step=task.step, index=reply.index)
     if reply.total_bytes != header.size:
         raise ProtocolError(f"fragment of {reply.total_bytes} bytes, its manifest says {header.size}")
+    ctx.quotas.check(header.step.manifest)  # before a byte of the fragment, or the step, is reserved
+    if header.size > ctx.quotas.of(task.job):
+        raise ProtocolError(f"a fragment of {header.size} bytes is over the job's quota")
     if first is not None and (
         header.erasure_bytes != first.erasure_bytes or header.step.commit_bytes != first.step.commit_bytes
     ):

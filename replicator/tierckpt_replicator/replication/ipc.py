@@ -46,10 +46,21 @@ __all__ = [
 MAX_LINE = 1 << 20
 
 OutcomeStatus = Literal[
-    "ok", "already", "failed", "corrupt", "full", "busy", "unreachable", "missing", "unauthorized", "local"
+    "ok",
+    "already",
+    "failed",
+    "corrupt",
+    "full",
+    "busy",
+    "unreachable",
+    "missing",
+    "unauthorized",
+    "local",
+    "too_large",
 ]
 """How one transfer ended. ``local``: a fault of this node, not of the peer (its own ramdisk full, so the
-sender cannot lease its primary): no other peer is tried, each would end the same way."""
+sender cannot lease its primary): no other peer is tried, each would end the same way. ``too_large``: the
+step declares more bytes than its job's quota (here, or at the peer)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +95,9 @@ class WorkerConfig(Message):
     connections_per_source: int = 8
     max_manifest_bytes: int = 64 << 20
     reserve_bytes: int = 64 << 20
+    job_quota: int = 0
+    """``--job-quota``: bytes one rank's step may declare (0: none; the job's policy and this node's
+    ramdisk size apply too)."""
     replica_keep: int = 2
     nice: int = 10
     idle_class: bool = False

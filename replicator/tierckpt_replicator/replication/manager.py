@@ -20,6 +20,15 @@ the worker encodes each rank's newest step and sends its ``k + m`` fragments to 
 (``ErasureTask``); the job's target is then ``m`` (the nodes it may lose) and a rank's copies are the
 fragments placed beyond ``k``. Replicas left from before are retired.
 
+Quota: a newest step whose COMMIT declares more bytes than the job's quota (``quota.JobQuotas``; a
+sparse file costs the pod nothing, a peer all of it) is not sent, nor encoded; it is logged and counted
+once and reported (``over_quota(job)``: the inventory's ``over_quota``, which the operator turns into an
+Event). The rank's older steps keep their copies on the peers; its next step within the quota goes out
+as usual.
+
+A purge fences the job first (``fence``): no send, fragment, retirement, healing or backup notification
+of it starts any more, and those in flight are waited for; ``unfence`` once its steps are gone.
+
 Only the newest step of a rank is ever sent: an older one that is still in flight when a newer one
 commits finishes, and the newer one follows. A rank saved in a replica group goes first to peers that
 hold an identical member step (they link its data files: ``replication.groups``); such a linked copy
@@ -32,15 +41,18 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Coroutine, Sequence
+from typing import Any
 
 from tierckpt.planning.common_step import newest_common_step
 from tierckpt.protocol.client import ReplicatorClient
-from tierckpt.protocol.control import PeerAssignment, Redundancy
+from tierckpt.protocol.control import PeerAssignment, Redundancy, StepOverQuota
 from tierckpt.protocol.errors import ContractError, RetryableError
 from tierckpt_replicator.assignments import AssignmentStore
 from tierckpt_replicator.inventory import Holdings, InventoryScanner, list_jobs
 from tierckpt_replicator.metrics import Metrics
+from tierckpt_replicator.policies import PolicyStore
+from tierckpt_replicator.quota import JobQuotas
 from tierckpt_replicator.replication.groups import GroupTracker
 from tierckpt_replicator.replication.ipc import (
     ErasureTask,
@@ -116,8 +128,12 @@ class ReplicationManager:
         kick: Callable[[], None] = lambda: None,
         factor: Callable[[str], int] | None = None,
         erasure: Callable[[str], tuple[int, int] | None] = lambda job: None,
+        quotas: JobQuotas | None = None,
     ) -> None:
         self.node, self.k = node, k
+        self.quotas = quotas or JobQuotas(scanner.root, PolicyStore(scanner.root))
+        """Each job's quota: newest steps that declare more are neither sent nor encoded."""
+        self._over_quota: dict[Key, StepOverQuota] = {}
         self.factor: Callable[[str], int] = factor or (lambda job: k)
         """The job's replication factor (``k``, the node's ``--replicas``, unless its policy says)."""
         self.erasure = erasure
@@ -139,6 +155,8 @@ class ReplicationManager:
         self._node_backoff = _Backoff(2.0, retry_max)
         self._notified: dict[str, int] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        self._job_tasks: dict[str, set[asyncio.Task[None]]] = {}
+        self._fenced: set[str] = set()
         self._last_reconcile = time.monotonic()
         self._reconciling: asyncio.Task[None] | None = None
         self._plans: dict[str, tuple[int, int, tuple[int, int] | None]] = {}
@@ -187,6 +205,8 @@ class ReplicationManager:
         """One pass over every job (never raises for a single job's trouble). Starts a reconcile in
         the background when one is due and none is running."""
         for job in list_jobs(self.scanner.root):
+            if job in self._fenced:
+                continue
             try:
                 await self._pass_job(job)
             except ContractError as exc:
@@ -205,6 +225,7 @@ class ReplicationManager:
     async def _pass_job(self, job: str) -> None:
         holdings = self.scanner.holdings(job)
         newest = holdings.newest_local()
+        over_quota = self._refuse_over_quota(job, holdings)
         self._notify_committed(job, holdings)
         self._prune(job, newest)
         assignment = self.assignments.get(job)
@@ -218,6 +239,7 @@ class ReplicationManager:
         now = time.monotonic()
         in_flight = {(r, s) for (j, r, s) in self._in_flight if j == job}
         in_backoff = {(r, s) for (r, s) in newest.items() if not self._step_backoff.ready((job, r, s), now)}
+        in_backoff |= over_quota
         avoid = {n for n in self._node_backoff.blocked(now) if isinstance(n, str)}
         ec = self.erasure(job)
         if ec is not None:
@@ -246,8 +268,36 @@ class ReplicationManager:
         if held:
             asyncio.get_running_loop().call_later(self.groups.wait, self.kick)
         for item in items:
-            self._spawn(self._send(item, assignment))
+            self._spawn(job, self._send(item, assignment))
         self._retire_surplus(job, assignment, newest, k, now)
+
+    def _refuse_over_quota(self, job: str, holdings: Holdings) -> set[tuple[int, int]]:
+        """The (rank, step) of the newest local steps that declare more than the job's quota: logged and
+        counted once each, kept for ``over_quota``, never sent."""
+        refused: dict[Key, StepOverQuota] = {}
+        quota = self.quotas.of(job)
+        for rank, step in holdings.newest_local().items():
+            declared = holdings.newest_bytes.get(rank, 0)
+            if declared <= quota:
+                continue
+            key = (job, rank, step)
+            over = self._over_quota.get(key)
+            if over is None or over.quota != quota:
+                limit = self.scanner.max_manifest_bytes
+                over = self.quotas.committed_over(job, rank, step, declared=declared, limit=limit)
+                if over is None:  # the quota grew meanwhile
+                    continue
+                log.warning("%s: not replicated, not backed up", over.describe(job))
+                self.metrics.quota_refusals.labels(job, "send").inc()
+            refused[key] = over
+        for key in [k for k in self._over_quota if k[0] == job]:
+            del self._over_quota[key]
+        self._over_quota.update(refused)
+        return {(rank, step) for (_, rank, step) in refused}
+
+    def over_quota(self, job: str) -> tuple[StepOverQuota, ...]:
+        """The job's newest local steps refused for its quota, as the last pass found them."""
+        return tuple(o for (j, _, _), o in sorted(self._over_quota.items()) if j == job)
 
     def _send_fragments_due(
         self,
@@ -267,7 +317,7 @@ class ReplicationManager:
                 continue
             candidates = tuple(n for n in base if n not in placed)
             if candidates:
-                self._spawn(self._send_fragments(key, ec, candidates, assignment))
+                self._spawn(job, self._send_fragments(key, ec, candidates, assignment))
 
     async def _send_fragments(
         self, key: Key, ec: tuple[int, int], candidates: tuple[str, ...], assignment: PeerAssignment
@@ -327,7 +377,7 @@ class ReplicationManager:
             keep = sorted(have, key=lambda n: (n not in linked, order.get(n, len(order)), n))[:k]
             surplus = tuple(sorted(n for n in have if n not in keep and n in assignment.nodes))
             if surplus:
-                self._spawn(self._retire(key, surplus, assignment))
+                self._spawn(job, self._retire(key, surplus, assignment))
 
     async def _retire(self, key: Key, holders: tuple[str, ...], assignment: PeerAssignment) -> None:
         async with self._working(key):
@@ -354,10 +404,33 @@ class ReplicationManager:
                     "retiring %s rank %d step %d: %s; retrying in %.0fs", *key, result.outcomes, delay
                 )
 
-    def _spawn(self, coro: Awaitable[None]) -> None:
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+    def _spawn(self, job: str, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(self._unless_fenced(job, coro))
+        of_job = self._job_tasks.setdefault(job, set())
+        for tasks in (self._tasks, of_job):
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+
+    async def _unless_fenced(self, job: str, coro: Coroutine[Any, Any, None]) -> None:
+        """Run ``coro``, unless ``job`` was fenced before it started (it never began, so it is closed)."""
+        if job in self._fenced:
+            coro.close()
+            return
+        await coro
+
+    async def fence(self, job: str) -> None:
+        """No send, fragment, retirement, healing or backup notification of ``job`` starts on this node
+        until ``unfence``; returns once those already started have finished."""
+        self._fenced.add(job)
+        tasks = self._job_tasks.get(job, set())
+        if tasks:
+            await asyncio.wait(set(tasks))
+
+    def unfence(self, job: str) -> None:
+        """Lift the fence (call ``forget`` first: the job's steps are gone)."""
+        self._fenced.discard(job)
+        if not self._job_tasks.get(job):
+            self._job_tasks.pop(job, None)
 
     async def _send(self, item: SendItem, assignment: PeerAssignment) -> None:
         key = (item.job, item.rank, item.step)
@@ -458,7 +531,7 @@ class ReplicationManager:
             before,
             f", copies on {sorted(gone)} (gone from the plan) no longer count" if gone else "",
         )
-        self._spawn(self._heal(job))
+        self._spawn(job, self._heal(job))
 
     async def _heal(self, job: str) -> None:
         try:
@@ -518,7 +591,7 @@ class ReplicationManager:
             return
         self._notified[job] = step
         ranks = tuple(sorted(r for r, h in holdings.ranks.items() if step in h.local))
-        self._spawn(self._call_on_committed(job, step, ranks))
+        self._spawn(job, self._call_on_committed(job, step, ranks))
 
     async def _call_on_committed(self, job: str, step: int, ranks: tuple[int, ...]) -> None:
         assert self.on_committed is not None
@@ -591,6 +664,7 @@ class ReplicationManager:
             del self.placed[key]
         self._notified.pop(job, None)
         self._plans.pop(job, None)
+        self._over_quota = {k: o for k, o in self._over_quota.items() if k[0] != job}
         self.redundancy.pop(job, None)
         self._degraded.forget(job)
         self._lost = {k for k in self._lost if k[0] != job}

@@ -7,7 +7,8 @@ load on this node reads), verifying every file's crc32c as it arrives; a corrupt
 its holder, which re-verifies and drops it. Both return an ``Outcome`` and never raise for the failures
 a network, a peer or a tampered job tree can cause: every file is read and written through the job's
 confined tree (``stepio.open_job``), so a symlink a pod planted is refused ("failed", logged), never
-followed.
+followed. A step that declares more bytes than its job's quota is neither pushed (checked before
+connecting) nor staged (checked before any byte is reserved): "too_large".
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from tierckpt.protocol.errors import (
 )
 from tierckpt.protocol.format import discard_step, read_commit
 from tierckpt.protocol.safefs import Beneath
+from tierckpt_replicator.quota import OverQuotaError
 from tierckpt_replicator.replication.context import DataContext, connect, unique_holder
 from tierckpt_replicator.replication.ipc import FetchSource, Outcome, OutcomeStatus, PeerAddress, StepTask
 from tierckpt_replicator.replication.stream import copy_file, receive_file, send_file
@@ -73,6 +75,7 @@ _STATUS_NAMES: dict[int, OutcomeStatus] = {
     Status.BUSY: "busy",
     Status.CORRUPT: "corrupt",
     Status.NO_SPACE: "full",
+    Status.TOO_LARGE: "too_large",
 }
 
 
@@ -135,6 +138,7 @@ def _push_from(
         with lease:
             header = _read_header(ctx, path, job, rank, step)
             with open_files(path, header.manifest) as fds:  # all of them, before anything goes out
+                ctx.quotas.check(header.manifest, fds=fds)
                 try:
                     sock = connect(ctx, peer)
                 except ssl.SSLError as exc:
@@ -146,6 +150,8 @@ def _push_from(
     except UnsafePathError as exc:
         log.warning("refusing to push %s rank %d step %d: %s", job, rank, step, exc)
         return Outcome(peer.node, "failed", f"refused: {exc}")
+    except OverQuotaError as exc:
+        return Outcome(peer.node, "too_large", f"not sent: {exc}")
     except FormatError as exc:
         return Outcome(peer.node, "failed", f"local primary unreadable: {exc}")
     except (OSError, ProtocolError) as exc:
@@ -248,6 +254,9 @@ def fetch_step(
         return Outcome(source.node, "failed", f"refused: {exc}")
     except RamdiskFullError as exc:
         return Outcome(source.node, "full", str(exc))
+    except OverQuotaError as exc:
+        log.warning("refusing to stage %s rank %d step %d from %s: %s", job, rank, step, source.node, exc)
+        return Outcome(source.node, "too_large", f"not staged: {exc}")
     except CorruptShardError as exc:
         log.warning(
             "%s rank %d step %d from %s (%s) is corrupt: %s", job, rank, step, source.node, source.kind, exc
@@ -281,6 +290,7 @@ def _copy_replica(
         raise _Refused("missing", "no committed local replica") from exc
     with lease:
         header = _read_header(ctx, src, job, rank, step)
+        ctx.quotas.check(header.manifest)  # the replicas directory is the pod's to write, too
         total, done = header.manifest.total_bytes, 0
         try:
             with StepWriter(rank_tree(tree, "primary", rank), header) as writer:
@@ -343,6 +353,7 @@ def _download(
             rank=rank,
             step=step,
         )
+        ctx.quotas.check(header.manifest)  # before a byte of it is reserved here
         total, done = header.manifest.total_bytes, 0
 
         def on_bytes(n: int) -> None:

@@ -1,8 +1,8 @@
 """``TierckptAccelerator.save_state``/``load_state`` round trip, under torchrun (tests/integrations).
 
 Train a few steps, save, note the state and the next random numbers, train on (changing all of it),
-load: everything is back and the random numbers repeat. The region between the ``snippet`` markers
-is the Accelerate example of docs/integration.md. Every rank writes its checks to ``$RESULT.<rank>``.
+load: everything is back and the random numbers repeat. Every rank writes its checks to
+``$RESULT.<rank>``. (The training loop of docs/integration.md is ``accelerate_train.py``.)
 """
 
 from __future__ import annotations
@@ -18,10 +18,7 @@ import torch
 from teardown import exit_distributed  # this directory is on sys.path
 from torch.utils.data import DataLoader, TensorDataset
 
-# --8<-- [start:snippet]
 from tierckpt.integrations.accelerate import TierckptAccelerator
-
-# --8<-- [end:snippet]
 
 
 class Counter:
@@ -74,7 +71,6 @@ def main() -> None:
     loader = DataLoader(TensorDataset(torch.randn(64, 8), torch.randn(64, 1)), batch_size=4, shuffle=True)
     counter = Counter()
 
-    # --8<-- [start:snippet]
     accelerator = TierckptAccelerator(cpu=True)  # root, job: $TIERCKPT_ROOT, $TIERCKPT_JOB
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
     accelerator.register_for_checkpointing(counter)
@@ -92,7 +88,6 @@ def main() -> None:
 
     train(3)
     accelerator.save_state(step=3)  # this rank's state, copied into the node's RAM disk
-    # --8<-- [end:snippet]
 
     saved = {
         "model": plain(model.state_dict()),

@@ -165,10 +165,11 @@ def main() -> None:
     loader = ResumableLoader(data, batch_size=2, shuffle=True)  # 12 batches per rank and epoch
 
     # --8<-- [start:snippet]
+    devices = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # torchrun's --nproc-per-node; 1 under python
     trainer = Trainer(
         max_steps=30,
-        devices=int(os.environ["LOCAL_WORLD_SIZE"]),  # torchrun's --nproc-per-node
-        num_nodes=int(os.environ["WORLD_SIZE"]) // int(os.environ["LOCAL_WORLD_SIZE"]),
+        devices=devices,
+        num_nodes=int(os.environ.get("WORLD_SIZE", devices)) // devices,
         strategy="ddp",
         callbacks=[TierckptCallback(every_n_steps=4)],  # root, job: $TIERCKPT_ROOT, $TIERCKPT_JOB
         logger=False,
