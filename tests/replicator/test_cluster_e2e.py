@@ -23,6 +23,7 @@ from tests.fixtures.cluster import (
     cluster3,
     commit_everywhere,
     committed,
+    metric,
     new_job,
     replica_path,
     wait_restored,
@@ -31,7 +32,14 @@ from tierckpt.protocol.api import ENDPOINTS
 from tierckpt.protocol.bucket_layout import BucketLayout
 from tierckpt.protocol.client import ONE_ATTEMPT, ReplicatorError, SyncReplicatorClient
 from tierckpt.protocol.control import BackupResult, PeerAssignment, PeerNode, RestorePlan, RestoreState, Tier
-from tierckpt.protocol.format import committed_steps, rank_dir, replica_rank_dir, state_dir, step_dir
+from tierckpt.protocol.format import (
+    committed_steps,
+    rank_dir,
+    read_commit,
+    replica_rank_dir,
+    state_dir,
+    step_dir,
+)
 from tierckpt.protocol.identity import TlsCredentials, node_server_name
 from tierckpt_demo.step_writer import step_files, write_step
 from tierckpt_replicator.backup.gcs import GcsSettings, GcsStore
@@ -138,7 +146,10 @@ def test_lost_node_is_restored_from_its_peer(cluster3):
     st = wait_restored(a, job, 0)
     assert st.state == RestoreState.READY and st.step == 20 and st.source == Tier.PEER
     assert st.bytes_done == st.bytes_total > 0
-    assert step_files(step_dir(rank_dir(a.root, job, 0), 20)) == step_files(sources[0])
+    staged = step_dir(rank_dir(a.root, job, 0), 20)
+    assert step_files(staged) == step_files(sources[0])
+    total = read_commit(staged).total_bytes
+    assert metric(a, "tierckpt_replicator_restore_bytes_total", source="peer") == total
 
 
 def test_pair_lost_is_restored_from_the_bucket(cluster3):
@@ -205,6 +216,8 @@ def test_whole_cluster_lost_restores_from_the_bucket(cluster3):
         assert (st.state, st.step, st.source) == (RestoreState.READY, 35, Tier.GCS)
         staged = step_dir(rank_dir(node.root, job, node.index), 35)
         assert step_files(staged) == step_files(sources[node.index])
+        total = read_commit(staged).total_bytes  # a restarted replicator: this restore alone is counted
+        assert metric(node, "tierckpt_replicator_restore_bytes_total", source="gcs") == total
 
 
 def test_corrupt_replica_is_detected_and_fetched_again(cluster3):

@@ -17,12 +17,12 @@ import socket
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 from tests.fixtures.cluster import (
     TEST_REPLICATOR_ARGS,
     committed,
+    metric,
     new_job,
     replica_path,
     wait,
@@ -78,16 +78,6 @@ def incoming(node: Node, job: str, rank: int) -> list[str]:
     """Staging directories of replicas being received (or left behind) on ``node``."""
     parent = replica_rank_dir(node.root, job, rank)
     return [p.name for p in parent.iterdir() if p.name.startswith(".incoming")] if parent.exists() else []
-
-
-# The probe port serves per-job families summed over the node's jobs, with no job label (docs/security.md).
-def metric(node: Node, name: str, **labels: str) -> float:
-    text = httpx.get(f"{node.probe_endpoint}/metrics", timeout=5).text
-    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
-    for line in text.splitlines():
-        if line.startswith(f"{name}{{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"no {name}{{{want}}} in {node.name}'s metrics")
 
 
 def put_as(sender: Node, receiver: Node, step_path: Path, *, job: str, rank: int, step: int) -> DataReply:

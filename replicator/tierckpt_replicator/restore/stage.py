@@ -388,8 +388,19 @@ class Stager:
         rep.finish(state, source=tier, message=message)
         self.states.setdefault(job, {})[rank] = state
         self.metrics.restores.labels(state.value).inc()
-        if tier is not None and tier != Tier.LOCAL:
-            self.metrics.restore_bytes.labels(tier.value).inc(rep.status.bytes_total)
+        if tier is not None and tier != Tier.LOCAL and rep.status.step is not None:
+            staged = max(rep.status.bytes_total, self._staged_bytes(job, rank, rep.status.step))
+            self.metrics.restore_bytes.labels(tier.value).inc(staged)
+
+    def _staged_bytes(self, job: str, rank: int, step: int) -> int:
+        """The bytes of the step just staged into ``rank``'s directory (its COMMIT says; 0 if unreadable):
+        a fetch too small to report progress, and a restore from the bucket, report none."""
+        try:
+            with open_job(self.settings.root, job) as tree:
+                marker = read_commit(rank_tree(tree, "primary", rank).at(step_name(step)))
+        except (OSError, FormatError, UnsafePathError):
+            return 0
+        return 0 if marker is None else marker.total_bytes
 
     async def _try_sources(
         self,
