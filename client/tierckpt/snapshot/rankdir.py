@@ -25,6 +25,7 @@ from tierckpt.protocol.control import RestoreStatus
 from tierckpt.protocol.errors import FormatError, TierckptError
 from tierckpt.protocol.format import (
     COMMIT_NAME,
+    WRITER_LOCK,
     CommitMarker,
     discard_step,
     fsync_dir,
@@ -47,8 +48,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-WRITER_LOCK = ".writer.lock"
 
 
 @dataclasses.dataclass(frozen=True)
