@@ -33,11 +33,11 @@ import os
 import time
 import uuid
 from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
@@ -482,7 +482,7 @@ class RamdiskReader(StorageReader):
             raise FormatError(
                 f"item {item_key(index)!r}: {region.numel()} bytes do not hold {dtype} {tuple(sizes)}"
             )
-        src = narrow_tensor_by_index(region.view(dtype).reshape(sizes), req.storage_offsets, req.lengths)
+        src = _narrow(region.view(dtype).reshape(sizes), req.storage_offsets, req.lengths)
         target = planner.resolve_tensor(req).detach()
         if target.size() != src.size():
             raise FormatError(
@@ -491,6 +491,13 @@ class RamdiskReader(StorageReader):
             )
         target.copy_(src)
         planner.commit_tensor(req, target)
+
+
+def _narrow(tensor: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
+    """The view of ``tensor`` that starts at ``offsets`` and spans ``lengths``, dimension by dimension."""
+    for dim, (offset, length) in enumerate(zip(offsets, lengths, strict=True)):
+        tensor = tensor.narrow(dim, offset, length)
+    return tensor
 
 
 def _alone(obj: Any) -> list[Any]:
