@@ -75,6 +75,7 @@ IGNORED = {
         "mypy": "a tool (scripts/test.sh)",
         "mkdocs": "a tool (scripts/test.sh)",
         "deptry": "a tool (this script)",
+        "pip-audit": "a tool (scripts/audit-images.py)",
         "grpcio-tools": "a tool (scripts/gen-csi-proto.sh)",
         "mypy-protobuf": "a tool (scripts/gen-csi-proto.sh)",
         "types-grpcio": "type stubs for mypy",
