@@ -9,7 +9,8 @@
 #
 # Output, under build/images/ (ignored by git):
 #   oci/                      one OCI image layout holding both images, tagged tierckpt-<version> and
-#                             tierckpt-training-<version>; push with skopeo (docs/install.md)
+#                             tierckpt-training-<version> (the chart's default image is
+#                             <registry>/tierckpt:<version>); push with skopeo (docs/install.md)
 #   <image>.json              its size, layers and package counts (docs/benchmarks.md quotes them)
 #
 # Pinned: the Python packages by images/*.lock (scripts/lock-images.py), the Debian packages by
@@ -42,6 +43,10 @@ if [ ${#need[@]} -gt 0 ]; then
 fi
 
 PY=${PYTHON:-$REPO/.venv/bin/python}
+# The chart's default image names what this builds: <registry>/<name>:<appVersion> (tests/packaging).
+REPOSITORY=$(sed -n '/^image:/,/^[a-z]/s/^  repository: *//p' charts/tierckpt/values.yaml)
+NAME=${REPOSITORY##*/}
+REGISTRY=${REGISTRY:-${REPOSITORY%/*}}
 [ -x "$PY" ] || PY=python3
 VERSION=$("$PY" -c 'import tomllib; print(tomllib.load(open("pyproject.toml", "rb"))["project"]["version"])')
 REVISION=$(git rev-parse HEAD 2>/dev/null || echo unknown)
@@ -56,6 +61,9 @@ SECURITY=${DEBIAN_SECURITY_MIRROR:-http://deb.debian.org/debian-security}
 # again, with dpkg and tar, once the packages are installed.)
 DEBIAN_ROOTS=(python3.11-minimal libpython3.11-stdlib libstdc++6 netbase debconf)
 BUILD_ONLY=(debconf dpkg tar)
+# The training image is a stand-in for a user's: it has a shell and the tools a launch script uses
+# (deploy/examples/jobset.yaml), the daemon image has none.
+TRAINING_ROOTS=("${DEBIAN_ROOTS[@]}" bash coreutils sed grep)
 
 OUT=$REPO/build/images
 WORK=$OUT/work
@@ -87,50 +95,52 @@ PIP_WHEEL=$(ls "$WORK"/pip/pip-*.whl)
 log "wheels ready"
 
 # ----------------------------------------------------------------------------- Debian rootfs
-if [ $RELOCK = 1 ] || [ ! -f images/debian.lock ]; then
-  include=$(IFS=,; echo "${DEBIAN_ROOTS[*]}")
-else
-  include=$(grep -v '^#' images/debian.lock | paste -sd, -)
-fi
-mmdebstrap --quiet --variant=custom --mode=chrootless --include="$include" \
-  --dpkgopt='path-exclude=/usr/share/man/*' --dpkgopt='path-exclude=/usr/share/info/*' \
-  --dpkgopt='path-exclude=/usr/share/locale/*' --dpkgopt='path-exclude=/usr/share/doc/*' \
-  --dpkgopt='path-include=/usr/share/doc/*/copyright' \
-  "$SUITE" "$WORK/debian" "deb $MIRROR $SUITE main" "deb $MIRROR $SUITE-updates main" \
-  "deb $SECURITY $SUITE-security main"
-installed=$(dpkg-query --admindir="$WORK/debian/var/lib/dpkg" -W -f='${Package}=${Version}\n' | sort)
-if [ $RELOCK = 1 ] || [ ! -f images/debian.lock ]; then
-  { echo "# The Debian packages of the images' root filesystem (scripts/build-images.sh --relock-debian)."
-    echo "# Roots: ${DEBIAN_ROOTS[*]}; suite $SUITE with its updates and security fixes."
-    echo "$installed"; } >images/debian.lock
-  log "wrote images/debian.lock"
-elif [ "$installed" != "$(grep -v '^#' images/debian.lock)" ]; then
-  echo "build-images: the root filesystem differs from images/debian.lock:" >&2
-  diff <(grep -v '^#' images/debian.lock) <(echo "$installed") >&2 || true
-  exit 1
-fi
+# debian_rootfs DIR LOCK ROOTS...: the root filesystem of LOCK's packages in DIR (with --relock-debian
+# or without LOCK: of ROOTS and their dependencies, as apt chooses now, and LOCK rewritten).
+debian_rootfs() {
+  local dir=$1 lock=$2 include installed out
+  shift 2
+  if [ $RELOCK = 1 ] || [ ! -f "$lock" ]; then
+    include=$(IFS=,; echo "$*")
+  else
+    include=$(grep -v '^#' "$lock" | paste -sd, -)
+  fi
+  mmdebstrap --quiet --variant=custom --mode=chrootless --include="$include" \
+    --dpkgopt='path-exclude=/usr/share/man/*' --dpkgopt='path-exclude=/usr/share/info/*' \
+    --dpkgopt='path-exclude=/usr/share/locale/*' --dpkgopt='path-exclude=/usr/share/doc/*' \
+    --dpkgopt='path-include=/usr/share/doc/*/copyright' \
+    "$SUITE" "$dir" "deb $MIRROR $SUITE main" "deb $MIRROR $SUITE-updates main" \
+    "deb $SECURITY $SUITE-security main"
+  installed=$(dpkg-query --admindir="$dir/var/lib/dpkg" -W -f='${Package}=${Version}\n' | sort)
+  if [ $RELOCK = 1 ] || [ ! -f "$lock" ]; then
+    { echo "# The Debian packages of an image's root filesystem (scripts/build-images.sh --relock-debian)."
+      echo "# Roots: $*; suite $SUITE with its updates and security fixes."
+      echo "$installed"; } >"$lock"
+    log "wrote $lock"
+  elif [ "$installed" != "$(grep -v '^#' "$lock")" ]; then
+    echo "build-images: the root filesystem differs from $lock:" >&2
+    diff <(grep -v '^#' "$lock") <(echo "$installed") >&2 || true
+    exit 1
+  fi
+  # No package manager in the image; dpkg's database stays, for scanners to read.
+  if ! out=$(dpkg --root="$dir" --force-script-chrootless --force-remove-essential --force-depends \
+    --purge "${BUILD_ONLY[@]}" 2>&1); then
+    echo "$out" >&2
+    exit 1
+  fi
+  rm -rf "$dir"/var/cache/* "$dir"/var/log/* "$dir"/var/lib/apt "$dir"/etc/apt "$dir"/etc/dpkg
+  # The users the images run as: root (the CSI plugin, the replicator) and nonroot (65532, the default).
+  printf '%s\n' root:x:0:0:root:/root:/usr/sbin/nologin \
+    nonroot:x:65532:65532:nonroot:/home/nonroot:/usr/sbin/nologin >"$dir/etc/passwd"
+  printf '%s\n' root:x:0: nonroot:x:65532: >"$dir/etc/group"
+  install -d -m 0700 "$dir/root"
+  install -d -m 0755 -o 65532 -g 65532 "$dir/home/nonroot"
+  install -d -m 1777 "$dir/tmp"
+  install -d -m 0755 "$dir/proc" "$dir/dev" "$dir/sys"
+  log "Debian root filesystem ready: $(grep -vc '^#' "$lock") packages of $lock"
+}
+debian_rootfs "$WORK/debian" images/debian.lock "${DEBIAN_ROOTS[@]}"
 root=$WORK/debian
-# No package manager in the image; dpkg's database stays, for scanners to read.
-if ! out=$(dpkg --root="$root" --force-script-chrootless --force-remove-essential --force-depends \
-  --purge "${BUILD_ONLY[@]}" 2>&1); then
-  echo "$out" >&2
-  exit 1
-fi
-rm -rf "$root"/var/cache/* "$root"/var/log/* "$root"/var/lib/apt "$root"/etc/apt "$root"/etc/dpkg
-# The users the images run as: root (the CSI plugin, the replicator) and nonroot (65532, the default).
-cat >"$root/etc/passwd" <<'PASSWD'
-root:x:0:0:root:/root:/usr/sbin/nologin
-nonroot:x:65532:65532:nonroot:/home/nonroot:/usr/sbin/nologin
-PASSWD
-cat >"$root/etc/group" <<'GROUP'
-root:x:0:
-nonroot:x:65532:
-GROUP
-install -d -m 0700 "$root/root"
-install -d -m 0755 -o 65532 -g 65532 "$root/home/nonroot"
-install -d -m 1777 "$root/tmp"
-install -d -m 0755 "$root/proc" "$root/dev" "$root/sys"
-log "Debian root filesystem ready ($(grep -vc '^#' images/debian.lock) packages)"
 
 # -------------------------------------------------------------------------------- Python layers
 # install_layer ROOTFS VENV COMPILE LOCK [WHEEL]: the packages of LOCK (and WHEEL) into the virtualenv
@@ -157,15 +167,31 @@ install_layer() {
   ' _ "$rootfs" "$venv" "$lock" "$wheel" "$WORK/wheels" "$(basename "$PIP_WHEEL")"
   rmdir "$rootfs/tmp/build"
   rm -f "$rootfs$venv"/bin/activate* "$rootfs$venv"/bin/Activate.ps1
-  find "$rootfs$venv" -name '*.so*' -type f -exec strip --strip-debug {} +
-  # every shared object finds its libraries in the image
-  local missing
-  missing=$(find "$rootfs$venv" -name '*.so*' -type f -printf '/%P\n' | sed "s|^|$venv|" |
-    xargs -r -n 50 chroot "$rootfs" /lib64/ld-linux-x86-64.so.2 --list 2>&1 | grep 'not found' | sort -u || true)
-  [ -z "$missing" ] || { echo "build-images: libraries missing from the image:" >&2; echo "$missing" >&2; exit 1; }
+  # Only extension modules that carry debug sections: strip rewrites an ELF file, and the libraries
+  # auditwheel grafted into the wheels (*.libs/, edited by patchelf) no longer load once rewritten.
+  find "$rootfs$venv" -name '*.so*' -type f ! -path '*.libs/*' -print0 |
+    while IFS= read -r -d '' so; do
+      if readelf -S "$so" 2>/dev/null | grep -q '\.debug_info'; then strip --strip-debug "$so"; fi
+    done
+  # every shared object loads in the image: its libraries are there, and it is intact
+  local sos
+  mapfile -t sos < <(find "$rootfs$venv" -name '*.so*' -type f -printf "$venv/%P\n")
+  chroot "$rootfs" "$venv/bin/python" -c '
+import ctypes, sys
+failed = []
+for path in sys.argv[1:]:
+    try:
+        ctypes.CDLL(path)
+    except OSError as exc:
+        failed.append(str(exc))
+if failed:
+    sys.exit("build-images: shared objects that do not load in the image:\n" + "\n".join(failed))
+' "${sos[@]}"
   if [ "$compile" = 1 ]; then
+    # (torch ships a test helper in Python 3.12 syntax: such files stay source, as they cannot import)
     chroot "$rootfs" "$venv/bin/python" -m compileall -q -j 0 --invalidation-mode unchecked-hash \
-      "$venv/lib/python3.11/site-packages" >/dev/null
+      "$venv/lib/python3.11/site-packages" >"$WORK/compileall.log" ||
+      log "byte-compiled all but $(grep -c '^\*\*\*' "$WORK/compileall.log" || true) files (Python 3.11 cannot read them)"
   fi
 }
 cp "$PIP_WHEEL" "$WORK/wheels/"
@@ -195,6 +221,12 @@ image_config() {
     --manifest.annotation "org.opencontainers.image.ref.name=$tag" \
     --manifest.annotation "org.opencontainers.image.title=$title"
 }
+# kept ROOTS...: the roots that stay in the image (not BUILD_ONLY)
+kept() {
+  local r out=()
+  for r in "$@"; do [[ " ${BUILD_ONLY[*]} " == *" $r "* ]] || out+=("$r"); done
+  echo "${out[*]}"
+}
 # add_layer TAG DIR TARGET WHAT: DIR's contents as a new layer at TARGET, timestamps clamped.
 add_layer() {
   find "$2" -newermt "@$SOURCE_DATE_EPOCH" -exec touch --no-dereference --date="@$SOURCE_DATE_EPOCH" {} +
@@ -203,7 +235,7 @@ add_layer() {
 report() {
   local tag=$1 rootfs=$2
   "$PY" - "$LAYOUT" "$tag" "$rootfs" "$OUT/$tag.json" "$(($(date +%s) - start))" "${@:3}" <<'PYTHON'
-import json, os, sys
+import gzip, json, os, sys
 from pathlib import Path
 layout, tag, rootfs, out, seconds, *locks = sys.argv[1:]
 index = json.loads(Path(layout, "index.json").read_text())
@@ -213,8 +245,11 @@ manifest = json.loads(blob(desc).read_text())
 config = json.loads(blob(manifest["config"]).read_text())
 def tree_bytes(path):
     return sum(os.lstat(os.path.join(d, f)).st_size for d, _, fs in os.walk(path) for f in fs)
+def unpacked(layer):
+    with gzip.open(blob(layer)) as f:
+        return sum(len(chunk) for chunk in iter(lambda: f.read(1 << 20), b""))
 layers = [
-    {"created_by": h.get("created_by", ""), "compressed_bytes": layer["size"]}
+    {"created_by": h.get("created_by", ""), "compressed_bytes": layer["size"], "tar_bytes": unpacked(layer)}
     for h, layer in zip([h for h in config["history"] if not h.get("empty_layer")], manifest["layers"])
 ]
 dpkg = Path(rootfs, "var/lib/dpkg/status").read_text().splitlines().count("Status: install ok installed")
@@ -230,14 +265,15 @@ mb = lambda n: f"{n / 1e6:.0f} MB"
 print(f"{tag}: {mb(data['uncompressed_bytes'])} uncompressed, {mb(data['compressed_bytes'])} compressed, "
       f"{dpkg} Debian + {python} Python packages, torch: {data['has_torch']}")
 for layer in layers:
-    print(f"  layer {mb(layer['compressed_bytes']):>7} compressed: {layer['created_by']}")
+    size = f"{mb(layer['tar_bytes'])} ({mb(layer['compressed_bytes'])} compressed)"
+    print(f"  layer {size:>22}: {layer['created_by']}")
 PYTHON
 }
 
 # The daemon image: Debian, then one virtualenv with tierckpt[replicator,operator,csi].
-DAEMON=tierckpt-$VERSION
+DAEMON=$NAME-$VERSION
 umoci new --image "$LAYOUT:$DAEMON"
-add_layer "$DAEMON" "$root" / "mmdebstrap $SUITE: $(IFS=' '; echo "${DEBIAN_ROOTS[*]}") (images/debian.lock)"
+add_layer "$DAEMON" "$root" / "mmdebstrap $SUITE: $(kept "${DEBIAN_ROOTS[@]}") (images/debian.lock)"
 cp -a "$root" "$WORK/daemon"
 install_layer "$WORK/daemon" /opt/tierckpt 0 images/daemon.lock "$WHEEL"
 # every entry point imports in the image, as the user it runs as by default
@@ -254,23 +290,31 @@ report "$DAEMON" "$WORK/daemon" images/daemon.lock
 
 if [ $TRAINING = 1 ]; then
   # The training image: the same Debian, the stand-in for the user's torch, then what tierckpt adds.
-  TRAIN=tierckpt-training-$VERSION
+  TRAIN=$NAME-training-$VERSION
   umoci new --image "$LAYOUT:$TRAIN"
-  add_layer "$TRAIN" "$root" / "mmdebstrap $SUITE: $(IFS=' '; echo "${DEBIAN_ROOTS[*]}") (images/debian.lock)"
-  cp -a "$root" "$WORK/training"
+  debian_rootfs "$WORK/training" images/debian-training.lock "${TRAINING_ROOTS[@]}"
+  add_layer "$TRAIN" "$WORK/training" / "mmdebstrap $SUITE: $(kept "${TRAINING_ROOTS[@]}") (images/debian-training.lock)"
   install_layer "$WORK/training" /opt/tierckpt 1 images/training-torch.lock
   cp -a "$WORK/training/opt/tierckpt" "$WORK/torch-layer"
   add_layer "$TRAIN" "$WORK/torch-layer" /opt/tierckpt "pip install torch (images/training-torch.lock): the user's torch"
   install_layer "$WORK/training" /opt/tierckpt 1 images/training.lock "$WHEEL"
   # only what the second install added or changed goes into the last layer
-  (cd "$WORK/training/opt/tierckpt" && find . \( -type f -o -type l \) -print0) |
-    while IFS= read -r -d '' f; do
-      if [ ! -e "$WORK/torch-layer/$f" ] && [ ! -L "$WORK/torch-layer/$f" ] ||
-        ! cmp -s "$WORK/training/opt/tierckpt/$f" "$WORK/torch-layer/$f"; then
-        mkdir -p "$WORK/tierckpt-layer/$(dirname "$f")"
-        cp -a "$WORK/training/opt/tierckpt/$f" "$WORK/tierckpt-layer/$f"
-      fi
-    done
+  "$PY" - "$WORK/torch-layer" "$WORK/training/opt/tierckpt" "$WORK/tierckpt-layer" <<'PYTHON'
+import filecmp, os, shutil, sys
+before, after, out = sys.argv[1:]
+for top, dirs, files in os.walk(after):
+    for name in dirs + files:
+        new = os.path.join(top, name)
+        rel = os.path.relpath(new, after)
+        old = os.path.join(before, rel)
+        if os.path.islink(new):
+            if os.path.islink(old) and os.readlink(old) == os.readlink(new):
+                continue
+        elif os.path.isdir(new) or (os.path.isfile(old) and filecmp.cmp(old, new, shallow=False)):
+            continue
+        os.makedirs(os.path.dirname(os.path.join(out, rel)), exist_ok=True)
+        shutil.copy2(new, os.path.join(out, rel), follow_symlinks=False)
+PYTHON
   add_layer "$TRAIN" "$WORK/tierckpt-layer" /opt/tierckpt "pip install tierckpt[torch] (images/training.lock)"
   image_config "$TRAIN" "tierckpt-training" \
     "an example training image: torch (CPU) and tierckpt[torch], the training library and its CLI" \
@@ -280,5 +324,9 @@ if [ $TRAINING = 1 ]; then
 fi
 
 umoci gc --layout "$LAYOUT"
+echo "build-images: push with skopeo (REGISTRY=... to build for another registry):" >&2
+for tag in $(umoci ls --layout "$LAYOUT"); do
+  echo "  skopeo copy oci:$LAYOUT:$tag docker://$REGISTRY/${tag%-"$VERSION"}:$VERSION" >&2
+done
 rm -rf "$WORK/src" "$WORK/wheels" "$WORK/pip" "$WORK/torch-layer" "$WORK/tierckpt-layer"
 log "done: $(umoci ls --layout "$LAYOUT" | paste -sd' ' -) in $LAYOUT"

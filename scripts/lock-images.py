@@ -106,10 +106,13 @@ def locks() -> dict[Path, str]:
     torch = resolve([f"torch=={training['torch'][0]}"])
     added = {n: pin for n, pin in training.items() if torch.get(n) != pin}
     for clash in added.keys() & torch.keys():
-        raise SystemExit(f"lock-images: tierckpt[torch] wants {clash} {added[clash][0]}, torch brings another")
+        wanted = added[clash][0]
+        raise SystemExit(f"lock-images: tierckpt[torch] wants {clash} {wanted}, torch brings another")
     return {
         IMAGES / "daemon.lock": render(
-            "images/daemon.lock", f"tierckpt[{','.join(DAEMON_EXTRAS)}]: the daemon image's Python packages", daemon
+            "images/daemon.lock",
+            f"tierckpt[{','.join(DAEMON_EXTRAS)}]: the daemon image's Python packages",
+            daemon,
         ),
         IMAGES / "training-torch.lock": render(
             "images/training-torch.lock",

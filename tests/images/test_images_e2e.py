@@ -10,7 +10,9 @@ runs it, and does its job.
 - the CSI plugin, a container of the image: it mounts its ramdisk and answers the CSI Identity and
   Node services on its socket, and the image's ``tierckpt-csi probe`` (the DaemonSet's exec probe,
   another container) finds it ready;
-- the CLI in the image (no torch) verifies a committed step and names a corrupt file.
+- the CLI in the image (no torch) verifies a committed step and names a corrupt file;
+- the example training image (if built: ``--training``) saves and loads with the training library as
+  its non-root user, and has what the example JobSet's launch script runs.
 
 Run by scripts/images-smoke.sh (the scheduled CI job), which builds the image and sets
 ``TIERCKPT_IMAGE_LAYOUT``; skipped without it. tests/images/oci.py says how a container runs here.
@@ -34,8 +36,10 @@ import pytest
 import tierckpt
 from tests.csi.csi_helpers import connect
 from tests.fixtures.cluster import committed, new_job, replica_path
+from tests.fixtures.ramdisk import fresh_ramdisk_dir
 from tests.images.oci import UnpackedImage, tools_missing
 from tests.operator.test_operator_smoke import check_operator_process
+from tests.packaging.test_fresh_install import SAVE_AND_LOAD
 from tierckpt.protocol.contract import Csi
 from tierckpt_csi._proto import csi_pb2
 from tierckpt_demo.cluster import LocalCluster, Node
@@ -50,15 +54,27 @@ CSI_CAPABILITIES = ("CAP_SYS_ADMIN", *REPLICATOR_CAPABILITIES)
 """The chart's CSI container is privileged; these are the capabilities it uses."""
 
 
-@pytest.fixture(scope="module")
-def image(tmp_path_factory: pytest.TempPathFactory) -> UnpackedImage:
+def _unpacked(tag: str, where: Path) -> UnpackedImage:
     layout = os.environ.get("TIERCKPT_IMAGE_LAYOUT")
     if not layout:
         pytest.skip("no built image: scripts/images-smoke.sh builds it and runs these tests")
     missing = tools_missing()
     if missing:
         pytest.skip(f"needs {', '.join(missing)} (scripts/build-images.sh installs them)")
-    return UnpackedImage(Path(layout), f"tierckpt-{tierckpt.__version__}", tmp_path_factory.mktemp("image"))
+    tags = subprocess.run(["umoci", "ls", "--layout", layout], capture_output=True, text=True, check=True)
+    if tag not in tags.stdout.split():
+        pytest.skip(f"{layout} has no {tag} (scripts/build-images.sh --training builds it)")
+    return UnpackedImage(Path(layout), tag, where)
+
+
+@pytest.fixture(scope="module")
+def image(tmp_path_factory: pytest.TempPathFactory) -> UnpackedImage:
+    return _unpacked(f"tierckpt-{tierckpt.__version__}", tmp_path_factory.mktemp("image"))
+
+
+@pytest.fixture(scope="module")
+def training_image(tmp_path_factory: pytest.TempPathFactory) -> UnpackedImage:
+    return _unpacked(f"tierckpt-training-{tierckpt.__version__}", tmp_path_factory.mktemp("training"))
 
 
 def test_the_image_is_the_lean_daemon_image(image: UnpackedImage) -> None:
@@ -198,3 +214,15 @@ def test_the_cli_in_the_image_verifies_steps(image: UnpackedImage, tmp_path: Pat
     bad = image.run(["tierckpt", "verify", str(root), "--json"], binds=[tmp_path])
     assert bad.returncode != 0
     assert data.name in bad.stdout + bad.stderr
+
+
+def test_the_training_image_saves_and_loads(training_image: UnpackedImage, tmp_path: Path) -> None:
+    with fresh_ramdisk_dir(tmp_path, "image") as root:
+        os.chmod(root, 0o777)
+        env = {"TIERCKPT_ROOT": str(root / "not-yet")}
+        done = training_image.run(["python", "-c", SAVE_AND_LOAD], binds=[root], env=env)
+    assert done.returncode == 0 and "saved and loaded step 5" in done.stdout, done.stdout + done.stderr
+    # what deploy/examples/jobset.yaml's launch script runs
+    for program in ("bash", "sed", "torchrun", "tierckpt"):
+        found = training_image.run(["bash", "-c", f"command -v {program}"])
+        assert found.returncode == 0, (program, found.stderr)
