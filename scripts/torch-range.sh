@@ -9,7 +9,7 @@
 # torch and its own dependencies are installed as that release requires them (from PyPI: the CUDA
 # build, which runs the suite on CPU); everything else at the versions constraints.txt pins. Too long
 # for the main CI run (two torch installs, two runs of the suite): the scheduled job (.ci/scheduled)
-# runs it, and docs/development.md says what it found last.
+# runs it, and docs/install.md ("Your training image") says what it found last.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD
@@ -45,7 +45,8 @@ for version in "${versions[@]}"; do
   "$venv/bin/pip" install -q --upgrade pip
   start=$(date +%s)
   # the machine's own pip constraints (if any) must not cap the release under test
-  PIP_CONSTRAINT=/dev/null "$venv/bin/pip" install -q "torch==$version"
+  export PIP_CONSTRAINT=/dev/null
+  "$venv/bin/pip" install -q "torch==$version"
   # everything but torch's own dependencies at constraints.txt's pins
   "$venv/bin/pip" list --format=freeze | "$PY" -c '
 import re, sys
@@ -58,6 +59,7 @@ for line in open("constraints.txt"):
   "$venv/bin/pip" install -q -c "$WORK/constraints-$version.txt" -e ".[torch,demo]" \
     pytest pytest-asyncio pytest-timeout hypothesis psutil 2>&1 | grep -v "is ignored: it is neither" >&2 || true
   got=$("$venv/bin/python" -c 'import torch; print(torch.__version__)')
+  [ "${got%%+*}" = "$version" ] || { echo "torch-range: asked for torch $version, got $got" >&2; exit 1; }
   echo "torch-range: torch $got installed in $(($(date +%s) - start)) s; running the client suite" >&2
   log=$WORK/torch-$version.log
   set +e
