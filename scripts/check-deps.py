@@ -34,6 +34,15 @@ REPO = Path(__file__).resolve().parent.parent
 
 CODE: dict[str, list[str]] = {
     "": ["client", "cli"],
+    "torch": [
+        "client/tierckpt/checkpointer.py",
+        "client/tierckpt/cuda.py",
+        "client/tierckpt/replica_group.py",
+        "client/tierckpt/settings.py",
+        "client/tierckpt/dcp",
+        "client/tierckpt/snapshot",
+        "client/tierckpt/integrations",
+    ],
     "client": ["client/tierckpt/protocol/client.py"],
     "replicator": ["replicator", "client/tierckpt/protocol/certs.py", "cli/tierckpt_cli/_bucket.py"],
     "operator": ["operator", "client/tierckpt/protocol/certs.py", "cli/tierckpt_cli/status.py"],
@@ -70,6 +79,7 @@ IGNORED = {
         "mypy": "a tool (scripts/test.sh)",
         "mkdocs": "a tool (scripts/test.sh)",
         "deptry": "a tool (this script)",
+        "pip-audit": "a tool (scripts/audit-images.py)",
         "grpcio-tools": "a tool (scripts/gen-csi-proto.sh)",
         "mypy-protobuf": "a tool (scripts/gen-csi-proto.sh)",
         "types-grpcio": "type stubs for mypy",

@@ -35,14 +35,6 @@ from tierckpt_cli._ramdisk import RankDir, find_rank_dirs, step_record
 __all__ = ["RankGc", "gc_command", "gc_rank"]
 
 
-def _client_names() -> tuple[str, str]:
-    """The writer lock a live ``Checkpointer`` holds, and its spare-slot directory (imports torch)."""
-    from tierckpt.checkpointer import WRITER_LOCK
-    from tierckpt.snapshot.pool import SPARE_DIR
-
-    return WRITER_LOCK, SPARE_DIR
-
-
 @dataclasses.dataclass(frozen=True)
 class RankGc:
     job: str
@@ -64,7 +56,7 @@ class RankGc:
 def _writer_alive(rank_path: Path) -> bool:
     """Whether a live process holds the rank's writer lock (a running Checkpointer)."""
     try:
-        fd = os.open(rank_path / _client_names()[0], os.O_RDWR)
+        fd = os.open(rank_path / fmt.WRITER_LOCK, os.O_RDWR)
     except FileNotFoundError:
         return False
     try:
@@ -96,7 +88,7 @@ def _plan(rd: RankDir, keep: int, stale_after: float, now: float) -> tuple[Reten
 
 
 def _spare_bytes(rank_path: Path) -> int:
-    spare = rank_path / _client_names()[1]
+    spare = rank_path / fmt.SPARE_DIR
     return sum(f.stat().st_size for f in spare.rglob("*") if f.is_file()) if spare.is_dir() else 0
 
 
@@ -130,7 +122,7 @@ def gc_rank(rd: RankDir, *, keep: int, stale_after: float, dry_run: bool, now: f
             fmt.discard_step(fmt.step_dir(rd.path, step))
     spare = _spare_bytes(rd.path)
     if spare and not dry_run:
-        shutil.rmtree(rd.path / _client_names()[1], ignore_errors=True)
+        shutil.rmtree(rd.path / fmt.SPARE_DIR, ignore_errors=True)
     removed = (*plan.retire, *plan.discard)
     freed = sum(sizes[s] for s in removed) + spare
     return RankGc(rd.job, rd.rank, rd.copy, plan.kept, plan.held, removed, freed, spare_bytes=spare)

@@ -4,7 +4,8 @@ The training library: what a training pod needs. It imports no daemon, tool or s
 the daemons import only its kernel (``tierckpt.protocol`` and ``tierckpt.planning``).
 
 ``Checkpointer``, ``SaveHandle``, ``ReplicaGroup`` and ``replica_group_from_mesh`` are imported on first
-use, so that importing the kernel (the replicator, the CLI) does not import torch.
+use, so that importing the kernel (the replicator, the CLI) does not import torch. They need the
+``torch`` extra (``pip install "tierckpt[torch]"``); the base install is the kernel and the CLI only.
 """
 
 from __future__ import annotations
@@ -64,7 +65,17 @@ def __getattr__(name: str) -> Any:
         raise AttributeError(f"module 'tierckpt' has no attribute {name!r}")
     import importlib
 
-    value = getattr(importlib.import_module(module), name)
+    try:
+        loaded = importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if exc.name not in ("torch", "numpy"):
+            raise
+        raise ModuleNotFoundError(
+            f"tierckpt.{name} belongs to the training library, which needs {exc.name}: "
+            "pip install 'tierckpt[torch]' (an installed torch within its range stays as it is)",
+            name=exc.name,
+        ) from exc
+    value = getattr(loaded, name)
     globals()[name] = value
     return value
 

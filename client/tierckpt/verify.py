@@ -4,12 +4,19 @@
 replicator (before serving or after receiving one) and the CLI. It is fast in the common case:
 one crc32c pass per file over its mapped memory. Only when a data file's crc disagrees does it
 narrow down, tensor by tensor, to name the damaged tensor in the ``CorruptShardError``.
+
+It needs neither torch nor numpy (the CLI runs it in the daemons' torch-free image): a file is mapped
+with ``mmap`` alone.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import dataclasses
+import mmap
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 from tierckpt.protocol.errors import CorruptShardError, FormatError
@@ -21,8 +28,7 @@ from tierckpt.protocol.format import (
     read_manifest,
 )
 from tierckpt.protocol.integrity import crc32c_address
-from tierckpt.snapshot.copy import region_crcs
-from tierckpt.snapshot.shardfile import MappedFile
+from tierckpt.snapshot.checksum import region_crcs
 
 __all__ = ["VerifyReport", "step_problems", "verify_file", "verify_step"]
 
@@ -34,35 +40,55 @@ class VerifyReport:
     bytes: int
 
 
+@contextlib.contextmanager
+def _mapped(fd: int, size: int) -> Iterator[int]:
+    """The address of the file's first ``size`` bytes, mapped for reading (0 when ``size`` is 0).
+
+    The mapping is private (``ACCESS_COPY``) only so that ctypes may take its address; nothing writes
+    through it, so every page stays the file's own.
+    """
+    if size == 0:
+        yield 0
+        return
+    with mmap.mmap(fd, size, access=mmap.ACCESS_COPY) as mm:
+        view = ctypes.c_char.from_buffer(mm)
+        try:
+            yield ctypes.addressof(view)
+        finally:
+            del view  # the mapping cannot close while ctypes holds it
+
+
 def verify_file(step_path: str | os.PathLike[str], manifest: Manifest, entry: FileEntry) -> None:
     """Check one file of a step; ``CorruptShardError`` names the file and, if found, the tensor."""
     path = Path(step_path) / entry.name
     try:
-        f = MappedFile.open(path, writable=False, populate=False)
+        fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError as exc:
         raise CorruptShardError(f"{path}: missing", path=str(path)) from exc
     try:
-        if f.size != entry.size:
-            raise CorruptShardError(f"{path}: {f.size} bytes, manifest says {entry.size}", path=str(path))
-        crc = region_crcs([(f.address, f.size)])[0] if f.size else 0
-        if crc == entry.crc32c:
-            return
-        data_file = any(t.file == entry.name for t in manifest.tensors)
-        if data_file:
-            _narrow(path, f, manifest, entry)
+        size = os.fstat(fd).st_size
+        if size != entry.size:
+            raise CorruptShardError(f"{path}: {size} bytes, manifest says {entry.size}", path=str(path))
+        with _mapped(fd, size) as address:
+            crc = region_crcs([(address, size)])[0] if size else 0
+            if crc == entry.crc32c:
+                return
+            data_file = any(t.file == entry.name for t in manifest.tensors)
+            if data_file:
+                _narrow(path, address, manifest, entry)
         raise CorruptShardError(
             f"{path}: crc32c {crc:08x}, manifest says {entry.crc32c:08x}"
             + (" (every tensor matches: the padding is damaged)" if data_file else ""),
             path=str(path),
         )
     finally:
-        f.close()
+        os.close(fd)
 
 
-def _narrow(path: Path, f: MappedFile, manifest: Manifest, entry: FileEntry) -> None:
+def _narrow(path: Path, address: int, manifest: Manifest, entry: FileEntry) -> None:
     for t in manifest.tensors:
         if t.file == entry.name:
-            crc = crc32c_address(f.address + t.offset, t.length)
+            crc = crc32c_address(address + t.offset, t.length)
             if crc != t.crc32c:
                 raise CorruptShardError(
                     f"{path}: tensor {t.key!r} at [{t.offset}, {t.offset + t.length}) has crc32c {crc:08x}, "

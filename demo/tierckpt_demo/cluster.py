@@ -190,7 +190,7 @@ class Node:
         with open(self.log_path, "ab") as logf:
             logf.write(f"---- start {time.strftime('%H:%M:%S')}\n".encode())
             self.proc = self.popen_in_node(
-                [*_replicator_command(), *self.replicator_args()],
+                list(self.cluster.replicator_command(self, self.replicator_args())),
                 stdin=subprocess.DEVNULL,
                 stdout=logf,
                 stderr=subprocess.STDOUT,
@@ -337,6 +337,8 @@ class LocalCluster:
     fake-gcs-server (memory backend) with bucket ``bucket``. ``domains``: number of failure domains the
     nodes are spread over round-robin (0: none). ``replicator_args``: extra flags for every replicator.
     ``auth``: "tls" (a CA and certificates in the workdir; mutual TLS everywhere) or "token" (legacy).
+    ``replicator_command(node, args)``: the command line that runs a node's replicator with ``args`` (say
+    in a container of the built image, tests/images); by default this Python's ``tierckpt-replicator``.
     """
 
     def __init__(
@@ -356,6 +358,7 @@ class LocalCluster:
         auth: str = "tls",
         start: bool = True,
         count_gcs_reads: bool = False,
+        replicator_command: Callable[[Node, list[str]], Sequence[str]] | None = None,
     ) -> None:
         if nodes < 1:
             raise ValueError("a cluster needs at least one node")
@@ -368,6 +371,7 @@ class LocalCluster:
         if self.netns and not has_netns():
             raise RuntimeError("network namespaces need root and iproute2")
         self.replicator_args = tuple(replicator_args)
+        self.replicator_command = replicator_command or (lambda node, args: [*_replicator_command(), *args])
         self.env = dict(env or {})
         self.prefix = f"{_PREFIX}{os.getpid() % 100000}{secrets.token_hex(1)}"
         self.token = secrets.token_urlsafe(24)

@@ -1,6 +1,8 @@
 """Smoke test of the packaged entry points as separate processes: ``tierckpt-operator`` (the console
 script) against the API emulator running standalone (``python tests/fixtures/k8s_emulator.py``), driven
-through the ``kubernetes`` client. Ends with SIGTERM: the operator must exit cleanly."""
+through the ``kubernetes`` client. Ends with SIGTERM: the operator must exit cleanly.
+
+``check_operator_process`` is the scenario; tests/images runs it on the operator of the built image."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import httpx
@@ -56,6 +59,28 @@ def emulator(tmp_path):
 
 
 def test_console_script_against_standalone_emulator(emulator, tmp_path):
+    def start(args: list[str], env: Mapping[str, str], log: Path) -> subprocess.Popen[bytes]:
+        exe = Path(sys.executable).with_name("tierckpt-operator")
+        with open(log, "wb") as out:
+            full = {**os.environ, **env}
+            cmd = [str(exe), *args]
+            return subprocess.Popen(cmd, env=full, stdout=out, stderr=out, start_new_session=True)
+
+    check_operator_process(emulator, tmp_path, start)
+
+
+def check_operator_process(
+    emulator: str,
+    tmp_path: Path,
+    start: Callable[[list[str], Mapping[str, str], Path], subprocess.Popen[bytes]],
+    *,
+    host: str = "127.0.0.1",
+) -> None:
+    """``start(args, env, log)`` starts ``tierckpt-operator`` with ``args`` and the variables ``env``
+    (files they name are under ``tmp_path``), its output to ``log``, as the leader of a process group
+    of its own; it listens on ``host`` and reaches the API emulator at ``emulator``. The operator must
+    rank a JobSet's pods, answer its probes, metrics and signing endpoint, and exit 0 on SIGTERM (to
+    its process group, as a container runtime stops a container)."""
     api = kubernetes.client.ApiClient(kubernetes.client.Configuration(host=emulator))
     ext = kubernetes.client.ApiextensionsV1Api(api)
     core = kubernetes.client.CoreV1Api(api)
@@ -76,23 +101,18 @@ def test_console_script_against_standalone_emulator(emulator, tmp_path):
     log = tmp_path / "operator.log"
     Authority.create().save(tmp_path / "ca.crt", tmp_path / "ca.key")  # the chart's CA Secret
     env = {
-        **os.environ,
         "TIERCKPT_OPERATOR_CA_CERT_FILE": str(tmp_path / "ca.crt"),
         "TIERCKPT_OPERATOR_CA_KEY_FILE": str(tmp_path / "ca.key"),
         "TIERCKPT_OPERATOR_ISSUER_PORT": str(free_port()),
-        "TIERCKPT_OPERATOR_ISSUER_ADDR": "127.0.0.1",
-        "TIERCKPT_OPERATOR_ISSUER_NAMES": "localhost,127.0.0.1",
+        "TIERCKPT_OPERATOR_ISSUER_ADDR": host,
+        "TIERCKPT_OPERATOR_ISSUER_NAMES": f"localhost,{host}",
         "TIERCKPT_OPERATOR_SERVER": emulator,
         "TIERCKPT_OPERATOR_WEBHOOK_INSECURE": "true",
         "TIERCKPT_OPERATOR_WEBHOOK_PORT": str(free_port()),
         "TIERCKPT_OPERATOR_METRICS_PORT": str(free_port()),
         "TIERCKPT_OPERATOR_DEBOUNCE": "0.05",
     }
-    exe = Path(sys.executable).with_name("tierckpt-operator")
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [str(exe), "--resync-interval", "2"], env=env, stdout=out, stderr=subprocess.STDOUT
-        )
+    proc = start(["--resync-interval", "2"], env, log)
     try:
         ck = _wait(
             lambda: custom.get_namespaced_custom_object(
@@ -124,16 +144,16 @@ def test_console_script_against_standalone_emulator(emulator, tmp_path):
             return got if all(got.values()) else None
 
         assert _wait(ranks, what="rank annotations") == {"node-0": "0", "node-1": "1"}
-        probes = f"http://127.0.0.1:{env['TIERCKPT_OPERATOR_METRICS_PORT']}"
+        probes = f"http://{host}:{env['TIERCKPT_OPERATOR_METRICS_PORT']}"
         assert urllib.request.urlopen(f"{probes}/healthz", timeout=5).status == 200
         assert urllib.request.urlopen(f"{probes}/readyz", timeout=5).status == 200
         metrics = urllib.request.urlopen(f"{probes}/metrics", timeout=5).read().decode()
         assert "tierckpt_operator_rank_assignments_total 1.0" in metrics
         # the signing endpoint: HTTPS with a certificate of the CA; no token, no certificate
-        issuer = f"https://localhost:{env['TIERCKPT_OPERATOR_ISSUER_PORT']}/v1/node-certificates"
+        issuer = f"https://{host}:{env['TIERCKPT_OPERATOR_ISSUER_PORT']}/v1/node-certificates"
         answer = httpx.post(issuer, content=b"{}", verify=str(tmp_path / "ca.crt"), trust_env=False)
         assert answer.status_code == 401
-        proc.send_signal(signal.SIGTERM)
+        os.killpg(proc.pid, signal.SIGTERM)
         assert proc.wait(30) == 0
     finally:
         if proc.poll() is None:

@@ -24,7 +24,13 @@ def _report(out: str, target: str) -> str:
 def test_every_install_target_declares_exactly_what_its_code_imports() -> None:
     done = _check()
     assert done.returncode == 0, done.stdout + done.stderr
-    for target in ("tierckpt", "tierckpt[client]", "tierckpt[replicator]", "tierckpt[dev]"):
+    for target in (
+        "tierckpt",
+        "tierckpt[torch]",
+        "tierckpt[client]",
+        "tierckpt[replicator]",
+        "tierckpt[dev]",
+    ):
         assert "every import declared" in _report(done.stdout, target), done.stdout
 
 

@@ -1,14 +1,20 @@
-"""The base install target alone (``pip install tierckpt``, no extra) into a fresh virtualenv saves and
-loads: nothing the client imports is missing from its declared dependencies.
+"""Install targets into fresh virtualenvs, each alone, and what they must (and must not) bring:
 
-The virtualenv sees no other site-packages. Versions are those of constraints.txt (torch is its CPU
-build, from pip's cache), except typer: the oldest line ``typer>=0.12`` allows that needs no pydantic,
-so that nothing the client imports arrives only as the dependency of another package (pydantic did,
-through typer 0.29). The sources are copied out first, so the build leaves the checkout untouched.
+- ``tierckpt[torch]`` (what a training image installs) saves and loads: nothing the training library
+  imports is missing from its declared dependencies;
+- ``tierckpt[replicator]`` (what the daemon image installs) has neither torch nor numpy, its
+  replicators replicate, its CLI verifies a step, and the training library says what to install.
+
+Each virtualenv sees no other site-packages. Versions are those of constraints.txt (torch is its CPU
+build, from pip's cache), except typer for the training install: the oldest line ``typer>=0.12``
+allows that needs no pydantic, so that nothing the client imports arrives only as the dependency of
+another package (pydantic did, through typer 0.29). The sources are copied out first, so the build
+leaves the checkout untouched.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -19,7 +25,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.fixtures.cluster import committed, new_job, replica_path
 from tests.fixtures.ramdisk import fresh_ramdisk_dir
+from tierckpt_demo.cluster import LocalCluster, Node
+from tierckpt_demo.step_writer import step_files, write_step
 
 pytestmark = pytest.mark.slow
 
@@ -51,14 +60,22 @@ SAVE_AND_LOAD = textwrap.dedent(
 )
 
 
-def _run(*args: str, env: dict[str, str], cwd: Path | None = None) -> str:
+def _run(*args: str, env: dict[str, str], cwd: Path | None = None, check: bool = True) -> str:
     done = subprocess.run(args, env=env, cwd=cwd, capture_output=True, text=True)
-    assert done.returncode == 0, f"{args}:\n{done.stdout}{done.stderr}"
-    return done.stdout
+    assert done.returncode == 0 or not check, f"{args}:\n{done.stdout}{done.stderr}"
+    return done.stdout + ("" if check else done.stderr)
 
 
-def test_the_base_install_alone_saves_and_loads(tmp_path: Path) -> None:
-    src = tmp_path / "src"
+def _env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV", "TIERCKPT_"))}
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tierckpt's wheel, built from a copy of the sources with this environment's setuptools (build
+    tools are no runtime dependency)."""
+    tmp = tmp_path_factory.mktemp("wheel")
+    src = tmp / "src"
     src.mkdir()
     for name in SOURCES:
         if (REPO / name).is_dir():
@@ -67,26 +84,65 @@ def test_the_base_install_alone_saves_and_loads(tmp_path: Path) -> None:
             )
         else:
             shutil.copy2(REPO / name, src / name)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV", "TIERCKPT_"))}
     pip = [sys.executable, "-m", "pip"]
-    # the wheel is built with this environment's setuptools (build tools are no runtime dependency)
-    _run(*pip, "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp_path), str(src), env=env)
-    (wheel,) = tmp_path.glob("tierckpt-*.whl")
+    _run(*pip, "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp), str(src), env=_env())
+    (built,) = tmp.glob("tierckpt-*.whl")
+    return built
+
+
+def _fresh_install(tmp_path: Path, requirement: str, *, pins: str = "") -> tuple[str, set[str]]:
+    """A new virtualenv with ``requirement`` alone, at constraints.txt's versions but for ``pins``
+    (``name==version``): its Python, and the distributions installed."""
+    env = _env()
     venv = tmp_path / "venv"
     _run(sys.executable, "-m", "venv", "--without-pip", str(venv), env=env)
     python = str(venv / "bin" / "python")
     constraints = tmp_path / "constraints.txt"
     pinned = (REPO / "constraints.txt").read_text()
-    constraints.write_text(re.sub(r"(?m)^typer==.*$", TYPER, pinned))
+    for pin in pins.split():
+        name = pin.split("==")[0]
+        pinned = re.sub(rf"(?m)^{re.escape(name)}==.*$", pin, pinned)
+    constraints.write_text(pinned)
+    pip = [sys.executable, "-m", "pip", "--python", python]
     # --no-compile: byte-compiling torch's sources at install time takes longer than the rest together
-    _run(
-        *pip, "--python", python, "install", "-q", "--no-compile", "-c", str(constraints), str(wheel), env=env
-    )
-    listed = _run(*pip, "--python", python, "list", "--format=freeze", env=env)
-    installed = {line.split("==")[0].lower() for line in listed.splitlines()}
-    assert "torch" in installed and not installed & {"httpx", "fastapi", "kopf", "grpcio"}, installed
-    assert TYPER in listed.lower(), listed
+    _run(*pip, "install", "-q", "--no-compile", "-c", str(constraints), requirement, env=env)
+    listed = _run(*pip, "list", "--format=freeze", env=env).lower()
+    assert all(pin.lower() in listed for pin in pins.split()), listed
+    return python, {line.split("==")[0] for line in listed.splitlines()}
+
+
+def test_the_training_install_saves_and_loads(tmp_path: Path, wheel: Path) -> None:
+    python, installed = _fresh_install(tmp_path, f"{wheel}[torch]", pins=TYPER)
+    assert {"torch", "numpy"} <= installed, installed
+    assert not installed & {"httpx", "fastapi", "kopf", "grpcio"}, installed
+    env = _env()
     with fresh_ramdisk_dir(tmp_path, "install") as root:
         env["TIERCKPT_ROOT"] = str(root / "not-yet")
         out = _run(python, "-c", SAVE_AND_LOAD, env=env, cwd=tmp_path)
     assert "saved and loaded step 5" in out
+
+
+def test_the_replicator_install_has_no_torch_and_runs(tmp_path: Path, wheel: Path) -> None:
+    python, installed = _fresh_install(tmp_path, f"{wheel}[replicator]")
+    assert "fastapi" in installed and not installed & {"torch", "numpy"}, installed
+    bin_dir = Path(python).parent
+
+    def from_the_venv(node: Node, args: list[str]) -> list[str]:
+        return [str(bin_dir / "tierckpt-replicator"), *args]
+
+    job = new_job("fresh")
+    with LocalCluster(nodes=2, job=job, k=1, replicator_command=from_the_venv) as cluster:
+        a, b = cluster.nodes
+        source = write_step(a.root, job, 0, 4, world_size=2, sizes=(1 << 20, 333), files=2, seed=4)
+        replica = replica_path(b, job, 0, 4)
+        try:
+            cluster.wait_for(lambda: committed(replica), timeout=60, what="the replica on node-1")
+        except TimeoutError:
+            raise AssertionError("\n".join(n.log_text()[-3000:] for n in cluster.nodes)) from None
+        assert step_files(replica) == step_files(source)
+        # the CLI (the base install) verifies steps without torch
+        report = json.loads(_run(str(bin_dir / "tierckpt"), "verify", str(a.root), "--json", env=_env()))
+        assert report["ok"] and [s["step"] for s in report["steps"]] == [4], report
+    # and the training library says what it needs
+    refused = _run(python, "-c", "import tierckpt; tierckpt.Checkpointer", env=_env(), check=False)
+    assert "pip install 'tierckpt[torch]'" in refused, refused

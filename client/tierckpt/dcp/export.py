@@ -11,10 +11,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
 from .reader import RamdiskReader
+from .torch_seams import _EmptyStateDictLoadPlanner, _load_state_dict
 
 __all__ = ["full_state_dict"]
 

@@ -28,10 +28,10 @@ from collections.abc import Callable
 from typing import Any, cast
 
 import torch
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflatten_state_dict
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.tensor import DTensor
 
+from tierckpt.dcp.torch_seams import flatten_state_dict, unflatten_state_dict
 from tierckpt.snapshot.copy import copy_into
 from tierckpt.snapshot.dtypes import dtype_name
 from tierckpt.snapshot.layout import LayoutPlan, TensorSpec, plan_layout
@@ -66,10 +66,9 @@ def _local(value: Any) -> torch.Tensor | None:
 
 def _offset(value: Any) -> tuple[int, ...]:
     if isinstance(value, DTensor):
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-        _, offset = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
-        return tuple(int(o) for o in offset)
+        # the chunk DCP's planner writes for this rank (the protocol DTensor implements for DCP)
+        (chunk,) = value.__create_chunk_list__()
+        return tuple(int(o) for o in chunk.offsets)
     return (0,) * int(value.dim())
 
 

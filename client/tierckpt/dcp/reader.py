@@ -33,11 +33,11 @@ import os
 import time
 import uuid
 from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
@@ -542,7 +542,14 @@ class RamdiskReader(StorageReader):
             )
         item = region.view(dtype).reshape(sizes)
         whole = all(o == 0 for o in req.storage_offsets) and tuple(req.lengths) == tuple(sizes)
-        return (item if whole else narrow_tensor_by_index(item, req.storage_offsets, req.lengths)), whole
+        return (item if whole else _narrow(item, req.storage_offsets, req.lengths)), whole
+
+
+def _narrow(tensor: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
+    """The view of ``tensor`` that starts at ``offsets`` and spans ``lengths``, dimension by dimension."""
+    for dim, (offset, length) in enumerate(zip(offsets, lengths, strict=True)):
+        tensor = tensor.narrow(dim, offset, length)
+    return tensor
 
 
 def _alone(obj: Any) -> list[Any]:

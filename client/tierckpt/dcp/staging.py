@@ -17,10 +17,10 @@ import logging
 from typing import Any, cast
 
 import torch
-from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 from torch.distributed.tensor import DTensor
 
 from tierckpt import cuda
+from tierckpt.dcp.torch_seams import _copy_state_dict, _create_cpu_state_dict
 
 __all__ = ["StagingCache"]
 

@@ -53,7 +53,9 @@ __all__ = [
     "MANIFEST_LIMIT",
     "MANIFEST_NAME",
     "OBJECTS_NAME",
+    "SPARE_DIR",
     "STATE_DIR_NAME",
+    "WRITER_LOCK",
     "WRITER_LOCK_LIMIT",
     "CommitMarker",
     "Dir",
@@ -99,6 +101,11 @@ DCP_METADATA_NAME = "dcp-metadata.json"
 STATE_DIR_NAME = ".tierckpt"
 """The replicator's own directory under the ramdisk root; job ids never start with ".", so it is never a
 job, and no pod ever sees it (pods get their job directory only)."""
+WRITER_LOCK = ".writer.lock"
+"""In a primary rank directory: the file a live ``Checkpointer`` holds locked (``flock``) while it writes
+the rank; ``tierckpt gc`` leaves a rank whose lock is held to that process."""
+SPARE_DIR = ".spare"
+"""In a primary rank directory: the client's spare slots (preallocated data files for the next saves)."""
 COMMIT_LIMIT = 64 << 10
 """The largest COMMIT marker read (one is ~300 bytes)."""
 MANIFEST_LIMIT = 1 << 30

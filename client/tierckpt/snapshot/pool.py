@@ -38,7 +38,14 @@ from pathlib import Path
 import torch
 
 from tierckpt.protocol.errors import CorruptShardError, RamdiskFullError
-from tierckpt.protocol.format import Manifest, data_file_name, fsync_dir, iter_data_files, step_dir
+from tierckpt.protocol.format import (
+    SPARE_DIR,
+    Manifest,
+    data_file_name,
+    fsync_dir,
+    iter_data_files,
+    step_dir,
+)
 from tierckpt.snapshot.dtypes import torch_dtype
 from tierckpt.snapshot.layout import LayoutPlan
 from tierckpt.snapshot.restore import tensor_views
@@ -48,7 +55,6 @@ __all__ = ["SHARED_GRACE", "SPARE_DIR", "Slot", "SlotPool"]
 
 log = logging.getLogger(__name__)
 
-SPARE_DIR = ".spare"
 SHARED_GRACE = 2.0
 """Seconds the warm-up waits for a shared slot to be released before it prepares a new one."""
 _SHARED_POLL = 0.01

@@ -29,6 +29,7 @@ from tierckpt.protocol.control import RestoreStatus
 from tierckpt.protocol.errors import FormatError, TierckptError
 from tierckpt.protocol.format import (
     COMMIT_NAME,
+    WRITER_LOCK,
     WRITER_LOCK_LIMIT,
     CommitMarker,
     WriterLock,
@@ -54,8 +55,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-WRITER_LOCK = ".writer.lock"
 
 
 @dataclasses.dataclass(frozen=True)
