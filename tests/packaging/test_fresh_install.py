@@ -6,7 +6,7 @@
   replicators replicate, its CLI verifies a step, and the training library says what to install.
 
 Each virtualenv sees no other site-packages. Versions are those of constraints.txt (torch is its CPU
-build, from pip's cache), except typer for the training install: the oldest line ``typer>=0.12``
+build, from pip's cache), except typer for the training install: the oldest line ``typer>=0.16``
 allows that needs no pydantic, so that nothing the client imports arrives only as the dependency of
 another package (pydantic did, through typer 0.29). The sources are copied out first, so the build
 leaves the checkout untouched.
@@ -33,8 +33,8 @@ from tierckpt_demo.step_writer import step_files, write_step
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
-TYPER = "typer==0.12.5"
-"""Within ``typer>=0.12`` and without pydantic among its dependencies."""
+TYPER = "typer==0.16.0"
+"""The oldest ``typer>=0.16`` allows, and without pydantic among its dependencies."""
 SOURCES = ["pyproject.toml", "README.md", "client", "cli", "demo", "replicator", "csi", "operator"]
 
 SAVE_AND_LOAD = textwrap.dedent(
@@ -119,7 +119,12 @@ def test_the_training_install_saves_and_loads(tmp_path: Path, wheel: Path) -> No
     with fresh_ramdisk_dir(tmp_path, "install") as root:
         env["TIERCKPT_ROOT"] = str(root / "not-yet")
         out = _run(python, "-c", SAVE_AND_LOAD, env=env, cwd=tmp_path)
+        # the CLI with the oldest typer allowed: options parsed (typer 0.12 with click 8.5 read them as None)
+        listed = json.loads(
+            _run(str(Path(python).parent / "tierckpt"), "ls", str(root / "not-yet"), "--json", env=env)
+        )
     assert "saved and loaded step 5" in out
+    assert [(s["step"], s["state"]) for s in listed["steps"]] == [(5, "committed")], listed
 
 
 def test_the_replicator_install_has_no_torch_and_runs(tmp_path: Path, wheel: Path) -> None:
