@@ -21,6 +21,7 @@ import logging
 from collections.abc import Collection, Iterable
 from pathlib import Path
 
+from tierckpt.planning.retention import staged_step
 from tierckpt.protocol import leases
 from tierckpt.protocol.control import RestoreStatus
 from tierckpt.protocol.format import (
@@ -33,7 +34,6 @@ from tierckpt.protocol.format import (
 from tierckpt.snapshot.layout import LayoutPlan
 from tierckpt.snapshot.pool import Slot, SlotPool
 from tierckpt.snapshot.rankdir import scan_steps, uncommit
-from tierckpt.snapshot.restore_wait import staged_step
 
 __all__ = ["RankStore", "plan_dcp_retention", "went_back_to"]
 

@@ -11,6 +11,11 @@ Rules (docs/format.md, "Retention"):
 * every other committed step is retired (its COMMIT removed first, then its files recycled or deleted);
 * step directories without a COMMIT are crash leftovers and are discarded, except the one being
   written right now and any that is leased.
+
+``staged_step`` is the step the rank's restore status says the replicator stages or staged for the job's
+restore, while the rank committed nothing since: retention keeps it, and the rank's steps above it were
+saved by the run the job goes back from (the client retires them at its next commit; the replicator
+neither sends nor stores them meanwhile).
 """
 
 from __future__ import annotations
@@ -18,7 +23,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Collection, Iterable
 
-__all__ = ["RetentionPlan", "plan_retention"]
+from tierckpt.protocol.control import RestoreState, RestoreStatus
+
+__all__ = ["RetentionPlan", "plan_retention", "staged_step", "status_is_fresh"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,3 +65,17 @@ def plan_retention(
             sorted(s for s in set(uncommitted) if s != in_flight and s not in leased and s not in steps)
         ),
     )
+
+
+def staged_step(status: RestoreStatus | None, newest_commit_at: float | None) -> int | None:
+    """The step the replicator stages (``staging``) or staged (``ready``) into this rank for the job's
+    restore, while no commit is newer than the status; None otherwise. Retention must keep it: the next
+    load takes it, even when the rank holds newer steps the plan could not use."""
+    if status is None or status.state not in (RestoreState.STAGING, RestoreState.READY):
+        return None
+    return status.step if status_is_fresh(status, newest_commit_at) else None
+
+
+def status_is_fresh(status: RestoreStatus, newest_commit_at: float | None) -> bool:
+    """Whether ``status`` is newer than the rank's newest commit (training has not saved since)."""
+    return newest_commit_at is None or newest_commit_at <= status.updated_at
