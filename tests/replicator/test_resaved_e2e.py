@@ -49,11 +49,18 @@ def test_a_step_saved_again_replaces_its_replica_of_the_earlier_save(cluster3):
     cluster3.assign(job)
     first = {r: save(cluster3, job, r, 10, seed=r) for r in range(WORLD)}
     for r in range(WORLD):
-        wait(cluster3, lambda r=r: replica_is(cluster3, job, r, 10, first[r]), 30, f"rank {r}'s step 10 replicated")
+        wait(
+            cluster3,
+            lambda r=r: replica_is(cluster3, job, r, 10, first[r]),
+            30,
+            f"rank {r}'s step 10 replicated",
+        )
     # rank 0 saves step 10 again, other bytes: its peer held the earlier save and answered "already held"
     second = save(cluster3, job, 0, 10, seed=100)
     assert second != first[0]
-    wait(cluster3, lambda: replica_is(cluster3, job, 0, 10, second), 30, "node-1's replica of rank 0 replaced")
+    wait(
+        cluster3, lambda: replica_is(cluster3, job, 0, 10, second), 30, "node-1's replica of rank 0 replaced"
+    )
 
 
 def test_going_back_drops_the_replicas_of_the_steps_above_the_restore(cluster3):
@@ -62,7 +69,9 @@ def test_going_back_drops_the_replicas_of_the_steps_above_the_restore(cluster3):
     for step in (5, 10):
         saved = {r: save(cluster3, job, r, step, seed=step + r) for r in range(WORLD)}
         for r in range(WORLD):
-            wait(cluster3, lambda r=r, s=step, b=saved[r]: replica_is(cluster3, job, r, s, b), 30, "replicated")
+            wait(
+                cluster3, lambda r=r, s=step, b=saved[r]: replica_is(cluster3, job, r, s, b), 30, "replicated"
+            )
     # node-2 loses rank 2's step 10 and node-0 its replica of it: step 5 is the newest the job can restore
     discard_step(step_dir(rank_dir(cluster3.nodes[2].root, job, 2), 10))
     discard_step(replica_path(cluster3.nodes[0], job, 2, 10))
@@ -74,9 +83,11 @@ def test_going_back_drops_the_replicas_of_the_steps_above_the_restore(cluster3):
     for node in cluster3.nodes:
         wait(
             cluster3,
-            lambda n=node: (s := read_restore_status(n.root, job, n.index)) is not None
-            and s.state == RestoreState.READY
-            and s.step == 5,
+            lambda n=node: (
+                (s := read_restore_status(n.root, job, n.index)) is not None
+                and s.state == RestoreState.READY
+                and s.step == 5
+            ),
             30,
             f"{node.name} staged step 5",
         )
@@ -84,7 +95,9 @@ def test_going_back_drops_the_replicas_of_the_steps_above_the_restore(cluster3):
     # ranks' own steps 10 of that run are not sent again
     for r in (0, 1):
         holder = cluster3.nodes[(r + 1) % WORLD]
-        wait(cluster3, lambda h=holder, r=r: not committed(replica_path(h, job, r, 10)), 30, "replica dropped")
+        wait(
+            cluster3, lambda h=holder, r=r: not committed(replica_path(h, job, r, 10)), 30, "replica dropped"
+        )
     time.sleep(5)  # two reconcile intervals
     assert not any(committed(replica_path(cluster3.nodes[(r + 1) % WORLD], job, r, 10)) for r in range(WORLD))
     # training saves step 10 again: its replicas are the new save's
