@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
-from tierckpt.planning.retention import staged_step
+from tierckpt.planning.retention import restore_floor
 from tierckpt.protocol.control import NodeInventory, RankHoldings, StepContent
 from tierckpt.protocol.errors import FormatError
 from tierckpt.protocol.format import (
@@ -71,14 +71,15 @@ class Holdings:
     newest_bytes: dict[int, int] = dataclasses.field(default_factory=dict)
     """Rank -> bytes its newest local step's COMMIT declares (checked against the job's quota)."""
     restored: dict[int, int] = dataclasses.field(default_factory=dict)
-    """Rank -> the older step its job restores (its restore status, newer than every commit of the rank:
-    ``planning.retention.staged_step``), when it holds steps above it: those were saved by the run the
-    job went back from."""
+    """Rank -> the older step its job restores, or ``FRESH_START`` (its restore status, newer than every
+    commit of the rank: ``planning.retention.restore_floor``), when it holds steps above it: those were
+    saved by the run the job went back from."""
 
     def newest_local(self) -> dict[int, int]:
         """Rank -> its newest local step: the one it committed last, or, while its job restores an older
-        step and it has not saved since, that step (nothing while it is being staged): the steps above it
-        belong to the run the job left, and are neither sent nor counted."""
+        step and it has not saved since, that step (nothing while it is being staged, or when the job
+        starts afresh): the steps above it belong to the run the job left, and are neither sent nor
+        counted."""
         out = {}
         for r, h in self.ranks.items():
             back = self.restored.get(r)
@@ -152,7 +153,7 @@ class InventoryScanner:
                     ranks[rank] = dataclasses.replace(h, **{kind: tuple(steps)})  # type: ignore[arg-type]
             restored = {}
             for rank, at in last_commit.items():
-                back = staged_step(read_status(tree, rank), at)
+                back = restore_floor(read_status(tree, rank), at)
                 if back is not None and back < ranks[rank].local[-1]:
                     restored[rank] = back
             for rank, held in self.fragments(tree).items():

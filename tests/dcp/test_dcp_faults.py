@@ -163,6 +163,19 @@ def test_a_job_that_went_back_saves_over_the_steps_of_the_run_it_left(ramdisk: P
         run_ranks(2, sc.save_plain, str(ramdisk), job, 30, 6)
 
 
+def test_a_job_that_starts_afresh_saves_over_the_steps_of_the_run_it_left(ramdisk: Path, job: str) -> None:
+    """Found by the chaos harness: the first save of a job (step 3) failed on one rank, so nothing was
+    restorable and the replicator told every rank to start fresh (restore status ``none``). The rank that
+    had committed its part of step 3 refused the next save of step 3 (``FileExistsError``), forever."""
+    run_ranks(2, sc.save_plain, str(ramdisk), job, 3, 1)
+    discard_step(step_dir(rank_dir(ramdisk, job, 0), 3))  # the coordinator's part never committed
+    for rank in range(2):
+        fresh = RestoreStatus(job, rank, RestoreState.NONE, None, None, 0, 0, time.time())
+        write_restore_status(job_dir(ramdisk, job), fresh)
+    run_ranks(2, sc.save_plain, str(ramdisk), job, 3, 2)
+    run_ranks(2, sc.load_plain, str(ramdisk), job, 3, 2)
+
+
 @pytest.mark.root
 def test_a_full_ramdisk_raises_ramdisk_full_and_keeps_older_steps(
     tmpfs: Callable[[str], Path], job: str

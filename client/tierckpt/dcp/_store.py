@@ -21,7 +21,7 @@ import logging
 from collections.abc import Collection, Iterable
 from pathlib import Path
 
-from tierckpt.planning.retention import staged_step
+from tierckpt.planning.retention import restore_floor
 from tierckpt.protocol import leases
 from tierckpt.protocol.control import RestoreStatus
 from tierckpt.protocol.format import (
@@ -56,11 +56,12 @@ def plan_dcp_retention(
 
 def went_back_to(rank_path: Path, restore: RestoreStatus | None, step: int) -> int | None:
     """The older step this rank's job restores, if ``step`` is above it: the replicator staged that step
-    for the job's restore and the rank saved nothing since (``restore``, its restore status, is newer
-    than every commit in ``rank_path``). The rank's steps above it were saved by the run the job went
-    back from, and saving ``step`` again replaces that run's. None otherwise."""
-    staged = staged_step(restore, scan_steps(rank_path).newest_commit_at)
-    return staged if staged is not None and staged < step else None
+    for the job's restore, or told it to start afresh (``FRESH_START``), and the rank saved nothing since
+    (``restore``, its restore status, is newer than every commit in ``rank_path``). The rank's steps
+    above it were saved by the run the job went back from, and saving ``step`` again replaces that
+    run's. None otherwise."""
+    floor = restore_floor(restore, scan_steps(rank_path).newest_commit_at)
+    return floor if floor is not None and floor < step else None
 
 
 class RankStore:

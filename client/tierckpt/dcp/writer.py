@@ -48,6 +48,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from tierckpt import cuda
+from tierckpt.planning.retention import FRESH_START
 from tierckpt.protocol import leases
 from tierckpt.protocol.errors import FormatError, SaveInProgressError
 from tierckpt.protocol.format import (
@@ -310,10 +311,10 @@ class RamdiskWriter(StorageWriter):
                 )
             if back is not None:
                 log.warning(
-                    "rank %d: replacing step %d, saved before the job went back to step %d (its restore)",
+                    "rank %d: replacing step %d, saved before the job went back to %s",
                     save.rank,
                     save.step,
-                    back,
+                    "start afresh" if back == FRESH_START else f"step {back} (its restore)",
                 )
         if not plan.usable:
             raise ValueError(_PLAN_CACHING)

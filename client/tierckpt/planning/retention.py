@@ -13,9 +13,10 @@ Rules (docs/format.md, "Retention"):
   written right now and any that is leased.
 
 ``staged_step`` is the step the rank's restore status says the replicator stages or staged for the job's
-restore, while the rank committed nothing since: retention keeps it, and the rank's steps above it were
-saved by the run the job goes back from (the client retires them at its next commit; the replicator
-neither sends nor stores them meanwhile).
+restore, while the rank committed nothing since: retention keeps it. ``restore_floor`` is where such a
+status says the job goes back to (that step, or ``FRESH_START`` when it starts afresh): the rank's steps
+above it were saved by the run the job left (the client retires or replaces them at its next commit; the
+replicator neither sends nor stores them meanwhile).
 """
 
 from __future__ import annotations
@@ -25,7 +26,17 @@ from collections.abc import Collection, Iterable
 
 from tierckpt.protocol.control import RestoreState, RestoreStatus
 
-__all__ = ["RetentionPlan", "plan_retention", "staged_step", "status_is_fresh"]
+__all__ = [
+    "FRESH_START",
+    "RetentionPlan",
+    "plan_retention",
+    "restore_floor",
+    "staged_step",
+    "status_is_fresh",
+]
+
+FRESH_START = -1
+"""``restore_floor`` of a job told to start afresh: every step it holds is above it."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +85,15 @@ def staged_step(status: RestoreStatus | None, newest_commit_at: float | None) ->
     if status is None or status.state not in (RestoreState.STAGING, RestoreState.READY):
         return None
     return status.step if status_is_fresh(status, newest_commit_at) else None
+
+
+def restore_floor(status: RestoreStatus | None, newest_commit_at: float | None) -> int | None:
+    """The step the job goes back to, by the rank's restore status while no commit is newer than it: the
+    step staged (``staging``, ``ready``), or ``FRESH_START`` when the job starts afresh (``none``). None
+    when there is no such status (absent, stale, ``pending``, ``failed``)."""
+    if status is not None and status.state is RestoreState.NONE and status_is_fresh(status, newest_commit_at):
+        return FRESH_START
+    return staged_step(status, newest_commit_at)
 
 
 def status_is_fresh(status: RestoreStatus, newest_commit_at: float | None) -> bool:
