@@ -4,8 +4,12 @@
 #
 #   here (with network), once:   bash bench/device_replication.sh download   # fills .whl/
 #   on the device (Python 3.12): bash bench/device_replication.sh [all|transfers|training|erasure]
-#                                (SIZE_MIB=256 by default; JSON and logs go to $OUT)
-# "all" takes about 8 minutes on 16 cores; the parts fit one device call each with room to spare.
+#                                (SIZE_MIB=256 by default; STREAMS=8 ranks at once in the transfers
+#                                part; JSON and logs go to $OUT)
+# The data path runs as deployed: mutual TLS, each connection a sealed channel (replication/channel.py),
+# cryptography's wheel bringing its own OpenSSL; "transfers" also measures STREAMS ranks pushed at once
+# against as many raw TCP flows (the multi-core figure).
+# "all" takes about 10 minutes on 16 cores; the parts fit one device call each.
 #
 # The device's image already has torch, anyio, httpx, h11, idna, click, prometheus-client, psutil,
 # uvloop and annotated-doc; the replicator's other dependencies travel as wheels (cp312, x86-64):
@@ -83,7 +87,8 @@ EOF
 }
 if [ "$part" = all ] || [ "$part" = transfers ]; then
   echo "== replicator bench: transfers, stages, receive loops (${size} MiB)"
-  timeout ${T_TRANSFERS:-300} python3 bench/replicator_bench.py "${common[@]}" --repeat ${REPEAT:-5} --stages --receivers --skip-training \
+  timeout ${T_TRANSFERS:-420} python3 bench/replicator_bench.py "${common[@]}" --repeat ${REPEAT:-5} --stages --receivers \
+    --streams ${STREAMS:-8} --skip-training \
     > "$OUT/transfers.json" 2> "$OUT/transfers.err"
   echo "rc=$?"; tail -5 "$OUT/transfers.err"; show "$OUT/transfers.json"
 fi

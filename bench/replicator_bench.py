@@ -15,8 +15,9 @@ Measured in the same run, between the same network namespaces (root) or over loo
 * **data path**: one rank's step pushed from A's ramdisk to B's running replicator (``sendfile`` and
   the ``mmap`` sender; B preallocates, receives with crc32c, verifies, commits): GB/s and its ratio
   to each baseline (target >= 0.8 of raw TCP into the ramdisk); the cluster runs with ``--auth``
-  (mutual TLS with node certificates by default, as deployed; a TLS socket sends from a read block
-  whatever the send method);
+  (mutual TLS with node certificates by default, as deployed: each connection a sealed channel, whose
+  sender encrypts from a mapping whatever the send method, so the two data path rows are the same
+  configuration there);
 * **TLS cost** (unless ``--skip-tls``; needs the cluster's CA, so ``--auth tls``): the same push to two
   of the worker's data servers on B (``DataServer``, one over plain TCP with the legacy token, one over
   mutual TLS with node certificates), interleaved with the other rounds: GB/s and CPU of each, their
@@ -26,8 +27,13 @@ Measured in the same run, between the same network namespaces (root) or over loo
   ramdisk (allocating pages, copying into allocated pages, crc32c) next to raw TCP's receive cost:
   the budget that bounds the ratio on this machine;
 * **receiver variants** (``--receivers``): the replicator's receive loop against a shared mapping of
-  the file (``recv_into`` straight into the pages) and ``splice`` socket -> pipe -> file, and over
-  TLS (``ssl`` with B's node certificate, when the cluster has a CA: what TLS costs the loop);
+  the file (``recv_into`` straight into the pages) and ``splice`` socket -> pipe -> file, over TLS
+  records (``ssl`` with B's node certificate, when the cluster has a CA: what TLS costs the loop) and
+  over a sealed channel set up on that TLS connection (what the data path runs);
+* **several ranks at once** (``--streams N``, with the TLS data servers): N raw TCP flows into B's
+  ramdisk at once against N ranks' steps pushed at once to B's mutual TLS data server (one sending
+  process, a thread per rank, as the worker): aggregate GB/s, CPU per GiB of all receivers and of all
+  senders, and the ratio per round;
 * **end to end**: a step committed in A's ramdisk until its replica is committed on B;
 * **restore**: node A lost, time until its rank is staged back from its peer, versus from the bucket
   (fake-gcs-server, memory backend, on this machine) when the peer is lost too;
@@ -95,6 +101,8 @@ from tierckpt_replicator.replication.ipc import WorkerConfig
 MiB = 1 << 20
 GiB = 1 << 30
 RAW_PORT = 9555
+STREAM_PORT = 9600
+"""The first of ``--streams`` consecutive ports of the raw TCP flows at once."""
 SERVER_PORTS = {"token": 9556, "tls": 9557}
 """The ports of the TLS cost's data servers on B, per auth mode."""
 RECEIVERS = ("replicator", "mmap", "splice")
@@ -166,7 +174,7 @@ while got < n:
     if fd >= 0: os.pwrite(fd, view[:k], got)
     got += k
 r1 = resource.getrusage(resource.RUSAGE_SELF)
-print(got, time.perf_counter() - t0, r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime, flush=True)
+print(got, time.perf_counter() - t0, r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime, t0, flush=True)
 if fd >= 0: os.close(fd); os.unlink(dest)
 """
 
@@ -212,9 +220,50 @@ def raw_tcp(a: Node, b: Node, size: int, mode: str = "discard", src: Path | None
     assert rx.stdout.readline().strip() == "ready"
     file = [str(src)] if src is not None else []
     tx = a.run_in_node([sys.executable, "-c", _SENDER, str(size), b.ip, str(RAW_PORT), *file], check=True)
-    got, seconds, cpu = rx.stdout.readline().split()
+    got, seconds, cpu, _ = rx.stdout.readline().split()
     rx.wait()
     return Rate(int(got) / float(seconds), float(cpu) / (size / GiB), float(tx.stdout) / (size / GiB))
+
+
+def raw_tcp_streams(a: Node, b: Node, size: int, streams: int) -> Rate:
+    """``streams`` raw TCP flows at once, A's cached buffers into new files of B's ramdisk (``raw_tcp``'s
+    ``ramdisk`` mode, a receiver and a sender process each): the aggregate from the first byte any
+    receiver got to the last, and the CPU-seconds per GiB of all receivers and of all senders."""
+    receivers = []
+    for i in range(streams):
+        rx = b.popen_in_node(
+            [
+                sys.executable,
+                "-c",
+                _RECEIVER,
+                str(size),
+                str(STREAM_PORT + i),
+                "ramdisk",
+                str(b.root / f".bench-raw{i}"),
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert rx.stdout is not None and rx.stdout.readline().strip() == "ready"
+        receivers.append(rx)
+    senders = [
+        a.popen_in_node(
+            [sys.executable, "-c", _SENDER, str(size), b.ip, str(STREAM_PORT + i)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(streams)
+    ]
+    tx_cpu = sum(float(tx.communicate()[0]) for tx in senders)
+    got = rx_cpu = 0.0
+    first, last = float("inf"), 0.0
+    for rx in receivers:
+        assert rx.stdout is not None
+        n, seconds, cpu, t0 = (float(x) for x in rx.stdout.readline().split())
+        rx.wait()
+        got, rx_cpu = got + n, rx_cpu + cpu
+        first, last = min(first, t0), max(last, t0 + seconds)
+    return Rate(got / (last - first), rx_cpu / (got / GiB), tx_cpu / (got / GiB))
 
 
 # ------------------------------------------------------------------------------------------ data path
@@ -235,6 +284,23 @@ for step in json.loads(steps):
 print(json.dumps(out))
 """
 
+_PUSH_MANY = """
+import json, resource, sys, time
+from concurrent.futures import ThreadPoolExecutor
+from tierckpt_replicator.replication.context import DataContext
+from tierckpt_replicator.replication.ipc import PeerAddress, WorkerConfig
+from tierckpt_replicator.replication.transfer import push_step
+config, job, peer, host, port, step, ranks = sys.argv[1:8]
+ctx = DataContext.from_config(WorkerConfig.from_bytes(config.encode()))
+to = PeerAddress(peer, host, int(port))
+r0 = resource.getrusage(resource.RUSAGE_SELF); t0 = time.perf_counter()
+with ThreadPoolExecutor(int(ranks)) as pool:
+    outs = list(pool.map(lambda r: push_step(ctx, job, r, int(step), to), range(int(ranks))))
+t1 = time.perf_counter(); r1 = resource.getrusage(resource.RUSAGE_SELF)
+cpu = r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime
+print(json.dumps([[o.status for o in outs], sum(o.bytes for o in outs), t1 - t0, cpu]))
+"""
+
 _DATA_SERVER = """
 import sys
 from tierckpt_replicator.replication.context import DataContext
@@ -246,10 +312,18 @@ server.start(); print("ready", flush=True); sys.stdin.read(); server.stop()
 
 
 def node_config(
-    cluster: LocalCluster, node: Node, *, auth: str, method: str, port: int = 0, token: Path | None = None
+    cluster: LocalCluster,
+    node: Node,
+    *,
+    auth: str,
+    method: str,
+    port: int = 0,
+    token: Path | None = None,
+    streams: int = 1,
 ) -> WorkerConfig:
     """A data plane configuration as ``node``'s worker has it: its certificate (``auth="tls"``) or a
-    token file (``auth="token"``: ``token``, else one made for the plain runs of a TLS cluster)."""
+    token file (``auth="token"``: ``token``, else one made for the plain runs of a TLS cluster); room for
+    ``streams`` transfers at once from one source."""
     tls = node.tls_files if auth == "tls" else None
     if auth == "token" and token is None:
         token = cluster.workdir / "bench-token"
@@ -268,6 +342,8 @@ def node_config(
         tls_ca=str(tls.ca) if tls else "",
         token_file=str(token) if auth == "token" else "",
         peers_file=str(cluster.workdir / "bench-peers.json"),
+        max_incoming=max(4, streams),
+        connections_per_source=max(8, 2 * streams),
     )
 
 
@@ -283,11 +359,12 @@ class DataServers:
     """Two of the worker's data servers on B, one per auth mode (plain TCP with the token, mutual TLS),
     receiving into B's ramdisk beside B's own replicator (ports: ``SERVER_PORTS``)."""
 
-    def __init__(self, cluster: LocalCluster) -> None:
+    def __init__(self, cluster: LocalCluster, streams: int = 1) -> None:
         b = cluster.nodes[1]
         self.procs: dict[str, subprocess.Popen[str]] = {}
         for auth, port in SERVER_PORTS.items():
-            config = node_config(cluster, b, auth=auth, method="mmap", port=port).to_bytes().decode()
+            config = node_config(cluster, b, auth=auth, method="mmap", port=port, streams=streams)
+            config = config.to_bytes().decode()
             proc = b.popen_in_node(
                 [sys.executable, "-c", _DATA_SERVER, config],
                 stdin=subprocess.PIPE,
@@ -358,6 +435,33 @@ def data_path(
     return rates
 
 
+def data_path_streams(
+    cluster: LocalCluster, size: int, blob: bytes, servers: DataServers, streams: int
+) -> Rate:
+    """``streams`` ranks' steps pushed from A to B's mutual TLS data server at once (one process, a
+    thread per rank, as the worker sends): the aggregate over the batch, timed in full, and the
+    CPU-seconds per GiB of B's server and of A's sender."""
+    a, b = cluster.nodes[0], cluster.nodes[1]
+    job, step = DATA_JOB, 1
+    for r in range(streams):
+        make_step(rank_dir(a.root, job, r), job, r, step, size, streams, blob)
+    config = node_config(cluster, a, auth="tls", method="sendfile").to_bytes().decode()
+    receiver = servers.procs["tls"].pid
+    cpu0 = tree_cpu(receiver)
+    port = str(SERVER_PORTS["tls"])
+    proc = a.run_in_node(
+        [sys.executable, "-c", _PUSH_MANY, config, job, b.name, b.ip, port, str(step), str(streams)],
+        check=True,
+    )
+    rx_cpu = tree_cpu(receiver) - cpu0
+    statuses, nbytes, seconds, tx_cpu = json.loads(proc.stdout)
+    assert set(statuses) == {"ok"}, statuses
+    for r in range(streams):
+        for p in (step_dir(rank_dir(a.root, job, r), step), step_dir(replica_rank_dir(b.root, job, r), step)):
+            subprocess.run(["rm", "-rf", str(p)], check=True)
+    return Rate(nbytes / seconds, rx_cpu / (nbytes / GiB), tx_cpu / (nbytes / GiB))
+
+
 def push_latency(
     cluster: LocalCluster, blob: bytes, servers: DataServers, auth: str, repeat: int = 20
 ) -> float:
@@ -423,9 +527,13 @@ mode, size, port, dest, cert = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), 
 s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
 s.bind(("0.0.0.0", port)); s.listen(1); print("ready", flush=True)
 c, _ = s.accept(); c.settimeout(60)
-if mode == "tls":
+if mode in ("tls", "sealed"):
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER); ctx.load_cert_chain(cert)
     c = ctx.wrap_socket(c, server_side=True)
+if mode == "sealed":
+    from tierckpt_replicator.replication import channel, pacing, wire
+    c = channel.accept_channel(c, channel.is_hello(wire.recv_body(c)), pacing.Deadline(60, "hello"))
+    c.allow_bulk()
 t0 = time.perf_counter()
 fd = os.open(dest, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644); preallocate(fd, size, str(dest)); os.close(fd)
 
@@ -438,7 +546,7 @@ def behind(base):  # a thread computing the crc32c of each range right after it 
     t = threading.Thread(target=run); t.start()
     return ends, t, state
 
-if mode in ("replicator", "tls"):
+if mode in ("replicator", "tls", "sealed"):
     fd = os.open(dest, os.O_WRONLY); crc = receive_file(c, fd, size, where=str(dest)); os.close(fd)
 else:
     fd = os.open(dest, os.O_RDWR); mm = mmap.mmap(fd, size); head = ctypes.c_char.from_buffer(mm)
@@ -473,10 +581,13 @@ from pathlib import Path
 from tierckpt_replicator.replication.stream import send_file
 path, host, port, method, tls = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5]
 with socket.create_connection((host, port)) as s:
-    if tls == "1":
+    if tls != "0":
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
         ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
         s = ctx.wrap_socket(s)
+    if tls == "sealed":
+        from tierckpt_replicator.replication.channel import open_channel
+        s = open_channel(s)
     fd = os.open(path, os.O_RDONLY)
     send_file(s, fd, os.fstat(fd).st_size, where=str(path), method=method)
     try:  # until the receiver hangs up: closing over unread bytes (a TLS ticket) would reset the stream
@@ -487,9 +598,10 @@ with socket.create_connection((host, port)) as s:
 
 
 def receiver_variant(a: Node, b: Node, src: Path, want_crc: int, mode: str, cert: str = "") -> float:
-    """Bytes per second of one receive loop (``replicator``, ``tls``, ``mmap`` or ``splice``) from A's
-    ramdisk file into a preallocated file in B's ramdisk, its crc32c checked; timed from the
-    connection on (the TLS handshake excluded). ``cert``: the PEM file (key included) B serves TLS with."""
+    """Bytes per second of one receive loop (``replicator``, ``tls``, ``sealed``, ``mmap`` or
+    ``splice``) from A's ramdisk file into a preallocated file in B's ramdisk, its crc32c checked; timed
+    from the connection on (the TLS handshake, and the sealed channel's set-up, excluded). ``cert``:
+    the PEM file (key included) B serves TLS with."""
     size = src.stat().st_size
     rx = b.popen_in_node(
         [sys.executable, "-c", _RX_VARIANT, mode, str(size), str(RAW_PORT), str(b.root / ".bench-rx"), cert],
@@ -497,7 +609,7 @@ def receiver_variant(a: Node, b: Node, src: Path, want_crc: int, mode: str, cert
         text=True,
     )
     assert rx.stdout is not None and rx.stdout.readline().strip() == "ready"
-    tls = "1" if mode == "tls" else "0"
+    tls = {"tls": "1", "sealed": "sealed"}.get(mode, "0")
     a.run_in_node(
         [sys.executable, "-c", _TX_FILE, str(src), b.ip, str(RAW_PORT), "sendfile", tls], check=True
     )
@@ -1006,6 +1118,13 @@ def main(argv: list[str] | None = None) -> int:
         help="the cluster's replicators' --auth (TLS cost and the 'tls' receive loop need tls) [tls]",
     )
     p.add_argument("--skip-tls", action="store_true", help="skip the plain vs TLS data server comparison")
+    p.add_argument(
+        "--streams",
+        type=int,
+        default=0,
+        help="also N ranks at once: N raw TCP flows into B's ramdisk against N pushes to B's TLS data "
+        "server, aggregates (needs the TLS data servers) [0: off]",
+    )
     p.add_argument("--skip-restore", action="store_true", help="skip the restore measurement")
     p.add_argument("--skip-healing", action="store_true", help="skip the healing measurement")
     p.add_argument("--only-healing", action="store_true", help="measure the healing time only")
@@ -1023,7 +1142,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown --train-configs {sorted(unknown)}")
     size = args.size_mib * MiB
     blob = secrets.token_bytes(8 * MiB)
-    ramdisk = f"{max(512, 8 * args.size_mib)}m"
+    ramdisk = f"{max(512, (8 + 3 * args.streams) * args.size_mib)}m"
     netns = has_netns() and not args.loopback
     result: dict[str, Any] = {
         "machine": {
@@ -1082,7 +1201,10 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(result, indent=2) if args.json else _healing_line(result["healing"]))
             return 0
         assign_data_job(cluster)
-        servers = None if args.skip_tls or cluster.ca is None else DataServers(cluster)
+        servers = None if args.skip_tls or cluster.ca is None else DataServers(cluster, max(1, args.streams))
+        if args.streams and servers is None:
+            p.error("--streams needs the TLS data servers (--auth tls, no --skip-tls)")
+        many = f"x{args.streams}"
         other = "mmap" if args.send_method == "sendfile" else "sendfile"
         rounds: dict[str, list[Rate]] = {
             "raw_tcp": [],
@@ -1092,11 +1214,13 @@ def main(argv: list[str] | None = None) -> int:
             "data_path": [],
             f"data_path_{other}": [],
             **({f"data_server_{auth}": [] for auth in SERVER_PORTS} if servers else {}),
+            **({f"raw_tcp_into_ramdisk_{many}": [], f"data_server_tls_{many}": []} if args.streams else {}),
         }
         receivers: dict[str, list[float]] = {m: [] for m in RECEIVERS} if args.receivers else {}
         cert = str(b.tls_files.cert) if args.receivers and cluster.ca is not None else ""
         if cert:
             receivers["tls"] = []
+            receivers["sealed"] = []
         src = make_step(a.root / ".bench-src", "bench_rx", 0, 1, size, 1, blob) / "data-00000.bin"
         src_crc = read_manifest(src.parent).files[0].crc32c
         for _ in range(args.repeat):  # interleaved, so a drift of the machine's load hits every path
@@ -1109,6 +1233,11 @@ def main(argv: list[str] | None = None) -> int:
             for auth in SERVER_PORTS if servers else ():
                 rounds[f"data_server_{auth}"] += data_path(
                     cluster, size, blob, args.send_method, servers=servers, auth=auth
+                )
+            if args.streams and servers is not None:
+                rounds[f"raw_tcp_into_ramdisk_{many}"].append(raw_tcp_streams(a, b, size, args.streams))
+                rounds[f"data_server_tls_{many}"].append(
+                    data_path_streams(cluster, size, blob, servers, args.streams)
                 )
             for mode, out in receivers.items():
                 out.append(receiver_variant(a, b, src, src_crc, mode, cert))
@@ -1150,6 +1279,16 @@ def main(argv: list[str] | None = None) -> int:
                 "rounds_gbps": {auth: t[f"data_server_{auth}"]["rounds_gbps"] for auth in SERVER_PORTS},
             }
             servers.close()
+        if args.streams:
+            raws, tlss = rounds[f"raw_tcp_into_ramdisk_{many}"], rounds[f"data_server_tls_{many}"]
+            result["streams"] = {
+                "streams": args.streams,
+                "raw_gbps": t[f"raw_tcp_into_ramdisk_{many}"]["gbps"],
+                "tls_gbps": t[f"data_server_tls_{many}"]["gbps"],
+                "tls_over_raw": t[f"data_server_tls_{many}"]["gbps"]
+                / t[f"raw_tcp_into_ramdisk_{many}"]["gbps"],
+                "tls_over_raw_rounds": [d.bps / r.bps for d, r in zip(tlss, raws, strict=True)],
+            }
         result["receivers_gbps"] = {m: med(v) / 1e9 for m, v in receivers.items()}
         if args.stages:
             result["receive_stages_cpu_s_per_gib"] = receive_stages(a, b, size)
@@ -1197,6 +1336,12 @@ def _print_table(r: dict[str, Any]) -> None:
         "data_server_tls": "data server on B, mutual TLS",
     }
     for name, x in t.items():
+        many = re.fullmatch(r"(raw_tcp_into_ramdisk|data_server_tls)_x(\d+)", name)
+        if many:
+            kind = (
+                "raw TCP flows into B's ramdisk" if many[1].startswith("raw") else "pushes to B, mutual TLS"
+            )
+            labels[name] = f"{many[2]} {kind} at once"
         label = labels.get(name) or (
             f"replication data path ({r['send_method']}, {r.get('auth', 'token')})"
             if name == "data_path"
@@ -1226,6 +1371,14 @@ def _print_table(r: dict[str, Any]) -> None:
             f"TLS cost: mutual TLS = {x['tls_over_plain']:.2f}x plain TCP (data servers on B; "
             f"{x['tls_over_raw_tcp']:.2f}x and {x['plain_over_raw_tcp']:.2f}x raw TCP); push of a 4 KiB "
             f"step {ms['token']:.1f} ms plain, {ms['tls']:.1f} ms TLS"
+        )
+    if "streams" in r:
+        x = r["streams"]
+        rounds = ", ".join(f"{v:.2f}" for v in x["tls_over_raw_rounds"])
+        print(
+            f"{x['streams']} ranks at once: data path (mutual TLS) {x['tls_gbps']:.2f} GB/s = "
+            f"{x['tls_over_raw']:.2f}x as many raw TCP flows into the ramdisk ({x['raw_gbps']:.2f} GB/s; "
+            f"per round {rounds})"
         )
     for mode, gbps in r.get("receivers_gbps", {}).items():
         print(f"receive loop '{mode}'{' ' * (12 - len(mode))} {gbps:.2f} GB/s  (file in B's ramdisk, crc32c)")

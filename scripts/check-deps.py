@@ -40,7 +40,11 @@ CODE: dict[str, list[str]] = {
     "csi": ["csi"],
     "demo": ["demo"],
     "lightning": ["client/tierckpt/integrations/lightning.py"],
-    "hf": ["client/tierckpt/integrations/hf.py", "client/tierckpt/integrations/accelerate.py"],
+    "hf": [
+        "client/tierckpt/integrations/hf.py",
+        "client/tierckpt/integrations/accelerate.py",
+        "client/tierckpt/integrations/accelerate_data.py",
+    ],
     "all": [],
     "dev": ["tests", "bench"],
 }

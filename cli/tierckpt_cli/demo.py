@@ -94,8 +94,9 @@ def demo_command(
     With --dcp the model is sharded with FSDP2 and checkpointed through PyTorch DCP, and a fourth failure
     shrinks the job: it resumes on fewer nodes, resharding the checkpoint from the peers."""
     with cli_errors():
+        from tierckpt_demo.launch import run_demo
         from tierckpt_demo.report import render_report
-        from tierckpt_demo.run import DemoOptions, run_demo
+        from tierckpt_demo.run import DemoOptions
 
         options = DemoOptions(
             nodes=nodes,

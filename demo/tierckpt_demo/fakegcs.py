@@ -11,7 +11,7 @@ wheel with the in-memory backend::
 It can also bind a bridge address or run inside a network namespace (``netns=``), so simulated nodes
 reach it like a remote service. fake-gcs-server enforces ``if_generation_match`` on single-request
 uploads (create-only / compare-and-swap) but ignores preconditions on resumable uploads, reads and
-deletes, and accepts uploads whose crc32c is wrong (see shared/research/test-stack.md §4).
+deletes, and accepts uploads whose crc32c is wrong (see docs/testing.md).
 
 ``FaultProxy`` is a small HTTP/1.1 proxy with per-request rules: answer with an error status (503),
 stall, delay, reset the connection at once or after part of the request body, or let the request

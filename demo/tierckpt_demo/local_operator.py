@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from tierckpt.planning.placement import plan_node_peers
+from tierckpt.planning.placement import Member, Placement, assign_ranks, plan_node_peers
 from tierckpt.planning.restore_plan import choose_restore
 from tierckpt.protocol.control import (
     BackupResult,
@@ -26,6 +26,7 @@ from tierckpt.protocol.control import (
     read_restore_status,
 )
 from tierckpt.protocol.errors import FormatError
+from tierckpt.protocol.orbax import OrbaxSession
 
 __all__ = ["LocalOperator"]
 
@@ -83,6 +84,39 @@ class LocalOperator:
         assert self.assignment is not None
         self.nodes = [n for n in self.nodes if n.name not in lost]
         return self.assign_peers(k, self.assignment.generation + 1)
+
+    def place(self, pods: dict[str, tuple[Any, int]]) -> dict[str, int]:
+        """A restart whose ``pods`` (name -> the node it landed on and its initial rank, as the JobSet's
+        indices give it) run the job: node ranks stick to the nodes that hold their data
+        (``tierckpt.planning.placement.assign_ranks``, the operator's own). Returns pod -> node rank; the
+        job's nodes are in the new rank order from then on (send the assignment with ``assign_peers``)."""
+        previous = {i: Placement(n.name, n.domain) for i, n in enumerate(self.nodes)}
+        members = [Member(pod=pod, node=node.name, initial_rank=r) for pod, (node, r) in pods.items()]
+        domains = {node.name: node.domain for node, _ in pods.values()}
+        assignment = assign_ranks(len(pods), members, previous, domains)
+        by_name = {node.name: node for node, _ in pods.values()}
+        self.nodes = [by_name[name] for name in assignment.nodes]
+        return dict(assignment.ranks)
+
+    def orbax_sessions(self, port: int = 8476) -> list[OrbaxSession]:
+        """Orbax mode, as the operator does for each restart attempt: every node's session (its node rank
+        as its process id; process 0's node at ``port`` as the JAX coordinator), with the assignment's
+        generation standing for the attempt (its restore plan carries the same)."""
+        assert self.assignment is not None
+        coordinator = f"{self.nodes[0].ip}:{port}"
+        sessions = []
+        for rank, node in enumerate(self.nodes):
+            session = OrbaxSession(
+                job=self.job,
+                node=node.name,
+                generation=self.assignment.generation,
+                process_id=rank,
+                num_processes=len(self.nodes),
+                coordinator=coordinator,
+            )
+            self.cluster.api.put_orbax_session(node.endpoint, session, node=node.name)
+            sessions.append(session)
+        return sessions
 
     def inventories(self) -> list[NodeInventory]:
         api = self.cluster.api

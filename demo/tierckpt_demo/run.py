@@ -52,7 +52,7 @@ from tierckpt_demo.report import (
 )
 from tierckpt_demo.training import TrainerEvent, parse_model_size, read_events
 
-__all__ = ["DemoError", "DemoOptions", "run_demo"]
+__all__ = ["Demo", "DemoError", "DemoOptions"]
 
 log = logging.getLogger(__name__)
 
@@ -773,12 +773,3 @@ def _signals_ignored() -> Iterator[None]:
     finally:
         for sig, handler in old.items():
             signal.signal(sig, handler)
-
-
-def run_demo(options: DemoOptions, console: Console) -> DemoReport:
-    """Run the whole demo and return its report; raises ``ValueError`` for unusable options."""
-    if options.dcp:
-        from tierckpt_demo.dcp_demo import DcpDemo
-
-        return DcpDemo(options, console).run()
-    return Demo(options, console).run()

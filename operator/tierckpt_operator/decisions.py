@@ -5,7 +5,8 @@ restarted operator carries on: the assignment generation (the JobSet restart att
 failure domain and pod of every node rank, and the peer plan. ``decide_assignment`` and
 ``decide_peers`` turn the current pods and nodes into the next state plus the writes it needs;
 ``peer_assignment`` builds the ``PeerAssignment`` each replicator receives, ``job_policy`` the
-``JobPolicy`` (backup bucket, schedule, retention) its CheckpointConfiguration gives the job.
+``JobPolicy`` (backup bucket, schedule, retention) its CheckpointConfiguration gives the job, and
+``orbax_sessions`` (Orbax mode) each node's ``OrbaxSession``: its node rank as its process id.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from typing import Any
 from tierckpt.planning.placement import Placement, RankAssignment, assign_ranks, current_members, plan_peers
 from tierckpt.protocol.contract import Annotations
 from tierckpt.protocol.control import JobPolicy, NodeInventory, PeerAssignment, PeerNode
-from tierckpt.protocol.errors import ContractError
+from tierckpt.protocol.errors import ContractError, FormatError
+from tierckpt.protocol.orbax import OrbaxSession, check_coordinator
 from tierckpt_operator.jobsets import JobSetInfo
 from tierckpt_operator.pods import WorkerPod
 from tierckpt_operator.resources import ConfigSpec
@@ -28,7 +30,9 @@ __all__ = [
     "decide_assignment",
     "decide_peers",
     "group_partners",
+    "jax_coordinator",
     "job_policy",
+    "orbax_sessions",
     "peer_assignment",
     "peer_views",
 ]
@@ -106,6 +110,11 @@ class AssignmentDecision:
     writes: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)
     """Pod name -> annotations to write."""
     problem: str = ""
+    coordinator: str = ""
+    """The address of the pod holding node rank 0 (``tierckpt.io/coordinator``)."""
+    coordinator_ip: str = ""
+    """The IP of that pod ("" until it runs): the JAX coordinator of an Orbax-mode job, as on GKE (a pod's
+    DNS name needs search domains that not every resolver reads)."""
 
     @property
     def complete(self) -> bool:
@@ -158,7 +167,43 @@ def decide_assignment(
         domains=tuple(domains.get(node, "") for node in assignment.nodes),
         pods=tuple(pods_by_rank),
     )
-    return AssignmentDecision(attempt, len(members), n, new_state, assignment, writes)
+    return AssignmentDecision(
+        attempt,
+        len(members),
+        n,
+        new_state,
+        assignment,
+        writes,
+        coordinator=coordinator,
+        coordinator_ip=rank0.ip if rank0 is not None else "",
+    )
+
+
+def jax_coordinator(address: str, port: int) -> str | None:
+    """The JAX coordinator ``host:port`` on the pod at ``address`` (None: no usable address yet)."""
+    host = f"[{address}]" if ":" in address else address
+    try:
+        return check_coordinator(f"{host}:{port}")
+    except FormatError:
+        return None
+
+
+def orbax_sessions(job: str, state: JobState, coordinator: str) -> dict[str, OrbaxSession]:
+    """Orbax mode: each node's session for the state's restart attempt. A node's process id is its node
+    rank, which sticks to the node that holds the rank's data: so does the process id."""
+    n = len(state.nodes)
+    return {
+        node: OrbaxSession(
+            job=job,
+            node=node,
+            generation=state.generation or 0,
+            process_id=rank,
+            num_processes=n,
+            coordinator=coordinator,
+        )
+        for rank, node in enumerate(state.nodes)
+        if node
+    }
 
 
 def decide_peers(

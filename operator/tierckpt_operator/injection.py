@@ -6,14 +6,16 @@ their pods reach the pod webhook (its objectSelector) and the operator's pod wat
 Pod (on CREATE), ``inject(pod, Injection)``:
 
 * the ramdisk: an inline CSI volume (driver ``Csi.DRIVER``, attributes job id and reservation), or a
-  hostPath ``<host root>/<job id>``; mounted in every container at ``<mountRoot>/<job id>``. Its
+  hostPath ``<host root>/<job id>``; mounted in every container at ``<mountRoot>/<job id>`` (a JobSet in
+  Orbax mode: at ``<mountRoot>`` itself, Orbax's local checkpoint directory). Its
   name, ``tierckpt-ramdisk``, is reserved: a volume of the pod's own by that name (say a
   ``hostPath: /``) is REPLACED by ours, and every volumeMount of that name, in any container or init
   container, becomes exactly ours (our path, no subPath). Likewise ``tierckpt-podinfo``;
 * the downward-API volume with the pod's annotations at ``TIERCKPT_PODINFO_DIR`` (the node rank
   arrives there, see ``tierckpt.protocol.contract.read_podinfo``);
 * the environment of ``tierckpt.protocol.contract.Env``: job id, root, podinfo dir, the node-local replicator
-  (``http://$(status.hostIP):<port>``), node, pod name and uid; variables the user set are kept;
+  (``http://$(status.hostIP):<port>``), node, pod name and uid (in Orbax mode: no root, and
+  ``JOBSET_NAME``, Orbax's default run name); variables the user set are kept;
 * the configuration's node selector and tolerations, so the pod runs where replicators run;
 * a *preferred* node affinity to the node that holds the rank this pod's indices map to.
 
@@ -30,6 +32,7 @@ from tierckpt.protocol.contract import Annotations, Csi, Env, Labels
 
 __all__ = [
     "AFFINITY_WEIGHT",
+    "ORBAX_RUN_ENV",
     "PODINFO_VOLUME",
     "RAMDISK_VOLUME",
     "Injection",
@@ -41,6 +44,8 @@ __all__ = [
 RAMDISK_VOLUME = "tierckpt-ramdisk"
 PODINFO_VOLUME = "tierckpt-podinfo"
 _HOST_IP = "TIERCKPT_HOST_IP"
+ORBAX_RUN_ENV = "JOBSET_NAME"
+"""Orbax's run name when MaxText passes none (``initialize_multi_tier_checkpointing`` reads it)."""
 AFFINITY_WEIGHT = 100
 
 
@@ -59,9 +64,15 @@ class Injection:
     node_selector: tuple[tuple[str, str], ...] = ()
     tolerations: tuple[dict[str, Any], ...] = ()
     preferred_node: str | None = None
+    mode: str = "native"
+    """The JobSet's ``tierckpt.io/mode``."""
+    jobset: str = ""
+    """The JobSet's name (Orbax mode: ``JOBSET_NAME``)."""
 
     @property
     def mount_path(self) -> str:
+        if self.mode == "orbax":  # Orbax's local checkpoint directory is a fixed path of the user's
+            return self.mount_root.rstrip("/") or "/"
         return f"{self.mount_root.rstrip('/')}/{self.job_id}"
 
     def ramdisk_volume(self) -> dict[str, Any]:
@@ -77,9 +88,16 @@ class Injection:
         def field(path: str) -> dict[str, Any]:
             return {"fieldRef": {"fieldPath": path}}
 
+        root = (
+            [] if self.mode == "orbax" else [{"name": Env.ROOT, "value": self.mount_root.rstrip("/") or "/"}]
+        )
+        orbax = (
+            [{"name": ORBAX_RUN_ENV, "value": self.jobset}] if self.mode == "orbax" and self.jobset else []
+        )
         return [
             {"name": Env.JOB, "value": self.job_id},
-            {"name": Env.ROOT, "value": self.mount_root.rstrip("/") or "/"},
+            *root,
+            *orbax,
             {"name": Env.PODINFO_DIR, "value": self.podinfo_dir},
             {"name": _HOST_IP, "valueFrom": field("status.hostIP")},
             {"name": Env.REPLICATOR_URL, "value": f"http://$({_HOST_IP}):{self.replicator_port}"},

@@ -1,7 +1,8 @@
 """What the operator needs from a JobSet, parsed and checked (pure).
 
 A JobSet opts in with the annotation ``tierckpt.io/enabled: "true"`` and names its
-CheckpointConfiguration with ``tierckpt.io/config`` (default: the operator's ``--default-config``).
+CheckpointConfiguration with ``tierckpt.io/config`` (default: the operator's ``--default-config``);
+``tierckpt.io/mode: orbax`` runs stock Orbax multi-tier checkpointing instead of tierckpt's client.
 Every replicatedJob must be an Indexed Job whose completions equal its parallelism: node ranks come
 from the JobSet's job indices and the Job's completion indices.
 """
@@ -14,10 +15,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from tierckpt.planning.placement import JobShape, ReplicatedJob
-from tierckpt.protocol.contract import Annotations, job_id_for
+from tierckpt.protocol.contract import MODES, Annotations, job_id_for
 from tierckpt.protocol.errors import ContractError
 
-__all__ = ["JobSetInfo", "check_jobset", "opt_in_value", "parse_jobset"]
+__all__ = ["JobSetInfo", "check_jobset", "mode_of", "opt_in_value", "parse_jobset"]
 
 _NAME = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")
 
@@ -35,6 +36,8 @@ class JobSetInfo:
     restarts: int = 0
     """``status.restarts``: the current restart attempt."""
     deleting: bool = False
+    mode: str = "native"
+    """``tierckpt.io/mode``: ``native`` or ``orbax``."""
 
     @property
     def key(self) -> tuple[str, str]:
@@ -56,11 +59,23 @@ def opt_in_value(annotations: Mapping[str, str] | None) -> bool:
     raise ContractError(f'annotation {Annotations.ENABLED}={raw!r} is invalid: use "true" or "false"')
 
 
+def mode_of(annotations: Mapping[str, str] | None) -> str:
+    """The JobSet's ``tierckpt.io/mode`` (``native`` when absent); anything but ``MODES`` is an error."""
+    raw = (annotations or {}).get(Annotations.MODE, "native")
+    value = str(raw).strip().lower()
+    if value not in MODES:
+        raise ContractError(
+            f"annotation {Annotations.MODE}={raw!r} is invalid: use {' or '.join(map(repr, MODES))}"
+        )
+    return value
+
+
 def check_jobset(body: Mapping[str, Any], default_config: str = "default") -> tuple[str, JobShape]:
     """The configuration name and node-rank shape of a JobSet (no uid needed, as at admission)."""
     meta = body.get("metadata") or {}
     annotations = meta.get("annotations") or {}
     opt_in_value(annotations)
+    mode_of(annotations)
     config = annotations.get(Annotations.CONFIG, default_config)
     if not isinstance(config, str) or not _NAME.fullmatch(config):
         raise ContractError(
@@ -83,6 +98,7 @@ def parse_jobset(body: Mapping[str, Any], default_config: str = "default") -> Jo
         shape=shape,
         restarts=int((body.get("status") or {}).get("restarts") or 0),
         deleting=bool(meta.get("deletionTimestamp")),
+        mode=mode_of(meta.get("annotations")),
     )
 
 

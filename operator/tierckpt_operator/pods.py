@@ -50,6 +50,8 @@ class WorkerPod:
     active: bool = True
     address: str = ""
     """How other pods reach it: ``<hostname>.<subdomain>`` (JobSet DNS), else the pod IP."""
+    ip: str = ""
+    """The pod IP (``status.podIP``), once the pod runs."""
 
     @property
     def job_key(self) -> tuple[str, str]:
@@ -108,6 +110,7 @@ def worker_of(body: Mapping[str, Any]) -> WorkerPod | None:
         coordinator=annotations.get(Annotations.COORDINATOR),
         active=not meta.get("deletionTimestamp") and status.get("phase") not in _FINISHED,
         address=address,
+        ip=status.get("podIP", "") or "",
     )
 
 

@@ -21,6 +21,7 @@ from tierckpt.planning.placement import RankAssignment, peer_churn
 from tierckpt.planning.restore_plan import choose_restore
 from tierckpt.protocol.client import ReplicatorClient, ReplicatorError
 from tierckpt.protocol.control import JobPolicy, NodeInventory, PeerAssignment, Redundancy, RestorePlan
+from tierckpt.protocol.orbax import OrbaxSession
 from tierckpt_operator import resources
 from tierckpt_operator.clusterview import CheckpointJobRecord, ClusterView, ConfigRecord
 from tierckpt_operator.decisions import (
@@ -29,7 +30,9 @@ from tierckpt_operator.decisions import (
     decide_assignment,
     decide_peers,
     group_partners,
+    jax_coordinator,
     job_policy,
+    orbax_sessions,
     peer_assignment,
     peer_views,
 )
@@ -138,6 +141,8 @@ class JobController:
         self.policy: JobPolicy | None = None
         self.policy_delivered: dict[str, int] = {}
         """Node -> generation of the policy it accepted."""
+        self.sessions: dict[str, OrbaxSession] = {}
+        """Orbax mode: node -> the session it accepted for the current attempt."""
         self.assigned_at = 0.0
         self.restore: _Restore | None = None
         self.job_id = ""
@@ -202,6 +207,8 @@ class JobController:
         # the policy first: a new node's staging may need its bucket
         await self._publish_policy(info, spec, state, cluster)
         state = await self._publish_peers(info, spec, state, cluster)
+        if info.mode == "orbax":  # before the plan: Orbax's processes wait for jax-init-info.txt
+            await self._publish_sessions(info, state, decision.coordinator_ip, cluster)
         state = await self._publish_restore(info, state, cluster)
         await self._report_running(info, state)
 
@@ -397,6 +404,43 @@ class JobController:
             )
             self._retry_later()
 
+    # ------------------------------------------------------------------------------ orbax
+
+    async def _publish_sessions(
+        self, info: JobSetInfo, state: JobState, address: str, cluster: ClusterView
+    ) -> None:
+        """Orbax mode: send every node its session for this attempt (its process id, the JAX coordinator
+        on the IP of the pod of node rank 0), as GKE's controller writes jax-init-info.txt."""
+        coordinator = jax_coordinator(address, self.ctx.settings.jax_coordinator_port)
+        if coordinator is None:  # the rank 0 pod has no IP yet: it comes when the pod runs
+            self._retry_later()
+            return
+        wanted = orbax_sessions(info.job_id, state, coordinator)
+        todo = {
+            node: (rep.endpoint, session)
+            for node, session in wanted.items()
+            if self.sessions.get(node) != session
+            and (rep := cluster.replicator(node)) is not None
+            and rep.ready
+        }
+        results = await _gather(
+            self.ctx.replicators.put_orbax_session(ep, s, node=n) for n, (ep, s) in todo.items()
+        )
+        failures = []
+        for (node, (_, session)), result in zip(todo.items(), results, strict=True):
+            if isinstance(result, BaseException):
+                failures.append(f"{node}: {result}")
+                self.ctx.metrics.replicator_calls.labels("put_orbax_session", "error").inc()
+            else:
+                self.sessions[node] = session
+                self.ctx.metrics.replicator_calls.labels("put_orbax_session", "ok").inc()
+        self.sessions = {n: s for n, s in self.sessions.items() if wanted.get(n) == s}
+        if failures:
+            self._event_once(
+                "sessions", "Warning", "SessionsNotDelivered", f"{len(failures)} node(s): {failures[0]}"
+            )
+            self._retry_later()
+
     # ------------------------------------------------------------------------------ restore
 
     async def _publish_restore(self, info: JobSetInfo, state: JobState, cluster: ClusterView) -> JobState:
@@ -410,7 +454,11 @@ class JobController:
                 self._retry_later(self.ctx.settings.restore_grace - waited)
                 return state
             invs = await self._inventories(state.nodes, cluster)
-            plan = choose_restore(invs, job=info.job_id, generation=attempt or 0, decided_at=time.time())
+            # Orbax restores only onto the topology it saved from: steps of as many processes as nodes
+            world = len(state.nodes) if info.mode == "orbax" else None
+            plan = choose_restore(
+                invs, world, job=info.job_id, generation=attempt or 0, decided_at=time.time()
+            )
             self.restore = _Restore(plan)
             state = self.state = dataclasses.replace(state, restore_generation=attempt)
             self._restore_event(plan, len(invs), missing)
@@ -543,6 +591,16 @@ class JobController:
                 f"{restored}/{len(nodes)} nodes",
             ),
         ]
+        if info.mode == "orbax":
+            sessions = sum(1 for n in nodes if n in self.sessions)
+            conditions.append(
+                condition(
+                    "SessionsPublished",
+                    sessions == len(nodes),
+                    "Published" if sessions == len(nodes) else "Pending",
+                    f"Orbax sessions of attempt {state.generation}: {sessions}/{len(nodes)} nodes",
+                )
+            )
         ready = all(c["status"] == "True" for c in conditions)
         conditions.append(condition("Ready", ready, "Ready" if ready else "NotReady"))
         extra: dict[str, Any] = {"peersPublished": published, "ranksAssigned": len(state.nodes)}

@@ -79,6 +79,14 @@ class Settings:
     replicator_data_port: int = dataclasses.field(
         default=8471, metadata=_opt("Replicator data port.", "port")
     )
+    jax_coordinator_port: int = dataclasses.field(
+        default=8476,
+        metadata=_opt(
+            "Orbax mode: the JAX coordinator's port on the pod of process 0 (jax-init-info.txt; GKE's "
+            "is 8476).",
+            "port",
+        ),
+    )
     # --- identity (docs/security.md)
     auth: str = dataclasses.field(
         default="tls",

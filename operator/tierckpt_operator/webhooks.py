@@ -86,6 +86,8 @@ async def pod_mutation(
         node_selector=spec.node_selector,
         tolerations=spec.tolerations,
         preferred_node=preferred_node(ck.state.nodes if ck else None, initial, nodes or None),
+        mode=info.mode,
+        jobset=info.name,
     )
 
 

@@ -13,19 +13,22 @@ imports the other), ``:`` siblings that may import each other:
 4. ``app`` : ``api`` : ``controls``: the FastAPI control API (routes from ``tierckpt.protocol.api``;
    ``api.guard``: header/body deadlines and connection limits) and what each call does on this node
    (``NodeControls``, the ``Controls`` the routes are given).
-5. ``restore``: stage a job's ranks from the best source: the ramdisk, a peer (through the replication
+5. ``orbax``: Orbax mode: stock Orbax's ramdisk protocol (``jax-init-info.txt``, ``replicator.yaml``,
+   restore markers, error files), its committed steps adopted as primaries and handed back for restore.
+6. ``restore``: stage a job's ranks from the best source: the ramdisk, a peer (through the replication
    worker), or the bucket (through ``backup.jobs.BackupPort``).
-6. ``replication`` | ``backup``: tier 2 (peer replicas: loop, worker process, data plane) and tier 3
+7. ``replication`` | ``backup``: tier 2 (peer replicas: loop, worker process, data plane) and tier 3
    (GCS backups). Neither knows the other; the daemon tells backup about commits replication saw.
-7. ``watch`` | ``access`` | ``identity`` | ``quota``: inotify wake-ups for new commits (other nodes'
+8. ``watch`` | ``access`` | ``identity`` | ``quota``: inotify wake-ups for new commits (other nodes'
    control APIs are reached through ``tierckpt.protocol.client``); who may do what here (the peer
    certificate's identity against the job's members); this node's certificate (obtained from the
    operator, renewed, always this node's own); each job's quota (the most bytes a step may declare to
    be sent, received or uploaded).
-8. ``assignments`` | ``inventory`` | ``policies`` | ``metrics`` | ``settings`` | ``connlimits``:
-   peers.json, what this node holds, policy.json, Prometheus metrics, the daemon's options, and open
-   connections bounded per source (the data port and the HTTP servers).
-9. ``stepio``: job trees on the ramdisk, confined (``tierckpt.protocol.safefs.Beneath``: no symlink a
+9. ``assignments`` | ``inventory`` | ``policies`` | ``orbax_state`` | ``metrics`` | ``settings`` |
+   ``connlimits``: peers.json, what this node holds, policy.json, Orbax-mode jobs' session and run,
+   Prometheus metrics, the daemon's options, and open connections bounded per source (the data port
+   and the HTTP servers).
+10. ``stepio``: job trees on the ramdisk, confined (``tierckpt.protocol.safefs.Beneath``: no symlink a
    pod plants is followed), and steps in them (staging, committing, finding). It stands on
    ``tierckpt.protocol``/``tierckpt.planning`` only.
 

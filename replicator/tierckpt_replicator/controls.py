@@ -35,11 +35,13 @@ from tierckpt.protocol.control import (
 )
 from tierckpt.protocol.errors import FormatError, UnsafePathError
 from tierckpt.protocol.format import check_job_id, discard_step, state_dir, step_names
+from tierckpt.protocol.orbax import OrbaxSession
 from tierckpt_replicator.api.auth import Authorizer
 from tierckpt_replicator.assignments import AssignmentStore
 from tierckpt_replicator.backup.jobs import BackupPort
 from tierckpt_replicator.inventory import InventoryScanner, list_jobs
 from tierckpt_replicator.metrics import Metrics
+from tierckpt_replicator.orbax import OrbaxJobs
 from tierckpt_replicator.policies import PolicyStore
 from tierckpt_replicator.replication.groups import GroupTracker
 from tierckpt_replicator.replication.manager import ReplicationManager
@@ -157,6 +159,7 @@ class NodeControls:
     replication: ReplicationManager
     stager: Stager
     requests: FetchRequests | None = None
+    orbax: OrbaxJobs | None = None
 
     async def inventory(self, job: str) -> NodeInventory:
         return await self.local_inventory(job)
@@ -199,6 +202,13 @@ class NodeControls:
             self.watcher.kick()
         return accepted, current
 
+    async def put_orbax_session(self, session: OrbaxSession) -> tuple[bool, OrbaxSession]:
+        """Store this node's Orbax session of the job (newer generation only); the next pass of the loop
+        writes its ``jax-init-info.txt`` (see ``tierckpt_replicator.orbax``)."""
+        if self.orbax is None:
+            raise LookupError("this replicator runs no Orbax mode")
+        return await self.orbax.put_session(session)
+
     async def backup_now(self, job: str) -> int | None:
         if self.backup is None:
             self.metrics.backups.labels("unconfigured").inc()
@@ -236,6 +246,8 @@ class NodeControls:
         self.stager.forget(job)
         if self.requests is not None:
             self.requests.forget(job)
+        if self.orbax is not None:
+            await self.orbax.forget(job)
         async with self._fenced(job):
             if bucket and self.backup is not None:  # first: the job's policy on disk names its bucket
                 await self.backup.delete_backups(job)

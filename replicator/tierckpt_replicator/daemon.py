@@ -37,6 +37,8 @@ from tierckpt_replicator.controls import LocalInventory, NodeControls
 from tierckpt_replicator.identity import NodeIdentity
 from tierckpt_replicator.inventory import InventoryScanner, list_jobs
 from tierckpt_replicator.metrics import Metrics
+from tierckpt_replicator.orbax import OrbaxJobs
+from tierckpt_replicator.orbax_state import OrbaxStore
 from tierckpt_replicator.policies import PolicyStore
 from tierckpt_replicator.probes import ProbeServer
 from tierckpt_replicator.quota import JobQuotas
@@ -187,6 +189,13 @@ class Daemon:
             plan_of=self.stager.plans.get,
             backup=backup,
         )
+        self.orbax = OrbaxJobs(
+            settings=settings,
+            store=OrbaxStore(settings.root),
+            stager=self.stager,
+            metrics=self.metrics,
+            kick=self.watcher.kick,
+        )
         self.controls = NodeControls(
             settings=settings,
             auth=auth,
@@ -202,6 +211,7 @@ class Daemon:
             replication=self.replication,
             stager=self.stager,
             requests=self.requests,
+            orbax=self.orbax,
         )
         self._loops: list[asyncio.Task[None]] = []
         self.app = create_app(self.controls)
@@ -234,6 +244,7 @@ class Daemon:
                 await task
         await self.stager.close()
         await self.requests.close()
+        await self.orbax.close()
         await self.replication.close()
         self.watcher.close()
         await self.supervisor.stop()
@@ -291,6 +302,7 @@ class Daemon:
             try:
                 self.watcher.refresh()
                 await self.requests.scan()
+                await self.orbax.scan()  # Orbax's new steps become primaries before the pass sees them
                 await self.replication.run_pass()
                 self._update_gauges()
             except Exception:

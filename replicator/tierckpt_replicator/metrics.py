@@ -123,6 +123,25 @@ class Metrics:
             f"{_NS}_restore_seconds", "Time to stage one rank for restore.", buckets=_SECONDS, registry=r
         )
         self.backups = Counter(f"{_NS}_backups", "Backups requested, by result.", ["result"], registry=r)
+        self.orbax_adopted = Counter(
+            f"{_NS}_orbax_steps_adopted",
+            "Steps stock Orbax committed that this node adopted as primaries (Orbax mode).",
+            ["job"],
+            registry=r,
+        )
+        self.orbax_handshakes = Counter(
+            f"{_NS}_orbax_handshakes",
+            "replicator.yaml handshakes answered (Orbax mode): 'ok', 'error' (malformed, reported in "
+            "replicator.errors) or 'failed' (replicator.failed).",
+            ["job", "result"],
+            registry=r,
+        )
+        self.orbax_handovers = Counter(
+            f"{_NS}_orbax_handovers",
+            "Restore hand-overs to Orbax: 'restore' (a step), 'fresh' (nothing to restore), 'failed'.",
+            ["result"],
+            registry=r,
+        )
         self.worker_restarts = Counter(
             f"{_NS}_worker_restarts", "Times the replication worker process was restarted.", registry=r
         )

@@ -153,6 +153,13 @@ class Settings:
         default=2,
         metadata=_opt("Committed replica steps kept per rank (the newest complete copy is always kept)."),
     )
+    orbax_keep: int = dataclasses.field(
+        default=2,
+        metadata=_opt(
+            "Orbax-mode jobs: committed steps kept per process on its node (Orbax leaves retention to the "
+            "replicator; leased steps and the restore plan's are kept too)."
+        ),
+    )
     reserve_bytes: int = dataclasses.field(
         default=64 * MiB,
         metadata=_opt(
@@ -375,6 +382,8 @@ class Settings:
             raise ValueError("--send-method must be 'mmap' or 'sendfile'")
         if self.replica_keep < 1:
             raise ValueError("--replica-keep must be at least 1")
+        if self.orbax_keep < 1:
+            raise ValueError("--orbax-keep must be at least 1")
         if self.job_quota < 0:
             raise ValueError("--job-quota must be 0 (none) or more")
         for name in ("handshake_timeout", "api_header_timeout", "api_body_timeout", "tls_reload_interval"):

@@ -39,7 +39,6 @@ from tierckpt.protocol.format import (
     FileEntry,
     Manifest,
     check_job_id,
-    committed_steps,
     decode_commit,
     discard_step,
     ranks_in,
@@ -59,7 +58,6 @@ __all__ = [
     "create_preallocated",
     "find_committed",
     "is_data_file",
-    "newest_committed",
     "open_files",
     "open_job",
     "parse_header",
@@ -366,11 +364,6 @@ def remove_stale_incoming(root: Path, max_age: float = 0.0) -> int:
                                 parent.remove_tree(entry)
                                 removed += 1
     return removed
-
-
-def newest_committed(parent: Beneath) -> int | None:
-    steps = committed_steps(parent)
-    return steps[-1] if steps else None
 
 
 def preallocate(fd: int, size: int, where: str) -> None:

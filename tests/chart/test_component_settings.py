@@ -78,6 +78,7 @@ def test_operator_reads_every_variable_the_chart_sets() -> None:
     )
     rep_ports = {p["name"]: p["containerPort"] for p in _container(ds, "replicator")["ports"]}
     assert (s.replicator_api_port, s.replicator_data_port) == (rep_ports["api"], rep_ports["data"])
+    assert s.jax_coordinator_port == 8476
     legacy = parse_settings(
         [], _env(_container(render({"auth": {"mode": "token"}}).get("Deployment"), "operator"))
     )

@@ -75,6 +75,18 @@ def test_example_jobset_is_valid_and_opted_in() -> None:
     assert any("paralellism" in e for e in strict.errors(typo))
 
 
+def test_example_maxtext_jobset_is_valid_and_in_orbax_mode() -> None:
+    from tierckpt_operator.jobsets import parse_jobset
+
+    (jobset,) = _examples("maxtext-jobset.yaml")
+    assert validator_for(require_jobset_crd(), True).errors(jobset) == []
+    meta = jobset["metadata"]
+    info = parse_jobset({**jobset, "metadata": {**meta, "uid": "0123456789abcdef"}})
+    assert (info.mode, info.config_name, info.world_size) == ("orbax", "default", 8)
+    (container,) = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["containers"]
+    assert "local_checkpoint_directory=/local" in container["args"]
+
+
 def test_example_checkpoint_configuration_matches_our_crd() -> None:
     (cpc,) = _examples("checkpointconfiguration.yaml")
     strict = validator_for(CHART / "crds" / "checkpointconfigurations.tierckpt.io.yaml", True)

@@ -9,6 +9,7 @@ from typer.testing import CliRunner
 
 from tierckpt.planning.placement import plan_node_peers
 from tierckpt_cli.app import app
+from tierckpt_demo import launch
 from tierckpt_demo import run as demo_run
 from tierckpt_demo import scenarios as sc
 from tierckpt_demo.report import Check, DemoConfig, DemoReport, RankResult, ScenarioResult, render_report
@@ -212,7 +213,7 @@ def test_demo_command_exit_status_and_json(monkeypatch: pytest.MonkeyPatch, ok: 
         seen["options"] = options
         return _report(ok)
 
-    monkeypatch.setattr(demo_run, "run_demo", fake_run)
+    monkeypatch.setattr(launch, "run_demo", fake_run)
     result = CliRunner().invoke(
         app,
         ["demo", "--nodes", "3", "--scenarios", "peer", "--steps", "20", "--json"],

@@ -72,7 +72,7 @@ def assignment(generation: int = 1, job: str = JOB) -> PeerAssignment:
 
 
 ROUTES = [(ep.method, ep.url_path(**{p: JOB for p in ep.path_params})) for ep in ENDPOINTS if ep.auth]
-assert len(ROUTES) == 10 and ("DELETE", f"/v1/jobs/{JOB}") in ROUTES and ("GET", "/v1/openapi.json") in ROUTES
+assert len(ROUTES) == 11 and ("DELETE", f"/v1/jobs/{JOB}") in ROUTES and ("GET", "/v1/openapi.json") in ROUTES
 
 
 @pytest.mark.parametrize(("method", "path"), ROUTES)

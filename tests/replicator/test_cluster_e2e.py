@@ -42,8 +42,10 @@ pytestmark = [pytest.mark.root, pytest.mark.e2e, pytest.mark.slow]
 __all__ = ["cluster3"]  # the module-scoped fixture, re-exported for pytest
 
 
-def leftovers(root) -> list:
-    return [p for p in root.rglob(".incoming-*")]
+def leftovers(root, job: str | None = None) -> list:
+    """Staging directories of transfers under way or torn, on a node's ramdisk (of ``job`` only: an
+    earlier test's transfer that a fault tore may still be waiting out its timeout)."""
+    return list((root / job if job else root).rglob(".incoming-*"))
 
 
 def wait_replica(cluster, node, job: str, rank: int, step: int, timeout: float = 30.0):
@@ -282,6 +284,10 @@ def test_link_cut_then_restored(cluster3):
         b.restore_link()
     holder = wait_replicated(cluster3, job, 1, 60)  # retried once the link is back
     assert holder is not b and step_files(replica_path(holder, job, 1, 60)) == step_files(src1)
+    for node in cluster3.nodes:  # a transfer the cut tore is removed once it times out: none stays
+        cluster3.wait_for(
+            lambda node=node: not leftovers(node.root, job), timeout=120, what="torn transfers gone"
+        )
 
 
 def test_port_blocked_by_nft_is_routed_around(cluster3):
@@ -306,7 +312,7 @@ def test_slow_peer_still_gets_an_exact_replica(cluster3):
         src = write_step(a.root, job, 0, 67, world_size=3, sizes=(6 << 20,))
         holder = wait_replicated(cluster3, job, 0, 67)
         assert step_files(replica_path(holder, job, 0, 67)) == step_files(src)
-        assert not leftovers(holder.root)
+        assert not leftovers(holder.root, job)
     finally:
         b.unlimit_rate()
 
@@ -323,7 +329,7 @@ def test_full_receiver_refuses_cleanly(cluster3):
             not (b.root / job / "replicas").exists()
             or committed_steps(replica_rank_dir(b.root, job, 0)) == []
         )
-        assert not leftovers(b.root)
+        assert not leftovers(b.root, job)
         assert step_files(step_dir(rank_dir(a.root, job, 0), 70)) == step_files(src)  # the primary is intact
     finally:
         filler.unlink()

@@ -1,5 +1,6 @@
-"""Moving shard bytes (replication/stream.py) over real sockets: plain TCP and TLS, every sender method,
-odd sizes, a peer that hangs up early, a source that shrinks, and a ramdisk that fills up."""
+"""Moving shard bytes (replication/stream.py) over real sockets: plain TCP, TLS and the sealed channel,
+every sender method, odd sizes, a peer that hangs up early, a source that shrinks, and a ramdisk that
+fills up."""
 
 from __future__ import annotations
 
@@ -17,8 +18,10 @@ import pytest
 from tierckpt.protocol.errors import FormatError, RamdiskFullError
 from tierckpt.protocol.integrity import crc32c
 from tierckpt_replicator.replication import stream
+from tierckpt_replicator.replication.channel import DataConnection, accept_channel, is_hello, open_channel
+from tierckpt_replicator.replication.pacing import Deadline
 from tierckpt_replicator.replication.stream import BLOCK
-from tierckpt_replicator.replication.wire import ProtocolError
+from tierckpt_replicator.replication.wire import ProtocolError, recv_body
 from tierckpt_replicator.stepio import preallocate
 
 SIZES = [1, BLOCK - 1, BLOCK, 3 * BLOCK + 12_345]
@@ -42,12 +45,12 @@ def create_preallocated(path: Path, size: int) -> None:
         preallocate(fd, size, str(path))
 
 
-def send_file(sock: socket.socket, path: Path, size: int, **kwargs) -> None:
+def send_file(sock: DataConnection, path: Path, size: int, **kwargs) -> None:
     with _opened(path, os.O_RDONLY) as fd:
         stream.send_file(sock, fd, size, where=str(path), **kwargs)
 
 
-def receive_file(sock: socket.socket, path: Path, size: int, **kwargs) -> int:
+def receive_file(sock: DataConnection, path: Path, size: int, **kwargs) -> int:
     with _opened(path, os.O_WRONLY) as fd:
         return stream.receive_file(sock, fd, size, where=path.name, **kwargs)
 
@@ -91,20 +94,21 @@ def cert(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return pem
 
 
-Pair = Callable[[], tuple[socket.socket, socket.socket]]
+Pair = Callable[[], tuple[DataConnection, DataConnection]]
 
 
-@pytest.fixture(params=["tcp", "tls"])
+@pytest.fixture(params=["tcp", "tls", "sealed"])
 def connected(request: pytest.FixtureRequest, cert: Path) -> Iterator[Pair]:
-    """``connected()``: a (sender, receiver) pair of loopback sockets with timeouts, over TLS or not."""
-    opened: list[socket.socket] = []
+    """``connected()``: a (sender, receiver) pair of loopback connections with timeouts: plain TCP,
+    TLS, or a sealed channel set up over TLS (the client sends, as a replica is pushed)."""
+    opened: list[DataConnection] = []
 
-    def make() -> tuple[socket.socket, socket.socket]:
+    def make() -> tuple[DataConnection, DataConnection]:
         with socket.create_server(("127.0.0.1", 0)) as listener:
             client = socket.create_connection(listener.getsockname(), timeout=10)
             server, _ = listener.accept()
         server.settimeout(10)
-        if request.param == "tls":
+        if request.param in ("tls", "sealed"):
             server_ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
             server_ctx.load_cert_chain(cert)
             client_ctx = ssl.create_default_context(cafile=str(cert))
@@ -116,8 +120,27 @@ def connected(request: pytest.FixtureRequest, cert: Path) -> Iterator[Pair]:
             client = client_ctx.wrap_socket(client, server_hostname="localhost")
             t.join()
             server = wrapped["server"]
+        if request.param == "sealed":
+            return _sealed(client, server)
         opened.extend((client, server))
         return client, server
+
+    def _sealed(client: ssl.SSLSocket, server: ssl.SSLSocket) -> tuple[DataConnection, DataConnection]:
+        accepted: dict[str, DataConnection] = {}
+
+        def accept() -> None:
+            hello = is_hello(recv_body(server))
+            assert hello is not None
+            channel = accept_channel(server, hello, Deadline(10, "the test's channel"))
+            channel.allow_bulk()
+            accepted["server"] = channel
+
+        t = threading.Thread(target=accept)
+        t.start()
+        sealed = open_channel(client)
+        t.join()
+        opened.extend((sealed, accepted["server"]))
+        return sealed, accepted["server"]
 
     yield make
     for s in opened:
@@ -228,6 +251,6 @@ def test_a_full_ramdisk_is_a_ramdisk_full_error(tmpfs, connected, tmp_path):
     sender.join()
 
 
-def _send_quietly(sock: socket.socket, src: Path) -> None:
+def _send_quietly(sock: DataConnection, src: Path) -> None:
     with contextlib.suppress(OSError):  # the receiver gave up
         send_file(sock, src, src.stat().st_size)

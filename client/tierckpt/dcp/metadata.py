@@ -34,7 +34,6 @@ from torch.distributed.checkpoint.metadata import (
 
 from tierckpt.protocol.codec import Message, Record
 from tierckpt.protocol.errors import FormatError
-from tierckpt.protocol.format import data_file_name
 from tierckpt.snapshot.dtypes import dtype_name, torch_dtype
 
 __all__ = [
@@ -46,7 +45,6 @@ __all__ = [
     "StorageMetaRecord",
     "TensorPropertiesRecord",
     "TensorRecord",
-    "data_file_index",
     "decode_metadata",
     "encode_metadata",
     "item_holders",
@@ -78,13 +76,6 @@ def tensor_dtype_name(dtype: torch.dtype) -> str:
     if name is None:
         raise FormatError(f"dtype {dtype} cannot be stored as raw bytes")
     return name
-
-
-def data_file_index(name: str) -> int:
-    """``"data-00003.bin"`` -> 3; anything else is not a data file name."""
-    if data_file_name(n := int(name[5:10]) if name[5:10].isdigit() else 0) != name:
-        raise FormatError(f"{name!r} is not a data file name")
-    return n
 
 
 # ------------------------------------------------------------------------------ records

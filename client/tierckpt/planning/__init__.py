@@ -2,8 +2,8 @@
 
 * ``placement``: sticky node ranks and peers across failure domains (the operator, the demo);
 * ``retention``: which steps of a rank directory may go (the client, the replicator, the CLI);
-* ``restore``: which step a whole job restores and from which tier each rank reads it;
-* ``steps``: the newest step every rank holds.
+* ``restore_plan``: which step a whole job restores and from which tier each rank reads it;
+* ``common_step``: the newest step every rank holds.
 
 Pure functions over plain values: no files, sockets, clocks or torch. They import only
 ``tierckpt.protocol``.

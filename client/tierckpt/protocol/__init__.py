@@ -9,6 +9,7 @@ What lives here, one module per concept:
 * ``leases``: readers' claims on committed steps;
 * ``contract``: environment, annotations, labels and the CSI volume that connect pods to the system;
 * ``control``: the control files and control-API messages (peers, plans, policies, inventories);
+* ``orbax``: the ramdisk file protocol of stock Orbax multi-tier checkpointing, and its messages;
 * ``api``: the control API's endpoints, and ``client``: the one client of it;
 * ``tokens``: the bearer token read from a mounted file;
 * ``bucket_layout``: every object key of a GCS backup;

@@ -27,6 +27,7 @@ from tierckpt.protocol.control import (
     RestorePlan,
 )
 from tierckpt.protocol.format import JOB_ID_PATTERN
+from tierckpt.protocol.orbax import OrbaxSession
 
 __all__ = [
     "BACKUP",
@@ -39,6 +40,7 @@ __all__ = [
     "PATH_PARAMS",
     "PORTS",
     "PURGE",
+    "PUT_ORBAX_SESSION",
     "PUT_PEERS",
     "PUT_POLICY",
     "PUT_RESTORE_PLAN",
@@ -188,6 +190,18 @@ PUT_RESTORE_PLAN = Endpoint(
     "Store the job's restore plan (control/restore.json) unless an older generation, and stage this "
     "node's ranks from it (the same plan again does not restart staging).",
 )
+PUT_ORBAX_SESSION = Endpoint(
+    "put_orbax_session",
+    "PUT",
+    "/v1/jobs/{job}/orbax-session",
+    OrbaxSession,
+    OrbaxSession,
+    200,
+    (*_PUT, 503),
+    "Orbax mode: store this node's session of the job (its process id and the JAX coordinator for a "
+    "restart attempt, written to jax-init-info.txt) if its generation is newer (the same session "
+    "again is 200); a session for another node is a 400.",
+)
 BACKUP = Endpoint(
     "backup",
     "POST",
@@ -295,6 +309,7 @@ ENDPOINTS: tuple[Endpoint, ...] = (
     PUT_PEERS,
     PUT_POLICY,
     PUT_RESTORE_PLAN,
+    PUT_ORBAX_SESSION,
     BACKUP,
     RESTORE,
     PURGE,

@@ -47,6 +47,7 @@ from tierckpt.protocol.control import (
 )
 from tierckpt.protocol.errors import ContractError, FormatError, RetryableError
 from tierckpt.protocol.identity import TlsCredentials, node_server_name
+from tierckpt.protocol.orbax import OrbaxSession
 from tierckpt.protocol.tokens import TokenFile
 
 __all__ = [
@@ -345,6 +346,12 @@ class ReplicatorClient(_Client):
         req = self._req(api.PUT_RESTORE_PLAN, endpoint, job=plan.job, body=plan, node=node)
         return _must(await self._call(req, RestorePlan))
 
+    async def put_orbax_session(
+        self, endpoint: str, session: OrbaxSession, *, node: str | None = None
+    ) -> OrbaxSession:
+        req = self._req(api.PUT_ORBAX_SESSION, endpoint, job=session.job, body=session, node=node)
+        return _must(await self._call(req, OrbaxSession))
+
     async def backup(
         self, endpoint: str, job: str, *, timeout: float | None = None, node: str | None = None
     ) -> BackupResult:
@@ -492,6 +499,12 @@ class SyncReplicatorClient(_Client):
     def put_restore_plan(self, endpoint: str, plan: RestorePlan, *, node: str | None = None) -> RestorePlan:
         req = self._req(api.PUT_RESTORE_PLAN, endpoint, job=plan.job, body=plan, node=node)
         return _must(self._call(req, RestorePlan))
+
+    def put_orbax_session(
+        self, endpoint: str, session: OrbaxSession, *, node: str | None = None
+    ) -> OrbaxSession:
+        req = self._req(api.PUT_ORBAX_SESSION, endpoint, job=session.job, body=session, node=node)
+        return _must(self._call(req, OrbaxSession))
 
     def backup(
         self, endpoint: str, job: str, *, timeout: float | None = None, node: str | None = None

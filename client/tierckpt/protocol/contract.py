@@ -24,6 +24,7 @@ from tierckpt.protocol.errors import ContractError
 
 __all__ = [
     "CONTRACT_VERSION",
+    "MODES",
     "Annotations",
     "Csi",
     "Env",
@@ -65,6 +66,12 @@ class Annotations:
     """On a JobSet: ``"true"`` opts it in."""
     CONFIG = "tierckpt.io/config"
     """On a JobSet: the name of the CheckpointConfiguration to use."""
+    MODE = "tierckpt.io/mode"
+    """On a JobSet: how its processes checkpoint. ``native`` (the default): tierckpt's client. ``orbax``:
+    stock Orbax multi-tier checkpointing (as MaxText uses it), through the ramdisk file protocol of GKE's
+    replicator; the job directory is mounted at the configuration's ``ramdisk.mountRoot`` (Orbax's
+    ``local_checkpoint_directory``), and each node's replicator writes ``jax-init-info.txt``
+    (docs/orbax.md)."""
     NODE_RANK = "tierckpt.io/node-rank"
     """On a pod: its node rank, written by the operator once the pod is scheduled."""
     NUM_NODES = "tierckpt.io/num-nodes"
@@ -77,6 +84,10 @@ class Annotations:
     JobSet's own index-0 pod is not necessarily rank 0."""
     REPLICATOR_ENDPOINT = "tierckpt.io/replicator-endpoint"
     """On a replicator pod (optional): its control API URL, overriding ``http://<pod IP>:<port>``."""
+
+
+MODES = ("native", "orbax")
+"""The values of ``Annotations.MODE``."""
 
 
 class Labels:

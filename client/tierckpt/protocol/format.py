@@ -119,7 +119,9 @@ Dir: TypeAlias = str | os.PathLike[str] | Beneath
 """A directory a format function works in: a confined tree (``Beneath``, or a view of one), or a path
 (opened as a tree: the path's parent is followed as given, nothing at or below the path is)."""
 
-ManifestKind = Literal["state_dict", "dcp"]
+ManifestKind = Literal["state_dict", "dcp", "orbax"]
+"""Who wrote a step: ``Checkpointer``, the DCP adapter, or stock Orbax (a step the replicator adopted,
+``tierckpt.protocol.orbax``; its files and directories are in ``extra["orbax"]``)."""
 
 
 # --------------------------------------------------------------------------------------------- names

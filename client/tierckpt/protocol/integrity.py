@@ -22,7 +22,6 @@ __all__ = [
     "crc32c_combine",
     "crc32c_concat",
     "crc32c_file",
-    "crc32c_hex",
     "crc32c_zeros",
 ]
 
@@ -81,11 +80,6 @@ def crc32c_address(address: int, length: int, crc: int = 0) -> int:
     for start in range(0, length, _READ_CHUNK):  # fallback: copy bounded chunks through the Python API
         crc = crc32c(ctypes.string_at(address + start, min(_READ_CHUNK, length - start)), crc)
     return crc
-
-
-def crc32c_hex(value: int) -> str:
-    """The 8-digit lowercase hex form used in manifests."""
-    return f"{value:08x}"
 
 
 def crc32c_file(path: str | os.PathLike[str] | int, *, offset: int = 0, length: int | None = None) -> int:

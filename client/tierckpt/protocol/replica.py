@@ -29,13 +29,10 @@ import re
 import uuid
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import Literal, Protocol
 
 from tierckpt.protocol.codec import Record
 from tierckpt.protocol.errors import FormatError
-
-if TYPE_CHECKING:
-    from tierckpt.protocol.format import FileEntry, TensorEntry
 
 __all__ = [
     "NODE_MARK_NAME",
@@ -69,7 +66,37 @@ def group_id(members: Sequence[int]) -> str:
     return "g" + hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
 
 
-def content_key(files: Iterable[FileEntry], tensors: Iterable[TensorEntry]) -> str:
+class _File(Protocol):
+    """What ``content_key`` reads of a manifest's file entry (``format.FileEntry``)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def size(self) -> int: ...
+    @property
+    def crc32c(self) -> int: ...
+
+
+class _Tensor(Protocol):
+    """What ``content_key`` reads of a manifest's tensor entry (``format.TensorEntry``)."""
+
+    @property
+    def key(self) -> str: ...
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+    @property
+    def file(self) -> str: ...
+    @property
+    def offset(self) -> int: ...
+    @property
+    def length(self) -> int: ...
+    @property
+    def crc32c(self) -> int: ...
+
+
+def content_key(files: Iterable[_File], tensors: Iterable[_Tensor]) -> str:
     """32 hex digits identifying a step's tensor content: a hash of its data files' names, sizes and
     crc32c and of its tensor table (keys, dtypes, shapes, places, crc32c). Objects, tree, rank and times
     are not part of it: two members' steps have the same key exactly when their data files hold the same

@@ -343,10 +343,6 @@ class SlotPool:
             self._warming = self._warmer.submit(self._warm_up)
             return self._warming
 
-    def fill_spares(self, plan: LayoutPlan) -> None:
-        """Prepare every slot the pool lacks now (blocking)."""
-        self.warm(plan).result()
-
     def _warm_up(self) -> None:
         grace = time.monotonic() + SHARED_GRACE
         try:

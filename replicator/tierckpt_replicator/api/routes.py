@@ -28,6 +28,7 @@ from tierckpt.protocol.control import (
     RestorePlan,
 )
 from tierckpt.protocol.errors import RetryableError, TierckptError
+from tierckpt.protocol.orbax import OrbaxSession
 from tierckpt_replicator.api.auth import Authorizer, check_path_param, query_flag, read_message
 from tierckpt_replicator.api.openapi import install_openapi, route_docs
 from tierckpt_replicator.metrics import CONTENT_TYPE, Metrics
@@ -51,6 +52,7 @@ class Controls(Protocol):
     async def put_peers(self, assignment: PeerAssignment) -> tuple[bool, PeerAssignment]: ...
     async def put_plan(self, plan: RestorePlan) -> tuple[bool, RestorePlan]: ...
     async def put_policy(self, policy: JobPolicy) -> tuple[bool, JobPolicy]: ...
+    async def put_orbax_session(self, session: OrbaxSession) -> tuple[bool, OrbaxSession]: ...
     async def backup_now(self, job: str) -> int | None: ...
     async def restore(self, job: str) -> None: ...
     async def purge(self, job: str, *, bucket: bool = False) -> bool: ...
@@ -129,6 +131,20 @@ def handlers(c: Controls, app: FastAPI) -> dict[str, Handler]:
             raise HTTPException(409, f"generation {plan.generation} is older than {current.generation}")
         return current
 
+    async def put_orbax_session(request: Request, job: str) -> OrbaxSession:
+        session = await read_message(request, OrbaxSession, limit=limit, job=job)
+        if session.node != c.settings.node_name:
+            raise HTTPException(400, f"a session for node {session.node!r} sent to {c.settings.node_name!r}")
+        try:
+            stored, current = await c.put_orbax_session(session)
+        except LookupError as exc:
+            raise HTTPException(503, str(exc)) from exc
+        if not stored:
+            raise HTTPException(
+                409, f"generation {session.generation} is not newer than {current.generation}"
+            )
+        return current
+
     async def backup(request: Request, job: str) -> BackupResult:
         try:
             step = await c.backup_now(job)
@@ -166,5 +182,15 @@ def handlers(c: Controls, app: FastAPI) -> dict[str, Handler]:
     async def metrics(request: Request) -> Response:
         return Response(content=c.metrics.render(), media_type=CONTENT_TYPE)
 
-    found = (inventory, put_peers, put_policy, put_restore_plan, backup, restore, purge, status)
+    found = (
+        inventory,
+        put_peers,
+        put_policy,
+        put_restore_plan,
+        put_orbax_session,
+        backup,
+        restore,
+        purge,
+        status,
+    )
     return {f.__name__: f for f in (*found, job_metrics, openapi, healthz, readyz, metrics)}

@@ -3,7 +3,8 @@
 
 Each job is backed up by the ``BackupService`` of its *effective* settings: the node's flags
 (``--gcs-*``, ``--backup-*``, ``node_backup_settings``) overridden by the job's ``policy.json``
-(``JobPolicy``, sent by the operator from the CheckpointConfiguration; ``effective_settings``).
+(``JobPolicy``, sent by the operator from the CheckpointConfiguration; ``effective_settings``), and for
+an Orbax-mode job the backup interval its ``replicator.yaml`` asked for (``orbax_state.OrbaxStore``).
 Services are built on first use, one per distinct settings (bucket, prefix, schedule, retention), which
 is when google-cloud-storage is first imported: this module imports no other part of the backup
 package at load time, so a node without ``--gcs-bucket`` whose jobs name no bucket never loads it.
@@ -23,6 +24,7 @@ from tierckpt.protocol.control import JobPolicy
 from tierckpt.protocol.errors import MissingCheckpointError
 from tierckpt.protocol.format import Dir
 from tierckpt.protocol.safefs import Beneath
+from tierckpt_replicator.orbax_state import OrbaxStore
 from tierckpt_replicator.policies import PolicyStore
 from tierckpt_replicator.quota import JobQuotas
 from tierckpt_replicator.settings import Settings
@@ -92,14 +94,25 @@ class BackupPort(Protocol):
     async def close(self) -> None: ...
 
 
-def effective_settings(node: BackupSettings, policy: JobPolicy | None) -> BackupSettings | None:
+def effective_settings(
+    node: BackupSettings, policy: JobPolicy | None, schedule: tuple[int, float] | None = None
+) -> BackupSettings | None:
     """The node's backup settings with the job's policy applied; None if no bucket is named anywhere.
 
     A policy always sets the schedule and retention; its bucket (with its prefix) replaces the node's
-    when it names one, else the node's bucket and prefix stay.
+    when it names one, else the node's bucket and prefix stay. ``schedule`` (``(interval_steps,
+    interval_seconds)``: the interval an Orbax-mode job asked for in its ``replicator.yaml``) replaces
+    the schedule, whatever the policy says.
     """
+    settings = _with_policy(node, policy)
+    if schedule is not None:
+        settings = dataclasses.replace(settings, interval_steps=schedule[0], interval_seconds=schedule[1])
+    return settings if settings.enabled else None
+
+
+def _with_policy(node: BackupSettings, policy: JobPolicy | None) -> BackupSettings:
     if policy is None:
-        return node if node.enabled else None
+        return node
     settings = dataclasses.replace(
         node,
         interval_steps=policy.backup_interval_steps,
@@ -110,7 +123,7 @@ def effective_settings(node: BackupSettings, policy: JobPolicy | None) -> Backup
     )
     if policy.bucket:
         settings = dataclasses.replace(settings, bucket=policy.bucket, prefix=policy.prefix)
-    return settings if settings.enabled else None
+    return settings
 
 
 def node_backup_settings(settings: Settings) -> BackupSettings:
@@ -136,9 +149,16 @@ class JobBackups:
     """The ``BackupPort``: routes each job to the ``BackupService`` of its effective settings."""
 
     def __init__(
-        self, settings: Settings, *, policies: PolicyStore, registry: CollectorRegistry | None = None
+        self,
+        settings: Settings,
+        *,
+        policies: PolicyStore,
+        registry: CollectorRegistry | None = None,
+        orbax: OrbaxStore | None = None,
     ) -> None:
         self.settings, self.policies, self.registry = settings, policies, registry
+        self.orbax = orbax or OrbaxStore(settings.root)
+        """Orbax-mode jobs' state: the backup interval each asked for replaces its policy's schedule."""
         self.quotas = JobQuotas(settings.root, policies, settings.job_quota)
         self._node: BackupSettings | None = None
         self._metrics: BackupMetrics | None = None
@@ -168,7 +188,7 @@ class JobBackups:
         """The job's service under its current policy (built on first use), or None without a bucket."""
         policy = self.policies.get(job)
         named = self.settings.gcs_bucket or (policy is not None and policy.bucket)
-        settings = effective_settings(self.node_settings, policy) if named else None
+        settings = effective_settings(self.node_settings, policy, self.orbax.schedule(job)) if named else None
         before = self._bound.get(job)
         if settings is None:
             self._unbind(job)

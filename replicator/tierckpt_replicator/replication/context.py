@@ -2,10 +2,11 @@
 
 ``connect`` opens a connection to a peer's data endpoint and, with ``--auth tls``, completes the TLS
 handshake before anything is sent: the peer must present a certificate of the tierckpt CA naming the
-node the assignment says (its TLS server name), and this node presents its own. ``secure`` is the
-server side: the handshake of an accepted connection (client certificate required) and the identity
-that certificate names. With legacy ``--auth token`` both are plain TCP and the requests carry the
-shared token (``DataContext.token``).
+node the assignment says (its TLS server name), and this node presents its own; then it turns the
+connection into a sealed channel (``channel.open_channel``). ``secure`` is the server side: the
+handshake of an accepted connection (client certificate required) and the identity that certificate
+names (the data server then accepts the channel). With legacy ``--auth token`` both are plain TCP and
+the requests carry the shared token (``DataContext.token``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from tierckpt_replicator.assignments import AssignmentStore, load_static
 from tierckpt_replicator.identity import check_node_files
 from tierckpt_replicator.policies import PolicyStore
 from tierckpt_replicator.quota import JobQuotas
+from tierckpt_replicator.replication.channel import DataConnection, open_channel
 from tierckpt_replicator.replication.ipc import PeerAddress, WorkerConfig
 from tierckpt_replicator.replication.pacing import Deadline
 from tierckpt_replicator.replication.throttle import TokenBucket
@@ -107,21 +109,28 @@ class DataContext:
         check_node_files(files, self.config.node)
 
 
-def connect(ctx: DataContext, peer: PeerAddress) -> socket.socket:
-    """A connected socket to ``peer``'s data endpoint, with the transfer timeout set. With TLS, the
-    handshake is done and ``peer.node``'s certificate verified (``ssl.SSLError`` otherwise) before the
-    caller sends a byte."""
+def connect(ctx: DataContext, peer: PeerAddress) -> DataConnection:
+    """A connection to ``peer``'s data endpoint, with the transfer timeout set. With TLS, the handshake
+    is done and ``peer.node``'s certificate verified (``ssl.SSLError`` otherwise) before the caller
+    sends a byte, and the connection is a sealed channel (a peer that refuses one: ``ProtocolError``)."""
     sock = socket.create_connection((peer.host, peer.port), timeout=ctx.config.connect_timeout)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     tls = ctx.credentials()
-    if tls is not None:
-        try:
-            sock = tls.client(named=True).wrap_socket(sock, server_hostname=node_server_name(peer.node))
-        except BaseException:
-            sock.close()
-            raise
-    sock.settimeout(ctx.config.transfer_timeout)
-    return sock
+    if tls is None:
+        sock.settimeout(ctx.config.transfer_timeout)
+        return sock
+    try:
+        wrapped = tls.client(named=True).wrap_socket(sock, server_hostname=node_server_name(peer.node))
+    except BaseException:
+        sock.close()
+        raise
+    try:
+        channel = open_channel(wrapped)
+    except BaseException:
+        wrapped.close()
+        raise
+    channel.settimeout(ctx.config.transfer_timeout)
+    return channel
 
 
 def secure(ctx: DataContext, conn: socket.socket, deadline: Deadline) -> tuple[socket.socket, Peer | None]:

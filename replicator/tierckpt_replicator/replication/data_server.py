@@ -61,6 +61,7 @@ from tierckpt.protocol.safefs import Beneath
 from tierckpt_replicator.access import data_refusal
 from tierckpt_replicator.connlimits import Admission, ConnectionLimits, close_now
 from tierckpt_replicator.quota import OverQuotaError
+from tierckpt_replicator.replication.channel import DataConnection, SealedChannel, accept_channel, is_hello
 from tierckpt_replicator.replication.context import DataContext, secure, unique_holder
 from tierckpt_replicator.replication.erasure import fragment_name
 from tierckpt_replicator.replication.fragments import (
@@ -88,8 +89,9 @@ from tierckpt_replicator.replication.wire import (
     DataRequest,
     ProtocolError,
     Status,
+    decode_frame,
+    recv_body,
     recv_exact,
-    recv_frame,
     send_frame,
 )
 from tierckpt_replicator.stepio import (
@@ -197,21 +199,29 @@ class DataServer:
 
     # ------------------------------------------------------------------ one connection
 
-    def _serve(self, conn: socket.socket, addr: tuple[str, int], admission: Admission) -> None:
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    def _serve(self, sock: socket.socket, addr: tuple[str, int], admission: Admission) -> None:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        conn: DataConnection = sock
         slot = False
         try:
             # The handshake, all of it under one deadline (shorter while the port is crowded): TLS
-            # (``--auth tls``; the peer's identity), then the request frame. ``conn`` is the TLS socket
-            # from here on, so the error reply to a malformed frame goes through TLS too (found by
-            # tests/replicator/test_fuzz.py: it went out in clear text, which the peer's TLS layer can
-            # only take as a broken connection).
+            # (``--auth tls``; the peer's identity), the sealed channel if the peer asks for one, then
+            # the request frame. ``conn`` is the TLS socket, then the channel, from the moment each is
+            # up, so an error reply goes through what the peer expects (found by
+            # tests/replicator/test_fuzz.py: a reply went out in clear text, which the peer's TLS layer
+            # can only take as a broken connection).
             deadline = Deadline(admission.deadline, "the request")
             try:
-                conn, peer = secure(self.ctx, conn, deadline)
+                tls, peer = secure(self.ctx, sock, deadline)
+                conn = tls
                 if peer is not None:  # a certificate of the CA: never shed for a newcomer from now on
                     admission.authenticated()
-                req = recv_frame(conn, DataRequest, deadline=deadline)
+                body = recv_body(conn, deadline=deadline)
+                hello = is_hello(body)
+                if hello is not None:
+                    conn = accept_channel(tls, hello, deadline)
+                    body = recv_body(conn, deadline=deadline)
+                req = decode_frame(DataRequest, body)
             except (OSError, ProtocolError) as exc:
                 if not admission.was_shed:
                     raise
@@ -223,6 +233,8 @@ class DataServer:
             if not slot:
                 raise _Reject(Status.BUSY, f"already serving {self.ctx.config.max_incoming} transfers")
             conn.settimeout(self.ctx.config.transfer_timeout)  # a silent peer: caught within a window
+            if isinstance(conn, SealedChannel):
+                conn.allow_bulk()
             handlers = {
                 "put": self._put,
                 "get": self._get,
@@ -283,7 +295,7 @@ class DataServer:
         return RateFloor(cfg.min_transfer_rate, cfg.transfer_timeout)
 
     @staticmethod
-    def _reply(conn: socket.socket, reply: DataReply, payload: bytes = b"") -> None:
+    def _reply(conn: DataConnection, reply: DataReply, payload: bytes = b"") -> None:
         with contextlib.suppress(OSError):
             send_frame(conn, reply, payload)
 
@@ -301,7 +313,7 @@ class DataServer:
 
     # ------------------------------------------------------------------ put
 
-    def _put(self, conn: socket.socket, req: DataRequest) -> None:
+    def _put(self, conn: DataConnection, req: DataRequest) -> None:
         header = self._read_header(conn, req)
         self._within_quota(req, header.manifest)
         with open_job(self.ctx.root, req.job, create=True) as job:
@@ -414,7 +426,7 @@ class DataServer:
         log.info("replica %s rank %d step %d: receiving every file (%s)", req.job, req.rank, req.step, why)
         return 0
 
-    def _read_header(self, conn: socket.socket, req: DataRequest) -> StepHeader:
+    def _read_header(self, conn: DataConnection, req: DataRequest) -> StepHeader:
         limit = self.ctx.config.max_manifest_bytes
         for what, size in (("commit", req.commit_size), ("manifest", req.manifest_size)):
             if not 0 < size <= limit:
@@ -428,7 +440,7 @@ class DataServer:
             raise _Reject(Status.BAD_REQUEST, f"bad step header: {exc}") from exc
 
     def _receive_replica(
-        self, conn: socket.socket, req: DataRequest, writer: StepWriter, linked: bool = False
+        self, conn: DataConnection, req: DataRequest, writer: StepWriter, linked: bool = False
     ) -> tuple[int, str]:
         """Preallocate, say continue, receive and verify, commit. Returns (status, message)."""
         return self._receive(
@@ -437,7 +449,7 @@ class DataServer:
 
     def _receive(
         self,
-        conn: socket.socket,
+        conn: DataConnection,
         req: DataRequest,
         writer: StepWriter | FragmentWriter,
         body: Callable[[], None],
@@ -495,7 +507,7 @@ class DataServer:
 
     # ------------------------------------------------------------------ get
 
-    def _get(self, conn: socket.socket, req: DataRequest) -> None:
+    def _get(self, conn: DataConnection, req: DataRequest) -> None:
         missing = _Reject(Status.NOT_FOUND, f"no committed copy of {req.job} rank {req.rank} step {req.step}")
         try:
             job = open_job(self.ctx.root, req.job)
@@ -508,7 +520,7 @@ class DataServer:
             rank, path = found
             self._send_step(conn, req, rank, path)
 
-    def _send_step(self, conn: socket.socket, req: DataRequest, rank: Beneath, path: Beneath) -> None:
+    def _send_step(self, conn: DataConnection, req: DataRequest, rank: Beneath, path: Beneath) -> None:
         started = time.monotonic()
         try:
             lease = leases.hold(rank, req.step, unique_holder(self.ctx.config.holder))
@@ -555,7 +567,7 @@ class DataServer:
 
     # ------------------------------------------------------------------ fragments
 
-    def _fragment(self, conn: socket.socket, req: DataRequest) -> None:
+    def _fragment(self, conn: DataConnection, req: DataRequest) -> None:
         """Receive one erasure-coded fragment of a rank's step (this node holds at most one per step)."""
         header = self._read_fragment_header(conn, req)
         self._within_quota(req, header.step.manifest, fragment=header.size)
@@ -599,7 +611,7 @@ class DataServer:
         )
         self._event(req, status, bytes=total, seconds=seconds, message=message)
 
-    def _read_fragment_header(self, conn: socket.socket, req: DataRequest) -> FragmentHeader:
+    def _read_fragment_header(self, conn: DataConnection, req: DataRequest) -> FragmentHeader:
         limit = self.ctx.config.max_manifest_bytes
         sizes = (("commit", req.commit_size), ("manifest", req.manifest_size), ("erasure", req.erasure_size))
         for what, size in sizes:
@@ -613,7 +625,7 @@ class DataServer:
             raise _Reject(Status.BAD_REQUEST, f"bad fragment header: {exc}") from exc
 
     def _receive_fragment(
-        self, conn: socket.socket, req: DataRequest, writer: FragmentWriter
+        self, conn: DataConnection, req: DataRequest, writer: FragmentWriter
     ) -> tuple[int, str]:
         def body() -> None:
             fd = writer.open()
@@ -625,7 +637,7 @@ class DataServer:
 
         return self._receive(conn, req, writer, body, "fragment committed")
 
-    def _get_fragment(self, conn: socket.socket, req: DataRequest) -> None:
+    def _get_fragment(self, conn: DataConnection, req: DataRequest) -> None:
         """Serve this node's fragment of a rank's step: its headers, then its bytes."""
         missing = _Reject(Status.NOT_FOUND, f"no fragment of {req.job} rank {req.rank} step {req.step}")
         started = time.monotonic()
@@ -671,7 +683,7 @@ class DataServer:
 
     # ------------------------------------------------------------------ corrupt
 
-    def _corrupt(self, conn: socket.socket, req: DataRequest) -> None:
+    def _corrupt(self, conn: DataConnection, req: DataRequest) -> None:
         message = "no replica held"
         try:
             job = open_job(self.ctx.root, req.job)
@@ -686,7 +698,7 @@ class DataServer:
 
     # ------------------------------------------------------------------ retire
 
-    def _retire(self, conn: socket.socket, req: DataRequest) -> None:
+    def _retire(self, conn: DataConnection, req: DataRequest) -> None:
         """Drop this node's replicas of a rank (that step and older ones) its primary says are surplus.
         Only the node that runs the rank in this node's own peer assignment may ask (a peer of the job
         cannot drop another node's copies). A step the published restore plan names, or one a reader
@@ -760,7 +772,7 @@ class DataServer:
         return message
 
 
-def _close_gently(conn: socket.socket) -> None:
+def _close_gently(conn: DataConnection) -> None:
     """Close after the peer has read our last reply. A refused request may leave bytes the peer
     already sent unread (a payload after a refused header, garbage); closing over them makes the
     kernel answer with a reset, which can destroy the reply before the peer reads it. So: end our
@@ -768,7 +780,7 @@ def _close_gently(conn: socket.socket) -> None:
     then close."""
     deadline = time.monotonic() + _LINGER_SECONDS
     drained = 0
-    with contextlib.suppress(OSError):
+    with contextlib.suppress(OSError, ProtocolError):
         conn.shutdown(socket.SHUT_WR)
         while drained < _LINGER_BYTES and (left := deadline - time.monotonic()) > 0:
             conn.settimeout(left)
@@ -800,7 +812,7 @@ class _Shed:
                 self._dup = None
 
 
-def _receive_all(conn: socket.socket, writer: StepWriter, floor: RateFloor) -> None:
+def _receive_all(conn: DataConnection, writer: StepWriter, floor: RateFloor) -> None:
     """Receive every file; a crc mismatch is raised only after the stream is drained (protocol in sync)."""
     bad: CorruptShardError | None = None
     for f in writer.pending():

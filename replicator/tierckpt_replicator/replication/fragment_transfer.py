@@ -22,7 +22,6 @@ import logging
 import os
 import secrets
 import shutil
-import socket
 import ssl
 import time
 from collections.abc import Callable, Iterator
@@ -39,6 +38,7 @@ from tierckpt.protocol.errors import (
 )
 from tierckpt.protocol.format import STATE_DIR_NAME, read_commit, state_dir
 from tierckpt_replicator.quota import OverQuotaError
+from tierckpt_replicator.replication.channel import DataConnection
 from tierckpt_replicator.replication.context import DataContext, connect, unique_holder
 from tierckpt_replicator.replication.erasure import decode_streams, encode_streams, fragment_name
 from tierckpt_replicator.replication.fragments import FragmentHeader, parse_fragment_header
@@ -183,6 +183,8 @@ def push_fragment(
         return Outcome(peer.node, "unauthorized", f"TLS with {peer.host}:{peer.port}: {exc}", index=index)
     except OSError as exc:
         return Outcome(peer.node, "unreachable", f"connect {peer.host}:{peer.port}: {exc}", index=index)
+    except ProtocolError as exc:  # the peer refused a sealed channel
+        return Outcome(peer.node, "failed", f"connect {peer.host}:{peer.port}: {exc}", index=index)
     try:
         with sock, open(path, "rb", buffering=0) as f:
             send_frame(sock, req, header.commit_bytes + header.manifest_bytes + erasure)
@@ -269,6 +271,8 @@ def _fetch_fragment(
         return Outcome(source.node, "unauthorized", f"TLS with {source.host}:{source.port}: {exc}"), None
     except OSError as exc:
         return Outcome(source.node, "unreachable", f"connect {source.host}:{source.port}: {exc}"), None
+    except ProtocolError as exc:  # the peer refused a sealed channel
+        return Outcome(source.node, "failed", f"connect {source.host}:{source.port}: {exc}"), None
     try:
         with sock:
             return _receive_fragment(ctx, task, sock, source, scratch, first, got, progress, started)
@@ -285,7 +289,7 @@ def _fetch_fragment(
 def _receive_fragment(
     ctx: DataContext,
     task: RebuildTask,
-    sock: socket.socket,
+    sock: DataConnection,
     source: FetchSource,
     scratch: Path,
     first: FragmentHeader | None,

@@ -10,11 +10,17 @@ committed).
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Callable
+from typing import Protocol
 
-__all__ = ["Deadline", "RateFloor"]
+__all__ = ["Deadline", "RateFloor", "Timed"]
+
+
+class Timed(Protocol):
+    """Anything with a socket's timeout: a socket, a TLS socket, a ``channel.SealedChannel``."""
+
+    def settimeout(self, value: float | None, /) -> None: ...
 
 
 class Deadline:
@@ -27,7 +33,7 @@ class Deadline:
     def left(self) -> float:
         return self.at - self._clock()
 
-    def arm(self, sock: socket.socket) -> None:
+    def arm(self, sock: Timed) -> None:
         left = self.left()
         if left <= 0:
             raise TimeoutError(f"{self.what} not done within {self.seconds:g}s")

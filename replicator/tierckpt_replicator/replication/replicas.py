@@ -17,28 +17,14 @@ from tierckpt.protocol import leases
 from tierckpt.protocol.control import RestorePlan, read_control
 from tierckpt.protocol.errors import FormatError
 from tierckpt.protocol.format import committed_steps, discard_step, read_commit
-from tierckpt.protocol.safefs import Beneath
 from tierckpt_replicator.inventory import list_jobs
 from tierckpt_replicator.replication.fragments import fragment_trees
 from tierckpt_replicator.replication.replica_retention import replicas_to_drop
 from tierckpt_replicator.stepio import open_job, rank_trees, step_name
 
-__all__ = [
-    "apply_retention",
-    "client_headroom",
-    "drop_above",
-    "free_bytes",
-    "held_replicas",
-    "make_room",
-    "pinned_steps",
-]
+__all__ = ["apply_retention", "client_headroom", "drop_above", "free_bytes", "make_room", "pinned_steps"]
 
 log = logging.getLogger(__name__)
-
-
-def held_replicas(job: Beneath) -> dict[int, list[int]]:
-    """Rank -> committed replica steps this node holds in the job tree ``job``."""
-    return {r: committed_steps(tree) for r, tree in rank_trees(job, "replica").items()}
 
 
 def pinned_steps(root: Path, job: str) -> set[int]:

@@ -2,10 +2,12 @@
 
 Sending (``send_file``): ``socket.sendfile`` (the kernel sends straight from the tmpfs page cache;
 the default), or, with ``method="mmap"``, a read-only mapping handed to ``sendall`` in 4 MiB slices;
-on a TLS socket the bytes are read into a 1 MiB block and sent from there (they must reach user space
-to be encrypted). Measured on the development VM (2 vCPUs, Linux 6.18, veth; bench/replicator_bench.py):
-sendfile moves a 256 MiB step 5-18% faster than the mapping (median 11%, 14 runs). Chunks let the
-token bucket and the progress callback act every few MiB.
+on a sealed channel (``channel``, mutual TLS) each 1 MiB record is encrypted straight from a read-only
+mapping (encrypting from the page cache costs 0.25 CPU-s/GiB on the development VM, reading into a
+block first 0.33); on a TLS socket (a peer that keeps to TLS records) the bytes are read into a 1 MiB
+block and handed to ``ssl``. Measured on the development VM (2 vCPUs, Linux 6.18, veth;
+bench/replicator_bench.py): sendfile moves a 256 MiB step 5-18% faster than the mapping (median 11%,
+14 runs). Chunks let the token bucket and the progress callback act every few MiB.
 
 Receiving (``receive_file``, ``copy_file``): the destination was preallocated
 (``stepio.create_preallocated``: a full ramdisk fails before a byte is read). One thread
@@ -31,10 +33,17 @@ splice socket -> pipe (1 MiB) -> file, crc32c     0.84-0.94 /   no user-space co
 read back from a mapping (or pread)               0.26-0.31     read the pages back
 ================================================  ============  ===========================================
 
+On a sealed channel ``recv_into`` opens each 1 MiB record straight into the block (AES-256-GCM,
+about 0.1 CPU-s/GiB with the OpenSSL ``cryptography`` bundles), so the loop costs the plain one plus
+the decryption. Over Python's ``ssl`` the same loop got one 16 KiB record per call (two ``recv``
+system calls, and a crc32c, a ``pwrite`` and the callbacks each 16 KiB): 1.3-2.1 CPU-s/GiB against
+0.5-0.7 sealed (docs/benchmarks.md, "Tier 2: the sealed channel").
+
 So the receiver is at its floor: the data path's receiver spends what ``recv_into`` + ``pwrite`` spends
-plus the crc32c. What remains between it and raw TCP into the ramdisk is the sender reading the
-ramdisk (``sendfile`` of small tmpfs pages: ~0.4 CPU-s/GiB against ~0.2 for a cached buffer) and the
-protocol's fixed costs (lease, header, commit). Ratios and figures: docs/benchmarks.md.
+plus the crc32c (and, sealed, the decryption). What remains between it and raw TCP into the ramdisk is
+the sender reading the ramdisk (``sendfile`` of small tmpfs pages: ~0.4 CPU-s/GiB against ~0.2 for a
+cached buffer; sealed, the encryption) and the protocol's fixed costs (lease, header, commit). Ratios
+and figures: docs/benchmarks.md.
 
 Every function takes open descriptors, never paths: the callers open files through the job's
 ``Beneath`` (``tierckpt_replicator.stepio``), so no byte is read from or written to a file reached
@@ -56,8 +65,9 @@ from typing import BinaryIO, Literal
 
 from tierckpt.protocol.errors import FormatError, RamdiskFullError
 from tierckpt.protocol.integrity import crc32c_address
+from tierckpt_replicator.replication.channel import DataConnection, SealedChannel
 from tierckpt_replicator.replication.throttle import TokenBucket
-from tierckpt_replicator.replication.wire import ProtocolError
+from tierckpt_replicator.replication.wire import ProtocolError, Stream
 
 __all__ = [
     "BLOCK",
@@ -109,7 +119,7 @@ class _Buffer:
 
 
 def send_file(
-    sock: socket.socket,
+    sock: DataConnection,
     fd: int,
     size: int,
     *,
@@ -122,24 +132,33 @@ def send_file(
     open); a file of another size raises ``FormatError``. On a TLS socket the bytes must pass through
     user space to be encrypted whatever ``method`` says: they are read into a block and sent from
     there (``SSLSocket.sendfile`` would go 8 KiB at a time, and a mapping could not be closed while a
-    failed TLS send's traceback still holds a view of it)."""
+    failed TLS send's traceback still holds a view of it); on a sealed channel they are encrypted
+    from a read-only mapping."""
     with open(fd, "rb", buffering=0, closefd=False) as f:
         actual = os.fstat(f.fileno()).st_size
         if actual != size:
             raise FormatError(f"{where}: {actual} bytes on disk, manifest says {size}")
         if size == 0:
             return
-        if isinstance(sock, ssl.SSLSocket):
+        if isinstance(sock, SealedChannel):
+            _send_mapped(sock.send_record, f, size, bucket, on_bytes)
+        elif isinstance(sock, ssl.SSLSocket):
             _send_read(sock, f, where, size, bucket, on_bytes)
         elif method == "sendfile":
             _send_spliced(sock, f, where, size, bucket, on_bytes)
         else:
-            _send_mapped(sock, f, size, bucket, on_bytes)
+            _send_mapped(sock.sendall, f, size, bucket, on_bytes)
 
 
 def _send_mapped(
-    sock: socket.socket, f: BinaryIO, size: int, bucket: TokenBucket | None, on_bytes: OnBytes
+    send: Callable[[memoryview], None],
+    f: BinaryIO,
+    size: int,
+    bucket: TokenBucket | None,
+    on_bytes: OnBytes,
 ) -> None:
+    """``send`` the file from a read-only mapping, ``CHUNK`` bytes a call (a sealed channel encrypts
+    straight from the page cache, in records of up to 1 MiB)."""
     mm = mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ)
     try:
         with memoryview(mm) as view:
@@ -147,7 +166,7 @@ def _send_mapped(
                 n = min(CHUNK, size - offset)
                 if bucket is not None:
                     bucket.take(n)
-                sock.sendall(view[offset : offset + n])
+                send(view[offset : offset + n])
                 on_bytes(n)
     finally:
         # A failed send leaves a slice of the mapping referenced by the exception's frames (ssl's
@@ -225,7 +244,7 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
 
 
 def receive_file(
-    sock: socket.socket,
+    sock: Stream,
     fd: int,
     size: int,
     *,
@@ -235,8 +254,8 @@ def receive_file(
 ) -> int:
     """Receive exactly ``size`` bytes into the open, preallocated file ``fd`` (``stepio.StepWriter``),
     fsync it, and return their crc32c (``where`` names the file in errors; it stays open). Works on
-    any socket with ``recv_into``, TLS (``ssl.SSLSocket``) included. ``pace`` hears every ``recv``'s
-    byte count before the bytes are written and may raise (``pacing.RateFloor``)."""
+    anything with ``recv_into``: a socket, TLS (``ssl.SSLSocket``), a sealed channel. ``pace`` hears
+    every ``recv``'s byte count before the bytes are written and may raise (``pacing.RateFloor``)."""
     if size == 0:
         return 0
 

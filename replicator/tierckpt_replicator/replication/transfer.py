@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import ssl
 import time
 from collections.abc import Callable
@@ -34,6 +33,7 @@ from tierckpt.protocol.errors import (
 from tierckpt.protocol.format import discard_step, read_commit
 from tierckpt.protocol.safefs import Beneath
 from tierckpt_replicator.quota import OverQuotaError
+from tierckpt_replicator.replication.channel import DataConnection
 from tierckpt_replicator.replication.context import DataContext, connect, unique_holder
 from tierckpt_replicator.replication.ipc import FetchSource, Outcome, OutcomeStatus, PeerAddress, StepTask
 from tierckpt_replicator.replication.stream import copy_file, receive_file, send_file
@@ -188,7 +188,7 @@ def step_request(
 
 
 def _push(
-    ctx: DataContext, sock: socket.socket, header: StepHeader, path: Beneath, fds: list[int], base_rank: int
+    ctx: DataContext, sock: DataConnection, header: StepHeader, path: Beneath, fds: list[int], base_rank: int
 ) -> tuple[DataReply, int, int]:
     """Send the step; (final reply, bytes sent, bytes the peer linked instead of receiving)."""
     req = step_request(ctx, "put", header, base_rank=base_rank)

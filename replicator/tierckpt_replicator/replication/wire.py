@@ -32,27 +32,38 @@ With ``--auth tls`` the connection is mutual TLS and the request is authorized b
 certificate's identity (``token`` is empty; ``node`` must be the node the certificate names); with
 legacy ``--auth token`` the token is checked (constant time) before anything else is read. Statuses
 follow HTTP's meaning.
+
+Under TLS the client's first frame may be a ``ChannelHello`` instead of the request: the server answers
+with its own, both end TLS and everything after (the request included) travels in sealed records
+(``channel``; what this build's clients do). A first frame that is the request keeps TLS throughout
+(earlier builds).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import socket
 import struct
 from collections.abc import Callable
-from typing import ClassVar, Literal, TypeVar
+from typing import TYPE_CHECKING, ClassVar, Literal, Protocol, TypeVar
 
 from tierckpt.protocol.codec import Message
 from tierckpt.protocol.errors import FormatError, RetryableError
 from tierckpt_replicator.replication.pacing import Deadline
 
+if TYPE_CHECKING:
+    from _typeshed import ReadableBuffer, WriteableBuffer
+
 __all__ = [
     "MAGIC",
     "MAX_FRAME",
+    "ChannelHello",
     "DataReply",
     "DataRequest",
     "ProtocolError",
     "Status",
+    "Stream",
+    "decode_frame",
+    "recv_body",
     "recv_exact",
     "recv_frame",
     "send_frame",
@@ -140,7 +151,29 @@ class DataReply(Message):
         return self.status in (Status.OK, Status.ALREADY, Status.CONTINUE)
 
 
-def send_frame(sock: socket.socket, msg: Message, payload: bytes = b"") -> None:
+@dataclasses.dataclass(frozen=True)
+class ChannelHello(Message):
+    """Each end's half of a sealed channel's keys, sent inside TLS (``channel``)."""
+
+    KIND = "tierckpt.data-channel"
+    VERSION = 1
+
+    random: str
+    """32 random bytes, in hex."""
+    cipher: Literal["aes-256-gcm"] = "aes-256-gcm"
+
+
+class Stream(Protocol):
+    """What frames travel over: a socket (TLS or plain) or a ``channel.SealedChannel``."""
+
+    def sendall(self, data: ReadableBuffer, /) -> None: ...
+
+    def recv_into(self, buffer: WriteableBuffer, nbytes: int = ..., /) -> int: ...
+
+    def settimeout(self, value: float | None, /) -> None: ...
+
+
+def send_frame(sock: Stream, msg: Message, payload: bytes = b"") -> None:
     body = msg.to_bytes()
     if len(body) > MAX_FRAME:
         raise FormatError(f"frame of {len(body)} bytes exceeds {MAX_FRAME}")
@@ -148,7 +181,7 @@ def send_frame(sock: socket.socket, msg: Message, payload: bytes = b"") -> None:
 
 
 def recv_exact(
-    sock: socket.socket,
+    sock: Stream,
     n: int,
     *,
     deadline: Deadline | None = None,
@@ -172,15 +205,25 @@ def recv_exact(
     return bytes(buf)
 
 
-def recv_frame(sock: socket.socket, cls: type[M], *, deadline: Deadline | None = None) -> M:
+def recv_frame(sock: Stream, cls: type[M], *, deadline: Deadline | None = None) -> M:
     """One frame decoded as ``cls``; a bad magic, size or body raises ``ProtocolError`` (status 400).
     With ``deadline`` the whole frame must have arrived by then (``TimeoutError``)."""
+    return decode_frame(cls, recv_body(sock, deadline=deadline))
+
+
+def recv_body(sock: Stream, *, deadline: Deadline | None = None) -> bytes:
+    """One frame's body, not yet decoded (``recv_frame``)."""
     magic, size = _HEADER.unpack(recv_exact(sock, _HEADER.size, deadline=deadline))
     if magic != MAGIC:
         raise ProtocolError(f"bad frame magic {magic!r}", Status.BAD_REQUEST)
     if size > MAX_FRAME:
         raise ProtocolError(f"frame of {size} bytes exceeds {MAX_FRAME}", Status.TOO_LARGE)
+    return recv_exact(sock, size, deadline=deadline)
+
+
+def decode_frame(cls: type[M], body: bytes) -> M:
+    """A frame's body as ``cls``; ``ProtocolError`` (400) if it is not one."""
     try:
-        return cls.from_bytes(recv_exact(sock, size, deadline=deadline))
+        return cls.from_bytes(body)
     except FormatError as exc:
         raise ProtocolError(f"malformed {cls.KIND}: {exc}", Status.BAD_REQUEST) from exc
