@@ -20,7 +20,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
-from tierckpt.planning.retention import restore_floor
 from tierckpt.protocol.control import NodeInventory, RankHoldings, StepContent
 from tierckpt.protocol.errors import FormatError
 from tierckpt.protocol.format import (
@@ -33,7 +32,7 @@ from tierckpt.protocol.format import (
 )
 from tierckpt.protocol.replica import content_key
 from tierckpt.protocol.safefs import Beneath
-from tierckpt_replicator.stepio import Copy, open_job, rank_trees, read_status, step_name
+from tierckpt_replicator.stepio import Copy, open_job, rank_trees, step_name
 
 __all__ = ["Holdings", "InventoryScanner", "list_jobs"]
 
@@ -70,24 +69,9 @@ class Holdings:
     """The steps above that saved in a replica group, with their recomputed content keys."""
     newest_bytes: dict[int, int] = dataclasses.field(default_factory=dict)
     """Rank -> bytes its newest local step's COMMIT declares (checked against the job's quota)."""
-    restored: dict[int, int] = dataclasses.field(default_factory=dict)
-    """Rank -> the older step its job restores, or ``FRESH_START`` (its restore status, newer than every
-    commit of the rank: ``planning.retention.restore_floor``), when it holds steps above it: those were
-    saved by the run the job went back from."""
 
     def newest_local(self) -> dict[int, int]:
-        """Rank -> its newest local step: the one it committed last, or, while its job restores an older
-        step and it has not saved since, that step (nothing while it is being staged, or when the job
-        starts afresh): the steps above it belong to the run the job left, and are neither sent nor
-        counted."""
-        out = {}
-        for r, h in self.ranks.items():
-            back = self.restored.get(r)
-            if h.local and back is None:
-                out[r] = h.local[-1]
-            elif back is not None and back in h.local:
-                out[r] = back
-        return out
+        return {r: h.local[-1] for r, h in self.ranks.items() if h.local}
 
 
 FragmentScan = Callable[[Beneath], dict[int, dict[int, tuple[tuple[int, int], int]]]]
@@ -122,7 +106,6 @@ class InventoryScanner:
         newest_at: dict[int, float] = {}
         newest_bytes: dict[int, int] = {}
         contents: list[StepContent] = []
-        last_commit: dict[int, float] = {}
         try:
             tree = open_job(self.root, job)
         except (FileNotFoundError, NotADirectoryError):
@@ -145,31 +128,18 @@ class InventoryScanner:
                         world_sizes.setdefault(step, facts.world_size)
                         if kind == "local":
                             newest_at[rank], newest_bytes[rank] = committed_at, total
-                            last_commit[rank] = max(committed_at, last_commit.get(rank, committed_at))
                         if facts.content is not None:
                             found = dataclasses.replace(facts.content, rank=rank, step=step, copy=kind)
                             contents.append(found)
                     h = ranks.get(rank, RankHoldings())
                     ranks[rank] = dataclasses.replace(h, **{kind: tuple(steps)})  # type: ignore[arg-type]
-            restored = {}
-            for rank, at in last_commit.items():
-                back = restore_floor(read_status(tree, rank), at)
-                if back is not None and back < ranks[rank].local[-1]:
-                    restored[rank] = back
             for rank, held in self.fragments(tree).items():
                 for step, (_, ws) in held.items():
                     world_sizes.setdefault(step, ws)
                 fragments = {step: index_k for step, (index_k, _) in held.items()}
                 ranks[rank] = dataclasses.replace(ranks.get(rank, RankHoldings()), fragments=fragments)
         return Holdings(
-            ranks,
-            world_sizes,
-            sizes["local"],
-            sizes["replica"],
-            newest_at,
-            tuple(contents),
-            newest_bytes,
-            restored,
+            ranks, world_sizes, sizes["local"], sizes["replica"], newest_at, tuple(contents), newest_bytes
         )
 
     def _step_info(self, step: Beneath) -> tuple[int, _StepFacts, float] | None:

@@ -15,8 +15,7 @@ Rules (docs/format.md, "Retention"):
 ``staged_step`` is the step the rank's restore status says the replicator stages or staged for the job's
 restore, while the rank committed nothing since: retention keeps it. ``restore_floor`` is where such a
 status says the job goes back to (that step, or ``FRESH_START`` when it starts afresh): the rank's steps
-above it were saved by the run the job left (the client retires or replaces them at its next commit; the
-replicator neither sends nor stores them meanwhile).
+above it were saved by the run the job left (the client retires or replaces them at its next commit).
 """
 
 from __future__ import annotations
