@@ -285,11 +285,14 @@ class Node:
         self._need_netns("restore_link")
         _run(["ip", "link", "set", self.veth, "up"])
 
-    def limit_rate(self, rate: str, *, outgoing: bool = False) -> None:
+    def limit_rate(
+        self, rate: str, *, outgoing: bool = False, burst: str = "256kb", latency: str = "400ms"
+    ) -> None:
         """Shape the node's incoming link (``outgoing``: its outgoing one) to ``rate`` (``tc tbf``, e.g.
-        ``"50mbit"``): a slow peer, or a node whose uploads crawl."""
+        ``"50mbit"``): a slow peer, or a node whose uploads crawl. Packets wait up to ``latency`` in the
+        queue (then they are dropped), so a small ``burst`` and a long ``latency`` also delay them."""
         self._need_netns("limit_rate")
-        tbf = ["root", "tbf", "rate", rate, "burst", "256kb", "latency", "400ms"]
+        tbf = ["root", "tbf", "rate", rate, "burst", burst, "latency", latency]
         if outgoing:
             _run(["tc", "-n", str(self.netns), "qdisc", "replace", "dev", "eth0", *tbf])
         else:
@@ -301,6 +304,57 @@ class Node:
             _run(["tc", "-n", str(self.netns), "qdisc", "del", "dev", "eth0", "root"], check=False)
         else:
             _run(["tc", "qdisc", "del", "dev", self.veth, "root"], check=False)
+
+    def shape_ports(self, rate_kbit: int, ports: Sequence[int], *, outgoing: bool = False) -> None:
+        """Shape only the TCP traffic to or from ``ports`` on the node's incoming link (``outgoing``: its
+        outgoing one) to ``rate_kbit`` (``tc htb``, a ``u32`` filter per port and direction); other
+        traffic (say, training's collectives) passes at full speed. ``unlimit_rate`` removes it."""
+        self._need_netns("shape_ports")
+        tc = ["tc", "-n", str(self.netns)] if outgoing else ["tc"]
+        dev = "eth0" if outgoing else self.veth
+        rate = f"{int(rate_kbit)}kbit"
+        _run([*tc, "qdisc", "replace", "dev", dev, "root", "handle", "1:", "htb", "default", "1"])
+        _run([*tc, "class", "add", "dev", dev, "parent", "1:", "classid", "1:1", "htb", "rate", "100gbit"])
+        _run(
+            [
+                *tc,
+                "class",
+                "add",
+                "dev",
+                dev,
+                "parent",
+                "1:",
+                "classid",
+                "1:2",
+                "htb",
+                "rate",
+                rate,
+                "ceil",
+                rate,
+            ]
+        )
+        for port in ports:
+            for end in ("dport", "sport"):
+                match = ["match", "ip", end, str(int(port)), "0xffff"]
+                _run(
+                    [
+                        *tc,
+                        "filter",
+                        "add",
+                        "dev",
+                        dev,
+                        "parent",
+                        "1:",
+                        "protocol",
+                        "ip",
+                        "prio",
+                        "1",
+                        "u32",
+                        *match,
+                        "flowid",
+                        "1:2",
+                    ]
+                )
 
     def drop_port(self, port: int, *, source: Node | None = None) -> None:
         """Silently drop incoming TCP to ``port`` inside the node (nft), from every node or only from
@@ -319,6 +373,22 @@ class Node:
     def clear_drops(self) -> None:
         self._need_netns("clear_drops")
         self.run_in_node(["nft", "delete", "table", "inet", "tierckpt"])
+
+    def firewall(self, rules: Sequence[str]) -> None:
+        """Replace the node's incoming firewall (the nft table of ``drop_port``) with ``rules``, each the
+        body of one rule of its input hook (``"ip saddr 10.1.2.3 tcp dport 8471 ct state new drop"``);
+        no rules: none at all."""
+        self._need_netns("firewall")
+        self.clear_drops()
+        if not rules:
+            return
+        script = (
+            "add table inet tierckpt\n"
+            "add chain inet tierckpt input { type filter hook input priority 0; policy accept; }\n"
+        ) + "".join(f"add rule inet tierckpt input {rule}\n" for rule in rules)
+        proc = self.run_in_node(["nft", "-f", "-"], input=script)
+        if proc.returncode != 0:
+            raise RuntimeError(f"nft failed: {proc.stderr}")
 
     def _need_netns(self, what: str) -> None:
         if not self.netns:

@@ -44,7 +44,7 @@ from tierckpt.dcp import RamdiskReader, RamdiskWriter, agreed_step
 from tierckpt.protocol.control import RestoreState, RestoreStatus, read_restore_status
 from tierckpt.protocol.errors import FormatError
 from tierckpt.settings import resolve
-from tierckpt_demo.training import D_IN, D_OUT, LR, WARMUP, EventLog, Net, parse_model_size
+from tierckpt_demo.training import D_IN, D_OUT, LR, WARMUP, EventLog, Net, pace, parse_model_size
 
 __all__ = ["GLOBAL_BATCH", "full_state_sha256", "main"]
 
@@ -179,6 +179,7 @@ def run(args: argparse.Namespace) -> None:
     writer = RamdiskWriter()
     pending: Any = None
     for step in range(start + 1, args.until + 1):
+        began = time.monotonic()
         loss = train_step(model, opt, seed=args.seed, step=step)
         events.emit("step", step=step, loss=loss)
         if step % args.checkpoint_every == 0:
@@ -186,6 +187,7 @@ def run(args: argparse.Namespace) -> None:
                 pending.result()  # the previous save is durable before the next starts
             msd, osd = get_state_dict(model, opt)
             sha = full_state_sha256(model, opt)
+            events.emit("saving", step=step, sha256=sha)
             t0 = time.perf_counter()
             response = async_save(
                 {"model": msd, "optim": osd, "extra": {"step": step}},
@@ -195,6 +197,7 @@ def run(args: argparse.Namespace) -> None:
             )
             pending = getattr(response, "upload_completion", response)
             events.emit("saved", step=step, seconds=time.perf_counter() - t0, sha256=sha)
+        pace(began, args.step_seconds)
     if pending is not None:
         pending.result()
     writer.close()
@@ -218,6 +221,12 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--checkpoint-every", type=int, default=2)
     p.add_argument("--hold", action="store_true", help="after --until, sleep until killed")
     p.add_argument("--init-timeout", type=float, default=120.0)
+    p.add_argument(
+        "--step-seconds",
+        type=float,
+        default=0.0,
+        help="each step takes at least this long (the rest of it asleep): compute time, on a tiny model",
+    )
     return p.parse_args(argv)
 
 

@@ -358,6 +358,11 @@ class FaultProxy:
             self._rules.append(rule)
         return rule
 
+    def remove_rule(self, rule: FaultRule) -> None:
+        """Stop applying ``rule`` (if it is still there)."""
+        with self._lock:
+            self._rules = [r for r in self._rules if r is not rule]
+
     def clear_rules(self) -> None:
         with self._lock:
             self._rules.clear()

@@ -4,7 +4,8 @@ Importing torch takes seconds of CPU; four ranks importing it at once on a small
 a minute, and the demo restarts its ranks four times. So each node runs one launcher process
 (``python -m tierckpt_demo.launcher``, inside the node's network namespace) that imports torch and
 tierckpt once, then forks a fresh training process (``tierckpt_demo.training``, or with ``--module``
-the DCP demo's ``tierckpt_demo.dcp_training``) on request. A forked
+the DCP demo's ``tierckpt_demo.dcp_training``; ``--module`` given twice serves both, each request naming
+its own) on request. A forked
 process shares nothing with earlier ones but the imported code: its state, its process group and its
 torch.distributed connections are its own, and killing it is a real crash (SIGKILL).
 
@@ -22,17 +23,19 @@ import dataclasses
 import importlib
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
 import threading
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, Literal
 
 from tierckpt.protocol.codec import Message
 from tierckpt.protocol.errors import FormatError
 
-__all__ = ["LaunchRequest", "Launcher", "LauncherEvent", "kill_process_group", "main"]
+__all__ = ["LaunchRequest", "Launcher", "LauncherEvent", "kill_process_group", "main", "node_files_prefix"]
 
 _PR_SET_PDEATHSIG = 1
 
@@ -48,6 +51,8 @@ class LaunchRequest(Message):
     """The whole environment of the new process."""
     log: str
     """File that receives the process's stdout and stderr."""
+    module: str = ""
+    """The trainer to run, one the launcher imported ("": its first)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,7 +119,7 @@ def _reap(children: set[int]) -> None:
                 _emit(LauncherEvent("exited", pid=pid, status=code))
 
 
-def _serve(module: str) -> None:
+def _serve(modules: Sequence[str]) -> None:
     children: set[int] = set()
     _emit(LauncherEvent("ready", pid=os.getpid()))
     buffered = b""
@@ -131,6 +136,9 @@ def _serve(module: str) -> None:
             while b"\n" in buffered:
                 line, buffered = buffered.split(b"\n", 1)
                 request = LaunchRequest.from_bytes(line)
+                module = request.module or modules[0]
+                if module not in modules:
+                    raise ValueError(f"this launcher runs {', '.join(modules)}, not {module}")
                 pid = os.fork()
                 if pid == 0:
                     _child(request, module)
@@ -145,16 +153,19 @@ def _serve(module: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     """Pre-import what the training processes need, then serve launch requests."""
     parser = argparse.ArgumentParser(prog="python -m tierckpt_demo.launcher")
-    parser.add_argument("--module", choices=_MODULES, default=_MODULES[0], help="the trainer to run")
-    module = parser.parse_args(argv).module
+    parser.add_argument(
+        "--module", choices=_MODULES, action="append", help="a trainer to run (repeat for several)"
+    )
+    modules = parser.parse_args(argv).module or [_MODULES[0]]
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the orchestrator decides when we stop
     import torch
     import torch.distributed
 
-    importlib.import_module(module)
+    for module in modules:
+        importlib.import_module(module)
     # Its first call imports torch's compiler stack (seconds of CPU): pay that once, here.
     torch.use_deterministic_algorithms(True)
-    _serve(module)
+    _serve(modules)
 
 
 # ------------------------------------------------------------------------------------- the client side
@@ -163,10 +174,15 @@ def main(argv: list[str] | None = None) -> None:
 class Launcher:
     """The orchestrator's handle on one node's launcher process."""
 
-    def __init__(self, popen: Any, argv_prefix: Sequence[str] = (), module: str = _MODULES[0]) -> None:
+    def __init__(
+        self, popen: Any, argv_prefix: Sequence[str] = (), module: str | Sequence[str] = _MODULES[0]
+    ) -> None:
         """``popen(cmd, **kwargs)`` starts a process where the training processes must run (a node);
-        ``module``: the trainer it runs (``tierckpt_demo.training`` or ``tierckpt_demo.dcp_training``)."""
-        cmd = [*argv_prefix, sys.executable, "-m", "tierckpt_demo.launcher", "--module", module]
+        ``module``: the trainer it runs (``tierckpt_demo.training`` or ``tierckpt_demo.dcp_training``), or
+        several (each ``launch`` then names its own)."""
+        modules = [module] if isinstance(module, str) else list(module)
+        flags = [arg for m in modules for arg in ("--module", m)]
+        cmd = [*argv_prefix, sys.executable, "-m", "tierckpt_demo.launcher", *flags]
         self.proc: subprocess.Popen[bytes] = popen(
             cmd,
             stdin=subprocess.PIPE,
@@ -209,12 +225,14 @@ class Launcher:
     def wait_ready(self, timeout: float = 120.0) -> None:
         self._wait_for("ready", lambda: self._ready, timeout)
 
-    def launch(self, argv: Sequence[str], env: dict[str, str], log: str, timeout: float = 30.0) -> int:
-        """Fork a training process; returns its pid."""
+    def launch(
+        self, argv: Sequence[str], env: dict[str, str], log: str, timeout: float = 30.0, module: str = ""
+    ) -> int:
+        """Fork a training process (``module``: which of the launcher's trainers); returns its pid."""
         assert self.proc.stdin is not None
         with self._lock:
             before = len(self._started)
-        self.proc.stdin.write(LaunchRequest(tuple(argv), dict(env), log).to_bytes() + b"\n")
+        self.proc.stdin.write(LaunchRequest(tuple(argv), dict(env), log, module).to_bytes() + b"\n")
         self.proc.stdin.flush()
         self._wait_for("the new process", lambda: len(self._started) > before, timeout)
         return self._started[before]
@@ -235,6 +253,36 @@ class Launcher:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
+
+
+def node_files_prefix(workdir: Path, nodes: Sequence[Any]) -> list[str]:
+    """A command prefix giving the training processes the nodes' own /etc/hosts and resolv.conf
+    (``nodes``: the cluster's, each with ``ip`` and ``name``); [] without ``unshare``.
+
+    Inside a namespace the host's DNS server is unreachable, and every reverse lookup that
+    torch.distributed makes of a peer address would wait 10 s for it. Like a pod, each node gets
+    an /etc/hosts naming every node, and a resolver that fails at once; in a private mount
+    namespace, so the host's files are untouched.
+    """
+    if shutil.which("unshare") is None:
+        return []
+    hosts = workdir / "hosts"
+    hosts.write_text("127.0.0.1 localhost\n" + "".join(f"{n.ip} {n.name}\n" for n in nodes))
+    resolv = workdir / "resolv.conf"
+    resolv.write_text("nameserver 127.0.0.1\noptions timeout:1 attempts:1\n")
+    script = 'mount --bind "$1" /etc/hosts && mount --bind "$2" /etc/resolv.conf && shift 2 && exec "$@"'
+    return [
+        "unshare",
+        "--mount",
+        "--propagation",
+        "slave",
+        "sh",
+        "-c",
+        script,
+        "node-files",
+        str(hosts),
+        str(resolv),
+    ]
 
 
 def kill_process_group(pid: int) -> None:

@@ -37,7 +37,7 @@ from tierckpt.protocol.control import PeerAssignment
 from tierckpt.protocol.errors import TierckptError
 from tierckpt.protocol.text import rank_ranges
 from tierckpt_demo import scenarios as sc
-from tierckpt_demo.launcher import Launcher, kill_process_group
+from tierckpt_demo.launcher import Launcher, kill_process_group, node_files_prefix
 from tierckpt_demo.local_operator import LocalOperator
 from tierckpt_demo.ports import free_port
 from tierckpt_demo.report import (
@@ -503,37 +503,11 @@ class Demo:
     def _start_launchers(self) -> None:
         """One launcher per node, inside its namespace; they import torch while the cluster settles."""
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-        prefix = self._node_files() if self.cluster.netns and shutil.which("unshare") else []
+        prefix = node_files_prefix(self.workdir, self.cluster.nodes) if self.cluster.netns else []
         for node in self.cluster.nodes:
             self.launchers[node.index] = Launcher(
                 partial(node.popen_in_node, env=env), prefix, module=self.trainer_module
             )
-
-    def _node_files(self) -> list[str]:
-        """A command prefix giving the training processes the nodes' own /etc/hosts and resolv.conf.
-
-        Inside a namespace the host's DNS server is unreachable, and every reverse lookup that
-        torch.distributed makes of a peer address would wait 10 s for it. Like a pod, each node gets
-        an /etc/hosts naming every node, and a resolver that fails at once; in a private mount
-        namespace, so the host's files are untouched.
-        """
-        hosts = self.workdir / "hosts"
-        hosts.write_text("127.0.0.1 localhost\n" + "".join(f"{n.ip} {n.name}\n" for n in self.cluster.nodes))
-        resolv = self.workdir / "resolv.conf"
-        resolv.write_text("nameserver 127.0.0.1\noptions timeout:1 attempts:1\n")
-        script = 'mount --bind "$1" /etc/hosts && mount --bind "$2" /etc/resolv.conf && shift 2 && exec "$@"'
-        return [
-            "unshare",
-            "--mount",
-            "--propagation",
-            "slave",
-            "sh",
-            "-c",
-            script,
-            "node-files",
-            str(hosts),
-            str(resolv),
-        ]
 
     def _wait_launchers(self) -> None:
         if not self._launchers_ready:

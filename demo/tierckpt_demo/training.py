@@ -46,6 +46,7 @@ __all__ = [
     "build_state",
     "describe_restore",
     "main",
+    "pace",
     "parse_model_size",
     "read_events",
     "shape_for_params",
@@ -207,10 +208,19 @@ def train_step(net: Net, opt: torch.optim.Adam, stats: torch.Tensor, *, seed: in
     return float(flat[-1])
 
 
+def pace(began: float, seconds: float) -> None:
+    """Sleep until ``seconds`` after ``began`` (``time.monotonic``): compute time, on a tiny model."""
+    left = began + seconds - time.monotonic()
+    if left > 0:
+        time.sleep(left)
+
+
 # ------------------------------------------------------------------------------------- events
 
 
-EventName = Literal["start", "restored", "step", "saved", "held", "done", "error"]
+EventName = Literal["start", "restored", "step", "saving", "saved", "held", "done", "error"]
+"""``saving`` (step, sha256 of the state being saved) comes before the save starts, ``saved`` once it
+returned: a step that commits always has its ``saving`` event, whenever the process is killed."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -288,6 +298,12 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="after --until, wait for the last save to be durable and sleep until killed",
     )
     p.add_argument("--init-timeout", type=float, default=120.0)
+    p.add_argument(
+        "--step-seconds",
+        type=float,
+        default=0.0,
+        help="each step takes at least this long (the rest of it asleep): compute time, on a tiny model",
+    )
     p.add_argument(
         "--replica-group",
         action="store_true",
@@ -369,9 +385,12 @@ def run(args: argparse.Namespace) -> None:
     ckpt = tierckpt.Checkpointer(replica_group=list(range(world)) if args.replica_group else None)
     start = _restore(ckpt, state, events, flip=args.flip_restored_bit, group=args.replica_group)
     for step in range(start + 1, args.until + 1):
+        began = time.monotonic()
         loss = train_step(net, opt, state["rank_stats"], seed=args.seed, step=step)
         events.emit("step", step=step, loss=loss)
         if step % args.checkpoint_every == 0:
+            sha = state_sha256(state)
+            events.emit("saving", step=step, sha256=sha)
             t0 = time.perf_counter()
             ckpt.save(step, _checkpointed(state, args.replica_group))
             blocking = time.perf_counter() - t0
@@ -380,10 +399,11 @@ def run(args: argparse.Namespace) -> None:
                 "saved",
                 step=step,
                 seconds=blocking,
-                sha256=state_sha256(state),
+                sha256=sha,
                 written_bytes=int(accounting.get("written_bytes", 0)),
                 logical_bytes=int(accounting.get("logical_bytes", 0)),
             )
+        pace(began, args.step_seconds)
     ckpt.wait()
     if args.hold:
         dist.barrier()

@@ -58,13 +58,18 @@ __all__ = ["LocalInventory", "NodeControls", "remove_job_tree", "step_bytes"]
 log = logging.getLogger(__name__)
 
 _GCS_CACHE_SECONDS = 10.0
+_GCS_WAIT_SECONDS = 1.0
+"""How long an inventory waits for the bucket's listing before it answers with the last one it had."""
 
 
 class LocalInventory:
     """``await inventory(job)``: what this node holds of the job, with the steps complete in the bucket.
 
     The bucket's steps are cached for a few seconds per job (``forget_bucket`` drops a job's entry
-    after a backup); a bucket that cannot be listed makes its steps unknown, not the inventory fail.
+    after a backup); a bucket that cannot be listed makes its steps unknown, not the inventory fail. A
+    listing runs in the background, one per job at a time, and an inventory waits for it at most
+    ``_GCS_WAIT_SECONDS``, then answers with the steps it knew: a node cut off from the bucket (whose
+    listing retries for minutes) still shows its peers and the operator what its ramdisk holds.
     """
 
     def __init__(
@@ -82,6 +87,7 @@ class LocalInventory:
         self.over_quota: Callable[[str], tuple[StepOverQuota, ...]] = lambda job: ()
         """The job's newest local steps refused for its quota (the replication loop's; the daemon sets it)."""
         self._cache: dict[str, tuple[float, dict[int, int]]] = {}
+        self._listing: dict[str, asyncio.Task[dict[int, int]]] = {}
 
     async def __call__(self, job: str) -> NodeInventory:
         bucket = await self.bucket_steps(job)
@@ -110,16 +116,29 @@ class LocalInventory:
         cached = self._cache.get(job)
         if cached and time.monotonic() - cached[0] < _GCS_CACHE_SECONDS:
             return cached[1]
+        listing = self._listing.get(job)
+        if listing is None or listing.done():
+            listing = self._listing[job] = asyncio.create_task(self._list(job), name=f"bucket-steps-{job}")
+        try:
+            return await asyncio.wait_for(asyncio.shield(listing), _GCS_WAIT_SECONDS)
+        except asyncio.TimeoutError:
+            log.info("job %s: the bucket is slow to list; answering with the steps known before", job)
+            return cached[1] if cached else {}
+
+    async def _list(self, job: str) -> dict[int, int]:
+        assert self.backup is not None
         try:
             steps = await self.backup.complete_world_sizes(job)
         except Exception as exc:  # the bucket being unreachable makes its steps unknown, not fatal
             log.warning("job %s: cannot list complete steps in the bucket: %s", job, exc)
+            cached = self._cache.get(job)
             return cached[1] if cached else {}
         self._cache[job] = (time.monotonic(), steps)
         return steps
 
     def forget_bucket(self, job: str) -> None:
         self._cache.pop(job, None)
+        self._listing.pop(job, None)
 
 
 @dataclasses.dataclass

@@ -29,6 +29,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
 
+from tierckpt.protocol.control import RestoreStatus, restore_status_name
 from tierckpt.protocol.errors import CorruptShardError, FormatError, RamdiskFullError, UnsafePathError
 from tierckpt.protocol.format import (
     COMMIT_LIMIT,
@@ -65,12 +66,15 @@ __all__ = [
     "rank_tree",
     "rank_trees",
     "read_header",
+    "read_status",
     "remove_stale_incoming",
     "step_name",
     "verify_step",
 ]
 
 log = logging.getLogger(__name__)
+
+_STATUS_LIMIT = 1 << 20
 
 INCOMING_PREFIX = ".incoming-"
 REPLICAS = "replicas"
@@ -260,6 +264,17 @@ class StepWriter:
     def __exit__(self, exc_type: object, *_: object) -> None:
         if exc_type is not None:
             self.abort()
+
+
+def read_status(job: Beneath, rank: int) -> RestoreStatus | None:
+    """Rank ``rank``'s restore status in the job tree (``control/restore-rank-NNNNN.json``; a pod can write
+    it, so it is read confined and bounded), or None when it is absent, unreadable or another rank's."""
+    name = restore_status_name(rank)
+    try:
+        status = RestoreStatus.from_bytes(job.read_bytes(f"control/{name}", limit=_STATUS_LIMIT))
+    except (OSError, FormatError, UnsafePathError):
+        return None
+    return status if status.rank == rank else None
 
 
 def find_committed(job: Beneath, rank: int, step: int) -> tuple[Beneath, Beneath] | None:

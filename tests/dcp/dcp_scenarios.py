@@ -88,8 +88,8 @@ def mutate(state: dict[str, Any]) -> None:
     state["meta"]["epoch"] = 99
 
 
-def save_plain(rank: int, world_size: int, root: str, job: str, step: int, seed: int) -> None:
-    dcp.save(plain_state(seed), checkpoint_id=step, storage_writer=RamdiskWriter(root, job))
+def save_plain(rank: int, world_size: int, root: str, job: str, step: int, seed: int, keep: int = 2) -> None:
+    dcp.save(plain_state(seed), checkpoint_id=step, storage_writer=RamdiskWriter(root, job, keep=keep))
 
 
 def async_save_twice(rank: int, world_size: int, root: str, job: str, seed: int) -> None:

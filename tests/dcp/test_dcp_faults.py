@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import re
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,8 +23,17 @@ from tests.dcp import dcp_scenarios as sc
 from tests.dcp.dcp_dist import run_ranks
 from tierckpt.dcp import RamdiskReader, RamdiskWriter
 from tierckpt.protocol import leases
+from tierckpt.protocol.control import RestoreState, RestoreStatus, Tier, write_restore_status
 from tierckpt.protocol.errors import CorruptShardError, MissingCheckpointError, RamdiskFullError
-from tierckpt.protocol.format import DCP_METADATA_NAME, committed_steps, rank_dir, read_manifest, step_dir
+from tierckpt.protocol.format import (
+    DCP_METADATA_NAME,
+    committed_steps,
+    discard_step,
+    job_dir,
+    rank_dir,
+    read_manifest,
+    step_dir,
+)
 
 
 def _find_entry(root: Path, job: str, step: int, key: str) -> tuple[Path, int]:
@@ -125,6 +135,45 @@ def test_an_existing_step_is_kept_unless_overwrite(ramdisk: Path, job: str) -> N
     dcp.save(second, checkpoint_id=3, storage_writer=replacing, no_dist=True)
     dcp.load(got, checkpoint_id=3, storage_reader=RamdiskReader(ramdisk, job), no_dist=True)
     assert torch.equal(got["x"], second["x"])
+
+
+def test_a_job_that_went_back_saves_over_the_steps_of_the_run_it_left(ramdisk: Path, job: str) -> None:
+    """Found by the chaos harness (docs/reliability.md): a save of step 20 failed on one rank (its ramdisk
+    full), so its coordinator never committed it and the restore went back to step 10; rank 1 also holds
+    step 30 of that run (saved before one of its nodes was lost, say). Training then saves 20 and 30
+    again. The replicator staged step 10 for the restore (the ranks' restore statuses say so, newer than
+    any of their commits), so the steps above it belong to the run the job went back from and are
+    replaced, as ``Checkpointer`` does. They were refused (``FileExistsError``, overwrite=False): every
+    save of the job failed, and it restarted from step 10 forever."""
+    for step, seed in ((10, 1), (20, 2), (30, 3)):
+        run_ranks(2, sc.save_plain, str(ramdisk), job, step, seed, 3)
+    discard_step(step_dir(rank_dir(ramdisk, job, 0), 20))  # the coordinator's part never committed
+    discard_step(step_dir(rank_dir(ramdisk, job, 0), 30))
+    for rank in range(2):
+        staged = RestoreStatus(job, rank, RestoreState.READY, 10, Tier.LOCAL, 0, 0, time.time())
+        write_restore_status(job_dir(ramdisk, job), staged)
+    run_ranks(2, sc.load_plain, str(ramdisk), job, 10, 1)
+    run_ranks(2, sc.save_plain, str(ramdisk), job, 20, 4)  # the same steps again, other bytes
+    assert committed_steps(rank_dir(ramdisk, job, 1)) == [10, 20], "30 was saved before the job went back"
+    run_ranks(2, sc.save_plain, str(ramdisk), job, 30, 5)
+    run_ranks(2, sc.load_plain, str(ramdisk), job, 20, 4)
+    run_ranks(2, sc.load_plain, str(ramdisk), job, 30, 5)
+    # once the job saved after going back, a step of its own run is refused again (overwrite=False)
+    with pytest.raises(ProcessExitedException):
+        run_ranks(2, sc.save_plain, str(ramdisk), job, 30, 6)
+
+
+def test_a_job_that_starts_afresh_saves_over_the_steps_of_the_run_it_left(ramdisk: Path, job: str) -> None:
+    """Found by the chaos harness: the first save of a job (step 3) failed on one rank, so nothing was
+    restorable and the replicator told every rank to start fresh (restore status ``none``). The rank that
+    had committed its part of step 3 refused the next save of step 3 (``FileExistsError``), forever."""
+    run_ranks(2, sc.save_plain, str(ramdisk), job, 3, 1)
+    discard_step(step_dir(rank_dir(ramdisk, job, 0), 3))  # the coordinator's part never committed
+    for rank in range(2):
+        fresh = RestoreStatus(job, rank, RestoreState.NONE, None, None, 0, 0, time.time())
+        write_restore_status(job_dir(ramdisk, job), fresh)
+    run_ranks(2, sc.save_plain, str(ramdisk), job, 3, 2)
+    run_ranks(2, sc.load_plain, str(ramdisk), job, 3, 2)
 
 
 @pytest.mark.root

@@ -20,7 +20,9 @@ from tierckpt.protocol.format import state_dir
 from tierckpt.protocol.tokens import TokenFile
 from tierckpt_demo.step_writer import write_step
 from tierckpt_replicator.assignments import AssignmentStore, data_endpoint
+from tierckpt_replicator.controls import LocalInventory
 from tierckpt_replicator.daemon import worker_config
+from tierckpt_replicator.inventory import InventoryScanner
 from tierckpt_replicator.replication.ipc import FetchSource, FetchTask, SendTask
 from tierckpt_replicator.replication.supervisor import WorkerSupervisor
 from tierckpt_replicator.settings import ENV_PREFIX, Settings, build_parser, parse_settings
@@ -388,3 +390,36 @@ async def test_only_a_fault_of_the_peer_itself_moves_every_jobs_replicas_off_it(
         assert mgr._node_backoff.blocked(time.monotonic()) == {"n0", "n1", "n2", "n3"}
     finally:
         await mgr.close()
+
+
+class _StuckBucket:
+    """A bucket that takes ``seconds`` to list a job's complete steps (unreachable: connects time out)."""
+
+    def __init__(self, seconds: float, steps: dict[int, int]) -> None:
+        self.seconds, self.steps, self.listings = seconds, steps, 0
+
+    async def complete_world_sizes(self, job: str) -> dict[int, int]:
+        self.listings += 1
+        await asyncio.sleep(self.seconds)
+        return self.steps
+
+
+async def test_an_unreachable_bucket_does_not_hold_up_the_inventory(tmp_path: Path):
+    """Found by the chaos harness: a node cut off from the bucket answered every inventory only once its
+    listing of the bucket gave up (10 s and more), so its peers (--inventory-timeout) counted none of the
+    replicas it held, and the operator planned restores without its holdings. The inventory now waits a
+    moment for the bucket and answers with what it knew; the listing goes on in the background, once per
+    job, and its answer is used from then on."""
+    job = "slow-bucket"
+    write_step(tmp_path, job, 0, 7, seed=1, sizes=(1000,))
+    scanner = InventoryScanner(tmp_path, node="n0", endpoint="https://n0:8470")
+    bucket = _StuckBucket(3.0, {5: 1})
+    inventory = LocalInventory(scanner, bucket)  # type: ignore[arg-type]
+    started = time.monotonic()
+    first, second = await asyncio.gather(inventory(job), inventory(job))
+    assert time.monotonic() - started < 2.0, "the inventory waited for the bucket"
+    assert first.ranks[0].local == (7,) and first.gcs == () and second.gcs == ()
+    assert bucket.listings == 1, "one listing at a time per job"
+    await asyncio.sleep(3.5)  # the listing answered meanwhile
+    assert (await inventory(job)).gcs == (5,)
+    assert bucket.listings == 1

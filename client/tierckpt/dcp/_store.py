@@ -8,6 +8,11 @@ Retention differs from ``Checkpointer``'s in one way: a rank's own COMMIT does n
 checkpoint, the coordinator's does (it commits only after every rank wrote). So a rank retires a
 step only when ``keep`` newer *complete* checkpoints exist (steps the coordinator committed), and
 never the step being written. A failed save therefore never costs the last complete checkpoint.
+
+As for ``Checkpointer``, steps above the one just committed were saved before training went back to an
+older step (a restore to it): they are retired. And while the rank's restore status says the replicator
+staged an older step for the job's restore (``went_back_to``), a save of a step the rank already holds
+replaces the one the run the job went back from left there.
 """
 
 from __future__ import annotations
@@ -16,7 +21,9 @@ import logging
 from collections.abc import Collection, Iterable
 from pathlib import Path
 
+from tierckpt.planning.retention import restore_floor
 from tierckpt.protocol import leases
+from tierckpt.protocol.control import RestoreStatus
 from tierckpt.protocol.format import (
     committed_steps,
     discard_step,
@@ -26,9 +33,9 @@ from tierckpt.protocol.format import (
 )
 from tierckpt.snapshot.layout import LayoutPlan
 from tierckpt.snapshot.pool import Slot, SlotPool
-from tierckpt.snapshot.rankdir import uncommit
+from tierckpt.snapshot.rankdir import scan_steps, uncommit
 
-__all__ = ["RankStore", "plan_dcp_retention"]
+__all__ = ["RankStore", "plan_dcp_retention", "went_back_to"]
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +52,16 @@ def plan_dcp_retention(
     if len(kept) < keep:
         return ()
     return tuple(s for s in held if s < kept[0] and s not in leased)
+
+
+def went_back_to(rank_path: Path, restore: RestoreStatus | None, step: int) -> int | None:
+    """The older step this rank's job restores, if ``step`` is above it: the replicator staged that step
+    for the job's restore, or told it to start afresh (``FRESH_START``), and the rank saved nothing since
+    (``restore``, its restore status, is newer than every commit in ``rank_path``). The rank's steps
+    above it were saved by the run the job went back from, and saving ``step`` again replaces that
+    run's. None otherwise."""
+    floor = restore_floor(restore, scan_steps(rank_path).newest_commit_at)
+    return floor if floor is not None and floor < step else None
 
 
 class RankStore:
@@ -74,11 +91,23 @@ class RankStore:
         leases.purge_expired(self.rank_path)
         with leases.lock(self.rank_path):
             held = leases.leased_steps(self.rank_path)
+            committed = committed_steps(self.rank_path)
+            superseded = tuple(s for s in committed if s > current and s not in held)
             retire = plan_dcp_retention(
-                committed_steps(self.rank_path), complete, keep=self.keep, leased=held
+                [s for s in committed if s <= current],
+                [s for s in complete if s <= current],
+                keep=self.keep,
+                leased=held,
             )
-            uncommit(self.rank_path, retire)
-        for step in retire:
+            uncommit(self.rank_path, retire + superseded)
+        if superseded:
+            log.info(
+                "retiring steps %s of %s: saved before training went back (%d was just saved)",
+                list(superseded),
+                self.rank_path,
+                current,
+            )
+        for step in retire + superseded:
             log.debug("retiring DCP step %d of %s", step, self.rank_path)
             self.pool.recycle(step, step_dir(self.rank_path, step))
         self._discard_leftovers(current, held)

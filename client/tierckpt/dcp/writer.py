@@ -8,7 +8,8 @@ DCP checkpoints exactly like native ones. DCP's call order, and what each call d
    ``parse_step_id``), unless the writer was built with ``step=``.
 2. (all ranks) ``set_up_storage_writer``: learn the role; resolve rank, world size and node; create the
    rank directory (and the root and job directories above it) if it does not exist yet.
-3. (all ranks) ``prepare_local_plan``: refuse an existing committed step unless ``overwrite=True``;
+3. (all ranks) ``prepare_local_plan``: refuse an existing committed step unless ``overwrite=True`` or the
+   job went back to an older step since it was saved (``_store.went_back_to``);
    tell the coordinator this rank's node and which items it holds.
 4. (coordinator) ``prepare_global_plan``: check that all ranks save the same step from distinct ranks;
    give every node a copy of the replicated items DCP left to another node (``copies``); build the
@@ -47,6 +48,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from tierckpt import cuda
+from tierckpt.planning.retention import FRESH_START
 from tierckpt.protocol import leases
 from tierckpt.protocol.errors import FormatError, SaveInProgressError
 from tierckpt.protocol.format import (
@@ -68,10 +70,11 @@ from tierckpt.snapshot.commit import checksum_slot
 from tierckpt.snapshot.copy import copy_into
 from tierckpt.snapshot.layout import LayoutPlan, TensorSpec, plan_layout
 from tierckpt.snapshot.pool import Slot
+from tierckpt.snapshot.restore_wait import current_status
 
 from ._node import node_identity
 from ._paths import parse_step_id, require_step_id
-from ._store import RankStore
+from ._store import RankStore, went_back_to
 from .copies import add_node_copies
 from .inplace import Staged, Template, stage_into_slot
 from .metadata import ItemLocation, encode_metadata, tensor_dtype_name
@@ -296,7 +299,8 @@ class RamdiskWriter(StorageWriter):
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         save = self._current()
         if _committed(save.path):
-            if not self.overwrite:
+            back = went_back_to(save.path.parent, current_status(self.root, self.job, save.rank), save.step)
+            if back is None and not self.overwrite:
                 raise FileExistsError(
                     f"rank {save.rank} already has a committed step {save.step} at {save.path}; "
                     "save under a new step, or pass overwrite=True to RamdiskWriter to replace it"
@@ -304,6 +308,13 @@ class RamdiskWriter(StorageWriter):
             if save.step in leases.leased_steps(save.path.parent):
                 raise FileExistsError(
                     f"step {save.step} of rank {save.rank} is leased (being read or copied): not overwriting"
+                )
+            if back is not None:
+                log.warning(
+                    "rank %d: replacing step %d, saved before the job went back to %s",
+                    save.rank,
+                    save.step,
+                    "start afresh" if back == FRESH_START else f"step {back} (its restore)",
                 )
         if not plan.usable:
             raise ValueError(_PLAN_CACHING)

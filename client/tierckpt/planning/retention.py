@@ -11,6 +11,11 @@ Rules (docs/format.md, "Retention"):
 * every other committed step is retired (its COMMIT removed first, then its files recycled or deleted);
 * step directories without a COMMIT are crash leftovers and are discarded, except the one being
   written right now and any that is leased.
+
+``staged_step`` is the step the rank's restore status says the replicator stages or staged for the job's
+restore, while the rank committed nothing since: retention keeps it. ``restore_floor`` is where such a
+status says the job goes back to (that step, or ``FRESH_START`` when it starts afresh): the rank's steps
+above it were saved by the run the job left (the client retires or replaces them at its next commit).
 """
 
 from __future__ import annotations
@@ -18,7 +23,19 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Collection, Iterable
 
-__all__ = ["RetentionPlan", "plan_retention"]
+from tierckpt.protocol.control import RestoreState, RestoreStatus
+
+__all__ = [
+    "FRESH_START",
+    "RetentionPlan",
+    "plan_retention",
+    "restore_floor",
+    "staged_step",
+    "status_is_fresh",
+]
+
+FRESH_START = -1
+"""``restore_floor`` of a job told to start afresh: every step it holds is above it."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,3 +75,26 @@ def plan_retention(
             sorted(s for s in set(uncommitted) if s != in_flight and s not in leased and s not in steps)
         ),
     )
+
+
+def staged_step(status: RestoreStatus | None, newest_commit_at: float | None) -> int | None:
+    """The step the replicator stages (``staging``) or staged (``ready``) into this rank for the job's
+    restore, while no commit is newer than the status; None otherwise. Retention must keep it: the next
+    load takes it, even when the rank holds newer steps the plan could not use."""
+    if status is None or status.state not in (RestoreState.STAGING, RestoreState.READY):
+        return None
+    return status.step if status_is_fresh(status, newest_commit_at) else None
+
+
+def restore_floor(status: RestoreStatus | None, newest_commit_at: float | None) -> int | None:
+    """The step the job goes back to, by the rank's restore status while no commit is newer than it: the
+    step staged (``staging``, ``ready``), or ``FRESH_START`` when the job starts afresh (``none``). None
+    when there is no such status (absent, stale, ``pending``, ``failed``)."""
+    if status is not None and status.state is RestoreState.NONE and status_is_fresh(status, newest_commit_at):
+        return FRESH_START
+    return staged_step(status, newest_commit_at)
+
+
+def status_is_fresh(status: RestoreStatus, newest_commit_at: float | None) -> bool:
+    """Whether ``status`` is newer than the rank's newest commit (training has not saved since)."""
+    return newest_commit_at is None or newest_commit_at <= status.updated_at

@@ -6,7 +6,7 @@ holder (``format.WriterLock``: pid, host, command line), so that a writer kept w
 decisions are pure (``tierckpt.planning.retention``); this module does the I/O, removing COMMIT markers
 under the lease lock (``tierckpt.protocol.leases``) and recycling the retired steps' data files through the
 slot pool. Besides leased steps, retention keeps the step the replicator stages for the job's restore
-(``restore_wait.staged_step`` of the rank's restore status): it may be older than steps the rank holds.
+(``planning.retention.staged_step`` of the rank's restore status): it may be older than steps the rank holds.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from tierckpt.planning.retention import plan_retention
+from tierckpt.planning.retention import plan_retention, staged_step
 from tierckpt.protocol import leases
 from tierckpt.protocol.control import RestoreStatus
 from tierckpt.protocol.errors import FormatError, TierckptError
@@ -41,7 +41,6 @@ from tierckpt.protocol.format import (
 )
 from tierckpt.protocol.text import duration
 from tierckpt.snapshot.pool import SlotPool
-from tierckpt.snapshot.restore_wait import staged_step
 
 __all__ = [
     "WRITER_LOCK",

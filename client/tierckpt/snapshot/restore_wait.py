@@ -7,11 +7,12 @@ is given up on (logged), and the client loads what the ramdisk holds. Without a 
 without a replicator URL nothing waits at all.
 
 ``restore_target`` decides what a status means for this load (pure): a status older than the newest
-local commit is stale (training has saved since), and is ignored. ``staged_step`` is the step a fresh
-status stages or staged: the writer's retention keeps it (``snapshot.rankdir``) until the rank saved
-after it, so a restore to a step older than the rank's newest survives the crash clean-up of the
-``Checkpointer`` that loads it. ``restored_from`` says, after a load, where the step came from (the tier
-the replicator staged it from, or this node's own ramdisk).
+local commit is stale (training has saved since), and is ignored. ``staged_step``
+(``tierckpt.planning.retention``) is the step a fresh status stages or staged: the writer's retention
+keeps it (``snapshot.rankdir``) until the rank saved after it, so a restore to a step older than the
+rank's newest survives the crash clean-up of the ``Checkpointer`` that loads it. ``restored_from``
+says, after a load, where the step came from (the tier the replicator staged it from, or this node's
+own ramdisk).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from tierckpt.planning.retention import staged_step, status_is_fresh
 from tierckpt.protocol.control import RestoreState, RestoreStatus, Tier, read_restore_status
 from tierckpt.protocol.errors import FormatError, RetryableError
 from tierckpt.protocol.format import rank_dir, read_commit, step_dir
@@ -102,23 +104,9 @@ def restore_target(status: RestoreStatus | None, newest_commit_at: float | None)
     """The step a load should take: a step, None (start fresh) or ``USE_LOCAL`` (pure)."""
     if status is None or status.state not in (RestoreState.READY, RestoreState.NONE):
         return USE_LOCAL
-    if not _fresh(status, newest_commit_at):
+    if not status_is_fresh(status, newest_commit_at):
         return USE_LOCAL  # saved since the replicator staged: its instruction is stale
     return status.step if status.state is RestoreState.READY else None
-
-
-def staged_step(status: RestoreStatus | None, newest_commit_at: float | None) -> int | None:
-    """The step the replicator stages (``staging``) or staged (``ready``) into this rank for the job's
-    restore, while no commit is newer than the status (pure); None otherwise. Retention must keep it:
-    the next load takes it, even when the rank holds newer steps the plan could not use."""
-    if status is None or status.state not in (RestoreState.STAGING, RestoreState.READY):
-        return None
-    return status.step if _fresh(status, newest_commit_at) else None
-
-
-def _fresh(status: RestoreStatus, newest_commit_at: float | None) -> bool:
-    """Whether ``status`` is newer than the rank's newest commit (training has not saved since)."""
-    return newest_commit_at is None or newest_commit_at <= status.updated_at
 
 
 @dataclasses.dataclass(frozen=True)

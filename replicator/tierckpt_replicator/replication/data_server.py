@@ -318,7 +318,9 @@ class DataServer:
         self._within_quota(req, header.manifest)
         with open_job(self.ctx.root, req.job, create=True) as job:
             parent = rank_tree(job, "replica", req.rank)
-            if read_commit(parent.at(step_name(req.step))) is not None:
+            if read_commit(parent.at(step_name(req.step))) is not None and self._holds_this_save(
+                req, parent, header
+            ):
                 self._reply(conn, DataReply(status=Status.ALREADY, message="replica already committed"))
                 return
             total = header.manifest.total_bytes
@@ -349,6 +351,32 @@ class DataServer:
             seconds,
         )
         self._event(req, status, bytes=total - linked, seconds=seconds, message=message)
+
+    def _holds_this_save(self, req: DataRequest, parent: Beneath, header: StepHeader) -> bool:
+        """Whether the committed replica of ``req``'s step held here is the save being sent (its COMMIT,
+        byte for byte). A step saved again (the job went back to an older step and trained on) is another
+        save of that number: the earlier one is dropped here, and the caller receives the new one. 409
+        if the one held is the newer save, or is being read (leased)."""
+        held = parent.at(step_name(req.step))
+        mine = read_header(
+            held, job=req.job, rank=req.rank, step_no=req.step, limit=self.ctx.config.max_manifest_bytes
+        )
+        if mine.commit_bytes == header.commit_bytes:
+            return True
+        if mine.manifest.created_at >= header.manifest.created_at:
+            raise _Reject(Status.CONFLICT, f"this node holds a newer save of step {req.step}")
+        with leases.lock(parent):
+            if req.step in leases.leased_steps(parent):
+                raise _Reject(Status.CONFLICT, f"an earlier save of step {req.step} is being read here")
+            discard_step(held)
+        log.info(
+            "replica %s rank %d step %d: dropped the earlier save of the step (%s saves it again)",
+            req.job,
+            req.rank,
+            req.step,
+            req.node or "its node",
+        )
+        return False
 
     def _link_base(self, job: Beneath, req: DataRequest, writer: StepWriter) -> int:
         """With ``req.base_rank``: link the data files of that replica group member's step held here

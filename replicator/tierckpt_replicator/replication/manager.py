@@ -165,6 +165,8 @@ class ReplicationManager:
         self._degraded = RedundancyLog()
         self._lost: set[Key] = set()
         """Newest steps that lost a confirmed copy (short at once, whatever their age)."""
+        self._saves: dict[tuple[str, int], tuple[int, float]] = {}
+        """(job, rank) -> its newest step and that step's commit time, as last seen."""
         self.groups = GroupTracker(node=node, peers=peers, metrics=metrics, kick=kick)
 
     async def close(self) -> None:
@@ -227,7 +229,7 @@ class ReplicationManager:
         newest = holdings.newest_local()
         over_quota = self._refuse_over_quota(job, holdings)
         self._notify_committed(job, holdings)
-        self._prune(job, newest)
+        self._prune(job, newest, holdings.newest_commit_at)
         assignment = self.assignments.get(job)
         k = self.target(job)
         if assignment is not None:
@@ -571,8 +573,19 @@ class ReplicationManager:
             else:
                 log.info("job %s: back at full redundancy (%d of %d copies)", job, fewest, k)
 
-    def _prune(self, job: str, newest: dict[int, int]) -> None:
-        """Forget confirmations of steps that are no longer a rank's newest."""
+    def _prune(self, job: str, newest: dict[int, int], committed_at: dict[int, float]) -> None:
+        """Forget confirmations of steps that are no longer a rank's newest, and of a newest step that was
+        committed again (the job went back to an older step and saved this one anew: the copies
+        confirmed are of its earlier save, and receivers replace them with the new one)."""
+        for rank, step in newest.items():
+            at = committed_at.get(rank)
+            seen = self._saves.get((job, rank))
+            if seen is not None and at is not None and seen[0] == step and seen[1] != at:
+                log.info("job %s rank %d: step %d was saved again; sending it again", job, rank, step)
+                for held in (self.confirmed, self.linked, self.placed):
+                    held.pop((job, rank, step), None)
+            if at is not None:
+                self._saves[(job, rank)] = (step, at)
         for key in [k for k in self.confirmed if k[0] == job and newest.get(k[1]) != k[2]]:
             del self.confirmed[key]
         for key in [k for k in self.linked if k[0] == job and newest.get(k[1]) != k[2]]:
@@ -658,6 +671,8 @@ class ReplicationManager:
 
     def forget(self, job: str) -> None:
         self.groups.forget(job)
+        for save in [k for k in self._saves if k[0] == job]:
+            del self._saves[save]
         for key in [k for k in self.confirmed if k[0] == job]:
             del self.confirmed[key]
         for key in [k for k in self.placed if k[0] == job]:

@@ -18,10 +18,11 @@ from tierckpt.protocol.control import RestorePlan, read_control
 from tierckpt.protocol.errors import FormatError
 from tierckpt.protocol.format import committed_steps, discard_step, read_commit
 from tierckpt_replicator.inventory import list_jobs
+from tierckpt_replicator.replication.fragments import fragment_trees
 from tierckpt_replicator.replication.replica_retention import replicas_to_drop
 from tierckpt_replicator.stepio import open_job, rank_trees, step_name
 
-__all__ = ["apply_retention", "client_headroom", "free_bytes", "make_room", "pinned_steps"]
+__all__ = ["apply_retention", "client_headroom", "drop_above", "free_bytes", "make_room", "pinned_steps"]
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +60,34 @@ def apply_retention(root: Path, job: str, keep: int) -> list[tuple[int, int]]:
                         dropped.append((rank, step))
     if dropped:
         log.info("job %s: dropped old replicas %s", job, dropped)
+    return dropped
+
+
+def drop_above(root: Path, job: str, step: int) -> list[tuple[int, int]]:
+    """Drop this node's replicas (and erasure-coded fragments) of ``job`` above ``step``, the step the job
+    restores: they were saved by the run the job goes back from, and training saves those step numbers
+    again. A leased one stays until its reader is done (a new save of its step replaces it). Returns the
+    ``(rank, step)`` dropped."""
+    try:
+        tree = open_job(root, job)
+    except FileNotFoundError:
+        return []
+    dropped = []
+    with tree:
+        for rank, parent in [*rank_trees(tree, "replica").items(), *fragment_trees(tree).items()]:
+            with leases.lock(parent):
+                leased = leases.leased_steps(parent)
+                for held in committed_steps(parent):
+                    if held > step and held not in leased:
+                        discard_step(parent.at(step_name(held)))
+                        dropped.append((rank, held))
+    if dropped:
+        log.info(
+            "job %s: dropped copies %s above step %d, the job restores it (saved by the run it left)",
+            job,
+            dropped,
+            step,
+        )
     return dropped
 
 

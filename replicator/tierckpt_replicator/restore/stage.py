@@ -33,6 +33,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import re
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
@@ -46,10 +47,8 @@ from tierckpt.protocol.control import (
     PeerAssignment,
     RestorePlan,
     RestoreState,
-    RestoreStatus,
     Tier,
     read_control,
-    restore_status_name,
     write_restore_status,
 )
 from tierckpt.protocol.errors import FormatError, RetryableError, TierckptError, UnsafePathError
@@ -59,12 +58,13 @@ from tierckpt_replicator.assignments import AssignmentStore
 from tierckpt_replicator.backup.jobs import BackupPort
 from tierckpt_replicator.metrics import Metrics
 from tierckpt_replicator.replication.ipc import FetchSource, FetchTask, RebuildTask, TaskProgress, TaskResult
+from tierckpt_replicator.replication.replicas import drop_above
 from tierckpt_replicator.replication.supervisor import WorkerSupervisor
 from tierckpt_replicator.restore.fanout import FanOut
 from tierckpt_replicator.restore.gather import compute_plan
 from tierckpt_replicator.restore.progress import ProgressReporter
 from tierckpt_replicator.settings import Settings
-from tierckpt_replicator.stepio import Copy, open_job, rank_tree, rank_trees, step_name
+from tierckpt_replicator.stepio import Copy, open_job, rank_tree, rank_trees, read_status, step_name
 
 __all__ = ["Stager", "confirm_statuses", "invalidate_statuses", "published_plan"]
 
@@ -92,7 +92,7 @@ def published_plan(root: Path, job: str, assignment: PeerAssignment | None) -> R
     return plan
 
 
-_STATUS_LIMIT = 1 << 20
+_STATUS_FILE = re.compile(r"restore-rank-([0-9]{5,})\.json")
 
 
 def invalidate_statuses(root: Path, job: str) -> None:
@@ -103,8 +103,8 @@ def invalidate_statuses(root: Path, job: str) -> None:
         return
     with tree:
         for name in sorted(tree.listdir("control") if tree.is_dir("control") else ()):
-            if name.startswith("restore-rank-") and name.endswith(".json"):
-                _invalidate(tree, name)
+            if m := _STATUS_FILE.fullmatch(name):
+                _invalidate(tree, int(m.group(1)))
 
 
 def confirm_statuses(root: Path, job: str, states: Mapping[int, RestoreState], step: int | None) -> bool:
@@ -116,7 +116,7 @@ def confirm_statuses(root: Path, job: str, states: Mapping[int, RestoreState], s
         return not states
     with tree:
         for rank, state in states.items():
-            old = _read_status(tree, restore_status_name(rank))
+            old = read_status(tree, rank)
             if old is None or (old.state, old.step) != (state, step):
                 return False
             try:
@@ -126,17 +126,8 @@ def confirm_statuses(root: Path, job: str, states: Mapping[int, RestoreState], s
     return True
 
 
-def _read_status(tree: Beneath, name: str) -> RestoreStatus | None:
-    """The restore status in ``control/<name>``, if it is one and names the rank of its file."""
-    try:
-        status = RestoreStatus.from_bytes(tree.read_bytes(f"control/{name}", limit=_STATUS_LIMIT))
-    except (OSError, FormatError):
-        return None
-    return status if name == restore_status_name(status.rank) else None
-
-
-def _invalidate(tree: Beneath, name: str) -> None:
-    old = _read_status(tree, name)
+def _invalidate(tree: Beneath, rank: int) -> None:
+    old = read_status(tree, rank)
     if old is None:
         return
     if old.state != RestoreState.PENDING:
@@ -286,6 +277,8 @@ class Stager:
                     attempts=self.settings.restore_attempts,
                 )
             self.plans[job] = plan
+            if plan.step is not None:
+                drop_above(self.settings.root, job, plan.step)
             ranks = self._ranks(job, plan, assignment)
             if assignment is not None and assignment.process_ranks(self.node, plan.world_size):
                 self._staging[job] = (plan, ranks)

@@ -1,0 +1,169 @@
+"""The chaos harness's pure parts: the seeded schedule, the invariants, the reference, the shrinker."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import pytest
+
+from tierckpt_demo.chaos.__main__ import parse_duration
+from tierckpt_demo.chaos.oracle import Held, heal_gaps, lost_work, newest_restorable, retention_excess
+from tierckpt_demo.chaos.reference import Anchor, Reference
+from tierckpt_demo.chaos.rig import NetState
+from tierckpt_demo.chaos.schedule import KINDS, Fault, Round, Schedule, fault_kind, plan_round, plan_rounds
+from tierckpt_demo.chaos.shrink import ddmin, shrink
+
+EVERY = 3
+
+
+# ------------------------------------------------------------------------------ the schedule
+
+
+def test_a_seed_draws_the_same_schedule_every_time_and_another_seed_another() -> None:
+    a, b = plan_rounds(7, 6, every=EVERY), plan_rounds(7, 6, every=EVERY)
+    assert a == b and a.to_bytes() == b.to_bytes()
+    assert plan_rounds(8, 6, every=EVERY) != a
+    # a longer run starts with the same rounds: a run of any length is a prefix of the seed's sequence
+    assert plan_rounds(7, 9, every=EVERY).rounds[:6] == a.rounds
+
+
+def test_every_kind_is_drawn_once_in_each_deck_of_faults() -> None:
+    for seed in (1, 2, 3):
+        for deck in range(4):
+            drawn = [fault_kind(seed, deck * len(KINDS) + i) for i in range(len(KINDS))]
+            assert sorted(drawn) == sorted(KINDS), (seed, deck)
+
+
+def test_rounds_are_whole_checkpoint_intervals_with_faults_in_order() -> None:
+    schedule = plan_rounds(11, 20, every=EVERY, faults=(2, 5))
+    for rnd in schedule.rounds:
+        assert rnd.steps % EVERY == 0 and rnd.steps >= 3 * EVERY
+        assert 2 <= len(rnd.faults) <= 5
+        assert [f.at for f in rnd.faults] == sorted(f.at for f in rnd.faults)
+        assert all(0 < f.at < rnd.steps for f in rnd.faults)
+        assert all(f.job == "dcp" for f in rnd.faults if f.kind == "resize")
+    assert {f.kind for r in schedule.rounds for f in r.faults} == set(KINDS)
+
+
+def test_a_schedule_survives_its_file_and_a_bad_one_is_refused() -> None:
+    schedule = plan_rounds(5, 3, every=EVERY)
+    assert Schedule.from_bytes(schedule.to_bytes()) == schedule
+    with pytest.raises(ValueError, match="mode 'sideways'"):
+        Fault(kind="partition", mode="sideways", job="native", at=1)
+    assert plan_round(5, 1, len(schedule.rounds[0].faults), every=EVERY) == schedule.rounds[1]
+
+
+# ------------------------------------------------------------------------------ the invariants
+
+
+def _held(node: str, rank: int, step: int, world: int = 2, replica: bool = False) -> Held:
+    return Held(node=node, rank=rank, step=step, world=world, replica=replica)
+
+
+def test_the_newest_restorable_step_needs_every_rank_on_a_live_node_or_the_bucket() -> None:
+    copies = [
+        _held("a", 0, 10),
+        _held("b", 1, 10),
+        _held("a", 0, 20),
+        _held("c", 1, 20, replica=True),  # rank 1's only copy of 20 is on c
+        _held("b", 1, 30),
+    ]
+    assert newest_restorable(copies, {}, ["a", "b", "c"], 2) == 20
+    assert newest_restorable(copies, {}, ["a", "b"], 2) == 10, "c left the job: its copy does not count"
+    assert newest_restorable(copies, {30: 2}, ["a", "b"], 2) == 30, "complete in the bucket"
+    assert newest_restorable(copies, {40: 3}, ["a", "b"], 2) == 10, "another world size: not for this job"
+    assert newest_restorable(copies, {40: 3}, ["a", "b"], None) == 40, "a job that reshards takes it"
+    assert newest_restorable([], {}, ["a"], 2) is None
+    # a step whose ranks were saved with different world sizes is restorable under neither
+    mixed = [_held("a", 0, 50, world=2), _held("b", 1, 50, world=3), _held("b", 2, 50, world=3)]
+    assert newest_restorable(mixed, {}, ["a", "b"], None) is None
+
+
+def test_lost_work_is_at_most_one_interval_and_the_save_in_flight() -> None:
+    assert lost_work(last=23, committed=21, every=3) == ""
+    assert lost_work(last=26, committed=21, every=3) == ""  # killed while step 24 committed
+    assert "6 steps lost" in lost_work(last=27, committed=21, every=3)
+    assert lost_work(last=5, committed=None, every=3) == ""
+    assert "6 steps lost" in lost_work(last=6, committed=None, every=3)
+
+
+def test_healing_counts_copies_of_each_ranks_newest_step_on_other_nodes_of_the_job() -> None:
+    newest = {0: ("a", 12), 1: ("b", 12)}
+    copies = [
+        _held("b", 0, 12, replica=True),
+        _held("a", 1, 9, replica=True),  # an older step does not count
+        _held("z", 1, 12, replica=True),  # nor does a node outside the job
+    ]
+    gaps = heal_gaps(newest, copies, ["a", "b", "c"], factor=1)
+    assert gaps == ["rank 1 step 12: 0/1 copies (none)"]
+    assert heal_gaps(newest, [*copies, _held("c", 1, 12, replica=True)], ["a", "b", "c"], 1) == []
+    # a factor above what the job's other nodes can hold asks for all of them
+    assert heal_gaps({0: ("a", 12)}, [_held("b", 0, 12, replica=True)], ["a", "b"], factor=2) == []
+
+
+def test_retention_allows_its_documented_exceptions_and_no_more() -> None:
+    primaries = [_held("a", 0, s) for s in range(1, 6)]
+    assert retention_excess(primaries, keep=2, replica_keep=2) == []
+    leak = [_held("a", 0, s) for s in range(1, 7)]
+    (problem,) = retention_excess(leak, keep=2, replica_keep=2)
+    assert "a: rank 0 holds 6 primaries" in problem
+
+
+def test_the_reference_knows_saved_states_and_replayed_losses() -> None:
+    ref = Reference()
+    ref.saving("job", 0, 6, "s6")
+    assert ref.restored_ok("job", 0, 6, "s6") == ""
+    assert "saved as s6" in ref.restored_ok("job", 0, 6, "other")
+    assert "no save was announced" in ref.restored_ok("job", 1, 6, "s6")
+    first = [Anchor(6, "s6", 2)]
+    assert ref.loss(first, 7, 0.5) == ""
+    assert ref.loss(first, 7, 0.5) == "" and ref.compared == 1
+    assert "an earlier run from the same state computed 0.5" in ref.loss(first, 7, 0.25)
+    assert ref.loss([Anchor(6, "s6", 3)], 7, 0.25) == "", "another world size is another computation"
+
+
+def test_network_effects_of_overlapping_faults_add_up() -> None:
+    a = NetState(cut_from={"n1"}, loss=5, rate_in=2000)
+    b = NetState(refuse_from={"n2"}, loss=20, rate_in=500, rate_out=800)
+    merged = a.merge(b)
+    assert merged == NetState({"n1"}, False, {"n2"}, 20, 500, 800, 0)
+    assert NetState().merge(NetState()) == NetState()
+
+
+# ------------------------------------------------------------------------------ the shrinker
+
+
+def test_ddmin_finds_a_minimal_failing_subset() -> None:
+    tried: list[list[int]] = []
+
+    def fails(items: list[int]) -> bool:
+        tried.append(items)
+        return 3 in items and 7 in items
+
+    assert ddmin(list(range(12)), fails, lambda: False) == [3, 7]
+    assert ddmin(list(range(5)), lambda items: True, lambda: False) == []
+    assert ddmin(list(range(5)), fails, lambda: True) == list(range(5)), "no time: unchanged"
+
+
+def test_shrink_keeps_the_rounds_and_faults_a_failure_needs() -> None:
+    schedule = plan_rounds(3, 6, every=EVERY, faults=(3, 4))
+    culprit = schedule.rounds[4].faults[1]
+
+    def fails(candidate: Schedule) -> bool:
+        return any(f == culprit for r in candidate.rounds for f in r.faults)
+
+    minimal = shrink(schedule, fails, lambda: False)
+    assert [f for r in minimal.rounds for f in r.faults] == [culprit]
+    assert len(minimal.rounds) == 1 and minimal.rounds[0].steps == schedule.rounds[4].steps
+    assert "shrunk from seed 3" in minimal.note
+    assert dataclasses.replace(minimal, note="") == Schedule(
+        seed=3, rounds=(Round(minimal.rounds[0].steps, (culprit,)),)
+    )
+
+
+def test_durations_read_as_seconds() -> None:
+    assert parse_duration("90") == 90 and parse_duration("90s") == 90
+    assert parse_duration("30m") == 1800 and parse_duration("1.5h") == 5400
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_duration("an hour")
