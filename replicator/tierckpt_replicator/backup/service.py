@@ -55,7 +55,7 @@ from tierckpt_replicator.backup.catalog import BucketView, Catalog
 from tierckpt_replicator.backup.fence import Fences, JobFenced
 from tierckpt_replicator.backup.metrics import BackupMetrics
 from tierckpt_replicator.backup.restorer import Restorer
-from tierckpt_replicator.backup.spread import assign_uploads, data_rank, rendezvous_score
+from tierckpt_replicator.backup.spread import assign_uploads, data_rank, holders_of, rendezvous_score
 from tierckpt_replicator.backup.store import ObjectStore
 from tierckpt_replicator.backup.uploader import Uploader
 from tierckpt_replicator.policies import PolicyStore
@@ -782,10 +782,7 @@ class BackupService:
             peers = None
         holders = dict(self._holders.get(job, {}))
         if isinstance(peers, PeerAssignment):
-            for node in sorted(peers.node_ranks):
-                copies = peers.peers.get(node, ()) if self.settings.peers_hold_copies else ()
-                for r in peers.process_ranks(node, world_size):
-                    holders[r] = (node, *copies)
+            holders.update(holders_of(peers, world_size, copies=self.settings.peers_hold_copies))
         return holders
 
     def _lock(self, job: str) -> asyncio.Lock:

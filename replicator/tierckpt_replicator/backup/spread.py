@@ -18,7 +18,9 @@ import collections
 import hashlib
 from collections.abc import Mapping, Sequence
 
-__all__ = ["assign_uploads", "data_rank", "rendezvous_score"]
+from tierckpt.protocol.control import PeerAssignment
+
+__all__ = ["assign_uploads", "data_rank", "holders_of", "rendezvous_score"]
 
 
 def rendezvous_score(job: str, step: int, rank: int, node: str) -> int:
@@ -48,3 +50,17 @@ def assign_uploads(job: str, step: int, holders: Mapping[int, Sequence[str]]) ->
         for i, r in enumerate(sorted(ranks)):
             owner[r] = nodes[(i + offset) % len(nodes)]
     return owner
+
+
+def holders_of(
+    assignment: PeerAssignment, world_size: int, *, copies: bool = True
+) -> dict[int, tuple[str, ...]]:
+    """Rank -> the nodes holding it, primary first, from a ``peers.json``: a node's process ranks are held
+    by it and (``copies``: its peers hold replicas, not erasure-coded fragments) by its peers, in their
+    order. A node's view of a big job's plan names the peers of every node whose ranks it holds."""
+    out: dict[int, tuple[str, ...]] = {}
+    for node in sorted(assignment.node_ranks):
+        peers = assignment.peers.get(node, ()) if copies else ()
+        for r in assignment.process_ranks(node, world_size):
+            out[r] = (node, *peers)
+    return out
