@@ -148,15 +148,18 @@ def _indices(registry: kopf.OperatorRegistry, settings: Settings, runtime: Runti
 
     # Pods and nodes: the operator's own indices, kept from the watch events (clusterview.WATCHED_IDS).
     # Registered before the wake-ups: kopf calls an object's handlers in order, so a job woken by an
-    # event reads the index with it.
+    # event reads the index with it. The event handlers are coroutines: kopf runs a plain function in a
+    # thread of its executor, a hop per handler and event (thousands of them a second at scale).
 
     @kopf.on.event("v1", "pods", id="index-worker", labels=MANAGED, registry=registry)
-    def index_worker(body: kopf.Body, namespace: str | None, name: str, type: str | None, **_: Any) -> None:
+    async def index_worker(
+        body: kopf.Body, namespace: str | None, name: str, type: str | None, **_: Any
+    ) -> None:
         w = worker_of(body) if type != "DELETED" else None
         runtime.watched["tierckpt_workers"].put(f"{namespace}/{name}", w.job_key if w else None, w)
 
     @kopf.on.event("v1", "pods", id="index-replicator", labels=settings.replicator_labels, registry=registry)
-    def index_replicator(
+    async def index_replicator(
         body: kopf.Body, namespace: str | None, name: str, type: str | None, **_: Any
     ) -> None:
         r = replicator_of(body, settings.replicator_api_port, settings.replicator_scheme)
@@ -164,7 +167,7 @@ def _indices(registry: kopf.OperatorRegistry, settings: Settings, runtime: Runti
         runtime.watched["tierckpt_replicators"].put(f"{namespace}/{name}", r.node if r else None, r)
 
     @kopf.on.event("v1", "nodes", id="index-node", registry=registry)
-    def index_node(name: str, labels: kopf.Labels, type: str | None, **_: Any) -> None:
+    async def index_node(name: str, labels: kopf.Labels, type: str | None, **_: Any) -> None:
         known = tuple(sorted(labels.items())) if type != "DELETED" else None
         runtime.watched["tierckpt_nodes"].put(name, name, known)
 
@@ -308,7 +311,7 @@ def _configs(registry: kopf.OperatorRegistry, settings: Settings, runtime: Runti
             post_event(body, "Normal", "Replanning", f"configuration changed: re-planning {len(keys)} job(s)")
 
     @kopf.on.event(*CONFIG, id="config-changed", registry=registry)
-    def config_changed(**kwargs: Any) -> None:
+    async def config_changed(**kwargs: Any) -> None:
         runtime.configs.poke(runtime.view(kwargs))
 
 
@@ -317,7 +320,7 @@ def _configs(registry: kopf.OperatorRegistry, settings: Settings, runtime: Runti
 
 def _wakeups(registry: kopf.OperatorRegistry, settings: Settings, runtime: Runtime) -> None:
     @kopf.on.event("v1", "pods", id="worker-changed", labels=MANAGED, registry=registry)
-    def worker_changed(labels: kopf.Labels, namespace: str | None, **_: Any) -> None:
+    async def worker_changed(labels: kopf.Labels, namespace: str | None, **_: Any) -> None:
         jobset = labels.get(Labels.JOBSET_NAME)
         if jobset:
             runtime.poke((_namespaced(namespace), jobset))
@@ -325,22 +328,22 @@ def _wakeups(registry: kopf.OperatorRegistry, settings: Settings, runtime: Runti
     @kopf.on.event(
         "v1", "pods", id="replicator-changed", labels=settings.replicator_labels, registry=registry
     )
-    def replicator_changed(spec: kopf.Spec, **kwargs: Any) -> None:
+    async def replicator_changed(spec: kopf.Spec, **kwargs: Any) -> None:
         node = spec.get("nodeName")
         if node:
             runtime.poke_node(node)
         runtime.configs.poke(runtime.view(kwargs))
 
     @kopf.on.event("v1", "nodes", id="node-changed", registry=registry)
-    def node_changed(name: str, **kwargs: Any) -> None:
+    async def node_changed(name: str, **kwargs: Any) -> None:
         runtime.poke_node(name)
         runtime.configs.poke(runtime.view(kwargs))
 
     @kopf.on.event(*JOBSET, id="jobset-changed", annotations=OPTED, registry=registry)
-    def jobset_changed(namespace: str | None, name: str, **_: Any) -> None:
+    async def jobset_changed(namespace: str | None, name: str, **_: Any) -> None:
         runtime.poke((_namespaced(namespace), name))
 
     @kopf.on.event(*CKJOB, id="checkpointjob-changed", registry=registry)
-    def checkpoint_job_changed(namespace: str | None, name: str, type: str | None, **_: Any) -> None:
+    async def checkpoint_job_changed(namespace: str | None, name: str, type: str | None, **_: Any) -> None:
         if type in (None, "ADDED", "DELETED"):  # not our own status writes
             runtime.poke((_namespaced(namespace), name))
