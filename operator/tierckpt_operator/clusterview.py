@@ -1,31 +1,38 @@
-"""A read-only view of the cluster as the operator's kopf indices hold it (pure: no API calls).
+"""A read-only view of the cluster as the operator's indices hold it (pure: no API calls).
 
-The indices are filled by the watches (see ``registry``): opted-in JobSets, configurations,
-training pods, replicator pods, node labels and CheckpointJob states. The control loops and the
-webhooks read them through ``ClusterView``, so a reconcile costs no API request.
+The indices are filled by the watches (see ``registry``): opted-in JobSets, configurations and
+CheckpointJob states in kopf's indices (``INDEX_IDS``); training pods, replicator pods and node labels,
+thousands each in a big cluster, in ``WatchedIndex``es the operator keeps from their watch events
+(``WATCHED_IDS``: kopf holds every event of an indexed kind until every object of it is indexed, which
+costs O(objects^2) per burst of events). The control loops and the webhooks read them through
+``ClusterView``, so a reconcile costs no API request.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping
-from typing import Any, TypeVar
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any, Generic, TypeVar
 
 from tierckpt_operator.decisions import JobState
 from tierckpt_operator.jobsets import JobSetInfo
 from tierckpt_operator.pods import ReplicatorPod, WorkerPod
 from tierckpt_operator.resources import ConfigSpec
 
-__all__ = ["INDEX_IDS", "CheckpointJobRecord", "ClusterView", "ConfigRecord", "JobSetRecord"]
+__all__ = [
+    "INDEX_IDS",
+    "WATCHED_IDS",
+    "CheckpointJobRecord",
+    "ClusterView",
+    "ConfigRecord",
+    "JobSetRecord",
+    "WatchedIndex",
+]
 
-INDEX_IDS = (
-    "tierckpt_jobsets",
-    "tierckpt_configs",
-    "tierckpt_workers",
-    "tierckpt_replicators",
-    "tierckpt_nodes",
-    "tierckpt_ckjobs",
-)
+INDEX_IDS = ("tierckpt_jobsets", "tierckpt_configs", "tierckpt_ckjobs")
+"""kopf's indices (few objects)."""
+WATCHED_IDS = ("tierckpt_workers", "tierckpt_replicators", "tierckpt_nodes")
+"""The operator's own (``WatchedIndex``), kept from watch events."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +66,39 @@ class CheckpointJobRecord:
 
 K = TypeVar("K")
 V = TypeVar("V")
+
+
+class WatchedIndex(Mapping[K, tuple[V, ...]], Generic[K, V]):
+    """key -> the values of the watched objects filed under it, kept from the objects' watch events:
+    ``put(object, key, value)`` on every event (a value None files nothing), ``drop(object)`` when one
+    is deleted. Read like a kopf index."""
+
+    def __init__(self) -> None:
+        self._by_key: dict[K, dict[str, V]] = {}
+        self._key_of: dict[str, K] = {}
+
+    def put(self, obj: str, key: K | None, value: V | None) -> None:
+        self.drop(obj)
+        if key is not None and value is not None:
+            self._by_key.setdefault(key, {})[obj] = value
+            self._key_of[obj] = key
+
+    def drop(self, obj: str) -> None:
+        key = self._key_of.pop(obj, None)
+        if key is not None:
+            values = self._by_key[key]
+            values.pop(obj, None)
+            if not values:
+                del self._by_key[key]
+
+    def __getitem__(self, key: K) -> tuple[V, ...]:
+        return tuple(self._by_key[key].values())
+
+    def __iter__(self) -> Iterator[K]:
+        return iter(list(self._by_key))
+
+    def __len__(self) -> int:
+        return len(self._by_key)
 
 
 def _one(index: Mapping[K, Iterable[V]] | None, key: K) -> V | None:

@@ -262,30 +262,43 @@ def peer_assignment(job: str, state: JobState, endpoints: Mapping[str, str]) -> 
     return _assignment(job, state, endpoints, range(len(state.nodes)), None)
 
 
-def peer_views(job: str, state: JobState, endpoints: Mapping[str, str]) -> dict[str, PeerAssignment]:
-    """Each node's own view: itself, its peers and the nodes that send to it (a few kilobytes each).
+def peer_views(
+    job: str, state: JobState, endpoints: Mapping[str, str], partners: Sequence[Sequence[int]] = ()
+) -> dict[str, PeerAssignment]:
+    """Each node's own view of the plan (a few kilobytes each, O(nodes x peers^2) in all): itself and
+    its peers; the nodes that send to it and their peers (the holders of every rank it holds, from
+    which it computes its share of a backup); the nodes running other members of its ranks' replica
+    groups (``partners``). ``num_nodes`` says how many node ranks the job has.
 
-    For big jobs, where the whole map would be megabytes sent to every node. O(nodes x peers).
+    For big jobs, where the whole map would be megabytes sent to every node.
     """
     senders: list[list[int]] = [[] for _ in state.nodes]
     for r, ps in enumerate(state.peers):
         for p in ps:
             senders[p].append(r)
-    return {
-        node: _assignment(job, state, endpoints, sorted({r, *state.peers[r], *senders[r]}), r)
-        for r, node in enumerate(state.nodes)
-    }
+    partners = partners if len(partners) == len(state.nodes) else ()
+    out = {}
+    for r, node in enumerate(state.nodes):
+        givers = sorted({r, *senders[r]})
+        ranks = {*givers, *(p for g in givers for p in state.peers[g]), *(partners[r] if partners else ())}
+        out[node] = _assignment(job, state, endpoints, sorted(ranks), givers)
+    return out
 
 
 def _assignment(
-    job: str, state: JobState, endpoints: Mapping[str, str], ranks: Iterable[int], me: int | None
+    job: str,
+    state: JobState,
+    endpoints: Mapping[str, str],
+    ranks: Iterable[int],
+    givers: Sequence[int] | None,
 ) -> PeerAssignment:
+    """The plan's ``ranks`` (their nodes and node ranks) and the peers of ``givers`` (None: of all)."""
     ranks = list(ranks)
     nodes = {
         state.nodes[r]: PeerNode(state.nodes[r], endpoints.get(state.nodes[r], ""), state.domains[r])
         for r in ranks
     }
-    senders = range(len(state.nodes)) if me is None else (me,)
+    senders = range(len(state.nodes)) if givers is None else givers
     peers = {state.nodes[r]: tuple(state.nodes[p] for p in state.peers[r]) for r in senders}
     return PeerAssignment(
         job=job,
@@ -293,4 +306,5 @@ def _assignment(
         nodes=nodes,
         peers=peers,
         node_ranks={state.nodes[r]: r for r in ranks},
+        num_nodes=0 if givers is None else len(state.nodes),
     )

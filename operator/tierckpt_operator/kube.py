@@ -147,14 +147,18 @@ class Kube:
     # ------------------------------------------------------------------------------ pods
 
     async def annotate_pod(self, namespace: str, name: str, annotations: Mapping[str, str]) -> bool:
-        """Merge the annotations into the pod; False if the pod is gone."""
-        try:
-            await self._call(
-                self.core.patch_namespaced_pod,
-                name,
-                namespace,
-                {"metadata": {"annotations": dict(annotations)}},
+        """Merge the annotations into the pod; False if the pod is gone. The answer (the whole pod) is
+        not turned into the client's model objects: a job of thousands of pods gets thousands of these."""
+
+        def patch() -> None:
+            raw: Any = self.core.patch_namespaced_pod(  # an HTTP response, with _preload_content=False
+                name, namespace, {"metadata": {"annotations": dict(annotations)}}, _preload_content=False
             )
+            raw.read()
+            raw.release_conn()
+
+        try:
+            await self._call(patch)
             return True
         except ApiException as exc:
             if exc.status == 404:

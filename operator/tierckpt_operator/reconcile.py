@@ -111,6 +111,18 @@ def checkpoint_job_body(info: JobSetInfo | None, namespace: str, name: str, uid:
     }
 
 
+@dataclasses.dataclass(frozen=True)
+class _Outgoing:
+    """A node's peer assignment and the digest of its content without the generation."""
+
+    message: PeerAssignment
+    content: str
+
+
+def _content_digest(msg: PeerAssignment) -> str:
+    return hashlib.sha1(dataclasses.replace(msg, generation=1).to_bytes(), usedforsecurity=False).hexdigest()
+
+
 @dataclasses.dataclass
 class _Restore:
     plan: RestorePlan
@@ -138,6 +150,8 @@ class JobController:
         the next peer plan prefers them)."""
         self.delivered: dict[str, str] = {}
         """Node -> digest of the peer assignment it accepted."""
+        self.outgoing: dict[str, _Outgoing] | None = None
+        """Node -> its peer assignment of the current plan (made when the plan changes)."""
         self.policy: JobPolicy | None = None
         self.policy_delivered: dict[str, int] = {}
         """Node -> generation of the policy it accepted."""
@@ -304,14 +318,15 @@ class JobController:
     ) -> JobState:
         peers = decide_peers(state, spec.peers_per_node, self.partners)
         endpoints = {n: rep.endpoint for n in state.nodes if (rep := cluster.replicator(n))}
-        digest = _digest(state.nodes, state.domains, peers, sorted(endpoints.items()))
-        if digest != self.peer_digest:
+        digest = _digest(state.nodes, state.domains, peers, self.partners, sorted(endpoints.items()))
+        if digest != self.peer_digest or self.outgoing is None:
             before = state.peers
             # Milliseconds since the epoch: newer than anything an earlier operator sent, even if
             # that one's status write was lost (replicators refuse generations not newer than theirs).
             generation = max(state.peer_generation + 1, int(time.time() * 1000))
             state = self.state = dataclasses.replace(state, peers=peers, peer_generation=generation)
             self.peer_digest = digest
+            self.outgoing = self._peer_messages(info, state, endpoints)
             if peers != before:
                 churn = peer_churn(before, peers) if before else 0
                 domains = len(set(state.domains))
@@ -321,40 +336,40 @@ class JobController:
                     f"peer generation {state.peer_generation}: {spec.peers_per_node} peers per "
                     f"node across {domains} failure domain(s); {churn} edges changed",
                 )
-        messages = self._peer_messages(info, state, endpoints)
-        await self._send(messages, cluster)
+        await self._send(self.outgoing, cluster)
         return state
 
     def _peer_messages(
         self, info: JobSetInfo, state: JobState, endpoints: dict[str, str]
-    ) -> dict[str, PeerAssignment]:
+    ) -> dict[str, _Outgoing]:
+        """Each node's message and its content digest (the generation left out: a node whose view did
+        not change is not sent it again), made once per plan. Up to ``peers_full_view_max`` nodes every
+        node gets the whole map (one message, encoded once); beyond, each its own neighbourhood."""
         if len(state.nodes) <= self.ctx.settings.peers_full_view_max:
             full = peer_assignment(info.job_id, state, endpoints)
-            return {node: full for node in state.nodes}
-        return peer_views(info.job_id, state, endpoints)
+            one = _Outgoing(full, _content_digest(full))
+            return dict.fromkeys(state.nodes, one)
+        views = peer_views(info.job_id, state, endpoints, self.partners)
+        return {node: _Outgoing(msg, _content_digest(msg)) for node, msg in views.items()}
 
-    async def _send(self, messages: dict[str, PeerAssignment], cluster: ClusterView) -> None:
+    async def _send(self, messages: dict[str, _Outgoing], cluster: ClusterView) -> None:
         todo = {}
-        digests: dict[int, str] = {}
-        for node, msg in messages.items():
-            content = digests.get(id(msg)) or digests.setdefault(
-                id(msg), _digest(msg.to_dict() | {"generation": 0})
-            )
+        for node, out in messages.items():
             rep = cluster.replicator(node)
-            if self.delivered.get(node) != content and rep is not None and rep.ready:
-                todo[node] = (rep.endpoint, msg, content)
+            if self.delivered.get(node) != out.content and rep is not None and rep.ready:
+                todo[node] = (rep.endpoint, out)
         results = await _gather(
-            self.ctx.replicators.put_peers(ep, msg, node=node) for node, (ep, msg, _) in todo.items()
+            self.ctx.replicators.put_peers(ep, out.message, node=node) for node, (ep, out) in todo.items()
         )
         failures = []
-        for (node, (_, _, content)), result in zip(todo.items(), results, strict=True):
+        for (node, (_, out)), result in zip(todo.items(), results, strict=True):
             if isinstance(result, BaseException):
                 failures.append(f"{node}: {result}")
                 self.ctx.metrics.replicator_calls.labels("put_peers", "error").inc()
                 if isinstance(result, ReplicatorError) and result.status == 409:
                     self.peer_digest = None  # it holds a newer generation: send a fresh one next round
             else:
-                self.delivered[node] = content
+                self.delivered[node] = out.content
                 self.ctx.metrics.replicator_calls.labels("put_peers", "ok").inc()
         if failures:
             self._event_once(

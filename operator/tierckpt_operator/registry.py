@@ -7,7 +7,8 @@ Two roles share one registry builder:
 * ``leader``: all of the above plus the JobSet lifecycle (CheckpointJob creation, per-job control
   loop and refresh timer, cleanup on deletion), configuration status and the watches that wake jobs.
 
-Index ids double as handler kwargs (see ``clusterview.INDEX_IDS``).
+kopf's index ids double as handler kwargs (see ``clusterview.INDEX_IDS``); pods and nodes are indexed
+by the operator's own watch handlers into ``Runtime.watched``.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from tierckpt_operator.cleanup import purge_job
 from tierckpt_operator.clusterview import (
     INDEX_IDS,
     CheckpointJobRecord,
-    ClusterView,
     ConfigRecord,
     JobSetRecord,
 )
@@ -57,17 +57,13 @@ def _namespaced(namespace: str | None) -> str:
     return namespace
 
 
-def _view(kwargs: dict[str, Any]) -> ClusterView:
-    return ClusterView({k: kwargs[k] for k in INDEX_IDS if k in kwargs})
-
-
 def build_registry(settings: Settings, runtime: Runtime, *, role: str = "leader") -> kopf.OperatorRegistry:
     """A registry for ``role`` (``leader`` or ``webhook``)."""
     if role not in ("leader", "webhook"):
         raise ValueError(f"unknown role {role!r}")
     registry = kopf.OperatorRegistry()
     _lifecycle(registry, settings, runtime)
-    _indices(registry, settings)
+    _indices(registry, settings, runtime)
     if settings.webhook_enabled:
         _admission(registry, settings, runtime)
     if role == "leader":
@@ -128,7 +124,7 @@ def _configure_kopf(kopf_settings: kopf.OperatorSettings, settings: Settings) ->
 # ------------------------------------------------------------------------------------ indices
 
 
-def _indices(registry: kopf.OperatorRegistry, settings: Settings) -> None:
+def _indices(registry: kopf.OperatorRegistry, settings: Settings, runtime: Runtime) -> None:
     @kopf.index(*JOBSET, id="tierckpt_jobsets", annotations=OPTED, registry=registry)
     def jobsets(
         body: kopf.Body, namespace: str | None, name: str, uid: str, meta: kopf.Meta, **_: Any
@@ -150,19 +146,30 @@ def _indices(registry: kopf.OperatorRegistry, settings: Settings) -> None:
         except ContractError as exc:
             return {name: ConfigRecord(name, error=str(exc))}
 
-    @kopf.index("v1", "pods", id="tierckpt_workers", labels=MANAGED, registry=registry)
-    def workers(body: kopf.Body, **_: Any) -> Any:
-        w = worker_of(body)
-        return {w.job_key: w} if w is not None else {}
+    # Pods and nodes: the operator's own indices, kept from the watch events (clusterview.WATCHED_IDS).
+    # Registered before the wake-ups: kopf calls an object's handlers in order, so a job woken by an
+    # event reads the index with it. The event handlers are coroutines: kopf runs a plain function in a
+    # thread of its executor, a hop per handler and event (thousands of them a second at scale).
 
-    @kopf.index("v1", "pods", id="tierckpt_replicators", labels=settings.replicator_labels, registry=registry)
-    def replicators(body: kopf.Body, **_: Any) -> Any:
+    @kopf.on.event("v1", "pods", id="index-worker", labels=MANAGED, registry=registry)
+    async def index_worker(
+        body: kopf.Body, namespace: str | None, name: str, type: str | None, **_: Any
+    ) -> None:
+        w = worker_of(body) if type != "DELETED" else None
+        runtime.watched["tierckpt_workers"].put(f"{namespace}/{name}", w.job_key if w else None, w)
+
+    @kopf.on.event("v1", "pods", id="index-replicator", labels=settings.replicator_labels, registry=registry)
+    async def index_replicator(
+        body: kopf.Body, namespace: str | None, name: str, type: str | None, **_: Any
+    ) -> None:
         r = replicator_of(body, settings.replicator_api_port, settings.replicator_scheme)
-        return {r.node: r} if r is not None else {}
+        r = r if type != "DELETED" else None
+        runtime.watched["tierckpt_replicators"].put(f"{namespace}/{name}", r.node if r else None, r)
 
-    @kopf.index("v1", "nodes", id="tierckpt_nodes", registry=registry)
-    def nodes(name: str, labels: kopf.Labels, **_: Any) -> Any:
-        return {name: tuple(sorted(labels.items()))}
+    @kopf.on.event("v1", "nodes", id="index-node", registry=registry)
+    async def index_node(name: str, labels: kopf.Labels, type: str | None, **_: Any) -> None:
+        known = tuple(sorted(labels.items())) if type != "DELETED" else None
+        runtime.watched["tierckpt_nodes"].put(name, name, known)
 
     @kopf.index(*CKJOB, id="tierckpt_ckjobs", registry=registry)
     def ckjobs(
@@ -186,14 +193,14 @@ def _indices(registry: kopf.OperatorRegistry, settings: Settings) -> None:
 def _admission(registry: kopf.OperatorRegistry, settings: Settings, runtime: Runtime) -> None:
     @kopf.on.mutate(*JOBSET, id="mutate-jobsets", operation="CREATE", annotations=ENABLED, registry=registry)
     def mutate_jobset(body: kopf.Body, patch: kopf.Patch, warnings: list[str], **kwargs: Any) -> None:
-        webhooks.jobset_mutation(body, _view(kwargs), settings, warnings)
+        webhooks.jobset_mutation(body, runtime.view(kwargs), settings, warnings)
         patch.fns.append(webhooks.apply_jobset())
         runtime.metrics.webhook_mutations.labels("jobset", "ok").inc()
 
     @kopf.on.mutate("v1", "pods", id="mutate-pods", operation="CREATE", labels=MANAGED, registry=registry)
     async def mutate_pod(body: kopf.Body, patch: kopf.Patch, **kwargs: Any) -> None:
         try:
-            plan = await webhooks.pod_mutation(body, _view(kwargs), settings, runtime.kube.get_jobset)
+            plan = await webhooks.pod_mutation(body, runtime.view(kwargs), settings, runtime.kube.get_jobset)
         except kopf.AdmissionError:
             runtime.metrics.webhook_mutations.labels("pod", "refused").inc()
             raise
@@ -248,7 +255,7 @@ def _jobsets(registry: kopf.OperatorRegistry, settings: Settings, runtime: Runti
     ) -> None:
         namespace = _namespaced(namespace)
         indices = {k: kwargs[k] for k in INDEX_IDS}
-        await runtime.controller((namespace, name)).run(lambda: ClusterView(indices), stopped)
+        await runtime.controller((namespace, name)).run(lambda: runtime.view(indices), stopped)
 
     @kopf.timer(
         *JOBSET,
@@ -261,14 +268,14 @@ def _jobsets(registry: kopf.OperatorRegistry, settings: Settings, runtime: Runti
     async def refresh(namespace: str | None, name: str, **kwargs: Any) -> None:
         ctl = runtime.controllers.get((_namespaced(namespace), name))
         if ctl is not None:
-            await ctl.refresh(_view(kwargs))
+            await ctl.refresh(runtime.view(kwargs))
 
     @kopf.on.delete(*JOBSET, id="cleanup", annotations=ENABLED, retries=5, backoff=5, registry=registry)
     async def cleanup(
         body: kopf.Body, namespace: str | None, name: str, uid: str, retry: int, **kwargs: Any
     ) -> None:
         namespace = _namespaced(namespace)
-        cluster = _view(kwargs)
+        cluster = runtime.view(kwargs)
         rec = cluster.jobset(namespace, name)
         info = rec.info if rec is not None else None
         try:
@@ -295,7 +302,7 @@ def _configs(registry: kopf.OperatorRegistry, settings: Settings, runtime: Runti
     def replan(body: kopf.Body, name: str, reason: str, **kwargs: Any) -> None:
         keys = [
             (rec.namespace, rec.name)
-            for rec in _view(kwargs).jobsets()
+            for rec in runtime.view(kwargs).jobsets()
             if rec.info is not None and rec.info.config_name == name
         ]
         for key in keys:
@@ -304,8 +311,8 @@ def _configs(registry: kopf.OperatorRegistry, settings: Settings, runtime: Runti
             post_event(body, "Normal", "Replanning", f"configuration changed: re-planning {len(keys)} job(s)")
 
     @kopf.on.event(*CONFIG, id="config-changed", registry=registry)
-    def config_changed(**kwargs: Any) -> None:
-        runtime.configs.poke(_view(kwargs))
+    async def config_changed(**kwargs: Any) -> None:
+        runtime.configs.poke(runtime.view(kwargs))
 
 
 # ------------------------------------------------------------------------------------ wake-ups
@@ -313,7 +320,7 @@ def _configs(registry: kopf.OperatorRegistry, settings: Settings, runtime: Runti
 
 def _wakeups(registry: kopf.OperatorRegistry, settings: Settings, runtime: Runtime) -> None:
     @kopf.on.event("v1", "pods", id="worker-changed", labels=MANAGED, registry=registry)
-    def worker_changed(labels: kopf.Labels, namespace: str | None, **_: Any) -> None:
+    async def worker_changed(labels: kopf.Labels, namespace: str | None, **_: Any) -> None:
         jobset = labels.get(Labels.JOBSET_NAME)
         if jobset:
             runtime.poke((_namespaced(namespace), jobset))
@@ -321,22 +328,22 @@ def _wakeups(registry: kopf.OperatorRegistry, settings: Settings, runtime: Runti
     @kopf.on.event(
         "v1", "pods", id="replicator-changed", labels=settings.replicator_labels, registry=registry
     )
-    def replicator_changed(spec: kopf.Spec, **kwargs: Any) -> None:
+    async def replicator_changed(spec: kopf.Spec, **kwargs: Any) -> None:
         node = spec.get("nodeName")
         if node:
             runtime.poke_node(node)
-        runtime.configs.poke(_view(kwargs))
+        runtime.configs.poke(runtime.view(kwargs))
 
     @kopf.on.event("v1", "nodes", id="node-changed", registry=registry)
-    def node_changed(name: str, **kwargs: Any) -> None:
+    async def node_changed(name: str, **kwargs: Any) -> None:
         runtime.poke_node(name)
-        runtime.configs.poke(_view(kwargs))
+        runtime.configs.poke(runtime.view(kwargs))
 
     @kopf.on.event(*JOBSET, id="jobset-changed", annotations=OPTED, registry=registry)
-    def jobset_changed(namespace: str | None, name: str, **_: Any) -> None:
+    async def jobset_changed(namespace: str | None, name: str, **_: Any) -> None:
         runtime.poke((_namespaced(namespace), name))
 
     @kopf.on.event(*CKJOB, id="checkpointjob-changed", registry=registry)
-    def checkpoint_job_changed(namespace: str | None, name: str, type: str | None, **_: Any) -> None:
+    async def checkpoint_job_changed(namespace: str | None, name: str, type: str | None, **_: Any) -> None:
         if type in (None, "ADDED", "DELETED"):  # not our own status writes
             runtime.poke((_namespaced(namespace), name))

@@ -12,10 +12,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections import defaultdict
-from collections.abc import Coroutine, Sequence
+from collections.abc import Coroutine, Mapping, Sequence
 from typing import Any
 
 from tierckpt.protocol.client import ReplicatorClient
+from tierckpt_operator.clusterview import INDEX_IDS, WATCHED_IDS, ClusterView, WatchedIndex
 from tierckpt_operator.config_reporter import ConfigReporter
 from tierckpt_operator.credentials import OperatorCredentials
 from tierckpt_operator.kube import Kube
@@ -40,6 +41,10 @@ class Runtime:
     node_jobs: dict[str, set[JobKey]] = dataclasses.field(default_factory=lambda: defaultdict(set))
     job_nodes: dict[JobKey, set[str]] = dataclasses.field(default_factory=dict)
     tasks: set[asyncio.Task[Any]] = dataclasses.field(default_factory=set)
+    watched: dict[str, WatchedIndex[Any, Any]] = dataclasses.field(
+        default_factory=lambda: {name: WatchedIndex() for name in WATCHED_IDS}
+    )
+    """The indices of pods and nodes the watch handlers keep (``clusterview.WATCHED_IDS``)."""
     jobs: JobContext = dataclasses.field(init=False)
     """What every job controller is given."""
     configs: ConfigReporter = dataclasses.field(init=False)
@@ -57,6 +62,10 @@ class Runtime:
 
     def _is_running(self) -> bool:
         return self.running
+
+    def view(self, indices: Mapping[str, Any]) -> ClusterView:
+        """The cluster: kopf's ``indices`` (a handler's kwargs) and the watched pods and nodes."""
+        return ClusterView({**{k: indices[k] for k in INDEX_IDS if k in indices}, **self.watched})
 
     def background(self, coro: Coroutine[Any, Any, Any]) -> None:
         """Run a background loop until ``stop``."""

@@ -181,10 +181,11 @@ class Settings:
         default=64, metadata=_opt("Replicator calls in flight at once (all jobs together).")
     )
     peers_full_view_max: int = dataclasses.field(
-        default=1024,
+        default=128,
         metadata=_opt(
-            "Jobs up to this many nodes send every replicator the whole peer map; larger jobs "
-            "send each node only its neighbourhood."
+            "Jobs up to this many nodes send every replicator the whole peer map (113 bytes a node); "
+            "larger jobs send each node only its neighbourhood (its peers, the nodes that send to it "
+            "and theirs, its replica groups' nodes)."
         ),
     )
     # --- pods

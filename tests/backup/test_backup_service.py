@@ -5,6 +5,7 @@ retention, survive faults, and restore ranks bit-exact into the client format.""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import signal
@@ -21,7 +22,18 @@ from prometheus_client import CollectorRegistry
 
 from tests.backup.helpers import KiB, make_service, make_store, write_cluster_step, write_peers
 from tests.fixtures.cluster import write_sparse_step
-from tierckpt.protocol.bucket_layout import BucketLayout, RankBackup, StepBackup
+from tierckpt.protocol.bucket_layout import (
+    INDEX_CHUNK_RANKS,
+    LEGACY_COMPLETE_LIMIT,
+    SMALL_OBJECT_LIMIT,
+    BucketLayout,
+    IndexChunk,
+    ObjectTooLarge,
+    RankBackup,
+    RankRef,
+    StepBackup,
+    encode_small,
+)
 from tierckpt.protocol.control import JobPolicy, write_control
 from tierckpt.protocol.errors import CorruptShardError, MissingCheckpointError
 from tierckpt.protocol.format import rank_dir, read_manifest, replica_rank_dir, step_dir
@@ -217,7 +229,11 @@ async def test_completion_is_written_last_and_only_once(
     objects, _ = store.list(LAYOUT.step_dir(JOB, 10))
     completion = store.stat(key)
     assert completion is not None and all(o.generation < completion.generation for o in objects)
-    assert set(done.ranks) == {0, 1, 2, 3}
+    assert done.world_size == 4 and [(c.first, c.count) for c in done.index] == [(0, 4)]  # layout 2
+    commits = services["node-a"].catalog.rank_commits(JOB, 10)
+    for r in range(4):  # each rank's reference, from the index chunk, is its commit object as listed
+        ref = services["node-a"].catalog.rank_ref(JOB, 10, r)
+        assert (ref.size, ref.crc32c) == (commits[r].size, commits[r].crc32c)
     for svc in services.values():
         await svc.close()
 
@@ -255,7 +271,7 @@ async def test_a_step_that_can_no_longer_complete_is_given_up_and_the_next_one_c
     """Node-b is the assigned uploader of one of node-a's ranks but holds no copy (the replica went to a
     fallback node), and node-a's retention removes the step before its takeover window ends: the
     step can never complete. The next due step is backed up at once, not ``stale_after`` later."""
-    holders = {r: ("node-a", "node-b") for r in range(4)}
+    holders = {r: ("node-a", "node-b") if r < 2 else ("node-b", "node-a") for r in range(4)}  # peers.json
     stuck = next(
         s for s in range(10, 10_000, 10) if "node-b" in {assign_uploads(JOB, s, holders)[r] for r in (0, 1)}
     )
@@ -367,7 +383,8 @@ async def test_a_killed_uploader_leaves_no_visible_step_and_a_rerun_finishes_it(
     for r in range(4):
         write_step(root, JOB, r, 50, world_size=4, sizes=(100 * KiB,), files=1)
     proxy.add_rule(
-        FaultRule(action="stall", seconds=60, method="POST", path="uploadType=multipart", skip=3, times=None)
+        # the writer lease, started.json and catalog.json go through, then one data file, then a stall
+        FaultRule(action="stall", seconds=60, method="POST", path="uploadType=multipart", skip=4, times=None)
     )
     script = textwrap.dedent(f"""
         import asyncio
@@ -396,7 +413,7 @@ async def test_a_killed_uploader_leaves_no_visible_step_and_a_rerun_finishes_it(
     svc = make_service(spy, root, "n")
     assert await svc.complete_steps(JOB) == ()
     before, _ = spy.inner.list(LAYOUT.step_dir(JOB, 50))
-    assert before  # some objects made it before the kill
+    assert [o for o in before if o.name.endswith(".bin")]  # some data objects made it before the kill
     assert await svc.backup_now(JOB) == 50
     assert await svc.complete_steps(JOB) == (50,)
     uploads = [k for op, k in spy.ops if op == "upload"]
@@ -661,3 +678,82 @@ async def test_a_rank_over_its_jobs_quota_uploads_nothing_and_holds_no_later_bac
     assert await services["a"].complete_steps(JOB) == (1, 3)
     for svc in services.values():
         await svc.close()
+
+
+# --------------------------------------------------------------------------------------------- size bound
+
+
+async def test_a_layout_1_completion_object_of_32768_ranks_stays_readable(
+    gcs_server: FakeGcsServer, bucket: str, tmp_path: Path
+) -> None:
+    """An older version wrote completion objects that list every rank (about 112 bytes each, 3.7 MB at
+    32,768 ranks) and readers refused anything over 1 MiB: that job's backups were stuck. Such an
+    object is read (up to LEGACY_COMPLETE_LIMIT) and its step restores."""
+    root = tmp_path / "n"
+    src = {r: write_step(root, JOB, r, 10, world_size=2, sizes=(8 * KiB,), seed=r) for r in range(2)}
+    svc = make_service(make_store(gcs_server.url, bucket), root, "n")
+    assert await svc.backup_now(JOB) == 10
+    store = make_store(gcs_server.url, bucket)
+    refs = {r: svc.catalog.rank_ref(JOB, 10, r) for r in range(2)}
+    legacy = StepBackup(job=JOB, step=10, world_size=2, completed_by="old", completed_at=1.0, ranks=refs)
+    body = legacy.to_dict() | {"version": 1, "padding": "x" * (3_700_000)}  # what 32,768 ranks weigh
+    store.delete(LAYOUT.complete_key(JOB, 10))
+    store.put_bytes(LAYOUT.complete_key(JOB, 10), json.dumps(body).encode())
+    reader = make_service(make_store(gcs_server.url, bucket), tmp_path / "r", "reader")
+    assert await reader.complete_steps(JOB) == (10,)
+    for r in range(2):
+        await reader.fetch_rank(JOB, 10, r, tmp_path / "out" / str(r))
+        assert step_files(step_dir(tmp_path / "out" / str(r), 10)) == step_files(src[r])
+    for s in (svc, reader):
+        await s.close()
+
+
+async def test_an_unreadable_completion_object_stops_no_backup_retention_or_restore(
+    gcs_server: FakeGcsServer, bucket: str, tmp_path: Path
+) -> None:
+    """A completion object over every reader's bound (or corrupt) is skipped and logged: the other steps
+    are listed and restored, new steps are backed up, and retention goes on around it."""
+    root = tmp_path / "n"
+    svc = make_service(make_store(gcs_server.url, bucket), root, "n", keep_last=2)
+    for step in (10, 20):
+        write_step(root, JOB, 0, step, sizes=(KiB,))
+        await svc.on_step_committed(JOB, step, [0], {})
+    store = make_store(gcs_server.url, bucket)
+    store.put_bytes(LAYOUT.complete_key(JOB, 20), b"{" + b" " * (LEGACY_COMPLETE_LIMIT + 1) + b"}")
+    assert await svc.complete_steps(JOB) == (10,)
+    await svc.fetch_rank(JOB, 10, 0, tmp_path / "out")
+    for step in (30, 40):  # backed up, and retention still runs (keep_last=2 of the readable ones)
+        write_step(root, JOB, 0, step, sizes=(KiB,))
+        await svc.on_step_committed(JOB, step, [0], {})
+    assert await svc.complete_steps(JOB) == (30, 40)
+    assert store.stat(LAYOUT.complete_key(JOB, 20)) is not None  # unreadable: never taken for garbage
+    await svc.close()
+
+
+def test_every_small_object_is_bounded_when_written_and_a_completion_fits_a_million_ranks() -> None:
+    chunks = tuple(
+        IndexChunk(first=f, count=min(INDEX_CHUNK_RANKS, 1_048_576 - f), size=46_000, crc32c=4_000_000_000)
+        for f in range(0, 1_048_576, INDEX_CHUNK_RANKS)
+    )
+    done = StepBackup(
+        job=JOB,
+        step=10**11,
+        world_size=1_048_576,
+        completed_by="n" * 60,
+        completed_at=time.time(),
+        index_writer="n" * 60 + ".0123abcd",
+        index=chunks,
+        data_bytes=10**15,
+    )
+    assert len(encode_small(done, "completion")) <= SMALL_OBJECT_LIMIT  # 1,048,576 ranks: about 80 KB
+    ref = RankRef(size=400, crc32c=4_000_000_000, manifest_crc32c=4_000_000_000, total_bytes=10**11)
+    inline = StepBackup(
+        job=JOB,
+        step=1,
+        world_size=10_000,
+        completed_by="n",
+        completed_at=1.0,
+        ranks=dict.fromkeys(range(10_000), ref),
+    )
+    with pytest.raises(ObjectTooLarge, match="over the 1048576 bytes every reader"):
+        encode_small(inline, "a layout 1 completion object of 10,000 ranks")

@@ -230,6 +230,7 @@ class _RecordingBlob:
     def __init__(self) -> None:
         self.kwargs: dict[str, object] = {}
         self.name, self.size, self.generation, self.updated, self.crc32c = "k", 0, 1, None, None
+        self.metadata: dict[str, str] | None = None
 
     def upload_from_string(self, data: bytes, **kwargs: object) -> None:
         self.kwargs = kwargs

@@ -155,6 +155,31 @@ async def test_finalizers_and_garbage_collection(kube):
     assert held["metadata"]["deletionTimestamp"]
 
 
+async def test_it_holds_thousands_of_objects_no_history_and_an_indexed_collection(kube):
+    """kmock compared every request with every request it had served, and the collection scanned every
+    object after each patch: both grew with the cluster. Requests cost the same at the end as at the
+    start, and deleting an owner visits its dependents only."""
+    owner = await _json(await kube.post(CM, json={"metadata": {"name": "owner"}}))
+    ref = {"apiVersion": "v1", "kind": "ConfigMap", "name": "owner", "uid": owner["metadata"]["uid"]}
+
+    async def batch(first: int) -> float:
+        started = asyncio.get_running_loop().time()
+        for i in range(first, first + 200):
+            body = {"metadata": {"name": f"c{i}", "ownerReferences": [ref] if i % 2 else []}}
+            assert (await kube.post(CM, json=body)).status == 201
+            assert (await kube.patch(f"{CM}/c{i}", json={"data": {"k": "v"}})).status == 200
+        return asyncio.get_running_loop().time() - started
+
+    first = await batch(0)
+    for start in range(200, 1200, 200):
+        last = await batch(start)
+    assert not kube._requests  # only requests in flight are kept
+    assert last < 3 * first + 0.5, (first, last)
+    assert (await kube.delete(f"{CM}/owner")).status == 200
+    names = {o["metadata"]["name"] for o in (await _json(await kube.get(CM)))["items"]}
+    assert names == {f"c{i}" for i in range(0, 1200, 2)}
+
+
 async def test_kubernetes_client_round_trip(kube_with_crds):
     cfg = kubernetes.client.Configuration(host=str(kube_with_crds.url).rstrip("/"))
     api = kubernetes.client.CustomObjectsApi(kubernetes.client.ApiClient(cfg))

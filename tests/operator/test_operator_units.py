@@ -59,6 +59,7 @@ from tierckpt_operator.status_fields import (
     restore_summary,
     tier_progress,
 )
+from tierckpt_replicator.backup.spread import assign_uploads, holders_of
 
 # ------------------------------------------------------------------------------------ configuration
 
@@ -682,11 +683,35 @@ def test_peer_views_and_state_round_trip():
     assert set(full.nodes) == set(state.nodes) and full.generation == 9
     view = peer_views("j", state, {})["n2"]
     senders = {state.nodes[r] for r, ps in enumerate(state.peers) if 2 in ps}
-    assert set(view.peers) == {"n2"} and set(view.nodes) == {"n2", *view.peers["n2"], *senders}
+    assert set(view.peers) == {"n2", *senders}  # the holders of every rank n2 holds
+    assert set(view.nodes) == {"n2", *senders, *(p for s in view.peers for p in view.peers[s])}
+    assert view.num_nodes == 6 and view.process_ranks("n2", 24) == (8, 9, 10, 11)
     assert PeerAssignment.from_bytes(view.to_bytes()) == view
     assert JobState.from_status(state.to_status()) == JobState(
         **{**state.__dict__, "restore_generation": None}
     )
+
+
+def test_every_node_computes_its_backup_share_from_its_own_view_as_from_the_whole_plan():
+    """A big job's nodes get their neighbourhood of the plan only; the upload split each computes from
+    it for the ranks it holds is the one the whole plan gives (so every rank has exactly one uploader)."""
+    n, per_node = 40, 8
+    state = JobState(
+        generation=1,
+        nodes=tuple(f"n{i:02d}" for i in range(n)),
+        domains=tuple(f"z{i % 5}" for i in range(n)),
+        pods=tuple(f"p{i}" for i in range(n)),
+    )
+    state = JobState(**{**state.__dict__, "peers": decide_peers(state, 2), "peer_generation": 3})
+    whole = holders_of(peer_assignment("j", state, {}), n * per_node)
+    views = peer_views("j", state, {})
+    for step in (10, 20, 30):
+        everyone = assign_uploads("j", step, whole)
+        for node, view in views.items():
+            held = {r: h for r, h in holders_of(view, n * per_node).items() if node in h}
+            assert held == {r: h for r, h in whole.items() if node in h}
+            mine = assign_uploads("j", step, held)
+            assert mine == {r: u for r, u in everyone.items() if r in held}
 
 
 def test_operator_status_matches_the_crd_schema():

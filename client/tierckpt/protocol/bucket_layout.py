@@ -5,6 +5,7 @@ Spec: docs/bucket-layout.md. Pure: no I/O, no cloud library. The replicator's ba
 
     <prefix>/jobs/<namespace>/<jobset>/<uid8>/         a Kubernetes job (id from contract.job_id_for)
     <prefix>/local/<job>/                              any other job id (local and demo runs)
+        catalog.json                                   CatalogChange: the last change to the catalog
         complete/<step:012d>.json                      StepBackup: the step is complete (written last)
         steps/<step:012d>/started.json                 StepStarted: an upload of the step began
         steps/<step:012d>/refused.json                 StepRefused: a rank of it was refused (never complete)
@@ -13,18 +14,33 @@ Spec: docs/bucket-layout.md. Pure: no I/O, no cloud library. The replicator's ba
         steps/<step:012d>/rank-<rank:05d>/manifest.json  its manifest, byte for byte
         steps/<step:012d>/rank-<rank:05d>/data-NNNNN.bin, objects.pkl   its files
         steps/<step:012d>/rank-<rank:05d>/.parts/<file>/<i:03d>         slices of a parallel upload
+        steps/<step:012d>/shares/<count:06d>-<writer>.json  ShareDone: a node committed its share
+        steps/<step:012d>/index/<writer>/<chunk:05d>.json  RankIndex: the rank refs of 1024 ranks
         writers/<step:012d>/<writer>.json              WriterLease: a node is writing objects of the step
         purging.json                                   PurgeFence: a purge of the job is under way
 
 ``jobs/`` and ``local/`` are separate roots so no job's prefix is ever a prefix of another job's
 (a Kubernetes namespace may well be called ``local``). A step exists for readers only once its
-``complete/`` object exists and lists every rank ``0 .. world_size-1``.
+``complete/`` object exists and covers every rank ``0 .. world_size-1``.
+
+Layout version 2 (``LAYOUT_VERSION``): the completion object no longer lists every rank (it grew by
+about 112 bytes a rank, past what readers accept at about 10,000 ranks); it points at index chunks of
+``INDEX_CHUNK_RANKS`` ranks each, so its size grows with ``world_size / 1024`` only. Every small object
+is at most ``SMALL_OBJECT_LIMIT`` bytes, which writers check before writing (``encode_small``) and
+readers enforce. A node that committed its share of a step says so in a ``shares/`` object whose name
+counts its ranks: the node whose listing of them counts the whole world completes the step, and a rank
+commit carries its ``RankSummary`` in its object metadata, so that node learns every rank's reference
+from one listing of the rank commits. ``catalog.json`` changes whenever a
+step starts, completes, is refused or retired, so a node's periodic look at the bucket costs one request
+while nothing changed. Layout 1 completion objects (ranks inline) stay readable.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
+from collections.abc import Sequence
 from typing import Literal
 
 from tierckpt.protocol.codec import Message, Record
@@ -32,25 +48,52 @@ from tierckpt.protocol.errors import FormatError
 from tierckpt.protocol.format import COMMIT_NAME, MANIFEST_NAME, check_file_name, check_job_id
 
 __all__ = [
+    "INDEX_CHUNK_RANKS",
     "LAYOUT_VERSION",
+    "LEGACY_COMPLETE_LIMIT",
+    "SMALL_OBJECT_LIMIT",
+    "SUMMARY_METADATA_KEY",
     "BucketLayout",
+    "CatalogChange",
     "DataRef",
+    "IndexChunk",
     "KeyKind",
+    "ObjectTooLarge",
     "ParsedKey",
     "PurgeFence",
     "RankBackup",
+    "RankIndex",
     "RankRef",
+    "RankSummary",
+    "ShareDone",
     "StepBackup",
     "StepRefused",
     "StepStarted",
     "WriterLease",
+    "complete_read_limit",
+    "encode_small",
     "job_from_prefix",
     "job_prefix",
     "parse_gs_url",
     "split_job_id",
 ]
 
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2
+"""1: the completion object lists every rank. 2: it points at index chunks (``RankIndex``), every small
+object is bounded by ``SMALL_OBJECT_LIMIT``, rank commits carry a ``RankSummary`` in their metadata, and
+``catalog.json`` marks each change of the catalog. docs/bucket-layout.md, "Layout versions"."""
+
+SMALL_OBJECT_LIMIT = 1 << 20
+"""The largest small object (completion, index chunk, rank commit, started, refused, catalog, lease) any
+reader accepts and any writer writes: ``encode_small`` refuses to produce more."""
+LEGACY_COMPLETE_LIMIT = 16 << 20
+"""Layout 1 completion objects were written without a bound (112 bytes a rank): readers accept those up
+to this size (about 150,000 ranks), so steps an older version completed stay readable."""
+INDEX_CHUNK_RANKS = 1024
+"""Ranks per index chunk: a chunk is about 45 KiB, a completion object about 80 bytes per chunk (about
+8 KiB at 100,000 ranks)."""
+SUMMARY_METADATA_KEY = "tierckpt-summary"
+"""The object metadata key of a rank commit that holds its ``RankSummary`` (compact JSON)."""
 
 _DNS = r"[a-z0-9](?:[a-z0-9.-]{0,251}[a-z0-9])?"
 _K8S_JOB_RE = re.compile(rf"({_DNS})_({_DNS})_([a-z0-9]{{8}})")
@@ -61,10 +104,22 @@ _RANK_PART = r"([0-9]{5,})"
 _PART_RE = re.compile(r"[0-9]{3}")
 _WRITER_RE = re.compile(r"[A-Za-z0-9_.-]{1,160}")
 """A writer's name in ``writers/<step>/<writer>.json``: the node's name (made safe) and a nonce."""
+_SHARE_RE = re.compile(r"([0-9]{6})-([A-Za-z0-9_.-]{1,160})\.json")
 """Every pattern here is matched whole (``re.fullmatch``) and ASCII only (``[0-9]``, not ``\\d``)."""
 
 KeyKind = Literal[
-    "complete", "started", "refused", "rank_commit", "rank_file", "part", "writer", "fence", "other"
+    "complete",
+    "started",
+    "refused",
+    "rank_commit",
+    "rank_file",
+    "part",
+    "index",
+    "share",
+    "writer",
+    "fence",
+    "catalog",
+    "other",
 ]
 
 
@@ -81,6 +136,7 @@ def _check_prefix(prefix: str) -> str:
     return prefix
 
 
+@functools.lru_cache(maxsize=4096)
 def job_prefix(prefix: str, job: str) -> str:
     """The key prefix (ending in ``/``) that holds everything of ``job`` and nothing else."""
     check_job_id(job)
@@ -189,13 +245,47 @@ class BucketLayout:
             raise FormatError(f"slice index {index} out of range")
         return f"{self.rank_dir(job, step, rank)}.parts/{name}/{index:03d}"
 
+    def index_dir(self, job: str, step: int, writer: str) -> str:
+        """The index chunks one completer wrote for ``step`` (``writer``: its name and a nonce)."""
+        _check_writer(writer)
+        return f"{self.step_dir(job, step)}index/{writer}/"
+
+    def index_key(self, job: str, step: int, writer: str, chunk: int) -> str:
+        if not isinstance(chunk, int) or isinstance(chunk, bool) or not 0 <= chunk < 100_000:
+            raise FormatError(f"invalid index chunk {chunk!r}")
+        return f"{self.index_dir(job, step, writer)}{chunk:05d}.json"
+
+    def shares_dir(self, job: str, step: int) -> str:
+        return f"{self.step_dir(job, step)}shares/"
+
+    def share_key(self, job: str, step: int, writer: str, ranks: int) -> str:
+        """A node's ``ShareDone``: ``ranks`` (how many it committed) is in the name, so a listing of the
+        step's shares counts its committed ranks."""
+        _check_writer(writer)
+        if not isinstance(ranks, int) or isinstance(ranks, bool) or not 0 < ranks < 1_000_000:
+            raise FormatError(f"invalid share size {ranks!r}")
+        return f"{self.shares_dir(job, step)}{ranks:06d}-{writer}.json"
+
+    def ranks_of_share(self, job: str, step: int, key: str) -> int | None:
+        """How many ranks the share ``key`` (a name from a listing of ``shares_dir``) counts."""
+        prefix = self.shares_dir(job, step)
+        m = _SHARE_RE.fullmatch(key, len(prefix)) if key.startswith(prefix) else None
+        if m is None or m.group(2).startswith("."):
+            return None
+        return int(m.group(1))
+
+    def catalog_key(self, job: str) -> str:
+        return f"{self.job(job)}catalog.json"
+
     def writers_dir(self, job: str) -> str:
         return f"{self.job(job)}writers/"
 
+    def step_writers_dir(self, job: str, step: int) -> str:
+        return f"{self.writers_dir(job)}{_step(step)}/"
+
     def writer_key(self, job: str, step: int, writer: str) -> str:
-        if not _WRITER_RE.fullmatch(writer) or writer.startswith("."):
-            raise FormatError(f"invalid writer name {writer!r}")
-        return f"{self.writers_dir(job)}{_step(step)}/{writer}.json"
+        _check_writer(writer)
+        return f"{self.step_writers_dir(job, step)}{writer}.json"
 
     def step_of_writer(self, job: str, key: str) -> int | None:
         """The step a writer lease ``writers/<step>/<writer>.json`` is held for."""
@@ -227,6 +317,11 @@ class BucketLayout:
         return int(m.group(1)) if m else None
 
 
+def _check_writer(writer: str) -> None:
+    if not _WRITER_RE.fullmatch(writer) or writer.startswith("."):
+        raise FormatError(f"invalid writer name {writer!r}")
+
+
 def _step(step: int) -> str:
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise FormatError(f"invalid step {step!r}")
@@ -243,6 +338,8 @@ def _classify(job: str, parts: list[str]) -> ParsedKey:
     other = ParsedKey(job, "other")
     if parts == ["purging.json"]:
         return ParsedKey(job, "fence")
+    if parts == ["catalog.json"]:
+        return ParsedKey(job, "catalog")
     if len(parts) == 3 and parts[0] == "writers" and re.fullmatch(_STEP_PART, parts[1]):
         name = parts[2].removesuffix(".json")
         if parts[2].endswith(".json") and _WRITER_RE.fullmatch(name) and not name.startswith("."):
@@ -259,6 +356,14 @@ def _classify(job: str, parts: list[str]) -> ParsedKey:
         return ParsedKey(job, "refused", step=step)
     if len(parts) == 4 and parts[2] == "ranks" and (m := re.fullmatch(_RANK_PART + r"\.json", parts[3])):
         return ParsedKey(job, "rank_commit", step=step, rank=int(m.group(1)))
+    if len(parts) == 4 and parts[2] == "shares" and (m := _SHARE_RE.fullmatch(parts[3])):
+        if not m.group(2).startswith("."):
+            return ParsedKey(job, "share", step=step, part=int(m.group(1)))
+        return other
+    if len(parts) == 5 and parts[2] == "index" and (m := re.fullmatch(r"([0-9]{5})\.json", parts[4])):
+        if _WRITER_RE.fullmatch(parts[3]) and not parts[3].startswith("."):
+            return ParsedKey(job, "index", step=step, part=int(m.group(1)))
+        return other
     m = re.fullmatch(r"rank-" + _RANK_PART, parts[2])
     if not m:
         return other
@@ -329,8 +434,97 @@ class RankRef(Record):
 
 
 @dataclasses.dataclass(frozen=True)
+class RankSummary(Message):
+    """What a rank commit says that its completion needs, in the rank commit object's metadata
+    (``SUMMARY_METADATA_KEY``): a listing of ``ranks/`` then gives every rank's ``RankRef`` (with the
+    object's own size and crc32c) without reading each commit. The commit's body stays the authority:
+    readers check the chain against it."""
+
+    KIND = "tierckpt.backup.rank-summary"
+    VERSION = 1
+
+    world_size: int
+    manifest_crc32c: int
+    total_bytes: int
+    data_from: int | None = None
+
+    def ref(self, size: int, crc: int) -> RankRef:
+        return RankRef(
+            size=size,
+            crc32c=crc,
+            manifest_crc32c=self.manifest_crc32c,
+            total_bytes=self.total_bytes,
+            data_from=self.data_from,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class RankIndex(Message):
+    """``steps/<step>/index/<writer>/<chunk>.json``: the ``RankRef`` of ranks ``first ..
+    first+len(sizes)-1``, column by column (about 45 bytes a rank). Written by the completer before the
+    completion object, which records each chunk's size and crc32c."""
+
+    KIND = "tierckpt.backup.index"
+    VERSION = 1
+
+    job: str
+    step: int
+    first: int
+    sizes: tuple[int, ...]
+    crc32c: tuple[int, ...]
+    manifest_crc32c: tuple[int, ...]
+    total_bytes: tuple[int, ...]
+    data_from: tuple[int | None, ...]
+
+    def __post_init__(self) -> None:
+        n = len(self.sizes)
+        columns = (self.crc32c, self.manifest_crc32c, self.total_bytes, self.data_from)
+        if not 0 < n <= INDEX_CHUNK_RANKS or any(len(c) != n for c in columns) or self.first < 0:
+            raise FormatError(f"index chunk of step {self.step} at rank {self.first}: malformed columns")
+
+    @classmethod
+    def of(cls, job: str, step: int, first: int, refs: Sequence[RankRef]) -> RankIndex:
+        return cls(
+            job=job,
+            step=step,
+            first=first,
+            sizes=tuple(r.size for r in refs),
+            crc32c=tuple(r.crc32c for r in refs),
+            manifest_crc32c=tuple(r.manifest_crc32c for r in refs),
+            total_bytes=tuple(r.total_bytes for r in refs),
+            data_from=tuple(r.data_from for r in refs),
+        )
+
+    def ref(self, rank: int) -> RankRef:
+        i = rank - self.first
+        if not 0 <= i < len(self.sizes):
+            raise FormatError(f"index chunk at rank {self.first} does not hold rank {rank}")
+        return RankRef(
+            size=self.sizes[i],
+            crc32c=self.crc32c[i],
+            manifest_crc32c=self.manifest_crc32c[i],
+            total_bytes=self.total_bytes[i],
+            data_from=self.data_from[i],
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexChunk(Record):
+    """A completion object's pointer to one index chunk: ranks ``first .. first+count-1``."""
+
+    first: int
+    count: int
+    size: int
+    crc32c: int
+
+
+@dataclasses.dataclass(frozen=True)
 class StepBackup(Message):
-    """``complete/<step>.json``: written last, create-only, by any node that saw every rank committed."""
+    """``complete/<step>.json``: written last, create-only, by a node that saw every rank committed.
+
+    Layout 2 (this version writes): ``index`` points at the index chunks ``index_writer`` wrote, which
+    hold the ``RankRef`` of every rank; ``data_bytes`` is the step's total. Layout 1 objects (read
+    only) list every rank inline in ``ranks``."""
 
     KIND = "tierckpt.backup.step"
     VERSION = LAYOUT_VERSION
@@ -338,12 +532,30 @@ class StepBackup(Message):
     job: str
     step: int
     world_size: int
-    ranks: dict[int, RankRef]
     completed_by: str
     completed_at: float
+    ranks: dict[int, RankRef] = dataclasses.field(default_factory=dict)
+    """Layout 1: every rank's reference, inline. Empty in layout 2."""
+    index_writer: str = ""
+    index: tuple[IndexChunk, ...] = ()
+    """Layout 2: chunks of ``INDEX_CHUNK_RANKS`` ranks each (the last may hold fewer), in rank order."""
+    data_bytes: int | None = None
 
     def __post_init__(self) -> None:
-        if self.world_size < 1 or set(self.ranks) != set(range(self.world_size)):
+        if self.world_size < 1:
+            raise FormatError(f"step {self.step} completion: world size {self.world_size}")
+        if self.index:
+            expected = [
+                (first, min(INDEX_CHUNK_RANKS, self.world_size - first))
+                for first in range(0, self.world_size, INDEX_CHUNK_RANKS)
+            ]
+            if self.ranks or [(c.first, c.count) for c in self.index] != expected:
+                raise FormatError(
+                    f"step {self.step} completion: its index chunks do not cover ranks "
+                    f"0..{self.world_size - 1} in chunks of {INDEX_CHUNK_RANKS}"
+                )
+            _check_writer(self.index_writer)
+        elif set(self.ranks) != set(range(self.world_size)):
             raise FormatError(
                 f"step {self.step} completion lists ranks {sorted(self.ranks)[:8]}... for world size "
                 f"{self.world_size}: every rank 0..{self.world_size - 1} must be listed exactly once"
@@ -351,7 +563,69 @@ class StepBackup(Message):
 
     @property
     def total_bytes(self) -> int:
+        if self.data_bytes is not None:
+            return self.data_bytes
         return sum(r.total_bytes for r in self.ranks.values())
+
+    def chunk_of(self, rank: int) -> tuple[int, IndexChunk]:
+        """The index chunk holding ``rank`` (layout 2) and its number."""
+        if not 0 <= rank < self.world_size or not self.index:
+            raise FormatError(f"step {self.step} has no index chunk for rank {rank}")
+        number = rank // INDEX_CHUNK_RANKS
+        return number, self.index[number]
+
+
+@dataclasses.dataclass(frozen=True)
+class ShareDone(Message):
+    """``steps/<step>/shares/<count>-<writer>.json``: ``node`` committed ``ranks`` of the step (its
+    share, or a takeover). The count is in the key too: a listing of the step's shares sums them
+    without reading any, and the node whose sum reaches the world size completes the step."""
+
+    KIND = "tierckpt.backup.share"
+    VERSION = 1
+
+    job: str
+    step: int
+    node: str
+    ranks: tuple[int, ...]
+    at: float
+
+
+@dataclasses.dataclass(frozen=True)
+class CatalogChange(Message):
+    """``catalog.json``: the last change to the job's catalog (a step started, completed, was refused or
+    retired), rewritten after each one. A node whose last look at the bucket was made at this object's
+    current generation need not look again: one request tells it nothing changed."""
+
+    KIND = "tierckpt.backup.catalog"
+    VERSION = 1
+
+    job: str
+    step: int
+    change: str
+    by: str
+    at: float
+
+
+class ObjectTooLarge(FormatError):
+    """A small object of the layout would exceed ``SMALL_OBJECT_LIMIT``: every reader would refuse it."""
+
+
+def encode_small(msg: Message, what: str) -> bytes:
+    """``msg``'s bytes, or ``ObjectTooLarge`` if they exceed what every reader accepts."""
+    body = msg.to_bytes()
+    if len(body) > SMALL_OBJECT_LIMIT:
+        raise ObjectTooLarge(
+            f"{what} would be {len(body)} bytes, over the {SMALL_OBJECT_LIMIT} bytes every reader of the "
+            "bucket accepts; not written"
+        )
+    return body
+
+
+def complete_read_limit(listed_size: int) -> int:
+    """How many bytes a reader accepts of a completion object of ``listed_size`` bytes: the bound of
+    every small object, or for a layout 1 object written before the bound, ``LEGACY_COMPLETE_LIMIT``."""
+    return SMALL_OBJECT_LIMIT if listed_size <= SMALL_OBJECT_LIMIT else LEGACY_COMPLETE_LIMIT
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,11 +23,13 @@ demo extras include it); it is the only module of ``tierckpt`` that imports an H
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
 import re
 import ssl
 import urllib.parse
+import weakref
 from typing import Any, TypeVar
 
 import httpx
@@ -136,6 +138,7 @@ class _Request:
     path: dict[str, str]
     headers: dict[str, str]
     content: bytes | None = None
+    body: Message | None = None
     params: dict[str, str] | None = None
     missing_ok: bool = False
     """A 404 answers None (the node has no such job) instead of raising."""
@@ -182,8 +185,23 @@ def _build(
     if tls and not base.startswith("https://"):
         raise ContractError(f"{spec.name}: refusing {endpoint!r}: this client speaks only mutual TLS (https)")
     url = base + spec.url_path(**path)
-    content = body.to_bytes() if body is not None else None
-    return _Request(spec, endpoint, url, path, headers, content, params, **kw)
+    content = _encoded(body) if body is not None else None
+    return _Request(spec, endpoint, url, path, headers, content, body, params, **kw)
+
+
+_ENCODINGS: dict[int, bytes] = {}
+
+
+def _encoded(body: Message) -> bytes:
+    """``body.to_bytes()``, made once per message object: the operator sends one policy or restore plan
+    (or one whole peer map) to every node of a job. Messages are frozen; the entry goes with the
+    object."""
+    key = id(body)
+    found = _ENCODINGS.get(key)
+    if found is None:
+        found = _ENCODINGS[key] = body.to_bytes()
+        weakref.finalize(body, _ENCODINGS.pop, key, None)
+    return found
 
 
 def _check_size(req: _Request, declared: str | None, limit: int) -> None:
@@ -223,6 +241,8 @@ def _decode(req: _Request, status: int, content: bytes, cls: type[M]) -> M | Non
         raise ReplicatorError(req.endpoint, f"{req.what} failed: HTTP {status} {text!r}", status)
     if req.spec.response is not cls:
         raise TypeError(f"{req.spec.name} answers {req.spec.response}, not {cls.__name__}")
+    if isinstance(req.body, cls) and content == req.content:
+        return req.body  # the node echoed what it was sent, byte for byte: nothing to parse
     try:
         msg = cls.from_bytes(content)
     except FormatError as exc:
@@ -242,11 +262,62 @@ def _must(msg: M | None) -> M:
 
 
 def _limits(concurrency: int, named: bool) -> httpx.Limits:
-    """Calls for a named node over TLS get a new connection each: a pooled connection is kept by
-    address, and an address may belong to another node by now (a pod IP reused), while the server's
-    name is verified only in the handshake. (A handshake costs about a millisecond; these calls come
-    seconds apart.)"""
+    """Calls for a named node over TLS get a new connection each in the blocking client: a pooled
+    connection is kept by address, and an address may belong to another node by now (a pod IP reused),
+    while the server's name is verified only in the handshake. (A handshake costs about a millisecond;
+    these calls come seconds apart.) The asyncio client keeps each node's connections apart instead
+    (``_PerNode``), and alive."""
     return httpx.Limits(max_connections=concurrency, max_keepalive_connections=0 if named else concurrency)
+
+
+class _PerNode(httpx.AsyncBaseTransport):
+    """A transport per node the calls are for (by the TLS server name the call asks for), each with its
+    own pool of kept-alive connections: a TLS connection proved one node's identity in its handshake, so
+    it carries only that node's calls, wherever the node's address points now. The operator's calls to
+    thousands of replicators then cost one handshake per node, not one per call. The least recently used
+    node's transport is closed past ``max_nodes``."""
+
+    def __init__(self, verify: ssl.SSLContext, *, max_nodes: int = 8192) -> None:
+        self._verify, self._max = verify, max_nodes
+        self._by_node: collections.OrderedDict[str, httpx.AsyncHTTPTransport] = collections.OrderedDict()
+        self._closing: set[asyncio.Task[None]] = set()
+
+    def _for(self, name: str) -> httpx.AsyncHTTPTransport:
+        transport = self._by_node.get(name)
+        if transport is None:
+            transport = self._by_node[name] = httpx.AsyncHTTPTransport(
+                verify=self._verify,
+                limits=httpx.Limits(max_connections=4, max_keepalive_connections=2, keepalive_expiry=30.0),
+                trust_env=False,
+            )
+            while len(self._by_node) > self._max:
+                _, old = self._by_node.popitem(last=False)
+                task = asyncio.get_running_loop().create_task(_close_later(old))
+                self._closing.add(task)
+                task.add_done_callback(self._closing.discard)
+        self._by_node.move_to_end(name)
+        return transport
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        name = request.extensions.get("sni_hostname")
+        if not isinstance(name, str) or not name:
+            raise httpx.ConnectError("a call over the per-node pool must name its node", request=request)
+        return await self._for(name).handle_async_request(request)
+
+    async def aclose(self) -> None:
+        transports, self._by_node = list(self._by_node.values()), collections.OrderedDict()
+        for task in list(self._closing):
+            task.cancel()
+        for transport in transports:
+            await transport.aclose()
+
+
+async def _close_later(transport: httpx.AsyncHTTPTransport, delay: float = 60.0) -> None:
+    """Close a transport once the calls it may still carry are over."""
+    try:
+        await asyncio.sleep(delay)
+    finally:
+        await transport.aclose()
 
 
 def _extensions(req: _Request, tls: bool) -> dict[str, Any] | None:
@@ -300,11 +371,12 @@ class ReplicatorClient(_Client):
         super().__init__(token, tls, retry, max_answer_bytes)
         self._slots = asyncio.Semaphore(concurrency)
         pools = (False, True) if tls is not None else (False,)
+        per_node = _PerNode(tls.client(named=True)) if tls is not None and transport is None else None
         self._pools = {
             named: httpx.AsyncClient(
                 timeout=timeout,
                 limits=_limits(concurrency, named),
-                transport=transport,
+                transport=transport or (per_node if named else None),
                 trust_env=False,
                 follow_redirects=False,
                 verify=self._verify(named),

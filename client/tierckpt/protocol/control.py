@@ -199,10 +199,20 @@ class PeerAssignment(Message):
     node_ranks: dict[str, int] = dataclasses.field(default_factory=dict)
     procs_per_node: int = 0
     """Training processes per node (torchrun ``--nproc-per-node``); 0 = derive from the world size."""
+    num_nodes: int = 0
+    """The job's node ranks, when ``node_ranks`` holds only part of them (a big job's nodes each get
+    their neighbourhood of the plan: themselves, their peers, the nodes that send to them and those
+    nodes' peers); 0: ``node_ranks`` holds them all."""
 
     def __post_init__(self) -> None:
         check_job_id(self.job)
         check_generation("peer assignment", self.generation)
+        if not 0 <= self.num_nodes <= _MAX_NODE_RANK + 1 or (
+            self.num_nodes and self.num_nodes < len(self.node_ranks)
+        ):
+            raise FormatError(
+                f"peer assignment: num_nodes {self.num_nodes} for {len(self.node_ranks)} node ranks"
+            )
         for name, peer in self.nodes.items():
             if name != peer.name:
                 raise FormatError(f"peer assignment: node {name!r} is named {peer.name!r} inside")
@@ -222,13 +232,15 @@ class PeerAssignment(Message):
         """The process ranks that run on ``node``: torchrun's contiguous block of its node rank.
 
         Node rank ``n`` with ``p`` processes per node holds ranks ``n*p .. n*p+p-1``. ``p`` is
-        ``procs_per_node``, else ``world_size // len(node_ranks)``; () if neither is known or ``node``
-        has no node rank. A replaced node learns its ranks this way before it holds any data.
+        ``procs_per_node``, else ``world_size // nodes`` (``num_nodes``, or every node rank listed); ()
+        if neither is known or ``node`` has no node rank. A replaced node learns its ranks this way
+        before it holds any data.
         """
         n = self.node_ranks.get(node)
         p = self.procs_per_node
-        if not p and world_size > 0 and self.node_ranks and world_size % len(self.node_ranks) == 0:
-            p = world_size // len(self.node_ranks)
+        nodes = self.num_nodes or len(self.node_ranks)
+        if not p and world_size > 0 and nodes and world_size % nodes == 0:
+            p = world_size // nodes
         if n is None or p <= 0:
             return ()
         ranks = range(n * p, (n + 1) * p)

@@ -22,8 +22,9 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Generic, TypeVar
 
 from tierckpt.protocol.errors import FormatError, MissingCheckpointError
 from tierckpt.protocol.format import Dir, Lease, as_tree, check_holder, lease_dir, read_commit
@@ -32,9 +33,11 @@ from tierckpt.protocol.safefs import Beneath
 __all__ = [
     "LOCK_NAME",
     "LeaseHolder",
+    "LeaseSet",
     "acquire",
     "active",
     "hold",
+    "hold_all",
     "lease_path",
     "leased_steps",
     "lock",
@@ -44,6 +47,8 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+K = TypeVar("K")
 
 LOCK_NAME = ".lock"
 LEASES = "leases"
@@ -167,40 +172,92 @@ def purge_expired(rank_path: Dir, *, now: float | None = None) -> int:
     return removed
 
 
-class LeaseHolder:
-    """A lease kept alive by a background thread until ``release()`` (or the end of a ``with`` block)."""
+class LeaseSet(Generic[K]):
+    """Leases on one step of several ranks (``rank_paths``: key -> rank directory), kept alive by one
+    background thread until ``release()`` (or the end of a ``with`` block). A rank whose step is not
+    committed is not leased: its key is in ``missing``. A lease that cannot be renewed is logged and
+    no longer renewed (it lapses; the others go on)."""
 
-    def __init__(self, rank_path: Dir, step: int, holder: str, *, ttl: float = DEFAULT_TTL):
-        self.rank_path = rank_path if isinstance(rank_path, Beneath) else Path(rank_path)
-        self.ttl = ttl
-        self.lease = acquire(rank_path, step, holder, ttl=ttl)
+    def __init__(self, rank_paths: Mapping[K, Dir], step: int, holder: str, *, ttl: float = DEFAULT_TTL):
+        self.step, self.ttl = step, ttl
+        self.missing: list[K] = []
+        self._held: dict[K, tuple[Dir, Lease]] = {}
+        try:
+            for key, path in rank_paths.items():
+                path = path if isinstance(path, Beneath) else Path(path)
+                try:
+                    self._held[key] = (path, acquire(path, step, holder, ttl=ttl))
+                except MissingCheckpointError:
+                    self.missing.append(key)
+        except BaseException:
+            self._release_all()
+            raise
+        self._lock = threading.Lock()
+        self._given_up: set[K] = set()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._renew_loop, name=f"tierckpt-lease-{step}", daemon=True)
         self._thread.start()
 
-    @property
-    def step(self) -> int:
-        return self.lease.step
+    def held(self) -> list[K]:
+        return list(self._held)
+
+    def lease_of(self, key: K) -> Lease:
+        with self._lock:
+            return self._held[key][1]
 
     def _renew_loop(self) -> None:
         while not self._stop.wait(self.ttl / 3):
-            try:
-                self.lease = renew(self.rank_path, self.lease, ttl=self.ttl)
-            except (OSError, MissingCheckpointError) as exc:
-                log.error("could not renew the lease on step %s in %s: %s", self.step, self.rank_path, exc)
-                return
+            with self._lock:
+                held = [(k, v) for k, v in self._held.items() if k not in self._given_up]
+            for key, (path, lease) in held:
+                try:
+                    renewed = renew(path, lease, ttl=self.ttl)
+                except (OSError, MissingCheckpointError) as exc:
+                    log.error("could not renew the lease on step %s in %s: %s", self.step, path, exc)
+                    self._given_up.add(key)
+                    continue
+                with self._lock:
+                    self._held[key] = (path, renewed)
 
     def release(self) -> None:
         self._stop.set()
         if self._thread is not threading.current_thread():
             self._thread.join()
-        release(self.rank_path, self.lease)
+        self._release_all()
 
-    def __enter__(self) -> LeaseHolder:
+    def _release_all(self) -> None:
+        for path, lease in self._held.values():
+            release(path, lease)
+
+    def __enter__(self) -> LeaseSet[K]:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+class LeaseHolder(LeaseSet[int]):
+    """One lease kept alive by a background thread until ``release()`` (or the end of a ``with``
+    block). ``MissingCheckpointError`` if the step is not committed."""
+
+    def __init__(self, rank_path: Dir, step: int, holder: str, *, ttl: float = DEFAULT_TTL):
+        super().__init__({0: rank_path}, step, holder, ttl=ttl)
+        if self.missing:
+            self.release()
+            raise MissingCheckpointError(f"step {step} of {rank_path} is not committed: it cannot be leased")
+
+    @property
+    def lease(self) -> Lease:
+        return self.lease_of(0)
+
+    def __enter__(self) -> LeaseHolder:
+        return self
+
+
+def hold_all(rank_paths: Mapping[K, Dir], step: int, holder: str, *, ttl: float = DEFAULT_TTL) -> LeaseSet[K]:
+    """``with leases.hold_all({r: rank_dir, ...}, step, "me") as held:`` lease ``step`` of several
+    ranks, renewed by one thread until the block ends (``held.missing``: the ranks not committed)."""
+    return LeaseSet(rank_paths, step, holder, ttl=ttl)
 
 
 def hold(rank_path: Dir, step: int, holder: str, *, ttl: float = DEFAULT_TTL) -> LeaseHolder:

@@ -53,7 +53,7 @@ import re
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from tierckpt.protocol.bucket_layout import BucketLayout, PurgeFence, WriterLease, job_from_prefix
 from tierckpt.protocol.errors import TierckptError
@@ -438,10 +438,19 @@ class _FencedStore:
         )
 
     def put_bytes(
-        self, key: str, data: bytes, *, create_only: bool = False, if_generation: int | None = None
+        self,
+        key: str,
+        data: bytes,
+        *,
+        create_only: bool = False,
+        if_generation: int | None = None,
+        metadata: Mapping[str, str] | None = None,
     ) -> ObjectInfo:
         return self._fences.write(
-            key, lambda: self._raw.put_bytes(key, data, create_only=create_only, if_generation=if_generation)
+            key,
+            lambda: self._raw.put_bytes(
+                key, data, create_only=create_only, if_generation=if_generation, metadata=metadata
+            ),
         )
 
     def compose(self, key: str, sources: Sequence[str]) -> ObjectInfo:

@@ -24,7 +24,7 @@ import http.client
 import io
 import logging
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 from urllib.parse import quote
 
@@ -40,6 +40,7 @@ from google.cloud.storage.exceptions import DataCorruption, InvalidResponse
 from google.cloud.storage.retry import DEFAULT_RETRY
 
 from tierckpt_replicator.backup.store import (
+    LIST_PAGE,
     ObjectInfo,
     ObjectNotFound,
     PreconditionFailed,
@@ -151,9 +152,17 @@ class GcsStore:
         return self._check(blob, key, crc32c)
 
     def put_bytes(
-        self, key: str, data: bytes, *, create_only: bool = False, if_generation: int | None = None
+        self,
+        key: str,
+        data: bytes,
+        *,
+        create_only: bool = False,
+        if_generation: int | None = None,
+        metadata: Mapping[str, str] | None = None,
     ) -> ObjectInfo:
         blob = self._bucket.blob(key)
+        if metadata:
+            blob.metadata = dict(metadata)  # a multipart upload: sent with the bytes, in one request
         with _errors(key):
             blob.upload_from_string(
                 data,
@@ -240,7 +249,12 @@ class GcsStore:
     def list(self, prefix: str, *, delimiter: str | None = None) -> tuple[list[ObjectInfo], list[str]]:
         with _errors(prefix):
             it = self._client.list_blobs(
-                self._bucket, prefix=prefix, delimiter=delimiter, retry=self._retry, timeout=self._timeout
+                self._bucket,
+                prefix=prefix,
+                delimiter=delimiter,
+                page_size=LIST_PAGE,
+                retry=self._retry,
+                timeout=self._timeout,
             )
             objects = [_info(b) for b in it]
             return objects, sorted(it.prefixes)
@@ -296,6 +310,7 @@ def _info(blob: Any) -> ObjectInfo:
         crc32c=crc32c_from_b64(blob.crc32c),
         generation=int(blob.generation or 0),
         updated=updated,
+        metadata=dict(blob.metadata or {}),
     )
 
 

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from tierckpt.protocol.bucket_layout import BucketLayout
-from tierckpt.protocol.errors import CorruptShardError, FormatError, MissingCheckpointError
+from tierckpt.protocol.errors import CorruptShardError, FormatError
 from tierckpt.protocol.format import (
     COMMIT_NAME,
     MANIFEST_NAME,
@@ -32,7 +32,7 @@ from tierckpt.protocol.format import (
 from tierckpt.protocol.integrity import crc32c, crc32c_concat
 from tierckpt.protocol.safefs import Beneath
 from tierckpt_replicator.backup.catalog import SMALL_OBJECT_LIMIT, Catalog
-from tierckpt_replicator.backup.store import ObjectStore
+from tierckpt_replicator.backup.store import ObjectNotFound, ObjectStore
 from tierckpt_replicator.stepio import StepHeader, StepWriter, is_data_file, parse_header, step_name
 
 __all__ = ["Restorer", "plan_ranges"]
@@ -65,13 +65,17 @@ class Restorer:
         self.max_manifest_bytes = max_manifest_bytes
 
     def header(self, job: str, step: int, rank: int) -> StepHeader:
-        """The rank's COMMIT and manifest from the bucket, verified along the trust chain."""
-        done = self.catalog.read_complete(job, step)
-        ref = done.ranks.get(rank)
-        if ref is None:
-            raise MissingCheckpointError(
-                f"step {step} of {job} has no rank {rank} (world size {done.world_size})"
-            )
+        """The rank's COMMIT and manifest from the bucket, verified along the trust chain. The step's
+        completion object is read once per node (kept by the catalog); if a link does not match it, it
+        may have been completed again since: it is read afresh once before the mismatch counts."""
+        try:
+            return self._header(job, step, rank, fresh=False)
+        except (CorruptShardError, ObjectNotFound) as exc:
+            log.info("step %d of %s: %s; reading its completion object again", step, job, exc)
+            return self._header(job, step, rank, fresh=True)
+
+    def _header(self, job: str, step: int, rank: int, *, fresh: bool) -> StepHeader:
+        ref = self.catalog.rank_ref(job, step, rank, fresh=fresh)
         commit = self.catalog.read_rank_commit(job, step, rank, ref=ref)
         bodies = {}
         for name, size, crc, limit in (
@@ -88,8 +92,7 @@ class Restorer:
     def data_source(self, job: str, step: int, rank: int) -> int | None:
         """The rank whose data objects hold ``rank``'s data files in the complete ``step`` (another
         member of its replica group: ``RankRef.data_from``), or None (its own)."""
-        ref = self.catalog.read_complete(job, step).ranks.get(rank)
-        return ref.data_from if ref is not None else None
+        return self.catalog.rank_ref(job, step, rank).data_from
 
     def fetch_rank(
         self,
@@ -144,7 +147,7 @@ class Restorer:
         this rank's manifest like any other."""
         writer.prepare()
         files = writer.pending()
-        data_from = self.catalog.read_complete(job, step).ranks[rank].data_from
+        data_from = self.catalog.rank_ref(job, step, rank).data_from
         futures = {
             f.name: self._submit(
                 job,

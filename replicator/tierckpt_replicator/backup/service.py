@@ -48,21 +48,21 @@ from tierckpt.planning.common_step import newest_common_step
 from tierckpt.protocol import leases
 from tierckpt.protocol.bucket_layout import BucketLayout
 from tierckpt.protocol.control import PeerAssignment, read_control
-from tierckpt.protocol.errors import FormatError, MissingCheckpointError, TierckptError
+from tierckpt.protocol.errors import FormatError, TierckptError
 from tierckpt.protocol.format import Dir, committed_steps, read_manifest
 from tierckpt.protocol.safefs import Beneath
 from tierckpt_replicator.backup.catalog import BucketView, Catalog
 from tierckpt_replicator.backup.fence import Fences, JobFenced
 from tierckpt_replicator.backup.metrics import BackupMetrics
 from tierckpt_replicator.backup.restorer import Restorer
-from tierckpt_replicator.backup.spread import assign_uploads, data_rank
+from tierckpt_replicator.backup.spread import assign_uploads, data_rank, holders_of, rendezvous_score
 from tierckpt_replicator.backup.store import ObjectStore
 from tierckpt_replicator.backup.uploader import Uploader
 from tierckpt_replicator.policies import PolicyStore
 from tierckpt_replicator.quota import JobQuotas, OverQuotaError
 from tierckpt_replicator.stepio import find_committed, open_job, rank_trees
 
-__all__ = ["BackupService", "BackupStatus"]
+__all__ = ["BackupPools", "BackupService", "BackupStatus"]
 
 if TYPE_CHECKING:  # the settings module imports google-cloud-storage (for GcsStore); this one need not
     from tierckpt_replicator.backup.settings import BackupSettings
@@ -74,6 +74,31 @@ MiB = 1 << 20
 _PROGRESS_EVERY = 8 * MiB
 ProgressCallback = Callable[[int], None]
 """``progress(bytes_done)``: cumulative bytes of the rank written so far."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BackupPools:
+    """Where a service's blocking work runs: ``io``, every bucket transfer and small request (its size
+    bounds the requests in flight); ``ranks``, the uploads of single ranks, which wait on ``io``;
+    ``ops``, the passes and calls that wait on both. No task waits on a task of its own pool, so several
+    services may share one set (whose owner shuts it down)."""
+
+    io: cf.ThreadPoolExecutor
+    ops: cf.ThreadPoolExecutor
+    ranks: cf.ThreadPoolExecutor
+
+    @classmethod
+    def make(cls, parallelism: int, passes: int = 4) -> BackupPools:
+        """``passes`` passes at once (of different jobs), each with up to 8 ranks in flight."""
+        return cls(
+            io=cf.ThreadPoolExecutor(parallelism, thread_name_prefix="backup-io"),
+            ops=cf.ThreadPoolExecutor(passes, thread_name_prefix="backup-op"),
+            ranks=cf.ThreadPoolExecutor(8 * passes, thread_name_prefix="backup-rank"),
+        )
+
+    def shutdown(self) -> None:
+        for pool in (self.ops, self.ranks, self.io):
+            pool.shutdown(wait=True, cancel_futures=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +126,8 @@ class BackupService:
     one against fake-gcs-server, or a fake at the ``ObjectStore`` boundary). ``metrics``: where to count
     (default: the process-wide ``BackupMetrics``). ``clock``: the wall clock (schedules, takeover).
     ``quotas``: each job's quota, which no rank's upload may exceed (default: the jobs' policies and
-    this node's ramdisk size).
+    this node's ramdisk size). ``pools``: the thread pools to run in (default: its own; the scale rig
+    runs many services, one per simulated node, on one shared pair).
     """
 
     def __init__(
@@ -114,6 +140,7 @@ class BackupService:
         metrics: BackupMetrics | None = None,
         clock: Callable[[], float] = time.time,
         quotas: JobQuotas | None = None,
+        pools: BackupPools | None = None,
     ) -> None:
         self.settings, self.store, self.node, self.root = settings, store, node, Path(root)
         self.quotas = quotas or JobQuotas(self.root, PolicyStore(self.root))
@@ -121,8 +148,10 @@ class BackupService:
         self.layout = BucketLayout(settings.prefix)
         self.metrics = metrics or BackupMetrics.default()
         self.clock = clock
-        self._io = cf.ThreadPoolExecutor(settings.parallelism, thread_name_prefix="backup-io")
-        self._ops = cf.ThreadPoolExecutor(4, thread_name_prefix="backup-op")
+        self._own_pools = pools is None
+        pools = pools or BackupPools.make(settings.parallelism)
+        self._pools = pools
+        self._io, self._ops = pools.io, pools.ops
         self.fences = Fences(
             store,
             self.layout,
@@ -132,7 +161,7 @@ class BackupService:
             wait_limit=settings.retry_deadline + 2 * settings.writer_ttl,
         )
         writes = self.fences.store  # every write of a job's objects: its writer lease held, not fenced here
-        self.catalog = Catalog(writes, self.layout, node, self._io)
+        self.catalog = Catalog(writes, self.layout, node, self._io, view_max_age=settings.catalog_max_age)
         self.uploader = Uploader(
             writes,
             self.layout,
@@ -161,6 +190,17 @@ class BackupService:
         self._status: dict[str, BackupStatus] = {}
         self._given_up: dict[str, set[int]] = {}
         """Job -> started steps this node found unable to complete (logged once each)."""
+        self._commits: dict[str, dict[int, set[int]]] = {}
+        """Job -> step -> ranks this node knows are committed in the bucket (it committed them, or saw
+        their commit): never asked about again."""
+        self._seen_complete: dict[str, set[int]] = {}
+        """Job -> steps this node saw complete (one no longer complete was retired: its ranks here go)."""
+        self._cleaned: dict[str, set[int]] = {}
+        """Job -> retired steps whose ranks this node deleted."""
+        self._old_since: dict[str, dict[int, float]] = {}
+        """Job -> incomplete step older than the newest complete one -> when this node first saw it so
+        (monotonic; the node that completed the newest step deletes what is left of it ``incomplete_grace``
+        later)."""
         self._holder = "backup." + re.sub(r"[^A-Za-z0-9_.-]", "-", node)[:100]
 
     # ------------------------------------------------------------------------------------ API
@@ -275,7 +315,16 @@ class BackupService:
     def unfence(self, job: str) -> None:
         """Lift the fence (the job was purged): forget its state here; it starts afresh if it returns."""
         self.fences.lift(job)
-        for state in (self._holders, self._latest, self._status, self._given_up):
+        for state in (
+            self._holders,
+            self._latest,
+            self._status,
+            self._given_up,
+            self._commits,
+            self._seen_complete,
+            self._cleaned,
+            self._old_since,
+        ):
             state.pop(job, None)  # its lock stays: a call waiting on it must not run beside a new one
         log.info("job %s: backup state forgotten on this node", job)
 
@@ -296,8 +345,8 @@ class BackupService:
         await asyncio.get_running_loop().run_in_executor(None, self._shutdown)
 
     def _shutdown(self) -> None:
-        self._ops.shutdown(wait=True, cancel_futures=True)
-        self._io.shutdown(wait=True, cancel_futures=True)
+        if self._own_pools:
+            self._pools.shutdown()
 
     # ------------------------------------------------------------------------------------ passes (blocking)
 
@@ -309,8 +358,6 @@ class BackupService:
         on_demand: bool,
         all_local: bool,
         placed: Mapping[int, tuple[str, ...]] | None = None,
-        *,
-        housekeeping: bool = False,
     ) -> None:
         try:
             view = self.catalog.view(job)
@@ -335,16 +382,11 @@ class BackupService:
                     log.debug("step %d of %s not backed up: %s", step, job, decision.reason)
             for s in running:
                 targets.setdefault(s, "joining a backup in progress")
-            completed = False
             for s in sorted(targets):
                 hint, known = (ranks_here, placed) if s == step else ((), None)
-                completed |= self._backup_step(
-                    job, s, targets[s], view.in_progress.get(s), hint, all_local, known
-                )
-            if completed or step is None or housekeeping:
-                self._maintain(job)
-            else:
-                self._set_status(job, complete=tuple(sorted(view.complete)))
+                self._backup_step(job, s, targets[s], view.in_progress.get(s), hint, all_local, known)
+            self._forget_commits(job, set(targets) | set(view.in_progress))
+            self._maintain(job, view)
         except JobFenced as exc:
             if exc.elsewhere and not self.fences.fenced(job):
                 log.warning(
@@ -366,7 +408,7 @@ class BackupService:
             raise
 
     def _poll(self, job: str) -> None:
-        self._pass(job, self._newest_local(job), (), False, False, housekeeping=True)
+        self._pass(job, self._newest_local(job), (), False, False)
 
     def _backup_now(self, job: str, all_local: bool, placed: Mapping[int, tuple[str, ...]]) -> int | None:
         step = self._newest_local(job)
@@ -414,9 +456,22 @@ class BackupService:
             return set()
         with tree:
             local = self._local_copies(tree, step, ())
-        if not local:
-            return set()
-        return set(local) - set(self.catalog.rank_commits(job, step))
+        return set(local) - self._committed(job, step, local)
+
+    def _committed(self, job: str, step: int, ranks: Iterable[int]) -> set[int]:
+        """Which of ``ranks`` are committed in the bucket: known ones from memory, the others asked one
+        by one (a node's own few ranks, never a listing of the whole step)."""
+        known = self._commits.setdefault(job, {}).setdefault(step, set())
+        unknown = set(ranks) - known
+        if unknown:
+            known |= self.catalog.committed(job, step, unknown)
+        return known & set(ranks)
+
+    def _forget_commits(self, job: str, steps: set[int]) -> None:
+        """Keep what is known of commits only for the steps still being backed up."""
+        commits = self._commits.get(job, {})
+        for s in [s for s in commits if s not in steps]:
+            del commits[s]
 
     def _backup_step(
         self,
@@ -454,12 +509,20 @@ class BackupService:
             next(iter(local.values()))[1], limit=self.settings.max_manifest_bytes
         ).world_size
         mine = self._my_share(job, step, world_size, local, started_at, all_local, placed)
-        if not mine and started_at is not None and len(self.catalog.rank_commits(job, step)) < world_size:
-            return False  # nothing to write here: no share, already started, not completable yet
-        with self.fences.writing(job, step):
-            return self._write_step(job, step, world_size, reason, started_at, mine, local)
+        todo = sorted(set(mine) - self._commits.get(job, {}).get(step, set()))
+        if todo or started_at is None:
+            with self.fences.writing(job, step):
+                self._write_share(job, step, world_size, reason, started_at, todo, local)
+                if todo:
+                    self.catalog.share_done(job, step, self._committed(job, step, mine))
+            if todo and self.catalog.shares_cover(job, step, world_size):
+                return self._complete(job, step, world_size)  # this node's share was the last
+            return False
+        if self._fallback_completer(job, step, world_size, started_at, local):
+            return self._complete(job, step, world_size)
+        return False  # nothing to write here
 
-    def _write_step(
+    def _write_share(
         self,
         job: str,
         step: int,
@@ -468,9 +531,9 @@ class BackupService:
         started_at: float | None,
         mine: list[int],
         local: Mapping[int, tuple[Beneath, Beneath]],
-    ) -> bool:
-        """The writes of this node's pass over ``step`` (under its writer lease): mark it started, upload
-        ``mine``, complete it. True if the step is complete in the bucket afterwards."""
+    ) -> None:
+        """The writes of this node's share of ``step`` (under its writer lease): mark it started,
+        upload ``mine``."""
         if mine or started_at is None:  # also with no share here: a started backup is visible, so
             # its missing ranks are taken over even if no rank's assigned uploader holds a copy
             self.catalog.mark_started(job, step, world_size, reason)
@@ -478,7 +541,7 @@ class BackupService:
             log.info("backing up step %d of %s (%s): ranks %s of %d", step, job, reason, mine, world_size)
             started = time.monotonic()
             with _leases({r: local[r] for r in mine}, step, self._holder, self.settings.lease_ttl) as held:
-                sent, logical = self._upload_ranks(job, held)
+                sent, logical = self._upload_ranks(job, step, held)
             self.metrics.upload_seconds.observe(time.monotonic() - started)
             prev = self._status.get(job, BackupStatus())
             before = (prev.uploaded_bytes, prev.uploaded_logical) if prev.last_uploaded == step else (0, 0)
@@ -491,10 +554,48 @@ class BackupService:
                 uploaded_logical=before[1] + logical,
             )
             self.metrics.last_success.labels(job=job).set(self.clock())
-        done = self.catalog.try_complete(job, step, world_size)
-        if done:
+
+    def _complete(self, job: str, step: int, world_size: int) -> bool:
+        """Complete ``step`` (one listing of its rank commits), retire what retention drops, and announce
+        both, under a writer lease. True if the step is complete in the bucket afterwards."""
+        with self.fences.writing(job, step):
+            outcome = self.catalog.complete(job, step, world_size)
+            if outcome != "written":
+                return outcome == "exists"
             self.metrics.steps_completed.inc()
-        return done
+            self._retire(job, {step: time.time()}, step)
+        return True
+
+    def _fallback_completer(
+        self,
+        job: str,
+        step: int,
+        world_size: int,
+        started_at: float | None,
+        local: Mapping[int, object],
+    ) -> bool:
+        """Whether this node, with nothing of ``step`` to write, should still try to complete it: the
+        node that wrote the last share may have died before it could. Once the takeover window is over,
+        the holders of one rank chosen per step (rendezvous-hashed) try, at each pass (a few nodes, not
+        every node listing every rank)."""
+        if started_at is None or self.clock() - started_at < self.settings.takeover_after:
+            return False
+        return completion_rank(job, step, world_size) in local
+
+    def _retire(self, job: str, new: Mapping[int, float], newest: int) -> None:
+        """Retention, run by the node that completed the newest step (under its writer lease): delete the
+        completion objects of the steps it drops, then announce the change (with the new step's)."""
+        seen = self.catalog.cached_view(job)
+        complete = {**(seen.complete if seen is not None else {}), **new}
+        protect = [s for s, n in self._fetching.get(job, collections.Counter()).items() if n > 0]
+        plan = self.policy.retention(complete, protect=protect)
+        for s in plan.delete:
+            self.catalog.retire(job, s)
+        self.metrics.steps_deleted.inc(len(plan.delete))
+        if new or plan.delete:
+            self.catalog.announce(job, newest, "completed" if new else "retired")
+        kept = tuple(s for s in sorted(complete) if s not in plan.delete)
+        self._set_status(job, complete=kept, newest_complete=kept[-1] if kept else None)
 
     def _my_share(
         self,
@@ -513,7 +614,7 @@ class BackupService:
         holders = self._holders_of(job, world_size)
         for r in local:  # only where no holder is known: every node must compute the same split
             holders.setdefault(r, (self.node,))
-        owner = _assign(job, step, tuple(sorted((r, tuple(sorted(h))) for r, h in holders.items())))
+        owner = _assign_mine(job, step, self.node, holders)
         mine = {r for r in local if owner.get(r) == self.node}
         unheld = {
             r
@@ -529,8 +630,7 @@ class BackupService:
             )
             mine |= unheld
         if started_at is not None and self.clock() - started_at >= self.settings.takeover_after:
-            committed = self.catalog.rank_commits(job, step)
-            orphans = {r for r in local if r not in committed} - mine
+            orphans = set(local) - mine - self._committed(job, step, set(local) - mine)
             if orphans:
                 log.warning(
                     "step %d of %s: taking over ranks %s, still missing %.0fs after its backup began",
@@ -542,7 +642,7 @@ class BackupService:
                 mine |= orphans
         return sorted(mine)
 
-    def _upload_ranks(self, job: str, paths: Mapping[int, Beneath]) -> tuple[int, int]:
+    def _upload_ranks(self, job: str, step: int, paths: Mapping[int, Beneath]) -> tuple[int, int]:
         """Upload several ranks at once (their files share the transfer pool); raise the first failure
         after all have finished, so every rank that can be committed is. Ranks that carry their replica
         group's data files go first: members waiting for them never hold every thread. Returns (bytes
@@ -552,20 +652,20 @@ class BackupService:
         if not paths:
             return 0, 0
         order = sorted(paths, key=lambda r: (not self._carries_data(job, paths[r]), r))
-        with cf.ThreadPoolExecutor(min(8, len(paths)), thread_name_prefix="backup-rank") as ranks:
-            futures = {ranks.submit(self.uploader.upload_rank, job, paths[r]): r for r in order}
-            for fut in cf.as_completed(futures):
-                try:
-                    done = fut.result()
-                    sent += done.bytes_sent
-                    logical += done.logical_bytes
-                    if not done.skipped:
-                        self.metrics.ranks_uploaded.inc()
-                except JobFenced as exc:
-                    errors.insert(0, exc)  # raised first: the pass then knows the job is being purged
-                except (TierckptError, OSError) as exc:
-                    log.error("upload of rank %d of %s failed: %s", futures[fut], job, exc)
-                    errors.append(exc)
+        futures = {self._pools.ranks.submit(self.uploader.upload_rank, job, paths[r]): r for r in order}
+        for fut in cf.as_completed(futures):
+            try:
+                done = fut.result()
+                self._commits.setdefault(job, {}).setdefault(step, set()).add(futures[fut])
+                sent += done.bytes_sent
+                logical += done.logical_bytes
+                if not done.skipped:
+                    self.metrics.ranks_uploaded.inc()
+            except JobFenced as exc:
+                errors.insert(0, exc)  # raised first: the pass then knows the job is being purged
+            except (TierckptError, OSError) as exc:
+                log.error("upload of rank %d of %s failed: %s", futures[fut], job, exc)
+                errors.append(exc)
         for error in errors:
             if isinstance(error, OverQuotaError):  # the step can never complete: no node joins or waits
                 self.catalog.mark_refused(job, error.over.step, error.over.rank, str(error))
@@ -582,16 +682,58 @@ class BackupService:
         r = m.replica
         return r is None or r.diverged or data_rank(job, m.step, r.members) == m.rank
 
-    def _maintain(self, job: str) -> None:
-        view = self.catalog.view(job)
-        protect = [s for s, n in self._fetching.get(job, collections.Counter()).items() if n > 0]
-        plan = self.policy.retention(view.complete, protect=protect)
-        removed = self.catalog.collect_garbage(job, view, plan.delete, grace=self.settings.incomplete_grace)
-        self.metrics.steps_deleted.inc(len([s for s in removed if s in view.complete]))
-        kept = tuple(s for s in sorted(view.complete) if s not in removed)
+    def _maintain(self, job: str, view: BucketView) -> None:
+        """Housekeeping after a pass, from its view (no request unless the catalog changed): delete this
+        node's ranks of steps retired since its last view; on the node that completed the newest step,
+        retention and the removal of what is left of old incomplete steps."""
+        seen = self._seen_complete.setdefault(job, set())
+        if view.fresh:
+            cleaned = self._cleaned.setdefault(job, set())
+            for s in [s for s in view.incomplete_old if s in seen and s not in cleaned]:
+                self._delete_own_ranks(job, s)
+                cleaned.add(s)
+            cleaned &= set(view.incomplete_old)
+            seen |= set(view.complete)
+            seen &= set(view.complete) | set(view.incomplete_old)
+        newest = view.newest_complete
+        if newest is not None and view.completed_by.get(newest[0]) == self.node:
+            self._janitor(job, view, newest[0])
+        kept = tuple(sorted(view.complete))
         self._set_status(job, complete=kept, newest_complete=kept[-1] if kept else None)
         if kept:
             self.metrics.last_step.labels(job=job).set(kept[-1])
+
+    def _delete_own_ranks(self, job: str, step: int) -> None:
+        """Delete the objects of the ranks this node is the primary of, of a retired step (every node
+        its own: the bucket work of a retirement is spread like that of the upload)."""
+        try:
+            tree = open_job(self.root, job)
+        except FileNotFoundError:
+            return
+        with tree:
+            ranks = set(rank_trees(tree, "primary"))
+        if ranks:
+            n = self.catalog.delete_ranks(job, step, ranks)
+            log.info("step %d of %s is retired: deleted %d objects of ranks %s", step, job, n, sorted(ranks))
+
+    def _janitor(self, job: str, view: BucketView, newest: int) -> None:
+        """The duties of the node that completed the newest step: retention when the catalog changed
+        (a retirement it could not finish), and deleting incomplete steps older than the newest complete
+        one ``incomplete_grace`` after it first saw them so (and once none of their objects changed for
+        that long): by then every node deleted its own ranks of a retired step."""
+        if not view.fresh:
+            return
+        protect = [s for s, n in self._fetching.get(job, collections.Counter()).items() if n > 0]
+        if self.policy.retention(view.complete, protect=protect).delete:
+            with self.fences.writing(job, newest):
+                self._retire(job, {}, newest)
+        since = self._old_since.setdefault(job, {})
+        now, grace = time.monotonic(), self.settings.incomplete_grace
+        for s in [s for s in since if s not in view.incomplete_old]:
+            del since[s]
+        for s in view.incomplete_old:
+            if now - since.setdefault(s, now) >= grace:
+                self.catalog.delete_step(job, s, grace=grace)
 
     # ------------------------------------------------------------------------------------ local data
 
@@ -640,10 +782,7 @@ class BackupService:
             peers = None
         holders = dict(self._holders.get(job, {}))
         if isinstance(peers, PeerAssignment):
-            for node in sorted(peers.node_ranks):
-                copies = peers.peers.get(node, ()) if self.settings.peers_hold_copies else ()
-                for r in peers.process_ranks(node, world_size):
-                    holders[r] = (node, *copies)
+            holders.update(holders_of(peers, world_size, copies=self.settings.peers_hold_copies))
         return holders
 
     def _lock(self, job: str) -> asyncio.Lock:
@@ -656,30 +795,32 @@ class BackupService:
         return await asyncio.get_running_loop().run_in_executor(self._ops, functools.partial(fn, *args))
 
 
-@functools.lru_cache(maxsize=16)
-def _assign(job: str, step: int, holders: tuple[tuple[int, tuple[str, ...]], ...]) -> dict[int, str]:
-    """``assign_uploads``, remembered: every pass over a step needs the same split again."""
-    return assign_uploads(job, step, dict(holders))
+def _assign_mine(job: str, step: int, node: str, holders: Mapping[int, Sequence[str]]) -> dict[int, str]:
+    """``assign_uploads`` of the ranks whose holders include ``node``: each block of ranks is dealt
+    over its own holders, so this is what every node computes for them, from this node's neighbourhood
+    of the peer plan alone."""
+    return assign_uploads(job, step, {r: h for r, h in holders.items() if node in h})
+
+
+def completion_rank(job: str, step: int, world_size: int) -> int:
+    """The rank whose holders try to complete ``step`` when its last writer did not (rendezvous-hashed:
+    a different rank, so different nodes, every step)."""
+    return rendezvous_score(job, step, -1, "complete") % max(1, world_size)
 
 
 @contextlib.contextmanager
 def _leases(
     copies: Mapping[int, tuple[Beneath, Beneath]], step: int, holder: str, ttl: float
 ) -> Iterator[dict[int, Beneath]]:
-    """Lease each rank's copy of ``step`` (renewed in the background) so retention leaves it alone while
-    it is read. Yields rank -> the step's view, for the ranks whose step still existed when leased."""
-    with contextlib.ExitStack() as stack:
-        held = {}
-        for r, (rank, path) in copies.items():
-            try:
-                stack.enter_context(leases.hold(rank, step, holder, ttl=ttl))
-            except MissingCheckpointError:
-                log.warning(
-                    "rank %d step %d vanished from %s before it could be uploaded", r, step, rank.where
-                )
-                continue
-            held[r] = path
-        yield held
+    """Lease each rank's copy of ``step`` (renewed by one background thread) so retention leaves it
+    alone while it is read. Yields rank -> the step's view, for the ranks whose step still existed when
+    leased."""
+    with leases.hold_all({r: rank for r, (rank, _) in copies.items()}, step, holder, ttl=ttl) as held:
+        for r in held.missing:
+            log.warning(
+                "rank %d step %d vanished from %s before it could be uploaded", r, step, copies[r][0].where
+            )
+        yield {r: copies[r][1] for r in held.held()}
 
 
 class _Progress:

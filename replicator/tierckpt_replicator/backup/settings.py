@@ -91,6 +91,10 @@ class BackupSettings:
     incomplete_grace: float = 3600.0
     """Seconds [3600]. An incomplete step older than the newest complete one is deleted once untouched
     this long (an abandoned attempt; a slow uploader gets this long to finish)."""
+    catalog_max_age: float = 600.0
+    """Seconds [600]. A node reuses its view of the job's catalog (complete and started steps) while
+    ``catalog.json`` keeps its generation, one request a look; at least this often it reads the whole
+    catalog again (a change whose announcement was lost, or written by an older version)."""
     peers_hold_copies: bool = True
     """Whether a node's peers in ``peers.json`` hold copies of its ranks (replicas) that they can upload;
     False for an erasure-coded job, whose peers hold fragments: each rank is uploaded by its primary."""
@@ -119,7 +123,14 @@ class BackupSettings:
     def __post_init__(self) -> None:
         if self.parallelism < 1:
             raise ValueError("parallelism must be at least 1")
-        for name in ("slice_size", "range_size", "takeover_after", "incomplete_grace", "group_wait"):
+        for name in (
+            "slice_size",
+            "range_size",
+            "takeover_after",
+            "incomplete_grace",
+            "group_wait",
+            "catalog_max_age",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative")
         if self.lease_ttl <= 0 or self.writer_ttl <= 0 or self.max_manifest_bytes <= 0:

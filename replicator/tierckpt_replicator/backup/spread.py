@@ -1,19 +1,26 @@
 """Who uploads which rank: spread a step's uploads over the nodes that hold identical copies (pure).
 
-Each rank of a step is held by its primary node and by the nodes it was replicated to. Any of them can
-upload it; ``assign_uploads`` picks exactly one per rank so that the busiest node uploads as few ranks
-as possible (the maximum load is optimal), with rendezvous hashing on ``(job, step, rank, node)``
-breaking ties. It depends only on its inputs, never on their order, so every node computes the same
-split without talking to the others.
+Each rank of a step is held by its primary node and by the nodes it was replicated to (its peers, in
+the order of ``peers.json``). Any of them can upload it; ``assign_uploads`` picks exactly one per rank.
+The ranks that share their holders (a node's block of ranks) are dealt round-robin over those holders,
+starting at an offset rendezvous-hashed per step: with the operator's peer plans, where every node is
+the peer of as many nodes as it has peers, every node uploads as many ranks as it runs (exactly, when
+that number is a multiple of the holders per rank), and successive steps rotate who uploads what.
+
+Each block is dealt on its own, so a node computes the uploaders of the ranks it holds from their
+holders alone: a node of a job of thousands of nodes needs its own neighbourhood of the peer plan, not
+the whole of it, and every node computes the same split without talking to the others.
 """
 
 from __future__ import annotations
 
+import collections
 import hashlib
-from collections import deque
 from collections.abc import Mapping, Sequence
 
-__all__ = ["assign_uploads", "data_rank", "rendezvous_score"]
+from tierckpt.protocol.control import PeerAssignment
+
+__all__ = ["assign_uploads", "data_rank", "holders_of", "rendezvous_score"]
 
 
 def rendezvous_score(job: str, step: int, rank: int, node: str) -> int:
@@ -30,63 +37,30 @@ def data_rank(job: str, step: int, members: Sequence[int]) -> int:
 
 
 def assign_uploads(job: str, step: int, holders: Mapping[int, Sequence[str]]) -> dict[int, str]:
-    """Rank -> the node that uploads it. Ranks without holders are left out."""
-    options = {r: sorted(set(h)) for r, h in holders.items() if h}
-    # Most constrained ranks first, then a hashed order so no node is favoured by rank numbering.
-    order = sorted(options, key=lambda r: (len(options[r]), rendezvous_score(job, step, r, ""), r))
-    load: dict[str, int] = {n: 0 for nodes in options.values() for n in nodes}
+    """Rank -> the node that uploads it. ``holders``: rank -> the nodes holding a copy, primary first
+    (the order matters; every node reads the same order from ``peers.json``). Ranks without holders are
+    left out; the order of the ranks does not matter."""
+    blocks: dict[tuple[str, ...], list[int]] = collections.defaultdict(list)
+    for r, h in holders.items():
+        if h:
+            blocks[tuple(dict.fromkeys(h))].append(r)
     owner: dict[int, str] = {}
-    for r in order:
-        node = min(options[r], key=lambda n: (load[n], -rendezvous_score(job, step, r, n), n))
-        owner[r] = node
-        load[node] += 1
-    _rebalance(options, owner, load)
+    for nodes, ranks in blocks.items():
+        offset = rendezvous_score(job, step, -1, f"spread-{len(nodes)}") % len(nodes)
+        for i, r in enumerate(sorted(ranks)):
+            owner[r] = nodes[(i + offset) % len(nodes)]
     return owner
 
 
-def _rebalance(options: Mapping[int, list[str]], owner: dict[int, str], load: dict[str, int]) -> None:
-    """Move chains of ranks from the busiest nodes to nodes at least 2 lighter until no such chain
-    exists. Then the maximum load is optimal: every node reachable from a busiest one carries at least
-    max-1 ranks, and the ranks on those nodes have nowhere else to go in any assignment."""
-    by_node: dict[str, set[int]] = {n: set() for n in load}
-    for r, n in owner.items():
-        by_node[n].add(r)
-    while load:
-        top = max(load.values())
-        path = _chain(sorted(n for n in load if load[n] == top), top - 2, options, by_node, load)
-        if path is None:
-            return
-        for r, src, dst in path:
-            by_node[src].discard(r)
-            by_node[dst].add(r)
-            owner[r] = dst
-        load[path[0][1]] -= 1
-        load[path[-1][2]] += 1
-
-
-def _chain(
-    starts: list[str],
-    target: int,
-    options: Mapping[int, list[str]],
-    by_node: Mapping[str, set[int]],
-    load: Mapping[str, int],
-) -> list[tuple[int, str, str]] | None:
-    """Breadth-first over "rank r on node a could move to node b" from ``starts`` to a node with load
-    <= ``target``; the moves (rank, from, to) in order, or None."""
-    prev: dict[str, tuple[int, str] | None] = dict.fromkeys(starts)
-    queue = deque(starts)
-    while queue:
-        node = queue.popleft()
-        if load[node] <= target:
-            moves = []
-            while (step := prev[node]) is not None:
-                rank, src = step
-                moves.append((rank, src, node))
-                node = src
-            return moves[::-1]
-        for r in sorted(by_node[node]):
-            for other in options[r]:
-                if other not in prev:
-                    prev[other] = (r, node)
-                    queue.append(other)
-    return None
+def holders_of(
+    assignment: PeerAssignment, world_size: int, *, copies: bool = True
+) -> dict[int, tuple[str, ...]]:
+    """Rank -> the nodes holding it, primary first, from a ``peers.json``: a node's process ranks are held
+    by it and (``copies``: its peers hold replicas, not erasure-coded fragments) by its peers, in their
+    order. A node's view of a big job's plan names the peers of every node whose ranks it holds."""
+    out: dict[int, tuple[str, ...]] = {}
+    for node in sorted(assignment.node_ranks):
+        peers = assignment.peers.get(node, ()) if copies else ()
+        for r in assignment.process_ranks(node, world_size):
+            out[r] = (node, *peers)
+    return out

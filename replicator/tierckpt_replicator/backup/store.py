@@ -14,12 +14,13 @@ failing after the retry policy gave up; safe to retry later) and ``StoreError`` 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 from tierckpt.protocol.errors import RetryableError, TierckptError
 
 __all__ = [
+    "LIST_PAGE",
     "ObjectInfo",
     "ObjectNotFound",
     "ObjectStore",
@@ -28,6 +29,10 @@ __all__ = [
     "TransientStoreError",
     "UploadCorrupted",
 ]
+
+
+LIST_PAGE = 1000
+"""Results per listing request (GCS's maximum page)."""
 
 
 class StoreError(TierckptError):
@@ -59,6 +64,8 @@ class ObjectInfo:
     generation: int
     updated: float
     """Last modification, seconds since the epoch."""
+    metadata: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    """The object's custom metadata (listings return it too)."""
 
 
 class ObjectStore(Protocol):
@@ -76,10 +83,17 @@ class ObjectStore(Protocol):
         ...
 
     def put_bytes(
-        self, key: str, data: bytes, *, create_only: bool = False, if_generation: int | None = None
+        self,
+        key: str,
+        data: bytes,
+        *,
+        create_only: bool = False,
+        if_generation: int | None = None,
+        metadata: Mapping[str, str] | None = None,
     ) -> ObjectInfo:
         """Single-request upload. ``create_only``: ``PreconditionFailed`` if the object exists.
-        ``if_generation``: ``PreconditionFailed`` unless the object exists with this generation."""
+        ``if_generation``: ``PreconditionFailed`` unless the object exists with this generation.
+        ``metadata``: the object's custom metadata (sent in the same request)."""
         ...
 
     def get_bytes(self, key: str, *, max_size: int) -> bytes:
@@ -103,7 +117,8 @@ class ObjectStore(Protocol):
     def stat(self, key: str) -> ObjectInfo | None: ...
 
     def list(self, prefix: str, *, delimiter: str | None = None) -> tuple[list[ObjectInfo], list[str]]:
-        """Objects under ``prefix``; with a delimiter also the sub-prefixes ("directories")."""
+        """Objects under ``prefix`` (with their metadata); with a delimiter also the sub-prefixes
+        ("directories"). One request per 1,000 results (``LIST_PAGE``)."""
         ...
 
     def delete(self, key: str) -> bool:

@@ -33,7 +33,14 @@ import os
 import time
 from collections.abc import Callable
 
-from tierckpt.protocol.bucket_layout import BucketLayout, DataRef, RankBackup
+from tierckpt.protocol.bucket_layout import (
+    SUMMARY_METADATA_KEY,
+    BucketLayout,
+    DataRef,
+    RankBackup,
+    RankSummary,
+    encode_small,
+)
 from tierckpt.protocol.errors import CorruptShardError, FormatError
 from tierckpt.protocol.format import (
     COMMIT_LIMIT,
@@ -126,16 +133,19 @@ class Uploader:
             raise FormatError(f"{step_path.where} belongs to job {manifest.job!r}, not {job!r}")
         with open_files(step_path, manifest) as fds:  # before anything goes to the bucket
             self.quotas.check(manifest, fds=fds)
-        existing = self._existing_commit(job, step, rank)
-        if existing is not None:
-            if existing.manifest_crc32c == marker.manifest_crc32c:
-                return RankUpload(existing, 0, skipped=True)
-            self._replace_stale(job, step, rank, existing, manifest)
+        present = {o.name: o for o in self.store.list(self.layout.rank_dir(job, step, rank))[0]}
+        if self._saved_before(job, step, rank, present):
+            # this rank's COMMIT or manifest is in the bucket: it may be committed (by this save or
+            # another one), or be an older save's upload that this one replaces
+            existing = self._existing_commit(job, step, rank)
+            if existing is not None:
+                if existing.manifest_crc32c == marker.manifest_crc32c:
+                    return RankUpload(existing, 0, skipped=True)
+                self._replace_stale(job, step, rank, existing, manifest)
         ref = self._data_ref(job, manifest)
         files = (
             manifest.files if ref is None else tuple(f for f in manifest.files if not is_data_file(f.name))
         )
-        present = {o.name: o for o in self.store.list(self.layout.rank_dir(job, step, rank))[0]}
         sent = self._upload_files(job, step, rank, step_path, files, present)
         self._check_stop(job)
         for name, body in ((COMMIT_NAME, commit_bytes), (MANIFEST_NAME, manifest_bytes)):
@@ -155,9 +165,18 @@ class Uploader:
             uploaded_at=time.time(),
             data=ref,
         )
+        summary = RankSummary(
+            world_size=commit.world_size,
+            manifest_crc32c=commit.manifest_crc32c,
+            total_bytes=commit.total_bytes,
+            data_from=ref.rank if ref is not None else None,
+        )
         try:
             self.store.put_bytes(
-                self.layout.rank_commit_key(job, step, rank), commit.to_bytes(), create_only=True
+                self.layout.rank_commit_key(job, step, rank),
+                encode_small(commit, f"the rank commit of rank {rank} of step {step}"),
+                create_only=True,
+                metadata={SUMMARY_METADATA_KEY: summary.to_bytes().decode()},
             )
         except PreconditionFailed:
             other = self.catalog.read_rank_commit(job, step, rank)
@@ -241,6 +260,12 @@ class Uploader:
         if (manifest.step, manifest.rank) != (marker.step, marker.rank):
             raise FormatError(f"{where}: manifest and commit marker disagree on step or rank")
         return commit_bytes, manifest_bytes, marker, manifest
+
+    def _saved_before(self, job: str, step: int, rank: int, present: dict[str, ObjectInfo]) -> bool:
+        """Whether a save of this rank got as far as its COMMIT or manifest: a rank commit is created only
+        after both, and deleted before them. A fresh upload (neither there) reads no rank commit."""
+        keys = (self.layout.rank_file_key(job, step, rank, n) for n in (COMMIT_NAME, MANIFEST_NAME))
+        return any(k in present for k in keys)
 
     def _existing_commit(self, job: str, step: int, rank: int) -> RankBackup | None:
         try:
