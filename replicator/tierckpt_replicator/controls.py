@@ -15,7 +15,7 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 
 import tierckpt_replicator
@@ -26,10 +26,9 @@ from tierckpt.protocol.control import (
     NodeInventory,
     NodeStatus,
     PeerAssignment,
-    Redundancy,
     RestorePlan,
+    RestoreState,
     StepBytes,
-    StepOverQuota,
     read_control,
     write_control,
 )
@@ -38,12 +37,12 @@ from tierckpt.protocol.format import check_job_id, discard_step, state_dir, step
 from tierckpt.protocol.orbax import OrbaxSession
 from tierckpt_replicator.api.auth import Authorizer
 from tierckpt_replicator.assignments import AssignmentStore
-from tierckpt_replicator.backup.jobs import BackupPort
+from tierckpt_replicator.backup.jobs import NO_BACKUP, BackupPort
+from tierckpt_replicator.commits import NewSteps
 from tierckpt_replicator.inventory import InventoryScanner, list_jobs
 from tierckpt_replicator.metrics import Metrics
 from tierckpt_replicator.orbax import OrbaxJobs
 from tierckpt_replicator.policies import PolicyStore
-from tierckpt_replicator.replication.groups import GroupTracker
 from tierckpt_replicator.replication.manager import ReplicationManager
 from tierckpt_replicator.replication.replicas import free_bytes
 from tierckpt_replicator.replication.supervisor import WorkerSupervisor
@@ -75,17 +74,15 @@ class LocalInventory:
     def __init__(
         self,
         scanner: InventoryScanner,
-        backup: BackupPort | None,
+        backup: BackupPort = NO_BACKUP,
         *,
-        redundancy: Callable[[str], Redundancy | None] = lambda job: None,
+        replication: ReplicationManager | None = None,
+        restoring: Mapping[str, Mapping[int, RestoreState]] | None = None,
     ) -> None:
-        self.scanner, self.backup, self.redundancy = scanner, backup, redundancy
-        self.groups: GroupTracker | None = None
-        """The replication loop's replica group view (its accounting and diverged ranks), once it runs."""
-        self.restoring: Callable[[str], dict[int, str]] = lambda job: {}
-        """Rank -> state of this node's restore staging of ``job`` (the daemon sets it)."""
-        self.over_quota: Callable[[str], tuple[StepOverQuota, ...]] = lambda job: ()
-        """The job's newest local steps refused for its quota (the replication loop's; the daemon sets it)."""
+        self.scanner, self.backup, self.replication = scanner, backup, replication
+        """``replication``: the loop's view (redundancy, replica groups, quota refusals), once it runs."""
+        self.restoring: Mapping[str, Mapping[int, RestoreState]] = restoring if restoring is not None else {}
+        """Job -> rank -> state of this node's restore staging (the stager's ``states``)."""
         self._cache: dict[str, tuple[float, dict[int, int]]] = {}
         self._listing: dict[str, asyncio.Task[dict[int, int]]] = {}
 
@@ -94,25 +91,21 @@ class LocalInventory:
         inv = self.scanner.inventory(job, gcs=tuple(bucket))
         # a step known only from the bucket still needs its world size, or nobody knows its ranks
         world_sizes = {**{s: ws for s, ws in bucket.items() if ws > 0}, **inv.world_sizes}
-        inv = dataclasses.replace(
-            inv,
-            world_sizes=world_sizes,
-            redundancy=self.redundancy(job),
-            restoring=self.restoring(job),
-            over_quota=self.over_quota(job),
-        )
-        if self.groups is not None:
+        restoring = {r: s.value for r, s in self.restoring.get(job, {}).items()}
+        inv = dataclasses.replace(inv, world_sizes=world_sizes, restoring=restoring)
+        replication = self.replication
+        if replication is not None:
             inv = dataclasses.replace(
                 inv,
-                diverged=self.groups.diverged(job),
-                step_bytes=step_bytes(self.groups.step_bytes(job), self.backup, job),
+                redundancy=replication.redundancy.get(job),
+                over_quota=replication.over_quota(job),
+                diverged=replication.groups.diverged(job),
+                step_bytes=step_bytes(replication.groups.step_bytes(job), self.backup, job),
             )
         return inv
 
     async def bucket_steps(self, job: str) -> dict[int, int]:
         """Step -> world size of every step complete in the bucket (cached a few seconds)."""
-        if self.backup is None:
-            return {}
         cached = self._cache.get(job)
         if cached and time.monotonic() - cached[0] < _GCS_CACHE_SECONDS:
             return cached[1]
@@ -126,7 +119,6 @@ class LocalInventory:
             return cached[1] if cached else {}
 
     async def _list(self, job: str) -> dict[int, int]:
-        assert self.backup is not None
         try:
             steps = await self.backup.complete_world_sizes(job)
         except Exception as exc:  # the bucket being unreachable makes its steps unknown, not fatal
@@ -149,7 +141,7 @@ class NodeControls:
     auth: Authorizer
     metrics: Metrics
     started_at: float
-    backup: BackupPort | None
+    backup: BackupPort
     assignments: AssignmentStore
     policies: PolicyStore
     scanner: InventoryScanner
@@ -157,6 +149,8 @@ class NodeControls:
     supervisor: WorkerSupervisor
     watcher: CommitWatcher
     replication: ReplicationManager
+    uploads: NewSteps
+    """The backup's subscription to the commit feed (a purged job's steps are new again)."""
     stager: Stager
     requests: FetchRequests | None = None
     orbax: OrbaxJobs | None = None
@@ -210,9 +204,6 @@ class NodeControls:
         return await self.orbax.put_session(session)
 
     async def backup_now(self, job: str) -> int | None:
-        if self.backup is None:
-            self.metrics.backups.labels("unconfigured").inc()
-            raise LookupError("GCS backup is not configured on this node (--gcs-bucket)")
         try:
             step = await self.backup.backup_now(job, holders=self._placements(job))
         except LookupError:
@@ -249,7 +240,7 @@ class NodeControls:
         if self.orbax is not None:
             await self.orbax.forget(job)
         async with self._fenced(job):
-            if bucket and self.backup is not None:  # first: the job's policy on disk names its bucket
+            if bucket:  # first: the job's policy on disk names its bucket
                 await self.backup.delete_backups(job)
                 log.info("job %s: purged its backups from the bucket", job)
             root = self.settings.root
@@ -258,6 +249,7 @@ class NodeControls:
                 await asyncio.to_thread(remove_job_tree, root, job)
                 log.info("job %s: purged from this node's ramdisk", job)
             self.replication.forget(job)
+            self.uploads.forget(job)
             self.assignments.forget(job)
             self.policies.forget(job)
             self.scanner.forget(job)
@@ -266,17 +258,14 @@ class NodeControls:
     @contextlib.asynccontextmanager
     async def _fenced(self, job: str) -> AsyncIterator[None]:
         """While the block deletes the job: no backup, upload, replica send or retirement of it starts on
-        this node, and those under way have finished (backups first: a replication task may be waiting
-        on one to tell it about a commit)."""
-        if self.backup is not None:
-            await self.backup.fence(job)
+        this node, and those under way have finished."""
+        await self.backup.fence(job)
         await self.replication.fence(job)
         try:
             yield
         finally:
             self.replication.unfence(job)
-            if self.backup is not None:
-                self.backup.unfence(job)
+            self.backup.unfence(job)
 
     async def status(self) -> NodeStatus:
         jobs = []
@@ -369,11 +358,11 @@ def remove_job_tree(root: Path, job: str) -> None:
     shutil.rmtree(state_dir(root, job), ignore_errors=True)
 
 
-def step_bytes(replicated: StepBytes | None, backup: BackupPort | None, job: str) -> StepBytes | None:
+def step_bytes(replicated: StepBytes | None, backup: BackupPort, job: str) -> StepBytes | None:
     """The newest step's bytes against no-dedup: written and replicated (the replication loop's) and,
     for the same step, uploaded (the backup service's); the uploads alone when they are of a step the
     loop no longer accounts for."""
-    status = backup.status(job) if backup is not None else None
+    status = backup.status(job)
     if status is None or status.last_uploaded is None:
         return replicated
     up = {"uploaded": status.uploaded_bytes, "uploaded_logical": status.uploaded_logical}
@@ -382,7 +371,7 @@ def step_bytes(replicated: StepBytes | None, backup: BackupPort | None, job: str
     return dataclasses.replace(replicated, **up)
 
 
-def _last_error(backup: BackupPort | None, job: str) -> str:
+def _last_error(backup: BackupPort, job: str) -> str:
     """The backup service's last error for ``job`` ('' when backups are off or the last one worked)."""
-    status = backup.status(job) if backup is not None else None
+    status = backup.status(job)
     return status.last_error if status is not None else ""

@@ -1,21 +1,23 @@
 """The composition root and lifecycle of the replicator daemon.
 
-``Daemon`` builds every part and wires them together (what the control API does is
-``tierckpt_replicator.controls.NodeControls``). ``serve(settings)``: obtain this node's certificate
-(``--auth tls``; see ``identity``), start the probe server (its own thread and loop,
-``tierckpt_replicator.probes``), build the parts, start the replication worker process, the commit
-watcher, the replication loop and the certificate renewal, stage restores for the jobs already known,
-then serve the control API (uvicorn's HTTP protocol behind ``api.guard``'s accept loop, admission and
-deadlines, over mutual TLS unless ``--auth token``, on the uvloop event loop the caller runs) until
-SIGTERM or SIGINT.
-Shutdown: back up each job's newest step (bounded by ``preemption_timeout``: a node being preempted
-leaves its newest step in the bucket), stop the API, stop the worker, cancel the loops.
+``Daemon`` builds every part, each from the parts built before it, and runs them in uvicorn's phases
+(``startup``, ``main_loop``, ``shutdown``); what the control API does is
+``tierckpt_replicator.controls.NodeControls``. ``serve(settings)``: start the probe server (its own
+thread and loop, ``tierckpt_replicator.probes``), obtain this node's certificate (``--auth tls``; see
+``identity``), build the daemon; startup: the replication worker process, the commit watcher, the
+replication loop (the ``commits.CommitFeed`` hands each pass's holdings to replication and backup),
+the backup poll and the certificate renewal, restores staged for the jobs already known; main loop:
+the control API (uvicorn's HTTP protocol behind ``api.guard``'s accept loop, admission and deadlines,
+over mutual TLS unless ``--auth token``, on the uvloop event loop the caller runs) until SIGTERM or
+SIGINT, then a backup of each job's newest step (bounded by ``preemption_timeout``: a node being
+preempted leaves its newest step in the bucket); shutdown: cancel the loops, stop the worker.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import signal
 import ssl
@@ -25,23 +27,22 @@ from typing import Any
 import httpx
 
 from tierckpt.protocol.client import ONE_ATTEMPT, ReplicatorClient
-from tierckpt.protocol.identity import TlsCredentials, TlsFiles
+from tierckpt.protocol.control import RestoreState
+from tierckpt.protocol.identity import TlsFiles
 from tierckpt.protocol.tokens import TokenFile
 from tierckpt_replicator.access import JobMembers
 from tierckpt_replicator.api.auth import Authorizer, PeerAuthorizer, TokenAuthorizer
 from tierckpt_replicator.api.guard import ApiLimits, GuardedServer
 from tierckpt_replicator.app import create_app, create_probe_app
-from tierckpt_replicator.assignments import AssignmentStore, load_static
-from tierckpt_replicator.backup.jobs import BackupPort, load_job_backups
+from tierckpt_replicator.backup.jobs import NO_BACKUP, BackupPort, load_job_backups
+from tierckpt_replicator.commits import CommitFeed, NewSteps, StepCommitted
 from tierckpt_replicator.controls import LocalInventory, NodeControls
 from tierckpt_replicator.identity import NodeIdentity
 from tierckpt_replicator.inventory import InventoryScanner, list_jobs
 from tierckpt_replicator.metrics import Metrics
 from tierckpt_replicator.orbax import OrbaxJobs
 from tierckpt_replicator.orbax_state import OrbaxStore
-from tierckpt_replicator.policies import PolicyStore
 from tierckpt_replicator.probes import ProbeServer
-from tierckpt_replicator.quota import JobQuotas
 from tierckpt_replicator.replication.fragments import FragmentScanner
 from tierckpt_replicator.replication.ipc import DataEvent, WorkerConfig
 from tierckpt_replicator.replication.manager import ReplicationManager
@@ -51,9 +52,10 @@ from tierckpt_replicator.replication.wire import Status
 from tierckpt_replicator.restore.requests import FetchRequests
 from tierckpt_replicator.restore.stage import Stager
 from tierckpt_replicator.settings import Settings
+from tierckpt_replicator.stores import NodeStores
 from tierckpt_replicator.watch import CommitWatcher
 
-__all__ = ["Daemon", "serve", "worker_config"]
+__all__ = ["Daemon", "DataEvents", "serve", "worker_config"]
 
 log = logging.getLogger(__name__)
 
@@ -94,8 +96,16 @@ def worker_config(settings: Settings, tls: TlsFiles | None = None) -> WorkerConf
 class Daemon:
     """Every part of one node's replicator, wired together, and their lifecycle.
 
+    The phases follow uvicorn's ``Server``: the constructor builds the parts, each from the ones built
+    before it (no part runs yet: the control API's app is ready for an in-process transport); then
+    ``startup`` (the worker process, the commit watcher, the loops, restores of known jobs),
+    ``main_loop`` (the control API until SIGTERM or SIGINT, then the preemption backup) and
+    ``shutdown``. ``serve(settings)`` runs them all.
+
     ``identity`` (``--auth tls``): this node's certificate, already obtained (``serve`` does that);
-    without it the daemon loads ``--tls-cert`` (local mode)."""
+    without it the daemon loads ``--tls-cert`` (local mode). ``stores``: the node's control state
+    (default: opened here). ``backup``: tier 3 (``serve`` passes the node's ``JobBackups``, over the
+    same ``stores``; none: ``NO_BACKUP``)."""
 
     def __init__(
         self,
@@ -103,30 +113,23 @@ class Daemon:
         *,
         identity: NodeIdentity | None = None,
         metrics: Metrics | None = None,
-        backup: BackupPort | None = None,
+        stores: NodeStores | None = None,
+        backup: BackupPort = NO_BACKUP,
         peer_transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         settings.check_credentials()
-        self.settings = settings
+        self.settings, self.backup = settings, backup
         self.metrics = metrics or Metrics()
         self.started_at = time.time()
-        self.backup = backup
-        static = load_static(settings.peers_file) if settings.peers_file else None
-        self.assignments = AssignmentStore(settings.root, static)
-        self.identity: NodeIdentity | None = None
-        self.tls: TlsCredentials | None = None
-        self.tokens: TokenFile | None = None
-        auth: Authorizer
-        if settings.auth == "tls":
-            self.identity = identity or NodeIdentity(settings).loaded()
-            self.tls = self.identity.credentials()
-            members = JobMembers(settings.root, self.assignments)
-            auth = PeerAuthorizer(members, settings.node_name, lambda: self._not_after())
-        else:
-            self.tokens = TokenFile(settings.token_file or "")
-            auth = TokenAuthorizer(self.tokens)
-        self.policies = PolicyStore(settings.root)
-        self.quotas = JobQuotas(settings.root, self.policies, settings.job_quota)
+        # the node's state on disk (the backup, if any, was built over the same stores)
+        stores = stores or NodeStores.open(settings)
+        self.assignments, self.policies, self.quotas = stores.assignments, stores.policies, stores.quotas
+        # who this node is, and who may call it
+        self.identity = (identity or NodeIdentity(settings).loaded()) if settings.auth == "tls" else None
+        self.tls = self.identity.credentials() if self.identity is not None else None
+        self.tokens = TokenFile(settings.token_file or "") if self.identity is None else None
+        self.auth = self._authorizer()
+        # what the ramdisk holds, and when it changes
         self.scanner = InventoryScanner(
             settings.root,
             node=settings.node_name,
@@ -135,11 +138,13 @@ class Daemon:
             max_manifest_bytes=settings.max_manifest_bytes,
             fragments=FragmentScanner(settings.max_manifest_bytes),
         )
-        self.local_inventory = LocalInventory(
-            self.scanner, backup, redundancy=lambda job: self.replication.redundancy.get(job)
-        )
+        self.watcher = CommitWatcher(settings.root, poll_interval=settings.poll_interval)
+        self.commits = CommitFeed(self.scanner)
+        # the data plane (the worker process) and the peers' control APIs
         files = self.identity.files if self.identity is not None else None
-        self.supervisor = WorkerSupervisor(worker_config(settings, files), on_event=self._on_data_event)
+        self.supervisor = WorkerSupervisor(
+            worker_config(settings, files), on_event=DataEvents(self.metrics, self.watcher)
+        )
         # one attempt per question: the callers ask again (restore planning) or next round (reconcile)
         self.peers = ReplicatorClient(
             token=self.tokens,
@@ -148,7 +153,7 @@ class Daemon:
             retry=ONE_ATTEMPT,
             transport=peer_transport,
         )
-        self.watcher = CommitWatcher(settings.root, poll_interval=settings.poll_interval)
+        # tier 2: replication; tier 3: every local commit goes to the backup too
         self.replication = ReplicationManager(
             node=settings.node_name,
             k=settings.replicas,
@@ -159,17 +164,28 @@ class Daemon:
             metrics=self.metrics,
             retry_max=settings.retry_max,
             reconcile_interval=settings.reconcile_interval,
-            on_committed=self._on_committed if backup is not None else None,
             kick=self.watcher.kick,
-            factor=lambda job: self.policies.replication_factor(job, settings.replicas),
+            factor=functools.partial(self.policies.replication_factor, default=settings.replicas),
             erasure=self.policies.erasure,
             quotas=self.quotas,
         )
-        self.local_inventory.groups = self.replication.groups
-        self.local_inventory.over_quota = self.replication.over_quota
-        self.local_inventory.restoring = lambda job: {
-            r: s.value for r, s in self.stager.states.get(job, {}).items()
-        }
+        self.uploads = NewSteps(self._upload)
+        self.commits.subscribe("replication", self.replication.on_holdings)
+        self.commits.subscribe("backup", self.uploads)
+        self._build_restores()
+        self.controls = self._controls()
+        self.app = create_app(self.controls)
+        self.probe_app = create_probe_app(self.controls)
+        self._loops: list[asyncio.Task[None]] = []
+
+    def _build_restores(self) -> None:
+        """This node's inventory (with the bucket's steps), restore staging, the training ranks' fetch
+        requests and Orbax mode: over the tiers built before."""
+        settings, backup = self.settings, self.backup
+        restoring: dict[str, dict[int, RestoreState]] = {}
+        self.local_inventory = LocalInventory(
+            self.scanner, backup, replication=self.replication, restoring=restoring
+        )
         self.stager = Stager(
             settings=settings,
             assignments=self.assignments,
@@ -178,6 +194,7 @@ class Daemon:
             metrics=self.metrics,
             own_inventory=self.local_inventory,
             backup=backup,
+            states=restoring,
         )
         self.requests = FetchRequests(
             root=settings.root,
@@ -196,12 +213,14 @@ class Daemon:
             metrics=self.metrics,
             kick=self.watcher.kick,
         )
-        self.controls = NodeControls(
-            settings=settings,
-            auth=auth,
+
+    def _controls(self) -> NodeControls:
+        return NodeControls(
+            settings=self.settings,
+            auth=self.auth,
             metrics=self.metrics,
             started_at=self.started_at,
-            backup=backup,
+            backup=self.backup,
             assignments=self.assignments,
             policies=self.policies,
             scanner=self.scanner,
@@ -209,25 +228,32 @@ class Daemon:
             supervisor=self.supervisor,
             watcher=self.watcher,
             replication=self.replication,
+            uploads=self.uploads,
             stager=self.stager,
             requests=self.requests,
             orbax=self.orbax,
         )
-        self._loops: list[asyncio.Task[None]] = []
-        self.app = create_app(self.controls)
-        self.probe_app = create_probe_app(self.controls)
+
+    def _authorizer(self) -> Authorizer:
+        """Mutual TLS: peers of the node's jobs by their certificates; else the bearer token."""
+        identity = self.identity
+        if identity is None:
+            assert self.tokens is not None
+            return TokenAuthorizer(self.tokens)
+        members = JobMembers(self.settings.root, self.assignments)
+        return PeerAuthorizer(members, self.settings.node_name, lambda: identity.not_after)
 
     # ------------------------------------------------------------------ lifecycle
 
-    async def start(self) -> None:
+    async def startup(self) -> None:
+        """Start the worker process, the commit watcher and the loops; stage restores of known jobs."""
         self.settings.root.mkdir(parents=True, exist_ok=True)
         await self.supervisor.start()
         self.watcher.start()
         self._loops.append(asyncio.create_task(self._replication_loop(), name="replication"))
+        self._loops.append(asyncio.create_task(self._backup_loop(), name="backup-poll"))
         if self.identity is not None:
             self._loops.append(asyncio.create_task(self.identity.run(self._reload_tls), name="renewal"))
-        if self.backup is not None:
-            self._loops.append(asyncio.create_task(self._backup_loop(), name="backup-poll"))
         if self.settings.restore_on_start:
             jobs = set(list_jobs(self.settings.root))
             if self.assignments.static is not None:
@@ -236,12 +262,40 @@ class Daemon:
                 if self.assignments.get(job) is not None:
                     self.stager.start(job)
 
-    async def close(self) -> None:
+    async def main_loop(self) -> None:
+        """Serve the control API until SIGTERM or SIGINT (or the server stops by itself); on a signal,
+        back up first (``preemption_backup``)."""
+        settings = self.settings
+        server = api_server(self)
+        mode = "mutual TLS, client certificates of the tierckpt CA" if self.tls else "legacy bearer token"
+        log.info("control API on %s:%d (%s)", settings.listen_host, settings.api_port, mode)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        serving = asyncio.create_task(server.serve(), name="control-api")
+        stopped = asyncio.create_task(stop.wait())
+        try:
+            await asyncio.wait({serving, stopped}, return_when=asyncio.FIRST_COMPLETED)
+            if stop.is_set():
+                log.info("signal received: backing up, then shutting down")
+                await self.preemption_backup()
+            server.should_exit = True
+            with contextlib.suppress(asyncio.CancelledError):
+                await serving
+        finally:
+            stopped.cancel()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)
+
+    async def shutdown(self) -> None:
+        """Stop the loops, the staging and sends under way, the watcher and the worker, in that order."""
         for task in self._loops:
             task.cancel()
         for task in self._loops:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        await self.uploads.close()
         await self.stager.close()
         await self.requests.close()
         await self.orbax.close()
@@ -249,19 +303,15 @@ class Daemon:
         self.watcher.close()
         await self.supervisor.stop()
         await self.peers.aclose()
-        if self.backup is not None:
-            await self.backup.close()
+        await self.backup.close()
 
     async def preemption_backup(self) -> None:
         """Back up every job's newest step, all within ``preemption_timeout`` seconds."""
-        backup = self.backup
-        if backup is None:
-            return
         jobs = list_jobs(self.settings.root)
 
         async def one(job: str) -> None:
             try:
-                step = await backup.backup_now(job, all_local=True)
+                step = await self.backup.backup_now(job, all_local=True)
                 log.info("preemption: job %s backed up at step %s", job, step)
             except LookupError as exc:  # neither the node nor the job's policy names a bucket
                 log.info("preemption: job %s not backed up: %s", job, exc)
@@ -273,15 +323,12 @@ class Daemon:
         except asyncio.TimeoutError:
             log.error("preemption: backups did not finish within %.0fs", self.settings.preemption_timeout)
 
-    def _not_after(self) -> float:
-        return self.identity.not_after if self.identity is not None else float("inf")
-
     def _reload_tls(self) -> bool:
         """New certificate files: every context of this process (the API server's, the peers client's)
         loads them, here on the event loop that runs their handshakes; True if it did. Files that do not
         hold this node's identity are refused (logged once per change): the identity in use stays. The
         worker notices by itself, with the same check."""
-        if self.tls is None:
+        if self.tls is None or self.identity is None:
             return False
         try:
             reloaded = self.tls.refresh()
@@ -289,12 +336,12 @@ class Daemon:
             log.error(
                 "refusing the replaced certificate files, keeping this node's current identity (valid "
                 "until %s): %s",
-                time.ctime(self._not_after()),
+                time.ctime(self.identity.not_after),
                 exc,
             )
             return False
         if reloaded:
-            log.info("reloaded this node's certificate (valid until %s)", time.ctime(self._not_after()))
+            log.info("reloaded this node's certificate (valid until %s)", time.ctime(self.identity.not_after))
         return reloaded
 
     async def _replication_loop(self) -> None:
@@ -303,7 +350,8 @@ class Daemon:
                 self.watcher.refresh()
                 await self.requests.scan()
                 await self.orbax.scan()  # Orbax's new steps become primaries before the pass sees them
-                await self.replication.run_pass()
+                await self.commits.run_pass()
+                self.replication.reconcile_if_due()
                 self._update_gauges()
             except Exception:
                 log.exception("replication pass failed; retrying at the next wake-up")
@@ -311,7 +359,6 @@ class Daemon:
 
     async def _backup_loop(self) -> None:
         """Join backups other nodes started, take over ranks of dead nodes, apply bucket retention."""
-        assert self.backup is not None
         while True:
             await asyncio.sleep(self.settings.backup_poll_interval)
             for job in list_jobs(self.settings.root):
@@ -332,7 +379,23 @@ class Daemon:
             self.metrics.held_bytes.labels(job, "local").set(h.local_bytes)
             self.metrics.held_bytes.labels(job, "replica").set(h.replica_bytes)
 
-    def _on_data_event(self, event: DataEvent) -> None:
+    async def _upload(self, committed: StepCommitted) -> None:
+        # Every node uploads its own primaries: uploads spread over the job's nodes with no hand-off
+        # delay; a dead node's ranks are taken over from their replicas by the others' poll().
+        here = (self.settings.node_name,)
+        await self.backup.on_step_committed(
+            committed.job, committed.step, committed.ranks, {r: here for r in committed.ranks}
+        )
+
+
+class DataEvents:
+    """The worker's data events (``DataEvent``: a transfer in, out or reported) counted in ``metrics``;
+    a replica that came in wakes the watcher (the next pass sees it)."""
+
+    def __init__(self, metrics: Metrics, watcher: CommitWatcher) -> None:
+        self.metrics, self.watcher = metrics, watcher
+
+    def __call__(self, event: DataEvent) -> None:
         incoming, served = event.op in ("put", "fragment"), event.op in ("get", "getfrag")
         direction = "in" if incoming else "served" if served else "report"
         self.metrics.transfers.labels(direction, outcome_status(event.status)).inc()
@@ -342,12 +405,6 @@ class Daemon:
             self.metrics.transfer_bytes.labels(direction).inc(event.bytes)
         if incoming:
             self.watcher.kick()
-
-    async def _on_committed(self, job: str, step: int, ranks: tuple[int, ...]) -> None:
-        assert self.backup is not None
-        # Every node uploads its own primaries: uploads spread over the job's nodes with no hand-off
-        # delay; a dead node's ranks are taken over from their replicas by the others' poll().
-        await self.backup.on_step_committed(job, step, ranks, {r: (self.settings.node_name,) for r in ranks})
 
 
 # ------------------------------------------------------------------------------------ serving
@@ -414,36 +471,17 @@ async def serve(settings: Settings) -> None:
         if settings.auth == "tls":
             identity = NodeIdentity(settings)
             await identity.obtain()
-        metrics = Metrics()
-        daemon = Daemon(
-            settings, identity=identity, metrics=metrics, backup=load_job_backups(settings, metrics.registry)
-        )
+        metrics, stores = Metrics(), NodeStores.open(settings)
+        backup = load_job_backups(settings, metrics.registry, stores)
+        daemon = Daemon(settings, identity=identity, metrics=metrics, stores=stores, backup=backup)
         probe_app.app = daemon.probe_app  # /readyz says when the daemon is ready
-        await daemon.start()
+        await daemon.startup()
     except BaseException:
         probes.stop()
         raise
-    server = api_server(daemon)
-    mode = "mutual TLS, client certificates of the tierckpt CA" if daemon.tls else "legacy bearer token"
-    log.info("control API on %s:%d (%s)", settings.listen_host, settings.api_port, mode)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    serving = asyncio.create_task(server.serve(), name="control-api")
-    stopped = asyncio.create_task(stop.wait())
     try:
-        await asyncio.wait({serving, stopped}, return_when=asyncio.FIRST_COMPLETED)
-        if stop.is_set():
-            log.info("signal received: backing up, then shutting down")
-            await daemon.preemption_backup()
-        server.should_exit = True
-        with contextlib.suppress(asyncio.CancelledError):
-            await serving
+        await daemon.main_loop()
     finally:
-        stopped.cancel()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(sig)
-        await daemon.close()
+        await daemon.shutdown()
         probes.stop()
         log.info("replicator stopped")

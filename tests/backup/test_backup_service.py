@@ -557,13 +557,15 @@ async def test_built_from_its_settings_on_their_bucket(
 ) -> None:
     settings = BackupSettings(bucket=bucket, prefix="t", endpoint=gcs_server.url, interval_seconds=0.0)
     write_step(tmp_path / "n", JOB, 0, 2, sizes=(KiB,))
-    svc = settings.build(node="n", root=tmp_path / "n", metrics=BackupMetrics(CollectorRegistry()))
+    svc = BackupService.for_bucket(
+        settings, node="n", root=tmp_path / "n", metrics=BackupMetrics(CollectorRegistry())
+    )
     assert await svc.backup_now(JOB) == 2
     assert await svc.complete_steps(JOB) == (2,)
     assert await svc.complete_world_sizes(JOB) == {2: 1}
     assert make_store(gcs_server.url, bucket).stat(LAYOUT.complete_key(JOB, 2)) is not None  # prefix "t"
     with pytest.raises(ValueError):
-        BackupSettings().build(node="n", root=tmp_path)  # no bucket
+        BackupService.for_bucket(BackupSettings(), node="n", root=tmp_path)  # no bucket
     with pytest.raises(ValueError):
         BackupSettings(bucket=bucket, parallelism=0)
     await svc.close()
@@ -587,7 +589,9 @@ async def test_built_by_the_replicator_daemon_from_its_own_settings(
     cfg = node_backup_settings(settings)
     assert (cfg.bucket, cfg.prefix, cfg.endpoint) == (bucket, "t", gcs_server.url)
     assert (cfg.interval_steps, cfg.keep_last, cfg.project) == (5, 1, None)
-    svc = cfg.build(node="n", root=settings.root, metrics=BackupMetrics(CollectorRegistry()))
+    svc = BackupService.for_bucket(
+        cfg, node="n", root=settings.root, metrics=BackupMetrics(CollectorRegistry())
+    )
     for step in (5, 10):
         write_step(settings.root, JOB, 0, step, sizes=(KiB,))
         await svc.on_step_committed(JOB, step, [0], {0: ("n",)})

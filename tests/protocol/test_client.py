@@ -60,7 +60,7 @@ async def served(tmp_path: Path, token: TokenFile) -> AsyncIterator[tuple[Replic
     client = ReplicatorClient(token=token, retry=FAST, transport=httpx.ASGITransport(app=daemon.app))
     yield client, daemon
     await client.aclose()
-    await daemon.close()
+    await daemon.shutdown()
 
 
 async def test_every_call_against_the_real_app(served):

@@ -54,7 +54,7 @@ async def api(tmp_path: Path) -> AsyncIterator[tuple[httpx.AsyncClient, Daemon]]
     transport = httpx.ASGITransport(app=daemon.app)
     async with httpx.AsyncClient(transport=transport, base_url="http://replicator") as client:
         yield client, daemon
-    await daemon.close()
+    await daemon.shutdown()
 
 
 def assignment(generation: int = 1, job: str = JOB) -> PeerAssignment:

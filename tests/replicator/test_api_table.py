@@ -45,7 +45,7 @@ async def daemon(tmp_path: Path) -> AsyncIterator[Daemon]:
     root.mkdir()
     d = Daemon(Settings(node_name="n", root=root, auth="token", token_file=token, advertise_host="127.0.0.1"))
     yield d
-    await d.close()
+    await d.shutdown()
 
 
 @pytest.fixture

@@ -20,9 +20,11 @@ from tierckpt.protocol.format import state_dir
 from tierckpt.protocol.tokens import TokenFile
 from tierckpt_demo.step_writer import write_step
 from tierckpt_replicator.assignments import AssignmentStore, data_endpoint
+from tierckpt_replicator.backup.jobs import NO_BACKUP
+from tierckpt_replicator.commits import CommitFeed, NewSteps, StepCommitted
 from tierckpt_replicator.controls import LocalInventory
 from tierckpt_replicator.daemon import worker_config
-from tierckpt_replicator.inventory import InventoryScanner
+from tierckpt_replicator.inventory import Holdings, InventoryScanner
 from tierckpt_replicator.replication.ipc import FetchSource, FetchTask, SendTask
 from tierckpt_replicator.replication.supervisor import WorkerSupervisor
 from tierckpt_replicator.settings import ENV_PREFIX, Settings, build_parser, parse_settings
@@ -423,3 +425,66 @@ async def test_an_unreachable_bucket_does_not_hold_up_the_inventory(tmp_path: Pa
     await asyncio.sleep(3.5)  # the listing answered meanwhile
     assert (await inventory(job)).gcs == (5,)
     assert bucket.listings == 1
+
+
+async def test_the_commit_feed_tells_the_backup_once_per_step_every_local_rank_committed(tmp_path: Path):
+    """One scan per pass for every subscriber (replication and backup): the backup hears of a step once,
+    when every local rank has committed it, and again after a purge (``forget``)."""
+    job = "feed"
+    scanner = InventoryScanner(tmp_path, node="n0", endpoint="https://n0:8470")
+    feed = CommitFeed(scanner)
+    told: list[StepCommitted] = []
+    scans: list[tuple[str, tuple[int, ...]]] = []
+
+    async def on_step(committed: StepCommitted) -> None:
+        told.append(committed)
+
+    async def replication(job: str, holdings: Holdings) -> None:
+        scans.append((job, tuple(sorted(holdings.ranks))))
+
+    uploads = NewSteps(on_step)
+    feed.subscribe("replication", replication)
+    feed.subscribe("backup", uploads)
+    write_step(tmp_path, job, 0, 3, world_size=2, sizes=(100,))
+    write_step(tmp_path, job, 1, 3, world_size=2, sizes=(100,))
+    write_step(tmp_path, job, 0, 4, world_size=2, sizes=(100,))  # rank 1 has not committed 4 yet
+    for _ in range(2):
+        await feed.run_pass()
+        await asyncio.sleep(0)
+    assert told == [StepCommitted(job, 3, (0, 1))]
+    assert scans == [(job, (0, 1))] * 2, "every pass hands replication the job's holdings"
+    write_step(tmp_path, job, 1, 4, world_size=2, sizes=(100,))
+    await feed.run_pass()
+    await asyncio.sleep(0)
+    assert told[1:] == [StepCommitted(job, 4, (0, 1))]
+    uploads.forget(job)  # purged, and saved again from the start
+    await feed.run_pass()
+    await asyncio.sleep(0)
+    assert told[2:] == [StepCommitted(job, 4, (0, 1))]
+    await uploads.close()
+
+
+def test_backups_spread_uploads_by_the_daemons_assignment_store(tmp_path: Path):
+    """The backup service reads the peer plan from the store it is given (the daemon's, the one reader
+    of peers.json), not from the file: a plan only the store holds (a static peers file's, not yet
+    written to disk) decides who holds which rank."""
+    from tierckpt_replicator.backup.service import BackupService
+    from tierckpt_replicator.backup.settings import BackupSettings
+
+    nodes = {n: PeerNode(n, f"http://{n}:1") for n in ("a", "b")}
+    plan = PeerAssignment("spread", 1, nodes, {"a": ("b",), "b": ("a",)}, {"a": 0, "b": 1}, procs_per_node=1)
+    store = AssignmentStore(tmp_path, plan)
+    svc = BackupService(BackupSettings(), node="a", root=tmp_path, store=None, assignments=store)  # type: ignore[arg-type]
+    assert svc._holders_of("spread", 2) == {0: ("a", "b"), 1: ("b", "a")}
+
+
+async def test_a_node_without_backups_has_the_null_backup(tmp_path: Path):
+    """No tier 3: the parts see a backup that holds nothing and refuses an on-demand backup as
+    unconfigured; nothing checks for its absence."""
+    assert await NO_BACKUP.complete_world_sizes("j") == {} and await NO_BACKUP.data_source("j", 1, 0) is None
+    with pytest.raises(LookupError, match="not configured"):
+        await NO_BACKUP.backup_now("j")
+    scanner = InventoryScanner(tmp_path, node="n0", endpoint="https://n0:8470")
+    write_step(tmp_path, "j", 0, 7, sizes=(100,))
+    inventory = await LocalInventory(scanner)("j")
+    assert inventory.ranks[0].local == (7,) and inventory.gcs == ()

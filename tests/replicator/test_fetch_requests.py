@@ -232,7 +232,7 @@ def test_ranks_that_did_not_exist_at_the_plans_step_learn_it_at_once(tmp_path: P
     nodes = {n: PeerNode(n, f"http://10.0.0.{i}:8470") for i, n in enumerate(("a", "b", "c"))}
     assignment = PeerAssignment(JOB, 3, nodes, {}, {"a": 0, "b": 1, "c": 2}, procs_per_node=2)
     stager = Stager(
-        settings=SimpleNamespace(root=tmp_path, node_name="c"),  # type: ignore[arg-type]
+        settings=SimpleNamespace(root=tmp_path, node_name="c", restore_fanout_wait=0.0),  # type: ignore[arg-type]
         assignments=None,  # type: ignore[arg-type]
         supervisor=None,  # type: ignore[arg-type]
         peers=None,  # type: ignore[arg-type]

@@ -45,7 +45,7 @@ async def api(tmp_path: Path) -> AsyncIterator[tuple[httpx.AsyncClient, Daemon]]
     transport = httpx.ASGITransport(app=daemon.app)
     async with httpx.AsyncClient(transport=transport, base_url="http://replicator") as client:
         yield client, daemon
-    await daemon.close()
+    await daemon.shutdown()
 
 
 @pytest.mark.parametrize("job", ["job%0A", "%2Etierckpt", ".tierckpt", "j%D9%A1b", "a%2Fb", "job%00"])

@@ -4,7 +4,8 @@
   routes each job to the ``BackupService`` of its effective settings (node flags + the job's policy).
 * ``service.BackupService``: one bucket's backups on this node (on_step_committed, backup_now, poll,
   complete_steps, fetch_rank, fence, unfence, delete_backups).
-* ``settings.BackupSettings``: every knob; ``BackupSettings.build(node=, root=)`` makes the service.
+* ``settings.BackupSettings``: every knob; ``BackupService.for_bucket(settings, node=, root=)`` makes
+  the service on its bucket.
 * ``policy``: when a backup is due, which steps retention keeps (pure).
 * ``spread``: which holder uploads which rank (pure).
 * ``store``: the ``ObjectStore`` boundary; ``gcs``: its google-cloud-storage implementation (the only

@@ -25,16 +25,23 @@ from tierckpt.protocol.errors import MissingCheckpointError
 from tierckpt.protocol.format import Dir
 from tierckpt.protocol.safefs import Beneath
 from tierckpt_replicator.orbax_state import OrbaxStore
-from tierckpt_replicator.policies import PolicyStore
-from tierckpt_replicator.quota import JobQuotas
 from tierckpt_replicator.settings import Settings
+from tierckpt_replicator.stores import NodeStores
 
 if TYPE_CHECKING:
     from tierckpt_replicator.backup.metrics import BackupMetrics
     from tierckpt_replicator.backup.service import BackupService, BackupStatus
     from tierckpt_replicator.backup.settings import BackupSettings
 
-__all__ = ["BackupPort", "JobBackups", "effective_settings", "load_job_backups", "node_backup_settings"]
+__all__ = [
+    "NO_BACKUP",
+    "BackupPort",
+    "JobBackups",
+    "NoBackup",
+    "effective_settings",
+    "load_job_backups",
+    "node_backup_settings",
+]
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +99,62 @@ class BackupPort(Protocol):
         ...
 
     async def close(self) -> None: ...
+
+
+class NoBackup:
+    """The ``BackupPort`` of a node without tier 3 (tests and tools that build a daemon without one):
+    nothing is uploaded, the bucket holds nothing, an on-demand backup is refused as unconfigured."""
+
+    async def on_step_committed(
+        self, job: str, step: int, ranks_here: Sequence[int], holders: Mapping[int, Sequence[str]]
+    ) -> None:
+        return None
+
+    async def backup_now(
+        self, job: str, *, holders: Mapping[int, Sequence[str]] | None = None, all_local: bool = False
+    ) -> int | None:
+        raise LookupError("GCS backup is not configured on this node (--gcs-bucket)")
+
+    async def poll(self, job: str) -> None:
+        return None
+
+    async def complete_steps(self, job: str) -> tuple[int, ...]:
+        return ()
+
+    async def complete_world_sizes(self, job: str) -> dict[int, int]:
+        return {}
+
+    async def fetch_rank(
+        self,
+        job: str,
+        step: int,
+        rank: int,
+        dest_rank_dir: Dir,
+        progress: Callable[[int], None] | None = None,
+        seed: Beneath | None = None,
+    ) -> None:
+        raise MissingCheckpointError(f"job {job} has no bucket to restore step {step} from")
+
+    async def data_source(self, job: str, step: int, rank: int) -> int | None:
+        return None
+
+    async def fence(self, job: str) -> None:
+        return None
+
+    def unfence(self, job: str) -> None:
+        return None
+
+    async def delete_backups(self, job: str) -> None:
+        return None
+
+    def status(self, job: str) -> BackupStatus | None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+
+NO_BACKUP: BackupPort = NoBackup()
 
 
 def effective_settings(
@@ -152,14 +215,16 @@ class JobBackups:
         self,
         settings: Settings,
         *,
-        policies: PolicyStore,
+        stores: NodeStores,
         registry: CollectorRegistry | None = None,
         orbax: OrbaxStore | None = None,
     ) -> None:
-        self.settings, self.policies, self.registry = settings, policies, registry
+        self.settings, self.registry = settings, registry
+        self.policies, self.quotas, self.assignments = stores.policies, stores.quotas, stores.assignments
+        """The node's stores (the daemon's): the policies route each job, the assignments spread its
+        uploads."""
         self.orbax = orbax or OrbaxStore(settings.root)
         """Orbax-mode jobs' state: the backup interval each asked for replaces its policy's schedule."""
-        self.quotas = JobQuotas(settings.root, policies, settings.job_quota)
         self._node: BackupSettings | None = None
         self._metrics: BackupMetrics | None = None
         self._services: dict[BackupSettings, BackupService] = {}
@@ -209,11 +274,15 @@ class JobBackups:
                 self._retire(before)
         svc = self._services.get(settings)
         if svc is None:
-            svc = settings.build(
+            from tierckpt_replicator.backup.service import BackupService
+
+            svc = BackupService.for_bucket(
+                settings,
                 node=self.settings.node_name,
                 root=self.settings.root,
                 metrics=self.metrics,
                 quotas=self.quotas,
+                assignments=self.assignments,
             )
             self._services[settings] = svc
         return svc
@@ -320,12 +389,12 @@ class JobBackups:
 
 
 def load_job_backups(
-    settings: Settings, registry: CollectorRegistry, policies: PolicyStore | None = None
+    settings: Settings, registry: CollectorRegistry, stores: NodeStores | None = None
 ) -> JobBackups:
     """Backups of this node's jobs (metrics on ``registry``): to ``--gcs-bucket`` and to the buckets
     the jobs' policies name. Without ``--gcs-bucket`` the rest of the backup package (and
     google-cloud-storage) is imported only once a job's policy names a bucket."""
-    backups = JobBackups(settings, policies=policies or PolicyStore(settings.root), registry=registry)
+    backups = JobBackups(settings, stores=stores or NodeStores.open(settings), registry=registry)
     if settings.gcs_bucket:
         _ = backups.node_settings, backups.metrics  # fail fast on bad flags; metrics exported from the start
         log.info(

@@ -47,10 +47,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from tierckpt.planning.common_step import newest_common_step
 from tierckpt.protocol import leases
 from tierckpt.protocol.bucket_layout import BucketLayout
-from tierckpt.protocol.control import PeerAssignment, read_control
 from tierckpt.protocol.errors import FormatError, TierckptError
 from tierckpt.protocol.format import Dir, committed_steps, read_manifest
 from tierckpt.protocol.safefs import Beneath
+from tierckpt_replicator.assignments import AssignmentStore
 from tierckpt_replicator.backup.catalog import BucketView, Catalog
 from tierckpt_replicator.backup.fence import Fences, JobFenced
 from tierckpt_replicator.backup.metrics import BackupMetrics
@@ -127,7 +127,9 @@ class BackupService:
     (default: the process-wide ``BackupMetrics``). ``clock``: the wall clock (schedules, takeover).
     ``quotas``: each job's quota, which no rank's upload may exceed (default: the jobs' policies and
     this node's ramdisk size). ``pools``: the thread pools to run in (default: its own; the scale rig
-    runs many services, one per simulated node, on one shared pair).
+    runs many services, one per simulated node, on one shared pair). ``assignments``: the jobs' peer
+    assignments (the daemon's store: the one reader of ``peers.json``; default: a store of its own
+    over ``root``), which spread the uploads over each rank's holders.
     """
 
     def __init__(
@@ -141,8 +143,10 @@ class BackupService:
         clock: Callable[[], float] = time.time,
         quotas: JobQuotas | None = None,
         pools: BackupPools | None = None,
+        assignments: AssignmentStore | None = None,
     ) -> None:
         self.settings, self.store, self.node, self.root = settings, store, node, Path(root)
+        self.assignments = assignments or AssignmentStore(self.root)
         self.quotas = quotas or JobQuotas(self.root, PolicyStore(self.root))
         self.policy = settings.policy()
         self.layout = BucketLayout(settings.prefix)
@@ -202,6 +206,30 @@ class BackupService:
         (monotonic; the node that completed the newest step deletes what is left of it ``incomplete_grace``
         later)."""
         self._holder = "backup." + re.sub(r"[^A-Za-z0-9_.-]", "-", node)[:100]
+
+    @classmethod
+    def for_bucket(
+        cls,
+        settings: BackupSettings,
+        *,
+        node: str,
+        root: Path,
+        metrics: BackupMetrics | None = None,
+        quotas: JobQuotas | None = None,
+        assignments: AssignmentStore | None = None,
+    ) -> BackupService:
+        """The production path: the service on ``settings.bucket`` through a ``GcsStore`` (raises
+        ``ValueError`` if no bucket is configured)."""
+        store = settings.store()
+        return cls(
+            settings,
+            node=node,
+            root=root,
+            store=store,
+            metrics=metrics,
+            quotas=quotas,
+            assignments=assignments,
+        )
 
     # ------------------------------------------------------------------------------------ API
 
@@ -770,18 +798,12 @@ class BackupService:
         self._holders.setdefault(job, {}).update({int(r): tuple(h) for r, h in holders.items()})
 
     def _holders_of(self, job: str, world_size: int) -> dict[int, tuple[str, ...]]:
-        """Rank -> nodes holding it. From ``control/peers.json`` when present (every node reads the same
-        file, so every node computes the same upload split): a node's process ranks are held by it and
+        """Rank -> nodes holding it. From the job's peer assignment when there is one (every node has the
+        same, so every node computes the same upload split): a node's process ranks are held by it and
         by its replication peers. Otherwise what the daemon told us in ``on_step_committed`` calls."""
-        try:
-            peers = read_control(self.root, job, PeerAssignment.FILE, PeerAssignment)
-        except FormatError as exc:
-            log.warning(
-                "job %s: unreadable peers.json (%s); spreading uploads by what the daemon reported", job, exc
-            )
-            peers = None
+        peers = self.assignments.get(job)
         holders = dict(self._holders.get(job, {}))
-        if isinstance(peers, PeerAssignment):
+        if peers is not None:
             holders.update(holders_of(peers, world_size, copies=self.settings.peers_hold_copies))
         return holders
 

@@ -1,12 +1,13 @@
-"""``BackupSettings``: every knob of tier 3 in one frozen dataclass, and the one way to build the service.
+"""``BackupSettings``: every knob of tier 3 in one frozen dataclass.
 
     settings = BackupSettings(bucket="my-ckpts", interval_steps=500, keep_last=3, keep_every=10_000)
-    service = settings.build(node="node-a", root=Path("/run/tierckpt"))   # GcsStore on the bucket
+    service = BackupService.for_bucket(settings, node="node-a", root=Path("/run/tierckpt"))
 
-``build`` is the production path: it makes the ``GcsStore`` from the bucket fields. Tests (and anything
-with another store) call ``BackupService(settings, node=..., root=..., store=...)`` directly, with a
-store against fake-gcs-server or a fake at the ``ObjectStore`` boundary. The daemon derives its
-settings from its flags and each job's policy (``backup.jobs``).
+``BackupService.for_bucket`` is the production path: a ``GcsStore`` (``store()``) from the bucket
+fields. Tests (and anything with another store) call
+``BackupService(settings, node=..., root=..., store=...)`` directly, with a store against
+fake-gcs-server or a fake at the ``ObjectStore`` boundary. The daemon derives its settings from its
+flags and each job's policy (``backup.jobs``).
 
 Each field says its unit, default and why; ``docs/bucket-layout.md`` has the same table.
 """
@@ -14,18 +15,11 @@ Each field says its unit, default and why; ``docs/bucket-layout.md`` has the sam
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
-from typing import TYPE_CHECKING
 
 from tierckpt_replicator.backup.gcs import GcsSettings, GcsStore, RetryPolicy
-from tierckpt_replicator.backup.metrics import BackupMetrics
 from tierckpt_replicator.backup.policy import BackupPolicy
 
 __all__ = ["BackupSettings"]
-
-if TYPE_CHECKING:
-    from tierckpt_replicator.backup.service import BackupService
-    from tierckpt_replicator.quota import JobQuotas
 
 MiB = 1 << 20
 
@@ -35,7 +29,7 @@ class BackupSettings:
     """Where backups go, when, what is kept, and how transfers run. Frozen and hashable: the daemon keeps
     one service per distinct settings."""
 
-    # --- the bucket (used by ``store()``/``build()``; a service handed a store ignores them)
+    # --- the bucket (used by ``store()``; a service handed a store ignores them)
     bucket: str = ""
     """GCS bucket name; empty disables backups."""
     prefix: str = "tierckpt"
@@ -167,12 +161,3 @@ class BackupSettings:
         if not self.enabled:
             raise ValueError("backups are disabled: no bucket configured")
         return GcsStore(self.gcs())
-
-    def build(
-        self, *, node: str, root: Path, metrics: BackupMetrics | None = None, quotas: JobQuotas | None = None
-    ) -> BackupService:
-        """The service for this node on ``bucket`` (raises ``ValueError`` if no bucket is configured);
-        ``quotas``: the jobs' quotas (default: their policies' and this node's ramdisk size)."""
-        from tierckpt_replicator.backup.service import BackupService
-
-        return BackupService(self, node=node, root=root, store=self.store(), metrics=metrics, quotas=quotas)

@@ -1,6 +1,7 @@
 """The daemon's replication loop: notice commits, plan sends, hand them to the worker, keep count.
 
-Each pass (woken by inotify, or every ``poll_interval``): for every job with a peer assignment, take
+Each pass (woken by inotify, or every ``poll_interval``; the daemon's ``commits.CommitFeed`` hands
+this manager each job's holdings, ``on_holdings``): for every job with a peer assignment, take
 the newest committed step of each local rank and, if fewer than K peers are known to hold it, send it
 (``plan.plan_sends``; the worker tries candidates in order until K succeed). Failures back off
 exponentially per step (and a failing peer moves to the end of the candidate list for a while).
@@ -26,7 +27,7 @@ once and reported (``over_quota(job)``: the inventory's ``over_quota``, which th
 Event). The rank's older steps keep their copies on the peers; its next step within the quota goes out
 as usual.
 
-A purge fences the job first (``fence``): no send, fragment, retirement, healing or backup notification
+A purge fences the job first (``fence``): no send, fragment, retirement or healing
 of it starts any more, and those in flight are waited for; ``unfence`` once its steps are gone.
 
 Only the newest step of a rank is ever sent: an older one that is still in flight when a newer one
@@ -41,10 +42,9 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Coroutine, Sequence
 from typing import Any
 
-from tierckpt.planning.common_step import newest_common_step
 from tierckpt.protocol.client import ReplicatorClient
 from tierckpt.protocol.control import PeerAssignment, Redundancy, StepOverQuota
 from tierckpt.protocol.errors import ContractError, RetryableError
@@ -77,7 +77,6 @@ The others are about one job or step: ``unauthorized`` (the peer does not know t
 more: its plan is behind), ``corrupt``, ``missing``; the step's own backoff retries those, so one job's
 stale plan on a node does not move every other job's replicas off it."""
 
-OnCommitted = Callable[[str, int, tuple[int, ...]], Awaitable[None]]
 Key = tuple[str, int, int]
 
 _RECONCILE_PARALLEL = 16
@@ -124,7 +123,6 @@ class ReplicationManager:
         metrics: Metrics,
         retry_max: float = 60.0,
         reconcile_interval: float = 30.0,
-        on_committed: OnCommitted | None = None,
         kick: Callable[[], None] = lambda: None,
         factor: Callable[[str], int] | None = None,
         erasure: Callable[[str], tuple[int, int] | None] = lambda job: None,
@@ -143,7 +141,6 @@ class ReplicationManager:
         self.scanner, self.assignments, self.supervisor = scanner, assignments, supervisor
         self.peers, self.metrics = peers, metrics
         self.reconcile_interval = reconcile_interval
-        self.on_committed = on_committed
         self.kick = kick
         self.confirmed: dict[Key, set[str]] = {}
         self.linked: dict[Key, set[str]] = {}
@@ -153,7 +150,6 @@ class ReplicationManager:
         self._in_flight: set[Key] = set()
         self._step_backoff = _Backoff(1.0, retry_max)
         self._node_backoff = _Backoff(2.0, retry_max)
-        self._notified: dict[str, int] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._job_tasks: dict[str, set[asyncio.Task[None]]] = {}
         self._fenced: set[str] = set()
@@ -204,15 +200,23 @@ class ReplicationManager:
         return max(0, len(set(self.placed.get(key, {}).values())) - ec[0])
 
     async def run_pass(self) -> None:
-        """One pass over every job (never raises for a single job's trouble). Starts a reconcile in
-        the background when one is due and none is running."""
+        """One pass over every job on its own (the daemon's passes come from its commit feed)."""
         for job in list_jobs(self.scanner.root):
-            if job in self._fenced:
-                continue
-            try:
-                await self._pass_job(job)
-            except ContractError as exc:
-                log.error("job %s: cannot replicate: %s", job, exc)
+            await self.on_holdings(job, self.scanner.holdings(job))
+        self.reconcile_if_due()
+
+    async def on_holdings(self, job: str, holdings: Holdings) -> None:
+        """The commit feed's scan of ``job``: plan and start its sends (never raises for the job's
+        trouble)."""
+        if job in self._fenced:
+            return
+        try:
+            await self._pass_job(job, holdings)
+        except ContractError as exc:
+            log.error("job %s: cannot replicate: %s", job, exc)
+
+    def reconcile_if_due(self) -> None:
+        """Start a reconcile in the background when one is due and none is running."""
         idle = self._reconciling is None or self._reconciling.done()
         if idle and time.monotonic() - self._last_reconcile >= self.reconcile_interval:
             self._last_reconcile = time.monotonic()
@@ -224,11 +228,9 @@ class ReplicationManager:
         except Exception:
             log.exception("reconcile failed; trying again in %.0fs", self.reconcile_interval)
 
-    async def _pass_job(self, job: str) -> None:
-        holdings = self.scanner.holdings(job)
+    async def _pass_job(self, job: str, holdings: Holdings) -> None:
         newest = holdings.newest_local()
         over_quota = self._refuse_over_quota(job, holdings)
-        self._notify_committed(job, holdings)
         self._prune(job, newest, holdings.newest_commit_at)
         assignment = self.assignments.get(job)
         k = self.target(job)
@@ -421,7 +423,7 @@ class ReplicationManager:
         await coro
 
     async def fence(self, job: str) -> None:
-        """No send, fragment, retirement, healing or backup notification of ``job`` starts on this node
+        """No send, fragment, retirement or healing of ``job`` starts on this node
         until ``unfence``; returns once those already started have finished."""
         self._fenced.add(job)
         tasks = self._job_tasks.get(job, set())
@@ -594,25 +596,6 @@ class ReplicationManager:
             del self.placed[key]
         self._lost = {k for k in self._lost if k[0] != job or newest.get(k[1]) == k[2]}
 
-    def _notify_committed(self, job: str, holdings: Holdings) -> None:
-        """Tell the backup service (in the background: an upload may take minutes) once per newest step
-        that every local rank has committed."""
-        if self.on_committed is None:
-            return
-        step = newest_common_step(h.local for h in holdings.ranks.values() if h.local)
-        if step is None or self._notified.get(job, -1) >= step:
-            return
-        self._notified[job] = step
-        ranks = tuple(sorted(r for r, h in holdings.ranks.items() if step in h.local))
-        self._spawn(job, self._call_on_committed(job, step, ranks))
-
-    async def _call_on_committed(self, job: str, step: int, ranks: tuple[int, ...]) -> None:
-        assert self.on_committed is not None
-        try:
-            await self.on_committed(job, step, ranks)
-        except Exception:
-            log.exception("job %s: the backup service failed on step %d", job, step)
-
     async def reconcile(self, jobs: Collection[str] | None = None) -> None:
         """Drop confirmations that peers no longer back up: their inventories lack the step, they do not
         answer, or they left the plan. Every (job, peer) inventory is asked at once (at most
@@ -677,7 +660,6 @@ class ReplicationManager:
             del self.confirmed[key]
         for key in [k for k in self.placed if k[0] == job]:
             del self.placed[key]
-        self._notified.pop(job, None)
         self._plans.pop(job, None)
         self._over_quota = {k: o for k, o in self._over_quota.items() if k[0] != job}
         self.redundancy.pop(job, None)

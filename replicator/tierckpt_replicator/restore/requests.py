@@ -44,7 +44,7 @@ from tierckpt.protocol.errors import FormatError, RetryableError, TierckptError,
 from tierckpt.protocol.format import COMMIT_NAME, decode_commit, replica_rank_dir
 from tierckpt.protocol.safefs import Beneath
 from tierckpt_replicator.assignments import AssignmentStore
-from tierckpt_replicator.backup.jobs import BackupPort
+from tierckpt_replicator.backup.jobs import NO_BACKUP, BackupPort
 from tierckpt_replicator.inventory import list_jobs
 from tierckpt_replicator.replication.ipc import FetchSource, FetchTask, TaskProgress
 from tierckpt_replicator.replication.supervisor import WorkerSupervisor
@@ -123,7 +123,7 @@ class FetchRequests:
         peers: ReplicatorClient,
         own_inventory: Callable[[str], Awaitable[NodeInventory]],
         plan_of: Callable[[str], RestorePlan | None],
-        backup: BackupPort | None = None,
+        backup: BackupPort = NO_BACKUP,
         heartbeat: float = 1.0,
     ) -> None:
         self.root, self.node, self.assignments, self.supervisor = root, node, assignments, supervisor
@@ -329,7 +329,7 @@ class FetchRequests:
                 return Tier.LOCAL if result.outcomes[-1].status == "already" else Tier.PEER
             if result is not None:
                 reasons.extend(f"{o.node}: {o.status} {o.message}".strip() for o in result.outcomes)
-        if self.backup is not None and in_bucket:
+        if in_bucket:
 
             def on_bytes(done: int) -> None:
                 fetch.done = done

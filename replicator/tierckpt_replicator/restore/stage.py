@@ -55,7 +55,7 @@ from tierckpt.protocol.errors import FormatError, RetryableError, TierckptError,
 from tierckpt.protocol.format import read_commit
 from tierckpt.protocol.safefs import Beneath
 from tierckpt_replicator.assignments import AssignmentStore
-from tierckpt_replicator.backup.jobs import BackupPort
+from tierckpt_replicator.backup.jobs import NO_BACKUP, BackupPort
 from tierckpt_replicator.metrics import Metrics
 from tierckpt_replicator.replication.ipc import FetchSource, FetchTask, RebuildTask, TaskProgress, TaskResult
 from tierckpt_replicator.replication.replicas import drop_above
@@ -155,28 +155,27 @@ class Stager:
         peers: ReplicatorClient,
         metrics: Metrics,
         own_inventory: Callable[[str], Awaitable[NodeInventory]],
-        backup: BackupPort | None = None,
+        backup: BackupPort = NO_BACKUP,
+        states: dict[str, dict[int, RestoreState]] | None = None,
     ) -> None:
         self.settings, self.assignments, self.supervisor = settings, assignments, supervisor
         self.peers, self.metrics, self.backup = peers, metrics, backup
         self.own_inventory = own_inventory
         self.plans: dict[str, RestorePlan] = {}
-        self.states: dict[str, dict[int, RestoreState]] = {}
+        self.states: dict[str, dict[int, RestoreState]] = states if states is not None else {}
+        """Job -> rank -> the state of its staging (``states``: the map to keep them in, which this
+        node's inventory reads)."""
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._staging: dict[str, tuple[RestorePlan, tuple[int, ...]]] = {}
         """Job -> the plan its current (or last) run decided and the ranks it stages."""
-        self.fanout = (
-            FanOut(
-                node=settings.node_name,
-                peers=peers,
-                supervisor=supervisor,
-                backup=backup,
-                local_state=lambda job, rank: self.states.get(job, {}).get(rank),
-                local_committed=lambda job, rank, step: self._committed(job, "primary", rank, step),
-                wait=settings.restore_fanout_wait,
-            )
-            if backup is not None
-            else None
+        self.fanout = FanOut(
+            node=settings.node_name,
+            peers=peers,
+            supervisor=supervisor,
+            backup=backup,
+            local_state=lambda job, rank: self.states.get(job, {}).get(rank),
+            local_committed=lambda job, rank, step: self._committed(job, "primary", rank, step),
+            wait=settings.restore_fanout_wait,
         )
 
     @property
@@ -282,8 +281,7 @@ class Stager:
             ranks = self._ranks(job, plan, assignment)
             if assignment is not None and assignment.process_ranks(self.node, plan.world_size):
                 self._staging[job] = (plan, ranks)
-            if self.fanout is not None:
-                ranks = await self.fanout.order(job, plan, ranks)
+            ranks = await self.fanout.order(job, plan, ranks)
             self.states[job] = {r: RestoreState.PENDING for r in ranks}
             log.info("restore %s: step %s for ranks %s", job, plan.step, list(ranks))
             self._tell_new_ranks(job, plan, assignment, ranks)
@@ -418,15 +416,12 @@ class Stager:
             if tier is not None:
                 return tier, ""
             reasons.append(why)
-        if self.backup is not None:
-            seed = None
-            if self.fanout is not None:
-                seed = await self.fanout.seed(job, rank, step, plan.world_size, assignment)
-            tier, why = await self._from_bucket(job, rank, step, rep, seed)
-            if tier is not None:
-                return tier, ""
-            reasons.append(why)
-        return None, "; ".join(reasons) or "no node holds it and no bucket is configured"
+        seed = await self.fanout.seed(job, rank, step, plan.world_size, assignment)
+        tier, why = await self._from_bucket(job, rank, step, rep, seed)
+        if tier is not None:
+            return tier, ""
+        reasons.append(why)
+        return None, "; ".join(reasons)
 
     def _sources(
         self, job: str, rank: int, step: int, plan: RestorePlan, assignment: PeerAssignment | None
@@ -492,7 +487,6 @@ class Stager:
         self, job: str, rank: int, step: int, rep: ProgressReporter, seed: tuple[int, Copy] | None = None
     ) -> tuple[Tier | None, str]:
         """``seed``: a rank (and its copy here) whose committed step holds this rank's data files."""
-        assert self.backup is not None
         try:
             if step not in await self.backup.complete_steps(job):
                 return None, f"step {step} is not complete in the bucket"
