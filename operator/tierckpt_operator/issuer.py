@@ -36,6 +36,7 @@ from typing import Any
 
 from aiohttp import web
 
+from tierckpt.protocol.api import ISSUE_CERTIFICATE
 from tierckpt.protocol.certs import certificate_pem, csr_public_key
 from tierckpt.protocol.errors import FormatError
 from tierckpt.protocol.identity import CertificateIssued, CertificateRequest
@@ -45,11 +46,10 @@ from tierckpt_operator.kube import Kube
 from tierckpt_operator.metrics import Metrics
 from tierckpt_operator.settings import Settings
 
-__all__ = ["ISSUE_PATH", "NodeCertificateIssuer", "Refusal", "pod_of_token", "pod_refusal"]
+__all__ = ["NodeCertificateIssuer", "Refusal", "pod_of_token", "pod_refusal"]
 
 log = logging.getLogger(__name__)
 
-ISSUE_PATH = "/v1/node-certificates"
 POD_NAME = "authentication.kubernetes.io/pod-name"
 POD_UID = "authentication.kubernetes.io/pod-uid"
 NODE_NAME = "authentication.kubernetes.io/node-name"
@@ -131,7 +131,7 @@ class NodeCertificateIssuer:
         if server is None:
             raise ValueError("the signing endpoint needs --issuer-names")
         app = web.Application(client_max_size=_MAX_BODY)
-        app.add_routes([web.post(ISSUE_PATH, self.handle)])
+        app.add_routes([web.post(ISSUE_CERTIFICATE.path, self.handle)])
         runner = web.AppRunner(app, handle_signals=False, access_log=None)
         await runner.setup()
         site = web.TCPSite(

@@ -36,6 +36,7 @@ from collections.abc import Callable
 import httpx
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_exponential
 
+from tierckpt.protocol.api import ISSUE_CERTIFICATE
 from tierckpt.protocol.certs import (
     new_key,
     node_csr,
@@ -54,11 +55,10 @@ from tierckpt.protocol.identity import (
 )
 from tierckpt_replicator.settings import Settings
 
-__all__ = ["ISSUE_PATH", "IdentityRefused", "NodeIdentity", "check_node_files"]
+__all__ = ["IdentityRefused", "NodeIdentity", "check_node_files"]
 
 log = logging.getLogger(__name__)
 
-ISSUE_PATH = "/v1/node-certificates"
 _RENEW_AT = 2 / 3
 """Renew once this fraction of the certificate's life has passed."""
 _MAX_ANSWER = 64 << 10
@@ -207,7 +207,7 @@ class NodeIdentity:
         key = new_key()
         body = CertificateRequest(node=self.node, csr=node_csr(key, self.node)).to_bytes()
         token = self.settings.issuer_token_file.read_text().strip()  # re-read: the kubelet rotates it
-        url = self.settings.issuer_url.rstrip("/") + ISSUE_PATH
+        url = self.settings.issuer_url.rstrip("/") + ISSUE_CERTIFICATE.path
         headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
         async with httpx.AsyncClient(
             verify=ca_client_context(self.ca), timeout=10.0, trust_env=False

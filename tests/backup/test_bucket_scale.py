@@ -20,30 +20,16 @@ memory: ``bench/bucket_scale_bench.py``.
 
 from __future__ import annotations
 
-import contextlib
-import shutil
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.backup.helpers import make_store
 from tests.backup.scale_rig import CountingStore, Counts, MemoryBucket, Phase, ScaleRig, budget
+from tests.fixtures.ramdisk import fresh_ramdisk_dir
 from tierckpt_demo.fakegcs import FakeGcsServer, FaultProxy
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
-
-
-@contextlib.contextmanager
-def _ramdisk() -> Iterator[Path]:
-    """The nodes' ramdisks: tmpfs (/dev/shm), where a committed step costs no disk flush."""
-    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
-    path = Path(tempfile.mkdtemp(prefix="tierckpt-scale-", dir=base))
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def _check_backup(rig: ScaleRig, phase: Phase) -> None:
@@ -77,14 +63,14 @@ async def _run(rig: ScaleRig, dest: Path | None) -> list[Phase]:
 
 
 async def test_the_rigs_count_is_what_reaches_fake_gcs_server(
-    gcs_server: FakeGcsServer, bucket: str, proxy: FaultProxy
+    gcs_server: FakeGcsServer, bucket: str, proxy: FaultProxy, tmp_path: Path
 ) -> None:
     """16 nodes x 8 ranks through google-cloud-storage and the proxy: the budgets hold, and the rig's
     model counts exactly the requests that reached the bucket, phase by phase (a listing of more than
     1,000 objects too: one request a page)."""
     store = make_store(proxy.url, bucket, pool_size=64)
     store.put_bytes("warm-up", b"")  # a client's first upload reads the bucket's metadata, once
-    with _ramdisk() as base:
+    with fresh_ramdisk_dir(tmp_path, "scale") as base:  # the nodes' ramdisks: tmpfs
         rig = ScaleRig(
             base / "nodes",
             lambda node: store,
@@ -106,10 +92,10 @@ async def test_the_rigs_count_is_what_reaches_fake_gcs_server(
     assert len(proxy.hits) - before == counted.counts.total() == 2
 
 
-async def test_1024_ranks() -> None:
+async def test_1024_ranks(tmp_path: Path) -> None:
     """128 nodes x 8 ranks on the counted in-memory bucket."""
     bucket = MemoryBucket()
-    with _ramdisk() as base:
+    with fresh_ramdisk_dir(tmp_path, "scale") as base:  # the nodes' ramdisks: tmpfs
         rig = ScaleRig(base / "nodes", lambda node: bucket, nodes=128, ranks_per_node=8)
         try:
             await _run(rig, base / "restored")
@@ -117,11 +103,11 @@ async def test_1024_ranks() -> None:
             await rig.close()
 
 
-async def test_10240_ranks() -> None:
+async def test_10240_ranks(tmp_path: Path) -> None:
     """1,280 nodes x 8 ranks on the counted in-memory bucket, backups only (restores at 128 and 1,024
     ranks here; 32,768 in bench/bucket_scale_bench.py)."""
     bucket = MemoryBucket()
-    with _ramdisk() as base:
+    with fresh_ramdisk_dir(tmp_path, "scale") as base:  # the nodes' ramdisks: tmpfs
         rig = ScaleRig(base / "nodes", lambda node: bucket, nodes=1280, ranks_per_node=8)
         try:
             await _run(rig, None)

@@ -31,11 +31,12 @@ from tests.operator.operator_harness import (
     eventually,
     free_port,
 )
+from tierckpt.protocol.api import ISSUE_CERTIFICATE
 from tierckpt.protocol.certs import issued_by, matches_key, named_peer, new_key, node_csr
 from tierckpt.protocol.client import ReplicatorClient
 from tierckpt.protocol.identity import CertificateIssued, CertificateRequest, Peer, node_server_name
 from tierckpt_operator.credentials import OperatorCredentials
-from tierckpt_operator.issuer import ISSUE_PATH, NodeCertificateIssuer
+from tierckpt_operator.issuer import NodeCertificateIssuer
 from tierckpt_operator.kube import Kube, api_client
 from tierckpt_operator.metrics import Metrics
 from tierckpt_operator.settings import Settings
@@ -122,7 +123,7 @@ class Issuer:
         headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
         transport = httpx.AsyncHTTPTransport(verify=str(self.ca.cert), local_address=source, retries=0)
         async with httpx.AsyncClient(transport=transport, timeout=30, trust_env=False) as http:
-            resp = await http.post(self.url + ISSUE_PATH, content=body, headers=headers)
+            resp = await http.post(self.url + ISSUE_CERTIFICATE.path, content=body, headers=headers)
         return resp, key
 
 

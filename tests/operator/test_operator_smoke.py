@@ -21,6 +21,7 @@ import kubernetes
 import pytest
 
 from tests.operator.operator_harness import free_port, jobset_body, load_crds
+from tierckpt.protocol.api import ISSUE_CERTIFICATE
 from tierckpt.protocol.certs import Authority
 from tierckpt.protocol.contract import Annotations
 
@@ -150,7 +151,7 @@ def check_operator_process(
         metrics = urllib.request.urlopen(f"{probes}/metrics", timeout=5).read().decode()
         assert "tierckpt_operator_rank_assignments_total 1.0" in metrics
         # the signing endpoint: HTTPS with a certificate of the CA; no token, no certificate
-        issuer = f"https://{host}:{env['TIERCKPT_OPERATOR_ISSUER_PORT']}/v1/node-certificates"
+        issuer = f"https://{host}:{env['TIERCKPT_OPERATOR_ISSUER_PORT']}{ISSUE_CERTIFICATE.path}"
         answer = httpx.post(issuer, content=b"{}", verify=str(tmp_path / "ca.crt"), trust_env=False)
         assert answer.status_code == 401
         os.killpg(proc.pid, signal.SIGTERM)

@@ -27,6 +27,7 @@ from tierckpt.protocol.control import (
     RestorePlan,
 )
 from tierckpt.protocol.format import JOB_ID_PATTERN
+from tierckpt.protocol.identity import CertificateIssued, CertificateRequest
 from tierckpt.protocol.orbax import OrbaxSession
 
 __all__ = [
@@ -34,6 +35,7 @@ __all__ = [
     "ENDPOINTS",
     "HEALTHZ",
     "INVENTORY",
+    "ISSUE_CERTIFICATE",
     "JOB_METRICS",
     "METRICS",
     "OPENAPI",
@@ -321,6 +323,21 @@ ENDPOINTS: tuple[Endpoint, ...] = (
     METRICS,
 )
 """Every endpoint of the replicator's HTTP servers (``Endpoint.ports`` says which), nothing else."""
+
+ISSUE_CERTIFICATE = Endpoint(
+    "issue_certificate",
+    "POST",
+    "/v1/node-certificates",
+    CertificateRequest,
+    CertificateIssued,
+    200,
+    (400, 401, 403, 429, 503),
+    "The operator's signing endpoint (on its issuer port, not a replicator's): a replicator sends its "
+    "CSR with its projected ServiceAccount token and gets its node's certificate "
+    "(``tierckpt_operator.issuer``, ``tierckpt_replicator.identity``).",
+    ports=(),
+)
+"""The one endpoint of the operator's that replicators call; in no replicator server's table."""
 
 
 def served_on(port: Port) -> tuple[Endpoint, ...]:
