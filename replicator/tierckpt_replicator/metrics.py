@@ -43,6 +43,14 @@ _SUMMED = (sum, "probe port: summed over this node's jobs")
 class Metrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
+        self._replication(r)
+        self._holdings_and_restores(r)
+        self._orbax_and_process(r)
+        self._node_view = CollectorRegistry(auto_describe=False)
+        self._node_view.register(_OverJobs(r))
+
+    def _replication(self, r: CollectorRegistry) -> None:
+        """Transfers between nodes, replication, redundancy, replica groups and quota refusals."""
         self.transfer_bytes = Counter(
             f"{_NS}_transfer_bytes", "Step bytes moved between nodes.", ["direction"], registry=r
         )
@@ -111,6 +119,9 @@ class Metrics:
             ["job", "op"],
             registry=r,
         )
+
+    def _holdings_and_restores(self, r: CollectorRegistry) -> None:
+        """What this node holds, its restores and backups."""
         self.steps = Gauge(f"{_NS}_steps", "Committed steps held on this node.", ["job", "kind"], registry=r)
         self.held_bytes = Gauge(
             f"{_NS}_held_bytes", "Bytes of committed steps held on this node.", ["job", "kind"], registry=r
@@ -123,6 +134,9 @@ class Metrics:
             f"{_NS}_restore_seconds", "Time to stage one rank for restore.", buckets=_SECONDS, registry=r
         )
         self.backups = Counter(f"{_NS}_backups", "Backups requested, by result.", ["result"], registry=r)
+
+    def _orbax_and_process(self, r: CollectorRegistry) -> None:
+        """Orbax mode, the worker process and the control API."""
         self.orbax_adopted = Counter(
             f"{_NS}_orbax_steps_adopted",
             "Steps stock Orbax committed that this node adopted as primaries (Orbax mode).",
@@ -152,9 +166,6 @@ class Metrics:
             ["route", "code"],
             registry=r,
         )
-
-        self._node_view = CollectorRegistry(auto_describe=False)
-        self._node_view.register(_OverJobs(r))
 
     def render(self) -> bytes:
         """The probe port's page: no job named (see the module docstring)."""

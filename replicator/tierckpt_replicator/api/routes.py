@@ -34,7 +34,7 @@ from tierckpt_replicator.api.openapi import install_openapi, route_docs
 from tierckpt_replicator.metrics import CONTENT_TYPE, Metrics
 from tierckpt_replicator.settings import Settings
 
-__all__ = ["Controls", "Handler", "handlers", "install_routes"]
+__all__ = ["Controls", "Handler", "Handlers", "handlers", "install_routes"]
 
 Handler = Callable[..., Awaitable[Message | Response]]
 """``handler(request, **path_params, **query_flags)``: a message (answered with the endpoint's
@@ -102,41 +102,53 @@ def _route(ep: api.Endpoint, handler: Handler, auth: Authorizer) -> Callable[[Re
 
 
 def handlers(c: Controls, app: FastAPI) -> dict[str, Handler]:
-    """Endpoint name -> its handler (thin: parse, call ``c``, translate refusals into statuses)."""
-    limit = c.settings.max_request_bytes
+    """Endpoint name -> its handler (``Handlers``' method of that name)."""
+    table = Handlers(c, app)
+    return {ep.name: getattr(table, ep.name) for ep in api.ENDPOINTS if hasattr(table, ep.name)}
 
-    async def inventory(request: Request, job: str) -> NodeInventory:
-        return await c.inventory(job)
 
-    async def put_peers(request: Request, job: str) -> PeerAssignment:
-        assignment = await read_message(request, PeerAssignment, limit=limit, job=job)
-        stored, current = await c.put_peers(assignment)
+class Handlers:
+    """One method per endpoint, named as it (thin: parse, call ``c``, translate refusals into
+    statuses)."""
+
+    def __init__(self, c: Controls, app: FastAPI) -> None:
+        self.c, self.app = c, app
+        self.limit = c.settings.max_request_bytes
+
+    async def inventory(self, request: Request, job: str) -> NodeInventory:
+        return await self.c.inventory(job)
+
+    async def put_peers(self, request: Request, job: str) -> PeerAssignment:
+        assignment = await read_message(request, PeerAssignment, limit=self.limit, job=job)
+        stored, current = await self.c.put_peers(assignment)
         if not stored:
             raise HTTPException(
                 409, f"generation {assignment.generation} is not newer than {current.generation}"
             )
         return current
 
-    async def put_policy(request: Request, job: str) -> JobPolicy:
-        policy = await read_message(request, JobPolicy, limit=limit, job=job)
-        stored, current = await c.put_policy(policy)
+    async def put_policy(self, request: Request, job: str) -> JobPolicy:
+        policy = await read_message(request, JobPolicy, limit=self.limit, job=job)
+        stored, current = await self.c.put_policy(policy)
         if not stored:
             raise HTTPException(409, f"generation {policy.generation} is not newer than {current.generation}")
         return current
 
-    async def put_restore_plan(request: Request, job: str) -> RestorePlan:
-        plan = await read_message(request, RestorePlan, limit=limit, job=job)
-        stored, current = await c.put_plan(plan)
+    async def put_restore_plan(self, request: Request, job: str) -> RestorePlan:
+        plan = await read_message(request, RestorePlan, limit=self.limit, job=job)
+        stored, current = await self.c.put_plan(plan)
         if not stored:
             raise HTTPException(409, f"generation {plan.generation} is older than {current.generation}")
         return current
 
-    async def put_orbax_session(request: Request, job: str) -> OrbaxSession:
-        session = await read_message(request, OrbaxSession, limit=limit, job=job)
-        if session.node != c.settings.node_name:
-            raise HTTPException(400, f"a session for node {session.node!r} sent to {c.settings.node_name!r}")
+    async def put_orbax_session(self, request: Request, job: str) -> OrbaxSession:
+        session = await read_message(request, OrbaxSession, limit=self.limit, job=job)
+        if session.node != self.c.settings.node_name:
+            raise HTTPException(
+                400, f"a session for node {session.node!r} sent to {self.c.settings.node_name!r}"
+            )
         try:
-            stored, current = await c.put_orbax_session(session)
+            stored, current = await self.c.put_orbax_session(session)
         except LookupError as exc:
             raise HTTPException(503, str(exc)) from exc
         if not stored:
@@ -145,9 +157,9 @@ def handlers(c: Controls, app: FastAPI) -> dict[str, Handler]:
             )
         return current
 
-    async def backup(request: Request, job: str) -> BackupResult:
+    async def backup(self, request: Request, job: str) -> BackupResult:
         try:
-            step = await c.backup_now(job)
+            step = await self.c.backup_now(job)
         except LookupError as exc:
             raise HTTPException(503, str(exc)) from exc
         except RetryableError as exc:
@@ -156,41 +168,28 @@ def handlers(c: Controls, app: FastAPI) -> dict[str, Handler]:
             raise HTTPException(502, f"backup failed: {exc}") from exc
         return BackupResult(job=job, step=step)
 
-    async def restore(request: Request, job: str) -> RestoreAccepted:
-        await c.restore(job)
+    async def restore(self, request: Request, job: str) -> RestoreAccepted:
+        await self.c.restore(job)
         return RestoreAccepted(job=job, staging=True)
 
-    async def purge(request: Request, job: str, bucket: bool) -> PurgeResult:
-        return PurgeResult(job=job, purged=await c.purge(job, bucket=bucket), bucket=bucket)
+    async def purge(self, request: Request, job: str, bucket: bool) -> PurgeResult:
+        return PurgeResult(job=job, purged=await self.c.purge(job, bucket=bucket), bucket=bucket)
 
-    async def status(request: Request) -> NodeStatus:
-        return await c.status()
+    async def status(self, request: Request) -> NodeStatus:
+        return await self.c.status()
 
-    async def job_metrics(request: Request) -> Response:
-        return Response(content=c.metrics.render_jobs(), media_type=CONTENT_TYPE)
+    async def job_metrics(self, request: Request) -> Response:
+        return Response(content=self.c.metrics.render_jobs(), media_type=CONTENT_TYPE)
 
-    async def openapi(request: Request) -> Response:
-        return JSONResponse(app.openapi())
+    async def openapi(self, request: Request) -> Response:
+        return JSONResponse(self.app.openapi())
 
-    async def healthz(request: Request) -> Response:
+    async def healthz(self, request: Request) -> Response:
         return JSONResponse({"status": "ok"})
 
-    async def readyz(request: Request) -> Response:
-        ok, _why = c.ready()  # the reason stays in the logs and /v1/status: probes are unauthenticated
+    async def readyz(self, request: Request) -> Response:
+        ok, _why = self.c.ready()  # the reason stays in the logs and /v1/status: probes are unauthenticated
         return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
 
-    async def metrics(request: Request) -> Response:
-        return Response(content=c.metrics.render(), media_type=CONTENT_TYPE)
-
-    found = (
-        inventory,
-        put_peers,
-        put_policy,
-        put_restore_plan,
-        put_orbax_session,
-        backup,
-        restore,
-        purge,
-        status,
-    )
-    return {f.__name__: f for f in (*found, job_metrics, openapi, healthz, readyz, metrics)}
+    async def metrics(self, request: Request) -> Response:
+        return Response(content=self.c.metrics.render(), media_type=CONTENT_TYPE)
