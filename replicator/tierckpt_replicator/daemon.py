@@ -61,7 +61,8 @@ log = logging.getLogger(__name__)
 
 
 def worker_config(settings: Settings, tls: TlsFiles | None = None) -> WorkerConfig:
-    """What the worker process needs: ``tls``, the node's certificate files (``--auth tls``)."""
+    """What the worker process needs: ``tls``, the node's certificate files (``--auth tls``). Field by
+    field, as long as ``Settings`` is flat (its module docstring says why it still is)."""
     return WorkerConfig(
         node=settings.node_name,
         root=str(settings.root),

@@ -3,6 +3,14 @@
 Each option is a field of ``Settings`` with a help text. ``parse_settings(argv, environ)`` builds the
 argument parser from those fields: a flag given on the command line wins, then the environment
 variable ``TIERCKPT_REPLICATOR_<NAME>``, then the default. ``tierckpt-replicator --help`` lists them all.
+
+The fields are flat on purpose, for now: each one's name is its flag and its environment variable, which
+the chart and the operator's pod injection set (``tests/chart``, ``tests/operator``), and the parser and
+``tierckpt.protocol.options`` read one level of fields. The comments group them by concern. Nesting them
+(a transfer group the worker's ``WorkerConfig`` could take whole, instead of ``daemon.worker_config``
+copying its fields one by one) needs the parser to flatten groups back into the same flags and
+variables, and every ``Settings(...)`` the tests build to name its group: issue 22, item 5, left for a
+change of its own.
 """
 
 from __future__ import annotations

@@ -121,7 +121,7 @@ class BackupService:
     """Backups of the jobs under ``root`` (this node's ramdisk) to the bucket behind ``store``.
 
     ``settings``: schedule, retention and every transfer tunable (``BackupSettings``; its bucket fields
-    only matter to ``BackupSettings.build``, which makes ``store`` from them). ``node``: this node's
+    only matter to ``for_bucket``, which makes ``store`` from them). ``node``: this node's
     name as it appears in ``holders``. ``store``: the bucket (a ``GcsStore`` in production; tests pass
     one against fake-gcs-server, or a fake at the ``ObjectStore`` boundary). ``metrics``: where to count
     (default: the process-wide ``BackupMetrics``). ``clock``: the wall clock (schedules, takeover).
