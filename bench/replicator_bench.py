@@ -97,6 +97,7 @@ from tierckpt.protocol.format import (
 from tierckpt_demo.cluster import LocalCluster, Node, has_netns
 from tierckpt_demo.step_writer import write_step
 from tierckpt_replicator.replication.ipc import WorkerConfig
+from tierckpt_replicator.settings import TransferSettings
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -335,15 +336,17 @@ def node_config(
         listen_host="0.0.0.0",
         data_port=port,
         holder=f"bench-{node.name}",
-        transfer_timeout=60.0,
-        send_method="mmap" if method == "mmap" else "sendfile",
+        transfer=TransferSettings(
+            transfer_timeout=60.0,
+            send_method="mmap" if method == "mmap" else "sendfile",
+            max_incoming=max(4, streams),
+            data_connections_per_source=max(8, 2 * streams),
+        ),
         auth="tls" if auth == "tls" else "token",
         tls_cert=str(tls.cert) if tls else "",
         tls_ca=str(tls.ca) if tls else "",
         token_file=str(token) if auth == "token" else "",
         peers_file=str(cluster.workdir / "bench-peers.json"),
-        max_incoming=max(4, streams),
-        connections_per_source=max(8, 2 * streams),
     )
 
 

@@ -61,8 +61,8 @@ log = logging.getLogger(__name__)
 
 
 def worker_config(settings: Settings, tls: TlsFiles | None = None) -> WorkerConfig:
-    """What the worker process needs: ``tls``, the node's certificate files (``--auth tls``). Field by
-    field, as long as ``Settings`` is flat (its module docstring says why it still is)."""
+    """What the worker process needs: the data plane's settings whole, who this node is and how it
+    authenticates (``tls``: the node's certificate files, ``--auth tls``)."""
     return WorkerConfig(
         node=settings.node_name,
         root=str(settings.root),
@@ -75,22 +75,8 @@ def worker_config(settings: Settings, tls: TlsFiles | None = None) -> WorkerConf
         listen_host=settings.listen_host,
         data_port=settings.data_port,
         holder=settings.holder,
-        concurrency=settings.concurrency,
-        max_incoming=settings.max_incoming,
-        bandwidth_bytes_per_s=settings.bandwidth_limit * 1e6,
-        transfer_timeout=settings.transfer_timeout,
-        connect_timeout=settings.connect_timeout,
-        handshake_timeout=settings.handshake_timeout,
-        min_transfer_rate=settings.min_transfer_rate * 1e6,
-        connections_per_source=settings.data_connections_per_source,
-        max_manifest_bytes=settings.max_manifest_bytes,
-        reserve_bytes=settings.reserve_bytes,
-        job_quota=settings.job_quota,
-        replica_keep=settings.replica_keep,
-        nice=settings.worker_nice,
-        idle_class=settings.worker_idle,
+        transfer=settings.transfer,
         log_level=settings.log_level,
-        send_method="sendfile" if settings.send_method == "sendfile" else "mmap",
     )
 
 
@@ -136,8 +122,8 @@ class Daemon:
             node=settings.node_name,
             endpoint=settings.api_endpoint,
             domain=settings.domain,
-            max_manifest_bytes=settings.max_manifest_bytes,
-            fragments=FragmentScanner(settings.max_manifest_bytes),
+            max_manifest_bytes=settings.transfer.max_manifest_bytes,
+            fragments=FragmentScanner(settings.transfer.max_manifest_bytes),
         )
         self.watcher = CommitWatcher(settings.root, poll_interval=settings.poll_interval)
         self.commits = CommitFeed(self.scanner)

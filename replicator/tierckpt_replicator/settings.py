@@ -4,13 +4,11 @@ Each option is a field of ``Settings`` with a help text. ``parse_settings(argv, 
 argument parser from those fields: a flag given on the command line wins, then the environment
 variable ``TIERCKPT_REPLICATOR_<NAME>``, then the default. ``tierckpt-replicator --help`` lists them all.
 
-The fields are flat on purpose, for now: each one's name is its flag and its environment variable, which
-the chart and the operator's pod injection set (``tests/chart``, ``tests/operator``), and the parser and
-``tierckpt.protocol.options`` read one level of fields. The comments group them by concern. Nesting them
-(a transfer group the worker's ``WorkerConfig`` could take whole, instead of ``daemon.worker_config``
-copying its fields one by one) needs the parser to flatten groups back into the same flags and
-variables, and every ``Settings(...)`` the tests build to name its group: issue 22, item 5, left for a
-change of its own.
+Options are grouped by concern: the data plane's (transfers, their limits, the worker process) are
+``TransferSettings``, ``Settings.transfer``, which the worker's ``WorkerConfig`` takes whole. A group's
+fields are options like the others (``tierckpt.protocol.options.option_fields``): each one's name is
+still its flag and its environment variable, the contract the chart and the operator's pod injection
+keep (``tests/chart``, ``tests/operator``).
 """
 
 from __future__ import annotations
@@ -21,12 +19,13 @@ import os
 import socket
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+from tierckpt.protocol.codec import Record
 from tierckpt.protocol.format import STATE_DIR_NAME, check_holder
-from tierckpt.protocol.options import env_name, field_type, merge_settings
+from tierckpt.protocol.options import env_name, field_type, merge_settings, option_fields
 
-__all__ = ["ENV_PREFIX", "Settings", "build_parser", "parse_settings"]
+__all__ = ["ENV_PREFIX", "Settings", "TransferSettings", "build_parser", "parse_settings"]
 
 ENV_PREFIX = "TIERCKPT_REPLICATOR_"
 MiB = 1 << 20
@@ -34,6 +33,110 @@ MiB = 1 << 20
 
 def _opt(help: str, *, unit: str = "", env: bool = True, short: str | None = None) -> dict[str, Any]:
     return {"help": help, "unit": unit, "env": env, "short": short}
+
+
+@dataclasses.dataclass(frozen=True)
+class TransferSettings(Record):
+    """The data plane: transfers between nodes, their limits, and the worker process that runs them. A
+    group of ``Settings`` (``Settings.transfer``): its fields are options like the others (the same
+    flags and ``TIERCKPT_REPLICATOR_<NAME>`` variables); the worker's ``WorkerConfig`` takes it whole."""
+
+    concurrency: int = dataclasses.field(
+        default=2, metadata=_opt("Outgoing transfers (sends and restore fetches) running at once.")
+    )
+    max_incoming: int = dataclasses.field(
+        default=4, metadata=_opt("Incoming transfers accepted at once; more are refused as busy.")
+    )
+    bandwidth_limit: float = dataclasses.field(
+        default=0.0, metadata=_opt("Cap on outgoing replication bandwidth; 0 = unlimited.", unit="MB/s")
+    )
+    replica_keep: int = dataclasses.field(
+        default=2,
+        metadata=_opt("Committed replica steps kept per rank (the newest complete copy is always kept)."),
+    )
+    reserve_bytes: int = dataclasses.field(
+        default=64 * MiB,
+        metadata=_opt(
+            "Free ramdisk space never given to replicas, on top of room for the client's next save.",
+            unit="bytes",
+        ),
+    )
+    job_quota: int = dataclasses.field(
+        default=0,
+        metadata=_opt(
+            "The most bytes one rank's step of any job may declare to be sent, received or uploaded "
+            "(a job's policy may set less: its ramdisk size; this node's ramdisk size always applies); "
+            "0: no node-wide limit.",
+            unit="bytes",
+        ),
+    )
+    transfer_timeout: float = dataclasses.field(
+        default=30.0,
+        metadata=_opt("A transfer with no progress for this long is abandoned and retried.", unit="s"),
+    )
+    connect_timeout: float = dataclasses.field(default=5.0, metadata=_opt("TCP connect timeout.", unit="s"))
+    handshake_timeout: float = dataclasses.field(
+        default=5.0,
+        metadata=_opt(
+            "A data connection must complete its handshake (TLS, then the request) within this "
+            "long, in total; then it is closed. No transfer slot is taken before that.",
+            unit="s",
+        ),
+    )
+    min_transfer_rate: float = dataclasses.field(
+        default=0.064,
+        metadata=_opt(
+            "An incoming transfer slower than this over any --transfer-timeout window is dropped "
+            "(keep it below the senders' --bandwidth-limit); 0 = no floor.",
+            unit="MB/s",
+        ),
+    )
+    data_connections_per_source: int = dataclasses.field(
+        default=8,
+        metadata=_opt(
+            "Open data connections one source address may have; more are closed at once (in total: "
+            "4 x --max-incoming + 8; when they are all open, a new one takes the place of the oldest "
+            "unauthenticated one of the source with the most)."
+        ),
+    )
+    send_method: Literal["mmap", "sendfile"] = dataclasses.field(
+        default="sendfile",
+        metadata=_opt(
+            "How the worker streams a file out of the ramdisk: 'sendfile' (the kernel sends the page "
+            "cache's pages; measured fastest, and less sender CPU, on veth) or 'mmap' (a read-only "
+            "mapping handed to sendall)."
+        ),
+    )
+    worker_nice: int = dataclasses.field(
+        default=10,
+        metadata=_opt("Niceness of the replication worker process (it never competes with training)."),
+    )
+    worker_idle: bool = dataclasses.field(
+        default=False,
+        metadata=_opt(
+            "Run the worker under SCHED_IDLE: it only gets CPU nobody else wants (strictest "
+            "deference to training; replication may stall while every core is busy)."
+        ),
+    )
+    max_manifest_bytes: int = dataclasses.field(
+        default=64 * MiB,
+        metadata=_opt("Largest manifest (or commit marker) accepted on the data endpoint.", unit="bytes"),
+    )
+
+    def __post_init__(self) -> None:
+        for name in ("concurrency", "max_incoming", "data_connections_per_source"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+        if self.send_method not in ("mmap", "sendfile"):
+            raise ValueError("--send-method must be 'mmap' or 'sendfile'")
+        if self.replica_keep < 1:
+            raise ValueError("--replica-keep must be at least 1")
+        if self.job_quota < 0:
+            raise ValueError("--job-quota must be 0 (none) or more")
+        if not self.handshake_timeout > 0:
+            raise ValueError("--handshake-timeout must be positive")
+        if not self.min_transfer_rate >= 0:
+            raise ValueError("--min-transfer-rate must be 0 or more")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,15 +244,11 @@ class Settings:
     replicas: int = dataclasses.field(
         default=1, metadata=_opt("K: number of peer nodes each rank's newest step is copied to.", short="-k")
     )
-    concurrency: int = dataclasses.field(
-        default=2, metadata=_opt("Outgoing transfers (sends and restore fetches) running at once.")
+    transfer: TransferSettings = dataclasses.field(
+        default_factory=TransferSettings,
+        metadata={"group": "the data plane: transfers, their limits and the worker process"},
     )
-    max_incoming: int = dataclasses.field(
-        default=4, metadata=_opt("Incoming transfers accepted at once; more are refused as busy.")
-    )
-    bandwidth_limit: float = dataclasses.field(
-        default=0.0, metadata=_opt("Cap on outgoing replication bandwidth; 0 = unlimited.", unit="MB/s")
-    )
+    """The data plane's options (``TransferSettings``), which the worker process takes whole."""
     peers_file: Path | None = dataclasses.field(
         default=None,
         metadata=_opt(
@@ -157,60 +256,11 @@ class Settings:
             "operator sends a newer generation."
         ),
     )
-    replica_keep: int = dataclasses.field(
-        default=2,
-        metadata=_opt("Committed replica steps kept per rank (the newest complete copy is always kept)."),
-    )
     orbax_keep: int = dataclasses.field(
         default=2,
         metadata=_opt(
             "Orbax-mode jobs: committed steps kept per process on its node (Orbax leaves retention to the "
             "replicator; leased steps and the restore plan's are kept too)."
-        ),
-    )
-    reserve_bytes: int = dataclasses.field(
-        default=64 * MiB,
-        metadata=_opt(
-            "Free ramdisk space never given to replicas, on top of room for the client's next save.",
-            unit="bytes",
-        ),
-    )
-    job_quota: int = dataclasses.field(
-        default=0,
-        metadata=_opt(
-            "The most bytes one rank's step of any job may declare to be sent, received or uploaded "
-            "(a job's policy may set less: its ramdisk size; this node's ramdisk size always applies); "
-            "0: no node-wide limit.",
-            unit="bytes",
-        ),
-    )
-    transfer_timeout: float = dataclasses.field(
-        default=30.0,
-        metadata=_opt("A transfer with no progress for this long is abandoned and retried.", unit="s"),
-    )
-    connect_timeout: float = dataclasses.field(default=5.0, metadata=_opt("TCP connect timeout.", unit="s"))
-    handshake_timeout: float = dataclasses.field(
-        default=5.0,
-        metadata=_opt(
-            "A data connection must complete its handshake (TLS, then the request) within this "
-            "long, in total; then it is closed. No transfer slot is taken before that.",
-            unit="s",
-        ),
-    )
-    min_transfer_rate: float = dataclasses.field(
-        default=0.064,
-        metadata=_opt(
-            "An incoming transfer slower than this over any --transfer-timeout window is dropped "
-            "(keep it below the senders' --bandwidth-limit); 0 = no floor.",
-            unit="MB/s",
-        ),
-    )
-    data_connections_per_source: int = dataclasses.field(
-        default=8,
-        metadata=_opt(
-            "Open data connections one source address may have; more are closed at once (in total: "
-            "4 x --max-incoming + 8; when they are all open, a new one takes the place of the oldest "
-            "unauthenticated one of the source with the most)."
         ),
     )
     retry_max: float = dataclasses.field(
@@ -222,25 +272,6 @@ class Settings:
     reconcile_interval: float = dataclasses.field(
         default=30.0,
         metadata=_opt("How often peers are asked whether they still hold our replicas.", unit="s"),
-    )
-    send_method: str = dataclasses.field(
-        default="sendfile",
-        metadata=_opt(
-            "How the worker streams a file out of the ramdisk: 'sendfile' (the kernel sends the page "
-            "cache's pages; measured fastest, and less sender CPU, on veth) or 'mmap' (a read-only "
-            "mapping handed to sendall)."
-        ),
-    )
-    worker_nice: int = dataclasses.field(
-        default=10,
-        metadata=_opt("Niceness of the replication worker process (it never competes with training)."),
-    )
-    worker_idle: bool = dataclasses.field(
-        default=False,
-        metadata=_opt(
-            "Run the worker under SCHED_IDLE: it only gets CPU nobody else wants (strictest "
-            "deference to training; replication may stall while every core is busy)."
-        ),
     )
     # --- restore
     restore_on_start: bool = dataclasses.field(
@@ -359,10 +390,6 @@ class Settings:
         default=16,
         metadata=_opt("Open control API connections one source address may have; more are closed at once."),
     )
-    max_manifest_bytes: int = dataclasses.field(
-        default=64 * MiB,
-        metadata=_opt("Largest manifest (or commit marker) accepted on the data endpoint.", unit="bytes"),
-    )
     log_level: str = dataclasses.field(default="INFO", metadata=_opt("Logging level."))
 
     def __post_init__(self) -> None:
@@ -375,30 +402,14 @@ class Settings:
             object.__setattr__(self, "probe_port", self.api_port + 2)
         if not self.advertise_host:
             object.__setattr__(self, "advertise_host", os.environ.get("POD_IP") or _own_address())
-        for name in (
-            "replicas",
-            "concurrency",
-            "max_incoming",
-            "restore_attempts",
-            "data_connections_per_source",
-            "api_max_connections",
-            "api_connections_per_source",
-        ):
+        for name in ("replicas", "restore_attempts", "api_max_connections", "api_connections_per_source"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
-        if self.send_method not in ("mmap", "sendfile"):
-            raise ValueError("--send-method must be 'mmap' or 'sendfile'")
-        if self.replica_keep < 1:
-            raise ValueError("--replica-keep must be at least 1")
         if self.orbax_keep < 1:
             raise ValueError("--orbax-keep must be at least 1")
-        if self.job_quota < 0:
-            raise ValueError("--job-quota must be 0 (none) or more")
-        for name in ("handshake_timeout", "api_header_timeout", "api_body_timeout", "tls_reload_interval"):
+        for name in ("api_header_timeout", "api_body_timeout", "tls_reload_interval"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive")
-        if not self.min_transfer_rate >= 0:
-            raise ValueError("--min-transfer-rate must be 0 or more")
         if self.auth not in ("tls", "token"):
             raise ValueError("--auth must be 'tls' or 'token'")
         if self.identity_dir is None:
@@ -462,7 +473,7 @@ def build_parser() -> argparse.ArgumentParser:
         "them back for restore. Every option may also be set as " + ENV_PREFIX + "<OPTION> (upper case, "
         "underscores); a flag wins over the environment.",
     )
-    for f in dataclasses.fields(Settings):
+    for f in option_fields(Settings):
         meta, kind = f.metadata, field_type(f)
         unit = f" [{meta['unit']}]" if meta["unit"] else ""
         help_text = f"{meta['help']}{unit} (env {_env(f.name)})"

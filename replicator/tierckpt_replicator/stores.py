@@ -31,5 +31,5 @@ class NodeStores:
         return cls(
             assignments=AssignmentStore(settings.root, static),
             policies=policies,
-            quotas=JobQuotas(settings.root, policies, settings.job_quota),
+            quotas=JobQuotas(settings.root, policies, settings.transfer.job_quota),
         )

@@ -41,14 +41,14 @@ def _mount_for(container: dict[str, Any], path: str) -> str:
 
 
 def test_operator_reads_every_variable_the_chart_sets() -> None:
-    import dataclasses
 
+    from tierckpt.protocol.options import option_fields
     from tierckpt_operator.settings import ENV_PREFIX, Settings, parse_settings
 
     r = render()
     op = _container(r.get("Deployment"), "operator")
     env = _env(op)
-    fields = {ENV_PREFIX + f.name.upper() for f in dataclasses.fields(Settings)}
+    fields = {ENV_PREFIX + f.name.upper() for f in option_fields(Settings)}
     assert {k for k in env if k.startswith(ENV_PREFIX)} <= fields
     s = parse_settings([], env)
     assert (s.namespace, s.pod_name, s.leader_election) == (NAMESPACE, FIELD_VALUES["metadata.name"], True)
@@ -87,14 +87,14 @@ def test_operator_reads_every_variable_the_chart_sets() -> None:
 
 
 def test_replicator_reads_every_variable_the_chart_sets(monkeypatch) -> None:
-    import dataclasses
 
+    from tierckpt.protocol.options import option_fields
     from tierckpt_replicator.settings import ENV_PREFIX, Settings, parse_settings
 
     ds = render({"gcs": {"bucket": "ckpt-bucket"}, "replicator": {"replicas": 2}}).get("DaemonSet")
     rep = _container(ds, "replicator")
     env = _env(rep)
-    fields = {ENV_PREFIX + f.name.upper() for f in dataclasses.fields(Settings)}
+    fields = {ENV_PREFIX + f.name.upper() for f in option_fields(Settings)}
     assert {k for k in env if k.startswith(ENV_PREFIX)} <= fields
     monkeypatch.setenv("POD_IP", env["POD_IP"])  # the replicator reads POD_IP from its process environment
     s = parse_settings([], env)

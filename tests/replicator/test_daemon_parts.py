@@ -17,6 +17,7 @@ from tierckpt.protocol.client import ONE_ATTEMPT, ReplicatorClient, api_base
 from tierckpt.protocol.control import PeerAssignment, PeerNode
 from tierckpt.protocol.errors import ContractError
 from tierckpt.protocol.format import state_dir
+from tierckpt.protocol.options import option_fields
 from tierckpt.protocol.tokens import TokenFile
 from tierckpt_demo.step_writer import write_step
 from tierckpt_replicator.assignments import AssignmentStore, data_endpoint
@@ -27,7 +28,7 @@ from tierckpt_replicator.daemon import worker_config
 from tierckpt_replicator.inventory import Holdings, InventoryScanner
 from tierckpt_replicator.replication.ipc import FetchSource, FetchTask, SendTask
 from tierckpt_replicator.replication.supervisor import WorkerSupervisor
-from tierckpt_replicator.settings import ENV_PREFIX, Settings, build_parser, parse_settings
+from tierckpt_replicator.settings import ENV_PREFIX, Settings, TransferSettings, build_parser, parse_settings
 from tierckpt_replicator.watch import CommitWatcher
 
 
@@ -45,7 +46,27 @@ def test_flags_win_over_environment_over_defaults(tmp_path: Path):
     legacy = parse_settings(["--node-name", "n", "--advertise-host", "10.1.2.3", "--auth", "token"], {})
     assert legacy.api_endpoint == "http://10.1.2.3:8470"
     d = parse_settings(["--node-name", "n", "--advertise-host", "h"], {})
-    assert (d.replicas, d.concurrency, d.replica_keep, d.bandwidth_limit) == (1, 2, 2, 0.0)
+    assert (d.replicas, d.transfer.concurrency, d.transfer.replica_keep, d.transfer.bandwidth_limit) == (
+        1,
+        2,
+        2,
+        0.0,
+    )
+
+
+def test_grouped_options_keep_their_flags_and_variables(tmp_path: Path):
+    """The data plane's options are a group (``Settings.transfer``, which the worker takes whole), read
+    from the same flags and variables as before: the chart and the operator set those."""
+    env = {
+        f"{ENV_PREFIX}JOB_QUOTA": "1000",
+        f"{ENV_PREFIX}MAX_INCOMING": "5",
+        f"{ENV_PREFIX}WORKER_IDLE": "yes",
+    }
+    s = parse_settings(["--node-name", "n", "--advertise-host", "h", "--max-incoming", "7"], env)
+    assert (s.transfer.max_incoming, s.transfer.job_quota, s.transfer.worker_idle) == (7, 1000, True)
+    with pytest.raises(ValueError, match="--max-incoming"):
+        parse_settings(["--node-name", "n", "--advertise-host", "h", "--max-incoming", "0"], {})
+    assert worker_config(s).transfer is s.transfer
 
 
 @pytest.mark.parametrize(
@@ -65,7 +86,7 @@ def test_bad_settings_are_refused(argv, env):
 
 def test_help_documents_every_option_with_its_environment_variable():
     text = build_parser().format_help()
-    for f in dataclasses.fields(Settings):
+    for f in option_fields(Settings):
         flag = "--" + f.name.replace("_", "-")
         assert flag in text, flag
         assert ENV_PREFIX + f.name.upper() in text.replace("\n", "").replace(" ", ""), f.name
@@ -194,7 +215,7 @@ async def test_supervisor_restarts_a_dead_worker(tmp_path: Path):
         listen_host="127.0.0.1",
         api_port=0,
         data_port=0,
-        worker_nice=0,
+        transfer=TransferSettings(worker_nice=0),
     )
     sup = WorkerSupervisor(dataclasses.replace(worker_config(settings), data_port=0))
     await sup.start()
@@ -222,7 +243,7 @@ async def test_supervisor_restarts_a_dead_worker(tmp_path: Path):
 
 def test_docs_describe_every_option():
     doc = (Path(__file__).resolve().parents[2] / "docs" / "replicator.md").read_text()
-    for f in dataclasses.fields(Settings):
+    for f in option_fields(Settings):
         assert f"`--{f.name.replace('_', '-')}" in doc, f.name
 
 
@@ -236,8 +257,7 @@ async def test_worker_runs_at_lower_priority(tmp_path: Path):
         token_file=token,
         advertise_host="127.0.0.1",
         listen_host="127.0.0.1",
-        worker_nice=7,
-        worker_idle=True,
+        transfer=TransferSettings(worker_nice=7, worker_idle=True),
     )
     sup = WorkerSupervisor(dataclasses.replace(worker_config(settings), data_port=0))
     await sup.start()

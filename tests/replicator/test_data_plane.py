@@ -27,6 +27,7 @@ from tierckpt_replicator.replication.manager import NODE_FAULTS
 from tierckpt_replicator.replication.transfer import fetch_step, push_step
 from tierckpt_replicator.replication.wire import DataReply, DataRequest, Status, recv_frame, send_frame
 from tierckpt_replicator.replication.worker import run_send
+from tierckpt_replicator.settings import TransferSettings
 from tierckpt_replicator.stepio import INCOMING_PREFIX
 
 pytestmark = pytest.mark.e2e
@@ -72,7 +73,7 @@ def make_peer(tmp_path: Path) -> Iterator:
             listen_host="127.0.0.1",
             data_port=0,
             holder=f"replicator-{name}",
-            **{"transfer_timeout": 5.0, **overrides},
+            transfer=TransferSettings(**{"transfer_timeout": 5.0, **overrides}),
         )
         events: list = []
         ctx = DataContext.from_config(cfg, emit=events.append)
@@ -500,7 +501,7 @@ def closed_at_once(port: int) -> bool:
 
 def test_idle_connections_are_bounded_per_source(make_peer):
     """At most per_source from one address: one more is closed at once, and the others stay."""
-    b = make_peer("b", max_incoming=1, connections_per_source=3)
+    b = make_peer("b", max_incoming=1, data_connections_per_source=3)
     idle = [socket.create_connection(("127.0.0.1", b.server.port), timeout=5) for _ in range(3)]
     try:
         LocalWait.until(lambda: b.server.connections.open == 3)
@@ -515,7 +516,7 @@ def test_idle_connections_are_bounded_per_source(make_peer):
 def test_idle_connections_are_bounded_in_total_and_the_oldest_makes_room(make_peer):
     """In total (4 x max_incoming + 8): when all are open and pending, a new one takes the place of the
     oldest (they all come from one address here), which is closed at once, not at its deadline."""
-    b = make_peer("b", max_incoming=1, connections_per_source=100, handshake_timeout=30.0)
+    b = make_peer("b", max_incoming=1, data_connections_per_source=100, handshake_timeout=30.0)
     total = 12
     idle = [socket.create_connection(("127.0.0.1", b.server.port), timeout=5) for _ in range(total)]
     try:
@@ -582,7 +583,7 @@ def test_a_trickled_request_is_closed_at_the_handshake_deadline(make_peer):
 
 def test_a_sender_below_the_rate_floor_is_dropped(make_peer):
     """Authorized, then trickling its data: dropped after one window below the floor, nothing kept."""
-    a, b = make_peer("a"), make_peer("b", transfer_timeout=1.0, min_transfer_rate=64 << 10)
+    a, b = make_peer("a"), make_peer("b", transfer_timeout=1.0, min_transfer_rate=0.065536)
     src = write_step(a.root, JOB, 0, 2, sizes=(1 << 20,))
     commit, manifest = (src / "COMMIT").read_bytes(), (src / "manifest.json").read_bytes()
     sock = socket.create_connection(("127.0.0.1", b.server.port), timeout=5)
@@ -607,5 +608,5 @@ def test_a_sender_below_the_rate_floor_is_dropped(make_peer):
             pass
         lived = time.monotonic() - start + closed_within(sock, 3)
     assert lived <= 3.0
-    LocalWait.until(lambda: b.server._slots._value == b.ctx.config.max_incoming)
+    LocalWait.until(lambda: b.server._slots._value == b.ctx.config.transfer.max_incoming)
     assert not replica(b, 0, 2).exists() and no_leftovers(b.root)

@@ -75,7 +75,7 @@ async def test_a_new_plan_for_the_step_a_run_still_stages_confirms_the_ranks_it_
         settings=SimpleNamespace(  # type: ignore[arg-type]
             root=tmp_path,
             node_name="a",
-            concurrency=4,
+            transfer=SimpleNamespace(concurrency=4),
             restore_attempts=1,
             retry_max=1.0,
             restore_fanout_wait=0.0,

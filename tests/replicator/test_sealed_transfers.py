@@ -39,6 +39,7 @@ from tierckpt_replicator.replication.wire import (
     recv_frame,
     send_frame,
 )
+from tierckpt_replicator.settings import TransferSettings
 from tierckpt_replicator.stepio import INCOMING_PREFIX
 
 pytestmark = pytest.mark.e2e
@@ -107,8 +108,7 @@ def peers(tmp_path: Path, pki: dict[str, TlsFiles]) -> Iterator[dict[str, Peer]]
             listen_host="127.0.0.1",
             data_port=0,
             holder=f"replicator-{node}",
-            transfer_timeout=5.0,
-            handshake_timeout=2.0,
+            transfer=TransferSettings(transfer_timeout=5.0, handshake_timeout=2.0),
         )
         server = DataServer(DataContext.from_config(cfg))
         server.start()

@@ -34,6 +34,7 @@ from tierckpt_replicator.replication.data_server import DataServer
 from tierckpt_replicator.replication.ipc import PeerAddress, WorkerConfig
 from tierckpt_replicator.replication.transfer import push_step
 from tierckpt_replicator.replication.wire import DataReply, DataRequest, Status, recv_frame, send_frame
+from tierckpt_replicator.settings import TransferSettings
 
 pytestmark = pytest.mark.e2e
 
@@ -93,7 +94,7 @@ def context(planted: Planted) -> DataContext:
         listen_host="127.0.0.1",
         data_port=0,
         holder="replicator-node-a",
-        transfer_timeout=5.0,
+        transfer=TransferSettings(transfer_timeout=5.0),
     )
     return DataContext.from_config(cfg, emit=lambda event: None)
 

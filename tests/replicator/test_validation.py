@@ -22,7 +22,7 @@ from tierckpt_replicator.replication.context import DataContext
 from tierckpt_replicator.replication.data_server import DataServer
 from tierckpt_replicator.replication.ipc import WorkerConfig
 from tierckpt_replicator.replication.wire import MAGIC, DataReply, DataRequest, Status, recv_frame, send_frame
-from tierckpt_replicator.settings import Settings
+from tierckpt_replicator.settings import Settings, TransferSettings
 
 HUGE = b"9" * 401
 """A 401-digit integer: valid JSON, far outside every field's range."""
@@ -184,7 +184,7 @@ def data_port(tmp_path: Path):
         listen_host="127.0.0.1",
         data_port=0,
         holder="replicator-node-a",
-        transfer_timeout=5.0,
+        transfer=TransferSettings(transfer_timeout=5.0),
     )
     server = DataServer(DataContext.from_config(cfg, emit=lambda event: None))
     server.start()

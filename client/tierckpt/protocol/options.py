@@ -3,16 +3,20 @@
 The daemons (``tierckpt-replicator``, ``tierckpt-operator``) each declare one frozen ``Settings``
 dataclass whose fields carry their help text; this module holds the one way such a dataclass is
 typed, read from ``<PREFIX><FIELD>`` environment variables and merged with parsed flags.
+
+A field marked ``group`` (``metadata={"group": "..."}``, its default a dataclass of options) groups
+options by concern: its own fields are options as if they were the outer class's (the same flags and
+variables, ``option_fields``), and the group is built from them.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
-__all__ = ["env_name", "field_type", "from_env", "merge_settings"]
+__all__ = ["env_name", "field_type", "from_env", "merge_settings", "option_fields"]
 
 S = TypeVar("S")
 
@@ -49,11 +53,23 @@ def from_env(f: dataclasses.Field[Any], raw: str, *, prefix: str) -> Any:
         raise ValueError(f"{name}={raw!r}: {exc}") from exc
 
 
+def option_fields(cls: type[Any]) -> Iterator[dataclasses.Field[Any]]:
+    """Every option of settings class ``cls``: its fields, a group's fields in its place."""
+    for f in dataclasses.fields(cls):
+        if f.metadata.get("group"):
+            yield from option_fields(f.default_factory)  # type: ignore[arg-type]  # the group's class
+        else:
+            yield f
+
+
 def merge_settings(cls: type[S], args: Mapping[str, Any], environ: Mapping[str, str], *, prefix: str) -> S:
     """Build ``cls``: a given flag wins, then ``<prefix><FIELD>`` from ``environ``, then the default."""
     values: dict[str, Any] = {}
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]
-        if args.get(f.name) is not None:
+        if f.metadata.get("group"):
+            group: Any = f.default_factory  # the group's class
+            values[f.name] = merge_settings(group, args, environ, prefix=prefix)
+        elif args.get(f.name) is not None:
             values[f.name] = args[f.name]
         elif env_name(prefix, f.name) in environ:
             values[f.name] = from_env(f, environ[env_name(prefix, f.name)], prefix=prefix)

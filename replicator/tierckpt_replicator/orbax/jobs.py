@@ -376,7 +376,7 @@ class OrbaxJobs:
             if not failed and ho.step is not None:
                 try:
                     layout = materialize(
-                        tree, rank, ho.step, job_id=job, limit=self.settings.max_manifest_bytes
+                        tree, rank, ho.step, job_id=job, limit=self.settings.transfer.max_manifest_bytes
                     )
                 except (FormatError, UnsafePathError, FileNotFoundError) as exc:
                     failed = f"step {ho.step} of process {rank} cannot be laid out: {_inside(tree, exc)}"

@@ -65,9 +65,9 @@ class DataContext:
         static = load_static(Path(config.peers_file)) if config.peers_file else None
         ctx = cls(
             config=config,
-            bucket=TokenBucket(config.bandwidth_bytes_per_s),
+            bucket=TokenBucket(config.transfer.bandwidth_limit * 1e6),
             members=JobMembers(root, AssignmentStore(root, static)),
-            quotas=JobQuotas(root, PolicyStore(root), config.job_quota),
+            quotas=JobQuotas(root, PolicyStore(root), config.transfer.job_quota),
             emit=emit,
         )
         if config.auth == "tls":
@@ -113,11 +113,11 @@ def connect(ctx: DataContext, peer: PeerAddress) -> DataConnection:
     """A connection to ``peer``'s data endpoint, with the transfer timeout set. With TLS, the handshake
     is done and ``peer.node``'s certificate verified (``ssl.SSLError`` otherwise) before the caller
     sends a byte, and the connection is a sealed channel (a peer that refuses one: ``ProtocolError``)."""
-    sock = socket.create_connection((peer.host, peer.port), timeout=ctx.config.connect_timeout)
+    sock = socket.create_connection((peer.host, peer.port), timeout=ctx.config.transfer.connect_timeout)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     tls = ctx.credentials()
     if tls is None:
-        sock.settimeout(ctx.config.transfer_timeout)
+        sock.settimeout(ctx.config.transfer.transfer_timeout)
         return sock
     try:
         wrapped = tls.client(named=True).wrap_socket(sock, server_hostname=node_server_name(peer.node))
@@ -129,7 +129,7 @@ def connect(ctx: DataContext, peer: PeerAddress) -> DataConnection:
     except BaseException:
         wrapped.close()
         raise
-    channel.settimeout(ctx.config.transfer_timeout)
+    channel.settimeout(ctx.config.transfer.transfer_timeout)
     return channel
 
 

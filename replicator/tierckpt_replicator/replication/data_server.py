@@ -76,12 +76,12 @@ class DataServer:
     def __init__(self, ctx: DataContext) -> None:
         self.ctx = ctx
         cfg = ctx.config
-        self._slots = threading.BoundedSemaphore(cfg.max_incoming)
+        self._slots = threading.BoundedSemaphore(cfg.transfer.max_incoming)
         self.connections = ConnectionLimits(
             "data endpoint",
-            total=4 * cfg.max_incoming + 8,
-            per_source=cfg.connections_per_source,
-            deadline=cfg.handshake_timeout,
+            total=4 * cfg.transfer.max_incoming + 8,
+            per_source=cfg.transfer.data_connections_per_source,
+            deadline=cfg.transfer.handshake_timeout,
         )
         self.transfers = Transfers(ctx)
         self._listener: socket.socket | None = None
@@ -178,8 +178,12 @@ class DataServer:
             admission.authenticated()  # --auth token: the token checked
             slot = self._slots.acquire(blocking=False)
             if not slot:
-                raise Reject(Status.BUSY, f"already serving {self.ctx.config.max_incoming} transfers")
-            conn.settimeout(self.ctx.config.transfer_timeout)  # a silent peer: caught within a window
+                raise Reject(
+                    Status.BUSY, f"already serving {self.ctx.config.transfer.max_incoming} transfers"
+                )
+            conn.settimeout(
+                self.ctx.config.transfer.transfer_timeout
+            )  # a silent peer: caught within a window
             if isinstance(conn, SealedChannel):
                 conn.allow_bulk()
             HANDLERS[req.op](self.transfers, conn, req)

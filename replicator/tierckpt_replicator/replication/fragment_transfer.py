@@ -146,7 +146,11 @@ def _encode(ctx: DataContext, task: ErasureTask, scratch: Path) -> tuple[StepHea
         path = parent.at(step_name(task.step))
         with leases.hold(parent, task.step, unique_holder(ctx.config.holder)):
             header = read_header(
-                path, job=task.job, rank=task.rank, step_no=task.step, limit=ctx.config.max_manifest_bytes
+                path,
+                job=task.job,
+                rank=task.rank,
+                step_no=task.step,
+                limit=ctx.config.transfer.max_manifest_bytes,
             )
             with open_files(path, header.manifest) as fds, contextlib.ExitStack() as stack:
                 ctx.quotas.check(header.manifest, fds=fds)  # encoding writes k + m fragments of it
@@ -195,7 +199,12 @@ def push_fragment(
                 return Outcome(peer.node, outcome_status(reply.status), reply.message, index=index)
             size = os.fstat(f.fileno()).st_size
             send_file(
-                sock, f.fileno(), size, where=str(path), bucket=ctx.bucket, method=ctx.config.send_method
+                sock,
+                f.fileno(),
+                size,
+                where=str(path),
+                bucket=ctx.bucket,
+                method=ctx.config.transfer.send_method,
             )
             reply = recv_frame(sock, DataReply)
     except (OSError, ProtocolError) as exc:
@@ -304,7 +313,7 @@ def _receive_fragment(
     reply = recv_frame(sock, DataReply)
     if reply.status != Status.OK:
         return Outcome(source.node, outcome_status(reply.status), reply.message), None
-    limit = ctx.config.max_manifest_bytes
+    limit = ctx.config.transfer.max_manifest_bytes
     sizes = (reply.commit_size, reply.manifest_size, reply.erasure_size)
     if not all(0 < n <= limit for n in sizes):
         raise ProtocolError(f"fragment header sizes {sizes} out of bounds")

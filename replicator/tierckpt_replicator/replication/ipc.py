@@ -20,6 +20,7 @@ from tierckpt.protocol.codec import Message, Record, decode
 from tierckpt.protocol.control import PeerAssignment
 from tierckpt.protocol.errors import FormatError
 from tierckpt_replicator.assignments import data_endpoint
+from tierckpt_replicator.settings import TransferSettings
 
 __all__ = [
     "MESSAGES",
@@ -84,25 +85,10 @@ class WorkerConfig(Message):
     listen_host: str
     data_port: int
     holder: str
-    concurrency: int = 2
-    max_incoming: int = 4
-    bandwidth_bytes_per_s: float = 0.0
-    transfer_timeout: float = 30.0
-    connect_timeout: float = 5.0
-    handshake_timeout: float = 5.0
-    min_transfer_rate: float = 64 << 10
-    """Bytes per second an incoming transfer must average over every ``transfer_timeout`` window."""
-    connections_per_source: int = 8
-    max_manifest_bytes: int = 64 << 20
-    reserve_bytes: int = 64 << 20
-    job_quota: int = 0
-    """``--job-quota``: bytes one rank's step may declare (0: none; the job's policy and this node's
-    ramdisk size apply too)."""
-    replica_keep: int = 2
-    nice: int = 10
-    idle_class: bool = False
+    transfer: TransferSettings = dataclasses.field(default_factory=TransferSettings)
+    """The data plane's settings (``--concurrency``, ``--max-incoming``, the timeouts and rates, the
+    quota, retention and the worker process's priority), the daemon's ``Settings.transfer`` whole."""
     log_level: str = "INFO"
-    send_method: Literal["mmap", "sendfile"] = "sendfile"
     auth: Literal["tls", "token"] = "tls"
     tls_cert: str = ""
     """--auth tls: this node's certificate chain (the file may hold its key too)."""

@@ -92,7 +92,7 @@ def log_outcome(logger: logging.Logger, what: str, task: StepTask, link: str, ou
 
 
 def _read_header(ctx: DataContext, path: Beneath, job: str, rank: int, step: int) -> StepHeader:
-    return read_header(path, job=job, rank=rank, step_no=step, limit=ctx.config.max_manifest_bytes)
+    return read_header(path, job=job, rank=rank, step_no=step, limit=ctx.config.transfer.max_manifest_bytes)
 
 
 # ------------------------------------------------------------------------------------ push
@@ -214,7 +214,7 @@ def _push(
             where=f"{path.where}/{f.name}",
             bucket=ctx.bucket,
             on_bytes=on_bytes,
-            method=ctx.config.send_method,
+            method=ctx.config.transfer.send_method,
         )
     return recv_frame(sock, DataReply), sent, linked
 
@@ -343,7 +343,7 @@ def _download(
         reply = recv_frame(sock, DataReply)
         if reply.status != Status.OK:
             raise _Refused(outcome_status(reply.status), reply.message)
-        limit = ctx.config.max_manifest_bytes
+        limit = ctx.config.transfer.max_manifest_bytes
         if not (0 < reply.commit_size <= limit and 0 < reply.manifest_size <= limit):
             raise ProtocolError(f"header sizes {reply.commit_size}/{reply.manifest_size} out of bounds")
         header = parse_header(

@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s [worker] %(name)s: %(message)s",
     )
-    lower_priority(config.nice, config.idle_class)
+    lower_priority(config.transfer.worker_nice, config.transfer.worker_idle)
     ctx = DataContext.from_config(config, emit=chan.send)
     removed = remove_stale_incoming(Path(config.root)) + remove_scratch(Path(config.root))
     if removed:
@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     server = DataServer(ctx)
     server.start()
     chan.send(WorkerReady(data_port=server.port))
-    pool = ThreadPoolExecutor(max_workers=config.concurrency, thread_name_prefix="transfer")
+    pool = ThreadPoolExecutor(max_workers=config.transfer.concurrency, thread_name_prefix="transfer")
     try:
         _serve_tasks(chan, ctx, pool)
     finally:

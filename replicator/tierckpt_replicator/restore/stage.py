@@ -285,7 +285,7 @@ class Stager:
             self.states[job] = {r: RestoreState.PENDING for r in ranks}
             log.info("restore %s: step %s for ranks %s", job, plan.step, list(ranks))
             self._tell_new_ranks(job, plan, assignment, ranks)
-            sem = asyncio.Semaphore(self.settings.concurrency)
+            sem = asyncio.Semaphore(self.settings.transfer.concurrency)
             await asyncio.gather(*(self._stage_rank(job, r, plan, assignment, sem) for r in ranks))
         except asyncio.CancelledError:
             raise

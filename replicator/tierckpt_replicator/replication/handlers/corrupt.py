@@ -43,7 +43,7 @@ def _check_reported(t: Transfers, job: Beneath, req: DataRequest) -> str:
         discard_step(path)
         return f"replica dropped: {exc}"
     if committed:
-        problems = verify_step(path, limit=t.ctx.config.max_manifest_bytes)
+        problems = verify_step(path, limit=t.ctx.config.transfer.max_manifest_bytes)
         if problems:
             discard_step(path)
             message = f"replica dropped: {'; '.join(problems)}"

@@ -50,7 +50,7 @@ class Transfers:
     def floor(self) -> RateFloor:
         """The minimum rate of what a peer sends from now on (one per phase we wait on the peer in)."""
         cfg = self.ctx.config
-        return RateFloor(cfg.min_transfer_rate, cfg.transfer_timeout)
+        return RateFloor(cfg.transfer.min_transfer_rate * 1e6, cfg.transfer.transfer_timeout)
 
     @staticmethod
     def reply(conn: DataConnection, reply: DataReply, payload: bytes = b"") -> None:
@@ -120,7 +120,7 @@ class Transfers:
 
     def ensure_room(self, job: str, need: int) -> None:
         root = self.ctx.root
-        reserve = self.ctx.config.reserve_bytes + client_headroom(root)
+        reserve = self.ctx.config.transfer.reserve_bytes + client_headroom(root)
         if free_bytes(root) - need >= reserve:
             return
         make_room(root, job)

@@ -52,7 +52,7 @@ def handle(t: Transfers, conn: DataConnection, req: DataRequest) -> None:
             started = time.monotonic()
             status, message = _receive_fragment(t, conn, req, FragmentWriter(parent, header))
             if status == Status.OK:
-                retain(parent, t.ctx.config.replica_keep)
+                retain(parent, t.ctx.config.transfer.replica_keep)
             t.reply(conn, DataReply(status=status, message=message, total_bytes=total, index=req.index))
     seconds = time.monotonic() - started
     log.info(
@@ -70,7 +70,7 @@ def handle(t: Transfers, conn: DataConnection, req: DataRequest) -> None:
 
 
 def _read_header(t: Transfers, conn: DataConnection, req: DataRequest) -> FragmentHeader:
-    limit = t.ctx.config.max_manifest_bytes
+    limit = t.ctx.config.transfer.max_manifest_bytes
     sizes = (("commit", req.commit_size), ("manifest", req.manifest_size), ("erasure", req.erasure_size))
     for what, size in sizes:
         if not 0 < size <= limit:

@@ -49,7 +49,7 @@ def send_step(t: Transfers, conn: DataConnection, req: DataRequest, rank: Beneat
                 job=req.job,
                 rank=req.rank,
                 step_no=req.step,
-                limit=t.ctx.config.max_manifest_bytes,
+                limit=t.ctx.config.transfer.max_manifest_bytes,
             )
         except FormatError as exc:
             raise Reject(Status.CORRUPT, f"local copy unreadable: {exc}") from exc
@@ -68,7 +68,7 @@ def send_step(t: Transfers, conn: DataConnection, req: DataRequest, rank: Beneat
             send_frame(conn, reply, header.commit_bytes + header.manifest_bytes)
             for f, fd in zip(header.manifest.files, fds, strict=True):
                 where = f"{path.where}/{f.name}"
-                send_file(conn, fd, f.size, where=where, method=t.ctx.config.send_method)
+                send_file(conn, fd, f.size, where=where, method=t.ctx.config.transfer.send_method)
     seconds = time.monotonic() - started
     log.info(
         "served %s rank %d step %d to %s (%d bytes, %.2fs)",

@@ -32,7 +32,7 @@ def handle(t: Transfers, conn: DataConnection, req: DataRequest) -> None:
         path = find_fragment(job, req.rank, req.step)
         if path is None:
             raise missing
-        limit = t.ctx.config.max_manifest_bytes
+        limit = t.ctx.config.transfer.max_manifest_bytes
         try:
             header = read_fragment_header(path, job=req.job, rank=req.rank, step_no=req.step, limit=limit)
         except FormatError as exc:
@@ -50,7 +50,7 @@ def handle(t: Transfers, conn: DataConnection, req: DataRequest) -> None:
             )
             send_frame(conn, reply, step.commit_bytes + step.manifest_bytes + header.erasure_bytes)
             where = f"{path.where}/{fragment_name(header.index)}"
-            send_file(conn, fd, header.size, where=where, method=t.ctx.config.send_method)
+            send_file(conn, fd, header.size, where=where, method=t.ctx.config.transfer.send_method)
         finally:
             os.close(fd)
     seconds = time.monotonic() - started

@@ -63,7 +63,7 @@ def handle(t: Transfers, conn: DataConnection, req: DataRequest) -> None:
             started = time.monotonic()
             status, message = _receive_replica(t, conn, req, writer, linked > 0)
             if status == Status.OK:  # before the reply: once the sender hears "committed", retention ran
-                apply_retention(t.ctx.root, req.job, t.ctx.config.replica_keep)
+                apply_retention(t.ctx.root, req.job, t.ctx.config.transfer.replica_keep)
             t.reply(conn, DataReply(status=status, message=message, total_bytes=total))
     seconds = time.monotonic() - started
     log.info(
@@ -87,7 +87,7 @@ def _holds_this_save(t: Transfers, req: DataRequest, parent: Beneath, header: St
     if the one held is the newer save, or is being read (leased)."""
     held = parent.at(step_name(req.step))
     mine = read_header(
-        held, job=req.job, rank=req.rank, step_no=req.step, limit=t.ctx.config.max_manifest_bytes
+        held, job=req.job, rank=req.rank, step_no=req.step, limit=t.ctx.config.transfer.max_manifest_bytes
     )
     if mine.commit_bytes == header.commit_bytes:
         return True
@@ -132,7 +132,7 @@ def _link_base(t: Transfers, job: Beneath, req: DataRequest, writer: StepWriter)
                     job=req.job,
                     rank=req.base_rank,
                     step_no=req.step,
-                    limit=t.ctx.config.max_manifest_bytes,
+                    limit=t.ctx.config.transfer.max_manifest_bytes,
                 ).manifest
                 other = theirs.replica
                 if other is None or other.group != record.group or other.diverged:
@@ -157,7 +157,7 @@ def _link_base(t: Transfers, job: Beneath, req: DataRequest, writer: StepWriter)
 
 
 def _read_header(t: Transfers, conn: DataConnection, req: DataRequest) -> StepHeader:
-    limit = t.ctx.config.max_manifest_bytes
+    limit = t.ctx.config.transfer.max_manifest_bytes
     for what, size in (("commit", req.commit_size), ("manifest", req.manifest_size)):
         if not 0 < size <= limit:
             raise Reject(Status.TOO_LARGE, f"{what} size {size} outside 1..{limit}")

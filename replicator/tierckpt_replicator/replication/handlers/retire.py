@@ -38,7 +38,7 @@ def handle(t: Transfers, conn: DataConnection, req: DataRequest) -> None:
             steps = [s for s in committed_steps(parent) if s <= req.step]
             if steps:
                 newest = parent.at(step_name(steps[-1]))
-                world = read_manifest(newest, limit=t.ctx.config.max_manifest_bytes).world_size
+                world = read_manifest(newest, limit=t.ctx.config.transfer.max_manifest_bytes).world_size
                 owns = assignment is not None and req.rank in assignment.process_ranks(req.node, world)
                 if t.ctx.tokens is None and not owns:
                     raise Reject(Status.FORBIDDEN, f"{req.node} does not run rank {req.rank} of {req.job}")
