@@ -163,3 +163,19 @@ def test_a_tampered_objects_file_runs_nothing_at_load(root: Path, job: str, tmp_
         dest: dict = {}
         assert ck.load(dest, fallback=True) == 1 and dest["meta"] == {"epoch": {1}}
     assert not marker.exists()
+
+
+def test_checksum_threads_are_this_trainers_share_of_the_cpus(monkeypatch):
+    """Four trainers of a node each running a pool of every CPU would oversubscribe the CPUs."""
+    from tierckpt.snapshot.checksum import crc_threads
+
+    cpus = len(os.sched_getaffinity(0))
+    monkeypatch.delenv("TIERCKPT_CRC_THREADS", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert crc_threads() == cpus
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert crc_threads() == max(1, cpus // 4)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "junk")
+    assert crc_threads() == cpus
+    monkeypatch.setenv("TIERCKPT_CRC_THREADS", "3")
+    assert crc_threads() == 3
