@@ -179,3 +179,17 @@ def test_checksum_threads_are_this_trainers_share_of_the_cpus(monkeypatch):
     assert crc_threads() == cpus
     monkeypatch.setenv("TIERCKPT_CRC_THREADS", "3")
     assert crc_threads() == 3
+
+
+def test_copy_threads_ignore_torchruns_one_thread_for_kernels(monkeypatch):
+    """torchrun sets OMP_NUM_THREADS=1 (torch.get_num_threads() == 1) for the training's kernels; the
+    copies of a restore (and DCP's bounce buffers) still use this trainer's share of the CPUs."""
+    from tierckpt.snapshot import copy
+
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert copy._copy_workers() == min(8, len(os.sched_getaffinity(0)))
+    finally:
+        torch.set_num_threads(threads)

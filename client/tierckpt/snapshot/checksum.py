@@ -20,6 +20,7 @@ import threading
 from collections.abc import Sequence
 
 from tierckpt.protocol.integrity import crc32c_address, crc32c_combine
+from tierckpt.snapshot.cpus import cpu_share
 
 __all__ = ["Combiner", "PendingCrcs", "chunk_bytes", "crc_pool", "region_crcs", "start_file_crcs"]
 
@@ -35,12 +36,7 @@ def crc_threads() -> int:
     of a node each running a pool of every CPU would oversubscribe the CPUs and the memory bandwidth
     that their host-to-device copies need."""
     explicit = os.environ.get("TIERCKPT_CRC_THREADS", "")
-    if explicit.isdigit() and int(explicit) > 0:
-        return int(explicit)
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    local = os.environ.get("LOCAL_WORLD_SIZE", "")
-    share = int(local) if local.isdigit() and int(local) > 0 else 1
-    return max(1, cpus // share)
+    return int(explicit) if explicit.isdigit() and int(explicit) > 0 else cpu_share()
 
 
 def crc_pool() -> concurrent.futures.ThreadPoolExecutor:
