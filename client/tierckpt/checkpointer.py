@@ -211,6 +211,7 @@ class Checkpointer:
         self._stager = DeviceStager(s.device_budget) if s.device_staging is not False else None
         """Device staging (on unless ``device_staging=False``); it only acts on CUDA tensors."""
         self._registering: concurrent.futures.Future[None] | None = None
+        self._planned_slots = False  # the pool was given a layout to prepare (prepare() or a save)
         """The pool's last warm-up (preparing and pinning slots in the background)."""
         self._optimizers: weakref.WeakKeyDictionary[torch.optim.Optimizer, list[Any]] = (
             weakref.WeakKeyDictionary()
@@ -391,6 +392,7 @@ class Checkpointer:
         if not waits:
             job.handle._set_snapshot()
         self._registering = self._pool.warm(plan)  # spares for the next saves, off the training thread
+        self._planned_slots = True
         self._executor.submit(self._finish, job)
         nbytes = sum(f.size for f in plan.files) + len(objects or b"")
         self._last_save = {"step": step, "role": "writer", "written_bytes": nbytes, "logical_bytes": nbytes}
@@ -888,14 +890,17 @@ class Checkpointer:
         self._use_cuda(flat)
         protected = self._protected() if self._overlapping else set()
         future = self._registering = self._pool.warm(self._plan(flat, protected))
+        self._planned_slots = True
         if blocking:
             future.result()
         return future
 
     def _prepare_saves(self, state_dict: dict[Any, Any]) -> None:
         """After a load: prepare the slots for this state in the background (``prepare(blocking=False)``),
-        so the first saves find them ready; a state that cannot be prepared is left to the first save."""
-        if self._group is not None and not self._group.writer:
+        so the first saves find them ready; a state that cannot be prepared is left to the first save.
+        Once the pool knows a layout (an earlier prepare or save), it keeps its slots ready itself: a
+        later load skips the flatten and planning (milliseconds on the restore path)."""
+        if self._planned_slots or (self._group is not None and not self._group.writer):
             return
         try:
             self.prepare(state_dict, blocking=False)
