@@ -37,8 +37,8 @@ pytestmark = [pytest.mark.root, pytest.mark.e2e, pytest.mark.slow]
 
 DEFAULTS = Settings()
 API_TOTAL, API_PER_SOURCE = DEFAULTS.api_max_connections, DEFAULTS.api_connections_per_source
-DATA_TOTAL = 4 * DEFAULTS.max_incoming + 8
-DATA_PER_SOURCE = DEFAULTS.data_connections_per_source
+DATA_TOTAL = 4 * DEFAULTS.transfer.max_incoming + 8
+DATA_PER_SOURCE = DEFAULTS.transfer.data_connections_per_source
 CALLER = "127.0.0.250"
 """The legitimate caller's address (the operator's, a peer node's): a source of its own."""
 AT_ONCE = 2.0

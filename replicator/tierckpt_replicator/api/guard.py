@@ -27,9 +27,11 @@ where each request's headers and body end without reaching into uvicorn. The pro
 (``tierckpt_replicator.probes``) is a ``GuardedServer`` too, on its own port and loop.
 
 Seams. Of asyncio only public APIs (``sock_accept``, ``connect_accepted_socket``, protocols and
-transports), and httptools' parser. Of uvicorn, ``Server.startup(sockets=[])`` (the lifespan, no
-listener of its own), ``Server.shutdown``, and the protocol class ``Config.http_protocol_class`` made
-with the keyword arguments ``Server.startup`` gives it (``config``, ``server_state``, ``app_state``).
+transports), and httptools' parser; no private class of asyncio or uvicorn is subclassed or built. Of
+uvicorn, ``Server`` (public: subclassed through ``startup(sockets=[])``, the lifespan with no listener
+of its own, ``shutdown``, ``capture_signals`` and the ``started``/``should_exit`` flags), and the
+protocol class ``Config.http_protocol_class`` made with the keyword arguments ``Server.startup`` gives
+it (``config``, ``server_state``, ``app_state``: the server's ``server_state`` and ``lifespan.state``).
 That last one is not documented, so pyproject.toml pins the uvicorn versions this was tested with
 (``TESTED_UVICORN``) and ``tests/replicator/test_guard.py`` fails on any other: upgrade it only with
 those tests passing. (The guard used to subclass uvicorn's httptools protocol and build asyncio's
