@@ -230,7 +230,11 @@ def launch(args: argparse.Namespace, mode: str, index: int, *, check: bool = Fal
                 "--",
                 *cmd,
             ]
-        env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(rank % max(1, args.gpus)))
+        env = dict(
+            os.environ,
+            CUDA_VISIBLE_DEVICES=str(rank % max(1, args.gpus)),
+            LOCAL_WORLD_SIZE=str(args.trainers),
+        )
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True))
     deadline = time.monotonic() + 300
     while not all((run_dir / f"ready-{r}").exists() for r in range(args.trainers)):

@@ -346,8 +346,10 @@ class Checkpointer:
 
     def _prepare_saves(self, state_dict: dict[Any, Any]) -> None:
         """After a load: prepare the slots for this state in the background (``prepare(blocking=False)``),
-        so the first saves find them ready; a state that cannot be prepared is left to the first save."""
-        if self._group is not None and not self._group.writer:
+        so the first saves find them ready; a state that cannot be prepared is left to the first save.
+        Once the pool knows a layout (an earlier prepare or save), it keeps its slots ready itself: a
+        later load skips the flatten and planning (milliseconds on the restore path)."""
+        if self._writer.planned_slots or (self._group is not None and not self._group.writer):
             return
         try:
             self.prepare(state_dict, blocking=False)

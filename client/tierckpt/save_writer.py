@@ -145,6 +145,8 @@ class SaveWriter:
         """What the last save did (``Checkpointer.last_save``)."""
         self.registering: concurrent.futures.Future[None] | None = None
         """The pool's last warm-up (preparing and pinning slots in the background)."""
+        self.planned_slots = False
+        """Whether the pool was given a layout to prepare (``prepare()`` or a save)."""
         self._warned_overlap = False
         self._bound_first: weakref.ref[torch.Tensor] | None = None
 
@@ -156,6 +158,7 @@ class SaveWriter:
     def warm(self, layout: LayoutPlan | None) -> concurrent.futures.Future[None]:
         """Prepare (and pin) the pool's slots for ``layout`` in the background (``SlotPool.warm``)."""
         self.registering = self.pool.warm(layout)
+        self.planned_slots = self.planned_slots or layout is not None
         return self.registering
 
     def use_cuda(self, flat: FlatState) -> None:

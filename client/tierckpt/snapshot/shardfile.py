@@ -33,6 +33,7 @@ import torch
 
 from tierckpt import cuda
 from tierckpt.protocol.errors import RamdiskFullError
+from tierckpt.snapshot.cpus import cpu_share
 
 __all__ = ["MappedFile", "allocate"]
 
@@ -63,8 +64,8 @@ def _madvise() -> ctypes._CFuncPtr:  # type: ignore[name-defined]
 
 
 def fault_workers() -> int:
-    """Threads that pre-fault one mapping: half the CPUs, at most 8 (training keeps the rest)."""
-    return min(8, max(1, (os.cpu_count() or 2) // 2))
+    """Threads that pre-fault one mapping: half this trainer's CPUs, at most 8 (training keeps the rest)."""
+    return min(8, max(1, cpu_share() // 2))
 
 
 def _faulters() -> concurrent.futures.ThreadPoolExecutor:
