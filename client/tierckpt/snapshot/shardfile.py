@@ -321,6 +321,16 @@ class MappedFile:
             self._mm.flush()
         os.fsync(self._fd)
 
+    def backs(self, path: Path) -> bool:
+        """Whether this mapping is of the file now at ``path`` (not one replaced or removed since)."""
+        if self._fd < 0:
+            return False
+        try:
+            mine, there = os.fstat(self._fd), os.stat(path)
+        except OSError:
+            return False
+        return (mine.st_dev, mine.st_ino) == (there.st_dev, there.st_ino)
+
     def close(self, *, unlink: bool = False) -> None:
         """Unregister, unmap and close; optionally delete the file."""
         with self._register_lock:  # not while a background thread pins it
