@@ -197,8 +197,8 @@ def test_once_the_pool_knows_the_layout_a_load_does_not_plan_the_slots_again(roo
     with Checkpointer(root=root, job=job, keep=2) as ck:
         ck.save(1, state, blocking=True)
         planned = []
-        real_plan = ck._plan
-        monkeypatch.setattr(ck, "_plan", lambda *a, **k: planned.append(1) or real_plan(*a, **k))
+        real_plan = ck._planner.layout
+        monkeypatch.setattr(ck._planner, "layout", lambda *a, **k: planned.append(1) or real_plan(*a, **k))
         dest = state_of(0.0)
         for _ in range(3):
             assert ck.load(dest) == 1
@@ -206,8 +206,8 @@ def test_once_the_pool_knows_the_layout_a_load_does_not_plan_the_slots_again(roo
         assert_same(state, dest)
     with Checkpointer(root=root, job=job, keep=2) as ck:  # a restart: the first load prepares, once
         planned = []
-        real_plan = ck._plan
-        monkeypatch.setattr(ck, "_plan", lambda *a, **k: planned.append(1) or real_plan(*a, **k))
+        real_plan = ck._planner.layout
+        monkeypatch.setattr(ck._planner, "layout", lambda *a, **k: planned.append(1) or real_plan(*a, **k))
         for _ in range(3):
             assert ck.load(dest) == 1
         assert planned == [1]
