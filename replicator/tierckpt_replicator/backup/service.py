@@ -52,11 +52,12 @@ from tierckpt.protocol.errors import FormatError, TierckptError
 from tierckpt.protocol.format import Dir, committed_steps, read_manifest
 from tierckpt.protocol.safefs import Beneath
 from tierckpt_replicator.backup.catalog import BucketView, Catalog
+from tierckpt_replicator.backup.chunkstore import ChunkUploads, Sweeper
 from tierckpt_replicator.backup.fence import Fences, JobFenced
 from tierckpt_replicator.backup.metrics import BackupMetrics
 from tierckpt_replicator.backup.restorer import Restorer
 from tierckpt_replicator.backup.spread import assign_uploads, data_rank, holders_of, rendezvous_score
-from tierckpt_replicator.backup.store import ObjectStore
+from tierckpt_replicator.backup.store import ObjectStore, StoreError
 from tierckpt_replicator.backup.uploader import Uploader
 from tierckpt_replicator.policies import PolicyStore
 from tierckpt_replicator.quota import JobQuotas, OverQuotaError
@@ -162,6 +163,24 @@ class BackupService:
         )
         writes = self.fences.store  # every write of a job's objects: its writer lease held, not fenced here
         self.catalog = Catalog(writes, self.layout, node, self._io, view_max_age=settings.catalog_max_age)
+        chunks = (
+            ChunkUploads(
+                writes,
+                self.layout,
+                self.catalog,
+                self._io,
+                compression=settings.compression,
+                max_list_bytes=settings.max_manifest_bytes,
+                on_bytes=self.metrics.bytes_uploaded.inc,
+                check_stop=self._check_stop,
+                sweep_wait=2 * settings.writer_ttl,
+            )
+            if settings.chunks
+            else None
+        )
+        self.sweeper = Sweeper(
+            writes, self.layout, node, self._io, ttl=settings.writer_ttl, max_list_bytes=settings.max_manifest_bytes
+        )
         self.uploader = Uploader(
             writes,
             self.layout,
@@ -174,6 +193,7 @@ class BackupService:
             should_stop=self.fences.fenced,
             group_wait=settings.group_wait,
             quotas=self.quotas,
+            chunks=chunks,
         )
         self.restorer = Restorer(
             store,
@@ -659,6 +679,7 @@ class BackupService:
                 self._commits.setdefault(job, {}).setdefault(step, set()).add(futures[fut])
                 sent += done.bytes_sent
                 logical += done.logical_bytes
+                self.metrics.chunk_bytes_reused.inc(done.reused_bytes)
                 if not done.skipped:
                     self.metrics.ranks_uploaded.inc()
             except JobFenced as exc:
@@ -727,6 +748,7 @@ class BackupService:
         if self.policy.retention(view.complete, protect=protect).delete:
             with self.fences.writing(job, newest):
                 self._retire(job, {}, newest)
+        self._sweep(job, newest)
         since = self._old_since.setdefault(job, {})
         now, grace = time.monotonic(), self.settings.incomplete_grace
         for s in [s for s in since if s not in view.incomplete_old]:
@@ -734,6 +756,22 @@ class BackupService:
         for s in view.incomplete_old:
             if now - since.setdefault(s, now) >= grace:
                 self.catalog.delete_step(job, s, grace=grace)
+
+    def _sweep(self, job: str, newest: int) -> None:
+        """Delete the chunks no step in the bucket refers to any more (under a writer lease; put off
+        while another node writes objects of the job). A failure is logged: the next pass sweeps."""
+        try:
+            with self.fences.writing(job, newest) as lease:
+                deleted = self.sweeper.sweep(job, lease.key)
+        except (StoreError, FormatError) as exc:
+            log.warning("job %s: chunk sweep failed: %s", job, exc)
+            return
+        if deleted:
+            self.metrics.chunks_deleted.inc(deleted)
+
+    def _check_stop(self, job: str) -> None:
+        if self.fences.fenced(job):
+            raise JobFenced(f"uploads of job {job} stopped: it is being purged on this node")
 
     # ------------------------------------------------------------------------------------ local data
 
