@@ -53,7 +53,9 @@ def corpus(limit: int = 8 << 20) -> bytes:
     return bytes(out)
 
 
-def train(steps: int, delta_steps: int) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, dict[str, torch.Tensor]]]:
+def train(
+    steps: int, delta_steps: int
+) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, dict[str, torch.Tensor]]]:
     """Train the small GPT-2; the state after ``steps - delta_steps`` and after ``steps`` steps."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -110,7 +112,11 @@ Codec = tuple[Callable[[bytes, int], bytes], Callable[[bytes, int, int], bytes]]
 def codecs() -> dict[str, Codec]:
     import zstandard
 
-    z1, z3, d = zstandard.ZstdCompressor(level=1), zstandard.ZstdCompressor(level=3), zstandard.ZstdDecompressor()
+    z1, z3, d = (
+        zstandard.ZstdCompressor(level=1),
+        zstandard.ZstdCompressor(level=3),
+        zstandard.ZstdDecompressor(),
+    )
     out: dict[str, Codec] = {
         "zstd-1": (lambda b, w: z1.compress(b), lambda c, n, w: d.decompress(c, max_output_size=n)),
         "zstd-3": (lambda b, w: z3.compress(b), lambda c, n, w: d.decompress(c, max_output_size=n)),
@@ -146,7 +152,13 @@ def measure(name: str, data: bytes, width: int, codec: Codec, base: bytes | None
             back = xor(back, base_chunks[i])
         t2 = time.perf_counter()
         if back != part:
-            return {"codec": name, "ratio": float("nan"), "compress_MBps": 0.0, "decompress_MBps": 0.0, "error": "round trip differs"}
+            return {
+                "codec": name,
+                "ratio": float("nan"),
+                "compress_MBps": 0.0,
+                "decompress_MBps": 0.0,
+                "error": "round trip differs",
+            }
         stored += len(blob)
         t_enc += t1 - t0
         t_dec += t2 - t1
@@ -180,7 +192,9 @@ def main() -> None:
     ap.add_argument("--delta-steps", type=int, default=10)
     ap.add_argument("--no-link", action="store_true")
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--cache", default="", help="keep the trained states in this file (reused when it exists)")
+    ap.add_argument(
+        "--cache", default="", help="keep the trained states in this file (reused when it exists)"
+    )
     args = ap.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
     cache = Path(args.cache) if args.cache else None
@@ -198,9 +212,16 @@ def main() -> None:
         for name, codec in codecs().items():
             rows.append({"state": kind, "MiB": len(data) / MiB, **measure(name, data, width, codec, None)})
             if name in ("zstd-1", "group+zstd-1"):
-                rows.append({"state": kind, "MiB": len(data) / MiB, **measure(f"xor+{name}", data, width, codec, base)})
+                rows.append(
+                    {
+                        "state": kind,
+                        "MiB": len(data) / MiB,
+                        **measure(f"xor+{name}", data, width, codec, base),
+                    }
+                )
     link = None if args.no_link else link_speed()
-    machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} vCPU, Python {platform.python_version()}"
+    cpu = platform.processor() or platform.machine()
+    machine = f"{cpu}, {os.cpu_count()} vCPU, Python {platform.python_version()}"
     if args.json:
         print(json.dumps({"machine": machine, "link_MBps": link, "rows": rows}, indent=1))
         return
@@ -212,7 +233,8 @@ def main() -> None:
     for r in rows:
         print(
             f"| {r['state']} | {r['MiB']:.1f} | {r['codec']} | {r['ratio']:.3f} | "
-            f"{r['compress_MBps']:.0f} | {r['decompress_MBps']:.0f} |" + (f" {r['error']}" if "error" in r else "")
+            f"{r['compress_MBps']:.0f} | {r['decompress_MBps']:.0f} |"
+            + (f" {r['error']}" if "error" in r else "")
         )
 
 

@@ -395,7 +395,8 @@ async def test_a_killed_uploader_leaves_no_visible_step_and_a_rerun_finishes_it(
         from tierckpt_replicator.backup.service import BackupService
         from tierckpt_replicator.backup.settings import BackupSettings
         store = GcsStore(GcsSettings(bucket={bucket!r}, endpoint={proxy.url!r}))
-        svc = BackupService(BackupSettings(prefix="t", parallelism=1, chunks=False), node="n", root=Path({str(root)!r}),
+        settings = BackupSettings(prefix="t", parallelism=1, chunks=False)
+        svc = BackupService(settings, node="n", root=Path({str(root)!r}),
                             store=store, metrics=BackupMetrics(CollectorRegistry()))
         asyncio.run(svc.backup_now({JOB!r}))
     """)

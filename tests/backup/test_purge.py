@@ -25,9 +25,10 @@ LAYOUT = BucketLayout("t")
 
 
 class HeldStore:
-    """A node's store whose file and chunk uploads wait for ``release`` (set by the test) before they reach the
-    bucket: an upload in flight for as long as the test wants. ``in_flight`` is set when the first one
-    waits. With ``renewals_fail``, rewriting a writer lease fails like a bucket that stopped answering."""
+    """A node's store whose file and chunk uploads wait for ``release`` (set by the test) before they
+    reach the bucket: an upload in flight for as long as the test wants. ``in_flight`` is set when the
+    first one waits. With ``renewals_fail``, rewriting a writer lease fails like a bucket that stopped
+    answering."""
 
     def __init__(self, inner: GcsStore, *, renewals_fail: bool = False) -> None:
         self.inner, self.renewals_fail = inner, renewals_fail

@@ -16,7 +16,7 @@ Spec: docs/bucket-layout.md. Pure: no I/O, no cloud library. The replicator's ba
         steps/<step:012d>/rank-<rank:05d>/.parts/<file>/<i:03d>         slices of a parallel upload
         steps/<step:012d>/shares/<count:06d>-<writer>.json  ShareDone: a node committed its share
         steps/<step:012d>/index/<writer>/<chunk:05d>.json  RankIndex: the rank refs of 1024 ranks
-        steps/<step:012d>/chunklists/<rank:05d>.json   ChunkList: the chunks of the rank's data files (layout 3)
+        steps/<step:012d>/chunklists/<rank:05d>.json   ChunkList: its data files' chunks (layout 3)
         chunks/<sha256>.<codec>                        a content-addressed chunk of data (layout 3)
         writers/<step:012d>/<writer>.json              WriterLease: a node is writing objects of the step
         purging.json                                   PurgeFence: a purge of the job is under way
@@ -67,8 +67,8 @@ __all__ = [
     "ChunkList",
     "ChunkListRef",
     "ChunkRef",
-    "FileChunks",
     "DataRef",
+    "FileChunks",
     "IndexChunk",
     "KeyKind",
     "ObjectTooLarge",

@@ -14,6 +14,7 @@ compressible by a general-purpose codec (docs/benchmarks.md, "Bucket codecs"). P
 from __future__ import annotations
 
 import hashlib
+import itertools
 import re
 from collections.abc import Iterable
 
@@ -65,12 +66,12 @@ def plan_chunks(
     over every byte, more CPU than the upload itself on a 2-vCPU node (docs/benchmarks.md)."""
     cuts = {0, size}
     for offset, length in spans:
-        if length >= min_cut and 0 <= offset and offset + length <= size:
+        if length >= min_cut and offset >= 0 and offset + length <= size:
             cuts.update((offset, offset + length))
     points = sorted(cuts)
     return [
         (off, min(chunk_size, end - off))
-        for start, end in zip(points, points[1:], strict=False)
+        for start, end in itertools.pairwise(points)
         for off in range(start, end, chunk_size)
     ]
 

@@ -12,7 +12,7 @@ Spec: docs/bucket-layout.md, "Chunks (layout 3)". In short:
   chunks' crc32c, combined, must be the manifest's for the file, or nothing is committed.
 * **Restore** (``ChunkReads``): every distinct chunk of a rank is downloaded once, its stored size
   bounded by the chunk list, decoded with its raw size as the bound, and trusted only if its SHA-256 is
-  its name and its crc32c the chunk list's; the file's combined crc32c is checked against the manifest.
+  its name; the chunk list's crc32c of its chunks, combined, must be the manifest's for the file.
 * **Sweep** (``Sweeper``, by the node that runs retention, under its writer lease): create
   ``sweeping.json``; if any other writer holds a live lease, give up until the next pass; otherwise list
   the chunks, then every chunk list of every step still in the bucket (complete, in progress, or
@@ -51,8 +51,21 @@ from tierckpt.protocol.format import FileEntry, TensorEntry
 from tierckpt.protocol.integrity import crc32c, crc32c_concat
 from tierckpt.protocol.safefs import Beneath
 from tierckpt_replicator.backup.catalog import Catalog
-from tierckpt_replicator.backup.chunkcodec import CODECS, Compression, chunk_width, decode, encode, stored_limit
-from tierckpt_replicator.backup.store import ObjectInfo, ObjectNotFound, ObjectStore, PreconditionFailed, UploadCorrupted
+from tierckpt_replicator.backup.chunkcodec import (
+    CODECS,
+    Compression,
+    chunk_width,
+    decode,
+    encode,
+    stored_limit,
+)
+from tierckpt_replicator.backup.store import (
+    ObjectInfo,
+    ObjectNotFound,
+    ObjectStore,
+    PreconditionFailed,
+    UploadCorrupted,
+)
 
 __all__ = ["ChunkReads", "ChunkUploads", "Sweeper", "check_chunks"]
 
@@ -119,7 +132,9 @@ class ChunkUploads:
             return {}
         prev = max(complete)
         try:
-            listed = read_chunk_list(self.store, self.layout, self.catalog, job, prev, rank, self.max_list_bytes)
+            listed = read_chunk_list(
+                self.store, self.layout, self.catalog, job, prev, rank, self.max_list_bytes
+            )
         except (FormatError, ObjectNotFound, MissingCheckpointError) as exc:
             log.info("rank %d of %s: no chunks of step %d to reuse (%s)", rank, job, prev, exc)
             return {}
@@ -221,9 +236,7 @@ class ChunkUploads:
         self.on_bytes(len(blob))
         return ChunkRef(name=digest, codec=codec, size=length, stored=len(blob), crc32c=crc)
 
-    def put_list(
-        self, job: str, step: int, rank: int, files: tuple[FileChunks, ...]
-    ) -> ChunkListRef:
+    def put_list(self, job: str, step: int, rank: int, files: tuple[FileChunks, ...]) -> ChunkListRef:
         """Write the rank's chunk list (before its rank commit, which records the returned pointer)."""
         body = ChunkList(job=job, step=step, rank=rank, chunk_size=self.chunk_size, files=files).to_bytes()
         if len(body) > self.max_list_bytes:
@@ -291,9 +304,7 @@ class ChunkReads:
                 refs.setdefault((c.name, c.codec), c)
                 places.setdefault((c.name, c.codec), []).append((entry.name, offset))
             crcs[entry.name] = [(c.crc32c, c.size) for c in chunks.chunks]
-        futures = [
-            self.pool.submit(self._get, job, refs[k], places[k], open_fd, on_bytes) for k in places
-        ]
+        futures = [self.pool.submit(self._get, job, refs[k], places[k], open_fd, on_bytes) for k in places]
         try:
             for fut in cf.as_completed(futures):
                 fut.result()
@@ -313,11 +324,28 @@ class ChunkReads:
         on_bytes: Callable[[int], None] | None,
     ) -> None:
         key = self.layout.chunk_key(job, ref.name, ref.codec)
-        blob = self.store.get_bytes(key, max_size=ref.stored)
-        if len(blob) != ref.stored:
-            raise CorruptShardError(f"gs object {key}: {len(blob)} bytes, chunk list says {ref.stored}", path=key)
-        raw = decode(blob, ref.codec, ref.size, what=f"gs object {key}")
-        if chunk_name(raw) != ref.name or crc32c(raw) != ref.crc32c:
+        if ref.codec == "raw":  # streamed into its first place (no copy in memory), then read back
+            first, at = places[0]
+            fd = open_fd(first)
+            try:
+                got = self.store.download_to(key, fd, start=0, length=ref.size, file_offset=at)
+                raw = os.pread(fd, ref.size, at)
+            finally:
+                os.close(fd)
+            if got != ref.crc32c or len(raw) != ref.size:
+                raise CorruptShardError(
+                    f"gs object {key}: crc32c {got:08x}, its chunk list says {ref.crc32c:08x}", path=key
+                )
+            places, stored = places[1:], ref.size
+        else:
+            blob = self.store.get_bytes(key, max_size=ref.stored)
+            if len(blob) != ref.stored:
+                raise CorruptShardError(
+                    f"gs object {key}: {len(blob)} bytes, chunk list says {ref.stored}", path=key
+                )
+            raw = decode(blob, ref.codec, ref.size, what=f"gs object {key}")
+            stored = len(blob)
+        if chunk_name(raw) != ref.name:  # then its crc32c is the list's: the writer took both from it
             raise CorruptShardError(f"gs object {key}: its content is not its name's", path=key)
         for name, offset in places:
             fd = open_fd(name)
@@ -326,14 +354,21 @@ class ChunkReads:
             finally:
                 os.close(fd)
         if on_bytes is not None:
-            on_bytes(len(blob))
+            on_bytes(stored)
 
 
 class Sweeper:
     """Deletes a job's chunks that no chunk list in the bucket names (see the module docstring)."""
 
     def __init__(
-        self, store: ObjectStore, layout: BucketLayout, node: str, pool: cf.Executor, *, ttl: float, max_list_bytes: int
+        self,
+        store: ObjectStore,
+        layout: BucketLayout,
+        node: str,
+        pool: cf.Executor,
+        *,
+        ttl: float,
+        max_list_bytes: int,
     ) -> None:
         self.store, self.layout, self.node, self.pool = store, layout, node, pool
         self.ttl, self.max_list_bytes = ttl, max_list_bytes
@@ -363,11 +398,17 @@ class Sweeper:
             deleted = 0
             for i in range(0, len(doomed), 256):
                 if time.monotonic() - began > self.ttl / 2:  # writers take a lock this old for dead
-                    log.warning("job %s: chunk sweep stopped after %.0fs; the rest at the next", job, self.ttl / 2)
+                    log.warning(
+                        "job %s: chunk sweep stopped after %.0fs; the rest at the next", job, self.ttl / 2
+                    )
                     break
                 deleted += sum(self.pool.map(lambda o: int(self.store.delete(o.name)), doomed[i : i + 256]))
             log.info(
-                "job %s: chunk sweep deleted %d of %d chunks (%d referenced)", job, deleted, len(chunks), len(needed)
+                "job %s: chunk sweep deleted %d of %d chunks (%d referenced)",
+                job,
+                deleted,
+                len(chunks),
+                len(needed),
             )
             return deleted
         finally:

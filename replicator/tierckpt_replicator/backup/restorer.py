@@ -155,10 +155,12 @@ class Restorer:
         files = writer.pending()
         data_from = self.catalog.rank_ref(job, step, rank).data_from
         source = data_from if data_from is not None else rank
-        listed = read_chunk_list(self.store, self.layout, self.catalog, job, step, source, self.max_manifest_bytes)
+        listed = read_chunk_list(
+            self.store, self.layout, self.catalog, job, step, source, self.max_manifest_bytes
+        )
         if listed is not None:
             chunked = [f for f in files if is_data_file(f.name)]
-            crcs = self.chunks.fetch(job, listed, chunked, writer.open, on_bytes)
+            crcs = self.chunks.fetch(job, listed, chunked, writer.open_rw, on_bytes)
             for f in chunked:
                 writer.record(f.name, crcs[f.name])
             files = [f for f in files if not is_data_file(f.name)]

@@ -179,7 +179,12 @@ class BackupService:
             else None
         )
         self.sweeper = Sweeper(
-            writes, self.layout, node, self._io, ttl=settings.writer_ttl, max_list_bytes=settings.max_manifest_bytes
+            writes,
+            self.layout,
+            node,
+            self._io,
+            ttl=settings.writer_ttl,
+            max_list_bytes=settings.max_manifest_bytes,
         )
         self.uploader = Uploader(
             writes,

@@ -154,7 +154,7 @@ class Uploader:
                 self._replace_stale(job, step, rank, existing, manifest)
         ref = self._data_ref(job, manifest)
         chunked = self.chunks is not None and ref is None
-        whole = tuple(f for f in manifest.files if ref is None and not chunked or not is_data_file(f.name))
+        whole = tuple(f for f in manifest.files if (ref is None and not chunked) or not is_data_file(f.name))
         sent = self._upload_files(job, step, rank, step_path, whole, present)
         listed, reused = None, 0
         if self.chunks is not None and chunked:
@@ -202,11 +202,15 @@ class Uploader:
                     f"rank {rank} of step {step} was committed by {other.uploaded_by} with another manifest "
                     "while we uploaded it"
                 ) from None
-            return RankUpload(other, sent, skipped=False, logical_bytes=manifest.total_bytes, reused_bytes=reused)
+            return RankUpload(
+                other, sent, skipped=False, logical_bytes=manifest.total_bytes, reused_bytes=reused
+            )
         how = f", data files are rank {ref.rank}'s" if ref is not None else ""
         how += f", {reused} bytes of chunks reused" if listed is not None else ""
         log.info("uploaded rank %d of step %d of %s (%d bytes sent%s)", rank, step, job, sent, how)
-        return RankUpload(commit, sent, skipped=False, logical_bytes=manifest.total_bytes, reused_bytes=reused)
+        return RankUpload(
+            commit, sent, skipped=False, logical_bytes=manifest.total_bytes, reused_bytes=reused
+        )
 
     def _data_ref(self, job: str, manifest: Manifest) -> DataRef | None:
         """The member whose uploaded data files are this rank's, or None (upload them here)."""
