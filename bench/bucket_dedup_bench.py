@@ -12,8 +12,8 @@ default settings (8 transfers) for each variant, each into its own bucket:
 Variants: ``layout 2`` (whole objects, today's upload), ``chunks`` (layout 3, compression off: the
 default) and ``chunks+zstd`` / ``chunks+grouped`` (layout 3 with the codecs). For each: bytes sent per
 backup after the first (and against layout 2), the mean backup time of those, and the time to restore
-the newest step of the rank into an empty directory (MB/s of the step's bytes, best of ``--repeat``). The link is loopback to
-fake-gcs-server: its speed is the layout 2 upload's MB/s, printed with the table.
+the newest step of the rank into an empty directory (MB/s of the step's bytes, best of ``--repeat``).
+The link is loopback to fake-gcs-server: the layout 2 first upload's MB/s is printed with the table.
 
 Run from the repository root: ``.venv/bin/python bench/bucket_dedup_bench.py [--dim 2048 --layers 8
 --adapter-rank 10 --steps 4] [--json]``.

@@ -432,7 +432,7 @@ async def test_a_chunk_whose_content_is_not_its_name_is_refused(
     name, _, codec = key.rpartition("/")[2].partition(".")
     assert codec == "raw" and chunk_name(store.get_bytes(key, max_size=1 << 24)) == name
     store.put_bytes(key, random.Random(5).randbytes(store.stat(key).size))  # type: ignore[union-attr]
-    with pytest.raises(CorruptShardError, match="not its name|chunk list says"):
+    with pytest.raises(CorruptShardError, match=r"not its name|chunk list says"):
         await svc.fetch_rank(JOB, 2, 0, tmp_path / "out")
     await svc.close()
 

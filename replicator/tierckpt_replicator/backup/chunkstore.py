@@ -42,6 +42,7 @@ from tierckpt.protocol.bucket_layout import (
     ChunkListRef,
     ChunkRef,
     FileChunks,
+    RankBackup,
     SweepLock,
     encode_small,
 )
@@ -255,12 +256,20 @@ def _candidates(policy: Compression, width: int) -> tuple[str, ...]:
 
 
 def read_chunk_list(
-    store: ObjectStore, layout: BucketLayout, catalog: Catalog, job: str, step: int, rank: int, limit: int
+    store: ObjectStore,
+    layout: BucketLayout,
+    catalog: Catalog,
+    job: str,
+    step: int,
+    rank: int,
+    limit: int,
+    commit: RankBackup | None = None,
 ) -> ChunkList | None:
     """The chunk list of ``rank`` in the complete ``step``, verified along the chain (completion ->
-    rank commit -> chunk list); None if the rank's data files are not chunks (layouts 1 and 2)."""
-    ref = catalog.rank_ref(job, step, rank)
-    commit = catalog.read_rank_commit(job, step, rank, ref=ref)
+    rank commit -> chunk list); None if the rank's data files are not chunks (layouts 1 and 2).
+    ``commit``: the rank commit, if the caller verified it already."""
+    if commit is None:
+        commit = catalog.read_rank_commit(job, step, rank, ref=catalog.rank_ref(job, step, rank))
     if commit.chunks is None:
         return None
     key = layout.chunk_list_key(job, step, rank)

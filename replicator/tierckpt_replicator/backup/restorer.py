@@ -16,13 +16,14 @@ checked against its name); its other files, and every file of layouts 1 and 2, a
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures as cf
 import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
 
-from tierckpt.protocol.bucket_layout import BucketLayout
+from tierckpt.protocol.bucket_layout import BucketLayout, RankBackup
 from tierckpt.protocol.errors import CorruptShardError, FormatError
 from tierckpt.protocol.format import (
     COMMIT_NAME,
@@ -69,6 +70,8 @@ class Restorer:
         self.range_size = range_size
         self.max_manifest_bytes = max_manifest_bytes
         self.chunks = ChunkReads(store, layout, pool)
+        self._commits: collections.OrderedDict[tuple[str, int, int], RankBackup] = collections.OrderedDict()
+        """Rank commits ``header`` verified, for the fetch that follows (no second read)."""
 
     def header(self, job: str, step: int, rank: int) -> StepHeader:
         """The rank's COMMIT and manifest from the bucket, verified along the trust chain. The step's
@@ -83,6 +86,9 @@ class Restorer:
     def _header(self, job: str, step: int, rank: int, *, fresh: bool) -> StepHeader:
         ref = self.catalog.rank_ref(job, step, rank, fresh=fresh)
         commit = self.catalog.read_rank_commit(job, step, rank, ref=ref)
+        self._commits[(job, step, rank)] = commit
+        while len(self._commits) > 64:
+            self._commits.popitem(last=False)
         bodies = {}
         for name, size, crc, limit in (
             (COMMIT_NAME, commit.commit_size, commit.commit_crc32c, SMALL_OBJECT_LIMIT),
@@ -155,8 +161,9 @@ class Restorer:
         files = writer.pending()
         data_from = self.catalog.rank_ref(job, step, rank).data_from
         source = data_from if data_from is not None else rank
+        commit = self._commits.pop((job, step, rank), None) if source == rank else None
         listed = read_chunk_list(
-            self.store, self.layout, self.catalog, job, step, source, self.max_manifest_bytes
+            self.store, self.layout, self.catalog, job, step, source, self.max_manifest_bytes, commit
         )
         if listed is not None:
             chunked = [f for f in files if is_data_file(f.name)]

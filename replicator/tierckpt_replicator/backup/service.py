@@ -739,7 +739,7 @@ class BackupService:
         with tree:
             ranks = set(rank_trees(tree, "primary"))
         if ranks:
-            n = self.catalog.delete_ranks(job, step, ranks)
+            n = self.catalog.delete_ranks(job, step, ranks, chunk_lists=self.settings.chunks)
             log.info("step %d of %s is retired: deleted %d objects of ranks %s", step, job, n, sorted(ranks))
 
     def _janitor(self, job: str, view: BucketView, newest: int) -> None:
