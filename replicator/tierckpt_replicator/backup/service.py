@@ -223,6 +223,8 @@ class BackupService:
         self._cleaned: dict[str, set[int]] = {}
         """Job -> retired steps whose ranks this node deleted."""
         self._old_since: dict[str, dict[int, float]] = {}
+        self._swept: dict[str, tuple[object, ...]] = {}
+        """Job -> the steps the bucket held at this node's last chunk sweep of it."""
         """Job -> incomplete step older than the newest complete one -> when this node first saw it so
         (monotonic; the node that completed the newest step deletes what is left of it ``incomplete_grace``
         later)."""
@@ -349,6 +351,7 @@ class BackupService:
             self._seen_complete,
             self._cleaned,
             self._old_since,
+            self._swept,
         ):
             state.pop(job, None)  # its lock stays: a call waiting on it must not run beside a new one
         log.info("job %s: backup state forgotten on this node", job)
@@ -753,7 +756,7 @@ class BackupService:
         if self.policy.retention(view.complete, protect=protect).delete:
             with self.fences.writing(job, newest):
                 self._retire(job, {}, newest)
-        self._sweep(job, newest)
+        self._sweep(job, newest, view)
         since = self._old_since.setdefault(job, {})
         now, grace = time.monotonic(), self.settings.incomplete_grace
         for s in [s for s in since if s not in view.incomplete_old]:
@@ -762,15 +765,21 @@ class BackupService:
             if now - since.setdefault(s, now) >= grace:
                 self.catalog.delete_step(job, s, grace=grace)
 
-    def _sweep(self, job: str, newest: int) -> None:
+    def _sweep(self, job: str, newest: int, view: BucketView) -> None:
         """Delete the chunks no step in the bucket refers to any more (under a writer lease; put off
-        while another node writes objects of the job). A failure is logged: the next pass sweeps."""
+        while another node writes objects of the job), once per set of steps the bucket holds (chunks
+        become garbage only when a step's objects go). A failure is logged: the next pass sweeps."""
+        steps = (frozenset(view.complete), view.incomplete_old, frozenset(view.in_progress), view.refused)
+        if self._swept.get(job) == steps:
+            return
         try:
             with self.fences.writing(job, newest) as lease:
                 deleted = self.sweeper.sweep(job, lease.key)
         except (StoreError, FormatError) as exc:
             log.warning("job %s: chunk sweep failed: %s", job, exc)
             return
+        if deleted is not None:
+            self._swept[job] = steps
         if deleted:
             self.metrics.chunks_deleted.inc(deleted)
 
