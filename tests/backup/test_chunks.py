@@ -188,6 +188,8 @@ class JitteryBucket(MemoryBucket):
 
     def put_bytes(self, key: str, data: bytes, **kw: Any) -> ObjectInfo:
         self._jitter()
+        if "/chunks/" in key:  # uploads take a while: other nodes' passes run meanwhile
+            time.sleep(self.rng.random() * 0.05)
         return super().put_bytes(key, data, **kw)
 
     def delete(self, key: str) -> bool:
@@ -209,13 +211,21 @@ class JitteryBucket(MemoryBucket):
     keep_last=st.integers(1, 2),
     steps=st.integers(3, 6),
     purge_at=st.one_of(st.none(), st.integers(1, 5)),
+    lag=st.booleans(),
 )
 def test_retention_never_deletes_a_chunk_a_retained_step_needs(
-    tmp_path_factory: pytest.TempPathFactory, seed: int, keep_last: int, steps: int, purge_at: int | None
+    tmp_path_factory: pytest.TempPathFactory,
+    seed: int,
+    keep_last: int,
+    steps: int,
+    purge_at: int | None,
+    lag: bool,
 ) -> None:
     """Two nodes back up steps 1..``steps`` of 4 ranks concurrently (each its own ranks; the frozen
     tensors are shared chunks across steps), retention keeps ``keep_last`` and sweeps chunks while the
-    other node may be uploading; a purge may come in the middle. After every step: every chunk any
+    other node may be uploading; with ``lag`` node-b uploads its share of each step while node-a
+    uploads the next one (reusing the chunks of a step node-b's completion retires); a purge may come
+    in the middle. After every step: every chunk any
     complete step names is in the bucket. After a quiet sweep: no chunk is left that no step names.
     After the purge: nothing of the job is left."""
     tmp = tmp_path_factory.mktemp("prop")
@@ -238,10 +248,11 @@ def test_retention_never_deletes_a_chunk_a_retained_step_needs(
                     replica = roots[sorted(roots)[1 - i]]  # as replication leaves it: a copy on the peer
                     shutil.copytree(src, step_dir(replica_rank_dir(replica, JOB, rank), step))
             order = sorted(roots, key=lambda _: rng.random())
-            tasks = [
-                services[n].on_step_committed(JOB, step, [0, 1] if n == "node-a" else [2, 3], {})
-                for n in order
-            ]
+            behind = step - 1 if lag else step  # node-b a step behind: its share of the previous step
+            tasks = [services["node-a"].on_step_committed(JOB, step, [0, 1], {})]  # completes it while
+            if behind >= 1:  # node-a uploads this one, reusing chunks of a step that retention may retire
+                tasks.append(services["node-b"].on_step_committed(JOB, behind, [2, 3], {}))
+            rng.shuffle(tasks)
             if purge_at == step:  # the job is deleted: every node fenced, one purges, uploads in flight
 
                 async def purge(purger: BackupService, other: BackupService, delay: float) -> None:
@@ -254,6 +265,8 @@ def test_retention_never_deletes_a_chunk_a_retained_step_needs(
             await asyncio.gather(*tasks, return_exceptions=True)
             if purged:
                 break
+            if lag and step == steps:
+                await services["node-b"].on_step_committed(JOB, step, [2, 3], {})
             for n in order:  # retention and the sweep, as each pass's housekeeping does
                 await services[n].poll(JOB)
             missing = {
