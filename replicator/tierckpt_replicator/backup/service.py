@@ -770,8 +770,8 @@ class BackupService:
         while another node writes objects of the job), once per set of steps the bucket holds (chunks
         become garbage only when a step's objects go). A failure is logged: the next pass sweeps."""
         steps = (frozenset(view.complete), view.incomplete_old, frozenset(view.in_progress), view.refused)
-        if self._swept.get(job) == steps:
-            return
+        if not self.settings.chunks or self._swept.get(job) == steps:
+            return  # a node that uploads no chunks (layout 2) sweeps none
         try:
             with self.fences.writing(job, newest) as lease:
                 deleted = self.sweeper.sweep(job, lease.key)
