@@ -33,12 +33,15 @@ same bytes (target: at most 1.2).
 from __future__ import annotations
 
 import argparse
+import cProfile
 import datetime
 import gc
 import json
 import os
 import platform
+import pstats
 import shutil
+import sys
 import time
 import warnings
 from collections.abc import Callable
@@ -181,7 +184,15 @@ class Method:
             args: dict[str, Any] = {"no_dist": True} if self.no_dist else {"process_group": None}
             if self.writer is not None:
                 reader: Any = RamdiskReader(self.root, "bench", fetch=False)
+                profile = os.environ.get("DCP_BENCH_PROFILE_LOAD") and os.environ.get("RANK", "0") == "0"
+                profiler = cProfile.Profile() if profile else None
+                if profiler is not None:
+                    profiler.enable()
                 dcp.load(self.state, checkpoint_id=self.last, storage_reader=reader, **args)
+                if profiler is not None:
+                    profiler.disable()
+                    sync(self.state)
+                    pstats.Stats(profiler, stream=sys.stderr).sort_stats("cumulative").print_stats(45)
             else:
                 path = str(self.root / "fs" / f"step-{self.last}")
                 dcp.load(self.state, checkpoint_id=path, storage_reader=FileSystemReader(path), **args)

@@ -9,9 +9,9 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 fi
-export PYTHONPATH=$PWD/client:/tmp/site PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD/client:$PWD/cli:$PWD/demo:/tmp/site PYTHONUNBUFFERED=1
 RD=/mnt/tierckpt-bench
-mkdir -p $RD && (mountpoint -q $RD || mount -t tmpfs -o size=100g tierckpt-bench $RD) || RD=/dev/shm
+mkdir -p $RD && (mountpoint -q $RD || mount -t tmpfs -o size=100g,huge=${HUGE:-within_size} tierckpt-bench $RD) || RD=/dev/shm
 df -h $RD | tail -1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch; print('torch', torch.__version__, torch.version.cuda, torch.cuda.device_count(), 'GPUs')" | tee -a "$OUT/gpu.txt"

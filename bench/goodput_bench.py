@@ -7,8 +7,9 @@ fp32 weights, bf16 autocast, fused AdamW: 10.5 GiB of state) for ``--steps`` ste
 
 * ``none``: no checkpoints (the baseline; every other run sits between two of these, since a GPU's
   speed drifts over minutes); it synchronises at the steps where the others save;
-* ``readme``: exactly the README's snippet: ``tierckpt.Checkpointer()`` configured by the environment
-  and ``ckpt.save(step, {"model": model, "optim": optimizer})``;
+* ``readme``: exactly the README's snippet: ``tierckpt.Checkpointer()`` configured by the environment,
+  ``ckpt.load(state, allow_missing=True)`` (a fresh job) and ``ckpt.save(step, state)`` with
+  ``state = {"model": model, "optim": optimizer}``;
 * ``plain`` (``Checkpointer(device_staging=False)`` with state dicts), ``overlap`` and ``device``
   (``overlap=True`` / ``device_staging=True`` with the optimizer registered): the explicit modes;
 * ``dicts``: the default ``Checkpointer()`` given ``model.state_dict()`` and ``optimizer.state_dict()``
@@ -63,6 +64,7 @@ def _saver(mode: str, root: Path, rank: int, world: int, trainer: Any) -> Any:
         )
         ckpt = tierckpt.Checkpointer()
         state = {"model": trainer.model, "optim": trainer.opt}
+        ckpt.load(state, allow_missing=True)  # a fresh job: nothing to load (the slots start preparing)
         return (lambda step: ckpt.save(step, state)), ckpt
     options: dict[str, Any] = {"root": root, "job": "bench", "rank": rank, "world_size": world}
     if mode == "plain":
@@ -230,7 +232,11 @@ def launch(args: argparse.Namespace, mode: str, index: int, *, check: bool = Fal
                 "--",
                 *cmd,
             ]
-        env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(rank % max(1, args.gpus)))
+        env = dict(
+            os.environ,
+            CUDA_VISIBLE_DEVICES=str(rank % max(1, args.gpus)),
+            LOCAL_WORLD_SIZE=str(args.trainers),
+        )
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True))
     deadline = time.monotonic() + 300
     while not all((run_dir / f"ready-{r}").exists() for r in range(args.trainers)):

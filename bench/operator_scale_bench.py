@@ -345,7 +345,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 got = received_after(rep, what, 0)
                 out[f"deliver_{what.replace('-', '_')}_s"] = max(got.values()) - t0
             out["deliver_connections"] = sum(r["connections"] for r in rep.values())
+            out["deliver_connections_max"] = max(r["connections"] for r in rep.values())
             out["deliver_requests"] = sum(r["requests"] for r in rep.values())
+            out["deliver_peers_bytes_max"] = max(r["received"]["peers"][2] for r in rep.values())
             phase = {k: v for k, v in out.items() if k.startswith("deliver")}
             print(f"  deliver: {json.dumps(phase)}", flush=True)
             await asyncio.sleep(args.settle)
@@ -354,6 +356,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             victim = n // 2
             now = await asyncio.to_thread(report, bench.report_port)
             before = {k: v["received"].get("peers", [0, 0])[0] for k, v in now.items()}
+            connections = sum(r["connections"] for r in now.values())
             await bench.add_node(n)
             cpu0 = cpu_seconds(operator.pid)
             await ok(await kube.delete(f"{PODS}/{pods[victim]['metadata']['name']}"))
@@ -388,6 +391,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 - t1
             )
             out["replace_operator_cpu_s"] = cpu1 - cpu0
+            out["replace_connections"] = sum(r["connections"] for r in rep.values()) - connections
             out["load_after"] = os.getloadavg()[0]
         finally:
             for proc in (operator, replicators):
@@ -418,8 +422,11 @@ def main(argv: list[str] | None = None) -> int:
         help="PYTHONPATH of the operator process (another checkout's client:operator, for a baseline)",
     )
     p.add_argument("--json", action="store_true")
+    p.add_argument("--out", type=Path, help="also write the figures here, as JSON")
     args = p.parse_args(argv)
     out = asyncio.run(run(args))
+    if args.out:
+        args.out.write_text(json.dumps(out))
     print(json.dumps(out, indent=1) if args.json else "\n".join(f"{k:32s} {v}" for k, v in out.items()))
     return 0
 

@@ -6,6 +6,8 @@ unusable options, 130 on Ctrl-C (after cleaning up everything it started).
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import typer
 
 from tierckpt_cli._common import (
@@ -34,60 +36,85 @@ def _scenarios(text: str) -> tuple[str, ...]:
     return names
 
 
-def demo_command(
-    nodes: int = typer.Option(4, "--nodes", "-n", min=1, max=64, help="Simulated nodes."),
-    model_size: str = typer.Option(
-        "small",
+# The command's options (typer reads each parameter's ``Annotated`` option; its default is the parameter's).
+_Nodes = Annotated[int, typer.Option("--nodes", "-n", min=1, max=64, help="Simulated nodes.")]
+_ModelSize = Annotated[
+    str,
+    typer.Option(
         "--model-size",
         "-m",
         help="tiny|small|medium|large, a parameter count (5M) or a size of the weights (64MB).",
     ),
-    steps: int = typer.Option(40, "--steps", min=1, help="Training steps in all."),
-    checkpoint_every: int = typer.Option(5, "--checkpoint-every", min=2, help="Steps between checkpoints."),
-    scenarios: str | None = typer.Option(
-        None,
+]
+_Steps = Annotated[int, typer.Option("--steps", min=1, help="Training steps in all.")]
+_CheckpointEvery = Annotated[
+    int, typer.Option("--checkpoint-every", min=2, help="Steps between checkpoints.")
+]
+_Scenarios = Annotated[
+    str | None,
+    typer.Option(
         "--scenarios",
         help=f"Comma list of failures to inject, in order ({_SCENARIOS}; with --dcp {_DCP_SCENARIOS}).",
     ),
-    dcp: bool = typer.Option(
-        False,
+]
+_Dcp = Annotated[
+    bool,
+    typer.Option(
         "--dcp",
         help="An FSDP2 model checkpointed through PyTorch DCP (several ranks per node), with a 'shrink' "
         "scenario: a node lost for good, the job resumes on fewer ranks, resharded.",
     ),
-    replica_group: bool = typer.Option(
-        False,
+]
+_ReplicaGroup = Annotated[
+    bool,
+    typer.Option(
         "--replica-group",
         help="Data parallel ranks saved as one replica group: each shard written once per node, "
         "replicated and uploaded once; the report shows the bytes saved.",
     ),
-    procs_per_node: int | None = typer.Option(
-        None,
-        "--procs-per-node",
-        min=1,
-        max=16,
-        help="Training processes per node (1; 2 with --dcp).",
-    ),
-    keep_workdir: bool = typer.Option(False, "--keep-workdir", help="Keep events and logs (path printed)."),
-    as_json: bool = typer.Option(
-        False, "--json", help="Print one JSON report on stdout (progress on stderr)."
-    ),
-    seed: int = typer.Option(1234, "--seed", help="Seed of the model and the data.", hidden=True),
-    replicas: int = typer.Option(
-        1, "--replicas", min=1, help="Peers holding each node's replicas.", hidden=True
-    ),
-    loopback: bool = typer.Option(
-        False, "--loopback", help="Nodes on loopback ports with plain directories, even as root."
-    ),
-    flip_bit: bool = typer.Option(
-        False,
+]
+_ProcsPerNode = Annotated[
+    int | None,
+    typer.Option("--procs-per-node", min=1, max=16, help="Training processes per node (1; 2 with --dcp)."),
+]
+_KeepWorkdir = Annotated[bool, typer.Option("--keep-workdir", help="Keep events and logs (path printed).")]
+_Json = Annotated[bool, typer.Option("--json", help="Print one JSON report on stdout (progress on stderr).")]
+_Seed = Annotated[int, typer.Option("--seed", help="Seed of the model and the data.", hidden=True)]
+_Replicas = Annotated[
+    int, typer.Option("--replicas", min=1, help="Peers holding each node's replicas.", hidden=True)
+]
+_Loopback = Annotated[
+    bool, typer.Option("--loopback", help="Nodes on loopback ports with plain directories, even as root.")
+]
+_FlipBit = Annotated[
+    bool,
+    typer.Option(
         "--flip-restored-bit",
         hidden=True,
         help="Negative control: flip a bit of rank 0's state after the first restore; checks must fail.",
     ),
-    timeout: float = typer.Option(
-        300.0, "--timeout", min=5.0, help="Longest wait for one phase [s].", hidden=True
-    ),
+]
+_Timeout = Annotated[
+    float, typer.Option("--timeout", min=5.0, help="Longest wait for one phase [s].", hidden=True)
+]
+
+
+def demo_command(
+    nodes: _Nodes = 4,
+    model_size: _ModelSize = "small",
+    steps: _Steps = 40,
+    checkpoint_every: _CheckpointEvery = 5,
+    scenarios: _Scenarios = None,
+    dcp: _Dcp = False,
+    replica_group: _ReplicaGroup = False,
+    procs_per_node: _ProcsPerNode = None,
+    keep_workdir: _KeepWorkdir = False,
+    as_json: _Json = False,
+    seed: _Seed = 1234,
+    replicas: _Replicas = 1,
+    loopback: _Loopback = False,
+    flip_bit: _FlipBit = False,
+    timeout: _Timeout = 300.0,
 ) -> None:
     """Run a local cluster, train a small model, break it three ways, and check every recovery.
 

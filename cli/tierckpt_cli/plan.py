@@ -7,11 +7,20 @@ from __future__ import annotations
 import dataclasses
 import math
 from pathlib import Path
+from typing import Annotated
 
 import typer
 from rich.table import Table
 
-from tierckpt.planning.goodput import Assumptions, Breakdown, SoakResult, compare, goodput, recommend
+from tierckpt.planning.goodput import (
+    Assumptions,
+    Breakdown,
+    Comparison,
+    SoakResult,
+    compare,
+    goodput,
+    recommend,
+)
 from tierckpt.protocol.errors import FormatError
 from tierckpt_cli._common import CliError, cli_errors, out_console, print_json
 
@@ -20,46 +29,75 @@ __all__ = ["plan_command"]
 GiB = 1 << 30
 
 
+# The command's options (typer reads each parameter's ``Annotated`` option; its default is the parameter's).
+_Nodes = Annotated[int, typer.Option("--nodes", min=1, help="Nodes of the job.")]
+_NodeMtbfHours = Annotated[
+    float,
+    typer.Option(
+        "--node-mtbf-hours", min=0.001, help="Mean time between failures of one node (any cause) [h]."
+    ),
+]
+_SaveS = Annotated[float, typer.Option("--save-s", min=0.0, help="Blocking time of one local save [s].")]
+_RestoreLocalS = Annotated[
+    float, typer.Option("--restore-local-s", min=0.0, help="Restore from the ramdisk [s].")
+]
+_RestorePeerS = Annotated[float, typer.Option("--restore-peer-s", min=0.0, help="Restore from a peer [s].")]
+_RestoreBucketS = Annotated[
+    float | None,
+    typer.Option(
+        "--restore-bucket-s", min=0.0, help="Restore from the bucket [s] (default: size / bandwidth)."
+    ),
+]
+_CheckpointGib = Annotated[
+    float, typer.Option("--checkpoint-gib", min=0.0, help="The job's checkpoint [GiB].")
+]
+_BucketGibS = Annotated[
+    float, typer.Option("--bucket-gib-s", min=0.0, help="The bucket's bandwidth for the whole job [GiB/s].")
+]
+_RestartS = Annotated[float, typer.Option("--restart-s", min=0.0, help="Rescheduling and restarting [s].")]
+_NodeLoss = Annotated[
+    float, typer.Option("--node-loss", min=0.0, max=1.0, help="Fraction of failures that lose the node.")
+]
+_TotalLoss = Annotated[
+    float,
+    typer.Option(
+        "--total-loss", min=0.0, max=1.0, help="Fraction of failures that lose every in-memory copy."
+    ),
+]
+_StepS = Annotated[
+    float, typer.Option("--step-s", min=0.0, help="A training step [s], to say intervals in steps.")
+]
+_IntervalS = Annotated[
+    float | None, typer.Option("--interval-s", help="Also rate this checkpoint interval [s].")
+]
+_BackupMinutes = Annotated[
+    float | None, typer.Option("--backup-minutes", help="... this backup interval [min].")
+]
+_Factor = Annotated[int | None, typer.Option("--factor", min=0, help="... and this replication factor.")]
+_Soak = Annotated[
+    Path | None, typer.Option("--soak", help="Compare the model with this soak run (a SoakResult).")
+]
+_Json = Annotated[bool, typer.Option("--json", help="Print one JSON document instead of tables.")]
+
+
 def plan_command(
-    nodes: int = typer.Option(..., "--nodes", min=1, help="Nodes of the job."),
-    node_mtbf_hours: float = typer.Option(
-        ..., "--node-mtbf-hours", min=0.001, help="Mean time between failures of one node (any cause) [h]."
-    ),
-    save_s: float = typer.Option(..., "--save-s", min=0.0, help="Blocking time of one local save [s]."),
-    restore_local_s: float = typer.Option(
-        ..., "--restore-local-s", min=0.0, help="Restore from the ramdisk [s]."
-    ),
-    restore_peer_s: float = typer.Option(..., "--restore-peer-s", min=0.0, help="Restore from a peer [s]."),
-    restore_bucket_s: float | None = typer.Option(
-        None, "--restore-bucket-s", min=0.0, help="Restore from the bucket [s] (default: size / bandwidth)."
-    ),
-    checkpoint_gib: float = typer.Option(
-        0.0, "--checkpoint-gib", min=0.0, help="The job's checkpoint [GiB]."
-    ),
-    bucket_gib_s: float = typer.Option(
-        0.0, "--bucket-gib-s", min=0.0, help="The bucket's bandwidth for the whole job [GiB/s]."
-    ),
-    restart_s: float = typer.Option(60.0, "--restart-s", min=0.0, help="Rescheduling and restarting [s]."),
-    node_loss: float = typer.Option(
-        0.5, "--node-loss", min=0.0, max=1.0, help="Fraction of failures that lose the node."
-    ),
-    total_loss: float = typer.Option(
-        0.01, "--total-loss", min=0.0, max=1.0, help="Fraction of failures that lose every in-memory copy."
-    ),
-    step_s: float = typer.Option(
-        0.0, "--step-s", min=0.0, help="A training step [s], to say intervals in steps."
-    ),
-    interval_s: float | None = typer.Option(
-        None, "--interval-s", help="Also rate this checkpoint interval [s]."
-    ),
-    backup_minutes: float | None = typer.Option(
-        None, "--backup-minutes", help="... this backup interval [min]."
-    ),
-    factor: int | None = typer.Option(None, "--factor", min=0, help="... and this replication factor."),
-    soak: Path | None = typer.Option(
-        None, "--soak", help="Compare the model with this soak run (a SoakResult)."
-    ),
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON document instead of tables."),
+    nodes: _Nodes,
+    node_mtbf_hours: _NodeMtbfHours,
+    save_s: _SaveS,
+    restore_local_s: _RestoreLocalS,
+    restore_peer_s: _RestorePeerS,
+    restore_bucket_s: _RestoreBucketS = None,
+    checkpoint_gib: _CheckpointGib = 0.0,
+    bucket_gib_s: _BucketGibS = 0.0,
+    restart_s: _RestartS = 60.0,
+    node_loss: _NodeLoss = 0.5,
+    total_loss: _TotalLoss = 0.01,
+    step_s: _StepS = 0.0,
+    interval_s: _IntervalS = None,
+    backup_minutes: _BackupMinutes = None,
+    factor: _Factor = None,
+    soak: _Soak = None,
+    as_json: _Json = False,
 ) -> None:
     """Recommend the checkpoint interval (Young-Daly), the backup interval and the replication factor, and
     state the expected goodput."""
@@ -108,13 +146,17 @@ def plan_command(
             return
         _print(a, rec.expected, rec.by_factor, current, step_s, rec.young_daly_s)
         if comparison is not None:
-            table = Table(title=f"soak run {soak}: model against measurement", title_justify="left")
-            for col in ("", "measured", "model"):
-                table.add_column(col, justify="right" if col else "left")
-            table.add_row("goodput", f"{comparison.observed:.2%}", f"{comparison.predicted:.2%}")
-            for cause, seen in comparison.observed_waste.items():
-                table.add_row(f"  waste: {cause}", f"{seen:.2%}", f"{comparison.predicted_waste[cause]:.2%}")
-            out_console.print(table)
+            _print_soak(soak, comparison)
+
+
+def _print_soak(soak: Path | None, comparison: Comparison) -> None:
+    table = Table(title=f"soak run {soak}: model against measurement", title_justify="left")
+    for col in ("", "measured", "model"):
+        table.add_column(col, justify="right" if col else "left")
+    table.add_row("goodput", f"{comparison.observed:.2%}", f"{comparison.predicted:.2%}")
+    for cause, seen in comparison.observed_waste.items():
+        table.add_row(f"  waste: {cause}", f"{seen:.2%}", f"{comparison.predicted_waste[cause]:.2%}")
+    out_console.print(table)
 
 
 def _row(b: Breakdown) -> dict[str, float]:

@@ -145,7 +145,6 @@ def verify_command(
         records = [
             r for r in scan_path(path) if (job is None or r.job == job) and (step is None or r.step == step)
         ]
-        import tierckpt.verify  # noqa: F401  (imports torch: not part of the timing)
 
         t0 = time.monotonic()
         verdicts = verify_records(records)

@@ -12,6 +12,7 @@ failure domain and pod of every node rank, and the peer plan. ``decide_assignmen
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -210,10 +211,24 @@ def decide_peers(
     state: JobState, k: int, partners: Sequence[Sequence[int]] = ()
 ) -> tuple[tuple[int, ...], ...]:
     """The peer plan for the state's ranks, keeping the previous plan's still-valid edges; nodes that
-    host other members of a rank's replica groups (``partners``, see ``group_partners``) first."""
-    previous = state.peers if len(state.peers) == len(state.domains) else ()
-    partners = partners if len(partners) == len(state.domains) else ()
-    return plan_peers(state.domains, k, previous, partners)
+    host other members of a rank's replica groups (``partners``, see ``group_partners``) first.
+
+    Every reconcile of a job asks for it, and a plan of thousands of nodes takes tens of milliseconds
+    (hundreds on a busy machine) while its inputs rarely change: the last few plans are kept, by their
+    inputs (``plan_peers`` is pure)."""
+    previous = tuple(tuple(p) for p in state.peers) if len(state.peers) == len(state.domains) else ()
+    partners = tuple(tuple(p) for p in partners) if len(partners) == len(state.domains) else ()
+    return _planned_peers(tuple(state.domains), k, previous, partners)
+
+
+@functools.lru_cache(maxsize=16)
+def _planned_peers(
+    domains: tuple[str, ...],
+    k: int,
+    previous: tuple[tuple[int, ...], ...],
+    partners: tuple[tuple[int, ...], ...],
+) -> tuple[tuple[int, ...], ...]:
+    return plan_peers(domains, k, previous, partners)
 
 
 def group_partners(inventories: Iterable[NodeInventory], nodes: int) -> tuple[tuple[int, ...], ...]:

@@ -6,12 +6,18 @@ JobSet the watch has not delivered yet, hold the leader Lease, and, for node cer
 replicator's ServiceAccount token (TokenReview), read its pod and publish the CA certificate. The
 client is synchronous, so every call runs in a worker thread, with at most ``concurrency`` calls in
 flight.
+
+A refusal of the API server is mapped to a typed error once, where the call is made (``api_error``, as
+kopf's ``APIError`` family): a method says "absent is fine" with ``except NotFound``, "someone was first"
+with ``except Conflict``, and never reads a status code.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
+import json
 import logging
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar, cast
@@ -21,11 +27,82 @@ from kubernetes.client import ApiException
 
 from tierckpt_operator import resources
 
-__all__ = ["Kube", "api_client"]
+__all__ = [
+    "ClientError",
+    "Conflict",
+    "Forbidden",
+    "Invalid",
+    "Kube",
+    "KubeError",
+    "NotFound",
+    "ServerError",
+    "Unauthorized",
+    "api_client",
+    "api_error",
+]
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+
+class KubeError(Exception):
+    """The API server refused a call: its HTTP status, its reason and its message."""
+
+    def __init__(self, status: int, reason: str, message: str) -> None:
+        super().__init__(f"{status} {reason}: {message}" if message else f"{status} {reason}")
+        self.status, self.reason, self.message = status, reason, message
+
+
+class ClientError(KubeError):
+    """A 4xx: the request itself is wrong (or its object is not as it thought)."""
+
+
+class ServerError(KubeError):
+    """A 5xx (or no status at all): the server failed; the same call may succeed later."""
+
+
+class Unauthorized(ClientError):
+    """401: the operator's credentials were not accepted."""
+
+
+class Forbidden(ClientError):
+    """403: RBAC does not allow the call (the chart's roles and the code disagree)."""
+
+
+class NotFound(ClientError):
+    """404: the object (or its kind) does not exist."""
+
+
+class Conflict(ClientError):
+    """409: it exists already, or it changed since it was read (a stale ``resourceVersion``)."""
+
+
+class Invalid(ClientError):
+    """422: the object breaks its schema."""
+
+
+_BY_STATUS: dict[int, type[KubeError]] = {
+    401: Unauthorized,
+    403: Forbidden,
+    404: NotFound,
+    409: Conflict,
+    422: Invalid,
+}
+
+
+def api_error(exc: ApiException) -> KubeError:
+    """The typed error of the client's ``ApiException``: by status, else by class of status; the reason
+    and message of the Status object the server answered with (else the HTTP reason phrase)."""
+    status = int(exc.status or 0)
+    kind = _BY_STATUS.get(status) or (ClientError if 400 <= status < 500 else ServerError)
+    body: Any = None
+    if exc.body:
+        with contextlib.suppress(ValueError, TypeError):
+            body = json.loads(exc.body)
+    status_object = body if isinstance(body, dict) else {}  # a Kubernetes Status, when the server sent one
+    reason = str(status_object.get("reason") or exc.reason or "")
+    return kind(status, reason, str(status_object.get("message") or ""))
 
 
 def api_client(server: str = "", kubeconfig: str = "") -> kubernetes.client.ApiClient:
@@ -54,7 +131,10 @@ class Kube:
 
     async def _call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         async with self._slots:
-            return await asyncio.to_thread(fn, *args, **kwargs)
+            try:
+                return await asyncio.to_thread(fn, *args, **kwargs)
+            except ApiException as exc:
+                raise api_error(exc) from exc
 
     def close(self) -> None:
         self.client.close()
@@ -73,10 +153,8 @@ class Kube:
                 resources.JOBS,
                 dict(body),
             )
-        except ApiException as exc:
-            if exc.status == 409:
-                return None
-            raise
+        except Conflict:
+            return None
         return _custom_object(created)
 
     async def patch_checkpoint_job_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> bool:
@@ -92,10 +170,8 @@ class Kube:
                 {"status": dict(status)},
             )
             return True
-        except ApiException as exc:
-            if exc.status == 404:
-                return False
-            raise
+        except NotFound:
+            return False
 
     async def patch_config_status(self, name: str, status: Mapping[str, Any]) -> bool:
         """Merge-patch a CheckpointConfiguration's status; False if it is gone."""
@@ -109,13 +185,11 @@ class Kube:
                 {"status": dict(status)},
             )
             return True
-        except ApiException as exc:
-            if exc.status == 404:
-                return False
-            raise
+        except NotFound:
+            return False
 
     async def delete_checkpoint_job(self, namespace: str, name: str) -> None:
-        try:
+        with contextlib.suppress(NotFound):
             await self._call(
                 self.custom.delete_namespaced_custom_object,
                 resources.GROUP,
@@ -124,9 +198,6 @@ class Kube:
                 resources.JOBS,
                 name,
             )
-        except ApiException as exc:
-            if exc.status != 404:
-                raise
 
     async def get_jobset(self, namespace: str, name: str) -> dict[str, Any] | None:
         try:
@@ -138,10 +209,8 @@ class Kube:
                 resources.JOBSETS,
                 name,
             )
-        except ApiException as exc:
-            if exc.status == 404:
-                return None
-            raise
+        except NotFound:
+            return None
         return _custom_object(found)
 
     # ------------------------------------------------------------------------------ pods
@@ -160,19 +229,15 @@ class Kube:
         try:
             await self._call(patch)
             return True
-        except ApiException as exc:
-            if exc.status == 404:
-                return False
-            raise
+        except NotFound:
+            return False
 
     async def get_pod(self, namespace: str, name: str) -> dict[str, Any] | None:
         """The pod as the API returns it (JSON field names); None if it does not exist."""
         try:
             pod = await self._call(self.core.read_namespaced_pod, name, namespace)
-        except ApiException as exc:
-            if exc.status == 404:
-                return None
-            raise
+        except NotFound:
+            return None
         return cast("dict[str, Any]", self.client.sanitize_for_serialization(pod))
 
     # ------------------------------------------------------------------------------ identity
@@ -194,9 +259,7 @@ class Kube:
         body = {"metadata": {"name": name, "namespace": namespace}, "data": dict(data)}
         try:
             await self._call(self.core.create_namespaced_config_map, namespace, body)
-        except ApiException as exc:
-            if exc.status != 409:
-                raise
+        except Conflict:
             await self._call(self.core.patch_namespaced_config_map, name, namespace, {"data": dict(data)})
 
     # ------------------------------------------------------------------------------ leader Lease
@@ -212,20 +275,8 @@ class Kube:
         spec = {"holderIdentity": holder, "leaseDurationSeconds": max(1, int(duration)), "renewTime": stamp}
         try:
             lease = await self._call(self.leases.read_namespaced_lease, name, namespace)
-        except ApiException as exc:
-            if exc.status != 404:
-                raise
-            body = {
-                "metadata": {"name": name, "namespace": namespace},
-                "spec": {**spec, "acquireTime": stamp},
-            }
-            try:
-                await self._call(self.leases.create_namespaced_lease, namespace, body)
-                return True
-            except ApiException as exc2:
-                if exc2.status == 409:
-                    return False
-                raise
+        except NotFound:
+            return await self._create_lease(namespace, name, {**spec, "acquireTime": stamp})
         current = lease.spec.holder_identity if lease.spec else None
         renewed = lease.spec.renew_time if lease.spec else None
         held_for = (lease.spec.lease_duration_seconds or duration) if lease.spec else duration
@@ -238,10 +289,17 @@ class Kube:
         try:
             await self._call(self.leases.patch_namespaced_lease, name, namespace, patch)
             return True
-        except ApiException as exc:
-            if exc.status == 409:
-                return False
-            raise
+        except Conflict:
+            return False
+
+    async def _create_lease(self, namespace: str, name: str, spec: Mapping[str, Any]) -> bool:
+        """Create the Lease as its holder; False if another candidate created it first."""
+        body = {"metadata": {"name": name, "namespace": namespace}, "spec": dict(spec)}
+        try:
+            await self._call(self.leases.create_namespaced_lease, namespace, body)
+            return True
+        except Conflict:
+            return False
 
     async def release_lease(self, namespace: str, name: str, holder: str) -> None:
         """Give the Lease up (clean shutdown), so a standby takes over without waiting for expiry."""
@@ -254,8 +312,8 @@ class Kube:
                 "spec": {"holderIdentity": ""},
             }
             await self._call(self.leases.patch_namespaced_lease, name, namespace, patch)
-        except ApiException as exc:
-            log.warning("could not release lease %s/%s: %s", namespace, name, exc.reason)
+        except KubeError as exc:
+            log.warning("could not release lease %s/%s: %s", namespace, name, exc)
 
 
 def _custom_object(obj: object) -> dict[str, Any]:

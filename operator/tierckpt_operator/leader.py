@@ -3,7 +3,26 @@
 Every replica serves the admission webhook; only the Lease holder runs the control loops. The holder
 renews every third of the Lease duration; a replica that cannot renew within the duration gives up
 leadership (and the process exits, to come back as a standby), so two leaders never overlap for
-longer than one Lease duration.
+longer than one Lease duration. The Lease calls themselves (read, create, patch with the
+``resourceVersion`` read, release) are ``Kube.try_lease`` and ``Kube.release_lease``.
+
+Why not ``kubernetes.leaderelection`` (client 37), which ships a ``LeaseLock``:
+
+* ``LeaseLock`` builds its ``CoordinationV1Api()`` on the process-wide default configuration; it takes
+  no ``ApiClient``. The operator's client comes from ``settings.server`` or the kubeconfig
+  (``kube.api_client``), and the emulator-based tests run several operators with their own settings in
+  one process (``tests/operator/test_operator_leader.py``).
+* ``LeaderElection.run`` blocks: it sleeps in ``time.sleep`` loops and runs the leader's callback in a
+  thread. The operator is one asyncio loop (kopf's); it would need a thread per elector and a bridge
+  back into the loop for "became leader" and "lost the lease".
+* It cannot give the Lease up: a clean stop leaves it held until it expires (client-go's
+  ``ReleaseOnCancel`` has no counterpart), so every rolling update would leave the job controllers
+  without a leader for a whole Lease duration. ``release`` here hands over at once (the leader test
+  checks the standby takes over after a clean stop).
+
+Why not kopf's peering: it is not mutual exclusion. Operators of the same priority both keep running
+(kopf logs "possibly conflicting operators" and goes on); only a higher priority pauses a lower one.
+It also needs kopf's own ``KopfPeering`` resources, which the chart would have to install.
 """
 
 from __future__ import annotations

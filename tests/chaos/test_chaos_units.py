@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from pathlib import Path
 
 import pytest
 
+from tierckpt.planning.goodput import SoakFailure, compare
 from tierckpt_demo.chaos.__main__ import parse_duration
 from tierckpt_demo.chaos.oracle import Held, heal_gaps, lost_work, newest_restorable, retention_excess
 from tierckpt_demo.chaos.reference import Anchor, Reference
 from tierckpt_demo.chaos.rig import NetState
 from tierckpt_demo.chaos.schedule import KINDS, Fault, Round, Schedule, fault_kind, plan_round, plan_rounds
 from tierckpt_demo.chaos.shrink import ddmin, shrink
+from tierckpt_demo.chaos.soak import soak_result
+from tierckpt_demo.training import TrainerEvent
 
 EVERY = 3
 
@@ -167,3 +171,56 @@ def test_durations_read_as_seconds() -> None:
     assert parse_duration("30m") == 1800 and parse_duration("1.5h") == 5400
     with pytest.raises(argparse.ArgumentTypeError):
         parse_duration("an hour")
+
+
+# ------------------------------------------------------------------------------ the soak result
+
+
+def _launch(folder: Path, rank_events: dict[int, list[TrainerEvent]]) -> None:
+    folder.mkdir(parents=True)
+    for rank, events in rank_events.items():
+        (folder / f"events-rank-{rank:05d}.jsonl").write_bytes(b"".join(e.to_bytes() + b"\n" for e in events))
+
+
+def _trained(rank: int, t0: float, steps: range, saves: tuple[int, ...]) -> list[TrainerEvent]:
+    out = []
+    for i, step in enumerate(steps):
+        out.append(TrainerEvent("step", rank, t0 + i, step=step, loss=0.5))
+        if step in saves:
+            out.append(TrainerEvent("saved", rank, t0 + i, step=step, seconds=0.1))
+    return out
+
+
+def test_a_runs_launches_give_its_wall_and_useful_time_and_each_failures_cost(tmp_path: Path) -> None:
+    """Round 1 trains steps 1-9 and holds; round 2 restores 9 locally, trains to 14 and is killed; the
+    next launch restores 12 (rank 1 from a peer, in 2 s) 5 s after the kill and trains to 20."""
+    job, runs = "chaos-native-1-0", tmp_path / "launches"
+    for index, (restore, tiers, steps, saves, held) in enumerate(
+        [
+            ((0.0, None, 0.0), ("none", "none"), range(1, 10), (3, 6, 9), True),
+            ((100.0, 9, 0.5), ("local", "local"), range(10, 15), (12,), False),
+            ((110.0, 12, 2.0), ("local", "peer"), range(13, 21), (15, 18), True),
+        ],
+        start=1,
+    ):
+        at, step, seconds = restore
+        events = {}
+        for rank in (0, 1):
+            mine = [
+                TrainerEvent("start", rank, at - 1),
+                TrainerEvent("restored", rank, at, step=step, tier=tiers[rank], seconds=seconds),
+                *_trained(rank, at + 1, steps, saves),
+            ]
+            if held:
+                mine.append(TrainerEvent("held", rank, at + 100))
+            events[rank] = mine
+        _launch(runs / f"launch-{index:05d}-{job}", events)
+    _launch(runs / "launch-00009-chaos-dcp-1-0", {0: _trained(0, 0.0, range(1, 50), ())})  # another job's
+
+    soak = soak_result(runs, job, backup_every=6, factor=1)
+    assert soak is not None
+    assert soak.wall_s == pytest.approx(9 + 5 + 13)  # held time left out; the failure's downtime counted
+    assert soak.useful_s == pytest.approx(20)  # steps 13 and 14 were trained twice, counted once
+    assert (soak.interval_s, soak.backup_interval_s, soak.saves, soak.save_s) == (3, 6, 6, pytest.approx(0.1))
+    assert soak.failures == (SoakFailure(tier="peer", lost_work_s=2, restart_s=3, restore_s=2),)
+    assert compare(soak).observed == pytest.approx(20 / 27)

@@ -17,6 +17,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from tests.cli.cli_helpers import assert_clean_error, cli
+from tierckpt.protocol.bucket_layout import SUMMARY_METADATA_KEY, BucketLayout, RankSummary
 from tierckpt.protocol.format import read_commit
 from tierckpt_demo.fakegcs import FakeGcsServer
 from tierckpt_demo.step_writer import write_step
@@ -108,3 +109,26 @@ def test_missing_bucket_and_unreachable_endpoint_are_clean_errors(gcs: FakeGcsSe
         cli("ls", "gs://ckpts/tierckpt", "--timeout", "1", env=dead), 1, "cannot list the bucket"
     )
     assert_clean_error(cli("ls", "gs://Bad_Bucket!"), 1, "invalid bucket name")
+
+
+def test_a_partial_step_of_a_large_world_is_summarised_from_one_listing(gcs: FakeGcsServer) -> None:
+    """80 of 4,096 ranks uploaded: the step is summarised (how many, the first missing ranges and how
+    many more) from the rank commits' metadata alone: their bodies here are unreadable, and never read."""
+    job, step, world = "big-world", 7, 4096
+    layout = BucketLayout(BackupSettings().prefix)
+    store = GcsStore(GcsSettings(bucket="ckpts", endpoint=gcs.url))
+    summary = RankSummary(world_size=world, manifest_crc32c=1, total_bytes=KiB).to_bytes().decode()
+    uploaded = [r for start in range(0, 800, 100) for r in range(start, start + 10)]
+    for rank in uploaded:
+        store.put_bytes(
+            layout.rank_commit_key(job, step, rank), b"not json", metadata={SUMMARY_METADATA_KEY: summary}
+        )
+    result = cli("ls", "gs://ckpts", "--job", job, "--json", env={"STORAGE_EMULATOR_HOST": gcs.url})
+    assert result.code == 0, result.output
+    [partial] = result.json()["steps"]
+    assert (partial["state"], partial["ranks"], partial["world_size"]) == ("partial", 80, world)
+    assert partial["bytes"] == 80 * KiB
+    assert partial["detail"] == (
+        "80/4096 ranks uploaded; missing 10-99, 110-199, 210-299, 310-399, 410-499, 510-599, "
+        "... (2 more ranges)"
+    )

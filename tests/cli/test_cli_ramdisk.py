@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -116,6 +118,20 @@ def test_verify_intact_steps(ramdisk: Path) -> None:
         "step 30: ranks 0-1 of 2 verified; complete here"
         in cli("verify", str(ramdisk), env={"COLUMNS": "200"}).stdout
     )
+
+
+def test_ls_verify_and_gc_import_no_torch(ramdisk: Path) -> None:
+    """The daemons' image has no torch: the ramdisk commands read file names and checksums from the
+    torch-free kernel (``tierckpt.protocol.format``, ``tierckpt.verify``), never from the client."""
+    code = (
+        "import sys; from typer.testing import CliRunner; from tierckpt_cli.app import app\n"
+        f"for args in (['ls', {str(ramdisk)!r}], ['verify', {str(ramdisk)!r}],"
+        f" ['gc', {str(ramdisk)!r}, '--dry-run']):\n"
+        "    assert CliRunner().invoke(app, args).exit_code == 0, args\n"
+        "print(sorted(m for m in ('torch', 'numpy') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stderr
 
 
 def test_verify_names_the_damaged_tensor_after_a_bit_flip(ramdisk: Path) -> None:

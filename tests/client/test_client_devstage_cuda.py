@@ -194,16 +194,16 @@ def test_a_save_does_not_wait_for_the_previous_commit_only_for_its_drain(root, j
     (its checksums held back here), step 2 is saved, and both steps hold exactly what was saved."""
     import threading
 
-    from tierckpt import checkpointer
+    from tierckpt import save_writer
 
     gate = threading.Event()
-    real = checkpointer.commit_files
+    real = save_writer.commit_files
 
     def held(*args, **kwargs):  # type: ignore[no-untyped-def]
         gate.wait(60)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(checkpointer, "commit_files", held)
+    monkeypatch.setattr(save_writer, "commit_files", held)
     model, opt = trainer()
     with Checkpointer(root=root, job=job) as ck:
         handles, expected = {}, {}

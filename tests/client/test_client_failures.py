@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import os
+import pickle
 from pathlib import Path
 
 import pytest
@@ -198,3 +199,17 @@ def test_a_flipped_manifest_byte_is_detected_by_the_writer_that_knows_the_manife
         assert ck.load({}) == 2  # the manifest it committed is cached, its bytes are still checked
         flip(step_dir(ck.rank_path, 2) / MANIFEST_NAME, 100)
         assert_falls_back(ck, FormatError)
+
+
+def test_an_unpicklable_object_is_refused_before_the_step_it_would_replace_goes(root, job):
+    """Saving a step again replaces it; a state whose objects cannot be pickled is refused while the save
+    is planned, so the committed copy of that step stays, whole and loadable."""
+    with Checkpointer(root=root, job=job, keep=3) as ck:
+        ck.save(5, state_for(5), blocking=True)
+        bad = {**state_for(6), "fn": lambda: 0}
+        with pytest.raises((pickle.PicklingError, AttributeError, TypeError)):
+            ck.save(5, bad)
+        assert ck.committed_steps() == [5]
+        dest = state_for(0)
+        assert ck.load(dest) == 5
+        assert_same(dest, state_for(5))

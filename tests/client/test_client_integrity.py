@@ -163,3 +163,33 @@ def test_a_tampered_objects_file_runs_nothing_at_load(root: Path, job: str, tmp_
         dest: dict = {}
         assert ck.load(dest, fallback=True) == 1 and dest["meta"] == {"epoch": {1}}
     assert not marker.exists()
+
+
+def test_checksum_threads_are_this_trainers_share_of_the_cpus(monkeypatch):
+    """Four trainers of a node each running a pool of every CPU would oversubscribe the CPUs."""
+    from tierckpt.snapshot.checksum import crc_threads
+
+    cpus = len(os.sched_getaffinity(0))
+    monkeypatch.delenv("TIERCKPT_CRC_THREADS", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert crc_threads() == cpus
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert crc_threads() == max(1, cpus // 4)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "junk")
+    assert crc_threads() == cpus
+    monkeypatch.setenv("TIERCKPT_CRC_THREADS", "3")
+    assert crc_threads() == 3
+
+
+def test_copy_threads_ignore_torchruns_one_thread_for_kernels(monkeypatch):
+    """torchrun sets OMP_NUM_THREADS=1 (torch.get_num_threads() == 1) for the training's kernels; the
+    copies of a restore (and DCP's bounce buffers) still use this trainer's share of the CPUs."""
+    from tierckpt.snapshot import copy
+
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert copy._copy_workers() == min(8, len(os.sched_getaffinity(0)))
+    finally:
+        torch.set_num_threads(threads)

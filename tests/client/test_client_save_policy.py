@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-import tierckpt.checkpointer as checkpointer_module
+import tierckpt.save_writer as save_writer_module
 from tierckpt import Checkpointer, SaveInProgressError
 from tierckpt.protocol.format import step_dirs
 
@@ -16,13 +16,13 @@ from tierckpt.protocol.format import step_dirs
 def held_commit(monkeypatch):
     """Make every commit wait until the test sets the returned event (a seam on the commit thread)."""
     release = threading.Event()
-    real = checkpointer_module.commit_files
+    real = save_writer_module.commit_files
 
     def slow_commit(*args, **kwargs):
         assert release.wait(10), "test never released the commit"
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(checkpointer_module, "commit_files", slow_commit)
+    monkeypatch.setattr(save_writer_module, "commit_files", slow_commit)
     return release
 
 
@@ -83,7 +83,7 @@ def test_a_failed_commit_leaves_nothing_and_the_next_save_works(root, job, monke
         def broken(*args, **kwargs):
             raise OSError("simulated I/O error")
 
-        monkeypatch.setattr(checkpointer_module, "commit_files", broken)
+        monkeypatch.setattr(save_writer_module, "commit_files", broken)
         handle = ck.save(2, {"v": torch.ones(3)})
         assert isinstance(handle.exception(), OSError)
         with pytest.raises(OSError, match="simulated"):

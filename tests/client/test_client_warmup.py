@@ -188,3 +188,28 @@ def test_a_load_prepares_the_slots_of_the_state_it_loads_so_no_save_creates_one(
         ck.save(3, state_of(3.0), blocking=True)
     assert on_training_thread == [], "no save created or faulted a data file"
     assert_same(state_of(2.0), dest)
+
+
+def test_once_the_pool_knows_the_layout_a_load_does_not_plan_the_slots_again(root, job, monkeypatch):
+    """Preparing the slots after a load flattens and plans the whole state (milliseconds on the restore
+    path): it is done for the first load only; later loads find the pool keeping its slots itself."""
+    state = state_of(1.0)
+    with Checkpointer(root=root, job=job, keep=2) as ck:
+        ck.save(1, state, blocking=True)
+        planned = []
+        real_plan = ck._planner.layout
+        monkeypatch.setattr(ck._planner, "layout", lambda *a, **k: planned.append(1) or real_plan(*a, **k))
+        dest = state_of(0.0)
+        for _ in range(3):
+            assert ck.load(dest) == 1
+        assert planned == [], "a load after a save planned the slots again"
+        assert_same(state, dest)
+    with Checkpointer(root=root, job=job, keep=2) as ck:  # a restart: the first load prepares, once
+        planned = []
+        real_plan = ck._planner.layout
+        monkeypatch.setattr(ck._planner, "layout", lambda *a, **k: planned.append(1) or real_plan(*a, **k))
+        for _ in range(3):
+            assert ck.load(dest) == 1
+        assert planned == [1]
+        ck._registering.result(30)
+        assert ck._pool.ready_spares >= 1

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -297,3 +298,42 @@ def test_a_second_save_while_one_runs_on_another_thread_is_refused(ramdisk: Path
         t.join()
     writer.reset(2)  # once that thread is gone, the next save may start
     writer.close()
+
+
+def test_a_load_in_the_writers_process_reads_through_the_writers_mappings(
+    ramdisk: Path, job: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The writer keeps its steps' files mapped (and pinned, for CUDA): a load in the same process reads
+    through them instead of mapping and faulting the files afresh. A file replaced since (e.g. by a
+    restore) is mapped anew, and a corrupt one is still caught."""
+    from tierckpt.snapshot.shardfile import MappedFile
+
+    opened: list[str] = []
+    real_open = MappedFile.open.__func__  # type: ignore[attr-defined]
+
+    def spy(cls, path, **kwargs):  # type: ignore[no-untyped-def]
+        opened.append(Path(path).name)
+        return real_open(cls, path, **kwargs)
+
+    monkeypatch.setattr(MappedFile, "open", classmethod(spy))
+    state = {"w": torch.arange(1 << 16, dtype=torch.float32), "b": torch.full((7,), 3.0)}
+    with RamdiskWriter(ramdisk, job) as writer:
+        dcp.save(state, checkpoint_id=5, storage_writer=writer, no_dist=True)
+        got = {"w": torch.zeros(1 << 16), "b": torch.zeros(7)}
+        dcp.load(got, storage_reader=RamdiskReader(ramdisk, job), no_dist=True)
+        assert opened == [] and all(torch.equal(got[k], state[k]) for k in state)
+
+        step_path = step_dir(rank_dir(ramdisk, job, 0), 5)
+        data = next(p for p in step_path.iterdir() if p.name.startswith("data"))
+        copy = data.with_name(data.name + ".new")
+        copy.write_bytes(data.read_bytes())
+        os.replace(copy, data)  # the same bytes in a new file: the writer's mapping no longer backs it
+        got = {"w": torch.zeros(1 << 16), "b": torch.zeros(7)}
+        dcp.load(got, storage_reader=RamdiskReader(ramdisk, job), no_dist=True)
+        assert opened == [data.name] and all(torch.equal(got[k], state[k]) for k in state)
+
+        raw = bytearray(data.read_bytes())
+        raw[100] ^= 0xFF
+        data.write_bytes(bytes(raw))
+        with pytest.raises(CheckpointException, match="crc32c"):
+            dcp.load(got, storage_reader=RamdiskReader(ramdisk, job), no_dist=True)

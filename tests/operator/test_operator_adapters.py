@@ -25,7 +25,7 @@ from tierckpt.protocol.control import (
 from tierckpt.protocol.errors import ContractError
 from tierckpt_operator.cleanup import purge_job
 from tierckpt_operator.clusterview import ClusterView
-from tierckpt_operator.kube import Kube, api_client
+from tierckpt_operator.kube import ClientError, Invalid, Kube, KubeError, NotFound, api_client
 from tierckpt_operator.leader import LeaseElector
 from tierckpt_operator.pods import ReplicatorPod
 from tierckpt_operator.replicators import replicator_client
@@ -201,6 +201,36 @@ async def test_purge_asks_every_ready_replicator_and_one_for_the_bucket(token_fi
     assert [r[2] for r in servers[1].requests] == [{}, {"bucket": "true"}]
     assert servers[2].requests == []  # not ready: not asked
     assert "GCS backups deleted" in result.summary()
+
+
+async def test_kube_maps_refusals_to_typed_errors(kube_with_crds):
+    """Absent and already-there are answers (None, False); any other refusal is a typed error with the
+    server's status, reason and message, never the client's ApiException."""
+    adapter = Kube(api_client(str(kube_with_crds.url)))
+    body = {
+        "apiVersion": "tierckpt.io/v1alpha1",
+        "kind": "CheckpointJob",
+        "metadata": {"name": "j", "namespace": "team"},
+        "spec": {},
+    }
+    try:
+        assert await adapter.get_jobset("team", "absent") is None  # 404
+        assert await adapter.patch_checkpoint_job_status("team", "j", {"phase": "x"}) is False  # 404
+        await adapter.delete_checkpoint_job("team", "j")  # 404: already gone
+        assert await adapter.create_checkpoint_job(body) is not None
+        assert await adapter.create_checkpoint_job(body) is None  # 409: it exists
+        assert await adapter.patch_checkpoint_job_status("team", "j", {"phase": "x"}) is True
+        assert await adapter.get_pod("team", "absent") is None  # 404
+        nameless = {**body, "metadata": {"namespace": "team"}}
+        with pytest.raises(Invalid) as refused:
+            await adapter.create_checkpoint_job(nameless)  # 422
+        error = refused.value
+        assert isinstance(error, ClientError) and isinstance(error, KubeError)
+        assert not isinstance(error, NotFound)
+        assert (error.status, error.reason) == (422, "Invalid")
+        assert "metadata.name is required" in error.message and "422" in str(error)
+    finally:
+        adapter.close()
 
 
 async def test_lease_election(kube):

@@ -18,6 +18,8 @@ replaces the one the run the job went back from left there.
 from __future__ import annotations
 
 import logging
+import os
+import weakref
 from collections.abc import Collection, Iterable
 from pathlib import Path
 
@@ -34,10 +36,29 @@ from tierckpt.protocol.format import (
 from tierckpt.snapshot.layout import LayoutPlan
 from tierckpt.snapshot.pool import Slot, SlotPool
 from tierckpt.snapshot.rankdir import scan_steps, uncommit
+from tierckpt.snapshot.shardfile import MappedFile
 
-__all__ = ["RankStore", "plan_dcp_retention", "went_back_to"]
+__all__ = ["RankStore", "live_mapping", "plan_dcp_retention", "went_back_to"]
 
 log = logging.getLogger(__name__)
+
+_live: weakref.WeakValueDictionary[str, RankStore] = weakref.WeakValueDictionary()
+"""The rank stores of this process's writers, by rank directory: a load in the same process reads a
+step's files through the mappings the writer keeps (pinned and faulted in) instead of mapping them
+afresh."""
+
+
+def live_mapping(rank_path: Path, step: int, name: str) -> MappedFile | None:
+    """The mapping a writer of this process keeps of data file ``name`` of ``step`` in ``rank_path``,
+    while it still maps the file there (not one replaced since, e.g. by a restore); else None. The
+    caller holds a lease on the step (retention never recycles a leased step's files) and does not
+    close it."""
+    store = _live.get(os.path.realpath(rank_path))
+    slot = None if store is None else store.pool.slot_of(step)
+    if slot is None:
+        return None
+    path = step_dir(rank_path, step) / name
+    return next((f for f in slot.files if f.path.name == name and f.backs(path)), None)
 
 
 def plan_dcp_retention(
@@ -73,6 +94,8 @@ class RankStore:
         rank_path.mkdir(parents=True, exist_ok=True)
         self.pool = SlotPool(rank_path, target=keep + 2)  # keep complete + one unconfirmed + the new one
         self.pool.adopt_spares(committed_count=len(committed_steps(rank_path)))
+        self._key = os.path.realpath(rank_path)
+        _live[self._key] = self
 
     def take(self, step: int, plan: LayoutPlan) -> Slot:
         """Mapped data files for ``plan`` inside ``step``'s directory (a spare's pages when one is free)."""
@@ -127,4 +150,6 @@ class RankStore:
                 discard_step(path)
 
     def close(self) -> None:
+        if _live.get(self._key) is self:
+            del _live[self._key]
         self.pool.close()

@@ -68,6 +68,7 @@ from tierckpt.verify import verify_file
 
 from ._node import node_identity
 from ._paths import find_rank_step, parse_step_id, require_step_id
+from ._store import live_mapping
 from .choice import NodeShare, newest_loadable
 from .fetch import fetch_rank_steps
 from .metadata import DcpMetadata, decode_metadata, item_holders
@@ -96,8 +97,9 @@ def dcp_steps(root: str | os.PathLike[str], job: str) -> list[int]:
 class _RankStep:
     """One holding rank's committed step, checked against the checkpoint's metadata when opened."""
 
-    def __init__(self, path: Path, manifest: Manifest) -> None:
+    def __init__(self, path: Path, step: int, manifest: Manifest) -> None:
         self.path = path
+        self.step = step
         self.manifest = manifest
         self.entries: dict[str, TensorEntry] = {t.key: t for t in manifest.tensors}
         self.index: dict[str, int] = {t.key: i for i, t in enumerate(manifest.tensors)}
@@ -122,24 +124,36 @@ class _RankStep:
         except KeyError:
             raise FormatError(f"{self.path}: item {key!r} is not in this step's manifest") from None
 
-    def open(self, name: str, *, needed: int) -> MappedFile:
-        """Map a data file; fault it all in up front when at least half of it (``needed`` bytes) is read."""
+    def open(self, name: str, *, needed: int) -> tuple[MappedFile, bool]:
+        """A data file's mapping, and whether the caller closes it: the one a writer of this process
+        keeps (pinned and faulted in already: borrowed), else a new one, faulted in up front when at
+        least half of it (``needed`` bytes) is read."""
         size = self.manifest.file(name).size
+        live = live_mapping(self.path.parent, self.step, name)
+        if live is not None:
+            self._check_size(live, name)
+            return live, False
         try:
             mapped = MappedFile.open(self.path / name, writable=False, populate=2 * needed >= size)
         except FileNotFoundError:
             path = self.path / name
             raise CorruptShardError(f"{path}: missing (its manifest lists it)", path=str(path)) from None
+        try:
+            self._check_size(mapped, name)
+        except CorruptShardError:
+            mapped.close()
+            raise
+        return mapped, True
+
+    def _check_size(self, mapped: MappedFile, name: str) -> None:
         if name not in self._checked:
             entry = self.manifest.file(name)
             if mapped.size != entry.size:
-                mapped.close()
                 raise CorruptShardError(
                     f"{mapped.path}: {mapped.size} bytes on disk, its manifest says {entry.size} (corrupt)",
                     path=str(mapped.path),
                 )
             self._checked.add(name)
-        return mapped
 
 
 class RamdiskReader(StorageReader):
@@ -438,11 +452,12 @@ class RamdiskReader(StorageReader):
                 for name, entries in sorted(by_file.items()):
                     needed = sum({e.offset: e.length for _, e in entries}.values())
                     self.bytes_read += needed
-                    mapped = step.open(name, needed=needed)
+                    mapped, owned = step.open(name, needed=needed)
                     try:
                         self._read_file(step, mapped, sorted(entries, key=lambda it: it[1].offset), planner)
                     finally:
-                        mapped.close()
+                        if owned:
+                            mapped.close()
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
@@ -465,7 +480,7 @@ class RamdiskReader(StorageReader):
             raise FormatError(
                 f"{path} is not the step rank {rank} wrote for this DCP checkpoint (rewritten since?)"
             )
-        self._steps[(rank, step)] = _RankStep(path, manifest)
+        self._steps[(rank, step)] = _RankStep(path, step, manifest)
         return self._steps[(rank, step)]
 
     def _read_file(

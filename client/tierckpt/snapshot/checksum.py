@@ -1,10 +1,11 @@
 """Parallel crc32c over mapped memory: per-region crcs (commit) and whole-file crcs (restore's fast check).
 
-All work runs on one persistent pool of ``os.cpu_count()`` threads (``crc32c_address`` releases the
-GIL, so they really run in parallel). Work is cut into chunks of ``chunk_bytes`` (8-32 MiB, sized so
-every thread gets several), and chunk crcs are folded together with ``Combiner``: a precomputed
-"append n zero bytes" operator as four 256-entry tables, about a microsecond per fold instead of a
-GF(2) matrix product per bit of the length.
+All work runs on one persistent pool of ``crc_threads()`` threads (``crc32c_address`` releases the
+GIL, so they really run in parallel): the CPUs this process may use, shared with the other trainers of
+the node (``LOCAL_WORLD_SIZE``), or ``TIERCKPT_CRC_THREADS``. Work is cut into chunks of
+``chunk_bytes`` (8-32 MiB, sized so every thread gets several), and chunk crcs are folded together
+with ``Combiner``: a precomputed "append n zero bytes" operator as four 256-entry tables, about a
+microsecond per fold instead of a GF(2) matrix product per bit of the length.
 
 ``start_file_crcs`` returns at once with a ``PendingCrcs``: restore starts it *before* issuing its
 host-to-device copies, so checksumming and DMA overlap, and calls ``result()`` after the copies.
@@ -19,6 +20,7 @@ import threading
 from collections.abc import Sequence
 
 from tierckpt.protocol.integrity import crc32c_address, crc32c_combine
+from tierckpt.snapshot.cpus import cpu_share
 
 __all__ = ["Combiner", "PendingCrcs", "chunk_bytes", "crc_pool", "region_crcs", "start_file_crcs"]
 
@@ -30,11 +32,15 @@ _pool_lock = threading.Lock()
 
 
 def crc_threads() -> int:
-    return max(1, os.cpu_count() or 1)
+    """Checksum threads: ``TIERCKPT_CRC_THREADS``, else this process's share of its CPUs. Four trainers
+    of a node each running a pool of every CPU would oversubscribe the CPUs and the memory bandwidth
+    that their host-to-device copies need."""
+    explicit = os.environ.get("TIERCKPT_CRC_THREADS", "")
+    return int(explicit) if explicit.isdigit() and int(explicit) > 0 else cpu_share()
 
 
 def crc_pool() -> concurrent.futures.ThreadPoolExecutor:
-    """The process-wide checksum pool (created on first use, one thread per CPU)."""
+    """The process-wide checksum pool (created on first use, ``crc_threads()`` threads)."""
     global _pool
     with _pool_lock:
         if _pool is None:

@@ -8,7 +8,6 @@ A crash anywhere before the COMMIT rename leaves a step directory that readers i
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -26,6 +25,7 @@ from tierckpt.protocol.format import (
 )
 from tierckpt.protocol.integrity import crc32c
 from tierckpt.protocol.replica import ReplicaRecord
+from tierckpt.snapshot.checksum import crc_threads
 from tierckpt.snapshot.copy import file_crc, region_crcs
 from tierckpt.snapshot.layout import LayoutPlan
 from tierckpt.snapshot.shardfile import MappedFile
@@ -56,7 +56,7 @@ def checksum_slot(
 ) -> tuple[list[int], list[FileEntry]]:
     """Per-tensor crc32c and per-file entries (size, crc) of data files filled according to ``plan``."""
     regions = [(files[p.file].address + p.offset, p.length) for p in plan.placements]
-    tensor_crcs = region_crcs(regions, workers=workers or min(8, max(1, (os.cpu_count() or 2) // 2)))
+    tensor_crcs = region_crcs(regions, workers=workers or min(8, max(1, crc_threads() // 2)))
     entries = []
     for i, (fp, f) in enumerate(zip(plan.files, files, strict=True)):
         parts = sorted(

@@ -24,6 +24,7 @@ import torch
 from tierckpt import cuda
 from tierckpt.protocol.integrity import crc32c_address, crc32c_combine
 from tierckpt.snapshot.checksum import region_crcs
+from tierckpt.snapshot.cpus import cpu_share
 
 __all__ = ["copy_cpu", "copy_into", "file_crc", "memmove", "region_crcs", "write_tensors"]
 
@@ -38,7 +39,7 @@ _copy_pool_lock = threading.Lock()
 
 
 def _copy_workers() -> int:
-    return max(1, min(8, torch.get_num_threads()))
+    return min(8, cpu_share())
 
 
 def _pool() -> concurrent.futures.ThreadPoolExecutor:

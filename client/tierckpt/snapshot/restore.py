@@ -31,7 +31,7 @@ from tierckpt.protocol.errors import CorruptShardError, FormatError, StateMismat
 from tierckpt.protocol.format import OBJECTS_NAME, FileEntry, Manifest, TensorEntry, iter_data_files
 from tierckpt.protocol.integrity import crc32c
 from tierckpt.snapshot import objects as pickled
-from tierckpt.snapshot.bindings import BindingCache
+from tierckpt.snapshot.bindings import BindingCache, Bound
 from tierckpt.snapshot.checksum import PendingCrcs, region_crcs, start_file_crcs
 from tierckpt.snapshot.compare import mismatches
 from tierckpt.snapshot.copy import copy_cpu, memmove
@@ -414,40 +414,55 @@ def load_into(
         check_structure(dest, step_path, manifest, objects)
     timings["bind_s"] = time.perf_counter() - start
     timings["bound"] = float(bound is not None)
-    paths: dict[int, KeyPath] | None = None
-    leaves: list[Leaf | Branch] | None = None
     try:
         if bound is not None:
             filler.prefill(bound.tensors)  # every copy starts before the checksums compete for the CPUs
         filler.start_verify()  # the checksums run during the rest and the copies
-        walk = bound is None or bound.leaves is None
-        if not walk:
-            assert bound is not None and bound.leaves is not None
-            walk = not restore_leaves(
-                manifest.tree,
-                bound.leaves,
-                bound.branches,
-                fill=filler.bound_fill,
-                fill_array=filler.array,
-                n_tensors=len(views),
-                objects=objects,
-            )
-        if walk:
-            paths, leaves = ({}, []) if bindings is not None else (None, None)
-            restore_into(
-                dest,
-                manifest.tree,
-                fill=filler if bound is None else filler.bound_fill,
-                fill_array=filler.array,
-                n_tensors=len(views),
-                objects=objects,
-                paths=paths,
-                leaves=leaves,
-            )
+        walked = _fill_tree(dest, manifest, filler, bound, objects, remember=bindings is not None)
         timings["tree_s"] = time.perf_counter() - start - timings["bind_s"]
         filler.finish()
     except BaseException:
         filler.abandon()
         raise
-    if paths is not None and leaves is not None and bindings is not None:
-        bindings.remember_loaded(manifest, dest, paths, leaves)
+    if walked is not None and bindings is not None:
+        bindings.remember_loaded(manifest, dest, *walked)
+
+
+def _fill_tree(
+    dest: dict[Any, Any],
+    manifest: Manifest,
+    filler: _Filler,
+    bound: Bound | None,
+    objects: list[Any],
+    *,
+    remember: bool,
+) -> tuple[dict[int, KeyPath], list[Leaf | Branch]] | None:
+    """Put every leaf of the step's tree into ``dest``: through the binding's leaves when it has them,
+    else by walking the tree. Returns what a walk found (the tensors' key paths and the leaves), for
+    ``bindings.remember_loaded``, when asked to ``remember`` and the tree was walked."""
+    n_tensors = len(filler.views)
+    if bound is not None and bound.leaves is not None:
+        fast = restore_leaves(
+            manifest.tree,
+            bound.leaves,
+            bound.branches,
+            fill=filler.bound_fill,
+            fill_array=filler.array,
+            n_tensors=n_tensors,
+            objects=objects,
+        )
+        if fast:
+            return None
+    paths: dict[int, KeyPath] | None = {} if remember else None
+    leaves: list[Leaf | Branch] | None = [] if remember else None
+    restore_into(
+        dest,
+        manifest.tree,
+        fill=filler if bound is None else filler.bound_fill,
+        fill_array=filler.array,
+        n_tensors=n_tensors,
+        objects=objects,
+        paths=paths,
+        leaves=leaves,
+    )
+    return None if paths is None or leaves is None else (paths, leaves)

@@ -33,6 +33,7 @@ import torch
 
 from tierckpt import cuda
 from tierckpt.protocol.errors import RamdiskFullError
+from tierckpt.snapshot.cpus import cpu_share
 
 __all__ = ["MappedFile", "allocate"]
 
@@ -63,8 +64,8 @@ def _madvise() -> ctypes._CFuncPtr:  # type: ignore[name-defined]
 
 
 def fault_workers() -> int:
-    """Threads that pre-fault one mapping: half the CPUs, at most 8 (training keeps the rest)."""
-    return min(8, max(1, (os.cpu_count() or 2) // 2))
+    """Threads that pre-fault one mapping: half this trainer's CPUs, at most 8 (training keeps the rest)."""
+    return min(8, max(1, cpu_share() // 2))
 
 
 def _faulters() -> concurrent.futures.ThreadPoolExecutor:
@@ -319,6 +320,16 @@ class MappedFile:
         if self._mm is not None and self.writable:
             self._mm.flush()
         os.fsync(self._fd)
+
+    def backs(self, path: Path) -> bool:
+        """Whether this mapping is of the file now at ``path`` (not one replaced or removed since)."""
+        if self._fd < 0:
+            return False
+        try:
+            mine, there = os.fstat(self._fd), os.stat(path)
+        except OSError:
+            return False
+        return (mine.st_dev, mine.st_ino) == (there.st_dev, there.st_ino)
 
     def close(self, *, unlink: bool = False) -> None:
         """Unregister, unmap and close; optionally delete the file."""

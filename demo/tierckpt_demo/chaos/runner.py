@@ -52,6 +52,7 @@ from tierckpt_demo.chaos.oracle import (
 from tierckpt_demo.chaos.reference import Anchor, Reference
 from tierckpt_demo.chaos.rig import Rig
 from tierckpt_demo.chaos.schedule import TRANSIENT, Fault, Round, Schedule, plan_round
+from tierckpt_demo.chaos.soak import soak_result
 from tierckpt_demo.chaos.tiers import BucketView, job_leftovers, scan_node, torn_on_node
 
 __all__ = ["ChaosOptions", "ChaosRun", "Entry", "Summary"]
@@ -231,10 +232,21 @@ class ChaosRun:
             self._teardown()
         summary = self.summary(stopped)
         (self.out / "summary.json").write_bytes(summary.to_bytes())
+        self._write_soak_results()
         for line in summary.lines():
             self._echo(line)
         self._history_file.close()
         return summary
+
+    def _write_soak_results(self) -> None:
+        """Each job's goodput as the trainers measured it (``soak-<job>.json``, for ``tierckpt plan
+        --soak``)."""
+        for job in self.jobs.values():
+            soak = soak_result(
+                self.out / "launches", job.job_id, backup_every=BACKUP_EVERY, factor=job.factor
+            )
+            if soak is not None:
+                (self.out / f"soak-{job.job_id}.json").write_bytes(soak.to_bytes())
 
     def schedule(self) -> Schedule:
         """What ran so far, as a schedule that replays it."""
