@@ -37,7 +37,10 @@ CODE: dict[str, list[str]] = {
     "torch": [
         "client/tierckpt/checkpointer.py",
         "client/tierckpt/cuda.py",
+        "client/tierckpt/grouped_save.py",
         "client/tierckpt/replica_group.py",
+        "client/tierckpt/save_plan.py",
+        "client/tierckpt/save_writer.py",
         "client/tierckpt/settings.py",
         "client/tierckpt/dcp",
         "client/tierckpt/snapshot",

@@ -343,6 +343,14 @@ class Settings:
             unit="s",
         ),
     )
+    backup_compression: str = dataclasses.field(
+        default="off",
+        metadata=_opt(
+            "How backed-up chunks are stored in the bucket: 'off' (raw; the default: no codec measured "
+            "outruns the upload on a 2-vCPU node), 'zstd', or 'grouped' (bytes grouped by element size, "
+            "then zstd). docs/benchmarks.md, 'Bucket codecs'."
+        ),
+    )
     backup_group_wait: float = dataclasses.field(
         default=60.0,
         metadata=_opt(
@@ -410,6 +418,10 @@ class Settings:
         for name in ("api_header_timeout", "api_body_timeout", "tls_reload_interval"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive")
+        if self.backup_compression not in ("off", "zstd", "grouped"):
+            raise ValueError(
+                f"--backup-compression must be off, zstd or grouped, not {self.backup_compression!r}"
+            )
         if self.auth not in ("tls", "token"):
             raise ValueError("--auth must be 'tls' or 'token'")
         if self.identity_dir is None:

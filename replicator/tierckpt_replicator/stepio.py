@@ -222,6 +222,11 @@ class StepWriter:
         self.header.manifest.file(name)
         return self.dir.open_fd(name, os.O_WRONLY)
 
+    def open_rw(self, name: str) -> int:
+        """A read-write descriptor of staged file ``name`` (bytes written are read back to verify them)."""
+        self.header.manifest.file(name)
+        return self.dir.open_fd(name, os.O_RDWR)
+
     def where(self, name: str) -> str:
         return f"{self.dir.where}/{name}"
 

@@ -324,9 +324,12 @@ RIG_SETTINGS = BackupSettings(
     lease_ttl=600.0,
     takeover_after=3600.0,
     catalog_max_age=3600.0,
+    chunks=False,
 )
 """A step schedule; one complete step kept (each backup retires the previous one); long leases and
-takeover windows (the rig's passes are slow on a loaded box, not dead)."""
+takeover windows (the rig's passes are slow on a loaded box, not dead). Layout 2 (whole objects): the
+budgets are layout 2's; layout 3's chunks are not measured here yet (docs/bucket-layout.md, "Request
+budgets")."""
 
 
 class ScaleRig:

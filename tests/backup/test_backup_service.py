@@ -182,7 +182,7 @@ async def test_sliced_upload_is_composed_and_verified(
     root = tmp_path / "n"
     src = write_step(root, JOB, 0, 5, sizes=(1100 * KiB, 700 * KiB), files=2)
     spy = SpyStore(make_store(gcs_server.url, bucket))
-    svc = make_service(spy, root, "n", slice_size=256 * KiB, range_size=200 * KiB)
+    svc = make_service(spy, root, "n", slice_size=256 * KiB, range_size=200 * KiB, chunks=False)  # layout 2
     assert await svc.backup_now(JOB) == 5
     assert ("compose", LAYOUT.rank_file_key(JOB, 5, 0, "data-00000.bin")) in spy.ops
     objects, _ = spy.inner.list(LAYOUT.rank_dir(JOB, 5, 0))
@@ -344,7 +344,7 @@ async def test_transient_errors_are_retried_with_backoff_and_the_backup_succeeds
 ) -> None:
     root = tmp_path / "n"
     write_step(root, JOB, 0, 7, sizes=(9 << 20,))  # over 8 MiB: a resumable upload
-    svc = make_service(make_store(proxy.url, bucket, read_timeout=1.0), root, "n")
+    svc = make_service(make_store(proxy.url, bucket, read_timeout=1.0), root, "n", chunks=False)  # layout 2
     proxy.add_rule(FaultRule(action="status", status=503, method="POST", times=3))
     proxy.add_rule(FaultRule(action="status", status=500, method="PUT", skip=2, times=2))
     proxy.add_rule(FaultRule(action="reset_midway", method="PUT", after_bytes=10 * KiB, skip=5, times=1))
@@ -395,7 +395,8 @@ async def test_a_killed_uploader_leaves_no_visible_step_and_a_rerun_finishes_it(
         from tierckpt_replicator.backup.service import BackupService
         from tierckpt_replicator.backup.settings import BackupSettings
         store = GcsStore(GcsSettings(bucket={bucket!r}, endpoint={proxy.url!r}))
-        svc = BackupService(BackupSettings(prefix="t", parallelism=1), node="n", root=Path({str(root)!r}),
+        settings = BackupSettings(prefix="t", parallelism=1, chunks=False)
+        svc = BackupService(settings, node="n", root=Path({str(root)!r}),
                             store=store, metrics=BackupMetrics(CollectorRegistry()))
         asyncio.run(svc.backup_now({JOB!r}))
     """)
@@ -410,7 +411,7 @@ async def test_a_killed_uploader_leaves_no_visible_step_and_a_rerun_finishes_it(
         proc.wait()
     proxy.clear_rules()
     spy = SpyStore(make_store(gcs_server.url, bucket))
-    svc = make_service(spy, root, "n")
+    svc = make_service(spy, root, "n", chunks=False)  # layout 2: whole data objects resumed
     assert await svc.complete_steps(JOB) == ()
     before, _ = spy.inner.list(LAYOUT.step_dir(JOB, 50))
     assert [o for o in before if o.name.endswith(".bin")]  # some data objects made it before the kill
@@ -426,7 +427,7 @@ async def test_a_corrupt_object_in_the_bucket_is_detected_and_nothing_is_committ
 ) -> None:
     root = tmp_path / "n"
     write_step(root, JOB, 0, 3, sizes=(64 * KiB,))
-    svc = make_service(make_store(gcs_server.url, bucket), root, "n")
+    svc = make_service(make_store(gcs_server.url, bucket), root, "n", chunks=False)  # chunks: test_chunks.py
     assert await svc.backup_now(JOB) == 3
     key = LAYOUT.rank_file_key(JOB, 3, 0, "data-00000.bin")
     raw = gcs_server.client().bucket(bucket).blob(key)
@@ -452,7 +453,7 @@ async def test_a_rotted_local_shard_is_never_committed_to_the_bucket(
         byte = f.read(1)[0]
         f.seek(100)
         f.write(bytes([byte ^ 0xFF]))
-    svc = make_service(make_store(gcs_server.url, bucket), root, "n")
+    svc = make_service(make_store(gcs_server.url, bucket), root, "n", chunks=False)  # chunks: test_chunks.py
     with pytest.raises(UploadCorrupted):
         await svc.backup_now(JOB)
     store = make_store(gcs_server.url, bucket)

@@ -25,9 +25,10 @@ LAYOUT = BucketLayout("t")
 
 
 class HeldStore:
-    """A node's store whose file uploads wait for ``release`` (set by the test) before they reach the
-    bucket: an upload in flight for as long as the test wants. ``in_flight`` is set when the first one
-    waits. With ``renewals_fail``, rewriting a writer lease fails like a bucket that stopped answering."""
+    """A node's store whose file and chunk uploads wait for ``release`` (set by the test) before they
+    reach the bucket: an upload in flight for as long as the test wants. ``in_flight`` is set when the
+    first one waits. With ``renewals_fail``, rewriting a writer lease fails like a bucket that stopped
+    answering."""
 
     def __init__(self, inner: GcsStore, *, renewals_fail: bool = False) -> None:
         self.inner, self.renewals_fail = inner, renewals_fail
@@ -39,6 +40,9 @@ class HeldStore:
         return self.inner.upload_file(key, fd, **kw)
 
     def put_bytes(self, key: str, data: bytes, **kw: Any) -> ObjectInfo:
+        if "/chunks/" in key:  # a chunk of a data file (layout 3): an upload like upload_file's
+            self.in_flight.set()
+            assert self.release.wait(60)
         if self.renewals_fail and "/writers/" in key and kw.get("if_generation") is not None:
             raise TransientStoreError(f"{key}: 503 (the test's bucket stopped answering)")
         return self.inner.put_bytes(key, data, **kw)
@@ -118,8 +122,8 @@ async def test_a_lapsed_lease_with_no_purge_keeps_what_landed_and_stops_writing(
     await asyncio.sleep(2.5)  # past the lease's validity (half its ttl: its renewals all fail)
     held.release.set()
     await uploading
-    landed = [k for k in leftovers(store) if "/rank-" in k]
-    assert landed and all("/data-" in k or k.endswith("objects.pkl") for k in landed)  # no COMMIT after
+    landed = [k for k in leftovers(store) if "/rank-" in k or "/chunks/" in k]
+    assert landed and all("/chunks/" in k or k.endswith("objects.pkl") for k in landed)  # no COMMIT after
     assert store.list(LAYOUT.rank_commits_dir(JOB, 10))[0] == []
     assert "lapsed" in b.status(JOB).last_error
     await b.close()

@@ -16,8 +16,11 @@ Spec: docs/bucket-layout.md. Pure: no I/O, no cloud library. The replicator's ba
         steps/<step:012d>/rank-<rank:05d>/.parts/<file>/<i:03d>         slices of a parallel upload
         steps/<step:012d>/shares/<count:06d>-<writer>.json  ShareDone: a node committed its share
         steps/<step:012d>/index/<writer>/<chunk:05d>.json  RankIndex: the rank refs of 1024 ranks
+        steps/<step:012d>/chunklists/<rank:05d>.json   ChunkList: its data files' chunks (layout 3)
+        chunks/<sha256>.<codec>                        a content-addressed chunk of data (layout 3)
         writers/<step:012d>/<writer>.json              WriterLease: a node is writing objects of the step
         purging.json                                   PurgeFence: a purge of the job is under way
+        sweeping.json                                  SweepLock: unreferenced chunks are being deleted
 
 ``jobs/`` and ``local/`` are separate roots so no job's prefix is ever a prefix of another job's
 (a Kubernetes namespace may well be called ``local``). A step exists for readers only once its
@@ -33,6 +36,12 @@ commit carries its ``RankSummary`` in its object metadata, so that node learns e
 from one listing of the rank commits. ``catalog.json`` changes whenever a
 step starts, completes, is refused or retired, so a node's periodic look at the bucket costs one request
 while nothing changed. Layout 1 completion objects (ranks inline) stay readable.
+
+Layout version 3: a rank's data files are content-addressed chunks (``tierckpt.protocol.chunks``),
+each uploaded once per job under ``chunks/``, named by the SHA-256 of its raw bytes and the codec it is
+stored with; the rank commit points at the rank's ``ChunkList`` (size and crc32c), which names every
+chunk of every data file. Steps of layouts 1 and 2 (data files as whole objects) stay readable.
+docs/bucket-layout.md, "Chunks (layout 3)".
 """
 
 from __future__ import annotations
@@ -55,7 +64,11 @@ __all__ = [
     "SUMMARY_METADATA_KEY",
     "BucketLayout",
     "CatalogChange",
+    "ChunkList",
+    "ChunkListRef",
+    "ChunkRef",
     "DataRef",
+    "FileChunks",
     "IndexChunk",
     "KeyKind",
     "ObjectTooLarge",
@@ -69,6 +82,7 @@ __all__ = [
     "StepBackup",
     "StepRefused",
     "StepStarted",
+    "SweepLock",
     "WriterLease",
     "complete_read_limit",
     "encode_small",
@@ -78,10 +92,11 @@ __all__ = [
     "split_job_id",
 ]
 
-LAYOUT_VERSION = 2
+LAYOUT_VERSION = 3
 """1: the completion object lists every rank. 2: it points at index chunks (``RankIndex``), every small
 object is bounded by ``SMALL_OBJECT_LIMIT``, rank commits carry a ``RankSummary`` in their metadata, and
-``catalog.json`` marks each change of the catalog. docs/bucket-layout.md, "Layout versions"."""
+``catalog.json`` marks each change of the catalog. 3: data files are content-addressed chunks
+(``ChunkList``, ``chunks/``). docs/bucket-layout.md, "Layout versions"."""
 
 SMALL_OBJECT_LIMIT = 1 << 20
 """The largest small object (completion, index chunk, rank commit, started, refused, catalog, lease) any
@@ -104,6 +119,8 @@ _RANK_PART = r"([0-9]{5,})"
 _PART_RE = re.compile(r"[0-9]{3}")
 _WRITER_RE = re.compile(r"[A-Za-z0-9_.-]{1,160}")
 """A writer's name in ``writers/<step>/<writer>.json``: the node's name (made safe) and a nonce."""
+_CHUNK_KEY_RE = re.compile(r"([0-9a-f]{64})\.([a-z0-9]{1,16})")
+"""``chunks/<sha256>.<codec>``."""
 _SHARE_RE = re.compile(r"([0-9]{6})-([A-Za-z0-9_.-]{1,160})\.json")
 """Every pattern here is matched whole (``re.fullmatch``) and ASCII only (``[0-9]``, not ``\\d``)."""
 
@@ -119,6 +136,9 @@ KeyKind = Literal[
     "writer",
     "fence",
     "catalog",
+    "chunk",
+    "chunk_list",
+    "sweep",
     "other",
 ]
 
@@ -295,6 +315,30 @@ class BucketLayout:
     def purge_fence_key(self, job: str) -> str:
         return f"{self.job(job)}purging.json"
 
+    def sweep_key(self, job: str) -> str:
+        return f"{self.job(job)}sweeping.json"
+
+    def chunks_dir(self, job: str) -> str:
+        return f"{self.job(job)}chunks/"
+
+    def chunk_key(self, job: str, name: str, codec: str) -> str:
+        key = f"{name}.{codec}"
+        if not _CHUNK_KEY_RE.fullmatch(key):
+            raise FormatError(f"invalid chunk {key!r}")
+        return f"{self.chunks_dir(job)}{key}"
+
+    def chunk_of_key(self, job: str, key: str) -> tuple[str, str] | None:
+        """``(name, codec)`` of a key from a listing of ``chunks_dir``."""
+        prefix = self.chunks_dir(job)
+        m = _CHUNK_KEY_RE.fullmatch(key, len(prefix)) if key.startswith(prefix) else None
+        return (m.group(1), m.group(2)) if m else None
+
+    def chunk_lists_dir(self, job: str, step: int) -> str:
+        return f"{self.step_dir(job, step)}chunklists/"
+
+    def chunk_list_key(self, job: str, step: int, rank: int) -> str:
+        return f"{self.chunk_lists_dir(job, step)}{_rank(rank)}.json"
+
     def parse(self, key: str) -> ParsedKey | None:
         """Classify a key; None if it is not under any job of this prefix."""
         found = job_from_prefix(self.prefix, key)
@@ -340,6 +384,10 @@ def _classify(job: str, parts: list[str]) -> ParsedKey:
         return ParsedKey(job, "fence")
     if parts == ["catalog.json"]:
         return ParsedKey(job, "catalog")
+    if parts == ["sweeping.json"]:
+        return ParsedKey(job, "sweep")
+    if len(parts) == 2 and parts[0] == "chunks" and _CHUNK_KEY_RE.fullmatch(parts[1]):
+        return ParsedKey(job, "chunk", file=parts[1])
     if len(parts) == 3 and parts[0] == "writers" and re.fullmatch(_STEP_PART, parts[1]):
         name = parts[2].removesuffix(".json")
         if parts[2].endswith(".json") and _WRITER_RE.fullmatch(name) and not name.startswith("."):
@@ -356,6 +404,8 @@ def _classify(job: str, parts: list[str]) -> ParsedKey:
         return ParsedKey(job, "refused", step=step)
     if len(parts) == 4 and parts[2] == "ranks" and (m := re.fullmatch(_RANK_PART + r"\.json", parts[3])):
         return ParsedKey(job, "rank_commit", step=step, rank=int(m.group(1)))
+    if len(parts) == 4 and parts[2] == "chunklists" and (m := re.fullmatch(_RANK_PART + r"\.json", parts[3])):
+        return ParsedKey(job, "chunk_list", step=step, rank=int(m.group(1)))
     if len(parts) == 4 and parts[2] == "shares" and (m := _SHARE_RE.fullmatch(parts[3])):
         if not m.group(2).startswith("."):
             return ParsedKey(job, "share", step=step, part=int(m.group(1)))
@@ -415,10 +465,75 @@ class RankBackup(Message):
     """Set when this rank's data files were not uploaded under its own prefix: they are rank
     ``data.rank``'s (an identical replica group member; only COMMIT, manifest and the other files are
     here)."""
+    chunks: ChunkListRef | None = None
+    """Layout 3: the rank's data files are chunks, listed in ``steps/<step>/chunklists/<rank>.json``
+    (this size and crc32c); None: they are whole objects under ``rank-<rank>/`` (layouts 1 and 2)."""
 
     def __post_init__(self) -> None:
         if self.data is not None and self.data.rank in (self.rank, None):
             raise FormatError(f"rank {self.rank}: a data reference must name another rank")
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkListRef(Record):
+    """A rank commit's pointer to its ``ChunkList`` object."""
+
+    size: int
+    crc32c: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkRef(Record):
+    """One chunk of a data file: ``chunks/<name>.<codec>``, ``stored`` bytes in the bucket that decode
+    to ``size`` raw bytes whose SHA-256 is ``name`` and whose crc32c is ``crc32c`` (the crc32c of the
+    chunks, combined, is the file's in its manifest)."""
+
+    name: str
+    codec: str
+    size: int
+    stored: int
+    crc32c: int
+
+
+@dataclasses.dataclass(frozen=True)
+class FileChunks(Record):
+    """A data file's chunks, in order and back to back (each at most ``ChunkList.chunk_size`` bytes)."""
+
+    name: str
+    chunks: tuple[ChunkRef, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkList(Message):
+    """``steps/<step>/chunklists/<rank>.json`` (layout 3): the chunks of each of the rank's data files.
+    Written before the rank commit, which records its size and crc32c. Retention keeps every chunk any
+    chunk list in the bucket names (``chunkstore.Sweeper``)."""
+
+    KIND = "tierckpt.backup.chunk-list"
+    VERSION = 1
+
+    job: str
+    step: int
+    rank: int
+    chunk_size: int
+    files: tuple[FileChunks, ...]
+
+    def names(self) -> set[tuple[str, str]]:
+        """Every ``(name, codec)`` this list refers to."""
+        return {(c.name, c.codec) for f in self.files for c in f.chunks}
+
+
+@dataclasses.dataclass(frozen=True)
+class SweepLock(Message):
+    """``sweeping.json``: a node is deleting the job's unreferenced chunks. While it exists, uploads
+    reuse no chunk (they upload every chunk again); docs/bucket-layout.md, "Deleting chunks"."""
+
+    KIND = "tierckpt.backup.sweep"
+    VERSION = 1
+
+    job: str
+    node: str
+    started_at: float
 
 
 @dataclasses.dataclass(frozen=True)

@@ -505,12 +505,15 @@ class Catalog:
         log.info("retired step %d of %s (its completion object is deleted)", step, job)
         return deleted
 
-    def delete_ranks(self, job: str, step: int, ranks: Iterable[int]) -> int:
+    def delete_ranks(self, job: str, step: int, ranks: Iterable[int], *, chunk_lists: bool = True) -> int:
         """Delete the objects of ``ranks`` of a step that is no longer complete: each rank commit, then
-        the rank's files. Returns objects deleted."""
+        its chunk list (with ``chunk_lists``: this node uploads layout 3; the chunks it names go at the
+        next sweep, if no other step names them) and the rank's files. Returns objects deleted."""
 
         def one(rank: int) -> int:
             n = int(self.store.delete(self.layout.rank_commit_key(job, step, rank)))
+            if chunk_lists:
+                n += int(self.store.delete(self.layout.chunk_list_key(job, step, rank)))
             objects, _ = self.store.list(self.layout.rank_dir(job, step, rank))
             return n + sum(int(self.store.delete(o.name)) for o in objects)
 

@@ -16,7 +16,7 @@ import asyncio
 import dataclasses
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, cast
 
 from prometheus_client import CollectorRegistry
 
@@ -29,6 +29,7 @@ from tierckpt_replicator.settings import Settings
 from tierckpt_replicator.stores import NodeStores
 
 if TYPE_CHECKING:
+    from tierckpt_replicator.backup.chunkcodec import Compression
     from tierckpt_replicator.backup.metrics import BackupMetrics
     from tierckpt_replicator.backup.service import BackupService, BackupStatus
     from tierckpt_replicator.backup.settings import BackupSettings
@@ -205,6 +206,7 @@ def node_backup_settings(settings: Settings) -> BackupSettings:
         parallelism=settings.backup_parallelism,
         takeover_after=settings.backup_takeover_after,
         group_wait=settings.backup_group_wait,
+        compression=cast("Compression", settings.backup_compression),
     )
 
 

@@ -61,6 +61,16 @@ class BackupMetrics:
             "Steps deleted from the bucket by retention or purge.",
             registry=registry,
         )
+        self.chunk_bytes_reused = Counter(
+            "tierckpt_backup_chunk_reused_bytes",
+            "Raw bytes of chunks not uploaded because the bucket held them from the previous step.",
+            registry=registry,
+        )
+        self.chunks_deleted = Counter(
+            "tierckpt_backup_chunks_deleted",
+            "Chunks deleted by this node's sweeps (no step in the bucket referred to them).",
+            registry=registry,
+        )
         self.last_step = Gauge(
             "tierckpt_backup_last_complete_step",
             "Newest complete step in the bucket.",

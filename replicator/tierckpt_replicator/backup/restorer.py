@@ -8,17 +8,22 @@ crc32c of every byte written is computed on the way and combined per file; any m
 staging directory and raises ``CorruptShardError``. Only a fully verified step is committed (manifest,
 then COMMIT, byte for byte the originals) and renamed into place. Everything is written through the
 job's confined tree (``stepio``), so no symlink a pod planted redirects a byte.
+
+A rank uploaded as chunks (layout 3: its rank commit points at a chunk list) gets its data files from
+the chunks the list names (``chunkstore.ChunkReads``: each distinct chunk downloaded once, its content
+checked against its name); its other files, and every file of layouts 1 and 2, as byte ranges.
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures as cf
 import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
 
-from tierckpt.protocol.bucket_layout import BucketLayout
+from tierckpt.protocol.bucket_layout import BucketLayout, RankBackup
 from tierckpt.protocol.errors import CorruptShardError, FormatError
 from tierckpt.protocol.format import (
     COMMIT_NAME,
@@ -32,6 +37,7 @@ from tierckpt.protocol.format import (
 from tierckpt.protocol.integrity import crc32c, crc32c_concat
 from tierckpt.protocol.safefs import Beneath
 from tierckpt_replicator.backup.catalog import SMALL_OBJECT_LIMIT, Catalog
+from tierckpt_replicator.backup.chunkstore import ChunkReads, read_chunk_list
 from tierckpt_replicator.backup.store import ObjectNotFound, ObjectStore
 from tierckpt_replicator.stepio import StepHeader, StepWriter, is_data_file, parse_header, step_name
 
@@ -63,6 +69,9 @@ class Restorer:
         self.store, self.layout, self.catalog, self.pool = store, layout, catalog, pool
         self.range_size = range_size
         self.max_manifest_bytes = max_manifest_bytes
+        self.chunks = ChunkReads(store, layout, pool)
+        self._commits: collections.OrderedDict[tuple[str, int, int], RankBackup] = collections.OrderedDict()
+        """Rank commits ``header`` verified, for the fetch that follows (no second read)."""
 
     def header(self, job: str, step: int, rank: int) -> StepHeader:
         """The rank's COMMIT and manifest from the bucket, verified along the trust chain. The step's
@@ -77,6 +86,9 @@ class Restorer:
     def _header(self, job: str, step: int, rank: int, *, fresh: bool) -> StepHeader:
         ref = self.catalog.rank_ref(job, step, rank, fresh=fresh)
         commit = self.catalog.read_rank_commit(job, step, rank, ref=ref)
+        self._commits[(job, step, rank)] = commit
+        while len(self._commits) > 64:
+            self._commits.popitem(last=False)
         bodies = {}
         for name, size, crc, limit in (
             (COMMIT_NAME, commit.commit_size, commit.commit_crc32c, SMALL_OBJECT_LIMIT),
@@ -148,6 +160,17 @@ class Restorer:
         writer.prepare()
         files = writer.pending()
         data_from = self.catalog.rank_ref(job, step, rank).data_from
+        source = data_from if data_from is not None else rank
+        commit = self._commits.pop((job, step, rank), None) if source == rank else None
+        listed = read_chunk_list(
+            self.store, self.layout, self.catalog, job, step, source, self.max_manifest_bytes, commit
+        )
+        if listed is not None:
+            chunked = [f for f in files if is_data_file(f.name)]
+            crcs = self.chunks.fetch(job, listed, chunked, writer.open_rw, on_bytes)
+            for f in chunked:
+                writer.record(f.name, crcs[f.name])
+            files = [f for f in files if not is_data_file(f.name)]
         futures = {
             f.name: self._submit(
                 job,

@@ -52,11 +52,12 @@ from tierckpt.protocol.format import Dir, committed_steps, read_manifest
 from tierckpt.protocol.safefs import Beneath
 from tierckpt_replicator.assignments import AssignmentStore
 from tierckpt_replicator.backup.catalog import BucketView, Catalog
+from tierckpt_replicator.backup.chunkstore import ChunkUploads, Sweeper
 from tierckpt_replicator.backup.fence import Fences, JobFenced
 from tierckpt_replicator.backup.metrics import BackupMetrics
 from tierckpt_replicator.backup.restorer import Restorer
 from tierckpt_replicator.backup.spread import assign_uploads, data_rank, holders_of, rendezvous_score
-from tierckpt_replicator.backup.store import ObjectStore
+from tierckpt_replicator.backup.store import ObjectStore, StoreError
 from tierckpt_replicator.backup.uploader import Uploader
 from tierckpt_replicator.policies import PolicyStore
 from tierckpt_replicator.quota import JobQuotas, OverQuotaError
@@ -166,6 +167,29 @@ class BackupService:
         )
         writes = self.fences.store  # every write of a job's objects: its writer lease held, not fenced here
         self.catalog = Catalog(writes, self.layout, node, self._io, view_max_age=settings.catalog_max_age)
+        chunks = (
+            ChunkUploads(
+                writes,
+                self.layout,
+                self.catalog,
+                self._io,
+                compression=settings.compression,
+                max_list_bytes=settings.max_manifest_bytes,
+                on_bytes=self.metrics.bytes_uploaded.inc,
+                check_stop=self._check_stop,
+                sweep_wait=2 * settings.writer_ttl,
+            )
+            if settings.chunks
+            else None
+        )
+        self.sweeper = Sweeper(
+            writes,
+            self.layout,
+            node,
+            self._io,
+            ttl=settings.writer_ttl,
+            max_list_bytes=settings.max_manifest_bytes,
+        )
         self.uploader = Uploader(
             writes,
             self.layout,
@@ -178,6 +202,7 @@ class BackupService:
             should_stop=self.fences.fenced,
             group_wait=settings.group_wait,
             quotas=self.quotas,
+            chunks=chunks,
         )
         self.restorer = Restorer(
             store,
@@ -202,6 +227,8 @@ class BackupService:
         self._cleaned: dict[str, set[int]] = {}
         """Job -> retired steps whose ranks this node deleted."""
         self._old_since: dict[str, dict[int, float]] = {}
+        self._swept: dict[str, tuple[object, ...]] = {}
+        """Job -> the steps the bucket held at this node's last chunk sweep of it."""
         """Job -> incomplete step older than the newest complete one -> when this node first saw it so
         (monotonic; the node that completed the newest step deletes what is left of it ``incomplete_grace``
         later)."""
@@ -352,6 +379,7 @@ class BackupService:
             self._seen_complete,
             self._cleaned,
             self._old_since,
+            self._swept,
         ):
             state.pop(job, None)  # its lock stays: a call waiting on it must not run beside a new one
         log.info("job %s: backup state forgotten on this node", job)
@@ -687,6 +715,7 @@ class BackupService:
                 self._commits.setdefault(job, {}).setdefault(step, set()).add(futures[fut])
                 sent += done.bytes_sent
                 logical += done.logical_bytes
+                self.metrics.chunk_bytes_reused.inc(done.reused_bytes)
                 if not done.skipped:
                     self.metrics.ranks_uploaded.inc()
             except JobFenced as exc:
@@ -741,7 +770,7 @@ class BackupService:
         with tree:
             ranks = set(rank_trees(tree, "primary"))
         if ranks:
-            n = self.catalog.delete_ranks(job, step, ranks)
+            n = self.catalog.delete_ranks(job, step, ranks, chunk_lists=self.settings.chunks)
             log.info("step %d of %s is retired: deleted %d objects of ranks %s", step, job, n, sorted(ranks))
 
     def _janitor(self, job: str, view: BucketView, newest: int) -> None:
@@ -755,6 +784,7 @@ class BackupService:
         if self.policy.retention(view.complete, protect=protect).delete:
             with self.fences.writing(job, newest):
                 self._retire(job, {}, newest)
+        self._sweep(job, newest, view)
         since = self._old_since.setdefault(job, {})
         now, grace = time.monotonic(), self.settings.incomplete_grace
         for s in [s for s in since if s not in view.incomplete_old]:
@@ -762,6 +792,28 @@ class BackupService:
         for s in view.incomplete_old:
             if now - since.setdefault(s, now) >= grace:
                 self.catalog.delete_step(job, s, grace=grace)
+
+    def _sweep(self, job: str, newest: int, view: BucketView) -> None:
+        """Delete the chunks no step in the bucket refers to any more (under a writer lease; put off
+        while another node writes objects of the job), once per set of steps the bucket holds (chunks
+        become garbage only when a step's objects go). A failure is logged: the next pass sweeps."""
+        steps = (frozenset(view.complete), view.incomplete_old, frozenset(view.in_progress), view.refused)
+        if not self.settings.chunks or self._swept.get(job) == steps:
+            return  # a node that uploads no chunks (layout 2) sweeps none
+        try:
+            with self.fences.writing(job, newest) as lease:
+                deleted = self.sweeper.sweep(job, lease.key)
+        except (StoreError, FormatError) as exc:
+            log.warning("job %s: chunk sweep failed: %s", job, exc)
+            return
+        if deleted is not None:
+            self._swept[job] = steps
+        if deleted:
+            self.metrics.chunks_deleted.inc(deleted)
+
+    def _check_stop(self, job: str) -> None:
+        if self.fences.fenced(job):
+            raise JobFenced(f"uploads of job {job} stopped: it is being purged on this node")
 
     # ------------------------------------------------------------------------------------ local data
 

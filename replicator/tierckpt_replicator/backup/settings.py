@@ -15,7 +15,9 @@ Each field says its unit, default and why; ``docs/bucket-layout.md`` has the sam
 from __future__ import annotations
 
 import dataclasses
+from typing import get_args
 
+from tierckpt_replicator.backup.chunkcodec import Compression
 from tierckpt_replicator.backup.gcs import GcsSettings, GcsStore, RetryPolicy
 from tierckpt_replicator.backup.policy import BackupPolicy
 
@@ -75,6 +77,15 @@ class BackupSettings:
     """Bytes [64 MiB]. Largest manifest read from the ramdisk or the bucket (bounded memory on bad
     input)."""
 
+    # --- what goes to the bucket (docs/bucket-layout.md, "Chunks (layout 3)")
+    chunks: bool = True
+    """[True] Upload data files as content-addressed chunks (bucket layout 3): chunks the bucket holds
+    from the rank's previous complete step are not sent again. False: whole objects (layout 2)."""
+    compression: Compression = "off"
+    """[off] How chunks are stored: ``off`` (raw), ``zstd`` (zstd level 1) or ``grouped`` (bytes
+    grouped by element size, then zstd). Off by default: on the 2-vCPU nodes measured, no codec
+    outruns the upload link (docs/benchmarks.md, "Bucket codecs")."""
+
     # --- coordination between the nodes of a job
     takeover_after: float = 120.0
     """Seconds [120]. After a step's backup began, a holder also uploads ranks assigned to another node
@@ -127,6 +138,8 @@ class BackupSettings:
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative")
+        if self.compression not in get_args(Compression):
+            raise ValueError(f"compression must be one of {', '.join(get_args(Compression))}")
         if self.lease_ttl <= 0 or self.writer_ttl <= 0 or self.max_manifest_bytes <= 0:
             raise ValueError("lease_ttl, writer_ttl and max_manifest_bytes must be positive")
         self.policy()  # the schedule and retention fields are valid

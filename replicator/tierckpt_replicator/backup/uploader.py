@@ -21,6 +21,11 @@ The step is read through its job's confined tree (a ``Beneath`` view): a data fi
 that a pod replaced by a symlink is refused (``UnsafePathError``), so no other job's bytes are uploaded.
 A rank whose manifest declares more bytes than its job's quota is refused before any object is written
 (``quota.OverQuotaError``: a pod's sparse files would cost the bucket what they never cost the pod).
+
+With ``chunks`` (bucket layout 3, the default), a rank's data files are uploaded as content-addressed
+chunks (``chunkstore.ChunkUploads``): the chunks the same rank's previous complete step already holds
+are not sent again, and the rank commit points at the rank's chunk list. Its other files (COMMIT,
+manifest, pickled objects) stay whole objects.
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ from tierckpt.protocol.integrity import crc32c
 from tierckpt.protocol.replica import content_key
 from tierckpt.protocol.safefs import Beneath
 from tierckpt_replicator.backup.catalog import Catalog
+from tierckpt_replicator.backup.chunkstore import ChunkUploads
 from tierckpt_replicator.backup.fence import JobFenced
 from tierckpt_replicator.backup.spread import data_rank
 from tierckpt_replicator.backup.store import ObjectInfo, ObjectNotFound, ObjectStore, PreconditionFailed
@@ -83,6 +89,8 @@ class RankUpload:
     """True when the rank was already committed in the bucket with the same manifest."""
     logical_bytes: int = 0
     """Bytes this upload would have sent without replica group dedup (0 when skipped)."""
+    reused_bytes: int = 0
+    """Raw bytes of chunks not sent because the bucket holds them from the previous step (layout 3)."""
 
 
 def plan_slices(size: int, slice_size: int) -> list[tuple[int, int]]:
@@ -110,7 +118,9 @@ class Uploader:
         should_stop: Callable[[str], bool] | None = None,
         group_wait: float = 60.0,
         quotas: JobQuotas,
+        chunks: ChunkUploads | None = None,
     ) -> None:
+        self.chunks = chunks
         self.group_wait = group_wait
         self.quotas = quotas
         self.store, self.layout, self.catalog, self.node, self.pool = store, layout, catalog, node, pool
@@ -143,10 +153,16 @@ class Uploader:
                     return RankUpload(existing, 0, skipped=True)
                 self._replace_stale(job, step, rank, existing, manifest)
         ref = self._data_ref(job, manifest)
-        files = (
-            manifest.files if ref is None else tuple(f for f in manifest.files if not is_data_file(f.name))
-        )
-        sent = self._upload_files(job, step, rank, step_path, files, present)
+        chunked = self.chunks is not None and ref is None
+        whole = tuple(f for f in manifest.files if (ref is None and not chunked) or not is_data_file(f.name))
+        sent = self._upload_files(job, step, rank, step_path, whole, present)
+        listed, reused = None, 0
+        if self.chunks is not None and chunked:
+            reuse = self.chunks.reusable(job, step, rank)
+            data = [f for f in manifest.files if is_data_file(f.name)]
+            lists, more, reused = self.chunks.upload_files(job, step_path, data, manifest.tensors, reuse)
+            listed = self.chunks.put_list(job, step, rank, lists)
+            sent += more
         self._check_stop(job)
         for name, body in ((COMMIT_NAME, commit_bytes), (MANIFEST_NAME, manifest_bytes)):
             self.store.put_bytes(self.layout.rank_file_key(job, step, rank, name), body)
@@ -164,6 +180,7 @@ class Uploader:
             uploaded_by=self.node,
             uploaded_at=time.time(),
             data=ref,
+            chunks=listed,
         )
         summary = RankSummary(
             world_size=commit.world_size,
@@ -185,10 +202,15 @@ class Uploader:
                     f"rank {rank} of step {step} was committed by {other.uploaded_by} with another manifest "
                     "while we uploaded it"
                 ) from None
-            return RankUpload(other, sent, skipped=False, logical_bytes=manifest.total_bytes)
+            return RankUpload(
+                other, sent, skipped=False, logical_bytes=manifest.total_bytes, reused_bytes=reused
+            )
         how = f", data files are rank {ref.rank}'s" if ref is not None else ""
+        how += f", {reused} bytes of chunks reused" if listed is not None else ""
         log.info("uploaded rank %d of step %d of %s (%d bytes sent%s)", rank, step, job, sent, how)
-        return RankUpload(commit, sent, skipped=False, logical_bytes=manifest.total_bytes)
+        return RankUpload(
+            commit, sent, skipped=False, logical_bytes=manifest.total_bytes, reused_bytes=reused
+        )
 
     def _data_ref(self, job: str, manifest: Manifest) -> DataRef | None:
         """The member whose uploaded data files are this rank's, or None (upload them here)."""
