@@ -8,7 +8,14 @@ import dataclasses
 import pytest
 
 from tierckpt_demo.chaos.__main__ import parse_duration
-from tierckpt_demo.chaos.oracle import Held, heal_gaps, lost_work, newest_restorable, retention_excess
+from tierckpt_demo.chaos.oracle import (
+    Held,
+    committed_everywhere,
+    heal_gaps,
+    lost_work,
+    newest_restorable,
+    retention_excess,
+)
 from tierckpt_demo.chaos.reference import Anchor, Reference
 from tierckpt_demo.chaos.rig import NetState
 from tierckpt_demo.chaos.schedule import KINDS, Fault, Round, Schedule, fault_kind, plan_round, plan_rounds
@@ -86,6 +93,16 @@ def test_lost_work_is_at_most_one_interval_and_the_save_in_flight() -> None:
     assert "6 steps lost" in lost_work(last=27, committed=21, every=3)
     assert lost_work(last=5, committed=None, every=3) == ""
     assert "6 steps lost" in lost_work(last=6, committed=None, every=3)
+
+
+def test_what_a_crash_keeps_is_the_newest_step_whole_in_primaries_of_any_world_that_reshards() -> None:
+    """A DCP job that grew from 2 nodes to 3 and restored step 24 (saved by 2 ranks) holds step 24 and
+    nothing on its new node: a crash then keeps step 24, not nothing (the harness counted 24 steps of
+    lost work for it: found by the soak, seed 2076574236)."""
+    grown = [_held("a", 0, 24), _held("b", 1, 24), _held("c", 0, 21, replica=True)]
+    assert committed_everywhere(grown, ["a", "b", "c"], None) == 24
+    assert committed_everywhere(grown, ["a", "b", "c"], 3) is None, "a job that does not reshard"
+    assert committed_everywhere([_held("a", 0, 24), _held("b", 1, 24, replica=True)], ["a", "b"], 2) is None
 
 
 def test_healing_counts_copies_of_each_ranks_newest_step_on_other_nodes_of_the_job() -> None:

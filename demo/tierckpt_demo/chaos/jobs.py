@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 from tierckpt.protocol.control import RestorePlan
-from tierckpt.protocol.format import committed_steps, rank_dir
 from tierckpt_demo.chaos.reference import Anchor
 from tierckpt_demo.chaos.rig import MODULES, Rig
 from tierckpt_demo.chaos.schedule import JobName
@@ -182,14 +181,6 @@ class JobRun:
 
     def node_of(self, slot: int) -> str:
         return self.nodes[slot % len(self.nodes)]
-
-    def committed_everywhere(self, rig: Rig) -> int | None:
-        """The newest step every rank has committed on its own node's ramdisk."""
-        common: set[int] | None = None
-        for rank, name in enumerate(self.nodes):
-            steps = set(committed_steps(rank_dir(rig.node(name).root, self.job_id, rank)))
-            common = steps if common is None else common & steps
-        return max(common or (), default=None)
 
 
 def start_launch(
