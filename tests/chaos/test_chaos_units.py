@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from pathlib import Path
 
 import pytest
 
@@ -20,6 +21,7 @@ from tierckpt_demo.chaos.reference import Anchor, Reference
 from tierckpt_demo.chaos.rig import NetState
 from tierckpt_demo.chaos.schedule import KINDS, Fault, Round, Schedule, fault_kind, plan_round, plan_rounds
 from tierckpt_demo.chaos.shrink import ddmin, shrink
+from tierckpt_demo.training import EventLog, read_events
 
 EVERY = 3
 
@@ -184,3 +186,17 @@ def test_durations_read_as_seconds() -> None:
     assert parse_duration("30m") == 1800 and parse_duration("1.5h") == 5400
     with pytest.raises(argparse.ArgumentTypeError):
         parse_duration("an hour")
+
+
+def test_events_read_while_a_trainer_writes_them_are_the_complete_lines(tmp_path: Path) -> None:
+    """The harness reads a rank's events while the trainer appends to them: a line caught half written
+    is not an event yet (it raised, and the harness stopped the soak: seed 523775774), and a torn line
+    in the middle (a kill) is skipped."""
+    path = tmp_path / "events.jsonl"
+    log = EventLog(path, rank=0)
+    log.emit("step", step=1, loss=0.5)
+    whole = path.read_bytes()
+    path.write_bytes(whole + b'{"kind":"tierckpt_demo-trainer-event","version":1,"event":"st\n' + whole)
+    with open(path, "ab") as f:
+        f.write(whole[: len(whole) // 2])
+    assert [(e.event, e.step) for e in read_events(path)] == [("step", 1), ("step", 1)]
