@@ -47,6 +47,7 @@ from tierckpt_replicator.backup.settings import BackupSettings
 from tierckpt_replicator.backup.spread import assign_uploads
 from tierckpt_replicator.backup.store import TransientStoreError, UploadCorrupted
 from tierckpt_replicator.backup.uploader import StaleStepError
+from tierckpt_replicator.inventory import InventoryScanner
 from tierckpt_replicator.stepio import open_job
 
 pytestmark = pytest.mark.e2e
@@ -507,6 +508,26 @@ async def test_a_step_saved_again_by_fewer_ranks_completes_without_the_earlier_s
         assert step_files(step_dir(tmp_path / f"out-{r}", 60)) == step_files(new[r])
     for s in (svc_old, svc):
         await s.close()
+
+
+async def test_a_node_whose_job_resharded_backs_up_the_steps_of_the_ranks_it_runs_now(
+    gcs_server: FakeGcsServer, bucket: str, tmp_path: Path
+) -> None:
+    """The node ran rank 1 of 3 up to step 9; the job shrank to 2 ranks and the node runs rank 0 now,
+    saving steps 9 to 15. Its rank 1 directory stays (nothing retires it), and the node's newest step
+    was the newest common to both: 9, already complete, so it backed up nothing newer (the soak's
+    healed check: the bucket at step 9 while the job had trained to 15)."""
+    root = tmp_path / "node"
+    for step in (6, 9):
+        write_step(root, JOB, 1, step, world_size=3, sizes=(8 * KiB,), seed=step)
+    time.sleep(0.01)
+    for step in (9, 12, 15):
+        write_step(root, JOB, 0, step, world_size=2, sizes=(8 * KiB,), seed=100 + step)
+    svc = make_service(make_store(gcs_server.url, bucket), root, "n")
+    assert await svc.backup_now(JOB) == 15
+    scanner = InventoryScanner(root, node="n", endpoint="https://n:8470")
+    assert scanner.holdings(JOB).newest_common() == 15  # what the replicator tells the service
+    await svc.close()
 
 
 async def test_a_newer_save_with_more_ranks_is_not_completed_as_the_older_one(

@@ -44,7 +44,6 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Coroutine, Sequence
 from typing import Any
 
-from tierckpt.planning.common_step import newest_common_step
 from tierckpt.protocol.client import ReplicatorClient
 from tierckpt.protocol.control import PeerAssignment, Redundancy, StepOverQuota
 from tierckpt.protocol.errors import ContractError, RetryableError
@@ -599,7 +598,7 @@ class ReplicationManager:
         that every local rank has committed."""
         if self.on_committed is None:
             return
-        step = newest_common_step(h.local for h in holdings.ranks.values() if h.local)
+        step = holdings.newest_common()
         if step is None or self._notified.get(job, -1) >= step:
             return
         self._notified[job] = step
