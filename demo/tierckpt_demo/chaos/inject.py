@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import subprocess
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -43,6 +44,8 @@ THROTTLE_KBIT = 800
 """A node's link while a fault waits to catch one of its transfers in flight (a 250 KB step: ~2.5 s)."""
 LEAVE_BYTES = 64 << 10
 """What a full ramdisk still has free."""
+STOP_TIMEOUT = 30.0
+"""Seconds a replicator given SIGTERM has to exit (its ``--preemption-timeout`` is 10 s)."""
 
 
 def other_slot(slot: int, other: int, world: int) -> int:
@@ -138,7 +141,16 @@ class Injector:
     def _kill_replicator(self, node: Node, f: Fault) -> str:
         how = "stopped (SIGTERM: backs up, then exits)" if f.graceful else "killed (SIGKILL)"
         if f.graceful:
-            node.stop_replicator(timeout=30)
+            try:
+                node.stop_replicator(timeout=STOP_TIMEOUT)
+            except subprocess.TimeoutExpired:  # stop_replicator killed it
+                self.run.violate(
+                    "liveness",
+                    "",
+                    f"{node.name}'s replicator did not exit within {STOP_TIMEOUT:.0f} s of SIGTERM "
+                    "(its preemption backup is bounded by 10 s); killed",
+                )
+                how = "given SIGTERM, did not exit, killed"
         else:
             node.kill_replicator()
         time.sleep(f.value / 1000)

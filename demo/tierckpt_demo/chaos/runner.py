@@ -743,6 +743,10 @@ class ChaosRun:
 
     # ---------------------------------------------------------------- history
 
+    def violate(self, invariant: Invariant, job: str, detail: str) -> None:
+        """Record a violation seen while a fault was injected (the run goes on)."""
+        self._violate(invariant, job, detail)
+
     def _violate(self, invariant: Invariant, job: str, detail: str) -> None:
         v = Violation(invariant, job, detail, self.round_index)
         self.violations.append(v)
