@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -21,6 +23,7 @@ from tierckpt_demo.chaos.reference import Anchor, Reference
 from tierckpt_demo.chaos.rig import NetState
 from tierckpt_demo.chaos.schedule import KINDS, Fault, Round, Schedule, fault_kind, plan_round, plan_rounds
 from tierckpt_demo.chaos.shrink import ddmin, shrink
+from tierckpt_demo.launcher import Launcher, LauncherEvent
 from tierckpt_demo.training import EventLog, read_events
 
 EVERY = 3
@@ -200,3 +203,21 @@ def test_events_read_while_a_trainer_writes_them_are_the_complete_lines(tmp_path
     with open(path, "ab") as f:
         f.write(whole[: len(whole) // 2])
     assert [(e.event, e.step) for e in read_events(path)] == [("step", 1), ("step", 1)]
+
+
+def test_a_pid_the_launcher_uses_again_is_a_running_process_not_the_one_that_exited() -> None:
+    """The launcher forks thousands of trainers; pids wrap at 32768 on the shared VM. A new trainer
+    given the pid of one killed earlier read as exited with its status (-9), and the harness counted an
+    attempt failed with no fault in force (the soak, seed 1123556854)."""
+    launcher = Launcher.__new__(Launcher)
+    launcher._lock = threading.Condition()
+    launcher._started, launcher._exited, launcher._ready = [], {}, False
+    events = [
+        LauncherEvent(event="started", pid=4242),
+        LauncherEvent(event="exited", pid=4242, status=-9),
+        LauncherEvent(event="started", pid=4242),
+    ]
+    lines = [ev.to_bytes() + b"\n" for ev in events]
+    launcher.proc = SimpleNamespace(stdout=iter(lines))  # type: ignore[assignment]
+    launcher._read()
+    assert launcher.status(4242) is None and launcher._started == [4242, 4242]

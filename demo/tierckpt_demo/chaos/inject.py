@@ -29,7 +29,6 @@ from tierckpt_demo.chaos.rig import NetState
 from tierckpt_demo.chaos.schedule import Fault
 from tierckpt_demo.cluster import Node
 from tierckpt_demo.fakegcs import FaultRule
-from tierckpt_demo.launcher import kill_process_group
 
 if TYPE_CHECKING:
     from tierckpt_demo.chaos.runner import ChaosRun
@@ -114,7 +113,7 @@ class Injector:
             return "skipped: the job is not running"
         rank = f.slot % launch.world
         if launch.held():
-            kill_process_group(launch.pids[rank])
+            launch.kill_rank(rank)
             return f"killed rank {rank} of {job.job_id} on {launch.nodes[rank]} while it was held"
         kinds = {"step": ("step",), "save": ("saving",), "saved": ("saved",), "load": ("start",)}[f.mode]
         after = 0 if f.mode == "load" else len(launch.read()[rank])
@@ -124,7 +123,7 @@ class Injector:
             if ev is None or f.mode != "step" or (ev.step or 0) % EVERY:
                 break
             after += 1  # a checkpoint step: wait for a plain one
-        kill_process_group(launch.pids[rank])
+        launch.kill_rank(rank)
         where = f"right after its {ev.event} event (step {ev.step})" if ev else "(the moment did not come)"
         return f"killed rank {rank} of {job.job_id} on {launch.nodes[rank]} {where}"
 

@@ -114,12 +114,18 @@ class Launch:
     def kill(self, timeout: float = 30.0) -> None:
         """SIGKILL every rank (a crash, not a shutdown) and wait until each is gone."""
         self.killed = True
-        for pid in self.pids.values():
-            kill_process_group(pid)
+        for rank in self.pids:
+            self.kill_rank(rank)
         deadline = time.monotonic() + timeout
         for rank in self.pids:
             while self.status(rank) is None and time.monotonic() < deadline:
                 time.sleep(0.02)
+
+    def kill_rank(self, rank: int) -> None:
+        """SIGKILL the rank's process group, unless its process exited: once reaped, its pid may be
+        another process's (pids wrap at 32768 on a busy machine)."""
+        if self.status(rank) is None:
+            kill_process_group(self.pids[rank])
 
     def wait_event(
         self, rank: int, kinds: tuple[str, ...], after: int, timeout: float
