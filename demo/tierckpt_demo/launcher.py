@@ -209,6 +209,7 @@ class Launcher:
                     self._ready = True
                 elif ev.event == "started":
                     self._started.append(ev.pid)
+                    self._exited.pop(ev.pid, None)  # a pid used again: not the process that exited
                 else:
                     self._exited[ev.pid] = ev.status
                 self._lock.notify_all()

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from tierckpt.protocol.codec import Message
+from tierckpt.protocol.errors import FormatError
 from tierckpt.snapshot.restore_wait import restored_from
 
 __all__ = [
@@ -268,16 +269,17 @@ class EventLog:
 
 
 def read_events(path: Path) -> list[TrainerEvent]:
-    """Every complete event line in ``path`` (a torn last line, from a kill, is skipped)."""
+    """Every complete event line in ``path``: what follows the last newline is a line still being
+    written (or torn by a kill), and a line that does not decode is skipped."""
     try:
-        lines = path.read_text().splitlines()
+        lines = path.read_bytes().split(b"\n")[:-1]
     except FileNotFoundError:
         return []
     out = []
     for line in lines:
         try:
             out.append(TrainerEvent.from_bytes(line))
-        except ValueError:
+        except (ValueError, FormatError):
             continue
     return out
 

@@ -16,7 +16,6 @@ import dataclasses
 import logging
 from collections.abc import Awaitable, Callable
 
-from tierckpt.planning.common_step import newest_common_step
 from tierckpt_replicator.inventory import Holdings, InventoryScanner, list_jobs
 
 __all__ = ["CommitFeed", "NewSteps", "StepCommitted", "Subscriber"]
@@ -70,7 +69,7 @@ class NewSteps:
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def __call__(self, job: str, holdings: Holdings) -> None:
-        step = newest_common_step(h.local for h in holdings.ranks.values() if h.local)
+        step = holdings.newest_common()  # of the ranks it runs now (not those of a world it left)
         if step is None or self._told.get(job, -1) >= step:
             return
         self._told[job] = step

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
+from tierckpt.planning.common_step import current_ranks, newest_common_step
 from tierckpt.protocol.control import NodeInventory, RankHoldings, StepContent
 from tierckpt.protocol.errors import FormatError
 from tierckpt.protocol.format import (
@@ -69,9 +70,19 @@ class Holdings:
     """The steps above that saved in a replica group, with their recomputed content keys."""
     newest_bytes: dict[int, int] = dataclasses.field(default_factory=dict)
     """Rank -> bytes its newest local step's COMMIT declares (checked against the job's quota)."""
+    newest_world: dict[int, int] = dataclasses.field(default_factory=dict)
+    """Rank -> the world size its newest local step was saved with."""
 
     def newest_local(self) -> dict[int, int]:
         return {r: h.local[-1] for r, h in self.ranks.items() if h.local}
+
+    def newest_common(self) -> int | None:
+        """The newest step every local rank the job still saves here has committed
+        (``planning.common_step.current_ranks``: not the ranks of a world size it left)."""
+        current = current_ranks(
+            {r: (self.newest_commit_at.get(r, 0.0), w) for r, w in self.newest_world.items()}
+        )
+        return newest_common_step(h.local for r, h in self.ranks.items() if h.local and r in current)
 
 
 FragmentScan = Callable[[Beneath], dict[int, dict[int, tuple[tuple[int, int], int]]]]
@@ -105,6 +116,7 @@ class InventoryScanner:
         sizes = {"local": 0, "replica": 0}
         newest_at: dict[int, float] = {}
         newest_bytes: dict[int, int] = {}
+        newest_world: dict[int, int] = {}
         contents: list[StepContent] = []
         try:
             tree = open_job(self.root, job)
@@ -128,6 +140,7 @@ class InventoryScanner:
                         world_sizes.setdefault(step, facts.world_size)
                         if kind == "local":
                             newest_at[rank], newest_bytes[rank] = committed_at, total
+                            newest_world[rank] = facts.world_size
                         if facts.content is not None:
                             found = dataclasses.replace(facts.content, rank=rank, step=step, copy=kind)
                             contents.append(found)
@@ -139,7 +152,14 @@ class InventoryScanner:
                 fragments = {step: index_k for step, (index_k, _) in held.items()}
                 ranks[rank] = dataclasses.replace(ranks.get(rank, RankHoldings()), fragments=fragments)
         return Holdings(
-            ranks, world_sizes, sizes["local"], sizes["replica"], newest_at, tuple(contents), newest_bytes
+            ranks,
+            world_sizes,
+            sizes["local"],
+            sizes["replica"],
+            newest_at,
+            tuple(contents),
+            newest_bytes,
+            newest_world,
         )
 
     def _step_info(self, step: Beneath) -> tuple[int, _StepFacts, float] | None:

@@ -47,6 +47,7 @@ from tierckpt_replicator.backup.settings import BackupSettings
 from tierckpt_replicator.backup.spread import assign_uploads
 from tierckpt_replicator.backup.store import TransientStoreError, UploadCorrupted
 from tierckpt_replicator.backup.uploader import StaleStepError
+from tierckpt_replicator.inventory import InventoryScanner
 from tierckpt_replicator.stepio import open_job
 
 pytestmark = pytest.mark.e2e
@@ -482,6 +483,75 @@ async def test_a_newer_save_of_the_same_step_replaces_an_incomplete_older_one(
     with pytest.raises(StaleStepError, match="already complete"), svc_old.fences.writing(JOB, 60):
         svc_old.uploader.upload_rank(JOB, step_dir(rank_dir(old_root, JOB, 1), 60))
     for s in (svc_old, svc):
+        await s.close()
+
+
+async def test_a_step_saved_again_by_fewer_ranks_completes_without_the_earlier_saves_extra_ranks(
+    gcs_server: FakeGcsServer, bucket: str, tmp_path: Path
+) -> None:
+    """Step 60 was saved by 3 ranks and rank 2 of it reached the bucket; the job went back to an older
+    step, shrank to 2 ranks (a DCP job reshards) and saved step 60 again. Ranks 0 and 1 replace their
+    earlier uploads, but nothing replaces rank 2: every completion saw 3 commits of two world sizes and
+    refused the step, forever, and no later step was due before it (found by the chaos harness's soak:
+    the bucket held step 12 while the job had trained to 30)."""
+    old_root, new_root = tmp_path / "old", tmp_path / "new"
+    write_step(old_root, JOB, 2, 60, world_size=3, sizes=(8 * KiB,), seed=1)
+    svc_old = make_service(make_store(gcs_server.url, bucket), old_root, "n")
+    with svc_old.fences.writing(JOB, 60):  # the abandoned run's rank 2
+        svc_old.uploader.upload_rank(JOB, step_dir(rank_dir(old_root, JOB, 2), 60))
+    time.sleep(0.01)
+    new = {r: write_step(new_root, JOB, r, 60, world_size=2, sizes=(8 * KiB,), seed=2) for r in range(2)}
+    svc = make_service(make_store(gcs_server.url, bucket), new_root, "n")
+    assert await svc.backup_now(JOB) == 60
+    assert await svc.complete_steps(JOB) == (60,)
+    for r in range(2):
+        await svc.fetch_rank(JOB, 60, r, tmp_path / f"out-{r}")
+        assert step_files(step_dir(tmp_path / f"out-{r}", 60)) == step_files(new[r])
+    for s in (svc_old, svc):
+        await s.close()
+
+
+async def test_a_node_whose_job_resharded_backs_up_the_steps_of_the_ranks_it_runs_now(
+    gcs_server: FakeGcsServer, bucket: str, tmp_path: Path
+) -> None:
+    """The node ran rank 1 of 3 up to step 9; the job shrank to 2 ranks and the node runs rank 0 now,
+    saving steps 9 to 15. Its rank 1 directory stays (nothing retires it), and the node's newest step
+    was the newest common to both: 9, already complete, so it backed up nothing newer (the soak's
+    healed check: the bucket at step 9 while the job had trained to 15)."""
+    root = tmp_path / "node"
+    for step in (6, 9):
+        write_step(root, JOB, 1, step, world_size=3, sizes=(8 * KiB,), seed=step)
+    time.sleep(0.01)
+    for step in (9, 12, 15):
+        write_step(root, JOB, 0, step, world_size=2, sizes=(8 * KiB,), seed=100 + step)
+    svc = make_service(make_store(gcs_server.url, bucket), root, "n")
+    assert await svc.backup_now(JOB) == 15
+    scanner = InventoryScanner(root, node="n", endpoint="https://n:8470")
+    assert scanner.holdings(JOB).newest_common() == 15  # what the replicator tells the service
+    await svc.close()
+
+
+async def test_a_newer_save_with_more_ranks_is_not_completed_as_the_older_one(
+    gcs_server: FakeGcsServer, bucket: str, tmp_path: Path
+) -> None:
+    """The other way round: ranks 0 and 1 of a 2-rank save, then rank 2 of a newer 3-rank save of the
+    step. The older save's ranks do not complete the step without the newer one's rank."""
+    old_root, new_root = tmp_path / "old", tmp_path / "new"
+    for r in range(2):
+        write_step(old_root, JOB, r, 60, world_size=2, sizes=(8 * KiB,), seed=1)
+    time.sleep(0.01)
+    write_step(new_root, JOB, 2, 60, world_size=3, sizes=(8 * KiB,), seed=2)
+    store = make_store(gcs_server.url, bucket)
+    svc_new = make_service(store, new_root, "m")
+    with svc_new.fences.writing(JOB, 60):
+        svc_new.uploader.upload_rank(JOB, step_dir(rank_dir(new_root, JOB, 2), 60))
+    svc_old = make_service(make_store(gcs_server.url, bucket), old_root, "n")
+    with svc_old.fences.writing(JOB, 60):
+        for r in range(2):
+            svc_old.uploader.upload_rank(JOB, step_dir(rank_dir(old_root, JOB, r), 60))
+    assert svc_old.catalog.complete(JOB, 60, 2) == "refused"
+    assert await svc_old.complete_steps(JOB) == ()
+    for s in (svc_old, svc_new):
         await s.close()
 
 

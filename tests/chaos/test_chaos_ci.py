@@ -1,11 +1,15 @@
-"""The chaos harness's CI run (docs/reliability.md): fixed seeds, every kind of fault, every invariant.
+"""The chaos harness's CI run (docs/reliability.md): a fixed seed, every kind of fault, every invariant.
 
 Real parts throughout: five network-namespace nodes with tmpfs ramdisks, replicators on mutual TLS,
 fake-gcs-server behind the fault proxy, the operator's decisions through the control API, and real
-training (native ``Checkpointer`` ranks in a replica group, FSDP2 ranks through DCP). Each seed's first
-rounds draw every kind of fault once (``schedule.fault_kind`` deals them from shuffled decks); the run
-must end with every invariant held. On failure the test prints the run's history, and the run's files
-(its schedule, which ``tierckpt-chaos --replay`` runs again) stay in the test's temporary directory.
+training (native ``Checkpointer`` ranks in a replica group, FSDP2 ranks through DCP). One fixed seed,
+four rounds of three or four faults: its first twelve faults are one deck of every kind
+(``schedule.fault_kind`` deals them from shuffled decks), and the run must end with every invariant
+held. Seed 21: a node lost and back while cut off from the bucket (its first run found a job started
+afresh with step 24 in the bucket). The soak (``scripts/chaos.sh --duration 1h --seed random``) runs
+the many seeds; this run took 2.5 to 7 minutes on the shared 2-vCPU VM. On failure the test prints
+the run's history, and the run's files (its schedule, which ``tierckpt-chaos --replay`` runs again)
+stay in the test's temporary directory.
 """
 
 from __future__ import annotations
@@ -20,11 +24,12 @@ from tierckpt_demo.chaos.schedule import KINDS, Schedule
 pytestmark = [pytest.mark.root, pytest.mark.e2e, pytest.mark.slow]
 
 ROUNDS = 4
+SEED = 21
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("seed", [20, 21])
-def test_a_short_chaos_run_of_a_fixed_seed_holds_every_invariant(tmp_path: Path, seed: int) -> None:
+def test_a_short_chaos_run_of_a_fixed_seed_holds_every_invariant(tmp_path: Path) -> None:
+    seed = SEED
     out = tmp_path / "run"
     summary = ChaosRun(ChaosOptions(seed=seed, out=out, rounds=ROUNDS, faults_per_round=(3, 4))).run()
     history = (out / "history.jsonl").read_text()

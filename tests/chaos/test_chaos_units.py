@@ -4,19 +4,29 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from tierckpt.planning.goodput import SoakFailure, compare
 from tierckpt_demo.chaos.__main__ import parse_duration
-from tierckpt_demo.chaos.oracle import Held, heal_gaps, lost_work, newest_restorable, retention_excess
+from tierckpt_demo.chaos.oracle import (
+    Held,
+    committed_everywhere,
+    heal_gaps,
+    lost_work,
+    newest_restorable,
+    retention_excess,
+)
 from tierckpt_demo.chaos.reference import Anchor, Reference
 from tierckpt_demo.chaos.rig import NetState
 from tierckpt_demo.chaos.schedule import KINDS, Fault, Round, Schedule, fault_kind, plan_round, plan_rounds
 from tierckpt_demo.chaos.shrink import ddmin, shrink
 from tierckpt_demo.chaos.soak import soak_result
-from tierckpt_demo.training import TrainerEvent
+from tierckpt_demo.launcher import Launcher, LauncherEvent
+from tierckpt_demo.training import EventLog, TrainerEvent, read_events
 
 EVERY = 3
 
@@ -90,6 +100,16 @@ def test_lost_work_is_at_most_one_interval_and_the_save_in_flight() -> None:
     assert "6 steps lost" in lost_work(last=27, committed=21, every=3)
     assert lost_work(last=5, committed=None, every=3) == ""
     assert "6 steps lost" in lost_work(last=6, committed=None, every=3)
+
+
+def test_what_a_crash_keeps_is_the_newest_step_whole_in_primaries_of_any_world_that_reshards() -> None:
+    """A DCP job that grew from 2 nodes to 3 and restored step 24 (saved by 2 ranks) holds step 24 and
+    nothing on its new node: a crash then keeps step 24, not nothing (the harness counted 24 steps of
+    lost work for it: found by the soak, seed 2076574236)."""
+    grown = [_held("a", 0, 24), _held("b", 1, 24), _held("c", 0, 21, replica=True)]
+    assert committed_everywhere(grown, ["a", "b", "c"], None) == 24
+    assert committed_everywhere(grown, ["a", "b", "c"], 3) is None, "a job that does not reshard"
+    assert committed_everywhere([_held("a", 0, 24), _held("b", 1, 24, replica=True)], ["a", "b"], 2) is None
 
 
 def test_healing_counts_copies_of_each_ranks_newest_step_on_other_nodes_of_the_job() -> None:
@@ -224,3 +244,35 @@ def test_a_runs_launches_give_its_wall_and_useful_time_and_each_failures_cost(tm
     assert (soak.interval_s, soak.backup_interval_s, soak.saves, soak.save_s) == (3, 6, 6, pytest.approx(0.1))
     assert soak.failures == (SoakFailure(tier="peer", lost_work_s=2, restart_s=3, restore_s=2),)
     assert compare(soak).observed == pytest.approx(20 / 27)
+
+
+def test_events_read_while_a_trainer_writes_them_are_the_complete_lines(tmp_path: Path) -> None:
+    """The harness reads a rank's events while the trainer appends to them: a line caught half written
+    is not an event yet (it raised, and the harness stopped the soak: seed 523775774), and a torn line
+    in the middle (a kill) is skipped."""
+    path = tmp_path / "events.jsonl"
+    log = EventLog(path, rank=0)
+    log.emit("step", step=1, loss=0.5)
+    whole = path.read_bytes()
+    path.write_bytes(whole + b'{"kind":"tierckpt_demo-trainer-event","version":1,"event":"st\n' + whole)
+    with open(path, "ab") as f:
+        f.write(whole[: len(whole) // 2])
+    assert [(e.event, e.step) for e in read_events(path)] == [("step", 1), ("step", 1)]
+
+
+def test_a_pid_the_launcher_uses_again_is_a_running_process_not_the_one_that_exited() -> None:
+    """The launcher forks thousands of trainers; pids wrap at 32768 on the shared VM. A new trainer
+    given the pid of one killed earlier read as exited with its status (-9), and the harness counted an
+    attempt failed with no fault in force (the soak, seed 1123556854)."""
+    launcher = Launcher.__new__(Launcher)
+    launcher._lock = threading.Condition()
+    launcher._started, launcher._exited, launcher._ready = [], {}, False
+    events = [
+        LauncherEvent(event="started", pid=4242),
+        LauncherEvent(event="exited", pid=4242, status=-9),
+        LauncherEvent(event="started", pid=4242),
+    ]
+    lines = [ev.to_bytes() + b"\n" for ev in events]
+    launcher.proc = SimpleNamespace(stdout=iter(lines))  # type: ignore[assignment]
+    launcher._read()
+    assert launcher.status(4242) is None and launcher._started == [4242, 4242]

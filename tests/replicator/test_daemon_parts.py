@@ -14,9 +14,16 @@ from pathlib import Path
 import pytest
 
 from tierckpt.protocol.client import ONE_ATTEMPT, ReplicatorClient, api_base
-from tierckpt.protocol.control import PeerAssignment, PeerNode
+from tierckpt.protocol.control import (
+    PeerAssignment,
+    PeerNode,
+    RestoreState,
+    RestoreStatus,
+    Tier,
+    write_restore_status,
+)
 from tierckpt.protocol.errors import ContractError
-from tierckpt.protocol.format import state_dir
+from tierckpt.protocol.format import job_dir, state_dir
 from tierckpt.protocol.options import option_fields
 from tierckpt.protocol.tokens import TokenFile
 from tierckpt_demo.step_writer import write_step
@@ -508,3 +515,20 @@ async def test_a_node_without_backups_has_the_null_backup(tmp_path: Path):
     write_step(tmp_path, "j", 0, 7, sizes=(100,))
     inventory = await LocalInventory(scanner)("j")
     assert inventory.ranks[0].local == (7,) and inventory.gcs == ()
+
+
+def test_a_ranks_newest_step_is_its_newest_commit_whatever_a_later_restore_status_says(tmp_path: Path):
+    """A staging run while the job trains (a replicator restarted, a node given a new node rank) writes
+    a restore status naming an older step, newer than the rank's commits that the job still builds on.
+    The rank's newest step stays its newest commit: while a status like that stood for a restore
+    (found by the chaos harness), the newest step was neither sent nor counted until the next save, and
+    held trainers never saved again."""
+    job = "status-after-commits"
+    for step in (3, 6):
+        write_step(tmp_path, job, 0, step, seed=step, sizes=(1000,))
+    write_restore_status(
+        job_dir(tmp_path, job),
+        RestoreStatus(job, 0, RestoreState.READY, 3, Tier.LOCAL, 0, 0, updated_at=time.time() + 1),
+    )
+    holdings = InventoryScanner(tmp_path, node="n0", endpoint="https://n0:8470").holdings(job)
+    assert holdings.newest_local() == {0: 6}

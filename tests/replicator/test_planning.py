@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tierckpt.planning.common_step import newest_common_step
+from tierckpt.planning.common_step import current_ranks, newest_common_step
 from tierckpt.protocol.control import PeerAssignment, PeerNode
 from tierckpt_replicator.replication.plan import candidate_targets, plan_sends
 from tierckpt_replicator.replication.replica_retention import replicas_to_drop
@@ -74,6 +74,13 @@ def test_retention_keeps_newest_and_the_newest_common_step():
     assert newest_common_step(held.values()) == 20
     assert replicas_to_drop(held, keep=1) == {0: [10, 30], 1: [10]}
     assert replicas_to_drop(held, keep=2) == {0: [10]}
+
+
+def test_a_nodes_current_ranks_are_those_of_the_world_size_it_saved_last():
+    # rank 1 of a 3-rank world (left, its step 9 committed at t=100), rank 0 of the 2-rank world now
+    assert current_ranks({1: (100.0, 3), 0: (200.0, 2)}) == {0}
+    assert current_ranks({0: (100.0, 2), 1: (90.0, 2)}) == {0, 1}, "a rank that lags stays counted"
+    assert current_ranks({}) == set()
 
 
 def test_retention_respects_pins_and_leases():

@@ -31,8 +31,8 @@ STEP = 8
 class HeldBucket:
     """A bucket holding ``STEP`` complete, whose downloads wait until ``release`` is set."""
 
-    def __init__(self, root: Path) -> None:
-        self.root = root
+    def __init__(self, root: Path, world: int = 2) -> None:
+        self.root, self.world = root, world
         self.release = asyncio.Event()
         self.fetched: list[int] = []
 
@@ -45,7 +45,7 @@ class HeldBucket:
     async def fetch_rank(self, job: str, step: int, rank: int, dest: Any, *rest: Any) -> None:
         self.fetched.append(rank)
         await self.release.wait()
-        write_step(self.root, job, rank, step, world_size=2, sizes=(4096,))
+        write_step(self.root, job, rank, step, world_size=self.world, sizes=(4096,))
 
 
 def status(root: Path, rank: int) -> RestoreStatus:
@@ -106,4 +106,50 @@ async def test_a_new_plan_for_the_step_a_run_still_stages_confirms_the_ranks_it_
     bucket.release.set()
     await asyncio.wait_for(run, 10)
     assert status(tmp_path, 1).state is RestoreState.READY and bucket.fetched == [1]
+    await stager.close()
+
+
+class UnreachableBucket(HeldBucket):
+    """A bucket the node cannot reach: asking it which rank holds a rank's data files hangs (a client
+    retrying a partitioned bucket) until the test lets it go."""
+
+    async def data_source(self, job: str, step: int, rank: int) -> int | None:
+        await self.release.wait()
+        raise OSError("the bucket does not answer")
+
+
+async def test_a_rank_reads_a_moving_pending_status_while_its_node_cannot_ask_the_bucket(tmp_path: Path):
+    """A node lost and back empty stages rank 0 from the bucket, but it is cut off from the bucket: the
+    run's first question (which ranks' data files are another member's, ``FanOut.order``) hangs. Its
+    client must see a status that moves meanwhile (with none, it waited out its stall timeout and
+    loaded what the empty ramdisk holds: nothing, so the whole job started afresh; found by the chaos
+    harness, seed 21)."""
+    store = AssignmentStore(tmp_path)
+    store.put(PeerAssignment(JOB, 1, {"a": PeerNode("a", "http://10.0.0.1:8470")}, {}, {"a": 0}))
+    bucket = UnreachableBucket(tmp_path, world=1)
+    stager = Stager(
+        settings=SimpleNamespace(  # type: ignore[arg-type]
+            root=tmp_path,
+            node_name="a",
+            transfer=SimpleNamespace(concurrency=4),
+            restore_attempts=1,
+            retry_max=1.0,
+            restore_fanout_wait=1.0,
+        ),
+        assignments=store,
+        supervisor=None,  # type: ignore[arg-type]
+        peers=None,  # type: ignore[arg-type]
+        metrics=Metrics(),
+        own_inventory=None,  # type: ignore[arg-type]
+        backup=bucket,  # type: ignore[arg-type]
+    )
+    run = stager.start(JOB, RestorePlan(JOB, STEP, 1, {0: Tier.GCS}, generation=1))
+    first = await wait_state(tmp_path, 0, RestoreState.PENDING)
+    await asyncio.sleep(2.5)
+    later = status(tmp_path, 0)
+    assert not run.done() and not bucket.fetched  # still asking the bucket
+    assert later.state is RestoreState.PENDING and later.updated_at >= first.updated_at + 1.5
+    bucket.release.set()
+    await asyncio.wait_for(run, 10)
+    assert status(tmp_path, 0).state is RestoreState.READY and bucket.fetched == [0]
     await stager.close()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import subprocess
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -28,7 +29,6 @@ from tierckpt_demo.chaos.rig import NetState
 from tierckpt_demo.chaos.schedule import Fault
 from tierckpt_demo.cluster import Node
 from tierckpt_demo.fakegcs import FaultRule
-from tierckpt_demo.launcher import kill_process_group
 
 if TYPE_CHECKING:
     from tierckpt_demo.chaos.runner import ChaosRun
@@ -43,6 +43,8 @@ THROTTLE_KBIT = 800
 """A node's link while a fault waits to catch one of its transfers in flight (a 250 KB step: ~2.5 s)."""
 LEAVE_BYTES = 64 << 10
 """What a full ramdisk still has free."""
+STOP_TIMEOUT = 30.0
+"""Seconds a replicator given SIGTERM has to exit (its ``--preemption-timeout`` is 10 s)."""
 
 
 def other_slot(slot: int, other: int, world: int) -> int:
@@ -111,7 +113,7 @@ class Injector:
             return "skipped: the job is not running"
         rank = f.slot % launch.world
         if launch.held():
-            kill_process_group(launch.pids[rank])
+            launch.kill_rank(rank)
             return f"killed rank {rank} of {job.job_id} on {launch.nodes[rank]} while it was held"
         kinds = {"step": ("step",), "save": ("saving",), "saved": ("saved",), "load": ("start",)}[f.mode]
         after = 0 if f.mode == "load" else len(launch.read()[rank])
@@ -121,7 +123,7 @@ class Injector:
             if ev is None or f.mode != "step" or (ev.step or 0) % EVERY:
                 break
             after += 1  # a checkpoint step: wait for a plain one
-        kill_process_group(launch.pids[rank])
+        launch.kill_rank(rank)
         where = f"right after its {ev.event} event (step {ev.step})" if ev else "(the moment did not come)"
         return f"killed rank {rank} of {job.job_id} on {launch.nodes[rank]} {where}"
 
@@ -138,7 +140,16 @@ class Injector:
     def _kill_replicator(self, node: Node, f: Fault) -> str:
         how = "stopped (SIGTERM: backs up, then exits)" if f.graceful else "killed (SIGKILL)"
         if f.graceful:
-            node.stop_replicator(timeout=30)
+            try:
+                node.stop_replicator(timeout=STOP_TIMEOUT)
+            except subprocess.TimeoutExpired:  # stop_replicator killed it
+                self.run.violate(
+                    "liveness",
+                    "",
+                    f"{node.name}'s replicator did not exit within {STOP_TIMEOUT:.0f} s of SIGTERM "
+                    "(its preemption backup is bounded by 10 s); killed",
+                )
+                how = "given SIGTERM, did not exit, killed"
         else:
             node.kill_replicator()
         time.sleep(f.value / 1000)

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 from tierckpt.protocol.control import RestorePlan
-from tierckpt.protocol.format import committed_steps, rank_dir
 from tierckpt_demo.chaos.reference import Anchor
 from tierckpt_demo.chaos.rig import MODULES, Rig
 from tierckpt_demo.chaos.schedule import JobName
@@ -115,12 +114,18 @@ class Launch:
     def kill(self, timeout: float = 30.0) -> None:
         """SIGKILL every rank (a crash, not a shutdown) and wait until each is gone."""
         self.killed = True
-        for pid in self.pids.values():
-            kill_process_group(pid)
+        for rank in self.pids:
+            self.kill_rank(rank)
         deadline = time.monotonic() + timeout
         for rank in self.pids:
             while self.status(rank) is None and time.monotonic() < deadline:
                 time.sleep(0.02)
+
+    def kill_rank(self, rank: int) -> None:
+        """SIGKILL the rank's process group, unless its process exited: once reaped, its pid may be
+        another process's (pids wrap at 32768 on a busy machine)."""
+        if self.status(rank) is None:
+            kill_process_group(self.pids[rank])
 
     def wait_event(
         self, rank: int, kinds: tuple[str, ...], after: int, timeout: float
@@ -182,14 +187,6 @@ class JobRun:
 
     def node_of(self, slot: int) -> str:
         return self.nodes[slot % len(self.nodes)]
-
-    def committed_everywhere(self, rig: Rig) -> int | None:
-        """The newest step every rank has committed on its own node's ramdisk."""
-        common: set[int] | None = None
-        for rank, name in enumerate(self.nodes):
-            steps = set(committed_steps(rank_dir(rig.node(name).root, self.job_id, rank)))
-            common = steps if common is None else common & steps
-        return max(common or (), default=None)
 
 
 def start_launch(

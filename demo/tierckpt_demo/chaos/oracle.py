@@ -110,6 +110,14 @@ def newest_restorable(
     return max(whole, default=None)
 
 
+def committed_everywhere(copies: Iterable[Held], nodes: Iterable[str], world: int | None) -> int | None:
+    """The newest step whose every rank (of the world that saved it; ``world``: only that one) has a
+    committed primary on one of ``nodes``: what a crash now keeps without any other tier. A job that
+    reshards keeps the step it saved on fewer nodes (a job that grew has saved nothing on its new node
+    yet, and still restores that step)."""
+    return newest_restorable((c for c in copies if not c.replica), {}, nodes, world)
+
+
 def lost_work(last: int, committed: int | None, every: int) -> str:
     """Why a crash at step ``last`` with ``committed`` the newest step every rank had committed lost more
     than one interval ("" if it did not). One interval, plus the save still committing when the

@@ -19,6 +19,7 @@ import dataclasses
 import logging
 import os
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -149,9 +150,12 @@ class Rig:
             launcher.wait_ready(timeout)
 
     def close(self) -> None:
-        for launcher in self.launchers.values():
+        def close(launcher: Launcher) -> None:
             with contextlib.suppress(Exception):
                 launcher.close()
+
+        with ThreadPoolExecutor(max(1, len(self.launchers))) as pool:  # each waits up to 10 s for its exit
+            list(pool.map(close, self.launchers.values()))
         self.cluster.close()
 
     # ---------------------------------------------------------------- network effects

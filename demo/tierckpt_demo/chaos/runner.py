@@ -44,6 +44,7 @@ from tierckpt_demo.chaos.oracle import (
     Held,
     Invariant,
     Violation,
+    committed_everywhere,
     heal_gaps,
     lost_work,
     newest_restorable,
@@ -409,7 +410,7 @@ class ChaosRun:
         if launch is not None:
             launch.kill()
             self._events(job, launch)  # what it wrote before it died: its last saves, losses, restore
-            committed = job.committed_everywhere(self.rig)
+            committed = committed_everywhere(self._copies(job), job.nodes, self._world(job))
             full = launch.full_ramdisk or bool(self.injector.full_nodes() & set(job.nodes))
             job.crash = Crash(launch.last_step(), committed, reason, excused or full)
             job.launch = None
@@ -555,9 +556,15 @@ class ChaosRun:
             out += scan_node(name, self.rig.node(name).root, job.job_id)
         return out
 
+    @staticmethod
+    def _world(job: JobRun) -> int | None:
+        """The world size a step must have been saved with to restore (None: any, the job reshards)."""
+        return job.world if job.name == "native" else None
+
     def _newest_restorable(self, job: JobRun) -> int | None:
-        world = job.world if job.name == "native" else None
-        return newest_restorable(self._copies(job), self.bucket.complete(job.job_id), job.nodes, world)
+        return newest_restorable(
+            self._copies(job), self.bucket.complete(job.job_id), job.nodes, self._world(job)
+        )
 
     def _check_restore(self, job: JobRun, launch: Launch, restored: dict[int, Any]) -> None:
         launch.checked = True
@@ -748,6 +755,10 @@ class ChaosRun:
 
     # ---------------------------------------------------------------- history
 
+    def violate(self, invariant: Invariant, job: str, detail: str) -> None:
+        """Record a violation seen while a fault was injected (the run goes on)."""
+        self._violate(invariant, job, detail)
+
     def _violate(self, invariant: Invariant, job: str, detail: str) -> None:
         v = Violation(invariant, job, detail, self.round_index)
         self.violations.append(v)
@@ -782,7 +793,9 @@ def _redundancy_problems(inv: NodeInventory, factor: int, want: int) -> list[str
     when the job has too few nodes for its factor, and then it says degraded, as documented)."""
     r = inv.redundancy
     if r is None:
-        return [f"{inv.node} reports no redundancy"]
+        if any(h.local for h in inv.ranks.values()):
+            return [f"{inv.node} reports no redundancy"]
+        return []  # nothing of its own to count (a node the job grew onto, no save since)
     if r.factor != factor or r.copies < want or (r.degraded_since is not None and want >= factor):
         since = f", degraded since {r.degraded_since:.0f}" if r.degraded_since is not None else ""
         return [f"{inv.node} reports factor {r.factor}, {r.copies} copies{since}"]

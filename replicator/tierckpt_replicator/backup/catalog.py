@@ -384,6 +384,8 @@ class Catalog:
                 "step %d of %s: %d of %d ranks committed", step, job, world_size - len(missing), world_size
             )
             return "incomplete"
+        earlier = self._earlier_save(job, step, world_size, infos)
+        infos = {r: i for r, i in infos.items() if r not in earlier}
         refs = self._refs(job, step, world_size, infos)
         if refs is None:
             return "refused"
@@ -406,7 +408,8 @@ class Catalog:
             log.info("step %d of %s was completed by another node", step, job)
             self._delete_all(self.store.list(self.layout.index_dir(job, step, writer))[0])
             return "exists"
-        again = self.rank_commits(job, step)  # a commit replaced or deleted meanwhile: withdraw
+        again = {r: i for r, i in self.rank_commits(job, step).items() if r not in earlier}
+        # a commit replaced or deleted meanwhile: withdraw
         changed = [
             r for r, ref in refs.items() if (r not in again) or _ref_of(again[r]) != (ref.size, ref.crc32c)
         ]
@@ -429,6 +432,44 @@ class Catalog:
             len(chunks),
         )
         return "written"
+
+    def _earlier_save(
+        self, job: str, step: int, world_size: int, infos: Mapping[int, ObjectInfo]
+    ) -> set[int]:
+        """The rank commits beyond ``world_size`` left by an earlier save of the step with more ranks,
+        when ranks ``0 .. world_size-1`` were all saved later with ``world_size`` ranks (a job that went
+        back to an older step and shrank saves the step again: the ranks it no longer has are never
+        replaced, and the step could never complete). Empty when there are none, or when that is not
+        so (then ``_refs`` refuses the step, as before)."""
+        extra = sorted(r for r in infos if r >= world_size)
+        if not extra:
+            return set()
+        try:
+            commits = dict(
+                zip(
+                    sorted(infos),
+                    self.pool.map(lambda r: self.read_rank_commit(job, step, r), sorted(infos)),
+                    strict=True,
+                )
+            )
+        except (ObjectNotFound, FormatError) as exc:  # replaced or deleted meanwhile: the next pass
+            log.info("step %d of %s: cannot read its rank commits: %s", step, job, exc)
+            return set()
+        ours = [commits[r] for r in range(world_size)]
+        if any(c.world_size != world_size for c in ours):
+            return set()
+        if max(commits[r].saved_at for r in extra) >= min(c.saved_at for c in ours):
+            return set()
+        log.warning(
+            "step %d of %s: ranks %s are in the bucket from an earlier save with %d ranks; the step was "
+            "saved again with %d, completing it without them",
+            step,
+            job,
+            extra[:8],
+            commits[extra[0]].world_size,
+            world_size,
+        )
+        return set(extra)
 
     def _refs(
         self, job: str, step: int, world_size: int, infos: Mapping[int, ObjectInfo]

@@ -44,11 +44,11 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from tierckpt.planning.common_step import newest_common_step
+from tierckpt.planning.common_step import current_ranks, newest_common_step
 from tierckpt.protocol import leases
 from tierckpt.protocol.bucket_layout import BucketLayout
 from tierckpt.protocol.errors import FormatError, TierckptError
-from tierckpt.protocol.format import Dir, committed_steps, read_manifest
+from tierckpt.protocol.format import Dir, committed_steps, read_commit, read_manifest
 from tierckpt.protocol.safefs import Beneath
 from tierckpt_replicator.assignments import AssignmentStore
 from tierckpt_replicator.backup.catalog import BucketView, Catalog
@@ -61,7 +61,7 @@ from tierckpt_replicator.backup.store import ObjectStore, StoreError
 from tierckpt_replicator.backup.uploader import Uploader
 from tierckpt_replicator.policies import PolicyStore
 from tierckpt_replicator.quota import JobQuotas, OverQuotaError
-from tierckpt_replicator.stepio import find_committed, open_job, rank_trees
+from tierckpt_replicator.stepio import find_committed, open_job, rank_trees, step_name
 
 __all__ = ["BackupPools", "BackupService", "BackupStatus"]
 
@@ -832,14 +832,18 @@ class BackupService:
         return out
 
     def _newest_local(self, job: str) -> int | None:
-        """The newest step committed for every primary rank here (replicas if the node has none)."""
+        """The newest step committed for every primary rank here that the job still saves
+        (``current_ranks``: not the ranks of a world size it left); replicas if the node has none."""
         try:
             tree = open_job(self.root, job)
         except FileNotFoundError:
             return None
         with tree:
             for copy in ("primary", "replica"):
-                step = newest_common_step(committed_steps(p) for p in rank_trees(tree, copy).values())
+                trees = rank_trees(tree, copy)
+                held = {r: committed_steps(p) for r, p in trees.items()}
+                current = current_ranks(_newest_facts(trees, held)) if copy == "primary" else set(held)
+                step = newest_common_step(steps for r, steps in held.items() if r in current)
                 if step is not None:
                     return step
         return None
@@ -924,3 +928,19 @@ class _Progress:
         """On the loop, after the transfer: calls scheduled by the workers have already run."""
         if self._progress is not None:
             self._progress(self.done)
+
+
+def _newest_facts(
+    trees: Mapping[int, Beneath], held: Mapping[int, Sequence[int]]
+) -> dict[int, tuple[float, int]]:
+    """Rank -> commit time and world size of its newest committed step (unreadable ones: left out)."""
+    out = {}
+    for rank, steps in held.items():
+        if not steps:
+            continue
+        where = trees[rank].at(step_name(max(steps)))
+        with contextlib.suppress(FormatError, OSError):
+            marker = read_commit(where)
+            if marker is not None:
+                out[rank] = (marker.committed_at, read_manifest(where).world_size)
+    return out

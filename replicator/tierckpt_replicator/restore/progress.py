@@ -72,15 +72,24 @@ class ProgressReporter:
         except (OSError, FormatError) as exc:  # a full ramdisk (or a planted link) must not stop staging
             log.warning("cannot write restore status of %s rank %d: %s", self.job, self.rank, exc)
 
+    def start(self) -> None:
+        """Write the status every ``heartbeat`` seconds from now on (until ``stop``)."""
+        if self._beat is None:
+            self._beat = asyncio.create_task(self._heartbeat())
+
+    async def stop(self) -> None:
+        beat, self._beat = self._beat, None
+        if beat is not None:
+            beat.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await beat
+
     async def __aenter__(self) -> ProgressReporter:
-        self._beat = asyncio.create_task(self._heartbeat())
+        self.start()
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        if self._beat is not None:
-            self._beat.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._beat
+        await self.stop()
 
     async def _heartbeat(self) -> None:
         while True:

@@ -22,7 +22,11 @@ ignore that one and load its own newest step). Sources are the plan's holders on
 gave no holders comes from the bucket.
 
 Progress goes to ``<job>/control/restore-rank-N.json`` (see ``progress``); the plan comes from the
-job's state directory (``restore.json``), never from the job directory a pod can write. Each rank makes up to
+job's state directory (``restore.json``), never from the job directory a pod can write. While a run
+decides what to stage (it computes the plan, or asks the bucket which ranks' data files are another
+member's), the ranks this node runs read ``pending``, written again every second (``_Pending``): a
+client waits on a status that moves, and one that read nothing for its stall timeout would load what
+its ramdisk holds (on a node lost and back: nothing, so the job started afresh). Each rank makes up to
 ``restore_attempts`` rounds over the sources (tenacity: 1 s between rounds, doubling to ``retry_max``)
 before it is marked ``failed``.
 """
@@ -35,7 +39,7 @@ import dataclasses
 import logging
 import re
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from pathlib import Path
 from typing import cast
 
@@ -267,21 +271,24 @@ class Stager:
     async def _run(self, job: str, plan: RestorePlan | None) -> None:
         try:
             assignment = self.assignments.get(job)
-            if plan is None:
-                plan = published_plan(self.settings.root, job, assignment) or await compute_plan(
-                    job,
-                    lambda: self.own_inventory(job),
-                    assignment,
-                    self.peers,
-                    attempts=self.settings.restore_attempts,
-                )
-            self.plans[job] = plan
-            if plan.step is not None:
-                drop_above(self.settings.root, job, plan.step)
-            ranks = self._ranks(job, plan, assignment)
-            if assignment is not None and assignment.process_ranks(self.node, plan.world_size):
-                self._staging[job] = (plan, ranks)
-            ranks = await self.fanout.order(job, plan, ranks)
+            async with _Pending(self.settings.root, job) as pending:
+                pending.add(assignment.process_ranks(self.node) if assignment is not None else ())
+                if plan is None:
+                    plan = published_plan(self.settings.root, job, assignment) or await compute_plan(
+                        job,
+                        lambda: self.own_inventory(job),
+                        assignment,
+                        self.peers,
+                        attempts=self.settings.restore_attempts,
+                    )
+                self.plans[job] = plan
+                if plan.step is not None:
+                    drop_above(self.settings.root, job, plan.step)
+                ranks = self._ranks(job, plan, assignment)
+                pending.add(ranks)
+                if assignment is not None and assignment.process_ranks(self.node, plan.world_size):
+                    self._staging[job] = (plan, ranks)
+                ranks = await self.fanout.order(job, plan, ranks)
             self.states[job] = {r: RestoreState.PENDING for r in ranks}
             log.info("restore %s: step %s for ranks %s", job, plan.step, list(ranks))
             self._tell_new_ranks(job, plan, assignment, ranks)
@@ -517,6 +524,29 @@ class Stager:
             return False
         except FormatError:
             return False
+
+
+class _Pending:
+    """Ranks whose restore status reads ``pending``, written again every second until the block ends
+    (then each rank's own ``ProgressReporter`` takes over)."""
+
+    def __init__(self, root: Path, job: str) -> None:
+        self.root, self.job = root, job
+        self.reporters: dict[int, ProgressReporter] = {}
+
+    def add(self, ranks: Iterable[int]) -> None:
+        for rank in ranks:
+            if rank not in self.reporters:
+                rep = self.reporters[rank] = ProgressReporter(self.root, self.job, rank)
+                rep.update(force=True, message="deciding what to stage")
+                rep.start()
+
+    async def __aenter__(self) -> _Pending:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        for rep in self.reporters.values():
+            await rep.stop()
 
 
 def _result(attempt: RetryCallState) -> tuple[Tier | None, str]:
