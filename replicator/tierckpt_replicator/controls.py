@@ -50,6 +50,7 @@ from tierckpt_replicator.restore.requests import FetchRequests
 from tierckpt_replicator.restore.stage import Stager
 from tierckpt_replicator.settings import Settings
 from tierckpt_replicator.stepio import open_job, rank_trees
+from tierckpt_replicator.waits import done_within
 from tierckpt_replicator.watch import CommitWatcher
 
 __all__ = ["LocalInventory", "NodeControls", "remove_job_tree", "step_bytes"]
@@ -112,11 +113,10 @@ class LocalInventory:
         listing = self._listing.get(job)
         if listing is None or listing.done():
             listing = self._listing[job] = asyncio.create_task(self._list(job), name=f"bucket-steps-{job}")
-        try:
-            return await asyncio.wait_for(asyncio.shield(listing), _GCS_WAIT_SECONDS)
-        except asyncio.TimeoutError:
-            log.info("job %s: the bucket is slow to list; answering with the steps known before", job)
-            return cached[1] if cached else {}
+        if await done_within(listing, _GCS_WAIT_SECONDS):  # (the listing goes on for the next call)
+            return listing.result()
+        log.info("job %s: the bucket is slow to list; answering with the steps known before", job)
+        return cached[1] if cached else {}
 
     async def _list(self, job: str) -> dict[int, int]:
         try:

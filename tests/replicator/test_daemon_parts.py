@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -31,7 +32,7 @@ from tierckpt_replicator.assignments import AssignmentStore, data_endpoint
 from tierckpt_replicator.backup.jobs import NO_BACKUP
 from tierckpt_replicator.commits import CommitFeed, NewSteps, StepCommitted
 from tierckpt_replicator.controls import LocalInventory
-from tierckpt_replicator.daemon import worker_config
+from tierckpt_replicator.daemon import Daemon, worker_config
 from tierckpt_replicator.inventory import Holdings, InventoryScanner
 from tierckpt_replicator.replication.ipc import FetchSource, FetchTask, SendTask
 from tierckpt_replicator.replication.supervisor import WorkerSupervisor
@@ -208,6 +209,69 @@ async def test_watcher_without_inotify_polls(tmp_path: Path, monkeypatch: pytest
         assert time.monotonic() - started < 0.25  # a kick still wakes it at once
     finally:
         watcher.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def test_a_watcher_cancelled_in_the_turn_it_wakes_is_cancelled(tmp_path: Path):
+    """The replication loop waits in ``wait()``; a shutdown that cancels it just as a change wakes it
+    must stop it (Python 3.11's ``asyncio.wait_for`` returned the wake-up and lost the cancellation:
+    the loop ran on and the daemon's shutdown waited for it forever)."""
+    for turns in range(3):  # the cancellation comes 0, 1 or 2 turns of the loop after the wake-up
+        watcher = CommitWatcher(tmp_path, poll_interval=30.0, debounce=0.0)
+        watcher.start()
+        try:
+            waiting = asyncio.create_task(watcher.wait())
+            await asyncio.sleep(0.05)  # waiting for a change
+            watcher.kick()
+            for _ in range(turns):
+                await asyncio.sleep(0)
+            waiting.cancel()
+            done, _ = await asyncio.wait({waiting}, timeout=5)
+            assert waiting in done and waiting.cancelled(), f"cancelled {turns} turns after the wake-up"
+        finally:
+            watcher.close()
+
+
+async def test_the_daemons_shutdown_stops_a_replication_loop_woken_as_it_is_cancelled(tmp_path: Path):
+    """SIGTERM's shutdown (the real worker process, the loops) finishes while changes keep waking the
+    replication loop: each cancellation reaches it (it did not: CI seed 21's replicator did not exit)."""
+    token = tmp_path / "token"
+    token.write_text("tok\n")
+    root = tmp_path / "ramdisk"
+    settings = Settings(
+        node_name="node-a",
+        root=root,
+        auth="token",
+        token_file=token,
+        listen_host="127.0.0.1",
+        advertise_host="127.0.0.1",
+        api_port=0,  # (the control API is not served here)
+        data_port=_free_port(),
+        poll_interval=30.0,
+        restore_on_start=False,
+        transfer=TransferSettings(worker_nice=0),
+    )
+    daemon = Daemon(settings)
+    await daemon.startup()
+    stopping = None
+    try:
+        await asyncio.sleep(0.5)  # the loop's first pass is done: it waits for a change
+        daemon.watcher.kick()  # a change comes in the turn the shutdown starts
+        stopping = asyncio.create_task(daemon.shutdown())
+        done, _ = await asyncio.wait({stopping}, timeout=20)
+        assert stopping in done, "the shutdown is still waiting for the replication loop"
+        stopping.result()
+        assert all(task.done() for task in daemon._loops) and not daemon.supervisor.alive
+    finally:
+        if stopping is None or not stopping.done():  # stop what the shutdown could not
+            for task in daemon._loops:
+                task.cancel()
+            await daemon.supervisor.stop()
 
 
 async def test_supervisor_restarts_a_dead_worker(tmp_path: Path):
