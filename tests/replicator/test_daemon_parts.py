@@ -33,7 +33,7 @@ from tierckpt_replicator.commits import CommitFeed, NewSteps, StepCommitted
 from tierckpt_replicator.controls import LocalInventory
 from tierckpt_replicator.daemon import worker_config
 from tierckpt_replicator.inventory import Holdings, InventoryScanner
-from tierckpt_replicator.replication.ipc import FetchSource, FetchTask, SendTask
+from tierckpt_replicator.replication.ipc import FetchSource, FetchTask, SendTask, TaskResult
 from tierckpt_replicator.replication.supervisor import WorkerSupervisor
 from tierckpt_replicator.settings import ENV_PREFIX, Settings, TransferSettings, build_parser, parse_settings
 from tierckpt_replicator.watch import CommitWatcher
@@ -246,6 +246,45 @@ async def test_supervisor_restarts_a_dead_worker(tmp_path: Path):
     finally:
         await sup.stop()
     assert not sup.alive
+
+
+async def test_a_job_fenced_for_its_purge_starts_nothing_in_the_worker_nor_in_its_restart(tmp_path: Path):
+    token = tmp_path / "token"
+    token.write_text("tok\n")
+    settings = Settings(
+        node_name="n",
+        root=tmp_path,
+        auth="token",
+        token_file=token,
+        advertise_host="127.0.0.1",
+        listen_host="127.0.0.1",
+        api_port=0,
+        data_port=0,
+        transfer=TransferSettings(worker_nice=0),
+    )
+    sup = WorkerSupervisor(dataclasses.replace(worker_config(settings), data_port=0))
+
+    async def fetch(job: str) -> TaskResult:
+        source = FetchSource(kind="replica", node="n")
+        return await sup.run_task(FetchTask(id=sup.next_id(), job=job, rank=0, step=1, sources=(source,)))
+
+    await sup.start()
+    try:
+        await sup.fence("j")
+        assert "being purged" in (await fetch("j")).message
+        assert (await fetch("k")).outcomes[0].status == "missing"  # another job: served
+        first = sup.pid
+        sup._proc.kill()  # type: ignore[union-attr]
+        for _ in range(200):
+            if sup.alive and sup.pid != first:
+                break
+            await asyncio.sleep(0.05)
+        assert sup.alive and sup.pid != first
+        assert "being purged" in (await fetch("j")).message  # the new worker starts fenced
+        await sup.unfence("j")
+        assert (await fetch("j")).outcomes[0].status == "missing"
+    finally:
+        await sup.stop()
 
 
 def test_docs_describe_every_option():
