@@ -13,6 +13,7 @@ no longer members).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import threading
 from collections.abc import Callable, Iterator
@@ -40,7 +41,7 @@ class JobFences:
         self._cond = threading.Condition()
         self._fenced: set[str] = set(fenced)
         self._working: dict[str, dict[int, Callable[[], None]]] = {}
-        self._ids = iter(range(1 << 62))
+        self._ids = itertools.count()
 
     def fenced(self, job: str) -> bool:
         with self._cond:
