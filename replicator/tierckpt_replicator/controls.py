@@ -234,9 +234,9 @@ class NodeControls:
         self.stager.start(job)
 
     async def purge(self, job: str, *, bucket: bool = False) -> bool:
-        self.stager.forget(job)
+        await self.stager.forget(job)
         if self.requests is not None:
-            self.requests.forget(job)
+            await self.requests.forget(job)
         if self.orbax is not None:
             await self.orbax.forget(job)
         async with self._fenced(job):
@@ -258,13 +258,15 @@ class NodeControls:
     @contextlib.asynccontextmanager
     async def _fenced(self, job: str) -> AsyncIterator[None]:
         """While the block deletes the job: no backup, upload, replica send or retirement of it starts on
-        this node, and those under way have finished."""
+        this node, and those under way have finished; no transfer of it arrives (those arriving are
+        aborted), so nothing re-creates the job's directory. A backup call queued meanwhile is refused,
+        also once the fence is lifted."""
         await self.backup.fence(job)
         await self.replication.fence(job)
         try:
             yield
         finally:
-            self.replication.unfence(job)
+            await self.replication.unfence(job)
             self.backup.unfence(job)
 
     async def status(self) -> NodeStatus:

@@ -4,6 +4,7 @@ peer assignments, and the worker process supervised for real."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 import socket
@@ -12,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tierckpt.protocol.client import ONE_ATTEMPT, ReplicatorClient, api_base
@@ -27,6 +29,7 @@ from tierckpt.protocol.errors import ContractError
 from tierckpt.protocol.format import job_dir, state_dir
 from tierckpt.protocol.options import option_fields
 from tierckpt.protocol.tokens import TokenFile
+from tierckpt_demo.ports import free_port
 from tierckpt_demo.step_writer import write_step
 from tierckpt_replicator.assignments import AssignmentStore, data_endpoint
 from tierckpt_replicator.backup.jobs import NO_BACKUP
@@ -34,8 +37,9 @@ from tierckpt_replicator.commits import CommitFeed, NewSteps, StepCommitted
 from tierckpt_replicator.controls import LocalInventory
 from tierckpt_replicator.daemon import Daemon, worker_config
 from tierckpt_replicator.inventory import Holdings, InventoryScanner
-from tierckpt_replicator.replication.ipc import FetchSource, FetchTask, SendTask
+from tierckpt_replicator.replication.ipc import FetchSource, FetchTask, SendTask, TaskResult
 from tierckpt_replicator.replication.supervisor import WorkerSupervisor
+from tierckpt_replicator.replication.wire import DataReply, DataRequest, ProtocolError, recv_frame, send_frame
 from tierckpt_replicator.settings import ENV_PREFIX, Settings, TransferSettings, build_parser, parse_settings
 from tierckpt_replicator.watch import CommitWatcher
 
@@ -310,6 +314,91 @@ async def test_supervisor_restarts_a_dead_worker(tmp_path: Path):
     finally:
         await sup.stop()
     assert not sup.alive
+
+
+async def test_a_job_fenced_for_its_purge_starts_nothing_in_the_worker_nor_in_its_restart(tmp_path: Path):
+    token = tmp_path / "token"
+    token.write_text("tok\n")
+    settings = Settings(
+        node_name="n",
+        root=tmp_path,
+        auth="token",
+        token_file=token,
+        advertise_host="127.0.0.1",
+        listen_host="127.0.0.1",
+        api_port=0,
+        data_port=0,
+        transfer=TransferSettings(worker_nice=0),
+    )
+    sup = WorkerSupervisor(dataclasses.replace(worker_config(settings), data_port=0))
+
+    async def fetch(job: str) -> TaskResult:
+        source = FetchSource(kind="replica", node="n")
+        return await sup.run_task(FetchTask(id=sup.next_id(), job=job, rank=0, step=1, sources=(source,)))
+
+    await sup.start()
+    try:
+        await sup.fence("j")
+        assert "being purged" in (await fetch("j")).message
+        assert (await fetch("k")).outcomes[0].status == "missing"  # another job: served
+        first = sup.pid
+        sup._proc.kill()  # type: ignore[union-attr]
+        for _ in range(200):
+            if sup.alive and sup.pid != first:
+                break
+            await asyncio.sleep(0.05)
+        assert sup.alive and sup.pid != first
+        assert "being purged" in (await fetch("j")).message  # the new worker starts fenced
+        await sup.unfence("j")
+        assert (await fetch("j")).outcomes[0].status == "missing"
+    finally:
+        await sup.stop()
+
+
+async def test_a_purge_through_the_api_aborts_a_replica_still_arriving(tmp_path: Path):
+    """The whole daemon (its worker process, the data port, the control API in-process): a peer's put
+    admitted before the purge, whose header comes after it, is aborted; nothing re-creates the job."""
+    token = tmp_path / "token"
+    token.write_text("tok\n")
+    root = tmp_path / "ramdisk"
+    settings = Settings(
+        node_name="n",
+        root=root,
+        auth="token",
+        token_file=token,
+        advertise_host="127.0.0.1",
+        listen_host="127.0.0.1",
+        api_port=0,
+        data_port=free_port(),
+        transfer=TransferSettings(worker_nice=0),
+    )
+    job = "team_purge_1234abcd"
+    src = write_step(tmp_path / "sender", job, 0, 3, sizes=(4 << 20,))
+    commit, manifest = (src / "COMMIT").read_bytes(), (src / "manifest.json").read_bytes()
+    req = DataRequest(
+        op="put", token="tok", job=job, rank=0, step=3, commit_size=len(commit), manifest_size=len(manifest)
+    )
+    daemon = Daemon(settings)
+    await daemon.startup()
+    try:
+        with socket.create_connection(("127.0.0.1", settings.data_port), timeout=5) as s:
+            send_frame(s, req)  # admitted and authorized; the receiver waits for the step's header
+            await asyncio.sleep(1.0)
+            async with httpx.AsyncClient(
+                transport=httpx.ASGITransport(app=daemon.app), base_url="http://replicator"
+            ) as api:
+                resp = await api.delete(f"/v1/jobs/{job}", headers={"Authorization": "Bearer tok"})
+            assert resp.status_code == 200
+
+            def go_on() -> None:  # the sender goes on, as a real one would
+                with contextlib.suppress(OSError, ProtocolError):
+                    s.sendall(commit + manifest + (src / "data-00000.bin").read_bytes())
+                    recv_frame(s, DataReply)
+
+            await asyncio.to_thread(go_on)
+        assert not job_dir(root, job).exists()
+    finally:
+        await daemon.shutdown()
 
 
 def test_docs_describe_every_option():

@@ -272,12 +272,13 @@ class BackupService:
         """
         self._remember_holders(job, holders)
         self._latest[job] = max(self._latest.get(job, -1), step)
+        begun = self._purge_mark(job)
         async with self._lock(job):
+            if self._fenced_since(job, begun):
+                log.debug("step %d of %s not backed up: the job is being purged (or was)", step, job)
+                return
             if step < self._latest[job]:
                 log.debug("step %d of %s superseded by step %d before its turn", step, job, self._latest[job])
-                return
-            if self.fences.fenced(job):
-                log.debug("step %d of %s not backed up: the job is fenced (being purged)", step, job)
                 return
             with contextlib.suppress(Exception):  # _pass logged and counted it
                 await self._run(self._pass, job, step, tuple(ranks_here), False, False)
@@ -293,21 +294,26 @@ class BackupService:
         primaries and the peers that confirmed their replicas): a rank whose assigned uploader is not
         among them is uploaded by its primary now, not after ``takeover_after`` (a replica may have
         gone to another node than ``peers.json`` names). Raises ``JobFenced`` while the job is being
-        purged."""
+        purged, and when a purge of it began while this call waited for its turn (found by the chaos
+        soak: such a call ran once the purge was over)."""
         if holders:
             self._remember_holders(job, holders)
         placed = {int(r): tuple(h) for r, h in (holders or {}).items()}
+        begun = self._purge_mark(job)
         async with self._lock(job):
-            if self.fences.fenced(job):
-                raise JobFenced(f"job {job} is being purged: no backup of it starts")
+            if self._fenced_since(job, begun):
+                raise JobFenced(
+                    f"job {job} is being purged (or was, while this backup waited): not backed up"
+                )
             return await self._run(self._backup_now, job, all_local, placed)
 
     async def poll(self, job: str) -> None:
         """Periodic housekeeping: back up the newest local step if the schedule makes it due (a step
         committed while another backup ran, or the last step of a stopped job, becomes due by time or
         steps with no new commit), join started backups, take over orphaned ranks, complete, retain."""
+        begun = self._purge_mark(job)
         async with self._lock(job):
-            if self.fences.fenced(job):
+            if self._fenced_since(job, begun):
                 return
             with contextlib.suppress(Exception):  # _pass logged and counted it
                 await self._run(self._poll, job)
@@ -865,6 +871,16 @@ class BackupService:
 
     def _lock(self, job: str) -> asyncio.Lock:
         return self._locks.setdefault(job, asyncio.Lock())
+
+    def _purge_mark(self, job: str) -> int:
+        """Where ``job``'s purges stood when a call queued for the job's lock (``_fenced_since``): the
+        count of its purges here, -1 while one is under way."""
+        return -1 if self.fences.fenced(job) else self.fences.purges(job)
+
+    def _fenced_since(self, job: str, begun: int) -> bool:
+        """Whether ``job`` is fenced, or was when the caller queued (``begun``, its ``_purge_mark``), or
+        was fenced since: a call queued behind a purge never runs after it, not once the fence lifted."""
+        return self.fences.fenced(job) or self.fences.purges(job) != begun
 
     def _set_status(self, job: str, **changes: Any) -> None:
         self._status[job] = dataclasses.replace(self._status.get(job, BackupStatus()), **changes)

@@ -28,7 +28,8 @@ Event). The rank's older steps keep their copies on the peers; its next step wit
 as usual.
 
 A purge fences the job first (``fence``): no send, fragment, retirement or healing
-of it starts any more, and those in flight are waited for; ``unfence`` once its steps are gone.
+of it starts any more, and those in flight are waited for; in the worker, its transfers still arriving
+are aborted and no new one is taken; ``unfence`` once its steps are gone.
 
 Only the newest step of a rank is ever sent: an older one that is still in flight when a newer one
 commits finishes, and the newer one follows. A rank saved in a replica group goes first to peers that
@@ -424,17 +425,20 @@ class ReplicationManager:
 
     async def fence(self, job: str) -> None:
         """No send, fragment, retirement or healing of ``job`` starts on this node
-        until ``unfence``; returns once those already started have finished."""
+        until ``unfence``; returns once those already started have finished, and the worker has aborted
+        the job's transfers still arriving and holds none of its tasks (``WorkerSupervisor.fence``)."""
         self._fenced.add(job)
         tasks = self._job_tasks.get(job, set())
         if tasks:
             await asyncio.wait(set(tasks))
+        await self.supervisor.fence(job)
 
-    def unfence(self, job: str) -> None:
+    async def unfence(self, job: str) -> None:
         """Lift the fence (call ``forget`` first: the job's steps are gone)."""
         self._fenced.discard(job)
         if not self._job_tasks.get(job):
             self._job_tasks.pop(job, None)
+        await self.supervisor.unfence(job)
 
     async def _send(self, item: SendItem, assignment: PeerAssignment) -> None:
         key = (item.job, item.rank, item.step)
