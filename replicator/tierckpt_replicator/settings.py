@@ -8,7 +8,9 @@ Options are grouped by concern: the data plane's (transfers, their limits, the w
 ``TransferSettings``, ``Settings.transfer``, which the worker's ``WorkerConfig`` takes whole. A group's
 fields are options like the others (``tierckpt.protocol.options.option_fields``): each one's name is
 still its flag and its environment variable, the contract the chart and the operator's pod injection
-keep (``tests/chart``, ``tests/operator``).
+keep (``tests/chart``, ``tests/operator``). The other options stay flat fields on purpose: each is
+read where it is used, and none is copied field by field into another process's config, which is what
+made the data plane's a group (issue 22).
 """
 
 from __future__ import annotations
