@@ -167,51 +167,7 @@ class BackupService:
         )
         writes = self.fences.store  # every write of a job's objects: its writer lease held, not fenced here
         self.catalog = Catalog(writes, self.layout, node, self._io, view_max_age=settings.catalog_max_age)
-        chunks = (
-            ChunkUploads(
-                writes,
-                self.layout,
-                self.catalog,
-                self._io,
-                compression=settings.compression,
-                max_list_bytes=settings.max_manifest_bytes,
-                on_bytes=self.metrics.bytes_uploaded.inc,
-                check_stop=self._check_stop,
-                sweep_wait=2 * settings.writer_ttl,
-            )
-            if settings.chunks
-            else None
-        )
-        self.sweeper = Sweeper(
-            writes,
-            self.layout,
-            node,
-            self._io,
-            ttl=settings.writer_ttl,
-            max_list_bytes=settings.max_manifest_bytes,
-        )
-        self.uploader = Uploader(
-            writes,
-            self.layout,
-            self.catalog,
-            node,
-            self._io,
-            slice_size=settings.slice_size,
-            max_manifest_bytes=settings.max_manifest_bytes,
-            on_bytes=self.metrics.bytes_uploaded.inc,
-            should_stop=self.fences.fenced,
-            group_wait=settings.group_wait,
-            quotas=self.quotas,
-            chunks=chunks,
-        )
-        self.restorer = Restorer(
-            store,
-            self.layout,
-            self.catalog,
-            self._io,
-            range_size=settings.range_size,
-            max_manifest_bytes=settings.max_manifest_bytes,
-        )
+        self.sweeper, self.uploader, self.restorer = self._transfer_parts(settings, store, writes)
         self._locks: dict[str, asyncio.Lock] = {}
         self._holders: dict[str, dict[int, tuple[str, ...]]] = {}
         self._latest: dict[str, int] = {}
@@ -227,12 +183,64 @@ class BackupService:
         self._cleaned: dict[str, set[int]] = {}
         """Job -> retired steps whose ranks this node deleted."""
         self._old_since: dict[str, dict[int, float]] = {}
-        self._swept: dict[str, tuple[object, ...]] = {}
-        """Job -> the steps the bucket held at this node's last chunk sweep of it."""
         """Job -> incomplete step older than the newest complete one -> when this node first saw it so
         (monotonic; the node that completed the newest step deletes what is left of it ``incomplete_grace``
         later)."""
+        self._swept: dict[str, tuple[object, ...]] = {}
+        """Job -> the steps the bucket held at this node's last chunk sweep of it."""
         self._holder = "backup." + re.sub(r"[^A-Za-z0-9_.-]", "-", node)[:100]
+
+    def _transfer_parts(
+        self, settings: BackupSettings, store: ObjectStore, writes: ObjectStore
+    ) -> tuple[Sweeper, Uploader, Restorer]:
+        """The parts that move a job's bytes: chunk uploads (layout 3) and their sweeper, the uploader
+        (its writes through the fences) and the restorer (its reads straight from ``store``)."""
+        chunks = (
+            ChunkUploads(
+                writes,
+                self.layout,
+                self.catalog,
+                self._io,
+                compression=settings.compression,
+                max_list_bytes=settings.max_manifest_bytes,
+                on_bytes=self.metrics.bytes_uploaded.inc,
+                check_stop=self._check_stop,
+                sweep_wait=2 * settings.writer_ttl,
+            )
+            if settings.chunks
+            else None
+        )
+        sweeper = Sweeper(
+            writes,
+            self.layout,
+            self.node,
+            self._io,
+            ttl=settings.writer_ttl,
+            max_list_bytes=settings.max_manifest_bytes,
+        )
+        uploader = Uploader(
+            writes,
+            self.layout,
+            self.catalog,
+            self.node,
+            self._io,
+            slice_size=settings.slice_size,
+            max_manifest_bytes=settings.max_manifest_bytes,
+            on_bytes=self.metrics.bytes_uploaded.inc,
+            should_stop=self.fences.fenced,
+            group_wait=settings.group_wait,
+            quotas=self.quotas,
+            chunks=chunks,
+        )
+        restorer = Restorer(
+            store,
+            self.layout,
+            self.catalog,
+            self._io,
+            range_size=settings.range_size,
+            max_manifest_bytes=settings.max_manifest_bytes,
+        )
+        return sweeper, uploader, restorer
 
     @classmethod
     def for_bucket(
