@@ -124,7 +124,9 @@ async def test_a_lapsed_lease_with_no_purge_keeps_what_landed_and_stops_writing(
     held.release.set()
     await uploading
     landed = [k for k in leftovers(store) if "/rank-" in k or "/chunks/" in k]
-    assert landed and all("/chunks/" in k or k.endswith("objects.pkl") for k in landed)  # no COMMIT after
+    assert landed and all(  # data (whole files or chunks), no COMMIT after
+        "/data-" in k or "/chunks/" in k or k.endswith("objects.pkl") for k in landed
+    )
     assert store.list(LAYOUT.rank_commits_dir(JOB, 10))[0] == []
     assert "lapsed" in b.status(JOB).last_error
     await b.close()
