@@ -278,7 +278,8 @@ async def test_the_daemons_shutdown_stops_a_replication_loop_woken_as_it_is_canc
             await daemon.supervisor.stop()
 
 
-async def test_supervisor_restarts_a_dead_worker(tmp_path: Path):
+def _local_supervisor(tmp_path: Path) -> WorkerSupervisor:
+    """A worker supervisor of node ``n`` on loopback ports, token auth, at normal priority."""
     token = tmp_path / "token"
     token.write_text("tok\n")
     settings = Settings(
@@ -292,7 +293,11 @@ async def test_supervisor_restarts_a_dead_worker(tmp_path: Path):
         data_port=0,
         transfer=TransferSettings(worker_nice=0),
     )
-    sup = WorkerSupervisor(dataclasses.replace(worker_config(settings), data_port=0))
+    return WorkerSupervisor(dataclasses.replace(worker_config(settings), data_port=0))
+
+
+async def test_supervisor_restarts_a_dead_worker(tmp_path: Path):
+    sup = _local_supervisor(tmp_path)
     await sup.start()
     try:
         first = sup.pid
@@ -317,20 +322,7 @@ async def test_supervisor_restarts_a_dead_worker(tmp_path: Path):
 
 
 async def test_a_job_fenced_for_its_purge_starts_nothing_in_the_worker_nor_in_its_restart(tmp_path: Path):
-    token = tmp_path / "token"
-    token.write_text("tok\n")
-    settings = Settings(
-        node_name="n",
-        root=tmp_path,
-        auth="token",
-        token_file=token,
-        advertise_host="127.0.0.1",
-        listen_host="127.0.0.1",
-        api_port=0,
-        data_port=0,
-        transfer=TransferSettings(worker_nice=0),
-    )
-    sup = WorkerSupervisor(dataclasses.replace(worker_config(settings), data_port=0))
+    sup = _local_supervisor(tmp_path)
 
     async def fetch(job: str) -> TaskResult:
         source = FetchSource(kind="replica", node="n")
@@ -570,6 +562,42 @@ async def test_only_a_fault_of_the_peer_itself_moves_every_jobs_replicas_off_it(
         for i, status in enumerate(("unreachable", "busy", "full", "failed")):
             mgr._record(("j", 0, 5), [Outcome(node=f"n{i}", status=status)])
         assert mgr._node_backoff.blocked(time.monotonic()) == {"n0", "n1", "n2", "n3"}
+    finally:
+        await mgr.close()
+
+
+async def test_a_copy_back_on_the_assigned_peer_is_kept_and_the_fallbacks_linked_copy_retired(tmp_path: Path):
+    """The copy a fallback linked while the assigned peer was in backoff is the surplus once the copy
+    went back to the assigned peer, linked or not: retiring the assigned peer's copy instead would send
+    it back again at the next pass, round after round."""
+    from tierckpt_replicator.inventory import InventoryScanner
+    from tierckpt_replicator.metrics import Metrics
+    from tierckpt_replicator.replication.manager import ReplicationManager
+
+    root = tmp_path / "root"
+    nodes = {n: PeerNode(n, f"http://{n}:1") for n in ("a", "b", "c")}
+    assignment = PeerAssignment(job="j", generation=1, nodes=nodes, peers={"a": ("b",)})
+    mgr = ReplicationManager(
+        node="a",
+        k=1,
+        scanner=InventoryScanner(root, node="a", endpoint="http://a:1"),
+        assignments=AssignmentStore(root),
+        supervisor=None,
+        peers=None,  # type: ignore[arg-type]
+        metrics=Metrics(),
+    )
+    retired: list[tuple[object, tuple[str, ...]]] = []
+
+    async def retire(key: object, holders: tuple[str, ...], _: PeerAssignment) -> None:
+        retired.append((key, holders))
+
+    mgr._retire = retire  # type: ignore[method-assign]
+    try:
+        mgr.confirmed = {("j", 0, 5): {"b", "c"}}
+        mgr.linked = {("j", 0, 5): {"c"}}
+        mgr._retire_surplus("j", assignment, {0: 5}, 1, 0.0)
+        await asyncio.sleep(0)
+        assert retired == [(("j", 0, 5), ("c",))]
     finally:
         await mgr.close()
 
