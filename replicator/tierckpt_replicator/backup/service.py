@@ -188,6 +188,11 @@ class BackupService:
         later)."""
         self._swept: dict[str, tuple[object, ...]] = {}
         """Job -> the steps the bucket held at this node's last chunk sweep of it."""
+        self._overdue_since: dict[str, float] = {}
+        """Job -> when this node first saw the bucket hold complete steps its retention drops (``clock``)."""
+        self._standing_in: dict[str, int] = {}
+        """Job -> the newest complete step whose janitor this node is in place of its completer
+        (``_retention_overdue``)."""
         self._holder = "backup." + re.sub(r"[^A-Za-z0-9_.-]", "-", node)[:100]
 
     def _transfer_parts(
@@ -394,6 +399,8 @@ class BackupService:
             self._cleaned,
             self._old_since,
             self._swept,
+            self._overdue_since,
+            self._standing_in,
         ):
             state.pop(job, None)  # its lock stays: a call waiting on it must not run beside a new one
         log.info("job %s: backup state forgotten on this node", job)
@@ -657,8 +664,7 @@ class BackupService:
         completion objects of the steps it drops, then announce the change (with the new step's)."""
         seen = self.catalog.cached_view(job)
         complete = {**(seen.complete if seen is not None else {}), **new}
-        protect = [s for s, n in self._fetching.get(job, collections.Counter()).items() if n > 0]
-        plan = self.policy.retention(complete, protect=protect)
+        plan = self.policy.retention(complete, protect=self._protected(job))
         for s in plan.delete:
             self.catalog.retire(job, s)
         self.metrics.steps_deleted.inc(len(plan.delete))
@@ -767,12 +773,46 @@ class BackupService:
             seen |= set(view.complete)
             seen &= set(view.complete) | set(view.incomplete_old)
         newest = view.newest_complete
-        if newest is not None and view.completed_by.get(newest[0]) == self.node:
+        janitor = newest is not None and (
+            view.completed_by.get(newest[0]) == self.node or self._standing_in.get(job) == newest[0]
+        )
+        if newest is not None and janitor:
             self._janitor(job, view, newest[0])
+        elif newest is not None and self._retention_overdue(job, view, newest[0]):
+            self._standing_in[job] = newest[0]  # until a newer step completes
+            self._janitor(job, self.catalog.view(job, fresh=True), newest[0])
         kept = tuple(sorted(view.complete))
         self._set_status(job, complete=kept, newest_complete=kept[-1] if kept else None)
         if kept:
             self.metrics.last_step.labels(job=job).set(kept[-1])
+
+    def _retention_overdue(self, job: str, view: BucketView, newest: int) -> bool:
+        """Whether this node takes over the janitor's duties (``_standing_in``) from the node that
+        completed the newest step: its views have shown complete steps that retention drops for
+        ``takeover_after``, plus a spread of up to as long again (rendezvous-hashed per node, so one node,
+        not every node, usually acts first). The completer may be gone for good (a preempted node), and
+        a completer whose view missed a step completed beside it retained one step too few."""
+        if not self.policy.retention(view.complete, protect=self._protected(job)).delete:
+            self._overdue_since.pop(job, None)
+            return False
+        since = self._overdue_since.setdefault(job, self.clock())
+        spread = rendezvous_score(job, newest, -2, self.node) / 2**64
+        if self.clock() - since < self.settings.takeover_after * (1 + spread):
+            return False
+        del self._overdue_since[job]  # acting now; a retirement that fails waits as long again
+        log.warning(
+            "job %s: the bucket holds complete steps its retention drops (%s) for %.0fs and %s, which "
+            "completed the newest, has not deleted them: applying retention here",
+            job,
+            list(self.policy.retention(view.complete).delete),
+            self.clock() - since,
+            view.completed_by.get(newest),
+        )
+        return True
+
+    def _protected(self, job: str) -> list[int]:
+        """Steps this node is fetching for a restore: retention never drops them."""
+        return [s for s, n in self._fetching.get(job, collections.Counter()).items() if n > 0]
 
     def _delete_own_ranks(self, job: str, step: int) -> None:
         """Delete the objects of the ranks this node is the primary of, of a retired step (every node
@@ -794,8 +834,7 @@ class BackupService:
         that long): by then every node deleted its own ranks of a retired step."""
         if not view.fresh:
             return
-        protect = [s for s, n in self._fetching.get(job, collections.Counter()).items() if n > 0]
-        if self.policy.retention(view.complete, protect=protect).delete:
+        if self.policy.retention(view.complete, protect=self._protected(job)).delete:
             with self.fences.writing(job, newest):
                 self._retire(job, {}, newest)
         self._sweep(job, newest, view)
