@@ -20,4 +20,5 @@ def replicator_client(settings: Settings, tls: TlsCredentials | None = None) -> 
         timeout=settings.http_timeout,
         retry=RetryPolicy(attempts=settings.http_retries),
         concurrency=settings.http_concurrency,
+        keepalive=settings.http_keepalive,
     )

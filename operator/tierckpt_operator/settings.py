@@ -180,6 +180,15 @@ class Settings:
     http_concurrency: int = dataclasses.field(
         default=64, metadata=_opt("Replicator calls in flight at once (all jobs together).")
     )
+    http_keepalive: float = dataclasses.field(
+        default=90.0,
+        metadata=_opt(
+            "Keep a replicator's idle TLS connection this long for the next call: longer than "
+            "--refresh-interval and --resync-interval, shorter than the replicators' --api-keepalive "
+            "(else every round pays a TLS handshake per node).",
+            "s",
+        ),
+    )
     peers_full_view_max: int = dataclasses.field(
         default=128,
         metadata=_opt(
@@ -255,6 +264,8 @@ class Settings:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
         if self.auth not in ("tls", "token"):
             raise ValueError(f"--auth must be tls or token, not {self.auth!r}")
+        if not self.http_keepalive > 0:
+            raise ValueError("--http-keepalive must be positive")
         if not 0 < self.cert_hours <= 24 * 366:
             raise ValueError("--cert-hours must be in (0, 8784]")
         if not (self.issuer_rate > 0 and 0 <= self.review_cache_seconds <= 300):

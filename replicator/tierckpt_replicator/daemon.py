@@ -411,6 +411,7 @@ def api_server(daemon: Daemon) -> GuardedServer:
             body_timeout=settings.api_body_timeout,
             total=settings.api_max_connections,
             per_source=settings.api_connections_per_source,
+            keepalive=settings.api_keepalive,
         ),
         host=settings.listen_host,
         port=settings.api_port,

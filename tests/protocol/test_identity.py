@@ -314,3 +314,34 @@ def test_a_checked_credentials_refuses_a_change_once_and_keeps_its_contexts(
     assert renewed is not creds and _presented(renewed.server(), client) == first
     with pytest.raises(ValueError, match="node/b's certificate"):
         TlsCredentials(TlsFiles(tmp_path / "b.pem", tmp_path / "ca.crt"), check=only_a)
+
+
+@pytest.mark.parametrize(("keepalive", "connections"), [(0.3, 2), (5.0, 1)])
+async def test_the_clients_tls_connection_to_a_node_is_kept_for_its_keepalive(
+    ca: Authority, tmp_path: Path, keepalive: float, connections: int
+) -> None:
+    """The operator calls each replicator every 30 to 60 s: with a keep-alive longer than that, each
+    round reuses the node's TLS connection (a handshake per node, not per call: at 4,096 nodes the
+    handshakes were 28% of the operator's CPU)."""
+    import asyncio
+
+    from tests.fixtures.fake_replicators import FakeNode
+    from tierckpt.protocol.client import ReplicatorClient, RetryPolicy
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    node = FakeNode("n1", port, TlsCredentials(issue(ca, tmp_path, "n1")).server())
+    await node.start()
+    operator = TlsCredentials(issue(ca, tmp_path, "operator", role="operator"))
+    client = ReplicatorClient(tls=operator, retry=RetryPolicy(attempts=1), keepalive=keepalive)
+    try:
+        for _ in range(2):
+            inventory = await client.inventory(f"https://127.0.0.1:{port}", "job", node="n1")
+            assert inventory is not None and inventory.node == "n1"
+            await asyncio.sleep(1.0)
+        assert (node.connections, node.requests) == (connections, 2)
+    finally:
+        await client.aclose()
+        assert node.server is not None
+        node.server.close()

@@ -10,6 +10,7 @@ import re
 import socket
 import threading
 import time
+import types
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ import uvicorn
 
 from tierckpt_replicator.api.auth import PEER_SCOPE_KEY
 from tierckpt_replicator.api.guard import TESTED_UVICORN, ApiLimits, GuardedServer
+from tierckpt_replicator.settings import Settings
 
 PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
 HEADERS = 1.0
@@ -58,11 +60,14 @@ def serve() -> Iterator:
     servers: list[tuple[GuardedServer, threading.Thread]] = []
 
     def start(
-        total: int = 8, per_source: int = 8, header: float = HEADERS, body: float = BODY
+        total: int = 8,
+        per_source: int = 8,
+        header: float = HEADERS,
+        body: float = BODY,
+        keepalive: float = 5.0,
     ) -> GuardedServer:
-        server = GuardedServer(
-            app, ApiLimits("test server", header, body, total, per_source), host="127.0.0.1", port=0
-        )
+        limits = ApiLimits("test server", header, body, total, per_source, keepalive)
+        server = GuardedServer(app, limits, host="127.0.0.1", port=0)
         thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
         thread.start()
         deadline = time.monotonic() + 10
@@ -127,6 +132,31 @@ def test_each_request_of_a_kept_alive_connection_has_its_header_deadline(serve):
         assert request(sock).startswith(b"HTTP/1.1 200")  # within the connection's deadline
         lived = closed_after(sock, b"GET / HTTP/1.1\r\nX-Slow: " + b"a" * 1000)
     assert HEADERS - 0.2 <= lived <= HEADERS + SLACK
+
+
+def test_an_idle_kept_alive_connection_lives_its_keepalive_past_the_header_deadline(serve):
+    """The operator calls each replicator every 30 to 60 s over one kept-alive TLS connection: the
+    connection waits idle longer than a request's header deadline, and closes once idle ``keepalive``."""
+    server = serve(keepalive=3.0)
+    with connect(server) as sock:
+        assert request(sock).startswith(b"HTTP/1.1 200")
+        time.sleep(HEADERS + 1.0)  # idle past the header deadline, within the keep-alive
+        assert request(sock).startswith(b"HTTP/1.1 200")
+        started = time.monotonic()
+        sock.settimeout(10)
+        assert sock.recv(1) == b""  # closed by the server, idle
+    assert 3.0 - 0.2 <= time.monotonic() - started <= 3.0 + SLACK
+
+
+def test_the_replicators_control_api_keeps_connections_its_api_keepalive(tmp_path):
+    from tierckpt_replicator.daemon import api_server
+
+    daemon = types.SimpleNamespace(
+        app=app,
+        settings=Settings(node_name="n", root=tmp_path, auth="token", api_keepalive=120.0),
+        tls=None,
+    )
+    assert api_server(daemon).config.timeout_keep_alive == 120  # type: ignore[arg-type]
 
 
 def test_a_body_must_arrive_within_its_deadline(serve):

@@ -275,10 +275,12 @@ class _PerNode(httpx.AsyncBaseTransport):
     own pool of kept-alive connections: a TLS connection proved one node's identity in its handshake, so
     it carries only that node's calls, wherever the node's address points now. The operator's calls to
     thousands of replicators then cost one handshake per node, not one per call. The least recently used
-    node's transport is closed past ``max_nodes``."""
+    node's transport is closed past ``max_nodes``. An idle connection is kept ``keepalive`` seconds:
+    longer than the caller's rounds (the operator's are 30 to 60 s apart), shorter than the server's own
+    keep-alive (the replicator's ``--api-keepalive``), or every round pays a handshake per node."""
 
-    def __init__(self, verify: ssl.SSLContext, *, max_nodes: int = 8192) -> None:
-        self._verify, self._max = verify, max_nodes
+    def __init__(self, verify: ssl.SSLContext, *, max_nodes: int = 8192, keepalive: float = 30.0) -> None:
+        self._verify, self._max, self._keepalive = verify, max_nodes, keepalive
         self._by_node: collections.OrderedDict[str, httpx.AsyncHTTPTransport] = collections.OrderedDict()
         self._closing: set[asyncio.Task[None]] = set()
 
@@ -287,7 +289,9 @@ class _PerNode(httpx.AsyncBaseTransport):
         if transport is None:
             transport = self._by_node[name] = httpx.AsyncHTTPTransport(
                 verify=self._verify,
-                limits=httpx.Limits(max_connections=4, max_keepalive_connections=2, keepalive_expiry=30.0),
+                limits=httpx.Limits(
+                    max_connections=4, max_keepalive_connections=2, keepalive_expiry=self._keepalive
+                ),
                 trust_env=False,
             )
             while len(self._by_node) > self._max:
@@ -354,7 +358,8 @@ class ReplicatorClient(_Client):
 
     ``tls``: mutual TLS with these credentials; ``token``: the legacy bearer token (neither: no
     credentials). ``transport`` replaces the network (tests). Every method takes ``node=``, the node the
-    endpoint belongs to: over TLS the server must prove it is that node.
+    endpoint belongs to: over TLS the server must prove it is that node. ``keepalive``: how long a node's
+    idle TLS connection is kept for its next call.
     """
 
     def __init__(
@@ -367,11 +372,16 @@ class ReplicatorClient(_Client):
         concurrency: int = 64,
         max_answer_bytes: int = MAX_ANSWER_BYTES,
         transport: httpx.AsyncBaseTransport | None = None,
+        keepalive: float = 30.0,
     ) -> None:
         super().__init__(token, tls, retry, max_answer_bytes)
         self._slots = asyncio.Semaphore(concurrency)
         pools = (False, True) if tls is not None else (False,)
-        per_node = _PerNode(tls.client(named=True)) if tls is not None and transport is None else None
+        per_node = (
+            _PerNode(tls.client(named=True), keepalive=keepalive)
+            if tls is not None and transport is None
+            else None
+        )
         self._pools = {
             named: httpx.AsyncClient(
                 timeout=timeout,

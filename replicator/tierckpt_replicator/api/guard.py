@@ -44,6 +44,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import math
 import socket
 import ssl
 from collections.abc import Callable, Iterator
@@ -75,6 +76,8 @@ class ApiLimits:
     body_timeout: float
     total: int
     per_source: int
+    keepalive: float = 5.0
+    """An idle kept-alive connection is closed after this long (uvicorn's ``timeout_keep_alive``)."""
 
 
 Client = tuple[str, int]
@@ -123,6 +126,7 @@ class GuardedServer(uvicorn.Server):
                 log_level=log_level.lower(),
                 timeout_graceful_shutdown=timeout_graceful_shutdown,
                 limit_concurrency=2 * limits.total,  # the admission bounds connections: out of its way
+                timeout_keep_alive=math.ceil(limits.keepalive),
             )
         )
         self.limits, self.tls = limits, tls
