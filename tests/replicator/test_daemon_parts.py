@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -535,18 +536,13 @@ async def test_reconcile_asks_every_peer_at_once_and_never_holds_up_a_pass(tmp_p
         await peers.aclose()
 
 
-async def test_only_a_fault_of_the_peer_itself_moves_every_jobs_replicas_off_it(tmp_path: Path):
-    """A peer that refuses one job (its plan of that job is behind: ``unauthorized``) or holds a corrupt
-    copy stays first among every job's candidates; one that is unreachable, busy or full goes last."""
-    import time
-
+def _offline_manager(root: Path) -> Any:
+    """Node ``a``'s replication manager, factor 1, with no worker and no peers (planning only)."""
     from tierckpt_replicator.inventory import InventoryScanner
     from tierckpt_replicator.metrics import Metrics
-    from tierckpt_replicator.replication.ipc import Outcome
     from tierckpt_replicator.replication.manager import ReplicationManager
 
-    root = tmp_path / "root"
-    mgr = ReplicationManager(
+    return ReplicationManager(
         node="a",
         k=1,
         scanner=InventoryScanner(root, node="a", endpoint="http://a:1"),
@@ -555,6 +551,17 @@ async def test_only_a_fault_of_the_peer_itself_moves_every_jobs_replicas_off_it(
         peers=None,  # type: ignore[arg-type]
         metrics=Metrics(),
     )
+
+
+async def test_only_a_fault_of_the_peer_itself_moves_every_jobs_replicas_off_it(tmp_path: Path):
+    """A peer that refuses one job (its plan of that job is behind: ``unauthorized``) or holds a corrupt
+    copy stays first among every job's candidates; one that is unreachable, busy or full goes last."""
+    import time
+
+    from tierckpt_replicator.replication.ipc import Outcome
+
+    root = tmp_path / "root"
+    mgr = _offline_manager(root)
     try:
         for status in ("unauthorized", "corrupt", "missing", "ok", "already"):
             mgr._record(("j", 0, 5), [Outcome(node="b", status=status)])
@@ -570,22 +577,11 @@ async def test_a_copy_back_on_the_assigned_peer_is_kept_and_the_fallbacks_linked
     """The copy a fallback linked while the assigned peer was in backoff is the surplus once the copy
     went back to the assigned peer, linked or not: retiring the assigned peer's copy instead would send
     it back again at the next pass, round after round."""
-    from tierckpt_replicator.inventory import InventoryScanner
-    from tierckpt_replicator.metrics import Metrics
-    from tierckpt_replicator.replication.manager import ReplicationManager
 
     root = tmp_path / "root"
     nodes = {n: PeerNode(n, f"http://{n}:1") for n in ("a", "b", "c")}
     assignment = PeerAssignment(job="j", generation=1, nodes=nodes, peers={"a": ("b",)})
-    mgr = ReplicationManager(
-        node="a",
-        k=1,
-        scanner=InventoryScanner(root, node="a", endpoint="http://a:1"),
-        assignments=AssignmentStore(root),
-        supervisor=None,
-        peers=None,  # type: ignore[arg-type]
-        metrics=Metrics(),
-    )
+    mgr = _offline_manager(root)
     retired: list[tuple[object, tuple[str, ...]]] = []
 
     async def retire(key: object, holders: tuple[str, ...], _: PeerAssignment) -> None:
