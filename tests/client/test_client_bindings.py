@@ -138,3 +138,24 @@ def test_another_step_of_the_same_structure_restores_its_own_values_and_any_new_
         dest["step"] = "changed"
         assert ck.load(dest, step=3) == 3 and ck.last_load_timings["bound"] == 1.0
     assert_same(state, dest)
+
+
+def test_a_load_into_a_module_and_its_optimizer_is_bound(root, job):
+    """The README's ``{"model": model, "optim": optimizer}``: ``model.state_dict()`` makes new detached
+    tensors over the parameters at every call, so a binding by tensor identity never held and every
+    load walked and checked the whole tree; bound by memory, no load is walked after the save."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+    optim = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 8)).sum().backward()
+    optim.step()
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    with Checkpointer(root=root, job=job) as ck:
+        ck.save(1, {"model": model, "optim": optim}, blocking=True)
+        for _ in range(3):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(1.0)
+            assert ck.load({"model": model, "optim": optim}) == 1
+            assert ck.last_load_timings["bound"] == 1.0  # (the save bound it already)
+            assert all(torch.equal(model.state_dict()[k], v) for k, v in expected.items())
