@@ -337,3 +337,41 @@ def test_a_load_in_the_writers_process_reads_through_the_writers_mappings(
         data.write_bytes(bytes(raw))
         with pytest.raises(CheckpointException, match="crc32c"):
             dcp.load(got, storage_reader=RamdiskReader(ramdisk, job), no_dist=True)
+
+
+def test_the_metadata_of_a_step_loaded_again_is_not_decoded_again(
+    ramdisk: Path, job: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Validating the metadata and building torch's ``Metadata`` was most of a DCP load of many small
+    tensors; a body decoded before (the same bytes, its crc32c checked against the manifest) is reused,
+    each load with a ``Metadata`` container of its own. A step saved again decodes its new body."""
+    decoded: list[int] = []
+    real = DcpMetadata.from_bytes.__func__  # type: ignore[attr-defined]
+
+    def spy(cls, body, *args, **kwargs):  # type: ignore[no-untyped-def]
+        decoded.append(len(body))
+        return real(cls, body, *args, **kwargs)
+
+    monkeypatch.setattr(DcpMetadata, "from_bytes", classmethod(spy))
+    state = {"w": torch.arange(64, dtype=torch.float32), "b": torch.full((7,), 3.0)}
+    with RamdiskWriter(ramdisk, job) as writer:
+        dcp.save(state, checkpoint_id=5, storage_writer=writer, no_dist=True)
+        readers = []
+        for _ in range(3):
+            got = {"w": torch.zeros(64), "b": torch.zeros(7)}
+            reader = RamdiskReader(ramdisk, job)
+            dcp.load(got, storage_reader=reader, no_dist=True)
+            readers.append(reader)
+            assert all(torch.equal(got[k], state[k]) for k in state)
+        assert len(decoded) == 1
+        first, second = (r.read_metadata() for r in readers[:2])
+        assert first is not second and first.storage_meta is not second.storage_meta
+        state = {
+            "w": torch.arange(64, dtype=torch.float32) * 2,
+            "b": torch.full((7,), 4.0),
+            "c": torch.ones(3),
+        }
+        dcp.save(state, checkpoint_id=6, storage_writer=writer, no_dist=True)
+        got = {"w": torch.zeros(64), "b": torch.zeros(7), "c": torch.zeros(3)}
+        dcp.load(got, storage_reader=RamdiskReader(ramdisk, job), no_dist=True)
+        assert all(torch.equal(got[k], state[k]) for k in state) and len(decoded) == 2
