@@ -11,6 +11,7 @@ failure domain and pod of every node rank, and the peer plan. ``decide_assignmen
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 from collections.abc import Iterable, Mapping, Sequence
@@ -116,6 +117,9 @@ class AssignmentDecision:
     coordinator_ip: str = ""
     """The IP of that pod ("" until it runs): the JAX coordinator of an Orbax-mode job, as on GKE (a pod's
     DNS name needs search domains that not every resolver reads)."""
+    suspects: tuple[str, ...] = ()
+    """Pods that share their rank of the current attempt with another scheduled pod: one of each pair
+    may be gone from the API with its deletion never seen (a watch event lost), so they are looked up."""
 
     @property
     def complete(self) -> bool:
@@ -139,7 +143,9 @@ def decide_assignment(
     n = info.world_size
     if len(members) != n or len({m.initial_rank for m in members}) != n:
         problem = "" if len(members) <= n else f"{len(members)} scheduled pods for {n} ranks"
-        return AssignmentDecision(attempt, len(members), n, state, problem=problem)
+        per_rank = collections.Counter(m.initial_rank for m in members)
+        suspects = tuple(sorted(m.pod for m in members if per_rank[m.initial_rank] > 1))
+        return AssignmentDecision(attempt, len(members), n, state, problem=problem, suspects=suspects)
     try:
         assignment = assign_ranks(n, members, state.placements(), domains)
     except ContractError as exc:

@@ -57,6 +57,7 @@ class Runtime:
             metrics=self.metrics,
             running=self._is_running,
             track_nodes=self.track_nodes,
+            forget_pod=self.forget_pod,
         )
         self.configs = ConfigReporter(self.settings, self.kube, self._is_running)
 
@@ -105,6 +106,10 @@ class Runtime:
             self.track_nodes(key, ())
         self.metrics.jobs.set(len(self.controllers))
         self.metrics.job_degraded(key, False)
+
+    def forget_pod(self, namespace: str, name: str) -> None:
+        """A worker pod the API no longer has: out of the watched pods (as its deletion event would)."""
+        self.watched["tierckpt_workers"].drop(f"{namespace}/{name}")
 
     def poke(self, key: JobKey) -> None:
         ctl = self.controllers.get(key)

@@ -617,9 +617,13 @@ class Cluster:
             PODS.format(ns=ns), pod, webhook="/mutate-pods", gvr=("", "v1", "pods"), kind="Pod", namespace=ns
         )
 
-    async def replace_pod(self, namespace: str, name: str, pod: str) -> dict[str, Any]:
+    async def replace_pod(
+        self, namespace: str, name: str, pod: str, *, deletion_seen: bool = True
+    ) -> dict[str, Any]:
         """What the Job controller does when a pod fails within its backoff limit: the pod goes, a new
-        one for the same index and restart attempt comes (not yet scheduled). Returns the new pod."""
+        one for the same index and restart attempt comes (not yet scheduled). Returns the new pod.
+        ``deletion_seen=False``: the old pod vanishes from the API with no watch event (as a deletion
+        between two watch streams is lost to a client that resumes or relists)."""
         js = self.jobset(namespace, name)
         old = self.obj("v1/pods", namespace, pod)
         assert old is not None, f"pod {namespace}/{pod} not found"
@@ -629,7 +633,10 @@ class Cluster:
             for r in js["spec"]["replicatedJobs"]
             if r["name"] == labels["jobset.sigs.k8s.io/replicatedjob-name"]
         )
-        await self.delete(f"{PODS.format(ns=namespace)}/{pod}")
+        if deletion_seen:
+            await self.delete(f"{PODS.format(ns=namespace)}/{pod}")
+        else:
+            del self.kube.objects[kmock.resource("v1/pods"), namespace, pod]
         return await self._create_pod(
             namespace,
             js,

@@ -281,6 +281,26 @@ async def test_a_node_replaced_within_an_attempt_is_restored_and_the_job_runs_ag
     assert staged.step == STEP and committed_steps(rank_dir(n6.root, job, rank)) == [STEP]
 
 
+async def test_a_replaced_pod_whose_deletion_was_never_seen_does_not_hold_the_ranks(env):
+    """The old pod leaves the API with no watch event (lost between two watch streams): the operator sees
+    two scheduled pods for one rank, looks them up, forgets the one the API no longer has, and assigns
+    the rank to the replacement (it waited forever at 4,096 nodes: "4097 scheduled pods for 4096
+    ranks")."""
+    nodes, _ = await start_job(env)
+    first = await place(env, [n.name for n in nodes], 0, seed=5)
+    env.replicators.kill("n2")
+    await env.cluster.remove_node("n2")
+    await env.add_nodes(("n6", "b"))
+    old = pod_on(env.cluster, "n2", 0)
+    replacement = await env.cluster.replace_pod(NS, NAME, old, deletion_seen=False)
+    await env.cluster.schedule(NS, replacement["metadata"]["name"], "n6")
+    rank = first["n2"]
+    await eventually(
+        lambda: ranks_by_node(env.cluster, 0).get("n6") == rank, 40, "the rank moved to the replacement"
+    )
+    assert env.cluster.obj("v1/pods", NS, old) is None
+
+
 async def test_a_step_over_the_jobs_ramdisk_size_is_refused_and_reported(env):
     """A pod commits a step whose data file is a hole far larger than the job's ramdisk size: the
     replicators refuse to send it (the operator gave them that size as the job's quota) and the

@@ -836,3 +836,16 @@ def test_the_operator_counts_degraded_jobs_without_naming_them():
     metrics.job_degraded(("team-b", "y"), False)  # healed, or no longer served
     page = generate_latest(metrics.registry).decode()
     assert "tierckpt_operator_jobs_degraded 1.0" in page and "team-" not in page
+
+
+def test_decide_assignment_names_the_pods_that_share_a_rank():
+    """A replaced pod whose deletion was never seen sits next to its replacement: both are suspects
+    (the controller looks them up in the API and forgets the one that is gone)."""
+    info = _info()
+    nodes = [f"n{i}" for i in range(8)]
+    pods = _workers(nodes)
+    twin = WorkerPod(**{**pods[3].__dict__, "name": "p3-0-b", "node": "n9"})
+    d = decide_assignment(info, [*pods, twin], JobState(), {})
+    assert not d.complete and d.problem == "9 scheduled pods for 8 ranks"
+    assert d.suspects == ("p3-0", "p3-0-b")
+    assert decide_assignment(info, pods[:7], JobState(), {}).suspects == ()
