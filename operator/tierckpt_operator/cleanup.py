@@ -2,7 +2,10 @@
 
 The operator holds no storage credentials: every replicator purges its own node
 (``DELETE /v1/jobs/{job}``), and when the configuration says so one replicator deletes the job's GCS
-backups (``DELETE /v1/jobs/{job}?bucket=true``), trying the next if one fails.
+backups (``DELETE /v1/jobs/{job}?bucket=true``): the next is asked at once when one fails, and also
+when one has not answered within ``BACKUP_PURGE_HEDGE`` (a node cut off from the bucket retries its
+requests for minutes before it fails; found by the chaos soak: a purge held for minutes). Two at work
+at once is safe: the bucket's purge lease lets one delete, the other is refused.
 """
 
 from __future__ import annotations
@@ -15,13 +18,16 @@ from tierckpt.protocol.client import ReplicatorClient
 from tierckpt_operator.clusterview import ClusterView
 from tierckpt_operator.resources import ConfigSpec
 
-__all__ = ["PurgeResult", "purge_job"]
+__all__ = ["PurgeResult", "delete_backups", "purge_job"]
 
 log = logging.getLogger(__name__)
 
 BACKUP_PURGE_TIMEOUT = 420.0
 """Seconds one replicator may take to delete the job's backups: it waits for the uploads other nodes
 still have in flight (their writer leases) before its last sweep."""
+BACKUP_PURGE_HEDGE = 30.0
+"""Seconds without an answer after which the next replicator is asked too (at most ``_HEDGED`` at once)."""
+_HEDGED = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,14 +68,49 @@ async def purge_job(
             purged.append(node)
     backups = None
     if config is not None and config.delete_backups:
-        backups = False
-        for node in sorted(purged) or sorted(targets):
-            try:
-                await client.purge(
-                    targets[node], job_id, backups=True, timeout=BACKUP_PURGE_TIMEOUT, node=node
-                )
-                backups = True
-                break
-            except Exception as exc:  # the next replicator may succeed
-                log.warning("deleting backups of %s through %s failed: %s", job_id, node, exc)
+        order = sorted(purged) or sorted(targets)
+        backups = await delete_backups(client, {n: targets[n] for n in order}, job_id)
     return PurgeResult(tuple(sorted(purged)), failed, backups)
+
+
+async def delete_backups(
+    client: ReplicatorClient, endpoints: dict[str, str], job_id: str, *, hedge: float | None = None
+) -> bool:
+    """Delete the job's backups through one of ``endpoints`` (node -> endpoint, in order of preference):
+    the first is asked; the next when one fails, or when none has answered for ``hedge`` seconds (at
+    most ``_HEDGED`` at once; default ``BACKUP_PURGE_HEDGE``). True once one succeeded (the others are
+    then abandoned)."""
+    hedge = BACKUP_PURGE_HEDGE if hedge is None else hedge
+    queue = list(endpoints)
+    asking: dict[asyncio.Task[object], str] = {}
+
+    def ask_next() -> None:
+        node = queue.pop(0)
+        call = client.purge(endpoints[node], job_id, backups=True, timeout=BACKUP_PURGE_TIMEOUT, node=node)
+        asking[asyncio.ensure_future(call)] = node
+
+    try:
+        while queue or asking:
+            if queue and len(asking) < _HEDGED:
+                ask_next()
+            more = bool(queue) and len(asking) < _HEDGED
+            done, _ = await asyncio.wait(
+                asking, timeout=hedge if more else None, return_when=asyncio.FIRST_COMPLETED
+            )
+            if not done:
+                log.warning(
+                    "deleting backups of %s: no answer from %s within %.0fs; asking another replicator too",
+                    job_id,
+                    ", ".join(asking.values()),
+                    hedge,
+                )
+                continue
+            for task in done:
+                node = asking.pop(task)
+                if task.exception() is None:
+                    return True
+                log.warning("deleting backups of %s through %s failed: %s", job_id, node, task.exception())
+        return False
+    finally:
+        for task in asking:
+            task.cancel()

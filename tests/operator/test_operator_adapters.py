@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import pytest
 from aiohttp import web
@@ -42,6 +43,8 @@ class StandIn:
         self.requests: list[tuple[str, str, dict[str, str], str]] = []
         self.script: dict[tuple[str, str], list[int]] = {}
         self.inventory: dict | None = None
+        self.bucket_delay = 0.0
+        """Seconds a bucket purge takes to answer (a node cut off from the bucket retries for minutes)."""
 
     async def handle(self, request: web.Request) -> web.Response:
         body = await request.text()
@@ -55,6 +58,8 @@ class StandIn:
         if request.path.endswith("/inventory"):
             return web.Response(text=json.dumps(self.inventory), content_type="application/json")
         if request.method == "DELETE":
+            if request.query.get("bucket") == "true":
+                await asyncio.sleep(self.bucket_delay)
             job = request.path.rsplit("/", 1)[1]
             answer = PurgeResult(job=job, purged=True, bucket=request.query.get("bucket") == "true")
             return web.Response(body=answer.to_bytes(), content_type="application/json")
@@ -201,6 +206,32 @@ async def test_purge_asks_every_ready_replicator_and_one_for_the_bucket(token_fi
     assert [r[2] for r in servers[1].requests] == [{}, {"bucket": "true"}]
     assert servers[2].requests == []  # not ready: not asked
     assert "GCS backups deleted" in result.summary()
+
+
+async def test_a_replicator_that_does_not_answer_the_bucket_purge_does_not_hold_it(token_file, monkeypatch):
+    """Found by the chaos soak: the first replicator asked to delete the backups was cut off from the
+    bucket (its client retries for minutes), and the purge waited for it. The next one is asked once the
+    first has not answered for ``BACKUP_PURGE_HEDGE`` seconds, and its answer ends the purge."""
+    from tierckpt_operator import cleanup
+
+    monkeypatch.setattr(cleanup, "BACKUP_PURGE_HEDGE", 0.5, raising=False)
+    servers = [StandIn(), StandIn()]
+    servers[0].bucket_delay = 8.0
+    async with servers[0] as e0, servers[1] as e1:
+        reps = _Index(n0=[ReplicatorPod("n0", e0, True)], n1=[ReplicatorPod("n1", e1, True)])
+        cluster = ClusterView({"tierckpt_replicators": reps, "tierckpt_nodes": _Index()})
+        spec = {"gcs": {"bucket": "bkt"}, "deleteBackupsOnJobSetDeletion": True}
+        cfg = ConfigSpec.from_body({"metadata": {"name": "c"}, "spec": spec})
+        client = _client(token_file, retries=1)
+        started = time.monotonic()
+        try:
+            result = await purge_job(client, cluster, "j", cfg)
+            took = time.monotonic() - started
+        finally:
+            await client.aclose()
+    assert result.backups_deleted and took < 5.0  # n0 would have answered after 8 s
+    assert [r[2] for r in servers[0].requests] == [{}, {"bucket": "true"}]
+    assert [r[2] for r in servers[1].requests] == [{}, {"bucket": "true"}]
 
 
 async def test_kube_maps_refusals_to_typed_errors(kube_with_crds):

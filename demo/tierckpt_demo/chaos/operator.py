@@ -13,6 +13,7 @@ generation = the attempt). A purge goes to every node's replicator, then one del
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -36,6 +37,9 @@ BACKUP_EVERY = 2 * EVERY
 KEEP_LAST = 3
 CALL_ATTEMPTS = 5
 PURGE_TIMEOUT = 420.0
+PURGE_HEDGE = 30.0
+"""As the operator's ``BACKUP_PURGE_HEDGE``: the next node is asked too after this long with no answer."""
+_HEDGED = 3
 
 
 class Operator:
@@ -130,12 +134,30 @@ class Operator:
             strict=False,
         )
         failed = [f"{n.name}: {r}" for n, r in zip(nodes, results, strict=True) if isinstance(r, Exception)]
-        for node in nodes:
-            try:
-                self.api.purge(node.endpoint, job_id, backups=True, timeout=PURGE_TIMEOUT, node=node.name)
-                return failed
-            except Exception as exc:  # the next replicator may succeed, as the operator tries
-                failed.append(f"backups through {node.name}: {exc}")
+        return failed + self._delete_backups(job_id, list(nodes))
+
+    def _delete_backups(self, job_id: str, queue: list[Node]) -> list[str]:
+        """The backups through one node, as the operator deletes them (``cleanup.delete_backups``): the
+        next node is asked when one fails, or has not answered within ``PURGE_HEDGE`` seconds (at most
+        ``_HEDGED`` at once); the first success ends it. The failures on the way."""
+        failed: list[str] = []
+        asking: dict[concurrent.futures.Future[Any], Node] = {}
+        while queue or asking:
+            if queue and len(asking) < _HEDGED:
+                node = queue.pop(0)
+                call = functools.partial(
+                    self.api.purge, node.endpoint, job_id, backups=True, timeout=PURGE_TIMEOUT, node=node.name
+                )
+                asking[self._pool.submit(call)] = node
+            more = bool(queue) and len(asking) < _HEDGED
+            done, _ = concurrent.futures.wait(
+                asking, timeout=PURGE_HEDGE if more else None, return_when=concurrent.futures.FIRST_COMPLETED
+            )
+            for future in done:
+                node = asking.pop(future)
+                if future.exception() is None:
+                    return failed
+                failed.append(f"backups through {node.name}: {future.exception()}")
         return failed
 
     # ---------------------------------------------------------------- calls
