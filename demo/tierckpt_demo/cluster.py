@@ -670,7 +670,7 @@ class LocalCluster:
         peers: dict[str, tuple[str, ...]] | None = None,
     ) -> PeerAssignment:
         """A ring: node i sends to the next ``k`` nodes (unless ``peers`` are given); node i has node
-        rank i (unless given)."""
+        rank i (unless given). Each generation is an attempt of its own (a restore plan's generation)."""
         names = [n.name for n in self.nodes]
         if peers is None:
             peers = {
@@ -686,6 +686,7 @@ class LocalCluster:
             peers=peers,
             node_ranks=node_ranks if node_ranks is not None else {n.name: n.index for n in self.nodes},
             procs_per_node=self.procs_per_node,
+            attempt=generation,
         )
 
     def assign(self, job: str, generation: int = 1, **kwargs: Any) -> PeerAssignment:

@@ -17,12 +17,13 @@ from tierckpt.protocol.control import (
     RestoreStatus,
     Tier,
     read_restore_status,
+    write_control,
 )
 from tierckpt.protocol.format import read_commit
 from tierckpt_demo.step_writer import write_step
 from tierckpt_replicator.assignments import AssignmentStore
 from tierckpt_replicator.metrics import Metrics
-from tierckpt_replicator.restore.stage import Stager
+from tierckpt_replicator.restore.stage import Stager, published_plan
 
 JOB = "ns_job_0123abcd"
 STEP = 8
@@ -153,3 +154,22 @@ async def test_a_rank_reads_a_moving_pending_status_while_its_node_cannot_ask_th
     await asyncio.wait_for(run, 10)
     assert status(tmp_path, 0).state is RestoreState.READY and bucket.fetched == [0]
     await stager.close()
+
+
+def test_a_published_plan_stands_for_every_assignment_of_its_attempt_and_no_later_one(tmp_path: Path):
+    """A plan's generation is the attempt it is for, an assignment's generation milliseconds: the plan is
+    staged under any assignment of its attempt (or of none known), never under a later attempt's or
+    one that names no attempt (then the replicator computes its own)."""
+    plan = RestorePlan(JOB, STEP, 1, {0: Tier.PEER}, {0: ("b",)}, generation=2)
+    write_control(tmp_path, JOB, RestorePlan.FILE, plan)
+    nodes = {n: PeerNode(n, f"http://10.0.0.{i}:8470") for i, n in enumerate("ab", 1)}
+
+    def under(generation: int, attempt: int) -> RestorePlan | None:
+        assignment = PeerAssignment(JOB, generation, nodes, {}, {"a": 0}, procs_per_node=1, attempt=attempt)
+        return published_plan(tmp_path, JOB, assignment)
+
+    ms = int(time.time() * 1000)
+    assert under(ms, 2) == plan and under(ms + 1, 2) == plan  # the attempt's later peer generations
+    assert under(ms, 1) == plan  # an older attempt's node ranks (the new ones on their way)
+    assert under(ms, 3) is None and under(1, 0) is None and under(ms, 0) is None
+    assert published_plan(tmp_path, JOB, None) == plan

@@ -76,8 +76,8 @@ log = logging.getLogger(__name__)
 
 
 def published_plan(root: Path, job: str, assignment: PeerAssignment | None) -> RestorePlan | None:
-    """The operator's plan (``restore.json`` in the job's state directory), unless an older assignment
-    generation made it."""
+    """The operator's plan (``restore.json`` in the job's state directory), while it stands for the
+    attempt of this node's assignment (``RestorePlan.stands_for``); None: compute one."""
     try:
         plan = read_control(root, job, RestorePlan.FILE, RestorePlan)
     except FormatError as exc:
@@ -85,13 +85,8 @@ def published_plan(root: Path, job: str, assignment: PeerAssignment | None) -> R
         return None
     if not isinstance(plan, RestorePlan):
         return None
-    if assignment is not None and plan.generation < assignment.generation:
-        log.info(
-            "job %s: restore.json is for generation %d < %d; recomputing",
-            job,
-            plan.generation,
-            assignment.generation,
-        )
+    if (why := plan.stands_for(assignment)) is not None:
+        log.info("job %s: not staging restore.json (%s); recomputing", job, why)
         return None
     return plan
 
