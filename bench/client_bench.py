@@ -393,50 +393,6 @@ def _prefault_one(mount: Path, gib: float, device: str, repeats: int) -> dict[st
     return r
 
 
-def bench_register_stall(root: Path, gib: float) -> dict[str, Any]:
-    """Does ``cudaHostRegister`` on a background thread (the warm-up) stall the training thread? The main
-    thread launches tiny kernels back to back and records the longest gap between launches, before and
-    while another thread registers a pre-faulted mapping of ``gib``."""
-    import threading
-
-    from tierckpt.snapshot.shardfile import MappedFile
-
-    f = MappedFile.create(root / "stall.bin", int(gib * GIB))
-    x = torch.zeros(1024, device="cuda")
-    index = torch.cuda.current_device()
-
-    def gaps(seconds: float) -> list[float]:
-        out, last, end = [], time.perf_counter(), time.perf_counter() + seconds
-        while (now := time.perf_counter()) < end:
-            x.add_(1)
-            out.append(now - last)
-            last = now
-            if len(out) % 256 == 0:
-                torch.cuda.synchronize()
-        return out
-
-    quiet = gaps(0.5)
-    took: list[float] = []
-
-    def register() -> None:
-        start = time.perf_counter()
-        f.register(index)
-        took.append(time.perf_counter() - start)
-
-    worker = threading.Thread(target=register)
-    worker.start()
-    busy = gaps(0.2)
-    worker.join()
-    busy += gaps(0.05)
-    f.close(unlink=True)
-    return {
-        "bytes": int(gib * GIB),
-        "register_s": took[0] if took else None,
-        "max_launch_gap_quiet_s": max(quiet),
-        "max_launch_gap_while_registering_s": max(busy),
-    }
-
-
 # ------------------------------------------------------------------------------------------- report
 
 
@@ -535,14 +491,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--prefault", action="store_true", help="pre-fault/registration with and without huge pages"
     )
-    p.add_argument("--stall", action="store_true", help="does background cudaHostRegister stall launches?")
     p.add_argument("--freeze-gc", action="store_true", help="with --train: gc.freeze() after the set-up")
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device")
     base = args.root or Path("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
     root = Path(tempfile.mkdtemp(prefix="tierckpt-bench-", dir=base))
-    if args.train or args.prefault or args.stall:
+    if args.train or args.prefault:
         try:
             r = _extra_mode(args, root)
         finally:
@@ -594,8 +549,6 @@ def _extra_mode(args: argparse.Namespace, root: Path) -> dict[str, Any]:
             "machine": machine,
             "prefault": bench_prefault(root, args.size_gib, args.device, args.repeats),
         }
-    if args.stall:
-        return {"machine": machine, "stall": bench_register_stall(root, args.size_gib)}
     sys.path.insert(0, str(Path(__file__).parent))
     from client_train import ModelSpec, bench_training
 

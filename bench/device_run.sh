@@ -49,8 +49,9 @@ if [[ $parts == *train* ]]; then
   rm -rf ${RD:?}/*
 fi
 if [[ $parts == *stall* ]]; then
-  echo "== launches on the training thread while another thread registers 8 GiB"
-  timeout 60 python3 bench/client_bench.py --stall --device cuda --size-gib 8 --root $RD 2>> "$OUT/bench.log"
+  echo "== training steps while another thread pre-faults and registers a slot (bench/register_stall_bench.py)"
+  timeout 200 python3 bench/register_stall_bench.py --root $RD --gib ${STALL_GIB:-11} > "$OUT/stall.jsonl" 2>> "$OUT/bench.log"
+  echo "rc=$?"; cat "$OUT/stall.jsonl"
   rm -rf ${RD:?}/*
 fi
 if [[ $parts == *prefault* ]]; then

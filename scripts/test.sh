@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Set up (idempotent), then run every check CI runs: ruff, import-linter, the declared dependencies, mypy,
 # the docs build, and pytest.
-# Extra arguments go to pytest. GPU tests are deselected here and run on the device machine.
+# Extra arguments go to pytest. GPU tests are deselected here and run on the device machine; the chaos
+# harness's fixed-seed run (marker "chaos") runs in .ci/scheduled while it still fails about 1 run in 3
+# on open bugs (docs/reliability.md, "Open"): a test that fails at random would block every change.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -14,7 +16,7 @@ echo "== mypy (strict)" && mypy
 if [ -f mkdocs.yml ]; then echo "== docs (strict)" && mkdocs build --strict --quiet -d "$(mktemp -d)"; fi
 echo "== pytest"
 set +e
-python -m pytest -m "not gpu" -p no:cacheprovider "$@"
+python -m pytest -m "not gpu and not chaos" -p no:cacheprovider "$@"
 rc=$?
 set -e
 [ $rc -eq 5 ] && { echo "no tests collected"; exit 1; }

@@ -53,11 +53,20 @@ from tierckpt.protocol.tokens import TokenFile
 from tierckpt_demo.ports import free_ports
 from tierckpt_demo.tmpfs import mount_tmpfs, unmount
 
-__all__ = ["LocalCluster", "Node", "cleanup_stale", "has_netns"]
+__all__ = ["FAST_REPLICATOR_ARGS", "LocalCluster", "Node", "cleanup_stale", "has_netns"]
 
 log = logging.getLogger(__name__)
 
 API_PORT = 8470
+FAST_REPLICATOR_ARGS = (
+    *("--poll-interval", "1", "--reconcile-interval", "2"),
+    *("--connect-timeout", "1", "--transfer-timeout", "3", "--retry-max", "2"),
+    *("--inventory-timeout", "2", "--restore-attempts", "4"),
+    *("--backup-interval", "0", "--backup-poll-interval", "2", "--backup-takeover-after", "2"),
+    *("--reserve-bytes", str(1 << 20), "--log-level", "INFO"),
+)
+"""Every interval short, so failures are noticed and retried within seconds: the e2e tests' and the
+chaos harness's replicators (each adds its own ``--preemption-timeout``)."""
 CERT_LIFETIME = datetime.timedelta(days=7)
 _RANK_OBJECT = re.compile(r"/steps/[0-9]{12,}/rank-[0-9]{5,}/")
 """An object of one rank's step in the bucket (``tierckpt.protocol.bucket_layout``)."""

@@ -50,6 +50,7 @@ from tierckpt_replicator.restore.requests import FetchRequests
 from tierckpt_replicator.restore.stage import Stager
 from tierckpt_replicator.settings import Settings
 from tierckpt_replicator.stepio import open_job, rank_trees
+from tierckpt_replicator.waits import done_within
 from tierckpt_replicator.watch import CommitWatcher
 
 __all__ = ["LocalInventory", "NodeControls", "remove_job_tree", "step_bytes"]
@@ -112,11 +113,10 @@ class LocalInventory:
         listing = self._listing.get(job)
         if listing is None or listing.done():
             listing = self._listing[job] = asyncio.create_task(self._list(job), name=f"bucket-steps-{job}")
-        try:
-            return await asyncio.wait_for(asyncio.shield(listing), _GCS_WAIT_SECONDS)
-        except asyncio.TimeoutError:
-            log.info("job %s: the bucket is slow to list; answering with the steps known before", job)
-            return cached[1] if cached else {}
+        if await done_within(listing, _GCS_WAIT_SECONDS):  # (the listing goes on for the next call)
+            return listing.result()
+        log.info("job %s: the bucket is slow to list; answering with the steps known before", job)
+        return cached[1] if cached else {}
 
     async def _list(self, job: str) -> dict[int, int]:
         try:
@@ -234,9 +234,9 @@ class NodeControls:
         self.stager.start(job)
 
     async def purge(self, job: str, *, bucket: bool = False) -> bool:
-        self.stager.forget(job)
+        await self.stager.forget(job)
         if self.requests is not None:
-            self.requests.forget(job)
+            await self.requests.forget(job)
         if self.orbax is not None:
             await self.orbax.forget(job)
         async with self._fenced(job):
@@ -258,13 +258,15 @@ class NodeControls:
     @contextlib.asynccontextmanager
     async def _fenced(self, job: str) -> AsyncIterator[None]:
         """While the block deletes the job: no backup, upload, replica send or retirement of it starts on
-        this node, and those under way have finished."""
+        this node, and those under way have finished; no transfer of it arrives (those arriving are
+        aborted), so nothing re-creates the job's directory. A backup call queued meanwhile is refused,
+        also once the fence is lifted."""
         await self.backup.fence(job)
         await self.replication.fence(job)
         try:
             yield
         finally:
-            self.replication.unfence(job)
+            await self.replication.unfence(job)
             self.backup.unfence(job)
 
     async def status(self) -> NodeStatus:

@@ -8,7 +8,9 @@ Options are grouped by concern: the data plane's (transfers, their limits, the w
 ``TransferSettings``, ``Settings.transfer``, which the worker's ``WorkerConfig`` takes whole. A group's
 fields are options like the others (``tierckpt.protocol.options.option_fields``): each one's name is
 still its flag and its environment variable, the contract the chart and the operator's pod injection
-keep (``tests/chart``, ``tests/operator``).
+keep (``tests/chart``, ``tests/operator``). The other options stay flat fields on purpose: each is
+read where it is used, and none is copied field by field into another process's config, which is what
+made the data plane's a group (issue 22).
 """
 
 from __future__ import annotations
@@ -341,6 +343,15 @@ class Settings:
             "Seconds a restore from the bucket waits, while the node restoring its replica group's data "
             "rank reports progress, to fetch those data files from it instead of the bucket (0: off).",
             unit="s",
+        ),
+    )
+    backup_chunks: bool = dataclasses.field(
+        default=False,
+        metadata=_opt(
+            "Upload backups as content-addressed chunks (bucket layout 3: what the bucket holds from the "
+            "rank's previous step is not sent again). Off by default for now: replica groups' one upload "
+            "per shard is layout 2's, restores from chunks measured 0.70-0.90x, and every node must run a "
+            "version that reads layout 3 first. docs/bucket-layout.md."
         ),
     )
     backup_compression: str = dataclasses.field(

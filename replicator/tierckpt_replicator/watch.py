@@ -26,6 +26,7 @@ from tierckpt.protocol.errors import FormatError
 from tierckpt.protocol.format import read_commit, step_names
 from tierckpt_replicator.inventory import list_jobs
 from tierckpt_replicator.stepio import open_job, rank_trees
+from tierckpt_replicator.waits import done_within
 
 __all__ = ["CommitWatcher"]
 
@@ -70,9 +71,12 @@ class CommitWatcher:
 
     async def wait(self) -> None:
         """Return after a change (debounced) or after ``poll_interval`` seconds."""
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self._event.wait(), self.poll_interval)
-            await asyncio.sleep(self.debounce)
+        changed = asyncio.ensure_future(self._event.wait())
+        try:
+            if await done_within(changed, self.poll_interval):
+                await asyncio.sleep(self.debounce)
+        finally:
+            changed.cancel()
         self._event.clear()
 
     def refresh(self) -> None:

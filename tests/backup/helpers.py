@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +53,13 @@ TEST_SETTINGS = BackupSettings(
 
 
 def make_service(
-    store: ObjectStore, root: Path, node: str, *, metrics: BackupMetrics | None = None, **settings: Any
+    store: ObjectStore,
+    root: Path,
+    node: str,
+    *,
+    metrics: BackupMetrics | None = None,
+    clock: Callable[[], float] = time.time,
+    **settings: Any,
 ) -> BackupService:
     """A service on ``store`` with ``TEST_SETTINGS``, any ``BackupSettings`` field overridden."""
     return BackupService(
@@ -60,6 +68,7 @@ def make_service(
         root=root,
         store=store,
         metrics=metrics or BackupMetrics(CollectorRegistry()),
+        clock=clock,
     )
 
 

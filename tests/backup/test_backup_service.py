@@ -832,3 +832,33 @@ def test_every_small_object_is_bounded_when_written_and_a_completion_fits_a_mill
     )
     with pytest.raises(ObjectTooLarge, match="over the 1048576 bytes every reader"):
         encode_small(inline, "a layout 1 completion object of 10,000 ranks")
+
+
+async def test_retention_is_applied_by_another_node_when_the_completer_of_the_newest_step_never_does(
+    gcs_server: FakeGcsServer, bucket: str, tmp_path: Path
+) -> None:
+    """Found by the chaos harness (four complete steps for a ``keep_last`` of 3, minutes after a
+    preemption): two nodes completed steps at once, the one completing the newer step from a view
+    without the other's (its retention dropped nothing), and it then left for good; the janitor was only
+    ever the completer of the newest step, so nobody applied retention again. Here that completer's
+    retention is made to keep one step too many by its ``keep_last``."""
+    now = [1000.0]
+    a_root, b_root = tmp_path / "a", tmp_path / "b"
+    store = make_store(gcs_server.url, bucket)
+    a = make_service(store, a_root, "node-a", takeover_after=30.0, clock=lambda: now[0])
+    for step in (10, 20, 30):
+        write_step(a_root, JOB, 0, step, sizes=(KiB,))
+        await a.on_step_committed(JOB, step, [0], {})
+    b = make_service(store, b_root, "node-b", keep_last=4)
+    write_step(b_root, JOB, 0, 40, sizes=(KiB,))
+    await b.on_step_committed(JOB, 40, [0], {})
+    await b.close()  # ... and is gone
+    assert await a.complete_steps(JOB) == (10, 20, 30, 40)
+    await a.poll(JOB)  # overdue only after a grace: the completer may still be about to do it
+    assert await a.complete_steps(JOB) == (10, 20, 30, 40)
+    now[0] += 61.0
+    await a.poll(JOB)
+    assert await a.complete_steps(JOB) == (20, 30, 40)
+    await a.poll(JOB)  # every node deletes its own ranks of a step retired since its last view
+    assert [o.name for o in store.list(LAYOUT.step_dir(JOB, 10))[0]] == []
+    await a.close()

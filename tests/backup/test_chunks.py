@@ -236,7 +236,9 @@ def test_retention_never_deletes_a_chunk_a_retained_step_needs(
 
     async def run() -> None:
         services = {
-            n: make_service(bucket, roots[n], n, keep_last=keep_last, interval_steps=1, writer_ttl=5.0)
+            n: make_service(
+                bucket, roots[n], n, keep_last=keep_last, interval_steps=1, writer_ttl=5.0, chunks=True
+            )
             for n in roots
         }
         purged = False
@@ -356,7 +358,7 @@ async def test_a_frozen_fine_tune_uploads_under_2_percent_after_the_first_backup
     root = tmp_path / "ramdisk"
     chunked = CountingStore(make_store(gcs_server.url, bucket, chunk_size=8 << 20))
     whole = CountingStore(make_store(gcs_server.url, bucket + "-full", chunk_size=8 << 20))
-    svc = make_service(chunked, root, "n", keep_last=2)
+    svc = make_service(chunked, root, "n", keep_last=2, chunks=True)
     full = make_service(whole, root, "n-full", chunks=False, keep_last=2)
     sent: list[tuple[int, int]] = []
     with Checkpointer(root=root, job="finetune", keep=2) as ck:
@@ -375,7 +377,7 @@ async def test_a_frozen_fine_tune_uploads_under_2_percent_after_the_first_backup
     for mine, theirs in later:
         assert mine <= 0.02 * theirs, sent
     dest = tmp_path / "restored"
-    reader = make_service(make_store(gcs_server.url, bucket), dest, "reader", range_size=8 << 20)
+    reader = make_service(make_store(gcs_server.url, bucket), dest, "reader", range_size=8 << 20, chunks=True)
     await reader.fetch_rank("finetune", 3, 0, rank_dir(dest, "finetune", 0))
     assert step_files(step_dir(rank_dir(dest, "finetune", 0), 3)) == step_files(
         step_dir(rank_dir(root, "finetune", 0), 3)
@@ -392,7 +394,7 @@ async def test_a_frozen_fine_tune_uploads_under_2_percent_after_the_first_backup
 
 async def _two_steps(gcs_server: FakeGcsServer, bucket: str, root: Path) -> BackupService:
     """Steps 1 and 2 of one rank backed up: step 2 shares its frozen tensors' chunks with step 1."""
-    svc = make_service(make_store(gcs_server.url, bucket), root, "n", keep_last=3)
+    svc = make_service(make_store(gcs_server.url, bucket), root, "n", keep_last=3, chunks=True)
     for step in (1, 2):
         write_tensor_step(root, 0, step, fine_tune_tensors(0, step), 1)
         assert await svc.backup_now(JOB) == step
@@ -461,7 +463,7 @@ async def test_a_rotted_local_shard_is_never_committed_as_chunks(
         byte = f.read(1)[0]
         f.seek(100)
         f.write(bytes([byte ^ 0xFF]))
-    svc = make_service(make_store(gcs_server.url, bucket), root, "n")
+    svc = make_service(make_store(gcs_server.url, bucket), root, "n", chunks=True)
     with pytest.raises(CorruptShardError, match="manifest says"):
         await svc.backup_now(JOB)
     store = make_store(gcs_server.url, bucket)
@@ -484,7 +486,7 @@ async def test_layout_2_steps_stay_restorable_and_the_next_step_goes_up_as_chunk
     await old.close()
     store = make_store(gcs_server.url, bucket)
     assert store.stat(LAYOUT.rank_file_key(JOB, 1, 0, "data-00000.bin")) is not None
-    svc = make_service(store, root, "n", compression="grouped")
+    svc = make_service(store, root, "n", compression="grouped", chunks=True)
     write_tensor_step(root, 0, 2, fine_tune_tensors(0, 2), 1)
     assert await svc.backup_now(JOB) == 2
     assert store.list(LAYOUT.chunks_dir(JOB))[0]  # step 2 is chunks (none reused: step 1 has none)
@@ -497,4 +499,4 @@ async def test_layout_2_steps_stay_restorable_and_the_next_step_goes_up_as_chunk
 
 def test_settings_refuse_an_unknown_compression(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="compression"):
-        make_service(MemoryBucket(), tmp_path, "n", compression="lzma")
+        make_service(MemoryBucket(), tmp_path, "n", compression="lzma", chunks=True)

@@ -15,6 +15,7 @@ import pytest
 from tests.backup.helpers import make_service, make_store, write_cluster_step, write_peers
 from tierckpt.protocol.bucket_layout import BucketLayout
 from tierckpt_demo.fakegcs import FakeGcsServer
+from tierckpt_replicator.backup.fence import JobFenced
 from tierckpt_replicator.backup.gcs import GcsStore
 from tierckpt_replicator.backup.store import ObjectInfo, TransientStoreError
 
@@ -123,7 +124,40 @@ async def test_a_lapsed_lease_with_no_purge_keeps_what_landed_and_stops_writing(
     held.release.set()
     await uploading
     landed = [k for k in leftovers(store) if "/rank-" in k or "/chunks/" in k]
-    assert landed and all("/chunks/" in k or k.endswith("objects.pkl") for k in landed)  # no COMMIT after
+    assert landed and all(  # data (whole files or chunks), no COMMIT after
+        "/data-" in k or "/chunks/" in k or k.endswith("objects.pkl") for k in landed
+    )
     assert store.list(LAYOUT.rank_commits_dir(JOB, 10))[0] == []
     assert "lapsed" in b.status(JOB).last_error
     await b.close()
+
+
+async def test_a_backup_request_queued_behind_a_purge_puts_nothing_in_the_bucket(
+    gcs_server: FakeGcsServer, bucket: str, roots: dict[str, Path]
+) -> None:
+    """Found by the chaos soak: an on-demand backup that waited for its turn while the purge ran got it
+    once the purge was over (its fence lifted), and put the job back in the bucket. It is refused."""
+    store = make_store(gcs_server.url, bucket)
+    held = HeldStore(make_store(gcs_server.url, bucket))
+    a = make_service(held, roots["node-a"], "node-a")
+    b = make_service(store, roots["node-b"], "node-b")
+    uploading = asyncio.ensure_future(a.on_step_committed(JOB, 10, [0, 1], {}))
+    assert await asyncio.to_thread(held.in_flight.wait, 10)
+
+    async def purge() -> None:  # as the daemon's purge: the backups deleted, then the fence lifted
+        await b.delete_backups(JOB)  # waits for node-a's writer
+        b.unfence(JOB)
+
+    purging = asyncio.ensure_future(purge())
+    await asyncio.sleep(0.5)
+    assert b.fences.fenced(JOB) and not purging.done()
+    queued = asyncio.ensure_future(b.backup_now(JOB))  # its turn comes after the purge's
+    await asyncio.sleep(0.2)
+    held.release.set()
+    await purging
+    await uploading
+    (outcome,) = await asyncio.gather(queued, return_exceptions=True)
+    assert leftovers(store) == []
+    assert isinstance(outcome, JobFenced)
+    for svc in (a, b):
+        await svc.close()

@@ -21,7 +21,7 @@ import pytest
 from tierckpt_demo.chaos.runner import ChaosOptions, ChaosRun
 from tierckpt_demo.chaos.schedule import KINDS, Schedule
 
-pytestmark = [pytest.mark.root, pytest.mark.e2e, pytest.mark.slow]
+pytestmark = [pytest.mark.root, pytest.mark.e2e, pytest.mark.slow, pytest.mark.chaos]
 
 ROUNDS = 4
 SEED = 21

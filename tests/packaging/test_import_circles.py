@@ -23,13 +23,8 @@ SOURCES = {
     "tierckpt_operator": REPO / "operator",
 }
 
-KNOWN: set[frozenset[str]] = {
-    frozenset({"tierckpt_demo.chaos.inject", "tierckpt_demo.chaos.runner"}),
-}
-"""The one circle left, on purpose for now: the chaos harness's injector names its run's type (a
-``TYPE_CHECKING`` import of ``runner.ChaosRun``, whose run builds the injector). The harness is being
-reworked on its own branch (issue 20); the injector is to take the few parts of the run it uses.
-Nothing may be added here."""
+KNOWN: set[frozenset[str]] = set()
+"""Circles allowed to stay: none. Nothing may be added here."""
 
 
 def modules() -> dict[str, Path]:

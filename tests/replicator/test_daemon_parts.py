@@ -4,13 +4,16 @@ peer assignments, and the worker process supervised for real."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tierckpt.protocol.client import ONE_ATTEMPT, ReplicatorClient, api_base
@@ -26,15 +29,17 @@ from tierckpt.protocol.errors import ContractError
 from tierckpt.protocol.format import job_dir, state_dir
 from tierckpt.protocol.options import option_fields
 from tierckpt.protocol.tokens import TokenFile
+from tierckpt_demo.ports import free_port
 from tierckpt_demo.step_writer import write_step
 from tierckpt_replicator.assignments import AssignmentStore, data_endpoint
 from tierckpt_replicator.backup.jobs import NO_BACKUP
 from tierckpt_replicator.commits import CommitFeed, NewSteps, StepCommitted
 from tierckpt_replicator.controls import LocalInventory
-from tierckpt_replicator.daemon import worker_config
+from tierckpt_replicator.daemon import Daemon, worker_config
 from tierckpt_replicator.inventory import Holdings, InventoryScanner
-from tierckpt_replicator.replication.ipc import FetchSource, FetchTask, SendTask
+from tierckpt_replicator.replication.ipc import FetchSource, FetchTask, SendTask, TaskResult
 from tierckpt_replicator.replication.supervisor import WorkerSupervisor
+from tierckpt_replicator.replication.wire import DataReply, DataRequest, ProtocolError, recv_frame, send_frame
 from tierckpt_replicator.settings import ENV_PREFIX, Settings, TransferSettings, build_parser, parse_settings
 from tierckpt_replicator.watch import CommitWatcher
 
@@ -210,7 +215,71 @@ async def test_watcher_without_inotify_polls(tmp_path: Path, monkeypatch: pytest
         watcher.close()
 
 
-async def test_supervisor_restarts_a_dead_worker(tmp_path: Path):
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def test_a_watcher_cancelled_in_the_turn_it_wakes_is_cancelled(tmp_path: Path):
+    """The replication loop waits in ``wait()``; a shutdown that cancels it just as a change wakes it
+    must stop it (Python 3.11's ``asyncio.wait_for`` returned the wake-up and lost the cancellation:
+    the loop ran on and the daemon's shutdown waited for it forever)."""
+    for turns in range(3):  # the cancellation comes 0, 1 or 2 turns of the loop after the wake-up
+        watcher = CommitWatcher(tmp_path, poll_interval=30.0, debounce=0.0)
+        watcher.start()
+        try:
+            waiting = asyncio.create_task(watcher.wait())
+            await asyncio.sleep(0.05)  # waiting for a change
+            watcher.kick()
+            for _ in range(turns):
+                await asyncio.sleep(0)
+            waiting.cancel()
+            done, _ = await asyncio.wait({waiting}, timeout=5)
+            assert waiting in done and waiting.cancelled(), f"cancelled {turns} turns after the wake-up"
+        finally:
+            watcher.close()
+
+
+async def test_the_daemons_shutdown_stops_a_replication_loop_woken_as_it_is_cancelled(tmp_path: Path):
+    """SIGTERM's shutdown (the real worker process, the loops) finishes while changes keep waking the
+    replication loop: each cancellation reaches it (it did not: CI seed 21's replicator did not exit)."""
+    token = tmp_path / "token"
+    token.write_text("tok\n")
+    root = tmp_path / "ramdisk"
+    settings = Settings(
+        node_name="node-a",
+        root=root,
+        auth="token",
+        token_file=token,
+        listen_host="127.0.0.1",
+        advertise_host="127.0.0.1",
+        api_port=0,  # (the control API is not served here)
+        data_port=_free_port(),
+        poll_interval=30.0,
+        restore_on_start=False,
+        transfer=TransferSettings(worker_nice=0),
+    )
+    daemon = Daemon(settings)
+    await daemon.startup()
+    stopping = None
+    try:
+        await asyncio.sleep(0.5)  # the loop's first pass is done: it waits for a change
+        daemon.watcher.kick()  # a change comes in the turn the shutdown starts
+        stopping = asyncio.create_task(daemon.shutdown())
+        done, _ = await asyncio.wait({stopping}, timeout=20)
+        assert stopping in done, "the shutdown is still waiting for the replication loop"
+        stopping.result()
+        assert all(task.done() for task in daemon._loops) and not daemon.supervisor.alive
+    finally:
+        if stopping is None or not stopping.done():  # stop what the shutdown could not
+            for task in daemon._loops:
+                task.cancel()
+            await daemon.supervisor.stop()
+
+
+def _local_supervisor(tmp_path: Path) -> WorkerSupervisor:
+    """A worker supervisor of node ``n`` on loopback ports, token auth, at normal priority."""
     token = tmp_path / "token"
     token.write_text("tok\n")
     settings = Settings(
@@ -224,7 +293,11 @@ async def test_supervisor_restarts_a_dead_worker(tmp_path: Path):
         data_port=0,
         transfer=TransferSettings(worker_nice=0),
     )
-    sup = WorkerSupervisor(dataclasses.replace(worker_config(settings), data_port=0))
+    return WorkerSupervisor(dataclasses.replace(worker_config(settings), data_port=0))
+
+
+async def test_supervisor_restarts_a_dead_worker(tmp_path: Path):
+    sup = _local_supervisor(tmp_path)
     await sup.start()
     try:
         first = sup.pid
@@ -246,6 +319,78 @@ async def test_supervisor_restarts_a_dead_worker(tmp_path: Path):
     finally:
         await sup.stop()
     assert not sup.alive
+
+
+async def test_a_job_fenced_for_its_purge_starts_nothing_in_the_worker_nor_in_its_restart(tmp_path: Path):
+    sup = _local_supervisor(tmp_path)
+
+    async def fetch(job: str) -> TaskResult:
+        source = FetchSource(kind="replica", node="n")
+        return await sup.run_task(FetchTask(id=sup.next_id(), job=job, rank=0, step=1, sources=(source,)))
+
+    await sup.start()
+    try:
+        await sup.fence("j")
+        assert "being purged" in (await fetch("j")).message
+        assert (await fetch("k")).outcomes[0].status == "missing"  # another job: served
+        first = sup.pid
+        sup._proc.kill()  # type: ignore[union-attr]
+        for _ in range(200):
+            if sup.alive and sup.pid != first:
+                break
+            await asyncio.sleep(0.05)
+        assert sup.alive and sup.pid != first
+        assert "being purged" in (await fetch("j")).message  # the new worker starts fenced
+        await sup.unfence("j")
+        assert (await fetch("j")).outcomes[0].status == "missing"
+    finally:
+        await sup.stop()
+
+
+async def test_a_purge_through_the_api_aborts_a_replica_still_arriving(tmp_path: Path):
+    """The whole daemon (its worker process, the data port, the control API in-process): a peer's put
+    admitted before the purge, whose header comes after it, is aborted; nothing re-creates the job."""
+    token = tmp_path / "token"
+    token.write_text("tok\n")
+    root = tmp_path / "ramdisk"
+    settings = Settings(
+        node_name="n",
+        root=root,
+        auth="token",
+        token_file=token,
+        advertise_host="127.0.0.1",
+        listen_host="127.0.0.1",
+        api_port=0,
+        data_port=free_port(),
+        transfer=TransferSettings(worker_nice=0),
+    )
+    job = "team_purge_1234abcd"
+    src = write_step(tmp_path / "sender", job, 0, 3, sizes=(4 << 20,))
+    commit, manifest = (src / "COMMIT").read_bytes(), (src / "manifest.json").read_bytes()
+    req = DataRequest(
+        op="put", token="tok", job=job, rank=0, step=3, commit_size=len(commit), manifest_size=len(manifest)
+    )
+    daemon = Daemon(settings)
+    await daemon.startup()
+    try:
+        with socket.create_connection(("127.0.0.1", settings.data_port), timeout=5) as s:
+            send_frame(s, req)  # admitted and authorized; the receiver waits for the step's header
+            await asyncio.sleep(1.0)
+            async with httpx.AsyncClient(
+                transport=httpx.ASGITransport(app=daemon.app), base_url="http://replicator"
+            ) as api:
+                resp = await api.delete(f"/v1/jobs/{job}", headers={"Authorization": "Bearer tok"})
+            assert resp.status_code == 200
+
+            def go_on() -> None:  # the sender goes on, as a real one would
+                with contextlib.suppress(OSError, ProtocolError):
+                    s.sendall(commit + manifest + (src / "data-00000.bin").read_bytes())
+                    recv_frame(s, DataReply)
+
+            await asyncio.to_thread(go_on)
+        assert not job_dir(root, job).exists()
+    finally:
+        await daemon.shutdown()
 
 
 def test_docs_describe_every_option():
@@ -417,6 +562,42 @@ async def test_only_a_fault_of_the_peer_itself_moves_every_jobs_replicas_off_it(
         for i, status in enumerate(("unreachable", "busy", "full", "failed")):
             mgr._record(("j", 0, 5), [Outcome(node=f"n{i}", status=status)])
         assert mgr._node_backoff.blocked(time.monotonic()) == {"n0", "n1", "n2", "n3"}
+    finally:
+        await mgr.close()
+
+
+async def test_a_copy_back_on_the_assigned_peer_is_kept_and_the_fallbacks_linked_copy_retired(tmp_path: Path):
+    """The copy a fallback linked while the assigned peer was in backoff is the surplus once the copy
+    went back to the assigned peer, linked or not: retiring the assigned peer's copy instead would send
+    it back again at the next pass, round after round."""
+    from tierckpt_replicator.inventory import InventoryScanner
+    from tierckpt_replicator.metrics import Metrics
+    from tierckpt_replicator.replication.manager import ReplicationManager
+
+    root = tmp_path / "root"
+    nodes = {n: PeerNode(n, f"http://{n}:1") for n in ("a", "b", "c")}
+    assignment = PeerAssignment(job="j", generation=1, nodes=nodes, peers={"a": ("b",)})
+    mgr = ReplicationManager(
+        node="a",
+        k=1,
+        scanner=InventoryScanner(root, node="a", endpoint="http://a:1"),
+        assignments=AssignmentStore(root),
+        supervisor=None,
+        peers=None,  # type: ignore[arg-type]
+        metrics=Metrics(),
+    )
+    retired: list[tuple[object, tuple[str, ...]]] = []
+
+    async def retire(key: object, holders: tuple[str, ...], _: PeerAssignment) -> None:
+        retired.append((key, holders))
+
+    mgr._retire = retire  # type: ignore[method-assign]
+    try:
+        mgr.confirmed = {("j", 0, 5): {"b", "c"}}
+        mgr.linked = {("j", 0, 5): {"c"}}
+        mgr._retire_surplus("j", assignment, {0: 5}, 1, 0.0)
+        await asyncio.sleep(0)
+        assert retired == [(("j", 0, 5), ("c",))]
     finally:
         await mgr.close()
 

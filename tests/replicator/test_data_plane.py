@@ -16,16 +16,24 @@ from pathlib import Path
 import pytest
 
 from tests.fixtures.cluster import write_sparse_step
-from tierckpt.protocol.format import committed_steps, rank_dir, replica_rank_dir, step_dir
+from tierckpt.protocol.format import committed_steps, job_dir, rank_dir, replica_rank_dir, step_dir
 from tierckpt.protocol.tokens import TokenFile
 from tierckpt_demo.step_writer import step_files, write_step
+from tierckpt_replicator.controls import remove_job_tree
 from tierckpt_replicator.replication.context import DataContext
 from tierckpt_replicator.replication.data_server import DataServer
 from tierckpt_replicator.replication.erasure import encode_step
 from tierckpt_replicator.replication.ipc import FetchSource, PeerAddress, SendTask, WorkerConfig
 from tierckpt_replicator.replication.manager import NODE_FAULTS
 from tierckpt_replicator.replication.transfer import fetch_step, push_step
-from tierckpt_replicator.replication.wire import DataReply, DataRequest, Status, recv_frame, send_frame
+from tierckpt_replicator.replication.wire import (
+    DataReply,
+    DataRequest,
+    ProtocolError,
+    Status,
+    recv_frame,
+    send_frame,
+)
 from tierckpt_replicator.replication.worker import run_send
 from tierckpt_replicator.settings import TransferSettings
 from tierckpt_replicator.stepio import INCOMING_PREFIX
@@ -439,6 +447,53 @@ def test_a_sender_that_stalls_mid_stream_is_dropped_after_the_transfer_timeout(m
         assert b.events[-1].status == Status.ABORTED
         assert s.recv(1) == b""  # the receiver hung up
     assert committed_steps(replica_rank_dir(b.root, JOB, 0)) == [] and no_leftovers(b.root)
+
+
+def purge_here(peer: Peer) -> None:
+    """What a purge does in the worker of ``peer``: fence the job (``ipc.FenceJob``), delete it, lift."""
+    assert peer.ctx.fences.fence(JOB, timeout=10)
+    remove_job_tree(peer.root, JOB)
+    peer.ctx.fences.lift(JOB)
+
+
+@pytest.mark.parametrize("held", ["before its header", "mid-data"])
+def test_a_purge_aborts_a_replica_still_arriving_and_nothing_recreates_the_job(make_peer, held):
+    """Found by the chaos soak: a replica whose sender was admitted before the purge committed after it,
+    re-creating the job's directory (the membership check is at the start of a transfer only)."""
+    a, b = make_peer("a"), make_peer("b", max_incoming=1)
+    src = write_step(a.root, JOB, 0, 3, sizes=(8 << 20,))
+    commit, manifest = (src / "COMMIT").read_bytes(), (src / "manifest.json").read_bytes()
+    data = (src / "data-00000.bin").read_bytes()
+    req = DataRequest(
+        op="put", token=TOKEN, job=JOB, rank=0, step=3, commit_size=len(commit), manifest_size=len(manifest)
+    )
+    with socket.create_connection(("127.0.0.1", b.server.port), timeout=5) as s:
+        if held == "before its header":
+            send_frame(s, req)  # admitted and authorized; the receiver waits for the step's header
+            LocalWait.until(lambda: b.server._slots._value == 0)
+            rest = commit + manifest + data
+        else:
+            send_frame(s, req, commit + manifest)
+            assert recv_frame(s, DataReply).status == Status.CONTINUE
+            s.sendall(data[: 3 << 20])
+            rest = data[3 << 20 :]
+        purge_here(b)
+        with contextlib.suppress(OSError, ProtocolError):  # the sender goes on, as a real one would
+            s.sendall(rest)
+            recv_frame(s, DataReply)
+    assert not job_dir(b.root, JOB).exists()
+    assert committed_steps(replica_rank_dir(b.root, JOB, 0)) == []
+
+
+def test_a_job_being_purged_takes_no_transfer(make_peer):
+    a, b = make_peer("a"), make_peer("b")
+    write_step(a.root, JOB, 0, 4, sizes=(1 << 20,))
+    assert b.ctx.fences.fence(JOB, timeout=10)
+    out = push_step(a.ctx, JOB, 0, 4, b.address)
+    assert out.status == "unauthorized" and "being purged" in out.message
+    assert not job_dir(b.root, JOB).exists()
+    b.ctx.fences.lift(JOB)
+    assert push_step(a.ctx, JOB, 0, 4, b.address).status == "ok"  # the job returned: served again
 
 
 def test_busy_receiver_says_so(make_peer):

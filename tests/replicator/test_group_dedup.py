@@ -18,7 +18,7 @@ from tierckpt_demo.step_writer import write_step
 from tierckpt_replicator.backup.spread import data_rank
 from tierckpt_replicator.inventory import InventoryScanner, _facts
 from tierckpt_replicator.replication.dedup import awaiting_members, differing, linkable_targets, member_nodes
-from tierckpt_replicator.replication.plan import plan_sends
+from tierckpt_replicator.replication.plan import plan_sends, unplaced
 
 
 def content(rank: int, step: int = 7, key: str = "aa", *, diverged: bool = False) -> StepContent:
@@ -122,13 +122,22 @@ def test_a_linkable_fallback_never_goes_before_the_assigned_peer() -> None:
     assert plain[0].candidates[0] == "n1" and plain[0].bases == {}
 
 
-def test_a_linked_copy_off_the_plan_counts_and_is_not_copied_back() -> None:
+def test_a_copy_off_the_plan_goes_back_to_the_assigned_peer_linked_there_if_it_can() -> None:
+    """A fallback took step 7 while the assigned peer n1 was in backoff (the fallback linked it). Once
+    n1 is back the copy returns to it, as a link when n1 holds an identical member step, so the upload
+    split and the failure-domain pairing find it where the plan puts it; the fallback's copy is surplus.
+    (A linked copy left on the fallback left rank 0 without an uploader for 120 s: the demo.)"""
     kw = dict(job="j", node="n0", k=1, assignment=assignment(), newest={0: 7}, confirmed={(0, 7): {"n2"}})
-    assert plan_sends(**kw, linked={(0, 7): {"n2"}}) == []  # n2 linked it: it stays there
-    (item,) = plan_sends(**kw)  # a full copy on a fallback goes back to the assigned peer n1
-    assert (item.candidates, item.want) == (("n1",), 1)
-    # factor 2: the linked copy fills one place, the assigned peer the other
-    (item,) = plan_sends(**{**kw, "k": 2}, linked={(0, 7): {"n2"}})
+    (item,) = plan_sends(**kw)
+    assert (item.candidates, item.want, item.bases) == (("n1",), 1, {})
+    (linked,) = plan_sends(**kw, linkable={0: {"n1": 1, "n3": 3}})
+    assert (linked.candidates, linked.want, linked.bases) == (("n1",), 1, {"n1": 1})
+    assert plan_sends(**kw, avoid={"n1"}) == []  # still in backoff: the fallback's copy stands meanwhile
+    placed = {(0, 7): {"n2"}, (1, 7): {"n1"}}  # rank 2 has no copy yet
+    newest = {0: 7, 1: 7, 2: 7}
+    assert unplaced(node="n0", k=1, assignment=assignment(), newest=newest, confirmed=placed) == {0, 2}
+    # factor 2: one copy is short, and the assigned peer goes first
+    (item,) = plan_sends(**{**kw, "k": 2})
     assert item.candidates[0] == "n1" and item.want == 1
 
 

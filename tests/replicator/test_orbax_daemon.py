@@ -47,7 +47,9 @@ def test_a_malformed_yaml_gets_a_clear_error_and_the_daemon_keeps_running(cluste
     for rank, node in enumerate((a, b)):
         wait(
             cluster2,
-            lambda n=node, r=rank: (n.root / job / JAX_INIT_INFO).read_text().startswith(f"{r}\n"),
+            lambda n=node, r=rank: (
+                (p := n.root / job / JAX_INIT_INFO).exists() and p.read_text().startswith(f"{r}\n")
+            ),
             20,
             f"{node.name}'s jax-init-info.txt",
         )

@@ -19,7 +19,7 @@ import logging
 import subprocess
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from tierckpt.protocol.control import RestoreState, read_restore_status
 from tierckpt.protocol.errors import FormatError
@@ -31,9 +31,12 @@ from tierckpt_demo.cluster import Node
 from tierckpt_demo.fakegcs import FaultRule
 
 if TYPE_CHECKING:
-    from tierckpt_demo.chaos.runner import ChaosRun
+    from tierckpt_demo.chaos.operator import Operator
+    from tierckpt_demo.chaos.oracle import Invariant
+    from tierckpt_demo.chaos.rig import Rig
+    from tierckpt_demo.chaos.tiers import BucketView
 
-__all__ = ["Injector", "other_slot"]
+__all__ = ["Injector", "RunControl", "other_slot"]
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +55,34 @@ def other_slot(slot: int, other: int, world: int) -> int:
     return (slot + 1 + other % (world - 1)) % world
 
 
+class RunControl(Protocol):
+    """What an injector needs of the run it serves (``runner.ChaosRun``, which builds it): the run's
+    parts, and its verbs for what a fault does to a job."""
+
+    jobs: dict[str, JobRun]
+    operator: Operator
+    bucket: BucketView
+
+    @property
+    def rig(self) -> Rig: ...
+
+    def crash(self, job: JobRun, reason: str, *, excused: bool = False) -> None: ...
+
+    def restart(self, job: JobRun) -> None: ...
+
+    def purge(self, job: JobRun) -> str: ...
+
+    def spare_for(
+        self, job: JobRun, lost: str | None, *, same_domain: bool, avoid: list[str]
+    ) -> str | None: ...
+
+    def other_domain(self, domain: str) -> str: ...
+
+    def violate(self, invariant: Invariant, job: str, detail: str) -> None: ...
+
+
 class Injector:
-    def __init__(self, run: ChaosRun) -> None:
+    def __init__(self, run: RunControl) -> None:
         self.run = run
         self.rig = run.rig
         self.net: dict[int, dict[str, NetState]] = {}

@@ -24,44 +24,15 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from tierckpt_demo.cluster import API_PORT, LocalCluster, Node
+from tierckpt_demo.cluster import API_PORT, FAST_REPLICATOR_ARGS, LocalCluster, Node
 from tierckpt_demo.launcher import Launcher, node_files_prefix
 
 __all__ = ["CHAOS_REPLICATOR_ARGS", "MODULES", "NetState", "Rig"]
 
 log = logging.getLogger(__name__)
 
-CHAOS_REPLICATOR_ARGS = (
-    "--poll-interval",
-    "1",
-    "--reconcile-interval",
-    "2",
-    "--connect-timeout",
-    "1",
-    "--transfer-timeout",
-    "3",
-    "--retry-max",
-    "2",
-    "--inventory-timeout",
-    "2",
-    "--restore-attempts",
-    "4",
-    "--backup-interval",
-    "0",
-    "--backup-poll-interval",
-    "2",
-    "--backup-takeover-after",
-    "2",
-    "--backup-group-wait",
-    "5",
-    "--preemption-timeout",
-    "10",
-    "--reserve-bytes",
-    str(1 << 20),
-    "--log-level",
-    "INFO",
-)
-"""Every interval short, so failures are noticed and retried within seconds (as in the e2e tests)."""
+CHAOS_REPLICATOR_ARGS = (*FAST_REPLICATOR_ARGS, "--backup-group-wait", "5", "--preemption-timeout", "10")
+"""The e2e tests' short intervals, and a replica group's members waited for at most 5 s."""
 
 MODULES = ("tierckpt_demo.training", "tierckpt_demo.dcp_training")
 PORTS = (API_PORT, API_PORT + 1)

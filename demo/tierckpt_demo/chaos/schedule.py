@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import typing
 from typing import Literal
 
 from tierckpt.protocol.codec import Message, Record
@@ -48,22 +49,9 @@ FaultKind = Literal[
     "replication-factor",
     "resize",
 ]
-KINDS: tuple[FaultKind, ...] = (
-    "trainer-kill",
-    "replicator-kill",
-    "node-lost",
-    "nodes-lost",
-    "partition",
-    "netem",
-    "full-ramdisk",
-    "gcs",
-    "slow-peer",
-    "purge",
-    "replication-factor",
-    "resize",
-)
+KINDS: tuple[FaultKind, ...] = typing.get_args(FaultKind)
 JobName = Literal["native", "dcp"]
-JOBS: tuple[JobName, ...] = ("native", "dcp")
+JOBS: tuple[JobName, ...] = typing.get_args(JobName)
 """``native``: ``Checkpointer`` ranks saving as one replica group; ``dcp``: FSDP2 ranks through DCP (the
 only one whose world size changes: it reshards)."""
 

@@ -105,7 +105,7 @@ class BucketView:
         return step, self.complete[step]
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class _Seen:
     """A view and the completion objects behind it, made at one generation of ``catalog.json``."""
 
@@ -113,6 +113,8 @@ class _Seen:
     at: float
     view: BucketView
     steps: dict[int, StepBackup]
+    delivered: bool = False
+    """Whether ``view`` handed it to the backup pass already (later calls get it with ``fresh`` False)."""
 
 
 class Catalog:
@@ -144,24 +146,29 @@ class Catalog:
 
     # ------------------------------------------------------------------------------------ reading
 
-    def view(self, job: str) -> BucketView:
-        """The job's catalog: from the bucket if ``catalog.json`` changed since the last view (or the
-        last view is older than ``view_max_age``), else that view again (``fresh`` False)."""
+    def view(self, job: str, *, fresh: bool = False) -> BucketView:
+        """The job's catalog, for the backup pass: ``fresh`` True the first time a view read from the
+        bucket is handed out (``_current``; ``fresh=True`` reads it now). Reads by others
+        (``complete_steps``, e.g. a status request) never take a change away from the pass."""
+        seen = self._current(job, reread=fresh)
+        first, seen.delivered = not seen.delivered, True
+        return seen.view if first else dataclasses.replace(seen.view, fresh=False)
+
+    def _current(self, job: str, *, reread: bool = False) -> _Seen:
+        """The view made at the current generation of ``catalog.json``: read from the bucket if it
+        changed since the last one (or that is older than ``view_max_age``, or ``reread``)."""
         marker = self.store.stat(self.layout.catalog_key(job))
         generation = marker.generation if marker is not None else None
-        seen = self._seen.get(job)
-        if seen is not None and seen.generation == generation and self.clock() - seen.at < self.view_max_age:
-            return dataclasses.replace(seen.view, fresh=False)
-        view, steps = self._read_view(job)
-        self._seen[job] = _Seen(generation, self.clock(), view, steps)
-        return view
+        seen = None if reread else self._seen.get(job)
+        if seen is None or seen.generation != generation or self.clock() - seen.at >= self.view_max_age:
+            view, steps = self._read_view(job)
+            seen = self._seen[job] = _Seen(generation, self.clock(), view, steps)
+        return seen
 
     def complete_steps(self, job: str) -> dict[int, StepBackup]:
-        """Every complete step of ``job``, each completion object read and validated (through ``view``:
-        one request while nothing changed). An unreadable completion object is skipped (logged); a
-        failing bucket raises."""
-        self.view(job)
-        return dict(self._seen[job].steps)
+        """Every complete step of ``job``, each completion object read and validated (one request while
+        nothing changed). An unreadable completion object is skipped (logged); a failing bucket raises."""
+        return dict(self._current(job).steps)
 
     def _read_view(self, job: str) -> tuple[BucketView, dict[int, StepBackup]]:
         readable, unreadable = self._scan_complete(job)

@@ -270,6 +270,7 @@ class Fences:
         self.ttl, self.wait_limit = ttl, wait_limit
         self.store: ObjectStore = _FencedStore(self)
         self._fenced: set[str] = set()
+        self._purges: dict[str, int] = {}
         self._leases: dict[str, Lease] = {}
 
     # ------------------------------------------------------------------------------------ this node
@@ -280,6 +281,12 @@ class Fences:
     def fence_here(self, job: str) -> None:
         """From now on no write of ``job``'s objects starts on this node (the one in flight finishes)."""
         self._fenced.add(job)
+        self._purges[job] = self._purges.get(job, 0) + 1
+
+    def purges(self, job: str) -> int:
+        """How many times ``job`` was fenced here: a call that saw another count before it waited for
+        its turn was queued when a purge began, and must not run (not even after the fence lifted)."""
+        return self._purges.get(job, 0)
 
     def lift(self, job: str) -> None:
         self._fenced.discard(job)

@@ -206,6 +206,7 @@ def node_backup_settings(settings: Settings) -> BackupSettings:
         parallelism=settings.backup_parallelism,
         takeover_after=settings.backup_takeover_after,
         group_wait=settings.backup_group_wait,
+        chunks=settings.backup_chunks,
         compression=cast("Compression", settings.backup_compression),
     )
 

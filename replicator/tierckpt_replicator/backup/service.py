@@ -167,51 +167,7 @@ class BackupService:
         )
         writes = self.fences.store  # every write of a job's objects: its writer lease held, not fenced here
         self.catalog = Catalog(writes, self.layout, node, self._io, view_max_age=settings.catalog_max_age)
-        chunks = (
-            ChunkUploads(
-                writes,
-                self.layout,
-                self.catalog,
-                self._io,
-                compression=settings.compression,
-                max_list_bytes=settings.max_manifest_bytes,
-                on_bytes=self.metrics.bytes_uploaded.inc,
-                check_stop=self._check_stop,
-                sweep_wait=2 * settings.writer_ttl,
-            )
-            if settings.chunks
-            else None
-        )
-        self.sweeper = Sweeper(
-            writes,
-            self.layout,
-            node,
-            self._io,
-            ttl=settings.writer_ttl,
-            max_list_bytes=settings.max_manifest_bytes,
-        )
-        self.uploader = Uploader(
-            writes,
-            self.layout,
-            self.catalog,
-            node,
-            self._io,
-            slice_size=settings.slice_size,
-            max_manifest_bytes=settings.max_manifest_bytes,
-            on_bytes=self.metrics.bytes_uploaded.inc,
-            should_stop=self.fences.fenced,
-            group_wait=settings.group_wait,
-            quotas=self.quotas,
-            chunks=chunks,
-        )
-        self.restorer = Restorer(
-            store,
-            self.layout,
-            self.catalog,
-            self._io,
-            range_size=settings.range_size,
-            max_manifest_bytes=settings.max_manifest_bytes,
-        )
+        self.sweeper, self.uploader, self.restorer = self._transfer_parts(settings, store, writes)
         self._locks: dict[str, asyncio.Lock] = {}
         self._holders: dict[str, dict[int, tuple[str, ...]]] = {}
         self._latest: dict[str, int] = {}
@@ -227,12 +183,69 @@ class BackupService:
         self._cleaned: dict[str, set[int]] = {}
         """Job -> retired steps whose ranks this node deleted."""
         self._old_since: dict[str, dict[int, float]] = {}
-        self._swept: dict[str, tuple[object, ...]] = {}
-        """Job -> the steps the bucket held at this node's last chunk sweep of it."""
         """Job -> incomplete step older than the newest complete one -> when this node first saw it so
         (monotonic; the node that completed the newest step deletes what is left of it ``incomplete_grace``
         later)."""
+        self._swept: dict[str, tuple[object, ...]] = {}
+        """Job -> the steps the bucket held at this node's last chunk sweep of it."""
+        self._overdue_since: dict[str, float] = {}
+        """Job -> when this node first saw the bucket hold complete steps its retention drops (``clock``)."""
+        self._standing_in: dict[str, int] = {}
+        """Job -> the newest complete step whose janitor this node is in place of its completer
+        (``_retention_overdue``)."""
         self._holder = "backup." + re.sub(r"[^A-Za-z0-9_.-]", "-", node)[:100]
+
+    def _transfer_parts(
+        self, settings: BackupSettings, store: ObjectStore, writes: ObjectStore
+    ) -> tuple[Sweeper, Uploader, Restorer]:
+        """The parts that move a job's bytes: chunk uploads (layout 3) and their sweeper, the uploader
+        (its writes through the fences) and the restorer (its reads straight from ``store``)."""
+        chunks = (
+            ChunkUploads(
+                writes,
+                self.layout,
+                self.catalog,
+                self._io,
+                compression=settings.compression,
+                max_list_bytes=settings.max_manifest_bytes,
+                on_bytes=self.metrics.bytes_uploaded.inc,
+                check_stop=self._check_stop,
+                sweep_wait=2 * settings.writer_ttl,
+            )
+            if settings.chunks
+            else None
+        )
+        sweeper = Sweeper(
+            writes,
+            self.layout,
+            self.node,
+            self._io,
+            ttl=settings.writer_ttl,
+            max_list_bytes=settings.max_manifest_bytes,
+        )
+        uploader = Uploader(
+            writes,
+            self.layout,
+            self.catalog,
+            self.node,
+            self._io,
+            slice_size=settings.slice_size,
+            max_manifest_bytes=settings.max_manifest_bytes,
+            on_bytes=self.metrics.bytes_uploaded.inc,
+            should_stop=self.fences.fenced,
+            group_wait=settings.group_wait,
+            quotas=self.quotas,
+            chunks=chunks,
+        )
+        restorer = Restorer(
+            store,
+            self.layout,
+            self.catalog,
+            self._io,
+            range_size=settings.range_size,
+            max_manifest_bytes=settings.max_manifest_bytes,
+        )
+        return sweeper, uploader, restorer
 
     @classmethod
     def for_bucket(
@@ -272,12 +285,13 @@ class BackupService:
         """
         self._remember_holders(job, holders)
         self._latest[job] = max(self._latest.get(job, -1), step)
+        begun = self._purge_mark(job)
         async with self._lock(job):
+            if self._fenced_since(job, begun):
+                log.debug("step %d of %s not backed up: the job is being purged (or was)", step, job)
+                return
             if step < self._latest[job]:
                 log.debug("step %d of %s superseded by step %d before its turn", step, job, self._latest[job])
-                return
-            if self.fences.fenced(job):
-                log.debug("step %d of %s not backed up: the job is fenced (being purged)", step, job)
                 return
             with contextlib.suppress(Exception):  # _pass logged and counted it
                 await self._run(self._pass, job, step, tuple(ranks_here), False, False)
@@ -293,21 +307,26 @@ class BackupService:
         primaries and the peers that confirmed their replicas): a rank whose assigned uploader is not
         among them is uploaded by its primary now, not after ``takeover_after`` (a replica may have
         gone to another node than ``peers.json`` names). Raises ``JobFenced`` while the job is being
-        purged."""
+        purged, and when a purge of it began while this call waited for its turn (found by the chaos
+        soak: such a call ran once the purge was over)."""
         if holders:
             self._remember_holders(job, holders)
         placed = {int(r): tuple(h) for r, h in (holders or {}).items()}
+        begun = self._purge_mark(job)
         async with self._lock(job):
-            if self.fences.fenced(job):
-                raise JobFenced(f"job {job} is being purged: no backup of it starts")
+            if self._fenced_since(job, begun):
+                raise JobFenced(
+                    f"job {job} is being purged (or was, while this backup waited): not backed up"
+                )
             return await self._run(self._backup_now, job, all_local, placed)
 
     async def poll(self, job: str) -> None:
         """Periodic housekeeping: back up the newest local step if the schedule makes it due (a step
         committed while another backup ran, or the last step of a stopped job, becomes due by time or
         steps with no new commit), join started backups, take over orphaned ranks, complete, retain."""
+        begun = self._purge_mark(job)
         async with self._lock(job):
-            if self.fences.fenced(job):
+            if self._fenced_since(job, begun):
                 return
             with contextlib.suppress(Exception):  # _pass logged and counted it
                 await self._run(self._poll, job)
@@ -380,6 +399,8 @@ class BackupService:
             self._cleaned,
             self._old_since,
             self._swept,
+            self._overdue_since,
+            self._standing_in,
         ):
             state.pop(job, None)  # its lock stays: a call waiting on it must not run beside a new one
         log.info("job %s: backup state forgotten on this node", job)
@@ -643,8 +664,7 @@ class BackupService:
         completion objects of the steps it drops, then announce the change (with the new step's)."""
         seen = self.catalog.cached_view(job)
         complete = {**(seen.complete if seen is not None else {}), **new}
-        protect = [s for s, n in self._fetching.get(job, collections.Counter()).items() if n > 0]
-        plan = self.policy.retention(complete, protect=protect)
+        plan = self.policy.retention(complete, protect=self._protected(job))
         for s in plan.delete:
             self.catalog.retire(job, s)
         self.metrics.steps_deleted.inc(len(plan.delete))
@@ -753,12 +773,46 @@ class BackupService:
             seen |= set(view.complete)
             seen &= set(view.complete) | set(view.incomplete_old)
         newest = view.newest_complete
-        if newest is not None and view.completed_by.get(newest[0]) == self.node:
+        janitor = newest is not None and (
+            view.completed_by.get(newest[0]) == self.node or self._standing_in.get(job) == newest[0]
+        )
+        if newest is not None and janitor:
             self._janitor(job, view, newest[0])
+        elif newest is not None and self._retention_overdue(job, view, newest[0]):
+            self._standing_in[job] = newest[0]  # until a newer step completes
+            self._janitor(job, self.catalog.view(job, fresh=True), newest[0])
         kept = tuple(sorted(view.complete))
         self._set_status(job, complete=kept, newest_complete=kept[-1] if kept else None)
         if kept:
             self.metrics.last_step.labels(job=job).set(kept[-1])
+
+    def _retention_overdue(self, job: str, view: BucketView, newest: int) -> bool:
+        """Whether this node takes over the janitor's duties (``_standing_in``) from the node that
+        completed the newest step: its views have shown complete steps that retention drops for
+        ``takeover_after``, plus a spread of up to as long again (rendezvous-hashed per node, so one node,
+        not every node, usually acts first). The completer may be gone for good (a preempted node), and
+        a completer whose view missed a step completed beside it retained one step too few."""
+        if not self.policy.retention(view.complete, protect=self._protected(job)).delete:
+            self._overdue_since.pop(job, None)
+            return False
+        since = self._overdue_since.setdefault(job, self.clock())
+        spread = rendezvous_score(job, newest, -2, self.node) / 2**64
+        if self.clock() - since < self.settings.takeover_after * (1 + spread):
+            return False
+        del self._overdue_since[job]  # acting now; a retirement that fails waits as long again
+        log.warning(
+            "job %s: the bucket holds complete steps its retention drops (%s) for %.0fs and %s, which "
+            "completed the newest, has not deleted them: applying retention here",
+            job,
+            list(self.policy.retention(view.complete).delete),
+            self.clock() - since,
+            view.completed_by.get(newest),
+        )
+        return True
+
+    def _protected(self, job: str) -> list[int]:
+        """Steps this node is fetching for a restore: retention never drops them."""
+        return [s for s, n in self._fetching.get(job, collections.Counter()).items() if n > 0]
 
     def _delete_own_ranks(self, job: str, step: int) -> None:
         """Delete the objects of the ranks this node is the primary of, of a retired step (every node
@@ -780,8 +834,7 @@ class BackupService:
         that long): by then every node deleted its own ranks of a retired step."""
         if not view.fresh:
             return
-        protect = [s for s, n in self._fetching.get(job, collections.Counter()).items() if n > 0]
-        if self.policy.retention(view.complete, protect=protect).delete:
+        if self.policy.retention(view.complete, protect=self._protected(job)).delete:
             with self.fences.writing(job, newest):
                 self._retire(job, {}, newest)
         self._sweep(job, newest, view)
@@ -865,6 +918,16 @@ class BackupService:
 
     def _lock(self, job: str) -> asyncio.Lock:
         return self._locks.setdefault(job, asyncio.Lock())
+
+    def _purge_mark(self, job: str) -> int:
+        """Where ``job``'s purges stood when a call queued for the job's lock (``_fenced_since``): the
+        count of its purges here, -1 while one is under way."""
+        return -1 if self.fences.fenced(job) else self.fences.purges(job)
+
+    def _fenced_since(self, job: str, begun: int) -> bool:
+        """Whether ``job`` is fenced, or was when the caller queued (``begun``, its ``_purge_mark``), or
+        was fenced since: a call queued behind a purge never runs after it, not once the fence lifted."""
+        return self.fences.fenced(job) or self.fences.purges(job) != begun
 
     def _set_status(self, job: str, **changes: Any) -> None:
         self._status[job] = dataclasses.replace(self._status.get(job, BackupStatus()), **changes)

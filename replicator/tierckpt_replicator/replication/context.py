@@ -29,6 +29,7 @@ from tierckpt_replicator.identity import check_node_files
 from tierckpt_replicator.policies import PolicyStore
 from tierckpt_replicator.quota import JobQuotas
 from tierckpt_replicator.replication.channel import DataConnection, open_channel
+from tierckpt_replicator.replication.fences import JobFences
 from tierckpt_replicator.replication.ipc import PeerAddress, WorkerConfig
 from tierckpt_replicator.replication.pacing import Deadline
 from tierckpt_replicator.replication.throttle import TokenBucket
@@ -56,6 +57,8 @@ class DataContext:
     """--auth tls: this node's certificate files (``credentials()`` follows them while they hold this
     node's identity)."""
     emit: Callable[[Message], None] = _drop
+    fences: JobFences = dataclasses.field(default_factory=JobFences)
+    """The jobs being purged on this node: no connection or task of theirs starts or goes on."""
     _tls: TlsCredentials | None = dataclasses.field(default=None, init=False, repr=False)
     _tls_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, init=False, repr=False)
 
@@ -69,6 +72,7 @@ class DataContext:
             members=JobMembers(root, AssignmentStore(root, static)),
             quotas=JobQuotas(root, PolicyStore(root), config.transfer.job_quota),
             emit=emit,
+            fences=JobFences(config.fenced),
         )
         if config.auth == "tls":
             key = Path(config.tls_key) if config.tls_key else None

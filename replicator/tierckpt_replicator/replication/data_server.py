@@ -25,6 +25,10 @@ allows) → preallocate every file (507 on ENOSPC) → ``100 continue`` → rece
 commit atomically (200) : drop the staging dir (422). A fragment is checked against the quota alike;
 a step served to a restoring node (``get``) too. Quota refusals are reported as ``DataEvent`` 413.
 
+A job being purged on this node (``fences``) is refused (403) from the moment the purge fences it, and a
+connection of it under way is shut down then, so a replica or fragment still arriving is aborted, never
+committed into (nor re-creating) the directory the purge deletes.
+
 Every file is reached through the job's confined tree (``stepio.open_job``): a symlink a pod planted in
 its job directory (a rank, a step, a data file) is refused (422, logged), never followed.
 """
@@ -50,6 +54,7 @@ from tierckpt_replicator.access import data_refusal
 from tierckpt_replicator.connlimits import Admission, ConnectionLimits, close_now
 from tierckpt_replicator.replication.channel import DataConnection, SealedChannel, accept_channel, is_hello
 from tierckpt_replicator.replication.context import DataContext, secure
+from tierckpt_replicator.replication.fences import JobPurging
 from tierckpt_replicator.replication.handlers import HANDLERS, Reject, Transfers
 from tierckpt_replicator.replication.pacing import Deadline
 from tierckpt_replicator.replication.wire import (
@@ -139,14 +144,14 @@ class DataServer:
         self, conn: socket.socket, addr: tuple[str, int], admission: Admission, shed: _Shed
     ) -> None:
         try:
-            self._serve(conn, addr, admission)
+            self._serve(conn, addr, admission, shed)
         finally:
             shed.close()
             admission.release()
 
     # ------------------------------------------------------------------ one connection
 
-    def _serve(self, sock: socket.socket, addr: tuple[str, int], admission: Admission) -> None:
+    def _serve(self, sock: socket.socket, addr: tuple[str, int], admission: Admission, shed: _Shed) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         conn: DataConnection = sock
         slot = False
@@ -186,7 +191,11 @@ class DataServer:
             )  # a silent peer: caught within a window
             if isinstance(conn, SealedChannel):
                 conn.allow_bulk()
-            HANDLERS[req.op](self.transfers, conn, req)
+            with self.ctx.fences.working(req.job, abort=shed):  # a purge of the job shuts it down
+                HANDLERS[req.op](self.transfers, conn, req)
+        except JobPurging as exc:
+            log.info("data %s: refused (%d): %s", addr[0], Status.FORBIDDEN, exc)
+            Transfers.reply(conn, DataReply(status=Status.FORBIDDEN, message=str(exc)))
         except Reject as exc:
             log.info("data %s: refused (%d): %s", addr[0], exc.status, exc)
             Transfers.reply(conn, DataReply(status=exc.status, message=str(exc)))
@@ -252,8 +261,9 @@ def _close_gently(conn: DataConnection) -> None:
 
 
 class _Shed:
-    """Shuts a connection down from the accept thread (it was shed to make room) through a descriptor
-    of its own: its handler thread may close or wrap the socket at any time meanwhile."""
+    """Shuts a connection down from another thread (the accept thread: it was shed to make room; a purge
+    of its job) through a descriptor of its own: its handler thread may close or wrap the socket at any
+    time meanwhile."""
 
     def __init__(self, conn: socket.socket) -> None:
         self._lock = threading.Lock()

@@ -3,8 +3,10 @@
 The daemon starts the worker with one end of a socketpair and sends ``WorkerConfig`` first; the worker
 answers ``WorkerReady`` once its data endpoint listens. Then the daemon
 sends ``SendTask``/``FetchTask``/``RetireTask``; the worker answers each with ``TaskProgress`` lines and one
-``TaskResult``, and reports what its data server did as ``DataEvent``. ``Shutdown`` (or the daemon's
-end closing) stops the worker. No pickle: every line is a ``_codec`` message.
+``TaskResult``, and reports what its data server did as ``DataEvent``. ``FenceJob`` fences a job being
+purged (or lifts the fence), answered by a ``TaskResult`` once nothing of the job is under way in the
+worker (``replication.fences``). ``Shutdown`` (or the daemon's end closing) stops the worker. No
+pickle: every line is a ``_codec`` message.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ __all__ = [
     "Channel",
     "DataEvent",
     "ErasureTask",
+    "FenceJob",
     "FetchSource",
     "FetchTask",
     "Outcome",
@@ -98,6 +101,8 @@ class WorkerConfig(Message):
     """--auth token: the shared bearer token's file."""
     peers_file: str = ""
     """The static peer assignment (local mode): it makes nodes members of its job."""
+    fenced: tuple[str, ...] = ()
+    """Jobs being purged when the worker (re)starts: fenced from the start (``FenceJob``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,6 +242,19 @@ class WorkerReady(Message):
 
 
 @dataclasses.dataclass(frozen=True)
+class FenceJob(Message):
+    """Fence ``job`` (it is being purged): no transfer or task of it starts in the worker, those under
+    way are aborted; the ``TaskResult`` numbered ``id`` answers once none is left. ``fenced=False``: lift
+    the fence (the job is gone)."""
+
+    KIND = "tierckpt.fence-job"
+
+    id: int
+    job: str
+    fenced: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
 class Shutdown(Message):
     KIND = "tierckpt.worker-shutdown"
 
@@ -254,6 +272,7 @@ MESSAGES: dict[str, type[Message]] = {
         TaskProgress,
         TaskResult,
         DataEvent,
+        FenceJob,
         Shutdown,
     )
 }

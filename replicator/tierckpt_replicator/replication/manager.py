@@ -28,7 +28,8 @@ Event). The rank's older steps keep their copies on the peers; its next step wit
 as usual.
 
 A purge fences the job first (``fence``): no send, fragment, retirement or healing
-of it starts any more, and those in flight are waited for; ``unfence`` once its steps are gone.
+of it starts any more, and those in flight are waited for; in the worker, its transfers still arriving
+are aborted and no new one is taken; ``unfence`` once its steps are gone.
 
 Only the newest step of a rank is ever sent: an older one that is still in flight when a newer one
 commits finishes, and the newer one follows. A rank saved in a replica group goes first to peers that
@@ -63,7 +64,13 @@ from tierckpt_replicator.replication.ipc import (
     SendTask,
     TaskResult,
 )
-from tierckpt_replicator.replication.plan import SendItem, candidate_targets, plan_sends
+from tierckpt_replicator.replication.plan import (
+    SendItem,
+    candidate_targets,
+    home_peers,
+    plan_sends,
+    unplaced,
+)
 from tierckpt_replicator.replication.redundancy import RedundancyLog, assess
 from tierckpt_replicator.replication.supervisor import WorkerSupervisor
 
@@ -250,12 +257,10 @@ class ReplicationManager:
             self._send_fragments_due(job, assignment, newest, ec, in_flight | in_backoff, avoid)
             self._retire_surplus(job, assignment, newest, 0, now)  # replicas from before the code
             return
-        short = {
-            r
-            for r, s in newest.items()
-            if len(self.confirmed.get((job, r, s), ())) < k and (r, s) not in in_flight
-        }
-        linkable, hold = self.groups.plan(job, assignment, holdings, short)
+        confirmed = {(r, s): nodes for (j, r, s), nodes in self.confirmed.items() if j == job}
+        unsent = unplaced(node=self.node, k=k, assignment=assignment, newest=newest, confirmed=confirmed)
+        unsent -= {r for r, s in newest.items() if (r, s) in in_flight}
+        linkable, hold = self.groups.plan(job, assignment, holdings, unsent)
         held = {(r, newest[r]) for r in hold}
         items = plan_sends(
             job=job,
@@ -263,11 +268,10 @@ class ReplicationManager:
             k=k,
             assignment=assignment,
             newest=newest,
-            confirmed={(r, s): nodes for (j, r, s), nodes in self.confirmed.items() if j == job},
+            confirmed=confirmed,
             in_flight=in_flight | in_backoff | held,
             avoid=avoid,
             linkable=linkable,
-            linked={(r, s): nodes for (j, r, s), nodes in self.linked.items() if j == job},
         )
         if held:
             asyncio.get_running_loop().call_later(self.groups.wait, self.kick)
@@ -369,16 +373,18 @@ class ReplicationManager:
         self, job: str, assignment: PeerAssignment, newest: dict[int, int], k: int, now: float
     ) -> None:
         """Copies beyond the factor (it dropped, or a copy went back to an assigned peer): keep the most
-        preferred ``k`` holders (linked copies first: they cost the holder next to nothing), ask the rest
-        to drop theirs."""
+        preferred ``k`` holders (the peers the plan names first, then linked copies: they cost the holder
+        next to nothing), ask the rest to drop theirs."""
         order = {n: i for i, n in enumerate(candidate_targets(assignment, self.node))}
+        home = set(home_peers(assignment, self.node, k))
         for rank, step in newest.items():
             key = (job, rank, step)
             have = self.confirmed.get(key, set())
             if len(have) <= k or key in self._in_flight or not self._step_backoff.ready(("retire", key), now):
                 continue
             linked = self.linked.get(key, set())
-            keep = sorted(have, key=lambda n: (n not in linked, order.get(n, len(order)), n))[:k]
+            preference = {n: (n not in home, n not in linked, order.get(n, len(order)), n) for n in have}
+            keep = sorted(have, key=preference.__getitem__)[:k]
             surplus = tuple(sorted(n for n in have if n not in keep and n in assignment.nodes))
             if surplus:
                 self._spawn(job, self._retire(key, surplus, assignment))
@@ -424,17 +430,20 @@ class ReplicationManager:
 
     async def fence(self, job: str) -> None:
         """No send, fragment, retirement or healing of ``job`` starts on this node
-        until ``unfence``; returns once those already started have finished."""
+        until ``unfence``; returns once those already started have finished, and the worker has aborted
+        the job's transfers still arriving and holds none of its tasks (``WorkerSupervisor.fence``)."""
         self._fenced.add(job)
         tasks = self._job_tasks.get(job, set())
         if tasks:
             await asyncio.wait(set(tasks))
+        await self.supervisor.fence(job)
 
-    def unfence(self, job: str) -> None:
+    async def unfence(self, job: str) -> None:
         """Lift the fence (call ``forget`` first: the job's steps are gone)."""
         self._fenced.discard(job)
         if not self._job_tasks.get(job):
             self._job_tasks.pop(job, None)
+        await self.supervisor.unfence(job)
 
     async def _send(self, item: SendItem, assignment: PeerAssignment) -> None:
         key = (item.job, item.rank, item.step)

@@ -3,12 +3,15 @@
 ``WorkerSupervisor.run_task(task, on_progress)`` sends a task and awaits its ``TaskResult``. If the
 worker dies meanwhile, every pending task fails with ``RetryableError`` (callers retry with backoff)
 and a new worker starts after a short, growing delay. ``DataEvent``s go to the ``on_event`` callback.
+``fence(job)``/``unfence(job)``: a job being purged, fenced in the worker (``ipc.FenceJob``) and in
+every worker started while it is (``WorkerConfig.fenced``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import logging
 import socket
@@ -24,6 +27,7 @@ from tierckpt_replicator.replication.ipc import (
     MAX_LINE,
     DataEvent,
     ErasureTask,
+    FenceJob,
     FetchTask,
     RebuildTask,
     RetireTask,
@@ -56,6 +60,7 @@ class WorkerSupervisor:
         self._ready = asyncio.Event()
         self._stopping = False
         self._task: asyncio.Task[None] | None = None
+        self._fenced: set[str] = set()
 
     @property
     def alive(self) -> bool:
@@ -91,9 +96,23 @@ class WorkerSupervisor:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
 
+    async def fence(self, job: str) -> None:
+        """Fence ``job`` in the worker (it is being purged): returns once no transfer or task of it is
+        under way there, and none starts until ``unfence``. A worker that is not running has none; the
+        next one starts fenced."""
+        self._fenced.add(job)
+        with contextlib.suppress(RetryableError):
+            await self.run_task(FenceJob(id=self.next_id(), job=job))
+
+    async def unfence(self, job: str) -> None:
+        """Lift the fence of ``job`` (it was purged)."""
+        self._fenced.discard(job)
+        with contextlib.suppress(RetryableError):
+            await self.run_task(FenceJob(id=self.next_id(), job=job, fenced=False))
+
     async def run_task(
         self,
-        task: SendTask | FetchTask | RetireTask | ErasureTask | RebuildTask,
+        task: SendTask | FetchTask | RetireTask | ErasureTask | RebuildTask | FenceJob,
         on_progress: OnProgress | None = None,
     ) -> TaskResult:
         if not self._ready.is_set():
@@ -147,7 +166,7 @@ class WorkerSupervisor:
             child.close()
         reader, writer = await asyncio.open_unix_connection(sock=parent, limit=MAX_LINE)
         self._writer = writer
-        writer.write(encode_line(self.config))
+        writer.write(encode_line(dataclasses.replace(self.config, fenced=tuple(sorted(self._fenced)))))
         await writer.drain()
         try:
             await self._read_loop(reader)

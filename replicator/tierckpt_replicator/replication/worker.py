@@ -2,7 +2,9 @@
 
 Started by the daemon (``python -m tierckpt_replicator.replication.worker --fd N``) with one end of a
 socketpair; it lowers its own CPU and I/O priority first, so replication never competes with the
-training step. It exits when the daemon says ``Shutdown`` or its end of the socketpair closes.
+training step. It exits when the daemon says ``Shutdown`` or its end of the socketpair closes. A job
+the daemon fences (``FenceJob``: it is being purged) has no transfer or task under way here once the
+worker answers, and none starts until the fence is lifted (``replication.fences``).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import logging
 import os
 import socket
 import sys
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -22,10 +25,12 @@ from typing import Any
 from tierckpt.protocol.errors import FormatError
 from tierckpt_replicator.replication.context import DataContext
 from tierckpt_replicator.replication.data_server import DataServer
+from tierckpt_replicator.replication.fences import JobPurging
 from tierckpt_replicator.replication.fragment_transfer import rebuild_step, remove_scratch, send_fragments
 from tierckpt_replicator.replication.ipc import (
     Channel,
     ErasureTask,
+    FenceJob,
     FetchTask,
     Outcome,
     RebuildTask,
@@ -141,7 +146,10 @@ def _serve_tasks(chan: Channel, ctx: DataContext, pool: ThreadPoolExecutor) -> N
 
     def run(fn: Callable[[DataContext, Any], TaskResult], task: Task) -> None:
         try:
-            result = fn(ctx, task)
+            with ctx.fences.working(task.job):  # a purge of the job waits for it
+                result = fn(ctx, task)
+        except JobPurging as exc:
+            result = TaskResult(id=task.id, ok=False, message=str(exc))
         except Exception as exc:  # a bug: report it, keep the worker alive
             log.exception("task %d failed unexpectedly", task.id)
             result = TaskResult(id=task.id, ok=False, message=f"worker error: {exc!r}")
@@ -165,8 +173,20 @@ def _serve_tasks(chan: Channel, ctx: DataContext, pool: ThreadPoolExecutor) -> N
             pool.submit(run, send_fragments, msg)
         elif isinstance(msg, RebuildTask):
             pool.submit(run, run_rebuild, msg)
+        elif isinstance(msg, FenceJob):  # not behind the pool's queue: it waits for what the pool runs
+            threading.Thread(target=_fence, args=(chan, ctx, msg), name="fence", daemon=True).start()
         else:
             log.error("unexpected message from the daemon: %s", type(msg).__name__)
+
+
+def _fence(chan: Channel, ctx: DataContext, msg: FenceJob) -> None:
+    """Fence (or unfence) ``msg.job``; answer once nothing of it is under way here."""
+    if msg.fenced:
+        ctx.fences.fence(msg.job)
+        log.info("job %s: fenced (being purged): nothing of it is under way in the worker", msg.job)
+    else:
+        ctx.fences.lift(msg.job)
+    chan.send(TaskResult(id=msg.id, ok=True))
 
 
 def main(argv: list[str] | None = None) -> int:

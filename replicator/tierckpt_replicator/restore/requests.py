@@ -28,6 +28,7 @@ import re
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 from tierckpt.protocol.client import ReplicatorClient
 from tierckpt.protocol.control import (
@@ -181,14 +182,20 @@ class FetchRequests:
             return None
         return request
 
-    def forget(self, job: str) -> None:
-        """Stop serving ``job``'s requests (the job is being purged)."""
-        for who in [k for k in self._serving if k[0] == job]:
-            self._serving.pop(who).cancel()
+    async def forget(self, job: str) -> None:
+        """Stop serving ``job``'s requests (the job is being purged). Returns once they have ended, so
+        none of their status writes (which create the job's directory) comes after the purge."""
+        stopped: list[asyncio.Task[Any]] = [
+            self._serving.pop(k) for k in [k for k in self._serving if k[0] == job]
+        ]
         for key in [k for k in self._fetches if k[0] == job]:
-            task = self._fetches.pop(key).task
-            if task is not None:
-                task.cancel()
+            fetch = self._fetches.pop(key).task
+            if fetch is not None:
+                stopped.append(fetch)
+        for task in stopped:
+            task.cancel()
+        if stopped:
+            await asyncio.wait(stopped)
         self._seen = {k: v for k, v in self._seen.items() if k[0] != job}
         self._gathered.pop(job, None)
 

@@ -247,11 +247,13 @@ class Stager:
         task = self._tasks.get(job)
         return task is not None and not task.done()
 
-    def forget(self, job: str) -> None:
-        """Stop staging ``job`` and drop what is known about it."""
+    async def forget(self, job: str) -> None:
+        """Stop staging ``job`` and drop what is known about it. Returns once its staging has ended, so
+        none of its status writes (which create the job's directory) comes after a purge deleted it."""
         task = self._tasks.pop(job, None)
         if task is not None:
             task.cancel()
+            await asyncio.wait({task})
         self.plans.pop(job, None)
         self.states.pop(job, None)
         self._staging.pop(job, None)
