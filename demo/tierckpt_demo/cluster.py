@@ -677,9 +677,11 @@ class LocalCluster:
         generation: int = 1,
         node_ranks: dict[str, int] | None = None,
         peers: dict[str, tuple[str, ...]] | None = None,
+        attempt: int | None = None,
     ) -> PeerAssignment:
         """A ring: node i sends to the next ``k`` nodes (unless ``peers`` are given); node i has node
-        rank i (unless given)."""
+        rank i (unless given). Its restart ``attempt`` (a restore plan's generation) is the generation
+        unless given."""
         names = [n.name for n in self.nodes]
         if peers is None:
             peers = {
@@ -695,6 +697,7 @@ class LocalCluster:
             peers=peers,
             node_ranks=node_ranks if node_ranks is not None else {n.name: n.index for n in self.nodes},
             procs_per_node=self.procs_per_node,
+            attempt=generation if attempt is None else attempt,
         )
 
     def assign(self, job: str, generation: int = 1, **kwargs: Any) -> PeerAssignment:

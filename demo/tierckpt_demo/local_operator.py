@@ -73,6 +73,7 @@ class LocalOperator:
             peers=plan_node_peers({n.name: n.domain for n in nodes}, k),
             node_ranks={n.name: i for i, n in enumerate(nodes)},
             procs_per_node=self.procs_per_node,
+            attempt=generation,  # each assignment here starts an attempt
         )
         self.cluster.peers_file.write_bytes(self.assignment.to_bytes())
         for node in nodes:
@@ -101,7 +102,7 @@ class LocalOperator:
     def orbax_sessions(self, port: int = 8476) -> list[OrbaxSession]:
         """Orbax mode, as the operator does for each restart attempt: every node's session (its node rank
         as its process id; process 0's node at ``port`` as the JAX coordinator), with the assignment's
-        generation standing for the attempt (its restore plan carries the same)."""
+        attempt (its restore plan carries the same)."""
         assert self.assignment is not None
         coordinator = f"{self.nodes[0].ip}:{port}"
         sessions = []
@@ -109,7 +110,7 @@ class LocalOperator:
             session = OrbaxSession(
                 job=self.job,
                 node=node.name,
-                generation=self.assignment.generation,
+                generation=self.assignment.attempt,
                 process_id=rank,
                 num_processes=len(self.nodes),
                 coordinator=coordinator,
@@ -157,7 +158,7 @@ class LocalOperator:
         assert self.assignment is not None
         at = time.time()
         plan = choose_restore(
-            self.inventories(), world_size, job=self.job, generation=self.assignment.generation, decided_at=at
+            self.inventories(), world_size, job=self.job, generation=self.assignment.attempt, decided_at=at
         )
         for node in self.nodes:
             self.cluster.api.put_restore_plan(node.endpoint, plan, node=node.name)

@@ -18,8 +18,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from tierckpt.planning.placement import Placement, RankAssignment, assign_ranks, current_members, plan_peers
+from tierckpt.planning.restore_plan import choose_restore
 from tierckpt.protocol.contract import Annotations
-from tierckpt.protocol.control import JobPolicy, NodeInventory, PeerAssignment, PeerNode
+from tierckpt.protocol.control import JobPolicy, NodeInventory, PeerAssignment, PeerNode, RestorePlan
 from tierckpt.protocol.errors import ContractError, FormatError
 from tierckpt.protocol.orbax import OrbaxSession, check_coordinator
 from tierckpt_operator.jobsets import JobSetInfo
@@ -37,6 +38,7 @@ __all__ = [
     "orbax_sessions",
     "peer_assignment",
     "peer_views",
+    "restore_plan",
 ]
 
 
@@ -278,6 +280,17 @@ def job_policy(job: str, spec: ConfigSpec, generation: int = 0) -> JobPolicy:
     )
 
 
+def restore_plan(
+    job: str, state: JobState, inventories: Sequence[NodeInventory], world_size: int | None, decided_at: float
+) -> RestorePlan:
+    """The restore plan of the state's attempt from the nodes' inventories (steps of ``world_size``
+    ranks; None: any). Its generation is the attempt, which every peer assignment of the attempt names
+    (``PeerAssignment.attempt``): a replicator stages it under any of them (``RestorePlan.stands_for``)."""
+    return choose_restore(
+        inventories, world_size, job=job, generation=state.generation or 0, decided_at=decided_at
+    )
+
+
 def peer_assignment(job: str, state: JobState, endpoints: Mapping[str, str]) -> PeerAssignment:
     """The whole job's ``PeerAssignment``: every node, its peers and its node rank."""
     return _assignment(job, state, endpoints, range(len(state.nodes)), None)
@@ -328,4 +341,5 @@ def _assignment(
         peers=peers,
         node_ranks={state.nodes[r]: r for r in ranks},
         num_nodes=0 if givers is None else len(state.nodes),
+        attempt=state.generation or 0,
     )

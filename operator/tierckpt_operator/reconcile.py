@@ -18,7 +18,6 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 from tierckpt.planning.placement import RankAssignment, peer_churn
-from tierckpt.planning.restore_plan import choose_restore
 from tierckpt.protocol.client import ReplicatorClient, ReplicatorError
 from tierckpt.protocol.control import JobPolicy, NodeInventory, PeerAssignment, Redundancy, RestorePlan
 from tierckpt.protocol.orbax import OrbaxSession
@@ -35,6 +34,7 @@ from tierckpt_operator.decisions import (
     orbax_sessions,
     peer_assignment,
     peer_views,
+    restore_plan,
 )
 from tierckpt_operator.events import post_event
 from tierckpt_operator.jobsets import JobSetInfo
@@ -341,7 +341,9 @@ class JobController:
     ) -> JobState:
         peers = decide_peers(state, spec.peers_per_node, self.partners)
         endpoints = {n: rep.endpoint for n in state.nodes if (rep := cluster.replicator(n))}
-        digest = _digest(state.nodes, state.domains, peers, self.partners, sorted(endpoints.items()))
+        digest = _digest(  # the attempt too: each attempt's node ranks go out with it (a plan's generation)
+            state.generation, state.nodes, state.domains, peers, self.partners, sorted(endpoints.items())
+        )
         if digest != self.peer_digest or self.outgoing is None:
             before = state.peers
             # Milliseconds since the epoch: newer than anything an earlier operator sent, even if
@@ -494,9 +496,7 @@ class JobController:
             invs = await self._inventories(state.nodes, cluster)
             # Orbax restores only onto the topology it saved from: steps of as many processes as nodes
             world = len(state.nodes) if info.mode == "orbax" else None
-            plan = choose_restore(
-                invs, world, job=info.job_id, generation=attempt or 0, decided_at=time.time()
-            )
+            plan = restore_plan(info.job_id, state, invs, world, time.time())
             self.restore = _Restore(plan)
             state = self.state = dataclasses.replace(state, restore_generation=attempt)
             self._restore_event(plan, len(invs), missing)

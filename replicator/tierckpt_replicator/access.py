@@ -46,7 +46,7 @@ class JobMembers:
         members = set(assignment.nodes)
         with contextlib.suppress(FormatError, OSError):
             plan = read_control(self.root, job, RestorePlan.FILE, RestorePlan)
-            if isinstance(plan, RestorePlan) and plan.generation >= assignment.generation:
+            if isinstance(plan, RestorePlan) and plan.stands_for(assignment) is None:
                 members.update(n for holders in plan.holders.values() for n in holders)
         return frozenset(members)
 

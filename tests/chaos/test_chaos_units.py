@@ -11,7 +11,10 @@ from types import SimpleNamespace
 import pytest
 
 from tierckpt.planning.goodput import SoakFailure, compare
+from tierckpt.protocol.control import RestorePlan, write_control
 from tierckpt_demo.chaos.__main__ import parse_duration
+from tierckpt_demo.chaos.jobs import JobRun
+from tierckpt_demo.chaos.operator import Operator
 from tierckpt_demo.chaos.oracle import (
     Held,
     committed_everywhere,
@@ -27,6 +30,8 @@ from tierckpt_demo.chaos.shrink import ddmin, shrink
 from tierckpt_demo.chaos.soak import soak_result
 from tierckpt_demo.launcher import Launcher, LauncherEvent
 from tierckpt_demo.training import EventLog, TrainerEvent, read_events
+from tierckpt_replicator.assignments import AssignmentStore
+from tierckpt_replicator.restore.stage import published_plan
 
 EVERY = 3
 
@@ -276,3 +281,66 @@ def test_a_pid_the_launcher_uses_again_is_a_running_process_not_the_one_that_exi
     launcher.proc = SimpleNamespace(stdout=iter(lines))  # type: ignore[assignment]
     launcher._read()
     assert launcher.status(4242) is None and launcher._started == [4242, 4242]
+
+
+# ------------------------------------------------------------------------------ the operator stand-in
+
+
+class _Replicators:
+    """The replicators' API as the harness's operator calls it: what each node was sent."""
+
+    def __init__(self) -> None:
+        self.sent: dict[str, list[object]] = {}
+
+    def put_peers(self, endpoint: str, assignment: object, *, node: str) -> object:
+        self.sent.setdefault(node, []).append(assignment)
+        return assignment
+
+    def put_restore_plan(self, endpoint: str, plan: object, *, node: str) -> object:
+        self.sent.setdefault(node, []).append(plan)
+        return plan
+
+    def inventory(self, endpoint: str, job: str, *, node: str) -> None:
+        return None  # no node holds anything: the plan is a fresh start, its generation is what counts
+
+
+def test_a_restarted_replicator_stages_the_plan_the_harness_published_for_the_attempt(tmp_path: Path) -> None:
+    """Soak seed 1123556854, round 22: the plan's generation was the attempt and the assignment's
+    milliseconds, so a replicator restarted while it staged dropped the plan as older and computed its
+    own (restored 45, the plan said 48). The plan stands for every assignment of its attempt (a new
+    replication factor sends one more), and not for the next attempt's."""
+    api = _Replicators()
+    nodes = {
+        n: SimpleNamespace(
+            name=n, endpoint=f"http://10.0.0.{i}:8470", peer_endpoint=f"http://10.0.0.{i}:8471", domain="z"
+        )
+        for i, n in enumerate(("node-0", "node-1", "node-2"), 1)
+    }
+    rig = SimpleNamespace(
+        cluster=SimpleNamespace(api=api), node=nodes.__getitem__, nodes=list(nodes.values())
+    )
+    operator = Operator(rig)  # type: ignore[arg-type]
+    try:
+        job = JobRun("native", list(nodes), tag="t", factor=1)
+        store = AssignmentStore(tmp_path)
+
+        def restarted_replicator_stages() -> RestorePlan | None:
+            """node-1's replicator after a restart: the newest assignment and plan it was sent."""
+            *_, assignment = (m for m in api.sent["node-1"] if not isinstance(m, RestorePlan))
+            store.put(assignment)  # type: ignore[arg-type]
+            return published_plan(tmp_path, job.job_id, store.get(job.job_id))
+
+        for attempt in (1, 2):
+            job.attempt = attempt
+            operator.publish_peers(job)
+            plan = operator.publish_plan(job)
+            write_control(tmp_path, job.job_id, RestorePlan.FILE, plan)
+            assert restarted_replicator_stages() == plan
+            job.factor = 2  # a new replication factor within the attempt: a newer assignment
+            operator.publish_peers(job)
+            assert restarted_replicator_stages() == plan
+        job.attempt = 3  # the next attempt's node ranks, its plan not decided yet
+        operator.publish_peers(job)
+        assert restarted_replicator_stages() is None
+    finally:
+        operator.close()

@@ -198,6 +198,14 @@ async def test_first_start_restart_and_node_replacement(env):
     plan1 = await restore_plan(env, attempt)
     assert plan1["step"] == STEP and not plan1["freshStart"] and set(plan1["sources"]) == {Tier.LOCAL.value}
 
+    def plan_stands(node) -> bool:  # the plan a replicator restarted now would stage (the soak's 45 for 48)
+        stored = read_control(node.root, job, RestorePlan.FILE, RestorePlan)
+        held = read_control(node.root, job, PeerAssignment.FILE, PeerAssignment)
+        return stored.generation == held.attempt == attempt and stored.stands_for(held) is None
+
+    for node in nodes:  # the same nodes and peers, but each assignment names the new attempt
+        await eventually(lambda node=node: plan_stands(node), 20, f"{node.name} holds attempt {attempt}")
+
     # one node replaced by a new node in the same failure domain: it inherits the vacated rank
     env.replicators.kill("n2")
     await env.cluster.remove_node("n2")

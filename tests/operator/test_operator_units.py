@@ -40,6 +40,7 @@ from tierckpt_operator.decisions import (
     job_policy,
     peer_assignment,
     peer_views,
+    restore_plan,
 )
 from tierckpt_operator.injection import Injection, inject, label_pod_templates, preferred_node
 from tierckpt_operator.jobsets import opt_in_value, parse_jobset
@@ -690,6 +691,28 @@ def test_peer_views_and_state_round_trip():
     assert JobState.from_status(state.to_status()) == JobState(
         **{**state.__dict__, "restore_generation": None}
     )
+
+
+def test_a_replicator_stages_the_operators_plan_under_every_peer_assignment_of_its_attempt(tmp_path):
+    """Soak seed 1123556854: the plan's generation was the attempt and the peer assignment's milliseconds,
+    so a restarted replicator dropped the operator's plan as older and computed its own. Each peer
+    assignment names its attempt, the plan's generation is that attempt, and the replicator's rule
+    (``published_plan``) stages it under any peer generation of the attempt."""
+    from tierckpt.protocol.control import write_control
+    from tierckpt_replicator.restore.stage import published_plan
+
+    nodes = tuple(f"n{i}" for i in range(3))
+    state = JobState(generation=2, nodes=nodes, domains=("a", "b", "c"), pods=nodes)
+    state = dataclasses.replace(state, peers=decide_peers(state, 1), peer_generation=1795839428974)
+    plan = restore_plan("j", state, [], None, 1795839429.0)
+    write_control(tmp_path, "j", RestorePlan.FILE, plan)
+    for peer_generation in (state.peer_generation, state.peer_generation + 1):  # peers re-planned
+        assignment = peer_assignment("j", dataclasses.replace(state, peer_generation=peer_generation), {})
+        assert assignment.attempt == plan.generation == 2
+        assert published_plan(tmp_path, "j", assignment) == plan
+        assert published_plan(tmp_path, "j", peer_views("j", state, {})["n1"]) == plan
+    next_attempt = peer_assignment("j", dataclasses.replace(state, generation=3), {})
+    assert published_plan(tmp_path, "j", next_attempt) is None  # that plan is the last attempt's
 
 
 def test_a_reconcile_with_the_same_nodes_reuses_the_peer_plan(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -17,13 +17,14 @@ JOB = "team_train_1234abcd"
 ME = "a"
 
 
-def assign(root: Path, nodes: tuple[str, ...], generation: int = 1) -> None:
+def assign(root: Path, nodes: tuple[str, ...], generation: int = 1, attempt: int = 1) -> None:
     AssignmentStore(root).put(
         PeerAssignment(
             job=JOB,
             generation=generation,
             nodes={n: PeerNode(n, f"https://{n}:8470") for n in nodes},
             peers={nodes[0]: nodes[1:2]},
+            attempt=attempt,
         )
     )
 
@@ -42,7 +43,9 @@ def test_members_are_the_assignment_and_the_plans_holders(tmp_path: Path, member
     )
     write_control(tmp_path, JOB, RestorePlan.FILE, plan)
     assert members(JOB) == {"a", "b", "d"}
-    assign(tmp_path, ("a", "b"), generation=2)  # a newer assignment: that older plan names nobody
+    assign(tmp_path, ("a", "b"), generation=1795839428974)  # a newer assignment of the plan's attempt
+    assert JobMembers(tmp_path, AssignmentStore(tmp_path))(JOB) == {"a", "b", "d"}
+    assign(tmp_path, ("a", "b"), generation=1795839428975, attempt=2)  # the next attempt: it names nobody
     assert JobMembers(tmp_path, AssignmentStore(tmp_path))(JOB) == {"a", "b"}
 
 

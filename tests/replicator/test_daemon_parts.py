@@ -27,7 +27,7 @@ from tierckpt.protocol.control import (
     write_restore_status,
 )
 from tierckpt.protocol.errors import ContractError
-from tierckpt.protocol.format import job_dir, state_dir
+from tierckpt.protocol.format import discard_step, job_dir, rank_dir, state_dir, step_dir
 from tierckpt.protocol.options import option_fields
 from tierckpt.protocol.tokens import TokenFile
 from tierckpt_demo.ports import free_port
@@ -38,7 +38,15 @@ from tierckpt_replicator.commits import CommitFeed, NewSteps, StepCommitted
 from tierckpt_replicator.controls import LocalInventory
 from tierckpt_replicator.daemon import Daemon, worker_config
 from tierckpt_replicator.inventory import Holdings, InventoryScanner
-from tierckpt_replicator.replication.ipc import FetchSource, FetchTask, SendTask, TaskResult
+from tierckpt_replicator.replication.ipc import (
+    ErasureTask,
+    FetchSource,
+    FetchTask,
+    Outcome,
+    SendTask,
+    TaskResult,
+)
+from tierckpt_replicator.replication.manager import ReplicationManager
 from tierckpt_replicator.replication.supervisor import WorkerSupervisor
 from tierckpt_replicator.replication.wire import DataReply, DataRequest, ProtocolError, recv_frame, send_frame
 from tierckpt_replicator.settings import ENV_PREFIX, Settings, TransferSettings, build_parser, parse_settings
@@ -595,6 +603,85 @@ async def test_a_copy_back_on_the_assigned_peer_is_kept_and_the_fallbacks_linked
         await asyncio.sleep(0)
         assert retired == [(("j", 0, 5), ("c",))]
     finally:
+        await mgr.close()
+
+
+class _HeldSends:
+    """The worker's side of the manager's sends: each send (of a whole step, or of its fragments: index 0)
+    waits for ``release``, then tells ``ok`` for ``node``; ``started`` is set once one is in flight."""
+
+    def __init__(self, node: str) -> None:
+        self.node, self.sent = node, 0
+        self.started, self.release = asyncio.Event(), asyncio.Event()
+
+    def next_id(self) -> int:
+        return self.sent + 1
+
+    async def run_task(self, task: SendTask | ErasureTask) -> TaskResult:
+        self.sent += 1
+        self.started.set()
+        await self.release.wait()
+        index = 0 if isinstance(task, ErasureTask) else -1
+        return TaskResult(id=task.id, ok=True, outcomes=(Outcome(node=self.node, status="ok", index=index),))
+
+
+async def _settled(mgr: ReplicationManager) -> None:
+    """Until every send, retirement and heal the manager started has ended."""
+    while mgr._tasks:
+        await asyncio.wait(set(mgr._tasks))
+
+
+@pytest.mark.parametrize("erasure", [None, (1, 1)], ids=["replicas", "fragments"])
+async def test_a_send_that_a_save_of_its_step_overtook_counts_no_copy_of_the_new_save(
+    tmp_path: Path, erasure: tuple[int, int] | None
+):
+    """tests/replicator/test_resaved_e2e.py, 2 runs in 7 under load: a replicator that had just started
+    sent rank 0's step 10 of the run the job left (its peer had dropped that copy for the restore) while
+    the job saved step 10 again. A pass during the send saw the new save and forgot the copies of the
+    earlier one; then the send's "ok" counted the peer's copy of the earlier save as one of the new save,
+    which was never sent, and the peer kept the earlier save. The copy counts only while the step the
+    send was for is still the rank's newest save: the new save goes out at the next pass. The same for
+    an erasure-coded job's fragments."""
+    from tierckpt_replicator.metrics import Metrics
+
+    root = tmp_path / "root"
+    store = AssignmentStore(root)
+    nodes = {n: PeerNode(n, f"http://{n}:1") for n in ("a", "b")}
+    store.put(PeerAssignment(job="j", generation=1, nodes=nodes, peers={"a": ("b",)}))
+    write_step(root, "j", 0, 10, seed=1, sizes=(1000,))
+    worker = _HeldSends("b")
+    mgr = ReplicationManager(
+        node="a",
+        k=1,
+        scanner=InventoryScanner(root, node="a", endpoint="http://a:1"),
+        assignments=store,
+        supervisor=worker,  # type: ignore[arg-type]
+        peers=None,  # type: ignore[arg-type]
+        metrics=Metrics(),
+        reconcile_interval=3600.0,
+        erasure=lambda job: erasure,
+    )
+    key = ("j", 0, 10)
+
+    def holders() -> set[str]:
+        return set(mgr.confirmed.get(key, ()) if erasure is None else mgr.placed.get(key, {}))
+
+    try:
+        await mgr.run_pass()
+        await asyncio.wait_for(worker.started.wait(), 10)  # the earlier save is on its way to b
+        discard_step(step_dir(rank_dir(root, "j", 0), 10))
+        await asyncio.sleep(0.01)  # the new save's commit time differs from the earlier one's
+        write_step(root, "j", 0, 10, seed=2, sizes=(1000,))
+        await mgr.run_pass()  # sees the new save; step 10 is in flight, so nothing is sent yet
+        assert worker.sent == 1
+        worker.release.set()
+        await asyncio.wait_for(_settled(mgr), 10)
+        assert holders() == set(), "b's copy of the earlier save counted for the new one"
+        await mgr.run_pass()
+        await asyncio.wait_for(_settled(mgr), 10)
+        assert worker.sent == 2 and holders() == {"b"}
+    finally:
+        worker.release.set()
         await mgr.close()
 
 

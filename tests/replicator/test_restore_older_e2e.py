@@ -207,3 +207,53 @@ def test_a_plan_naming_a_step_the_bucket_lacks_fails_the_rank_with_the_reason(cl
     )
     assert st.state == RestoreState.FAILED and "step 9 is not complete in the bucket" in st.message, st
     assert "staging failed unexpectedly" not in a.log_text()
+
+
+def test_a_replicator_restarted_while_the_operators_plan_stands_stages_that_plan(cluster3):
+    """Soak seed 1123556854, round 22: a replicator restarted while it staged computed its own plan
+    instead of staging the operator's (restored 45, the plan said 48), the plan's generation being the
+    attempt and the peer assignment's milliseconds. Here the operator's scales: the assignment's
+    generation in milliseconds naming attempt 2, the plan's generation 2, and the plan names step 5
+    while every node holds 10 (what a replicator would compute). node-1's replicator, restarted before
+    training resumed, stages step 5 again, and its rank loads step 5 like the others."""
+    job = new_job("standing")
+    cluster3.assign(job, generation=int(time.time() * 1000), attempt=1)
+    with trainers(cluster3, job) as cks:
+        save(cks, BACKED_UP)
+        save(cks, 10)
+    for rank in range(WORLD):
+        wait_replicated(cluster3, job, rank, 10)
+    cluster3.assign(job, generation=int(time.time() * 1000), attempt=2)  # the restart's node ranks
+    plan = RestorePlan(
+        job=job,
+        step=BACKED_UP,
+        world_size=WORLD,
+        sources=dict.fromkeys(range(WORLD), Tier.LOCAL),
+        holders={n.index: (n.name,) for n in cluster3.nodes},
+        generation=2,
+        decided_at=time.time(),
+    )
+    for node in cluster3.nodes:
+        cluster3.api.put_restore_plan(node.endpoint, plan, node=node.name)
+    b = cluster3.nodes[1]
+    wait(
+        cluster3,
+        lambda: (s := read_restore_status(b.root, job, 1)) is not None and s.state == RestoreState.READY,
+        timeout=60,
+        what="node-1 staged the plan",
+    )
+    restarted_at = time.time()
+    b.restart_replicator()
+    st = wait(
+        cluster3,
+        lambda: (
+            (s := read_restore_status(b.root, job, 1)) is not None
+            and s.updated_at > restarted_at
+            and s.state in (RestoreState.READY, RestoreState.NONE, RestoreState.FAILED)
+            and s
+        ),
+        timeout=60,
+        what="node-1 staged again after its restart",
+    )
+    assert (st.state, st.step) == (RestoreState.READY, BACKED_UP), st
+    load_everywhere(cluster3, job, plan)

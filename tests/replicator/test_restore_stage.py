@@ -17,12 +17,13 @@ from tierckpt.protocol.control import (
     RestoreStatus,
     Tier,
     read_restore_status,
+    write_control,
 )
 from tierckpt.protocol.format import read_commit
 from tierckpt_demo.step_writer import write_step
 from tierckpt_replicator.assignments import AssignmentStore
 from tierckpt_replicator.metrics import Metrics
-from tierckpt_replicator.restore.stage import Stager
+from tierckpt_replicator.restore.stage import Stager, published_plan
 
 JOB = "ns_job_0123abcd"
 STEP = 8
@@ -152,4 +153,75 @@ async def test_a_rank_reads_a_moving_pending_status_while_its_node_cannot_ask_th
     bucket.release.set()
     await asyncio.wait_for(run, 10)
     assert status(tmp_path, 0).state is RestoreState.READY and bucket.fetched == [0]
+    await stager.close()
+
+
+def test_a_published_plan_stands_for_every_assignment_of_its_attempt_and_no_later_one(tmp_path: Path):
+    """A plan's generation is the attempt it is for, an assignment's generation milliseconds: the plan is
+    staged under any assignment of its attempt (or of none known), never under a later attempt's or
+    one that names no attempt (then the replicator computes its own)."""
+    plan = RestorePlan(JOB, STEP, 1, {0: Tier.PEER}, {0: ("b",)}, generation=2)
+    write_control(tmp_path, JOB, RestorePlan.FILE, plan)
+    nodes = {n: PeerNode(n, f"http://10.0.0.{i}:8470") for i, n in enumerate("ab", 1)}
+
+    def under(generation: int, attempt: int) -> RestorePlan | None:
+        assignment = PeerAssignment(JOB, generation, nodes, {}, {"a": 0}, procs_per_node=1, attempt=attempt)
+        return published_plan(tmp_path, JOB, assignment)
+
+    ms = int(time.time() * 1000)
+    assert under(ms, 2) == plan and under(ms + 1, 2) == plan  # the attempt's later peer generations
+    assert under(ms, 1) == plan  # an older attempt's node ranks (the new ones on their way)
+    assert under(ms, 3) is None and under(1, 0) is None and under(ms, 0) is None
+    assert published_plan(tmp_path, JOB, None) == plan
+
+
+async def test_a_restarted_replicator_stages_the_standing_plan_until_training_saves_past_it(tmp_path: Path):
+    """Soak seed 1123556854, round 22: a replicator restarted while it staged computed its own plan
+    (step 45) instead of staging the operator's (48), the plan's generation being the attempt and the
+    assignment's milliseconds. Now it stages the plan of its assignment's attempt, without asking for
+    any inventory; once a rank here saved another step after the plan was decided, that restore is
+    over and a restart computes the newest restorable step again (nothing above it is dropped)."""
+    store = AssignmentStore(tmp_path)
+    node = {"a": PeerNode("a", "http://10.0.0.1:8470")}
+    store.put(PeerAssignment(JOB, int(time.time() * 1000), node, {}, {"a": 0}, procs_per_node=1, attempt=2))
+    asked: list[str] = []
+
+    async def own_inventory(job: str) -> Any:
+        asked.append(job)
+        raise RuntimeError("this test computes no plan")
+
+    def restarted() -> Stager:
+        return Stager(
+            settings=SimpleNamespace(  # type: ignore[arg-type]
+                root=tmp_path,
+                node_name="a",
+                transfer=SimpleNamespace(concurrency=4),
+                restore_attempts=1,
+                retry_max=1.0,
+                restore_fanout_wait=0.0,
+            ),
+            assignments=AssignmentStore(tmp_path),
+            supervisor=None,  # type: ignore[arg-type]  # the plan's step is here: nothing to transfer
+            peers=None,  # type: ignore[arg-type]
+            metrics=Metrics(),
+            own_inventory=own_inventory,
+            backup=HeldBucket(tmp_path, world=1),  # type: ignore[arg-type]
+        )
+
+    write_step(tmp_path, JOB, 0, STEP, sizes=(4096,))
+    write_step(tmp_path, JOB, 0, STEP + 4, sizes=(4096,))  # newer, but the job restores STEP
+    plan = RestorePlan(JOB, STEP, 1, {0: Tier.LOCAL}, {0: ("a",)}, generation=2, decided_at=time.time())
+    write_control(tmp_path, JOB, RestorePlan.FILE, plan)
+    stager = restarted()
+    await asyncio.wait_for(stager.start(JOB), 10)
+    ready = status(tmp_path, 0)
+    assert (ready.state, ready.step, asked) == (RestoreState.READY, STEP, [])
+    assert stager.plans[JOB] == plan
+    await stager.close()
+
+    await asyncio.sleep(0.01)
+    write_step(tmp_path, JOB, 0, STEP + 1, sizes=(4096,))  # the job trained on from the plan's step
+    stager = restarted()
+    await asyncio.wait_for(stager.start(JOB), 10)
+    assert asked == [JOB] and JOB not in stager.plans  # it computed a plan (this test's own fails)
     await stager.close()

@@ -184,7 +184,9 @@ class PeerAssignment(Message):
     """``control/peers.json``: which nodes each node replicates to, and the node ranks.
 
     Written by the operator (through the replicator's control API) or from static configuration in
-    local mode. ``generation`` increases with every change; replicators ignore older generations.
+    local mode. ``generation`` increases with every change (the operator's: milliseconds since the
+    epoch); replicators ignore older generations. ``attempt`` is the job's restart attempt the
+    assignment belongs to, the scale of a restore plan's ``generation`` (``RestorePlan.stands_for``).
     """
 
     KIND = "tierckpt.peers"
@@ -203,10 +205,15 @@ class PeerAssignment(Message):
     """The job's node ranks, when ``node_ranks`` holds only part of them (a big job's nodes each get
     their neighbourhood of the plan: themselves, their peers, the nodes that send to them and those
     nodes' peers); 0: ``node_ranks`` holds them all."""
+    attempt: int = 0
+    """The job's restart attempt (the JobSet's, 1, 2, ...) these node ranks belong to; several
+    assignments (generations) may share one attempt. 0: not known (static configuration, or an
+    operator from before the field), so no published restore plan is taken for this attempt's."""
 
     def __post_init__(self) -> None:
         check_job_id(self.job)
         check_generation("peer assignment", self.generation)
+        check_generation("peer assignment attempt", self.attempt)
         if not 0 <= self.num_nodes <= _MAX_NODE_RANK + 1 or (
             self.num_nodes and self.num_nodes < len(self.node_ranks)
         ):
@@ -382,6 +389,11 @@ class RestorePlan(Message):
 
     ``step`` is None when no step is restorable by every rank (a fresh start). Computed by the pure
     ``tierckpt.planning.restore_plan.choose_restore`` from inventories, so any party gets the same answer.
+
+    ``generation`` is the job's restart attempt the plan is for (``PeerAssignment.attempt``), never a
+    peer generation: the operator publishes one plan per attempt, while the peer assignment may change
+    many times within it. A replicator stages the published plan while it stands for its assignment's
+    attempt (``stands_for``) and computes its own only when it does not.
     """
 
     KIND = "tierckpt.restore-plan"
@@ -396,6 +408,7 @@ class RestorePlan(Message):
     holders: dict[int, tuple[str, ...]] = dataclasses.field(default_factory=dict)
     """Rank -> nodes holding a copy (primary or replica), fastest first."""
     generation: int = 0
+    """The restart attempt the plan is for (0: none known)."""
     decided_at: float = 0.0
 
     def __post_init__(self) -> None:
@@ -405,6 +418,17 @@ class RestorePlan(Message):
             raise FormatError("restore plan: step must not be negative")
         if self.world_size < 0 or any(r < 0 for r in self.sources):
             raise FormatError("restore plan: world size and ranks must not be negative")
+
+    def stands_for(self, assignment: PeerAssignment | None) -> str | None:
+        """None if this plan is the one to stage under ``assignment`` (it is for the assignment's
+        attempt or a later one; any plan stands where no assignment is known), else why not."""
+        if assignment is None:
+            return None
+        if assignment.attempt == 0:
+            return f"peer assignment generation {assignment.generation} names no attempt"
+        if self.generation < assignment.attempt:
+            return f"the plan is for attempt {self.generation}, the node ranks for {assignment.attempt}"
+        return None
 
 
 class RestoreState(str, enum.Enum):

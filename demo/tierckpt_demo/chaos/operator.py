@@ -5,8 +5,9 @@ decisions (``tierckpt.planning``) and the same client (``tierckpt.protocol.clien
 the nodes that hold them (``assign_ranks``), the job's policy (its CheckpointConfiguration: backup
 schedule, retention, replication factor, quota) to every node of the job, the peer plan
 (``plan_peers``, keeping the previous plan's edges; replica-group partners first) as a new
-generation in milliseconds, then the restore plan from every node's inventory (``choose_restore``,
-generation = the attempt). A purge goes to every node's replicator, then one deletes the backups, as
+generation in milliseconds naming the attempt, then the restore plan from every node's inventory
+(``choose_restore``, generation = the attempt, the scale ``RestorePlan.stands_for`` compares). A
+purge goes to every node's replicator, then one deletes the backups, as
 ``tierckpt_operator.cleanup.purge_job`` does.
 """
 
@@ -99,6 +100,7 @@ class Operator:
             peers={job.nodes[r]: tuple(job.nodes[p] for p in ps) for r, ps in enumerate(job.peers)},
             node_ranks={n: r for r, n in enumerate(job.nodes)},
             procs_per_node=1,
+            attempt=job.attempt,
         )
         self._each(job.nodes, lambda n: self.api.put_peers(n.endpoint, assignment, node=n.name))
         return assignment

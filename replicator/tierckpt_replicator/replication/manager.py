@@ -276,7 +276,7 @@ class ReplicationManager:
         if held:
             asyncio.get_running_loop().call_later(self.groups.wait, self.kick)
         for item in items:
-            self._spawn(job, self._send(item, assignment))
+            self._spawn(job, self._send(item, assignment, self._saves.get((job, item.rank))))
         self._retire_surplus(job, assignment, newest, k, now)
 
     def _refuse_over_quota(self, job: str, holdings: Holdings) -> set[tuple[int, int]]:
@@ -325,10 +325,16 @@ class ReplicationManager:
                 continue
             candidates = tuple(n for n in base if n not in placed)
             if candidates:
-                self._spawn(job, self._send_fragments(key, ec, candidates, assignment))
+                save = self._saves.get((job, rank))
+                self._spawn(job, self._send_fragments(key, ec, candidates, assignment, save))
 
     async def _send_fragments(
-        self, key: Key, ec: tuple[int, int], candidates: tuple[str, ...], assignment: PeerAssignment
+        self,
+        key: Key,
+        ec: tuple[int, int],
+        candidates: tuple[str, ...],
+        assignment: PeerAssignment,
+        save: tuple[int, float] | None,
     ) -> None:
         async with self._working(key):
             task = ErasureTask(
@@ -345,10 +351,12 @@ class ReplicationManager:
             if result is None:
                 return
             now = time.monotonic()
+            counts = not self._overtaken(key, save)
             for o in result.outcomes:
                 self.metrics.transfers.labels("out", o.status).inc()
                 if o.status in ("ok", "already") and o.index >= 0:
-                    self.placed.setdefault(key, {})[o.node] = o.index
+                    if counts:
+                        self.placed.setdefault(key, {})[o.node] = o.index
                     self._node_backoff.ok(o.node)
                     if o.status == "ok":
                         self.metrics.transfer_bytes.labels("out").inc(o.bytes)
@@ -445,7 +453,8 @@ class ReplicationManager:
             self._job_tasks.pop(job, None)
         await self.supervisor.unfence(job)
 
-    async def _send(self, item: SendItem, assignment: PeerAssignment) -> None:
+    async def _send(self, item: SendItem, assignment: PeerAssignment, save: tuple[int, float] | None) -> None:
+        """Send ``item``, planned from the rank's newest ``save`` (step, commit time) as the pass saw it."""
         key = (item.job, item.rank, item.step)
         async with self._working(key):
             candidates = tuple(PeerAddress.of(assignment, n) for n in item.candidates)
@@ -461,7 +470,7 @@ class ReplicationManager:
             result = await self._run(task, key, "send")
             if result is None:
                 return
-            self._record(key, result.outcomes)
+            self._record(key, result.outcomes, counts=not self._overtaken(key, save))
             self.groups.record(item.job, item.step, result.outcomes)
             if result.ok:
                 self._step_backoff.ok(key)
@@ -500,20 +509,42 @@ class ReplicationManager:
             log.warning("%s %s rank %d step %d: %s; retrying in %.0fs", what, *where, exc, delay)
             return None
 
-    def _record(self, key: Key, outcomes: Sequence[Outcome]) -> None:
+    def _record(self, key: Key, outcomes: Sequence[Outcome], *, counts: bool = True) -> None:
+        """A send's outcomes: node backoff and metrics, and (``counts``) the copies confirmed."""
         now = time.monotonic()
         for o in outcomes:
             self.metrics.transfers.labels("out", o.status).inc()
             if o.status in ("ok", "already"):
-                self.confirmed.setdefault(key, set()).add(o.node)
+                if counts:
+                    self.confirmed.setdefault(key, set()).add(o.node)
                 self._node_backoff.ok(o.node)
                 if o.status == "ok":
-                    if o.saved > 0:
+                    if o.saved > 0 and counts:
                         self.linked.setdefault(key, set()).add(o.node)
                     self.metrics.transfer_bytes.labels("out").inc(o.bytes)
                     self.metrics.replication_seconds.observe(o.seconds)
             elif o.status in NODE_FAULTS:
                 self._node_backoff.fail(o.node, now)
+
+    def _overtaken(self, key: Key, save: tuple[int, float] | None) -> bool:
+        """Whether the rank saved again (its step anew, or a newer one) since a pass planned a transfer of
+        ``key`` from its newest ``save``: the copies the transfer made may be of the earlier save (it read
+        the step before the new one replaced it), so they do not count; the next pass sends the new
+        save (a peer that got it already answers "already"). A job forgotten meanwhile (purged) counts
+        none either."""
+        now = self._saves.get((key[0], key[1]))
+        if now == save:
+            return False
+        if now is not None:
+            log.info(
+                "job %s rank %d: saved again (newest step %d) while step %d was sent; that send's copies "
+                "are not counted, the next pass sends the new save",
+                key[0],
+                key[1],
+                now[0],
+                key[2],
+            )
+        return True
 
     def _notice_plan(self, job: str, assignment: PeerAssignment, k: int) -> None:
         """On a new plan (assignment generation, factor or erasure code): forget the copies on nodes that

@@ -63,7 +63,7 @@ async def compute_plan(
     restore its step.
     """
     expected = len(assignment.nodes) if assignment is not None else 1
-    generation = assignment.generation if assignment is not None else 0
+    generation = assignment.attempt if assignment is not None else 0  # a plan's is the attempt
 
     async def ask_all() -> tuple[RestorePlan, list[NodeInventory]]:
         inventories = await gather_inventories(await own(), assignment, peers)

@@ -56,7 +56,7 @@ from tierckpt.protocol.control import (
     write_restore_status,
 )
 from tierckpt.protocol.errors import FormatError, RetryableError, TierckptError, UnsafePathError
-from tierckpt.protocol.format import read_commit
+from tierckpt.protocol.format import committed_steps, read_commit
 from tierckpt.protocol.safefs import Beneath
 from tierckpt_replicator.assignments import AssignmentStore
 from tierckpt_replicator.backup.jobs import NO_BACKUP, BackupPort
@@ -76,8 +76,8 @@ log = logging.getLogger(__name__)
 
 
 def published_plan(root: Path, job: str, assignment: PeerAssignment | None) -> RestorePlan | None:
-    """The operator's plan (``restore.json`` in the job's state directory), unless an older assignment
-    generation made it."""
+    """The operator's plan (``restore.json`` in the job's state directory), while it stands for the
+    attempt of this node's assignment (``RestorePlan.stands_for``); None: compute one."""
     try:
         plan = read_control(root, job, RestorePlan.FILE, RestorePlan)
     except FormatError as exc:
@@ -85,13 +85,8 @@ def published_plan(root: Path, job: str, assignment: PeerAssignment | None) -> R
         return None
     if not isinstance(plan, RestorePlan):
         return None
-    if assignment is not None and plan.generation < assignment.generation:
-        log.info(
-            "job %s: restore.json is for generation %d < %d; recomputing",
-            job,
-            plan.generation,
-            assignment.generation,
-        )
+    if (why := plan.stands_for(assignment)) is not None:
+        log.info("job %s: not staging restore.json (%s); recomputing", job, why)
         return None
     return plan
 
@@ -276,7 +271,7 @@ class Stager:
             async with _Pending(self.settings.root, job) as pending:
                 pending.add(assignment.process_ranks(self.node) if assignment is not None else ())
                 if plan is None:
-                    plan = published_plan(self.settings.root, job, assignment) or await compute_plan(
+                    plan = self._standing_plan(job, assignment) or await compute_plan(
                         job,
                         lambda: self.own_inventory(job),
                         assignment,
@@ -300,6 +295,30 @@ class Stager:
             raise
         except Exception:
             log.exception("restore %s: staging failed unexpectedly", job)
+
+    def _standing_plan(self, job: str, assignment: PeerAssignment | None) -> RestorePlan | None:
+        """The operator's plan (``published_plan``), unless that restore is over here: a rank of this
+        node committed another step after the plan was decided (training went on from it; staging it
+        again would drop the newer replicas here). Then the newest restorable step is computed, as after
+        any restart outside a restore."""
+        plan = published_plan(self.settings.root, job, assignment)
+        if plan is None or assignment is None:
+            return plan
+        try:
+            with open_job(self.settings.root, job) as tree:
+                saved = _saved_since(tree, assignment.process_ranks(self.node), plan)
+        except (OSError, FormatError):
+            saved = None  # nothing of this node's ranks readable: nothing saved since
+        if saved is not None:
+            log.info(
+                "restore %s: rank %d saved step %d after the plan of attempt %d was decided: that "
+                "restore is over; recomputing",
+                job,
+                *saved,
+                plan.generation,
+            )
+            return None
+        return plan
 
     def _ranks(self, job: str, plan: RestorePlan, assignment: PeerAssignment | None) -> tuple[int, ...]:
         ranks = assignment.process_ranks(self.node, plan.world_size) if assignment is not None else ()
@@ -526,6 +545,17 @@ class Stager:
             return False
         except FormatError:
             return False
+
+
+def _saved_since(tree: Beneath, ranks: Iterable[int], plan: RestorePlan) -> tuple[int, int] | None:
+    """A (rank, step) of ``ranks`` committed here after ``plan`` was decided, other than its step."""
+    for rank in ranks:
+        primary = rank_tree(tree, "primary", rank)
+        for step in committed_steps(primary):
+            marker = read_commit(primary.at(step_name(step)))
+            if step != plan.step and marker is not None and marker.committed_at > plan.decided_at:
+                return rank, step
+    return None
 
 
 class _Pending:
