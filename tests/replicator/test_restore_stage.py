@@ -63,6 +63,34 @@ async def wait_state(root: Path, rank: int, state: RestoreState) -> RestoreStatu
     return st
 
 
+def _offline_stager(
+    root: Path,
+    assignments: AssignmentStore,
+    backup: Any,
+    own_inventory: Any = None,
+    *,
+    fanout_wait: float = 0.0,
+) -> Stager:
+    """Node ``a``'s stager with no worker and no peers (plans that transfer nothing between nodes), one
+    attempt per restore."""
+    return Stager(
+        settings=SimpleNamespace(  # type: ignore[arg-type]
+            root=root,
+            node_name="a",
+            transfer=SimpleNamespace(concurrency=4),
+            restore_attempts=1,
+            retry_max=1.0,
+            restore_fanout_wait=fanout_wait,
+        ),
+        assignments=assignments,
+        supervisor=None,  # type: ignore[arg-type]
+        peers=None,  # type: ignore[arg-type]
+        metrics=Metrics(),
+        own_inventory=own_inventory,
+        backup=backup,
+    )
+
+
 async def test_a_new_plan_for_the_step_a_run_still_stages_confirms_the_ranks_it_finished(tmp_path: Path):
     """Rank 0 is here (ready at once), rank 1 still downloads. The client of rank 0 saved since its
     status was written; then a new plan for the same step comes. The run goes on (nothing is fetched
@@ -72,22 +100,7 @@ async def test_a_new_plan_for_the_step_a_run_still_stages_confirms_the_ranks_it_
         PeerAssignment(JOB, 1, {"a": PeerNode("a", "http://10.0.0.1:8470")}, {}, {"a": 0}, procs_per_node=2)
     )
     bucket = HeldBucket(tmp_path)
-    stager = Stager(
-        settings=SimpleNamespace(  # type: ignore[arg-type]
-            root=tmp_path,
-            node_name="a",
-            transfer=SimpleNamespace(concurrency=4),
-            restore_attempts=1,
-            retry_max=1.0,
-            restore_fanout_wait=0.0,
-        ),
-        assignments=store,
-        supervisor=None,  # type: ignore[arg-type]  # the plan names no peer: nothing to transfer
-        peers=None,  # type: ignore[arg-type]
-        metrics=Metrics(),
-        own_inventory=None,  # type: ignore[arg-type]
-        backup=bucket,  # type: ignore[arg-type]
-    )
+    stager = _offline_stager(tmp_path, store, bucket)  # the plan names no peer: nothing to transfer
     write_step(tmp_path, JOB, 0, STEP, world_size=2, sizes=(4096,))
     first = RestorePlan(JOB, STEP, 2, {0: Tier.LOCAL, 1: Tier.GCS}, generation=1)
     run = stager.start(JOB, first)
@@ -128,22 +141,7 @@ async def test_a_rank_reads_a_moving_pending_status_while_its_node_cannot_ask_th
     store = AssignmentStore(tmp_path)
     store.put(PeerAssignment(JOB, 1, {"a": PeerNode("a", "http://10.0.0.1:8470")}, {}, {"a": 0}))
     bucket = UnreachableBucket(tmp_path, world=1)
-    stager = Stager(
-        settings=SimpleNamespace(  # type: ignore[arg-type]
-            root=tmp_path,
-            node_name="a",
-            transfer=SimpleNamespace(concurrency=4),
-            restore_attempts=1,
-            retry_max=1.0,
-            restore_fanout_wait=1.0,
-        ),
-        assignments=store,
-        supervisor=None,  # type: ignore[arg-type]
-        peers=None,  # type: ignore[arg-type]
-        metrics=Metrics(),
-        own_inventory=None,  # type: ignore[arg-type]
-        backup=bucket,  # type: ignore[arg-type]
-    )
+    stager = _offline_stager(tmp_path, store, bucket, fanout_wait=1.0)
     run = stager.start(JOB, RestorePlan(JOB, STEP, 1, {0: Tier.GCS}, generation=1))
     first = await wait_state(tmp_path, 0, RestoreState.PENDING)
     await asyncio.sleep(2.5)
@@ -191,21 +189,9 @@ async def test_a_restarted_replicator_stages_the_standing_plan_until_training_sa
         raise RuntimeError("this test computes no plan")
 
     def restarted() -> Stager:
-        return Stager(
-            settings=SimpleNamespace(  # type: ignore[arg-type]
-                root=tmp_path,
-                node_name="a",
-                transfer=SimpleNamespace(concurrency=4),
-                restore_attempts=1,
-                retry_max=1.0,
-                restore_fanout_wait=0.0,
-            ),
-            assignments=AssignmentStore(tmp_path),
-            supervisor=None,  # type: ignore[arg-type]  # the plan's step is here: nothing to transfer
-            peers=None,  # type: ignore[arg-type]
-            metrics=Metrics(),
-            own_inventory=own_inventory,
-            backup=HeldBucket(tmp_path, world=1),  # type: ignore[arg-type]
+        # the plan's step is here: nothing to transfer
+        return _offline_stager(
+            tmp_path, AssignmentStore(tmp_path), HeldBucket(tmp_path, world=1), own_inventory
         )
 
     write_step(tmp_path, JOB, 0, STEP, sizes=(4096,))
