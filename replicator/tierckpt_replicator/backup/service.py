@@ -792,7 +792,8 @@ class BackupService:
         ``takeover_after``, plus a spread of up to as long again (rendezvous-hashed per node, so one node,
         not every node, usually acts first). The completer may be gone for good (a preempted node), and
         a completer whose view missed a step completed beside it retained one step too few."""
-        if not self.policy.retention(view.complete, protect=self._protected(job)).delete:
+        dropped = self.policy.retention(view.complete, protect=self._protected(job)).delete
+        if not dropped:
             self._overdue_since.pop(job, None)
             return False
         since = self._overdue_since.setdefault(job, self.clock())
@@ -804,7 +805,7 @@ class BackupService:
             "job %s: the bucket holds complete steps its retention drops (%s) for %.0fs and %s, which "
             "completed the newest, has not deleted them: applying retention here",
             job,
-            list(self.policy.retention(view.complete).delete),
+            list(dropped),
             self.clock() - since,
             view.completed_by.get(newest),
         )
