@@ -44,7 +44,7 @@ class _Prepared:
     addresses: list[int] = dataclasses.field(default_factory=list)
 
 
-def _background(path: Path, nbytes: int, pieces: int, register: bool, out: _Prepared) -> None:
+def _background(path: Path, nbytes: int, pieces: int, register: bool, duty: float, out: _Prepared) -> None:
     start = time.perf_counter()
     out.file = MappedFile.create(path, nbytes)
     out.phases["fault_s"] = time.perf_counter() - start
@@ -54,25 +54,41 @@ def _background(path: Path, nbytes: int, pieces: int, register: bool, out: _Prep
         piece += -piece % (2 << 20)
         for offset in range(0, nbytes, piece):
             n = min(piece, nbytes - offset)
+            t = time.perf_counter()
             if not cuda.register(out.file.address + offset, n, device=0):
                 out.phases["refused"] = out.phases.get("refused", 0) + 1
             out.addresses.append(out.file.address + offset)
+            if duty < 1:  # paced: idle (1/duty - 1) times as long as the piece took
+                took = time.perf_counter() - t
+                out.phases["busy_s"] = out.phases.get("busy_s", 0.0) + took
+                time.sleep(took * (1 / duty - 1))
         out.phases["register_s"] = time.perf_counter() - start
 
 
-def _copy_rate(f: MappedFile, nbytes: int) -> float:
-    """GB/s of one device-to-host copy of up to 2 GiB into the middle of the mapping: across the pieces'
-    boundaries when it was registered in pieces (pinned speed, about 50 GB/s, if CUDA takes a copy that
-    spans two registrations as pinned; pageable speed if not)."""
-    n = min(2 << 30, nbytes // 2)
+def _copy_rate(f: MappedFile, nbytes: int, pieces: int) -> dict[str, object]:
+    """GB/s of one device-to-host copy of up to 2 GiB into the mapping, inside one registered piece;
+    and whether CUDA takes a copy that spans two registrations (it may refuse it: invalid argument)."""
+    piece = -(-nbytes // pieces)
+    piece += -piece % (2 << 20)
+    n = min(2 << 30, piece // 2)
     src = torch.empty(n, dtype=torch.uint8, device="cuda")
-    dst = f.buffer[nbytes // 4 : nbytes // 4 + n]
+    dst = f.buffer[piece // 4 : piece // 4 + n]
     dst.copy_(src, non_blocking=True)
     torch.cuda.synchronize()
     start = time.perf_counter()
     dst.copy_(src, non_blocking=True)
     torch.cuda.synchronize()
-    return n / (time.perf_counter() - start) / 1e9
+    out: dict[str, object] = {"d2h_gbps_in_piece": round(n / (time.perf_counter() - start) / 1e9, 2)}
+    if pieces > 1:
+        across = f.buffer[piece - n // 2 : piece + n // 2]
+        try:
+            start = time.perf_counter()
+            across.copy_(src, non_blocking=True)
+            torch.cuda.synchronize()
+            out["d2h_gbps_across_pieces"] = round(n / (time.perf_counter() - start) / 1e9, 2)
+        except RuntimeError as e:
+            out["d2h_across_pieces_error"] = str(e).splitlines()[0]
+    return out
 
 
 def _variant(name: str, args: argparse.Namespace, a: torch.Tensor, b: torch.Tensor) -> dict[str, object]:
@@ -80,17 +96,20 @@ def _variant(name: str, args: argparse.Namespace, a: torch.Tensor, b: torch.Tens
     path = Path(args.root) / f"stall-{name}.bin"
     quiet = [_step(a, b, args.matmuls) for _ in range(args.steps)]
     prepared = _Prepared()
-    kind, _, rest = name.partition("-")
-    pieces = int(rest) if rest.isdigit() else 1
+    kind, *rest = name.split("-")
+    pieces = int(rest[0]) if rest else 1
+    duty = int(rest[1]) / 100 if len(rest) > 1 else 1.0
     worker = threading.Thread(
-        target=_background, args=(path, nbytes, pieces, kind in ("register", "malloc"), prepared)
+        target=_background,
+        args=(path, nbytes, pieces, kind in ("register", "malloc", "paced"), duty, prepared),
     )
     busy: list[float] = []
+    copies: dict[str, object] = {}
     malloc_s = None
     started = time.perf_counter()
     if kind != "none":
         worker.start()
-    for i in range(args.steps * 4):
+    for i in range(args.steps * 10):
         if kind == "malloc" and i == 2:
             t = time.perf_counter()
             staging = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
@@ -104,8 +123,8 @@ def _variant(name: str, args: argparse.Namespace, a: torch.Tensor, b: torch.Tens
         worker.join()
     total = time.perf_counter() - started
     phases = prepared.phases
-    if prepared.file is not None and kind in ("register", "malloc"):
-        phases["d2h_gbps_across_pieces"] = _copy_rate(prepared.file, nbytes)
+    if prepared.file is not None and kind in ("register", "malloc", "paced"):
+        copies = _copy_rate(prepared.file, nbytes, pieces)
     for address in prepared.addresses:
         cuda.unregister(address)
     if prepared.file is not None:
@@ -126,6 +145,7 @@ def _variant(name: str, args: argparse.Namespace, a: torch.Tensor, b: torch.Tens
         "wall_s": round(total, 3),
         "malloc_s": None if malloc_s is None else round(malloc_s, 3),
         **{k: round(v, 3) for k, v in phases.items()},
+        **copies,
         **{k.replace("_s", "_s_per_gib"): round(v / gib, 4) for k, v in phases.items() if k.endswith("_s")},
         "ramdisk": os.popen(f"findmnt -no OPTIONS --target {args.root}").read().strip(),
     }
@@ -140,7 +160,8 @@ def main() -> None:
     p.add_argument(
         "--variants",
         default="none,fault,register-1,register-16,register-64,malloc-1,malloc-64",
-        help="comma-separated: none, fault, register-<pieces>, malloc-<pieces>",
+        help="comma-separated: none, fault, register-<pieces>, malloc-<pieces>, paced-<pieces>-<duty %%>"
+        " (pieces registered with idle time between them: busy <duty> %% of the time)",
     )
     args = p.parse_args()
     torch.cuda.init()  # type: ignore[no-untyped-call]
