@@ -44,10 +44,21 @@ class _Prepared:
     addresses: list[int] = dataclasses.field(default_factory=list)
 
 
-def _background(path: Path, nbytes: int, pieces: int, register: bool, duty: float, out: _Prepared) -> None:
+def _background(
+    path: Path,
+    nbytes: int,
+    pieces: int,
+    register: bool,
+    duty: float,
+    out: _Prepared,
+    drain: str,
+    src: torch.Tensor | None,
+) -> None:
     start = time.perf_counter()
     out.file = MappedFile.create(path, nbytes)
     out.phases["fault_s"] = time.perf_counter() - start
+    if src is not None:
+        _drain(out, src, drain)
     if register:
         start = time.perf_counter()
         piece = -(-nbytes // pieces)
@@ -63,6 +74,42 @@ def _background(path: Path, nbytes: int, pieces: int, register: bool, duty: floa
                 out.phases["busy_s"] = out.phases.get("busy_s", 0.0) + took
                 time.sleep(took * (1 / duty - 1))
         out.phases["register_s"] = time.perf_counter() - start
+
+
+def _drain(out: _Prepared, src: torch.Tensor, how: str) -> None:
+    """Drain ``src`` (a device buffer) into the faulted, unregistered mapping: ``pageable`` (CUDA copies
+    straight into pageable memory, 256 MiB at a time, on a side stream) or ``bounce`` (into three pinned
+    64 MiB bounce buffers, each emptied into the mapping by a CPU copy while the next DMA runs)."""
+    assert out.file is not None
+    dst = out.file.buffer
+    n = src.numel()
+    stream = torch.cuda.Stream()
+    start = time.perf_counter()
+    with torch.cuda.stream(stream):
+        if how == "pageable":
+            for o in range(0, n, 256 << 20):
+                dst[o : o + (256 << 20)].copy_(src[o : o + (256 << 20)], non_blocking=True)
+            stream.synchronize()
+        else:
+            chunk = 64 << 20
+            bounce = [torch.empty(chunk, dtype=torch.uint8, pin_memory=True) for _ in range(3)]
+            pending: list[tuple[torch.cuda.Event, torch.Tensor, torch.Tensor]] = []
+            for k, o in enumerate(range(0, n, chunk)):
+                m = min(chunk, n - o)
+                if len(pending) == 3:  # empty the oldest buffer before refilling it
+                    event, host, staged = pending.pop(0)
+                    event.synchronize()
+                    host.copy_(staged)
+                bounce[k % 3][:m].copy_(src[o : o + m], non_blocking=True)
+                e = torch.cuda.Event()
+                e.record(stream)
+                pending.append((e, dst[o : o + m], bounce[k % 3][:m]))
+            for event, host, staged in pending:
+                event.synchronize()
+                host.copy_(staged)
+    seconds = time.perf_counter() - start
+    out.phases[f"{how}_drain_s"] = seconds
+    out.phases[f"{how}_drain_gbps"] = n / seconds / 1e9
 
 
 def _copy_rate(f: MappedFile, nbytes: int, pieces: int) -> dict[str, object]:
@@ -99,9 +146,13 @@ def _variant(name: str, args: argparse.Namespace, a: torch.Tensor, b: torch.Tens
     kind, *rest = name.split("-")
     pieces = int(rest[0]) if rest else 1
     duty = int(rest[1]) / 100 if len(rest) > 1 else 1.0
+    src = None
+    if kind in ("pageable", "bounce"):
+        src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda")
+        torch.cuda.synchronize()
     worker = threading.Thread(
         target=_background,
-        args=(path, nbytes, pieces, kind in ("register", "malloc", "paced"), duty, prepared),
+        args=(path, nbytes, pieces, kind in ("register", "malloc", "paced"), duty, prepared, kind, src),
     )
     busy: list[float] = []
     copies: dict[str, object] = {}
@@ -127,6 +178,13 @@ def _variant(name: str, args: argparse.Namespace, a: torch.Tensor, b: torch.Tens
         copies = _copy_rate(prepared.file, nbytes, pieces)
     for address in prepared.addresses:
         cuda.unregister(address)
+    if src is not None and prepared.file is not None:
+        probe = torch.randint(0, n := src.numel(), (16,))
+        phases["drain_exact"] = float(
+            all(int(prepared.file.buffer[i]) == int(src[i]) for i in probe.tolist())
+        )
+        del n
+    del src
     if prepared.file is not None:
         prepared.file.close()
     path.unlink(missing_ok=True)
@@ -160,8 +218,8 @@ def main() -> None:
     p.add_argument(
         "--variants",
         default="none,fault,register-1,register-16,register-64,malloc-1,malloc-64",
-        help="comma-separated: none, fault, register-<pieces>, malloc-<pieces>, paced-<pieces>-<duty %%>"
-        " (pieces registered with idle time between them: busy <duty> %% of the time)",
+        help="comma-separated: none, fault, register-<pieces>, malloc-<pieces>, paced-<pieces>-<duty %%>,"
+        " pageable, bounce (pieces registered with idle time between them: busy <duty> %% of the time)",
     )
     args = p.parse_args()
     torch.cuda.init()  # type: ignore[no-untyped-call]
