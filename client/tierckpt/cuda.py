@@ -1,7 +1,11 @@
 """Everything CUDA-specific, with a clean fallback when there is no GPU (or no CUDA build of torch).
 
 * ``register``/``unregister``: pin an existing host mapping (a tmpfs shard file) with
-  ``cudaHostRegister``, so device-to-host copies DMA straight into the ramdisk at pinned speed.
+  ``cudaHostRegister``, so device-to-host copies DMA straight into the ramdisk at pinned speed. It pins
+  in pieces (``REGISTER_PIECE``) and can pause between them (``pace``): a registration holds up every
+  CUDA call of the process that waits on the device for as long as it runs, so a background one that
+  never pauses stalls a training step by its whole duration. CUDA refuses a copy that spans two
+  registrations, so every host copy here is cut at the pieces' boundaries (``copy``, ``_copy_all``).
 * ``copy_to_host``: issue ``dst.copy_(src, non_blocking=True)`` for every CUDA source on a side
   stream of its device (after that stream waits for the device's current stream), and return a
   ``CopyTicket`` of one event per device. ``copy_to_device`` is the way back, for restore.
@@ -30,18 +34,21 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import time
 from collections.abc import Callable, Sequence
 
 import torch
 
 __all__ = [
     "BOUNCE_BYTES",
+    "REGISTER_PIECE",
     "CopyTicket",
     "Gather",
     "PackedCopy",
     "Segment",
     "Snapshot",
     "available",
+    "copy",
     "copy_through_bounce",
     "copy_to_device",
     "copy_to_host",
@@ -89,28 +96,99 @@ def current_device() -> int | None:
     return torch.cuda.current_device() if in_use() else None
 
 
-def register(address: int, nbytes: int, *, read_only: bool = False, device: int | None = None) -> bool:
+REGISTER_PIECE = 128 << 20
+"""Host memory is pinned in pieces that end at multiples of this address: 3 to 9 ms each on an H200 host
+(0.02-0.07 s/GiB with huge pages, 0.04 without), so a paced background registration holds up the
+training thread's CUDA calls for milliseconds at a time instead of for the whole slot."""
+
+
+def _pieces(address: int, nbytes: int) -> list[tuple[int, int]]:
+    """``[address, address + nbytes)`` cut at multiples of ``REGISTER_PIECE``: (start, length) pairs."""
+    out = []
+    end = address + nbytes
+    while address < end:
+        cut = min(end, (address // REGISTER_PIECE + 1) * REGISTER_PIECE)
+        out.append((address, cut - address))
+        address = cut
+    return out
+
+
+def register(
+    address: int,
+    nbytes: int,
+    *,
+    read_only: bool = False,
+    device: int | None = None,
+    pace: Callable[[float], None] | None = None,
+) -> list[int]:
     """Page-lock ``nbytes`` of host memory at ``address`` for DMA, in ``device``'s context (a background
-    thread would otherwise create a context on device 0). False (and a log line) if refused."""
+    thread would otherwise create a context on device 0), piece by piece (``REGISTER_PIECE``), calling
+    ``pace(seconds the piece took)`` after each (a background caller sleeps there, so the training
+    thread's CUDA calls get through). Returns the pieces' addresses for ``unregister``; an empty list
+    (and a log line) if CUDA refuses, with nothing left pinned."""
     if nbytes == 0 or not available():
-        return False
+        return []
     flags = _HOST_REGISTER_PORTABLE | (_HOST_REGISTER_READ_ONLY if read_only else 0)
+    done: list[int] = []
     with torch.cuda.device(device) if device is not None else contextlib.nullcontext():
-        err = int(torch.cuda.cudart().cudaHostRegister(address, nbytes, flags))
-    if err != 0:
-        log.warning(
-            "cudaHostRegister of %d bytes failed (cudaError %d); copies to it run at pageable speed",
-            nbytes,
-            err,
-        )
-        return False
-    return True
+        for start, length in _pieces(address, nbytes):
+            began = time.perf_counter()
+            err = int(torch.cuda.cudart().cudaHostRegister(start, length, flags))
+            if err != 0:
+                log.warning(
+                    "cudaHostRegister of %d bytes failed (cudaError %d); copies to it run at pageable speed",
+                    nbytes,
+                    err,
+                )
+                unregister(done)
+                return []
+            done.append(start)
+            if pace is not None:
+                pace(time.perf_counter() - began)
+    return done
 
 
-def unregister(address: int) -> None:
-    err = int(torch.cuda.cudart().cudaHostUnregister(address))
-    if err != 0:
-        log.warning("cudaHostUnregister failed (cudaError %d)", err)
+def unregister(pieces: Sequence[int]) -> None:
+    """Unpin what ``register`` pinned (the addresses it returned)."""
+    for address in pieces:
+        err = int(torch.cuda.cudart().cudaHostUnregister(address))
+        if err != 0:
+            log.warning("cudaHostUnregister failed (cudaError %d)", err)
+
+
+def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _cut(dst: torch.Tensor, src: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``(dst, src)``, a copy between host and device memory, as copies that each stay inside one
+    ``REGISTER_PIECE`` of host memory (CUDA refuses a copy across two registrations: "invalid
+    argument"). A pair that cannot be cut byte for byte (a dtype conversion, a strided side) goes through
+    pageable memory instead: a copy of the host source, or, for a host destination, a copy done here."""
+    host = src if src.device.type == "cpu" else dst
+    if not _crosses(dst, src):
+        return [(dst, src)]
+    nbytes = host.numel() * host.element_size()
+    same = dst.dtype == src.dtype and dst.shape == src.shape and host.is_contiguous()
+    if same and (host is dst or dst.is_contiguous()):
+        start = host.data_ptr()
+        d, s = _flat_bytes(dst), _flat_bytes(src.contiguous())
+        out = []
+        for piece_start, length in _pieces(start, nbytes):
+            at = piece_start - start
+            out.append((d[at : at + length], s[at : at + length]))
+        return out
+    if host is src:
+        return [(dst, src.clone(memory_format=torch.contiguous_format))]
+    bounce = torch.empty(dst.shape, dtype=dst.dtype)
+    bounce.copy_(src)  # into pageable memory: returns once the bytes are there
+    dst.copy_(bounce)
+    return []
+
+
+def copy(dst: torch.Tensor, src: torch.Tensor, *, non_blocking: bool = False) -> None:
+    """``dst.copy_(src)`` between host and device memory, cut at registration boundaries (``_cut``)."""
+    _copy_all([dst], [src], non_blocking=non_blocking)
 
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
@@ -144,12 +222,25 @@ class CopyTicket:
 def _copy_all(
     dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], *, non_blocking: bool = True
 ) -> None:
-    """``dst.copy_(src, non_blocking=...)`` for each pair, in one dispatch when torch allows."""
+    """``dst.copy_(src, non_blocking=...)`` for each pair, in one dispatch when torch allows; host sides
+    that cross a registration piece's boundary are cut there (``_cut``)."""
+    if any(_crosses(d, s) for d, s in zip(dsts, srcs, strict=True)):
+        cut = [pair for d, s in zip(dsts, srcs, strict=True) for pair in _cut(d, s)]
+        dsts, srcs = [d for d, _ in cut], [s for _, s in cut]
     try:
         torch._foreach_copy_(list(dsts), list(srcs), non_blocking=non_blocking)
     except (RuntimeError, TypeError, AttributeError):
         for dst, src in zip(dsts, srcs, strict=True):
             dst.copy_(src, non_blocking=non_blocking)
+
+
+def _crosses(dst: torch.Tensor, src: torch.Tensor) -> bool:
+    host = src if src.device.type == "cpu" else dst
+    if host.device.type != "cpu" or src.device.type == dst.device.type:
+        return False
+    start = host.data_ptr()
+    end = start + host.numel() * host.element_size() - 1
+    return end >= start and start // REGISTER_PIECE != end // REGISTER_PIECE
 
 
 @dataclasses.dataclass
@@ -236,7 +327,7 @@ def copy_to_host(
                     _copy_all([dsts[i] for i in indices], [srcs[i] for i in indices])
                 for p in packs:
                     gather(p.slots, p.tensors)
-                    p.host.copy_(p.staging, non_blocking=True)
+                    _copy_all([p.host], [p.staging])
                 event = torch.cuda.Event()
                 event.record(stream)
         events.append((device, event))
@@ -248,7 +339,7 @@ def scatter_from_host(packs: Sequence[PackedCopy]) -> None:
     copies from the slots into the destination ``tensors`` (current stream; not waited for)."""
     for p in packs:
         with torch.cuda.device(p.device):
-            p.staging.copy_(p.host, non_blocking=True)
+            _copy_all([p.staging], [p.host])
             gather(p.tensors, p.slots)
 
 

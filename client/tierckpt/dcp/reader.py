@@ -46,6 +46,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from tierckpt import cuda
 from tierckpt.protocol import leases
 from tierckpt.protocol.errors import CorruptShardError, FormatError, MissingCheckpointError
 from tierckpt.protocol.format import (
@@ -580,7 +581,7 @@ class RamdiskReader(StorageReader):
             if whole and target.is_cuda and target.dtype == src.dtype and target.is_contiguous():
                 whole_gpu.append((step.index[entry.key], target))
             else:
-                target.copy_(src)
+                cuda.copy(target, src)  # the mapping may be pinned in pieces: cut at their boundaries
             commits.append((req, target))
         if whole_gpu:
             views = step.views(mapped)

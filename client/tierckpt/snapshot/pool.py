@@ -32,7 +32,7 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -51,9 +51,17 @@ from tierckpt.snapshot.layout import LayoutPlan
 from tierckpt.snapshot.restore import tensor_views
 from tierckpt.snapshot.shardfile import MappedFile
 
-__all__ = ["SHARED_GRACE", "SPARE_DIR", "Slot", "SlotPool"]
+__all__ = ["BACKGROUND_DUTY", "SHARED_GRACE", "SPARE_DIR", "URGENT_DUTY", "Slot", "SlotPool"]
 
 log = logging.getLogger(__name__)
+
+BACKGROUND_DUTY = 0.2
+"""The warm-up pins a slot in pieces, busy at most this share of the time (it pauses four times as long
+as each piece took). A registration holds up the training thread's CUDA calls while it runs: on an H200
+host, 11 GiB pinned in one call or in 64 pieces back to back held one training step up by 0.18-0.43 s;
+paced at 20%, no step by more than 7-21% of a step, over 1.5-3.8 s (``bench/register_stall_bench.py``)."""
+URGENT_DUTY = 0.5
+"""The share while a save waits for the slot being prepared."""
 
 SHARED_GRACE = 2.0
 """Seconds the warm-up waits for a shared slot to be released before it prepares a new one."""
@@ -118,9 +126,9 @@ class Slot:
             self._read = (manifest, tensor_views(manifest, {f.path.name: f for f in self.files}))
         return self._read[1]
 
-    def register(self, device: int | None = None) -> None:
+    def register(self, device: int | None = None, *, pace: Callable[[float], None] | None = None) -> None:
         for f in self.files:
-            f.register(device)
+            f.register(device, pace=pace)
 
     def populate(self) -> None:
         for f in self.files:
@@ -159,7 +167,8 @@ class SlotPool:
         """The CUDA device whose context pins the slots (background threads otherwise use device 0)."""
         self.last_warm_up: dict[str, float] = {}
         """What the last slot the warm-up prepared cost, in seconds and bytes (``fault_s``,
-        ``register_s``, ``bytes``): the one-time price of a slot."""
+        ``register_s`` with the pauses between its pieces, ``register_busy_s`` without, ``bytes``): the
+        one-time price of a slot."""
         self._by_step: dict[int, Slot] = {}
         self._lent: dict[int, Slot] = {}
         """Slots taken by saves not yet committed or forgotten, by ``id``."""
@@ -172,6 +181,10 @@ class SlotPool:
         """Committed steps an earlier process left that this pool has not mapped: slots to come back
         through retention (so the warm-up builds none in their stead)."""
         self._preparing = 0
+        self._waiters = 0
+        """Saves waiting in ``take`` for the slot being prepared (its registration then paces less)."""
+        self._register_busy = 0.0
+        """Seconds the warm-up thread's current registration has spent pinning, pauses excluded."""
         self._stopping = False
         self._cond = threading.Condition()
         self._ids = itertools.count()
@@ -277,7 +290,11 @@ class SlotPool:
                 if self._ready or self._raw or self._stopping:
                     break
                 if self._preparing or self._warm_active:  # one slot at a time is prepared soonest
-                    self._cond.wait()
+                    self._waiters += 1
+                    try:
+                        self._cond.wait()
+                    finally:
+                        self._waiters -= 1
                 elif self._shared and time.monotonic() < deadline:
                     self._cond.wait(_SHARED_POLL)  # the member linking it retires its step any moment
                 else:
@@ -387,7 +404,16 @@ class SlotPool:
             with self._cond:
                 committed = list(self._by_step.values())
             for slot in committed:  # mapped unpinned by a load: pin for later saves and loads
-                slot.register(self.cuda_device)
+                slot.register(self.cuda_device, pace=self._pace)
+
+    def _pace(self, took: float) -> None:
+        """Between two pieces of a background registration: pause so that it is busy only
+        ``BACKGROUND_DUTY`` of the time (``URGENT_DUTY`` while a save waits; no pause once closing)."""
+        self._register_busy += took
+        with self._cond:
+            if not self._stopping:
+                duty = URGENT_DUTY if self._waiters else BACKGROUND_DUTY
+                self._cond.wait(took * (1 / duty - 1))
 
     def _prepare(self, slot: Slot | None, plan: LayoutPlan | None) -> Slot | None:
         """Make ``slot`` (or a new slot for ``plan``) ready: fitted, pre-faulted, pinned. None on failure."""
@@ -403,11 +429,13 @@ class SlotPool:
                 slot.views(plan)  # sized for the layout; the save that takes it finds its views built
             slot.populate()
             faulted = time.perf_counter()
+            self._register_busy = 0.0
             if self.register_cuda:
-                slot.register(self.cuda_device)
+                slot.register(self.cuda_device, pace=self._pace)
             self.last_warm_up = {
                 "fault_s": faulted - start,
                 "register_s": time.perf_counter() - faulted,
+                "register_busy_s": self._register_busy,
                 "bytes": float(slot.nbytes),
             }
         except (RamdiskFullError, OSError) as exc:
@@ -418,12 +446,13 @@ class SlotPool:
             log.warning("could not prepare a spare slot (%s); the next save prepares its own", exc)
             return None
         log.debug(
-            "prepared a %s slot of %d bytes in %.3f s (fault %.3f s, register %.3f s)",
+            "prepared a %s slot of %d bytes in %.3f s (fault %.3f s, register %.3f s paced, %.3f s busy)",
             "new" if new else "adopted",
             slot.nbytes,
             self.last_warm_up["fault_s"] + self.last_warm_up["register_s"],
             self.last_warm_up["fault_s"],
             self.last_warm_up["register_s"],
+            self.last_warm_up["register_busy_s"],
         )
         return slot
 

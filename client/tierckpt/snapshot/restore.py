@@ -257,7 +257,7 @@ class _Filler:
         entry = self.entries[i]
         if entry.length > self.pack_bytes and self.files[entry.file].registered:
             with torch.no_grad():  # a large tensor from a pinned mapping: start its DMA while walking on
-                target.copy_(self.views[i], non_blocking=True)
+                cuda.copy(target, self.views[i], non_blocking=True)
             self.early.add(target.device)
         else:
             self.gpu.append((i, target))

@@ -26,6 +26,7 @@ import mmap
 import os
 import threading
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -174,6 +175,7 @@ class MappedFile:
         self.size = size
         self.writable = writable
         self.registered = False
+        self._pinned: list[int] = []
         self._register_lock = threading.Lock()  # registration may run on a background thread
         self._fd = fd
         self._mm: mmap.mmap | None = None
@@ -259,20 +261,23 @@ class MappedFile:
         """The file's hard-link count: above 1 while another rank's step links it (never rewrite it then)."""
         return os.fstat(self._fd).st_nlink if self._fd >= 0 else 0
 
-    def register(self, device: int | None = None) -> bool:
-        """Pin the mapping for CUDA DMA (once), in ``device``'s context; False when CUDA is unavailable
-        or refuses, or the file is closed."""
+    def register(self, device: int | None = None, *, pace: Callable[[float], None] | None = None) -> bool:
+        """Pin the mapping for CUDA DMA (once), in ``device``'s context, piece by piece (``pace`` runs
+        between pieces: ``cuda.register``); False when CUDA is unavailable or refuses, or the file is
+        closed."""
         with self._register_lock:
             if not self.registered and self.size and self._mm is not None:
-                self.registered = cuda.register(
-                    self.address, self.size, read_only=not self.writable, device=device
+                self._pinned = cuda.register(
+                    self.address, self.size, read_only=not self.writable, device=device, pace=pace
                 )
+                self.registered = bool(self._pinned)
             return self.registered
 
     def _unregister(self) -> None:
         """Unpin (caller holds ``_register_lock``)."""
         if self.registered:
-            cuda.unregister(self.address)
+            cuda.unregister(self._pinned)
+            self._pinned = []
             self.registered = False
 
     def _drop_views(self) -> None:
