@@ -36,6 +36,7 @@ if [[ $parts == *tests* ]]; then
   echo "== gpu tests"
   timeout ${T_TESTS:-200} python3 -m pytest -q -p no:cacheprovider -W ignore::pytest.PytestConfigWarning -m gpu \
     tests/client/test_client_cuda.py tests/client/test_client_devstage_cuda.py tests/client/test_client_replica_cuda.py \
+    tests/client/test_client_pinned_pieces.py \
     tests/dcp/test_dcp_gpu.py \
     > "$OUT/gpu-tests.txt" 2>&1
   echo "rc=$?"; tail -15 "$OUT/gpu-tests.txt"
