@@ -22,8 +22,10 @@ and the overhead of the steady window (the second half of the run) against the b
 
 ``--check`` (a separate run per mode, not timed): before two saves a CPU copy of the state is taken, and
 once the optimizer has changed the parameters again the committed step is compared with it byte for
-byte. ``--pyspy`` samples trainer 0 of each checkpointing run with py-spy (``--gil``: only the threads
-holding the GIL), written as collapsed stacks to ``--out``.
+byte. ``--trace`` samples every thread's Python frame every 2 ms inside each trainer and reports, for the
+slowest steps that do not save (wall clock), where each thread was (and the longest gap between samples:
+the training thread holding the GIL). ``--pyspy`` samples trainer 0 of each checkpointing run with
+py-spy (``--gil``: only the threads holding the GIL), written as collapsed stacks to ``--out``.
 
 Run: ``python bench/goodput_bench.py --root /mnt/ramdisk [--trainers 4] [--modes none,readme,device]``.
 """
@@ -78,6 +80,57 @@ def _saver(mode: str, root: Path, rank: int, world: int, trainer: Any) -> Any:
     return (lambda step: ckpt.save(step, trainer.state())), ckpt
 
 
+class _Sampler:
+    """Every thread's innermost frame (and innermost tierckpt frame) every ``period`` seconds."""
+
+    def __init__(self, period: float = 0.002) -> None:
+        import threading
+
+        self.period = period
+        self.samples: list[tuple[float, dict[str, str]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bench-sampler", daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def _where(frame: Any) -> str:
+        inner = f"{Path(frame.f_code.co_filename).name}:{frame.f_code.co_name}"
+        f = frame
+        while f is not None and "tierckpt" not in f.f_code.co_filename:
+            f = f.f_back
+        if f is None:
+            return inner
+        return f"{inner} < {Path(f.f_code.co_filename).name}:{f.f_code.co_name}:{f.f_lineno}"
+
+    def _run(self) -> None:
+        import threading
+
+        me = threading.get_ident()
+        while not self._stop.wait(self.period):
+            names = {t.ident: t.name for t in threading.enumerate()}
+            frames = sys._current_frames()
+            now = time.perf_counter()
+            self.samples.append(
+                (now, {names.get(i, str(i)): self._where(f) for i, f in frames.items() if i != me})
+            )
+
+    def report(self, start: float, end: float) -> dict[str, Any]:
+        import collections
+
+        self._stop.set()
+        inside = [(t, s) for t, s in self.samples if start <= t <= end]
+        times = [start, *(t for t, _ in inside), end]
+        by_thread: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+        for _, sample in inside:
+            for name, where in sample.items():
+                by_thread[name][where] += 1
+        return {
+            "samples": len(inside),
+            "longest_gap_s": round(max(b - a for a, b in itertools.pairwise(times)), 4),
+            "threads": {name: c.most_common(3) for name, c in by_thread.items()},
+        }
+
+
 def train(args: argparse.Namespace) -> dict[str, Any]:
     """One trainer process: build, warm the kernels, wait for the others, train and save; JSON out."""
     import torch
@@ -106,7 +159,10 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     every, steps = args.every, args.steps
     blocking: dict[int, float] = {}
     window: list[float] = []
+    sampler = _Sampler() if args.trace and save is not None else None
+    walls: list[float] = []
     for k in range(1, steps + 1):
+        walls.append(time.perf_counter())
         clock.mark()
         trainer.step()
         if k % every:
@@ -129,11 +185,17 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         if profiling:
             profiler.disable()
         saved.handles[k] = handle
+    walls.append(time.perf_counter())
     clock.mark()
     clock.sync()
     if checker is not None:
         checker.verify(saved)
     step_s = clock.intervals()
+    stalls = []
+    if sampler is not None:  # the slowest steps that neither save nor follow a save, by wall clock
+        quiet_walls = [(b - a, k) for k, (a, b) in enumerate(itertools.pairwise(walls), 1) if k % every]
+        for wall, k in sorted(quiet_walls, reverse=True)[:4]:
+            stalls.append({"step": k, "wall_s": round(wall, 4), **sampler.report(walls[k - 1], walls[k])})
     saving = [k for k in range(every, steps + 1, every)]
     quiet = [t for k, t in enumerate(step_s, 1) if k % every and (k - 1) % every]
     out: dict[str, Any] = {
@@ -149,6 +211,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         "window_steps": steps - steps // 2,
         "run_s": time.perf_counter() - started,
     }
+    if stalls:
+        out["stalls"] = stalls
     if ckpt is not None:
         out["last_snapshot"] = ckpt.last_snapshot
         out["device_staging_bytes"] = ckpt.device_staging_bytes
@@ -213,6 +277,7 @@ def launch(args: argparse.Namespace, mode: str, index: int, *, check: bool = Fal
         cmd += ["--every", str(args.every), "--steps", str(args.steps), "--device", args.device]
         cmd += [f"--{k}={getattr(args, k)}" for k in ("layers", "width", "seq", "vocab", "batch")]
         cmd += ["--check"] if check else []
+        cmd += ["--trace"] if args.trace and not check else []
         cmd += ["--profile", "--out", args.out] if args.profile and check else []
         if args.pyspy and rank == 0 and mode != "none" and not check:
             trace = Path(args.out) / f"pyspy-{index}-{mode}.txt"
@@ -301,6 +366,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=1, help="rounds of the modes, interleaved with baselines")
     p.add_argument("--check", action="store_true", help="also verify two saves of each mode bit-exact")
     p.add_argument("--pyspy", choices=["", "all", "gil"], default="", help="sample trainer 0 with py-spy")
+    p.add_argument("--trace", action="store_true", help="where each thread was during the slowest steps")
     p.add_argument("--out", default=".", help="where py-spy and --profile write")
     p.add_argument("--profile", action="store_true", help="cProfile the check runs' steady saves")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

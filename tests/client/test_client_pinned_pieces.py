@@ -105,6 +105,7 @@ def test_a_mapping_pinned_in_paced_pieces_takes_copies_across_them_bit_exact(roo
         assert torch.equal(back, src) and torch.equal(window, src.cpu())
         boundary = -(-f.address // REGISTER_PIECE) * REGISTER_PIECE - f.address + REGISTER_PIECE
         halves = f.buffer[boundary - 2 * MIB : boundary + 2 * MIB].view(torch.float16)
+        halves.copy_(torch.randn(halves.shape, dtype=torch.float16))  # finite values: NaN != NaN
         wide = torch.empty(halves.shape, dtype=torch.float32, device="cuda")
         cuda.copy(wide, halves)  # converting, across a boundary
         assert torch.equal(wide.cpu(), halves.float())
