@@ -20,7 +20,7 @@ import threading
 from collections.abc import Sequence
 
 from tierckpt.protocol.integrity import crc32c_address, crc32c_combine
-from tierckpt.snapshot.cpus import cpu_share
+from tierckpt.snapshot.cpus import cpu_share, lower_priority
 
 __all__ = ["Combiner", "PendingCrcs", "chunk_bytes", "crc_pool", "region_crcs", "start_file_crcs"]
 
@@ -44,7 +44,9 @@ def crc_pool() -> concurrent.futures.ThreadPoolExecutor:
     global _pool
     with _pool_lock:
         if _pool is None:
-            _pool = concurrent.futures.ThreadPoolExecutor(crc_threads(), thread_name_prefix="tierckpt-crc")
+            _pool = concurrent.futures.ThreadPoolExecutor(
+                crc_threads(), thread_name_prefix="tierckpt-crc", initializer=lower_priority
+            )
         return _pool
 
 

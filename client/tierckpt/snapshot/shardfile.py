@@ -34,7 +34,7 @@ import torch
 
 from tierckpt import cuda
 from tierckpt.protocol.errors import RamdiskFullError
-from tierckpt.snapshot.cpus import cpu_share
+from tierckpt.snapshot.cpus import cpu_share, lower_priority
 
 __all__ = ["MappedFile", "allocate"]
 
@@ -74,7 +74,7 @@ def _faulters() -> concurrent.futures.ThreadPoolExecutor:
     with _fault_lock:
         if _fault_pool is None:
             _fault_pool = concurrent.futures.ThreadPoolExecutor(
-                max(1, fault_workers() - 1), thread_name_prefix="tierckpt-fault"
+                max(1, fault_workers() - 1), thread_name_prefix="tierckpt-fault", initializer=lower_priority
             )
         return _fault_pool
 
