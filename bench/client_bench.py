@@ -233,6 +233,20 @@ def bench_tierckpt(
             out["restore_vs_floor"] = median([r / f for f, r in pairs])
             out["paired_floor_read_s"] = median([f for f, _ in pairs])
             out["restore_warm_phases"] = _rounded(ck.last_load_timings)
+            if os.environ.get("PROFILE_LOAD"):  # where a warm load's CPU time goes (20 loads)
+                import cProfile
+                import io
+                import pstats
+
+                profiler = cProfile.Profile()
+                profiler.enable()
+                for _ in range(20):
+                    timed(lambda: ck.load(state), device)
+                profiler.disable()
+                text = io.StringIO()
+                pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
+                pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(30)
+                out["load_profile"] = text.getvalue()
             restore = [timed(lambda: ck.load(state, verify=False), device)[0] for _ in range(repeats)]
             out["restore_warm_noverify_s"] = median(restore)
             out["device_staging_bytes"] = ck.device_staging_bytes

@@ -7,11 +7,15 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
 from tierckpt.protocol.contract import Csi
 from tierckpt.protocol.quantity import format_bytes, parse_quantity
+
+if TYPE_CHECKING:
+    from tierckpt_csi.ramdisk import Ramdisk
 
 __all__ = ["app", "main"]
 
@@ -41,6 +45,19 @@ _HEALTH = typer.Option(
     help="host:port for /healthz, /readyz and /metrics; empty to disable.",
 )
 _LOG = typer.Option("INFO", envvar="TIERCKPT_LOG_LEVEL")
+_PREWARM = typer.Option(
+    True,
+    envvar="TIERCKPT_RAMDISK_PREWARM",
+    help="When the ramdisk is mounted anew (a node that just booted), write its free space once and free "
+    "it, so a fresh VM's slow first touch of memory is paid before any trainer needs it.",
+)
+
+
+def _prewarm(disk: Ramdisk, enabled: bool) -> None:
+    if enabled and not disk.adopted:
+        from tierckpt_csi.prewarm import prewarm
+
+        prewarm(disk.path, disk.usage().free)
 
 
 def _size(text: str, what: str) -> int:
@@ -83,6 +100,7 @@ def serve(
     ),
     health_address: str = _HEALTH,
     log_level: str = _LOG,
+    prewarm: bool = _PREWARM,
 ) -> None:
     """Serve the CSI Identity and Node services for the ramdisk.tierckpt.io driver."""
     from tierckpt_csi.plugin import NodePlugin, PluginSettings
@@ -91,6 +109,7 @@ def serve(
 
     _setup_logging(log_level)
     disk = ensure_ramdisk(ramdisk, _size(ramdisk_size, "--ramdisk-size"), huge=huge)
+    _prewarm(disk, prewarm)  # before serving: no volume is published meanwhile
     settings = PluginSettings(
         node_id=node_id,
         pods_dir=pods_dir,
@@ -121,6 +140,7 @@ def ramdisk(
     huge: str = _HUGE,
     health_address: str = _HEALTH,
     log_level: str = _LOG,
+    prewarm: bool = _PREWARM,
 ) -> None:
     """hostPath mode: mount (or adopt) the node ramdisk, then keep it healthy-checked until stopped."""
     from tierckpt_csi.ramdisk import ensure_ramdisk
@@ -128,6 +148,7 @@ def ramdisk(
 
     _setup_logging(log_level)
     disk = ensure_ramdisk(ramdisk, _size(ramdisk_size, "--ramdisk-size"), huge=huge)
+    _prewarm(disk, prewarm)
     usage = disk.usage()
     log.info("ramdisk at %s: %s, %s used", disk.path, format_bytes(usage.size), format_bytes(usage.used))
     health = HealthServer(health_address, check=disk.is_mounted, metrics=None) if health_address else None

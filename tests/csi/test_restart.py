@@ -43,8 +43,10 @@ def test_restart_reuses_the_mounted_ramdisk_and_its_volumes(node: Node, processe
         f.write(payload)
     first.kill()
 
+    assert "prewarmed the node's memory" in first.output()  # a new ramdisk: a node that just booted
     processes.append(second := PluginProcess(node))
     assert "reusing the tmpfs ramdisk" in second.output()
+    assert "prewarmed" not in second.output()  # its memory was touched already
     assert mounts_at(node.ramdisk) == 1  # adopted, not stacked
     with open(shard, "rb") as f:  # the pod's mount never went away
         assert f.read() == payload
