@@ -174,3 +174,67 @@ def test_staged_tensors_next_to_each_other_in_the_file_drain_as_one_copy(monkeyp
         assert torch.equal(dst, src)
     for gap_at, gap in layout.padding(0):
         assert not file[gap_at : gap_at + gap].any(), "padding stays zero"
+
+
+# ------------------------------------------------------------------------- staging banks (decisions)
+
+
+def _stager_with_a_busy_bank(monkeypatch: pytest.MonkeyPatch, budget: float | int, headroom: int):
+    """A stager whose one bank holds a 100-byte buffer its save has not handed to the drain yet (CPU
+    tensors stand in for device memory; ``cuda.headroom`` is faked)."""
+    import threading
+
+    from tierckpt import cuda
+    from tierckpt.snapshot.devstage import DeviceStager
+
+    monkeypatch.setattr(cuda, "headroom", lambda device: headroom)
+    stager = DeviceStager(budget)
+    device = torch.device("cpu")
+    stager.bank.buffers[device] = torch.empty(100, dtype=torch.uint8)
+    stager.bank.handed_over = threading.Event()
+    return stager, device
+
+
+def test_a_save_whose_predecessor_holds_the_bank_takes_a_second_one_if_the_budget_holds_it(monkeypatch):
+    import threading
+
+    from tierckpt.snapshot.devstage import MAX_BANKS
+
+    stager, _ = _stager_with_a_busy_bank(monkeypatch, 0.5, headroom=1000)
+    first = stager.bank
+    assert stager.switch() and stager.bank is not first and len(stager.banks) == 2 == MAX_BANKS
+    second = stager.bank
+    second.handed_over = threading.Event()
+    second.buffers[torch.device("cpu")] = torch.empty(100, dtype=torch.uint8)
+    assert not stager.switch() and stager.bank is second  # both busy, no third bank
+    first.handed_over.set()
+    assert stager.switch() and stager.bank is first  # the first one's drain was issued (and landed)
+    second.handed_over.set()
+    assert not stager.switch() and stager.bank is first  # a free bank stays the next save's
+
+
+def test_no_second_bank_when_the_budget_does_not_hold_another_copy(monkeypatch):
+    stager, _ = _stager_with_a_busy_bank(monkeypatch, 0.5, headroom=150)  # half of 150 < 100
+    assert not stager.switch() and len(stager.banks) == 1
+    stager, _ = _stager_with_a_busy_bank(monkeypatch, 150, headroom=1000)  # bytes: 100 + 100 > 150
+    assert not stager.switch() and len(stager.banks) == 1
+
+
+def test_a_waiting_save_waits_for_the_bank_filled_first_and_a_spare_bank_is_given_back(monkeypatch):
+    import threading
+
+    from tierckpt.snapshot.devstage import SPARE_BANK_SAVES
+
+    stager, device = _stager_with_a_busy_bank(monkeypatch, 0.5, headroom=1000)
+    first = stager.bank
+    assert stager.switch()
+    second = stager.bank
+    second.handed_over = threading.Event()
+    threading.Timer(0.05, first.handed_over.set).start()
+    stager.wait_for_bank()  # returns once the first bank's save issued its drain
+    assert stager.bank is first and first.handed_over.is_set() and not second.handed_over.is_set()
+    second.handed_over.set()
+    second.buffers[device] = torch.empty(100, dtype=torch.uint8)
+    for _ in range(SPARE_BANK_SAVES):
+        stager._retire_spares()  # a save into the first bank each time
+    assert stager.banks == [first] and not second.buffers and stager.device_bytes == 100

@@ -217,3 +217,47 @@ def test_a_save_does_not_wait_for_the_previous_commit_only_for_its_drain(root, j
         for step in (1, 2):
             handles[step].wait()
             assert_saved(ck, step, expected[step])
+
+
+def test_saves_that_come_before_their_slots_fill_a_second_bank_instead_of_waiting(root, job, monkeypatch):
+    """The first saves of a process, on a node whose slots take long to prepare (held back 1.5 s here):
+    the second save takes another staging bank and returns at once; every step holds what was saved,
+    and the spare bank is given back once saves no longer need it."""
+    import time
+
+    from tierckpt.snapshot import devstage
+    from tierckpt.snapshot.pool import SlotPool
+
+    real = SlotPool.take
+    slow = {"left": 2}
+
+    def take(self, step, plan):  # type: ignore[no-untyped-def]
+        if slow["left"]:
+            slow["left"] -= 1
+            time.sleep(1.5)
+        return real(self, step, plan)
+
+    monkeypatch.setattr(SlotPool, "take", take)
+    model, opt = trainer()
+    with Checkpointer(root=root, job=job) as ck:
+        handles, expected = {}, {}
+
+        def save(step: int) -> float:
+            opt.zero_grad()
+            train_step(model, opt)
+            expected[step] = snapshot(state_of(model, opt))
+            start = time.perf_counter()
+            handles[step] = ck.save(step, {"model": model, "optim": opt})
+            return time.perf_counter() - start
+
+        save(1)
+        assert save(2) < 0.5 and not handles[1].done()  # step 1 still waits for its slot
+        assert len(ck._stager.banks) == 2
+        for step in (1, 2):
+            handles[step].wait()
+            assert_saved(ck, step, expected[step])
+        for step in range(3, 4 + devstage.SPARE_BANK_SAVES):
+            save(step)
+            handles[step].wait()  # steady saves: one bank suffices
+            assert_saved(ck, step, expected[step])
+        assert len(ck._stager.banks) == 1  # the spare bank was given back
