@@ -176,12 +176,8 @@ class SaveWriter:
 
         Busy means the save in flight still needs what the next one would take: its slot being committed,
         or, device-staged, its staging buffer not yet handed to the drain (once it is, the next snapshot
-        is ordered after the drain on the GPU, and the commits follow one another on the commit thread).
-        Device-staged, a save whose predecessor's bank is busy takes another staging bank when the budget
-        holds one (``DeviceStager.switch``: the first saves of a process, before their slots are ready)."""
+        is ordered after the drain on the GPU, and the commits follow one another on the commit thread)."""
         job = self.inflight
-        if job is not None and job.staged is not None and self.stager is not None and self.stager.switch():
-            return None  # the next save fills another staging bank, which nothing waits on
         if job is None or (job.handed_over.is_set() if job.staged is not None else job.handle.done()):
             return None
         policy = self.settings.on_busy
@@ -191,8 +187,8 @@ class SaveWriter:
             return SaveHandle.skipped_save(step, reason)
         if policy == "error":
             raise SaveInProgressError(f"cannot save step {step}: step {job.step} is still committing")
-        if job.staged is not None and self.stager is not None:
-            self.stager.wait_for_bank()
+        if job.staged is not None:
+            job.handed_over.wait()
         else:
             with contextlib.suppress(Exception):  # its failure belongs to its own handle
                 job.handle.wait()
@@ -220,8 +216,6 @@ class SaveWriter:
         staged = self._staged_save(plan, speculation)
         job = SaveJob(step, path, None, layout, flat, objects, SaveHandle(step), [], [], plan.protected)
         job.source, job.staged, job.record = state_dict, staged, record
-        if staged is not None:
-            staged.bank.handed_over = job.handed_over  # the bank is busy until its drain is issued
         try:
             if staged is None or staged.needs_host or _cpu_bytes(flat.tensors) > _CPU_COPY_LIMIT:
                 job.slot = self.pool.take(step, layout)  # else the commit thread takes it

@@ -42,8 +42,6 @@ from tierckpt.snapshot.layout import LayoutPlan
 from tierckpt.snapshot.shardfile import MappedFile
 
 __all__ = [
-    "MAX_BANKS",
-    "Bank",
     "CopyClock",
     "DeviceStager",
     "Piece",
@@ -65,10 +63,6 @@ SPLIT_GRANULE = 64 << 20
 can hide are rounded down to it: the split stays put from save to save while measurements jitter."""
 _GROW = 64 << 20
 """The staging buffer grows in steps of this (so estimates that jitter do not reallocate it)."""
-MAX_BANKS = 2
-"""Staging banks at most (the second only while saves come before their slots are ready)."""
-SPARE_BANK_SAVES = 4
-"""A bank no save used for this many saves is given back."""
 SMALL = 1 << 20
 """Optimizer-owned tensors up to this size are staged first, like the others: copying them one by one
 to the host would cost a DMA each."""
@@ -339,8 +333,6 @@ class StagedSave:
         issued: list[cuda.Snapshot] | None = None,
     ) -> None:
         self._stager = stager
-        self.bank = stager.bank
-        """The staging buffers this save fills (its drain is recorded there)."""
         self.parts = parts
         self._sources = sources
         self._issued = issued
@@ -393,7 +385,7 @@ class StagedSave:
             event, segment = cuda.drain_to_host(device, pairs, part.staging, after=staged)
             landed.append((device, event))
             segments.append(segment)
-            self.bank.last_drain[device] = event
+            self._stager.last_drain[device] = event
         self.landed = cuda.CopyTicket(landed)
         self.segments += tuple(segments)
         return self.landed
@@ -406,46 +398,8 @@ def _pair(dst: torch.Tensor, src: torch.Tensor, start: int, length: int) -> tupl
     return _bytes(dst)[start : start + length], _bytes(src)[start : start + length]
 
 
-@dataclasses.dataclass(eq=False)
-class Bank:
-    """A staging buffer on each device, what its bytes are laid out for, the cached program of the last
-    save into it, and its newest drains."""
-
-    buffers: dict[torch.device, torch.Tensor] = dataclasses.field(default_factory=dict)
-    layouts: dict[torch.device, tuple[int, tuple[Run, ...]]] = dataclasses.field(default_factory=dict)
-    """What each buffer's bytes are laid out for (so padding is zeroed only when it changes)."""
-    cached: tuple[tuple[Any, ...], list[DevicePart]] | None = None
-    last_drain: dict[torch.device, torch.cuda.Event] = dataclasses.field(default_factory=dict)
-    """Each device's newest drain: the next snapshot into that buffer is ordered after it."""
-    handed_over: threading.Event | None = None
-    """Set once the save that last filled this bank has issued its drain (None: never filled)."""
-    idle: int = 0
-    """Saves since this bank was last used (a spare bank is given back after ``SPARE_BANK_SAVES``)."""
-
-    @property
-    def nbytes(self) -> int:
-        return sum(b.numel() for b in self.buffers.values())
-
-    def drained(self) -> bool:
-        """Whether its last save let go of it and every drain issued from it has landed (a snapshot
-        into it then waits for nothing)."""
-        released = self.handed_over is None or self.handed_over.is_set()
-        return released and all(event.query() for event in self.last_drain.values())
-
-    def clear(self) -> None:
-        self.cached = None
-        self.buffers.clear()
-        self.layouts.clear()
-        self.last_drain.clear()
-
-
 class DeviceStager:
-    """The staging banks (normally one), the budget, and the cached program of the last save.
-
-    A second bank is used only while saves come faster than their slots are ready (the first saves of a
-    process): a save whose predecessor's staging is not yet drained (its slot not ready, or its drain
-    still running) takes the other bank instead of waiting, if the budget holds a second copy. A spare
-    bank no save needed for ``SPARE_BANK_SAVES`` saves is given back."""
+    """The staging buffer of each device, the budget, and the cached program of the last save."""
 
     def __init__(self, budget: int | float) -> None:
         self.budget = budget
@@ -453,66 +407,17 @@ class DeviceStager:
         self.last: dict[str, float] = {}
         """The last snapshot: ``staged_bytes``, ``direct_bytes``, ``blocking_bytes``, ``wanted_bytes``,
         ``allowed_bytes``, ``window_s``, ``d2h_gbps`` (summed or taken over its devices)."""
-        self.banks = [Bank()]
-        self.bank = self.banks[0]
-        """The bank the next save fills."""
+        self.last_drain: dict[torch.device, torch.cuda.Event] = {}
+        """Each device's newest drain: the next snapshot into that buffer is ordered after it."""
+        self._buffers: dict[torch.device, torch.Tensor] = {}
+        self._layouts: dict[torch.device, tuple[int, tuple[Run, ...]]] = {}
+        """What each buffer's bytes are laid out for (so padding is zeroed only when it changes)."""
         self._reasons: dict[torch.device, str] = {}
+        self._cached: tuple[tuple[Any, ...], list[DevicePart]] | None = None
 
     @property
     def device_bytes(self) -> int:
-        return sum(bank.nbytes for bank in self.banks)
-
-    def switch(self) -> bool:
-        """Make another bank the next save's when the current one is still busy (not ``drained``): a
-        drained one, else a new one while fewer than ``MAX_BANKS`` exist and the budget holds another
-        copy of the current bank's staging. False (nothing changed) if neither: the save then waits for
-        the current bank, as with one bank."""
-        current = self.bank
-        if current.drained():
-            return False
-        for bank in self.banks:
-            if bank is not current and bank.drained():
-                self.bank = bank
-                return True
-        if len(self.banks) >= MAX_BANKS or not current.buffers:
-            return False
-        if not all(self._room_for_another(device, b.numel()) for device, b in current.buffers.items()):
-            return False
-        self.bank = Bank()
-        self.banks.append(self.bank)
-        log.info(
-            "device staging: a second bank of %d bytes while saves come before their slots are ready",
-            current.nbytes,
-        )
-        return True
-
-    def wait_for_bank(self) -> None:
-        """Wait until a bank is handed to its drain, the one filled first (the commit thread drains in
-        save order), and make it the next save's; with one bank, the current one."""
-        others = [b for b in self.banks if b is not self.bank and b.handed_over is not None]
-        bank = others[0] if others else self.bank
-        if bank.handed_over is not None:
-            bank.handed_over.wait()
-        self.bank = bank
-
-    def _room_for_another(self, device: torch.device, nbytes: int) -> bool:
-        """Whether the budget holds another ``nbytes`` of staging on ``device`` besides what it holds."""
-        room = cuda.headroom(device)
-        if isinstance(self.budget, float):
-            return nbytes <= self.budget * room
-        held = sum(bank.buffers[device].numel() for bank in self.banks if device in bank.buffers)
-        return nbytes <= room and held + nbytes <= self.budget
-
-    def _retire_spares(self) -> None:
-        """Give back a bank no save used for ``SPARE_BANK_SAVES`` saves (its drains landed)."""
-        for bank in self.banks:
-            bank.idle = 0 if bank is self.bank else bank.idle + 1
-        keep = [b for b in self.banks if b is self.bank or b.idle < SPARE_BANK_SAVES or not b.drained()]
-        if len(keep) < len(self.banks):
-            for bank in self.banks:
-                if bank not in keep:
-                    bank.clear()
-            self.banks = keep
+        return sum(b.numel() for b in self._buffers.values())
 
     def stage(
         self, part: DevicePart, sources: Sequence[torch.Tensor], views: Sequence[torch.Tensor] | None
@@ -530,7 +435,7 @@ class DeviceStager:
             part.staged,
             blocking=to_host(part.plan.blocking),
             direct=to_host(part.plan.direct),
-            after=self.bank.last_drain.get(part.device),  # the buffer is free once drained
+            after=self.last_drain.get(part.device),  # the buffer is free once drained
         )
 
     def speculate(self) -> Speculation | None:
@@ -538,7 +443,7 @@ class DeviceStager:
         its state: a loop saves the same tensors every time, so the GPU copies while the CPU plans. Pass
         the result to ``plan``: if it finds other tensors, their copies are issued again (the buffer is
         simply overwritten)."""
-        cached = self.bank.cached
+        cached = self._cached
         if cached is None or not all(part.all_staged for part in cached[1]):
             return None
         parts = cached[1]
@@ -546,7 +451,7 @@ class DeviceStager:
 
     def allowed(self, device: torch.device) -> int:
         """Bytes of staging the budget allows on ``device`` now (never more than the headroom)."""
-        held = self.bank.buffers[device].numel() if device in self.bank.buffers else 0
+        held = self._buffers[device].numel() if device in self._buffers else 0
         room = cuda.headroom(device) + held
         if isinstance(self.budget, float):
             return int(self.budget * room)
@@ -561,7 +466,6 @@ class DeviceStager:
     ) -> StagedSave:
         """The staged save of ``tensors`` (``layout``'s, in order; CUDA ones are staged, the others are the
         caller's) with ``protected`` flags (tensors only a registered optimizer's step changes)."""
-        self._retire_spares()
         by_device: dict[torch.device, list[int]] = {}
         for i, t in enumerate(tensors):
             if t.is_cuda and t.numel():
@@ -574,20 +478,22 @@ class DeviceStager:
             tuple(protected),
             tuple(self._decision(layout, d, ix, allowed[d], hidden[d]) for d, ix in by_device.items()),
         )
-        cached, buffers = self.bank.cached, self.bank.buffers
+        cached = self._cached
         if (
             cached is not None
             and cached[0] == key
-            and all(part.staging is None or buffers.get(part.device) is part.staging for part in cached[1])
+            and all(
+                part.staging is None or self._buffers.get(part.device) is part.staging for part in cached[1]
+            )
         ):
             parts = cached[1]
         else:
-            self.bank.cached = None  # drop the old sources before planning anew
+            self._cached = None  # drop the old sources before planning anew
             parts = [
                 self._part(device, layout, tensors, indices, protected, hidden[device], allowed[device])
                 for device, indices in by_device.items()
             ]
-            self.bank.cached = (key, parts)
+            self._cached = (key, parts)
         self._report(parts, allowed)
         issued = speculation.snapshots if speculation is not None and speculation.parts is parts else None
         return StagedSave(self, parts, tensors, issued)
@@ -672,17 +578,17 @@ class DeviceStager:
                 else:
                     staged.append((region, _bytes(src)[piece.start : piece.start + piece.length]))
             at = align_up(at + length, STAGE_ALIGN)
-        known = self.bank.layouts.get(buffer.device)
+        known = self._layouts.get(buffer.device)
         if known is None or known[0] != buffer.data_ptr() or known[1] != tuple(runs):
-            drained = self.bank.last_drain.get(buffer.device)
+            drained = self.last_drain.get(buffer.device)
             if drained is not None:  # the previous save may still be draining this buffer
                 torch.cuda.current_stream(buffer.device).wait_event(drained)
             buffer.zero_()  # a new layout: old bytes may sit where padding goes now
-            self.bank.layouts[buffer.device] = (buffer.data_ptr(), tuple(runs))
+            self._layouts[buffer.device] = (buffer.data_ptr(), tuple(runs))
         return staged, tuple(runs)
 
     def _buffer(self, device: torch.device, need: int, allowed: int) -> torch.Tensor | None:
-        held = self.bank.buffers.get(device)
+        held = self._buffers.get(device)
         roomy = align_up(need * 5 // 4, _GROW) + _GROW
         if held is not None and (held.numel() > allowed or held.numel() > roomy):
             self._drop(device)  # over the budget now, or well over what is needed: give it back
@@ -698,14 +604,14 @@ class DeviceStager:
         except torch.cuda.OutOfMemoryError:
             self._note(device, f"could not allocate {size} bytes of staging; overlap mode for this save")
             return None
-        self.bank.buffers[device] = buffer
+        self._buffers[device] = buffer
         return buffer
 
     def _drop(self, device: torch.device) -> None:
         """Give ``device``'s buffer back (a cached program that refers to it is dropped too)."""
-        if self.bank.buffers.pop(device, None) is not None:
-            self.bank.layouts.pop(device, None)
-            self.bank.cached = None
+        if self._buffers.pop(device, None) is not None:
+            self._layouts.pop(device, None)
+            self._cached = None
 
     def _note(self, device: torch.device, reason: str | None) -> None:
         """Log ``reason`` when it differs from the last one for ``device`` (None: all is staged again)."""
@@ -734,9 +640,10 @@ class DeviceStager:
         self.last = last
 
     def close(self) -> None:
-        for bank in self.banks:
-            bank.clear()
-        self.banks = [self.bank]
+        self._cached = None
+        self._buffers.clear()
+        self._layouts.clear()
+        self.last_drain.clear()
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
