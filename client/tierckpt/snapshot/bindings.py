@@ -176,7 +176,7 @@ class Binding:
 
 def _memory(t: torch.Tensor) -> _Memory:
     local = local_shard(t) if is_dtensor(t) else t
-    return (local.data_ptr(), t.dtype, t.shape, tuple(t.stride()), t.get_device())
+    return (local.data_ptr(), t.dtype, t.shape, t.stride(), t.get_device())
 
 
 def _get(container: Any, key: Any) -> Any:

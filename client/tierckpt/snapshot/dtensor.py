@@ -28,7 +28,12 @@ class DTensorLayoutError(ValueError):
     """A saved DTensor shard does not belong where the destination expects it (see the module doc)."""
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 def is_dtensor(value: Any) -> bool:
+    if type(value) in _PLAIN:  # the common case, without the import machinery (loads ask per tensor)
+        return False
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # a build without torch.distributed

@@ -267,8 +267,9 @@ class _Filler:
         """A binding gave every tensor's destination: start all host-to-device copies now (CPU ones wait
         for the check, as always); the walk then only hands the same tensors back (``bound_fill``)."""
         self.bound = dict(targets)
-        gpu = [(i, t) for i, t in targets if cuda.is_cuda(t)]
-        self.cpu.extend((i, t) for i, t in targets if not cuda.is_cuda(t))
+        gpu: list[tuple[int, torch.Tensor]] = []
+        for target in targets:
+            (gpu if target[1].is_cuda else self.cpu).append(target)
         if gpu:
             to_device(
                 self.manifest,
