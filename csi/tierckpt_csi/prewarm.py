@@ -27,7 +27,7 @@ from pathlib import Path
 
 from tierckpt.protocol.quantity import format_bytes
 
-__all__ = ["PREWARM_FILE", "Prewarmed", "prewarm"]
+__all__ = ["PREWARM_FILE", "Prewarmed", "cgroup_room", "prewarm"]
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +35,8 @@ PREWARM_FILE = ".tierckpt-prewarm"
 """The file written and deleted in the ramdisk's root (no job id starts with a dot)."""
 MEMORY_SHARE = 0.8
 """Share of ``MemAvailable`` the prewarm may hold at once (it holds its bytes until it is done)."""
+CGROUP_MARGIN = 64 << 20
+"""Bytes kept below the memory cgroup's limit."""
 _PIECE = 64 << 20
 _ALIGN = 2 << 20
 
@@ -53,21 +55,62 @@ def _mem_available() -> int:
     return 0
 
 
+def cgroup_room(
+    proc: Path = Path("/proc/self/cgroup"), sys_root: Path = Path("/sys/fs/cgroup")
+) -> int | None:
+    """Bytes this process's memory cgroup (and each ancestor of it) may still charge, less
+    ``CGROUP_MARGIN``; None without a limit. tmpfs pages are charged to the cgroup of the process that
+    writes them, so a prewarm beyond this would get the driver OOM-killed."""
+    rooms = []
+    with contextlib.suppress(OSError, ValueError):
+        for line in proc.read_text().splitlines():
+            hierarchy, controllers, path = line.split(":", 2)
+            if hierarchy == "0":  # cgroup v2: the limit of every level up to the root applies
+                level = sys_root / path.lstrip("/")
+                while True:
+                    limit = level / "memory.max"
+                    if limit.exists() and (text := limit.read_text().strip()) != "max":
+                        rooms.append(int(text) - int((level / "memory.current").read_text()))
+                    if level == sys_root or sys_root not in level.parents:
+                        break
+                    level = level.parent
+            elif "memory" in controllers.split(","):  # cgroup v1
+                level = sys_root / "memory" / path.lstrip("/")
+                limit_bytes = int((level / "memory.limit_in_bytes").read_text())
+                if limit_bytes < 1 << 60:  # "no limit" reads as a huge number there
+                    rooms.append(limit_bytes - int((level / "memory.usage_in_bytes").read_text()))
+    return max(0, min(rooms) - CGROUP_MARGIN) if rooms else None
+
+
 def prewarm(path: str | os.PathLike[str], limit: int, *, workers: int = 8) -> Prewarmed:
     """Write zeros over up to ``limit`` bytes of the tmpfs at ``path`` (its free space, at most
-    ``MEMORY_SHARE`` of ``MemAvailable``) and free them again. Returns what it touched; touches nothing
-    (and logs why) when there is no room. Raises ``OSError`` only for an unusable ``path``."""
+    ``MEMORY_SHARE`` of ``MemAvailable`` and what this process's memory cgroup may still charge) and
+    free them again. Returns what it touched; touches nothing (and logs why) when there is no room.
+    Raises ``OSError`` only for an unusable ``path``."""
     root = Path(path)
     target = root / PREWARM_FILE
     target.unlink(missing_ok=True)  # left by a driver killed while prewarming
     st = os.statvfs(root)
-    free = st.f_bavail * st.f_frsize
-    nbytes = min(limit, free, int(_mem_available() * MEMORY_SHARE)) // _ALIGN * _ALIGN
+    bounds = {
+        "free space": st.f_bavail * st.f_frsize,
+        "limit": limit,
+        "MemAvailable share": int(_mem_available() * MEMORY_SHARE),
+    }
+    room = cgroup_room()
+    if room is not None:
+        bounds["memory cgroup"] = room
+    nbytes = min(bounds.values()) // _ALIGN * _ALIGN
+    if room is not None and room < min(bounds["free space"], bounds["limit"]):
+        log.warning(
+            "prewarming at most %s of the node's memory: the container's memory limit allows no more "
+            "(tmpfs pages are charged to their writer; run the driver without a memory limit to prewarm "
+            "the whole ramdisk)",
+            format_bytes(room),
+        )
     if nbytes <= 0:
         log.info(
-            "did not prewarm the node's memory: no room (free %s, limit %s)",
-            format_bytes(free),
-            format_bytes(limit),
+            "did not prewarm the node's memory: no room (%s)",
+            ", ".join(f"{k} {format_bytes(v)}" for k, v in bounds.items()),
         )
         return Prewarmed(0, 0.0)
     start = time.perf_counter()

@@ -95,6 +95,8 @@ def test_csi_mode_paths_agree_with_each_other_and_the_contract() -> None:
     pods_dir = volumes["pods-dir"]["hostPath"]["path"]
     assert csi_env["TIERCKPT_KUBELET_PODS_DIR"] == pods_dir == "/var/lib/kubelet/pods"
     assert c["csi"]["command"] == ["tierckpt-csi", "serve"]
+    assert csi_env["TIERCKPT_RAMDISK_PREWARM"] == "true"
+    assert "memory" not in c["csi"]["resources"].get("limits", {}), "a memory limit bounds the prewarm"
     driver = r.get("CSIDriver")
     assert driver["metadata"]["name"] == Csi.DRIVER
     assert driver["spec"] | {} == {
