@@ -188,7 +188,10 @@ def _cut(dst: torch.Tensor, src: torch.Tensor) -> list[tuple[torch.Tensor, torch
 
 def copy(dst: torch.Tensor, src: torch.Tensor, *, non_blocking: bool = False) -> None:
     """``dst.copy_(src)`` between host and device memory, cut at registration boundaries (``_cut``)."""
-    _copy_all([dst], [src], non_blocking=non_blocking)
+    if _crosses(dst, src):
+        _copy_all([dst], [src], non_blocking=non_blocking)
+    else:
+        dst.copy_(src, non_blocking=non_blocking)
 
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream:

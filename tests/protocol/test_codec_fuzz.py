@@ -6,8 +6,9 @@ real replicator is tests/replicator/test_fuzz.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 from hypothesis import given
@@ -81,3 +82,32 @@ def test_a_valid_message_with_hostile_fields_parses_or_raises_format_error(cls, 
             fields[key] = data.draw(json_values)
     text = json.dumps(fields).encode()  # NaN and Infinity too, as Python's json writes them
     parses_or_refuses(cls, text + data.draw(st.sampled_from([b"", b"\n", b" x"])))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Counts(Message):
+    """A message of plain integers (no field narrows their range)."""
+
+    KIND: ClassVar[str] = "tierckpt.test-counts"
+    value: int
+    by_rank: dict[int, int] = dataclasses.field(default_factory=dict)
+
+
+@pytest.mark.parametrize(
+    "number", ["9223372036854775808", "-9223372036854775809", "1e19", "1E+30", "100000000000000000000000"]
+)
+@pytest.mark.parametrize("where", ["value", "key", "item"])
+def test_an_integer_beyond_64_bits_is_refused_however_it_is_written(number, where):
+    body = {
+        "value": '{"kind":"tierckpt.test-counts","version":1,"value":N,"by_rank":{}}',
+        "key": '{"kind":"tierckpt.test-counts","version":1,"value":1,"by_rank":{"N":1}}',
+        "item": '{"kind":"tierckpt.test-counts","version":1,"value":1,"by_rank":{"3":N}}',
+    }[where]
+    with pytest.raises(FormatError):
+        _Counts.from_bytes(body.replace("N", number).encode())
+
+
+def test_an_integer_of_up_to_63_bits_is_kept():
+    for n in (999_999_999_999_999_999, (1 << 63) - 1, -(1 << 63)):
+        msg = _Counts(value=n, by_rank={n: n})
+        assert _Counts.from_bytes(msg.to_bytes()) == msg

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import re
 import typing
 from typing import Any, ClassVar, TypeVar
 
@@ -113,8 +114,16 @@ def decode_bytes(cls: type[T], data: bytes | str) -> T:
         msg = _adapter(cls).validate_json(data)
     except pydantic.ValidationError as exc:
         raise FormatError(f"{cls.KIND}: {_first_error(exc)}") from exc
-    _check_ints(msg, cls.KIND)
+    if _MAY_EXCEED_INT64.search(data if isinstance(data, bytes) else data.encode()):
+        _check_ints(msg, cls.KIND)
     return msg
+
+
+_MAY_EXCEED_INT64 = re.compile(rb"\d{19}|\d[eE]")
+"""Text that may hold an integer outside ``INT_MIN..INT_MAX``: a run of 19 digits (every integer of 18
+digits or fewer is inside), or a number with an exponent (which validation may turn into an integer).
+Messages without either skip the walk of ``_check_ints`` (29,000 calls for a DCP metadata record of
+1,000 tensors)."""
 
 
 INT_MIN, INT_MAX = -(1 << 63), (1 << 63) - 1
