@@ -36,11 +36,14 @@ import httpx
 import tenacity
 
 from tierckpt.protocol import api
-from tierckpt.protocol.codec import Message
+from tierckpt.protocol.codec import Message, Record, encode_from_parts, record_bytes
 from tierckpt.protocol.control import (
+    PLAN_PARTS,
     BackupResult,
     JobPolicy,
     NodeInventory,
+    NodePlan,
+    NodePlanResult,
     NodeStatus,
     PeerAssignment,
     PurgeResult,
@@ -190,18 +193,34 @@ def _build(
 
 
 _ENCODINGS: dict[int, bytes] = {}
+_PARTS: dict[int, bytes] = {}
 
 
 def _encoded(body: Message) -> bytes:
     """``body.to_bytes()``, made once per message object: the operator sends one policy or restore plan
-    (or one whole peer map) to every node of a job. Messages are frozen; the entry goes with the
-    object."""
-    key = id(body)
-    found = _ENCODINGS.get(key)
+    (or one whole peer map) to every node of a job. A ``NodePlan`` (one per node) is put together from
+    its parts' JSON, each made once however many nodes' plans carry it. Messages are frozen; an entry
+    goes with its object."""
+    found = _ENCODINGS.get(id(body))
     if found is None:
-        found = _ENCODINGS[key] = body.to_bytes()
-        weakref.finalize(body, _ENCODINGS.pop, key, None)
+        if isinstance(body, NodePlan):
+            parts = zip(PLAN_PARTS, body.parts(), strict=True)
+            encoded = {name: _part(part) if part is not None else b"null" for name, part in parts}
+            found = _remember(_ENCODINGS, body, encode_from_parts(body, encoded))
+        else:
+            found = _remember(_ENCODINGS, body, body.to_bytes())
     return found
+
+
+def _part(record: Record) -> bytes:
+    found = _PARTS.get(id(record))
+    return found if found is not None else _remember(_PARTS, record, record_bytes(record))
+
+
+def _remember(cache: dict[int, bytes], obj: object, encoded: bytes) -> bytes:
+    cache[id(obj)] = encoded
+    weakref.finalize(obj, cache.pop, id(obj), None)
+    return encoded
 
 
 def _check_size(req: _Request, declared: str | None, limit: int) -> None:
@@ -428,6 +447,14 @@ class ReplicatorClient(_Client):
         req = self._req(api.PUT_RESTORE_PLAN, endpoint, job=plan.job, body=plan, node=node)
         return _must(await self._call(req, RestorePlan))
 
+    async def put_node_plan(
+        self, endpoint: str, plan: NodePlan, *, node: str | None = None
+    ) -> NodePlanResult:
+        """Everything the node lacks of the job's plans, in one call (see ``NodePlan``); which parts it
+        stored and which it refused for a newer generation."""
+        req = self._req(api.PUT_NODE_PLAN, endpoint, job=plan.job, body=plan, node=node)
+        return _must(await self._call(req, NodePlanResult))
+
     async def put_orbax_session(
         self, endpoint: str, session: OrbaxSession, *, node: str | None = None
     ) -> OrbaxSession:
@@ -581,6 +608,10 @@ class SyncReplicatorClient(_Client):
     def put_restore_plan(self, endpoint: str, plan: RestorePlan, *, node: str | None = None) -> RestorePlan:
         req = self._req(api.PUT_RESTORE_PLAN, endpoint, job=plan.job, body=plan, node=node)
         return _must(self._call(req, RestorePlan))
+
+    def put_node_plan(self, endpoint: str, plan: NodePlan, *, node: str | None = None) -> NodePlanResult:
+        req = self._req(api.PUT_NODE_PLAN, endpoint, job=plan.job, body=plan, node=node)
+        return _must(self._call(req, NodePlanResult))
 
     def put_orbax_session(
         self, endpoint: str, session: OrbaxSession, *, node: str | None = None
