@@ -23,7 +23,6 @@ demo extras include it); it is the only module of ``tierckpt`` that imports an H
 from __future__ import annotations
 
 import asyncio
-import collections
 import dataclasses
 import logging
 import re
@@ -52,6 +51,7 @@ from tierckpt.protocol.control import (
 )
 from tierckpt.protocol.errors import ContractError, FormatError, RetryableError
 from tierckpt.protocol.identity import TlsCredentials, node_server_name
+from tierckpt.protocol.node_transport import NodeTransport
 from tierckpt.protocol.orbax import OrbaxSession
 from tierckpt.protocol.tokens import TokenFile
 
@@ -285,62 +285,8 @@ def _limits(concurrency: int, named: bool) -> httpx.Limits:
     connection is kept by address, and an address may belong to another node by now (a pod IP reused),
     while the server's name is verified only in the handshake. (A handshake costs about a millisecond;
     these calls come seconds apart.) The asyncio client keeps each node's connections apart instead
-    (``_PerNode``), and alive."""
+    (``NodeTransport``), and alive."""
     return httpx.Limits(max_connections=concurrency, max_keepalive_connections=0 if named else concurrency)
-
-
-class _PerNode(httpx.AsyncBaseTransport):
-    """A transport per node the calls are for (by the TLS server name the call asks for), each with its
-    own pool of kept-alive connections: a TLS connection proved one node's identity in its handshake, so
-    it carries only that node's calls, wherever the node's address points now. The operator's calls to
-    thousands of replicators then cost one handshake per node, not one per call. The least recently used
-    node's transport is closed past ``max_nodes``. An idle connection is kept ``keepalive`` seconds:
-    longer than the caller's rounds (the operator's are 30 to 60 s apart), shorter than the server's own
-    keep-alive (the replicator's ``--api-keepalive``), or every round pays a handshake per node."""
-
-    def __init__(self, verify: ssl.SSLContext, *, max_nodes: int = 8192, keepalive: float = 30.0) -> None:
-        self._verify, self._max, self._keepalive = verify, max_nodes, keepalive
-        self._by_node: collections.OrderedDict[str, httpx.AsyncHTTPTransport] = collections.OrderedDict()
-        self._closing: set[asyncio.Task[None]] = set()
-
-    def _for(self, name: str) -> httpx.AsyncHTTPTransport:
-        transport = self._by_node.get(name)
-        if transport is None:
-            transport = self._by_node[name] = httpx.AsyncHTTPTransport(
-                verify=self._verify,
-                limits=httpx.Limits(
-                    max_connections=4, max_keepalive_connections=2, keepalive_expiry=self._keepalive
-                ),
-                trust_env=False,
-            )
-            while len(self._by_node) > self._max:
-                _, old = self._by_node.popitem(last=False)
-                task = asyncio.get_running_loop().create_task(_close_later(old))
-                self._closing.add(task)
-                task.add_done_callback(self._closing.discard)
-        self._by_node.move_to_end(name)
-        return transport
-
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        name = request.extensions.get("sni_hostname")
-        if not isinstance(name, str) or not name:
-            raise httpx.ConnectError("a call over the per-node pool must name its node", request=request)
-        return await self._for(name).handle_async_request(request)
-
-    async def aclose(self) -> None:
-        transports, self._by_node = list(self._by_node.values()), collections.OrderedDict()
-        for task in list(self._closing):
-            task.cancel()
-        for transport in transports:
-            await transport.aclose()
-
-
-async def _close_later(transport: httpx.AsyncHTTPTransport, delay: float = 60.0) -> None:
-    """Close a transport once the calls it may still carry are over."""
-    try:
-        await asyncio.sleep(delay)
-    finally:
-        await transport.aclose()
 
 
 def _extensions(req: _Request, tls: bool) -> dict[str, Any] | None:
@@ -397,7 +343,7 @@ class ReplicatorClient(_Client):
         self._slots = asyncio.Semaphore(concurrency)
         pools = (False, True) if tls is not None else (False,)
         per_node = (
-            _PerNode(tls.client(named=True), keepalive=keepalive)
+            NodeTransport(tls.client(named=True), keepalive=keepalive)
             if tls is not None and transport is None
             else None
         )
