@@ -17,7 +17,8 @@ the request is sent (the TLS server name). With ``token`` (legacy ``--auth token
 read fresh from ``TokenFile`` for every request, so rotation needs no restart.
 
 This module needs httpx and tenacity, which the ``client`` extra installs (the replicator, operator and
-demo extras include it); it is the only module of ``tierckpt`` that imports an HTTP library.
+demo extras include it); it and its transport to named nodes (``tierckpt.protocol.node_transport``) are
+the only modules of ``tierckpt`` that import an HTTP library.
 """
 
 from __future__ import annotations
