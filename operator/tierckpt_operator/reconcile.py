@@ -386,8 +386,16 @@ class JobController:
             full = peer_assignment(info.job_id, state, endpoints)
             one = _Outgoing(full, _content_digest(full))
             return dict.fromkeys(state.nodes, one)
-        views = peer_views(info.job_id, state, endpoints, self.partners)
-        return {node: _Outgoing(msg, _content_digest(msg)) for node, msg in views.items()}
+        before = self.outgoing or {}
+        views = peer_views(
+            info.job_id, state, endpoints, self.partners, {n: o.message for n, o in before.items()}
+        )
+        return {
+            node: out
+            if (out := before.get(node)) is not None and out.message is msg
+            else _Outgoing(msg, _content_digest(msg))
+            for node, msg in views.items()
+        }
 
     # ------------------------------------------------------------------------------ policy
 
@@ -456,7 +464,9 @@ class JobController:
         if "policy" in result.refused:
             self.policy = None  # it holds a newer generation: send a fresh one next round
         if "peers" in result.refused:
-            self.peer_digest = None  # likewise: plan the peers again with a newer generation
+            self.peer_digest = None  # likewise: plan the peers again with a newer generation...
+            if self.outgoing is not None:
+                self.outgoing.pop(node, None)  # ...for this node too (its view would be kept otherwise)
         refused = sorted(result.refused.items())
         return [f"{node}: holds a newer {part} (generation {g})" for part, g in refused]
 

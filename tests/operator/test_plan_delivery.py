@@ -133,6 +133,7 @@ async def test_a_part_refused_for_a_newer_generation_is_planned_again():
     await ctl._send_plans(state, cluster)
     assert "n2" not in ctl.delivered and "n2" not in ctl.policy_delivered
     assert ctl.peer_digest is None and ctl.policy is None  # the next reconcile plans newer generations
+    assert ctl.outgoing is not None and "n2" not in ctl.outgoing  # n2's view made anew, not kept
     assert ctl.restore is not None and "n2" in ctl.restore.acked  # the part it took counts
 
 
