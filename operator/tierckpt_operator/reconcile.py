@@ -438,6 +438,12 @@ class JobController:
                 "plans", "Warning", "PlansNotDelivered", f"{len(failures)} node(s): {failures[0]}"
             )
             self._retry_later()
+        elif (
+            restore
+            and self.restore is not None
+            and self.restore.delivered(state.nodes) < len(set(state.nodes))
+        ):
+            self._retry_later()  # a replicator not ready yet: its plan is due when it is
 
     def _plan_for(self, node: str, *, restore: bool) -> NodePlan | None:
         """What ``node`` lacks of the job's plans (None: it holds them all)."""

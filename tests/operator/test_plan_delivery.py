@@ -65,7 +65,7 @@ class _Replicators:
 
 def _job(replicators: _Replicators) -> tuple[JobController, JobState, ClusterView]:
     ctx = JobContext(
-        settings=parse_settings([]),
+        settings=parse_settings(["--debounce", "0.01"]),
         kube=None,  # type: ignore[arg-type]  # no API calls here
         replicators=replicators,  # type: ignore[arg-type]
         metrics=Metrics(),
@@ -151,3 +151,14 @@ async def test_callers_wanting_inventories_at_once_share_one_round():
     assert len(replicators.calls) == 2 * len(NODES)
     await asyncio.gather(ctl._inventories(state.nodes, cluster), ctl._inventories(NODES[:2], cluster))
     assert len(replicators.calls) == 3 * len(NODES) + 2  # other nodes: a round of their own
+
+
+async def test_a_replicator_not_ready_gets_nothing_and_its_plan_is_due_when_it_is():
+    replicators = _Replicators()
+    ctl, state, cluster = _job(replicators)
+    cluster.indices["tierckpt_replicators"]["n3"] = [ReplicatorPod("n3", "https://10.0.0.3:8470", False)]
+    await ctl._send_plans(state, cluster)
+    assert [c[0] for c in replicators.calls] == ["n0", "n1", "n2"]
+    assert not ctl.wake.is_set()
+    await asyncio.sleep(0.2)
+    assert ctl.wake.is_set()  # the job is reconciled again for n3's restore plan
