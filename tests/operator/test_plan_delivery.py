@@ -28,8 +28,13 @@ NODES = ("n0", "n1", "n2", "n3")
 class _Replicators:
     """The replicators as the operator calls them: what each node was sent, by which endpoint."""
 
-    def __init__(self, old: tuple[str, ...] = ()) -> None:
+    def __init__(self, old: tuple[str, ...] = (), slots: int = 64) -> None:
         self.calls: list[tuple[str, str, tuple[str, ...]]] = []
+        self.slots = asyncio.Semaphore(slots)
+        """The client's ``--http-concurrency``: every call holds one."""
+        self.answer = asyncio.Event()
+        self.answer.set()
+        """Inventories are answered while set."""
         self.old = old
         """Nodes whose replicator predates ``PUT .../plan`` (it answers 404)."""
         self.refuse: dict[str, dict[str, int]] = {}
@@ -37,6 +42,8 @@ class _Replicators:
 
     async def put_node_plan(self, endpoint: str, plan: NodePlan, *, node: str) -> NodePlanResult:
         assert plan.node == node and plan.job == JOB
+        async with self.slots:
+            pass
         sent = tuple(name for name, part in zip(PLAN_PARTS, plan.parts(), strict=True) if part is not None)
         self.calls.append((node, "put_node_plan", sent))
         if node in self.old:
@@ -46,8 +53,10 @@ class _Replicators:
         return NodePlanResult(job=plan.job, node=node, stored=stored, refused=refused)
 
     async def inventory(self, endpoint: str, job: str, *, node: str) -> NodeInventory:
-        self.calls.append((node, "inventory", ()))
-        await asyncio.sleep(0.05)
+        async with self.slots:
+            self.calls.append((node, "inventory", ()))
+            await asyncio.sleep(0.05)
+            await self.answer.wait()
         return NodeInventory(job=job, node=node, endpoint=endpoint, updated_at=time.time(), ranks={})
 
     async def put_policy(self, endpoint: str, policy: Any, *, node: str) -> Any:
@@ -63,9 +72,9 @@ class _Replicators:
         return plan
 
 
-def _job(replicators: _Replicators) -> tuple[JobController, JobState, ClusterView]:
+def _job(replicators: _Replicators, concurrency: int = 64) -> tuple[JobController, JobState, ClusterView]:
     ctx = JobContext(
-        settings=parse_settings(["--debounce", "0.01"]),
+        settings=parse_settings(["--debounce", "0.01", "--http-concurrency", str(concurrency)]),
         kube=None,  # type: ignore[arg-type]  # no API calls here
         replicators=replicators,  # type: ignore[arg-type]
         metrics=Metrics(),
@@ -162,3 +171,18 @@ async def test_a_replicator_not_ready_gets_nothing_and_its_plan_is_due_when_it_i
     assert not ctl.wake.is_set()
     await asyncio.sleep(0.2)
     assert ctl.wake.is_set()  # the job is reconciled again for n3's restore plan
+
+
+async def test_a_round_of_inventories_leaves_calls_free_for_the_plans():
+    """At 4,096 nodes on an overloaded VM the refresh round's inventory calls timed out and retried while
+    a replaced node's calls waited behind them for the client's slots (233 s). A round takes at most
+    half of ``--http-concurrency``."""
+    replicators = _Replicators(slots=2)
+    replicators.answer.clear()  # the nodes do not answer their inventories yet
+    ctl, state, cluster = _job(replicators, concurrency=2)
+    round_ = asyncio.ensure_future(ctl._inventories(state.nodes, cluster))
+    await asyncio.sleep(0.1)
+    await asyncio.wait_for(ctl._send_plans(state, cluster), 2)  # not behind the round
+    assert not round_.done()
+    replicators.answer.set()
+    assert len(await round_) == len(NODES)
