@@ -323,6 +323,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             cpu0 = cpu_seconds(operator.pid)
             await bench._each(range(n), lambda j: bench.schedule(pods[j]["metadata"]["name"], bench.names[j]))
             t0 = time.time()
+            print(f"  the last pod scheduled at {t0:.3f} (operator log: {base / 'operator.log'})", flush=True)
             names = set(bench.names[:n])
 
             def delivered() -> dict[str, Any] | None:

@@ -297,14 +297,20 @@ def peer_assignment(job: str, state: JobState, endpoints: Mapping[str, str]) -> 
 
 
 def peer_views(
-    job: str, state: JobState, endpoints: Mapping[str, str], partners: Sequence[Sequence[int]] = ()
+    job: str,
+    state: JobState,
+    endpoints: Mapping[str, str],
+    partners: Sequence[Sequence[int]] = (),
+    previous: Mapping[str, PeerAssignment] | None = None,
 ) -> dict[str, PeerAssignment]:
     """Each node's own view of the plan (a few kilobytes each, O(nodes x peers^2) in all): itself and
     its peers; the nodes that send to it and their peers (the holders of every rank it holds, from
     which it computes its share of a backup); the nodes running other members of its ranks' replica
     groups (``partners``). ``num_nodes`` says how many node ranks the job has.
 
-    For big jobs, where the whole map would be megabytes sent to every node.
+    For big jobs, where the whole map would be megabytes sent to every node. ``previous``: the views of
+    the last plan; a node whose view says the same keeps that view (with its generation): one node
+    replaced changes a handful of views, and making all 4,096 again took about 0.3 s of a replacement.
     """
     senders: list[list[int]] = [[] for _ in state.nodes]
     for r, ps in enumerate(state.peers):
@@ -315,8 +321,38 @@ def peer_views(
     for r, node in enumerate(state.nodes):
         givers = sorted({r, *senders[r]})
         ranks = {*givers, *(p for g in givers for p in state.peers[g]), *(partners[r] if partners else ())}
-        out[node] = _assignment(job, state, endpoints, sorted(ranks), givers)
+        old = previous.get(node) if previous else None
+        if old is not None and _says(old, job, state, endpoints, ranks, givers):
+            out[node] = old
+        else:
+            out[node] = _assignment(job, state, endpoints, sorted(ranks), givers)
     return out
+
+
+def _says(
+    view: PeerAssignment,
+    job: str,
+    state: JobState,
+    endpoints: Mapping[str, str],
+    ranks: set[int],
+    givers: Sequence[int],
+) -> bool:
+    """Whether ``view`` holds what ``_assignment`` would make of these ranks and givers (but for the
+    generation), without making it."""
+    if (view.job, view.attempt, view.num_nodes) != (job, state.generation or 0, len(state.nodes)):
+        return False
+    if len(view.node_ranks) != len(ranks) or len(view.peers) != len(givers) or len(view.nodes) != len(ranks):
+        return False
+    for r in ranks:
+        name = state.nodes[r]
+        known = view.nodes.get(name)
+        if view.node_ranks.get(name) != r or known is None:
+            return False
+        if (known.endpoint, known.domain) != (endpoints.get(name, ""), state.domains[r]):
+            return False
+    return all(
+        view.peers.get(state.nodes[g]) == tuple(state.nodes[p] for p in state.peers[g]) for g in givers
+    )
 
 
 def _assignment(

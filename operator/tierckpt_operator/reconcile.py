@@ -19,7 +19,15 @@ from typing import Any, TypeVar
 
 from tierckpt.planning.placement import RankAssignment, peer_churn
 from tierckpt.protocol.client import ReplicatorClient, ReplicatorError
-from tierckpt.protocol.control import JobPolicy, NodeInventory, PeerAssignment, Redundancy, RestorePlan
+from tierckpt.protocol.control import (
+    JobPolicy,
+    NodeInventory,
+    NodePlan,
+    NodePlanResult,
+    PeerAssignment,
+    Redundancy,
+    RestorePlan,
+)
 from tierckpt.protocol.orbax import OrbaxSession
 from tierckpt_operator import resources
 from tierckpt_operator.clusterview import CheckpointJobRecord, ClusterView, ConfigRecord
@@ -163,6 +171,8 @@ class JobController:
         self.restore: _Restore | None = None
         self.job_id = ""
         self._said: dict[str, str] = {}
+        self._asking: tuple[tuple[str, ...], asyncio.Future[list[NodeInventory]]] | None = None
+        """The round of inventories in flight, for these nodes."""
 
     # ------------------------------------------------------------------------------ loop
 
@@ -222,12 +232,13 @@ class JobController:
             await self._waiting(decision)
             return
         state = await self._deliver_ranks(state, decision, decision.assignment)
-        # the policy first: a new node's staging may need its bucket
-        await self._publish_policy(info, spec, state, cluster)
-        state = await self._publish_peers(info, spec, state, cluster)
+        self._plan_policy(info, spec)
+        state = self._plan_peers(info, spec, state, cluster)
         if info.mode == "orbax":  # before the plan: Orbax's processes wait for jax-init-info.txt
+            await self._send_plans(state, cluster, restore=False)
             await self._publish_sessions(info, state, decision.coordinator_ip, cluster)
-        state = await self._publish_restore(info, state, cluster)
+        state = await self._plan_restore(info, state, cluster)
+        await self._send_plans(state, cluster)
         await self._report_running(info, state)
 
     def _adopt(self, ck: CheckpointJobRecord) -> JobState:
@@ -336,9 +347,11 @@ class JobController:
 
     # ------------------------------------------------------------------------------ peers
 
-    async def _publish_peers(
+    def _plan_peers(
         self, info: JobSetInfo, spec: ConfigSpec, state: JobState, cluster: ClusterView
     ) -> JobState:
+        """Plan the peers again if the nodes, domains, partners or endpoints changed (each node's message
+        made once per plan, in ``outgoing``)."""
         peers = decide_peers(state, spec.peers_per_node, self.partners)
         endpoints = {n: rep.endpoint for n in state.nodes if (rep := cluster.replicator(n))}
         digest = _digest(  # the attempt too: each attempt's node ranks go out with it (a plan's generation)
@@ -361,7 +374,6 @@ class JobController:
                     f"peer generation {state.peer_generation}: {spec.peers_per_node} peers per "
                     f"node across {domains} failure domain(s); {churn} edges changed",
                 )
-        await self._send(self.outgoing, cluster)
         return state
 
     def _peer_messages(
@@ -374,40 +386,22 @@ class JobController:
             full = peer_assignment(info.job_id, state, endpoints)
             one = _Outgoing(full, _content_digest(full))
             return dict.fromkeys(state.nodes, one)
-        views = peer_views(info.job_id, state, endpoints, self.partners)
-        return {node: _Outgoing(msg, _content_digest(msg)) for node, msg in views.items()}
-
-    async def _send(self, messages: dict[str, _Outgoing], cluster: ClusterView) -> None:
-        todo = {}
-        for node, out in messages.items():
-            rep = cluster.replicator(node)
-            if self.delivered.get(node) != out.content and rep is not None and rep.ready:
-                todo[node] = (rep.endpoint, out)
-        results = await _gather(
-            self.ctx.replicators.put_peers(ep, out.message, node=node) for node, (ep, out) in todo.items()
+        before = self.outgoing or {}
+        views = peer_views(
+            info.job_id, state, endpoints, self.partners, {n: o.message for n, o in before.items()}
         )
-        failures = []
-        for (node, (_, out)), result in zip(todo.items(), results, strict=True):
-            if isinstance(result, BaseException):
-                failures.append(f"{node}: {result}")
-                self.ctx.metrics.replicator_calls.labels("put_peers", "error").inc()
-                if isinstance(result, ReplicatorError) and result.status == 409:
-                    self.peer_digest = None  # it holds a newer generation: send a fresh one next round
-            else:
-                self.delivered[node] = out.content
-                self.ctx.metrics.replicator_calls.labels("put_peers", "ok").inc()
-        if failures:
-            self._event_once(
-                "peers", "Warning", "PeersNotDelivered", f"{len(failures)} node(s): {failures[0]}"
-            )
-            self._retry_later()
+        return {
+            node: out
+            if (out := before.get(node)) is not None and out.message is msg
+            else _Outgoing(msg, _content_digest(msg))
+            for node, msg in views.items()
+        }
 
     # ------------------------------------------------------------------------------ policy
 
-    async def _publish_policy(
-        self, info: JobSetInfo, spec: ConfigSpec, state: JobState, cluster: ClusterView
-    ) -> None:
-        """Send the configuration's backup policy to every replicator of the job that lacks it."""
+    def _plan_policy(self, info: JobSetInfo, spec: ConfigSpec) -> None:
+        """The configuration's backup policy for every replicator of the job (a new generation when the
+        configuration changed)."""
         wanted = job_policy(info.job_id, spec)
         if self.policy is None or dataclasses.replace(self.policy, generation=0) != wanted:
             # milliseconds, like the peers: newer than what an earlier operator sent, and growing
@@ -419,30 +413,96 @@ class JobController:
                 self.policy.generation,
                 spec.name,
             )
-        policy = self.policy
-        todo = {
-            node: rep.endpoint
-            for node in sorted(set(state.nodes))
-            if (rep := cluster.replicator(node)) is not None
-            and rep.ready
-            and self.policy_delivered.get(node) != policy.generation
-        }
-        results = await _gather(self.ctx.replicators.put_policy(ep, policy, node=n) for n, ep in todo.items())
+
+    # ------------------------------------------------------------------------------ delivery
+
+    async def _send_plans(self, state: JobState, cluster: ClusterView, *, restore: bool = True) -> None:
+        """Send every ready replicator of the job, in one call, the parts it does not hold yet of the
+        policy, its peers and (with ``restore``) the restore plan (``NodePlan``)."""
+        todo = {}
+        for node in sorted(set(state.nodes)):
+            rep = cluster.replicator(node)
+            if rep is not None and rep.ready and (plan := self._plan_for(node, restore=restore)):
+                todo[node] = (rep.endpoint, plan)
+        results = await _gather(self._put_plan(ep, plan, node) for node, (ep, plan) in todo.items())
         failures = []
-        for node, result in zip(todo, results, strict=True):
+        for (node, (_, plan)), result in zip(todo.items(), results, strict=True):
             if isinstance(result, BaseException):
                 failures.append(f"{node}: {result}")
-                self.ctx.metrics.replicator_calls.labels("put_policy", "error").inc()
-                if isinstance(result, ReplicatorError) and result.status == 409:
-                    self.policy = None  # it holds a newer generation: send a fresh one next round
+                self.ctx.metrics.replicator_calls.labels("put_node_plan", "error").inc()
             else:
-                self.policy_delivered[node] = policy.generation
-                self.ctx.metrics.replicator_calls.labels("put_policy", "ok").inc()
+                self.ctx.metrics.replicator_calls.labels("put_node_plan", "ok").inc()
+                failures += self._took(node, plan, result)
         if failures:
             self._event_once(
-                "policy", "Warning", "PolicyNotDelivered", f"{len(failures)} node(s): {failures[0]}"
+                "plans", "Warning", "PlansNotDelivered", f"{len(failures)} node(s): {failures[0]}"
             )
             self._retry_later()
+        elif (
+            restore
+            and self.restore is not None
+            and self.restore.delivered(state.nodes) < len(set(state.nodes))
+        ):
+            self._retry_later()  # a replicator not ready yet: its plan is due when it is
+
+    def _plan_for(self, node: str, *, restore: bool) -> NodePlan | None:
+        """What ``node`` lacks of the job's plans (None: it holds them all)."""
+        policy = self.policy
+        if policy is not None and self.policy_delivered.get(node) == policy.generation:
+            policy = None
+        out = (self.outgoing or {}).get(node)
+        peers = out.message if out is not None and self.delivered.get(node) != out.content else None
+        plan = self.restore.plan if restore and self.restore and node not in self.restore.acked else None
+        if policy is None and peers is None and plan is None:
+            return None
+        return NodePlan(job=self.job_id, node=node, policy=policy, peers=peers, restore_plan=plan)
+
+    def _took(self, node: str, sent: NodePlan, result: NodePlanResult) -> list[str]:
+        """Record the parts ``node`` stored; the parts it refused, as failures."""
+        if "policy" in result.stored and sent.policy is not None:
+            self.policy_delivered[node] = sent.policy.generation
+        out = (self.outgoing or {}).get(node)
+        if "peers" in result.stored and out is not None and out.message is sent.peers:
+            self.delivered[node] = out.content
+        restore = self.restore
+        if "restore_plan" in result.stored and restore is not None and restore.plan is sent.restore_plan:
+            restore.acked.add(node)
+        if "policy" in result.refused:
+            self.policy = None  # it holds a newer generation: send a fresh one next round
+        if "peers" in result.refused:
+            self.peer_digest = None  # likewise: plan the peers again with a newer generation...
+            if self.outgoing is not None:
+                self.outgoing.pop(node, None)  # ...for this node too (its view would be kept otherwise)
+        refused = sorted(result.refused.items())
+        return [f"{node}: holds a newer {part} (generation {g})" for part, g in refused]
+
+    async def _put_plan(self, endpoint: str, plan: NodePlan, node: str) -> NodePlanResult:
+        """``PUT .../plan``, or each part on its own endpoint on a replicator from before it (404)."""
+        replicators = self.ctx.replicators
+        try:
+            return await replicators.put_node_plan(endpoint, plan, node=node)
+        except ReplicatorError as exc:
+            if exc.status != 404:
+                raise
+        stored: list[str] = []
+        refused: dict[str, int] = {}
+
+        async def put(name: str, call: Awaitable[object]) -> None:
+            try:
+                await call
+                stored.append(name)
+            except ReplicatorError as exc:
+                if exc.status != 409:
+                    raise
+                refused[name] = 0  # a newer one is held (its generation is in the 409's answer)
+
+        if plan.policy is not None:
+            await put("policy", replicators.put_policy(endpoint, plan.policy, node=node))
+        if plan.peers is not None:
+            await put("peers", replicators.put_peers(endpoint, plan.peers, node=node))
+        if plan.restore_plan is not None:
+            await put("restore_plan", replicators.put_restore_plan(endpoint, plan.restore_plan, node=node))
+        return NodePlanResult(job=plan.job, node=node, stored=tuple(stored), refused=refused)
 
     # ------------------------------------------------------------------------------ orbax
 
@@ -483,7 +543,9 @@ class JobController:
 
     # ------------------------------------------------------------------------------ restore
 
-    async def _publish_restore(self, info: JobSetInfo, state: JobState, cluster: ClusterView) -> JobState:
+    async def _plan_restore(self, info: JobSetInfo, state: JobState, cluster: ClusterView) -> JobState:
+        """Choose the attempt's restore plan from the inventories, once every replicator is ready or
+        ``restore_grace`` has passed (sent by ``_send_plans``)."""
         attempt = state.generation
         if self.restore is None or self.restore.plan.generation != attempt:
             if state.restore_generation == attempt:
@@ -500,7 +562,6 @@ class JobController:
             self.restore = _Restore(plan)
             state = self.state = dataclasses.replace(state, restore_generation=attempt)
             self._restore_event(plan, len(invs), missing)
-        await self._send_restore(self.restore, state.nodes, cluster)
         return state
 
     def _restore_event(self, plan: RestorePlan, answered: int, missing: list[str]) -> None:
@@ -521,28 +582,29 @@ class JobController:
             f"attempt {plan.generation} restores step {plan.step} (ranks by source: {text}){without}",
         )
 
-    async def _send_restore(self, restore: _Restore, nodes: Sequence[str], cluster: ClusterView) -> None:
-        todo = {}
-        for node in nodes:
-            rep = cluster.replicator(node)
-            if node not in restore.acked and rep is not None and rep.ready:
-                todo[node] = rep.endpoint
-        plan = restore.plan
-        results = await _gather(
-            self.ctx.replicators.put_restore_plan(ep, plan, node=n) for n, ep in todo.items()
-        )
-        for node, result in zip(todo, results, strict=True):
-            outcome = "error" if isinstance(result, BaseException) else "ok"
-            self.ctx.metrics.replicator_calls.labels("put_restore_plan", outcome).inc()
-            if outcome == "ok":
-                restore.acked.add(node)
-        if restore.delivered(nodes) < len(set(nodes)):
-            self._retry_later()
-
     async def _inventories(self, nodes: Sequence[str], cluster: ClusterView) -> list[NodeInventory]:
+        """Every node's inventory. One round at a time: a caller that finds a round in flight for the same
+        nodes shares its answers (the refresh timer's and a reconcile choosing the restore plan would
+        otherwise ask every node twice, as they did at 1,024 nodes)."""
+        key = tuple(nodes)
+        asking = self._asking
+        if asking is None or asking[0] != key or asking[1].done():
+            asking = self._asking = (key, asyncio.ensure_future(self._ask_inventories(nodes, cluster)))
+        return await asyncio.shield(asking[1])
+
+    async def _ask_inventories(self, nodes: Sequence[str], cluster: ClusterView) -> list[NodeInventory]:
+        """Every node's inventory, in at most half of ``--http-concurrency`` calls at once: the rest stays
+        free for the plans (at 4,096 nodes on an overloaded VM the refresh round's calls timed out and
+        retried while a replaced node's six calls waited behind them for 233 s)."""
         job = self.job_id
         targets = {n: rep.endpoint for n in nodes if (rep := cluster.replicator(n))}
-        results = await _gather(self.ctx.replicators.inventory(ep, job, node=n) for n, ep in targets.items())
+        slots = asyncio.Semaphore(max(1, self.ctx.settings.http_concurrency // 2))
+
+        async def ask(endpoint: str, node: str) -> NodeInventory | None:
+            async with slots:
+                return await self.ctx.replicators.inventory(endpoint, job, node=node)
+
+        results = await _gather(ask(ep, n) for n, ep in targets.items())
         out = []
         for node, result in zip(targets, results, strict=True):
             if isinstance(result, NodeInventory):

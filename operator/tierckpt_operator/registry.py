@@ -14,6 +14,7 @@ by the operator's own watch handlers into ``Runtime.watched``.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from typing import Any
 
 import kopf
@@ -63,7 +64,7 @@ def build_registry(settings: Settings, runtime: Runtime, *, role: str = "leader"
         raise ValueError(f"unknown role {role!r}")
     registry = kopf.OperatorRegistry()
     _lifecycle(registry, settings, runtime)
-    _indices(registry, settings, runtime)
+    _indices(registry, settings, runtime, leading=role == "leader")
     if settings.webhook_enabled:
         _admission(registry, settings, runtime)
     if role == "leader":
@@ -94,10 +95,30 @@ def _lifecycle(registry: kopf.OperatorRegistry, settings: Settings, runtime: Run
         await runtime.stop()
 
 
+class DiffBase(kopf.AnnotationsDiffBaseStorage):
+    """kopf's diff base (what an object was when its change handlers last ran), built only for kinds with
+    change handlers: pods and nodes have event handlers only, and kopf deep-copied every one of their
+    events to build it anyway (about a sixth of kopf's CPU at 1,024 nodes)."""
+
+    EVENTS_ONLY = frozenset({"Pod", "Node"})
+
+    def build(
+        self, *, body: kopf.Body, extra_fields: Iterable[kopf.FieldSpec] | None = None
+    ) -> kopf.BodyEssence:
+        if body.get("kind") in self.EVENTS_ONLY:
+            return kopf.BodyEssence()
+        return super().build(body=body, extra_fields=extra_fields)
+
+    def fetch(self, *, body: kopf.Body) -> kopf.BodyEssence | None:
+        if body.get("kind") in self.EVENTS_ONLY:
+            return None
+        return super().fetch(body=body)
+
+
 def _configure_kopf(kopf_settings: kopf.OperatorSettings, settings: Settings) -> None:
     kopf_settings.persistence.finalizer = "tierckpt.io/cleanup"
     kopf_settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="tierckpt.io")
-    kopf_settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+    kopf_settings.persistence.diffbase_storage = DiffBase(
         prefix="tierckpt.io", key="last-handled-configuration"
     )
     kopf_settings.posting.level = logging.WARNING
@@ -124,7 +145,11 @@ def _configure_kopf(kopf_settings: kopf.OperatorSettings, settings: Settings) ->
 # ------------------------------------------------------------------------------------ indices
 
 
-def _indices(registry: kopf.OperatorRegistry, settings: Settings, runtime: Runtime) -> None:
+def _indices(registry: kopf.OperatorRegistry, settings: Settings, runtime: Runtime, *, leading: bool) -> None:
+    """The indices; when ``leading``, a pod's or node's event also wakes the jobs it concerns, from the
+    same handler (one handler an event: kopf's cost per handler call was a fifth of the operator's CPU
+    at 1,024 nodes)."""
+
     @kopf.index(*JOBSET, id="tierckpt_jobsets", annotations=OPTED, registry=registry)
     def jobsets(
         body: kopf.Body, namespace: str | None, name: str, uid: str, meta: kopf.Meta, **_: Any
@@ -147,29 +172,38 @@ def _indices(registry: kopf.OperatorRegistry, settings: Settings, runtime: Runti
             return {name: ConfigRecord(name, error=str(exc))}
 
     # Pods and nodes: the operator's own indices, kept from the watch events (clusterview.WATCHED_IDS).
-    # Registered before the wake-ups: kopf calls an object's handlers in order, so a job woken by an
-    # event reads the index with it. The event handlers are coroutines: kopf runs a plain function in a
+    # Each records the object, then (leading) wakes the jobs it concerns: a job woken by an event reads
+    # the index with it. The event handlers are coroutines: kopf runs a plain function in a
     # thread of its executor, a hop per handler and event (thousands of them a second at scale).
 
     @kopf.on.event("v1", "pods", id="index-worker", labels=MANAGED, registry=registry)
     async def index_worker(
-        body: kopf.Body, namespace: str | None, name: str, type: str | None, **_: Any
+        body: kopf.Body, namespace: str | None, name: str, type: str | None, labels: kopf.Labels, **_: Any
     ) -> None:
         w = worker_of(body) if type != "DELETED" else None
         runtime.watched["tierckpt_workers"].put(f"{namespace}/{name}", w.job_key if w else None, w)
+        if leading and (jobset := labels.get(Labels.JOBSET_NAME)):
+            runtime.poke((_namespaced(namespace), jobset))
 
     @kopf.on.event("v1", "pods", id="index-replicator", labels=settings.replicator_labels, registry=registry)
     async def index_replicator(
-        body: kopf.Body, namespace: str | None, name: str, type: str | None, **_: Any
+        body: kopf.Body, namespace: str | None, name: str, type: str | None, spec: kopf.Spec, **kwargs: Any
     ) -> None:
         r = replicator_of(body, settings.replicator_api_port, settings.replicator_scheme)
         r = r if type != "DELETED" else None
         runtime.watched["tierckpt_replicators"].put(f"{namespace}/{name}", r.node if r else None, r)
+        if leading:
+            if node := spec.get("nodeName"):
+                runtime.poke_node(node)
+            runtime.configs.poke(runtime.view(kwargs))
 
     @kopf.on.event("v1", "nodes", id="index-node", registry=registry)
-    async def index_node(name: str, labels: kopf.Labels, type: str | None, **_: Any) -> None:
+    async def index_node(name: str, labels: kopf.Labels, type: str | None, **kwargs: Any) -> None:
         known = tuple(sorted(labels.items())) if type != "DELETED" else None
         runtime.watched["tierckpt_nodes"].put(name, name, known)
+        if leading:
+            runtime.poke_node(name)
+            runtime.configs.poke(runtime.view(kwargs))
 
     @kopf.index(*CKJOB, id="tierckpt_ckjobs", registry=registry)
     def ckjobs(
@@ -319,26 +353,6 @@ def _configs(registry: kopf.OperatorRegistry, settings: Settings, runtime: Runti
 
 
 def _wakeups(registry: kopf.OperatorRegistry, settings: Settings, runtime: Runtime) -> None:
-    @kopf.on.event("v1", "pods", id="worker-changed", labels=MANAGED, registry=registry)
-    async def worker_changed(labels: kopf.Labels, namespace: str | None, **_: Any) -> None:
-        jobset = labels.get(Labels.JOBSET_NAME)
-        if jobset:
-            runtime.poke((_namespaced(namespace), jobset))
-
-    @kopf.on.event(
-        "v1", "pods", id="replicator-changed", labels=settings.replicator_labels, registry=registry
-    )
-    async def replicator_changed(spec: kopf.Spec, **kwargs: Any) -> None:
-        node = spec.get("nodeName")
-        if node:
-            runtime.poke_node(node)
-        runtime.configs.poke(runtime.view(kwargs))
-
-    @kopf.on.event("v1", "nodes", id="node-changed", registry=registry)
-    async def node_changed(name: str, **kwargs: Any) -> None:
-        runtime.poke_node(name)
-        runtime.configs.poke(runtime.view(kwargs))
-
     @kopf.on.event(*JOBSET, id="jobset-changed", annotations=OPTED, registry=registry)
     async def jobset_changed(namespace: str | None, name: str, **_: Any) -> None:
         runtime.poke((_namespaced(namespace), name))

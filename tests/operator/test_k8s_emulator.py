@@ -129,6 +129,11 @@ async def test_label_selectors_on_list_and_watch(kube):
     await kube.post(CM, json={"metadata": {"name": "e", "labels": {"app": "x"}}})
     await asyncio.wait_for(task, 5)
     assert [(e["type"], e["object"]["metadata"]["name"]) for e in seen] == [("ADDED", "a"), ("ADDED", "e")]
+    # every object carries its kind and apiVersion, as kube-apiserver's watch events do (kopf's diff base
+    # is kept by kind: tierckpt_operator.registry.DiffBase)
+    assert {(e["object"]["kind"], e["object"]["apiVersion"]) for e in seen} == {("ConfigMap", "v1")}
+    node = await _json(await kube.post("/api/v1/nodes", json={"metadata": {"name": "n1"}}))
+    assert (node["kind"], node["apiVersion"]) == ("Node", "v1")
 
 
 async def test_namespaces_and_core_discovery(kube):

@@ -2,7 +2,8 @@
 the operator process with production settings, one mutual-TLS fake replicator per node): 192 nodes, past
 ``peers_full_view_max`` (128), so each node is sent its own neighbourhood of the peer plan.
 
-What must hold at any size: every node gets its peers, in a message that does not grow with the job;
+What must hold at any size: every node gets its peers, in a message that does not grow with the job,
+with the policy and the restore plan in one call;
 each node's calls share kept-alive connections; one node replaced re-sends peers only to the nodes whose
 view changed (a delta, not the whole job). Times are bounded loosely (this machine may be shared: at a
 load average of 30 on 2 vCPUs peers took 30 s and a replacement 0.98 s, on 2 s of operator CPU); the
@@ -61,6 +62,9 @@ def test_192_nodes_get_their_own_peers_over_kept_connections_and_a_replaced_node
     # peers, policy and restore plan (and the inventory asked for) over one kept-alive connection a node
     assert fig["deliver_connections_max"] <= 2, fig
     assert fig["deliver_connections"] <= NODES + NODES // 8, fig
+    # one call a node for the policy, its peers and the restore plan together (NodePlan), besides the
+    # inventory the restore plan is chosen from (and at most one refresh round of inventories)
+    assert fig["deliver_requests"] <= 3 * NODES, fig
     # one node replaced: new peers only where the view changed (the newcomer, its senders, their
     # senders), no new handshake but the newcomer's
     assert 1 <= fig["replace_nodes_sent_new_peers"] <= 24, fig

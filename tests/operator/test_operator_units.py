@@ -693,6 +693,39 @@ def test_peer_views_and_state_round_trip():
     )
 
 
+def test_a_replan_keeps_the_views_that_say_the_same():
+    """One node replaced changes a handful of views; making all 4,096 again took about 0.3 s of the
+    replacement. A view that says the same is kept (the same object, its generation too); every other
+    is made anew, and each equals what a plan from scratch makes of it."""
+    n = 300
+    state = JobState(
+        generation=1,
+        nodes=tuple(f"n{i}" for i in range(n)),
+        domains=tuple(f"z{i % 4}" for i in range(n)),
+        pods=tuple(f"p{i}" for i in range(n)),
+    )
+    state = dataclasses.replace(state, peers=decide_peers(state, 2), peer_generation=9)
+    endpoints = {node: f"https://10.0.{i // 200}.{i % 200}:8470" for i, node in enumerate(state.nodes)}
+    first = peer_views("j", state, endpoints)
+    replaced = dataclasses.replace(
+        state, nodes=(*state.nodes[:150], "new", *state.nodes[151:]), peer_generation=10
+    )
+    replaced = dataclasses.replace(replaced, peers=decide_peers(replaced, 2))  # keeps the valid edges
+    endpoints["new"] = "https://10.9.9.9:8470"
+    kept = peer_views("j", replaced, endpoints, (), first)
+    fresh = peer_views("j", replaced, endpoints)
+    same = [node for node in kept if kept[node] is first.get(node)]
+    assert 250 < len(same) < n and "new" not in same
+    for node in replaced.nodes:
+        assert dataclasses.replace(kept[node], generation=10) == fresh[node]
+        assert kept[node].generation == (9 if node in same else 10)
+    # another attempt, another endpoint or domain: made anew
+    moved = dict(endpoints, n7="https://10.7.7.7:8470")
+    assert peer_views("j", replaced, moved, (), kept)["n7"] is not kept["n7"]
+    again = peer_views("j", dataclasses.replace(replaced, generation=2), endpoints, (), kept)
+    assert not any(again[node] is kept[node] for node in replaced.nodes)
+
+
 def test_a_replicator_stages_the_operators_plan_under_every_peer_assignment_of_its_attempt(tmp_path):
     """Soak seed 1123556854: the plan's generation was the attempt and the peer assignment's milliseconds,
     so a restarted replicator dropped the operator's plan as older and computed its own. Each peer
@@ -872,3 +905,23 @@ def test_decide_assignment_names_the_pods_that_share_a_rank():
     assert not d.complete and d.problem == "9 scheduled pods for 8 ranks"
     assert d.suspects == ("p3-0", "p3-0-b")
     assert decide_assignment(info, pods[:7], JobState(), {}).suspects == ()
+
+
+def test_kopf_builds_no_diff_base_for_pods_and_nodes():
+    """Pods and nodes have event handlers only: kopf deep-copied each of their events to build a diff base
+    nothing compares (a sixth of kopf's CPU at 1,024 nodes). JobSets and configurations keep theirs."""
+    from tierckpt_operator.registry import DiffBase
+
+    storage = DiffBase(prefix="tierckpt.io", key="last-handled-configuration")
+    pod = {
+        "kind": "Pod",
+        "apiVersion": "v1",
+        "metadata": {"name": "p", "labels": {"a": "b"}},
+        "spec": {"x": 1},
+    }
+    node = {"kind": "Node", "apiVersion": "v1", "metadata": {"name": "n"}, "spec": {}}
+    for body in (pod, node):
+        assert storage.build(body=kopf.Body(body)) == {} and storage.fetch(body=kopf.Body(body)) is None
+    jobset = {**pod, "kind": "JobSet", "apiVersion": "jobset.x-k8s.io/v1alpha2"}
+    essence = storage.build(body=kopf.Body(jobset))
+    assert essence["spec"] == {"x": 1} and essence["metadata"]["labels"] == {"a": "b"}

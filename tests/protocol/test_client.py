@@ -5,6 +5,7 @@ against scripted answers (httpx's MockTransport), for the async and the sync for
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
@@ -21,6 +22,8 @@ from tierckpt.protocol.control import (
     BackupResult,
     JobPolicy,
     NodeInventory,
+    NodePlan,
+    NodePlanResult,
     PeerAssignment,
     PeerNode,
     PurgeResult,
@@ -98,6 +101,34 @@ async def test_every_call_against_the_real_app(served):
         await anonymous.status(NODE)
     assert no_token.value.status == 401
     await anonymous.aclose()
+
+
+async def test_a_node_plan_is_one_call_and_its_shared_parts_are_encoded_once(served, monkeypatch):
+    """The operator sends each node one ``NodePlan``: every node's own peers, and the job's one policy
+    and restore plan. Each plan's bytes are what ``to_bytes`` gives, put together from its parts' JSON,
+    each shared part encoded once however many nodes' plans carry it."""
+    from tierckpt.protocol import client as client_module
+
+    client, daemon = served
+    nodes = {"node-a": PeerNode("node-a", NODE), "node-b": PeerNode("node-b", "http://10.0.0.8:8470")}
+    peers = PeerAssignment(job=JOB, generation=2, nodes=nodes, peers={"node-a": ("node-b",)})
+    policy = JobPolicy(job=JOB, generation=1, bucket="ckpt-bucket")
+    plan = RestorePlan(job=JOB, step=None, world_size=2, sources={}, generation=2)
+    whole = NodePlan(job=JOB, node="node-a", policy=policy, peers=peers, restore_plan=plan)
+    assert await client.put_node_plan(NODE, whole, node="node-a") == NodePlanResult(
+        job=JOB, node="node-a", stored=("policy", "peers", "restore_plan")
+    )
+    assert daemon.policies.get(JOB) == policy and daemon.assignments.get(JOB) == peers
+    with pytest.raises(ContractError, match="answers as node"):  # the answer must come from that node
+        await client.put_node_plan(NODE, whole, node="node-b")
+
+    policy, plan = JobPolicy(job=JOB, generation=3, bucket="ckpt-bucket"), dataclasses.replace(plan, step=7)
+    encoded = []
+    real = client_module.record_bytes
+    monkeypatch.setattr(client_module, "record_bytes", lambda r: encoded.append(r) or real(r))
+    plans = [NodePlan(job=JOB, node=f"node-{i}", policy=policy, restore_plan=plan) for i in range(50)]
+    assert all(client_module._encoded(p) == p.to_bytes() for p in plans)
+    assert encoded == [policy, plan]
 
 
 # ------------------------------------------------------------------------------ scripted answers

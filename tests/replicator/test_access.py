@@ -64,6 +64,7 @@ def test_a_node_may_only_read_inventories_of_shared_jobs(members: JobMembers) ->
         "put_peers",
         "put_policy",
         "put_restore_plan",
+        "put_node_plan",
         "backup",
         "restore",
         "purge",

@@ -14,6 +14,8 @@ from tierckpt.protocol.api import ENDPOINTS
 from tierckpt.protocol.control import (
     JobPolicy,
     NodeInventory,
+    NodePlan,
+    NodePlanResult,
     NodeStatus,
     PeerAssignment,
     PeerNode,
@@ -72,7 +74,7 @@ def assignment(generation: int = 1, job: str = JOB) -> PeerAssignment:
 
 
 ROUTES = [(ep.method, ep.url_path(**{p: JOB for p in ep.path_params})) for ep in ENDPOINTS if ep.auth]
-assert len(ROUTES) == 11 and ("DELETE", f"/v1/jobs/{JOB}") in ROUTES and ("GET", "/v1/openapi.json") in ROUTES
+assert len(ROUTES) == 12 and ("DELETE", f"/v1/jobs/{JOB}") in ROUTES and ("GET", "/v1/openapi.json") in ROUTES
 
 
 @pytest.mark.parametrize(("method", "path"), ROUTES)
@@ -328,5 +330,76 @@ async def test_policy_bodies_are_bounded(api):
     client, daemon = api
     huge = policy().to_bytes()[:-1] + b',"config":"' + b"x" * (128 << 10) + b'"}'
     resp = await client.put(f"/v1/jobs/{JOB}/policy", headers=AUTH, content=huge)
+    assert resp.status_code == 413
+    assert not (daemon.settings.root / JOB).exists()
+
+
+async def test_a_node_plan_stores_each_part_as_its_own_endpoint_would(api):
+    """``PUT .../plan`` carries the policy, the peers and the restore plan in one call (the operator's one
+    call a node, docs/benchmarks.md): each is stored, or refused for a newer generation, as its own
+    endpoint would; a plan addressed to another node, or for another job, changes nothing."""
+    client, daemon = api
+    root = daemon.settings.root
+    url = f"/v1/jobs/{JOB}/plan"
+    restore = RestorePlan(job=JOB, step=None, world_size=4, sources={}, generation=1)
+    whole = NodePlan(job=JOB, node="node-a", policy=policy(5), peers=assignment(2), restore_plan=restore)
+    resp = await client.put(url, headers=AUTH, content=whole.to_bytes())
+    assert resp.status_code == 200, resp.text
+    assert NodePlanResult.from_bytes(resp.content) == NodePlanResult(
+        job=JOB, node="node-a", stored=("policy", "peers", "restore_plan")
+    )
+    state = state_dir(root, JOB)
+    assert JobPolicy.from_bytes((state / JobPolicy.FILE).read_bytes()) == policy(5)
+    assert PeerAssignment.from_bytes((state / PeerAssignment.FILE).read_bytes()) == assignment(2)
+    assert read_control(root, JOB, RestorePlan.FILE, RestorePlan) == restore
+    assert daemon.policies.get(JOB) == policy(5)
+
+    # older peers and policy are refused with what the node holds; the same plan again is stored
+    stale = NodePlan(job=JOB, node="node-a", policy=policy(4), peers=assignment(1), restore_plan=restore)
+    resp = await client.put(url, headers=AUTH, content=stale.to_bytes())
+    assert resp.status_code == 200, resp.text
+    assert NodePlanResult.from_bytes(resp.content) == NodePlanResult(
+        job=JOB, node="node-a", stored=("restore_plan",), refused={"policy": 5, "peers": 2}
+    )
+    assert PeerAssignment.from_bytes((state / PeerAssignment.FILE).read_bytes()) == assignment(2)
+    assert daemon.policies.get(JOB) == policy(5)
+
+    # only a part: the newer peers alone
+    resp = await client.put(
+        url, headers=AUTH, content=NodePlan(job=JOB, node="node-a", peers=assignment(3)).to_bytes()
+    )
+    assert NodePlanResult.from_bytes(resp.content).stored == ("peers",)
+    assert PeerAssignment.from_bytes((state / PeerAssignment.FILE).read_bytes()) == assignment(3)
+
+    before = {f.name: f.read_bytes() for f in state.iterdir()}
+    for path, body in (
+        (url, NodePlan(job=JOB, node="node-b", peers=assignment(9)).to_bytes()),  # another node's
+        (f"/v1/jobs/{JOB}x/plan", NodePlan(job=JOB, node="node-a", peers=assignment(9)).to_bytes()),
+        (
+            url,
+            NodePlan(job=JOB, node="node-a", peers=assignment(9))
+            .to_bytes()
+            .replace(b'"peers":{', b'"peers":['),
+        ),
+        (
+            url,
+            b'{"kind":"tierckpt.node-plan","version":1,"job":"%s","node":"node-a"}' % JOB.encode(),
+        ),  # no part
+        (
+            url,
+            NodePlan(job=JOB, node="node-a", policy=policy(9))
+            .to_bytes()
+            .replace(b'"job":"team', b'"job":"tram', 2),
+        ),
+    ):
+        resp = await client.put(path, headers=AUTH, content=body)
+        assert resp.status_code == 400, (path, body, resp.text)
+    assert {f.name: f.read_bytes() for f in state.iterdir()} == before
+
+
+async def test_node_plan_bodies_are_bounded(api):
+    client, daemon = api
+    huge = b'{"kind":"tierckpt.node-plan","pad":"' + b"x" * (128 << 10) + b'"}'
+    resp = await client.put(f"/v1/jobs/{JOB}/plan", headers=AUTH, content=huge)
     assert resp.status_code == 413
     assert not (daemon.settings.root / JOB).exists()

@@ -20,6 +20,8 @@ from tierckpt.protocol.control import (
     BackupResult,
     JobPolicy,
     NodeInventory,
+    NodePlan,
+    NodePlanResult,
     NodeStatus,
     PeerAssignment,
     PurgeResult,
@@ -42,6 +44,7 @@ __all__ = [
     "PATH_PARAMS",
     "PORTS",
     "PURGE",
+    "PUT_NODE_PLAN",
     "PUT_ORBAX_SESSION",
     "PUT_PEERS",
     "PUT_POLICY",
@@ -192,6 +195,19 @@ PUT_RESTORE_PLAN = Endpoint(
     "Store the job's restore plan (control/restore.json) unless an older generation, and stage this "
     "node's ranks from it (the same plan again does not restart staging).",
 )
+PUT_NODE_PLAN = Endpoint(
+    "put_node_plan",
+    "PUT",
+    "/v1/jobs/{job}/plan",
+    NodePlan,
+    NodePlanResult,
+    200,
+    (400, *_AUTH, 413),
+    "Store what the operator has for this node of the job in one call: any of the policy, the peer "
+    "assignment and the restore plan, each as its own endpoint stores it (policy, peers, then the plan); "
+    "answers which parts were stored and which were refused for a newer generation held here. A plan "
+    "addressed to another node is a 400.",
+)
 PUT_ORBAX_SESSION = Endpoint(
     "put_orbax_session",
     "PUT",
@@ -311,6 +327,7 @@ ENDPOINTS: tuple[Endpoint, ...] = (
     PUT_PEERS,
     PUT_POLICY,
     PUT_RESTORE_PLAN,
+    PUT_NODE_PLAN,
     PUT_ORBAX_SESSION,
     BACKUP,
     RESTORE,

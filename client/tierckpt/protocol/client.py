@@ -17,13 +17,13 @@ the request is sent (the TLS server name). With ``token`` (legacy ``--auth token
 read fresh from ``TokenFile`` for every request, so rotation needs no restart.
 
 This module needs httpx and tenacity, which the ``client`` extra installs (the replicator, operator and
-demo extras include it); it is the only module of ``tierckpt`` that imports an HTTP library.
+demo extras include it); it and its transport to named nodes (``tierckpt.protocol.node_transport``) are
+the only modules of ``tierckpt`` that import an HTTP library.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import dataclasses
 import logging
 import re
@@ -36,11 +36,14 @@ import httpx
 import tenacity
 
 from tierckpt.protocol import api
-from tierckpt.protocol.codec import Message
+from tierckpt.protocol.codec import Message, Record, encode_from_parts, record_bytes
 from tierckpt.protocol.control import (
+    PLAN_PARTS,
     BackupResult,
     JobPolicy,
     NodeInventory,
+    NodePlan,
+    NodePlanResult,
     NodeStatus,
     PeerAssignment,
     PurgeResult,
@@ -49,6 +52,7 @@ from tierckpt.protocol.control import (
 )
 from tierckpt.protocol.errors import ContractError, FormatError, RetryableError
 from tierckpt.protocol.identity import TlsCredentials, node_server_name
+from tierckpt.protocol.node_transport import NodeTransport
 from tierckpt.protocol.orbax import OrbaxSession
 from tierckpt.protocol.tokens import TokenFile
 
@@ -190,18 +194,34 @@ def _build(
 
 
 _ENCODINGS: dict[int, bytes] = {}
+_PARTS: dict[int, bytes] = {}
 
 
 def _encoded(body: Message) -> bytes:
     """``body.to_bytes()``, made once per message object: the operator sends one policy or restore plan
-    (or one whole peer map) to every node of a job. Messages are frozen; the entry goes with the
-    object."""
-    key = id(body)
-    found = _ENCODINGS.get(key)
+    (or one whole peer map) to every node of a job. A ``NodePlan`` (one per node) is put together from
+    its parts' JSON, each made once however many nodes' plans carry it. Messages are frozen; an entry
+    goes with its object."""
+    found = _ENCODINGS.get(id(body))
     if found is None:
-        found = _ENCODINGS[key] = body.to_bytes()
-        weakref.finalize(body, _ENCODINGS.pop, key, None)
+        if isinstance(body, NodePlan):
+            parts = zip(PLAN_PARTS, body.parts(), strict=True)
+            encoded = {name: _part(part) if part is not None else b"null" for name, part in parts}
+            found = _remember(_ENCODINGS, body, encode_from_parts(body, encoded))
+        else:
+            found = _remember(_ENCODINGS, body, body.to_bytes())
     return found
+
+
+def _part(record: Record) -> bytes:
+    found = _PARTS.get(id(record))
+    return found if found is not None else _remember(_PARTS, record, record_bytes(record))
+
+
+def _remember(cache: dict[int, bytes], obj: object, encoded: bytes) -> bytes:
+    cache[id(obj)] = encoded
+    weakref.finalize(obj, cache.pop, id(obj), None)
+    return encoded
 
 
 def _check_size(req: _Request, declared: str | None, limit: int) -> None:
@@ -266,62 +286,8 @@ def _limits(concurrency: int, named: bool) -> httpx.Limits:
     connection is kept by address, and an address may belong to another node by now (a pod IP reused),
     while the server's name is verified only in the handshake. (A handshake costs about a millisecond;
     these calls come seconds apart.) The asyncio client keeps each node's connections apart instead
-    (``_PerNode``), and alive."""
+    (``NodeTransport``), and alive."""
     return httpx.Limits(max_connections=concurrency, max_keepalive_connections=0 if named else concurrency)
-
-
-class _PerNode(httpx.AsyncBaseTransport):
-    """A transport per node the calls are for (by the TLS server name the call asks for), each with its
-    own pool of kept-alive connections: a TLS connection proved one node's identity in its handshake, so
-    it carries only that node's calls, wherever the node's address points now. The operator's calls to
-    thousands of replicators then cost one handshake per node, not one per call. The least recently used
-    node's transport is closed past ``max_nodes``. An idle connection is kept ``keepalive`` seconds:
-    longer than the caller's rounds (the operator's are 30 to 60 s apart), shorter than the server's own
-    keep-alive (the replicator's ``--api-keepalive``), or every round pays a handshake per node."""
-
-    def __init__(self, verify: ssl.SSLContext, *, max_nodes: int = 8192, keepalive: float = 30.0) -> None:
-        self._verify, self._max, self._keepalive = verify, max_nodes, keepalive
-        self._by_node: collections.OrderedDict[str, httpx.AsyncHTTPTransport] = collections.OrderedDict()
-        self._closing: set[asyncio.Task[None]] = set()
-
-    def _for(self, name: str) -> httpx.AsyncHTTPTransport:
-        transport = self._by_node.get(name)
-        if transport is None:
-            transport = self._by_node[name] = httpx.AsyncHTTPTransport(
-                verify=self._verify,
-                limits=httpx.Limits(
-                    max_connections=4, max_keepalive_connections=2, keepalive_expiry=self._keepalive
-                ),
-                trust_env=False,
-            )
-            while len(self._by_node) > self._max:
-                _, old = self._by_node.popitem(last=False)
-                task = asyncio.get_running_loop().create_task(_close_later(old))
-                self._closing.add(task)
-                task.add_done_callback(self._closing.discard)
-        self._by_node.move_to_end(name)
-        return transport
-
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        name = request.extensions.get("sni_hostname")
-        if not isinstance(name, str) or not name:
-            raise httpx.ConnectError("a call over the per-node pool must name its node", request=request)
-        return await self._for(name).handle_async_request(request)
-
-    async def aclose(self) -> None:
-        transports, self._by_node = list(self._by_node.values()), collections.OrderedDict()
-        for task in list(self._closing):
-            task.cancel()
-        for transport in transports:
-            await transport.aclose()
-
-
-async def _close_later(transport: httpx.AsyncHTTPTransport, delay: float = 60.0) -> None:
-    """Close a transport once the calls it may still carry are over."""
-    try:
-        await asyncio.sleep(delay)
-    finally:
-        await transport.aclose()
 
 
 def _extensions(req: _Request, tls: bool) -> dict[str, Any] | None:
@@ -378,7 +344,7 @@ class ReplicatorClient(_Client):
         self._slots = asyncio.Semaphore(concurrency)
         pools = (False, True) if tls is not None else (False,)
         per_node = (
-            _PerNode(tls.client(named=True), keepalive=keepalive)
+            NodeTransport(tls.client(named=True), keepalive=keepalive)
             if tls is not None and transport is None
             else None
         )
@@ -427,6 +393,14 @@ class ReplicatorClient(_Client):
     ) -> RestorePlan:
         req = self._req(api.PUT_RESTORE_PLAN, endpoint, job=plan.job, body=plan, node=node)
         return _must(await self._call(req, RestorePlan))
+
+    async def put_node_plan(
+        self, endpoint: str, plan: NodePlan, *, node: str | None = None
+    ) -> NodePlanResult:
+        """Everything the node lacks of the job's plans, in one call (see ``NodePlan``); which parts it
+        stored and which it refused for a newer generation."""
+        req = self._req(api.PUT_NODE_PLAN, endpoint, job=plan.job, body=plan, node=node)
+        return _must(await self._call(req, NodePlanResult))
 
     async def put_orbax_session(
         self, endpoint: str, session: OrbaxSession, *, node: str | None = None
@@ -581,6 +555,10 @@ class SyncReplicatorClient(_Client):
     def put_restore_plan(self, endpoint: str, plan: RestorePlan, *, node: str | None = None) -> RestorePlan:
         req = self._req(api.PUT_RESTORE_PLAN, endpoint, job=plan.job, body=plan, node=node)
         return _must(self._call(req, RestorePlan))
+
+    def put_node_plan(self, endpoint: str, plan: NodePlan, *, node: str | None = None) -> NodePlanResult:
+        req = self._req(api.PUT_NODE_PLAN, endpoint, job=plan.job, body=plan, node=node)
+        return _must(self._call(req, NodePlanResult))
 
     def put_orbax_session(
         self, endpoint: str, session: OrbaxSession, *, node: str | None = None

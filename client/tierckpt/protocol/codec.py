@@ -24,9 +24,20 @@ import pydantic.json_schema
 
 from tierckpt.protocol.errors import FormatError
 
-__all__ = ["Message", "Record", "decode", "decode_bytes", "encode", "encode_bytes", "json_schema"]
+__all__ = [
+    "Message",
+    "Record",
+    "decode",
+    "decode_bytes",
+    "encode",
+    "encode_bytes",
+    "encode_from_parts",
+    "json_schema",
+    "record_bytes",
+]
 
 T = TypeVar("T", bound="Message")
+R = TypeVar("R", bound="Record")
 
 
 class Record:
@@ -58,10 +69,10 @@ class Message(Record):
         return decode_bytes(cls, data)
 
 
-_adapters: dict[type[Message], pydantic.TypeAdapter[Any]] = {}
+_adapters: dict[type[Record], pydantic.TypeAdapter[Any]] = {}
 
 
-def _adapter(cls: type[T]) -> pydantic.TypeAdapter[T]:
+def _adapter(cls: type[R]) -> pydantic.TypeAdapter[R]:
     """Building a validator is slow; each message class builds it once (a plain dict rather than
     ``functools.cache``, whose ``Hashable`` argument mypy does not accept a class object for)."""
     adapter = _adapters.get(cls)
@@ -84,6 +95,26 @@ def encode_bytes(msg: Message) -> bytes:
     """Compact JSON of a message, with its kind and version first."""
     body = _adapter(type(msg)).dump_json(msg)
     return _envelope(type(msg)) + (b"}" if body == b"{}" else b"," + body[1:])
+
+
+def record_bytes(record: Record) -> bytes:
+    """Compact JSON of a record's fields, as ``encode_bytes`` writes it inside a message (a message
+    nested in another travels without its envelope)."""
+    return _adapter(type(record)).dump_json(record)
+
+
+def encode_from_parts(msg: Message, parts: dict[str, bytes]) -> bytes:
+    """``encode_bytes(msg)``, byte for byte, with its last fields taken from ``parts`` (each field's JSON:
+    its ``record_bytes``, made once for the many messages that share it, or ``b"null"``) instead of
+    encoded again. ``parts`` must name the message's last fields (the JSON keeps the fields' order)."""
+    names = [f.name for f in dataclasses.fields(msg)]  # type: ignore[arg-type]  # every message is one
+    tail = names[len(names) - len(parts) :]
+    if set(tail) != set(parts):
+        raise ValueError(f"{msg.KIND}: {sorted(parts)} are not its last fields {tail}")
+    head = _adapter(type(msg)).dump_json(msg, exclude=set(parts))
+    fields = [head[1:-1]] if head != b"{}" else []
+    fields += [b'"' + name.encode() + b'":' + parts[name] for name in tail]
+    return _envelope(type(msg)) + b"".join(b"," + f for f in fields) + b"}"
 
 
 def decode(cls: type[T], data: Any) -> T:

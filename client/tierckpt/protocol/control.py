@@ -4,8 +4,9 @@ The replicator's state files (``format.state_dir``: ``<root>/.tierckpt/jobs/<job
 write), the restore progress it writes for the client (``<root>/<job>/control/``) and the control API's
 bodies are these typed messages:
 the peer assignment (``PeerAssignment``), the job's restore plan (``RestorePlan``), per-rank restore
-progress (``RestoreStatus``), the job's backup and replication policy (``JobPolicy``), what a node
-holds (``NodeInventory``, from which anyone computes the same restore step with
+progress (``RestoreStatus``), the job's backup and replication policy (``JobPolicy``), the three of them
+for one node in one body (``NodePlan``, answered by ``NodePlanResult``), what a node holds
+(``NodeInventory``, from which anyone computes the same restore step with
 ``tierckpt.planning.restore_plan``), a replicator's health (``NodeStatus``) and the answers of the API's
 actions (``BackupResult``, ``RestoreAccepted``, ``PurgeResult``). Which endpoint carries which
 message: ``tierckpt.protocol.api``.
@@ -36,12 +37,15 @@ __all__ = [
     "MAX_ERASURE_FRAGMENTS",
     "MAX_FETCH_RANKS",
     "MAX_GENERATION",
+    "PLAN_PARTS",
     "BackupResult",
     "FetchRequest",
     "FetchStatus",
     "JobPolicy",
     "JobStatus",
     "NodeInventory",
+    "NodePlan",
+    "NodePlanResult",
     "NodeStatus",
     "PeerAssignment",
     "PeerNode",
@@ -781,3 +785,62 @@ class PurgeResult(Message):
     """Whether this node held anything of the job (now deleted); False: there was nothing to delete."""
     bucket: bool = False
     """Whether the job's backups were deleted from the bucket too (the request's ``bucket=true``)."""
+
+
+PLAN_PARTS = ("policy", "peers", "restore_plan")
+"""The parts of a ``NodePlan``, in the order a replicator applies them (the policy first: a new node's
+staging may need its bucket; the peers before the restore plan: the plan stands for their attempt)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class NodePlan(Message):
+    """The body of ``PUT /v1/jobs/{job}/plan``: what the operator has for one node of a job, in one
+    message: the parts the node does not hold yet of the job's policy, its peer assignment (at scale the
+    node's own neighbourhood of the peer plan) and the restore plan. The node stores each part as its
+    own endpoint would (``PUT .../policy``, ``.../peers``, ``.../restore-plan``), in ``PLAN_PARTS``'
+    order, and answers which it stored. At least one part; each for the message's job."""
+
+    KIND = "tierckpt.node-plan"
+    VERSION = CONTRACT_VERSION
+
+    job: str
+    node: str
+    """The node it is for: a replicator refuses (400) a plan addressed to another node."""
+    policy: JobPolicy | None = None
+    peers: PeerAssignment | None = None
+    restore_plan: RestorePlan | None = None
+
+    def __post_init__(self) -> None:
+        check_job_id(self.job)
+        check_node_name(self.node)
+        parts = [p for p in self.parts() if p is not None]
+        if not parts:
+            raise FormatError("node plan: no part (policy, peers or restore plan)")
+        others = sorted({p.job for p in parts} - {self.job})
+        if others:
+            raise FormatError(f"node plan for job {self.job!r} holds parts for {others}")
+
+    def parts(self) -> tuple[JobPolicy | None, PeerAssignment | None, RestorePlan | None]:
+        """The parts in ``PLAN_PARTS``' order (None: not sent)."""
+        return self.policy, self.peers, self.restore_plan
+
+
+@dataclasses.dataclass(frozen=True)
+class NodePlanResult(Message):
+    """The answer of ``PUT /v1/jobs/{job}/plan``: which parts the node stored, and which it refused
+    because it holds a newer generation (the part's own endpoint would answer 409)."""
+
+    KIND = "tierckpt.node-plan-result"
+    VERSION = CONTRACT_VERSION
+
+    job: str
+    node: str
+    stored: tuple[str, ...] = ()
+    """The parts stored (or held already: the same part again), by ``PLAN_PARTS`` name."""
+    refused: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Part -> the newer generation this node holds instead."""
+
+    def __post_init__(self) -> None:
+        unknown = sorted((set(self.stored) | set(self.refused)) - set(PLAN_PARTS))
+        if unknown:
+            raise FormatError(f"node plan result names unknown parts {unknown}")

@@ -62,27 +62,38 @@ def _messages() -> list[type[Message]]:
     return seen
 
 
-def _relocate(node: Any) -> Any:
-    """A schema with its ``#/$defs/X`` references pointing at ``#/components/schemas/X``."""
+def _relocate(node: Any, renamed: dict[str, str] | None = None) -> Any:
+    """A schema with its ``#/$defs/X`` references pointing at ``#/components/schemas/X`` (or at the name
+    ``renamed`` gives X)."""
+    renamed = renamed or {}
     if isinstance(node, dict):
         return {
-            k: (_REF + v.removeprefix("#/$defs/") if k == "$ref" and isinstance(v, str) else _relocate(v))
+            k: (
+                _REF + renamed.get(name := v.removeprefix("#/$defs/"), name)
+                if k == "$ref" and isinstance(v, str)
+                else _relocate(v, renamed)
+            )
             for k, v in node.items()
         }
     if isinstance(node, list):
-        return [_relocate(v) for v in node]
+        return [_relocate(v, renamed) for v in node]
     return node
 
 
 def components() -> dict[str, dict[str, Any]]:
-    """Every message of the API and every record nested in one, by class name."""
+    """Every message of the API and every record nested in one, by class name. A message nested in
+    another (a ``NodePlan``'s parts) travels without its kind and version: its schema there is
+    ``<Name>Fields``."""
     out: dict[str, dict[str, Any]] = {}
-    for cls in _messages():
+    messages = _messages()
+    names = {cls.__name__ for cls in messages}
+    for cls in messages:
         schema = json_schema(cls)
         defs = schema.pop("$defs", {})
+        renamed = {name: f"{name}Fields" for name in defs if name in names}
         for name, sub in [*defs.items(), (cls.__name__, schema)]:
-            sub = _relocate(sub)
-            if out.setdefault(name, sub) != sub:
+            sub = _relocate(sub, renamed)
+            if out.setdefault(renamed.get(name, name), sub) != sub:
                 raise AssertionError(f"two different schemas are both called {name}")
     return out
 

@@ -21,6 +21,8 @@ from tierckpt.protocol.control import (
     BackupResult,
     JobPolicy,
     NodeInventory,
+    NodePlan,
+    NodePlanResult,
     NodeStatus,
     PeerAssignment,
     PurgeResult,
@@ -140,6 +142,24 @@ class Handlers:
         if not stored:
             raise HTTPException(409, f"generation {plan.generation} is older than {current.generation}")
         return current
+
+    async def put_node_plan(self, request: Request, job: str) -> NodePlanResult:
+        plan = await read_message(request, NodePlan, limit=self.limit, job=job)
+        if plan.node != self.c.settings.node_name:
+            raise HTTPException(400, f"a plan for node {plan.node!r} sent to {self.c.settings.node_name!r}")
+        done: list[tuple[str, bool, int]] = []  # part, stored, the generation the node holds
+        if plan.policy is not None:
+            ok, policy = await self.c.put_policy(plan.policy)
+            done.append(("policy", ok, policy.generation))
+        if plan.peers is not None:
+            ok, peers = await self.c.put_peers(plan.peers)
+            done.append(("peers", ok, peers.generation))
+        if plan.restore_plan is not None:
+            ok, restore = await self.c.put_plan(plan.restore_plan)
+            done.append(("restore_plan", ok, restore.generation))
+        stored = tuple(name for name, ok, _ in done if ok)
+        refused = {name: generation for name, ok, generation in done if not ok}
+        return NodePlanResult(job=job, node=plan.node, stored=stored, refused=refused)
 
     async def put_orbax_session(self, request: Request, job: str) -> OrbaxSession:
         session = await read_message(request, OrbaxSession, limit=self.limit, job=job)
