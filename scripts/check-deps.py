@@ -46,7 +46,7 @@ CODE: dict[str, list[str]] = {
         "client/tierckpt/snapshot",
         "client/tierckpt/integrations",
     ],
-    "client": ["client/tierckpt/protocol/client.py"],
+    "client": ["client/tierckpt/protocol/client.py", "client/tierckpt/protocol/node_transport.py"],
     "replicator": ["replicator", "client/tierckpt/protocol/certs.py", "cli/tierckpt_cli/_bucket.py"],
     "operator": ["operator", "client/tierckpt/protocol/certs.py", "cli/tierckpt_cli/status.py"],
     "csi": ["csi"],
