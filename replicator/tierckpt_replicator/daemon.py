@@ -192,6 +192,8 @@ class Daemon:
             own_inventory=self.local_inventory,
             plan_of=self.stager.plans.get,
             backup=backup,
+            attempts=settings.restore_attempts,
+            retry_max=settings.retry_max,
         )
         self.orbax = OrbaxJobs(
             settings=settings,

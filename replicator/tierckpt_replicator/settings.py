@@ -284,7 +284,11 @@ class Settings:
         metadata=_opt("Deadline for a peer's inventory while computing a restore plan.", unit="s"),
     )
     restore_attempts: int = dataclasses.field(
-        default=5, metadata=_opt("Rounds over all sources before a rank's restore is marked failed.")
+        default=5,
+        metadata=_opt(
+            "Rounds over all sources before a rank's restore, or a fetch a DCP load asked for, is marked "
+            "failed."
+        ),
     )
     # --- GCS backup (tierckpt_replicator.backup)
     gcs_bucket: str = dataclasses.field(

@@ -117,6 +117,24 @@ def test_what_a_crash_keeps_is_the_newest_step_whole_in_primaries_of_any_world_t
     assert committed_everywhere([_held("a", 0, 24), _held("b", 1, 24, replica=True)], ["a", "b"], 2) is None
 
 
+def test_a_resharded_job_keeps_the_step_it_holds_as_replicas_of_the_ranks_of_a_node_it_left() -> None:
+    """A DCP job on a, b, c (step 72, 3 ranks) shrank to b and c and restored 72 there, reading rank 0
+    (whose primary stays on a, the node it left) from b's replica store; it trained no further. A crash
+    then keeps step 72: the harness counted 72 steps of lost work for it, though the job restored 72 at
+    once (soak, seed 1212452211, rounds 6 and 31)."""
+    copies = [
+        _held("a", 0, 72, world=3),
+        _held("b", 1, 72, world=3),
+        _held("c", 2, 72, world=3),
+        _held("b", 0, 72, world=3, replica=True),
+        _held("c", 1, 69, world=3, replica=True),
+    ]
+    assert committed_everywhere(copies, ["b", "c"], None) == 72
+    assert committed_everywhere(copies[1:4], ["c"], None) is None, "rank 0 and 1's copies are on b"
+    # a job that does not reshard restores its own ranks' primaries: a replica does not stand for one
+    assert committed_everywhere(copies, ["b", "c"], 3) is None
+
+
 def test_healing_counts_copies_of_each_ranks_newest_step_on_other_nodes_of_the_job() -> None:
     newest = {0: ("a", 12), 1: ("b", 12)}
     copies = [

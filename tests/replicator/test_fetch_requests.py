@@ -17,6 +17,8 @@ from tierckpt.protocol.control import (
     FetchRequest,
     FetchStatus,
     NodeInventory,
+    PeerAssignment,
+    PeerNode,
     RankHoldings,
     RestorePlan,
     RestoreState,
@@ -25,11 +27,12 @@ from tierckpt.protocol.control import (
     read_fetch_status,
     read_restore_status,
 )
-from tierckpt.protocol.errors import FormatError
+from tierckpt.protocol.errors import FormatError, RetryableError
 from tierckpt.protocol.format import replica_rank_dir, requests_dir
 from tierckpt_demo.step_writer import write_step
 from tierckpt_replicator.assignments import AssignmentStore
 from tierckpt_replicator.inventory import InventoryScanner
+from tierckpt_replicator.replication.ipc import FetchTask, Outcome, TaskResult
 from tierckpt_replicator.restore.requests import FetchRequests, check_request
 
 JOB = "job-a"
@@ -226,7 +229,7 @@ def test_ranks_that_did_not_exist_at_the_plans_step_learn_it_at_once(tmp_path: P
     reshards into them, so they get a ready status with the plan's step instead of waiting for one."""
     from types import SimpleNamespace
 
-    from tierckpt.protocol.control import PeerAssignment, PeerNode, RestoreStatus
+    from tierckpt.protocol.control import RestoreStatus
     from tierckpt_replicator.restore.stage import Stager
 
     nodes = {n: PeerNode(n, f"http://10.0.0.{i}:8470") for i, n in enumerate(("a", "b", "c"))}
@@ -248,3 +251,126 @@ def test_ranks_that_did_not_exist_at_the_plans_step_learn_it_at_once(tmp_path: P
     stager._tell_new_ranks(JOB, fresh, assignment, staged=())
     status = read_restore_status(tmp_path, JOB, 4)
     assert isinstance(status, RestoreStatus) and status.state is RestoreState.NONE
+
+
+# ------------------------------------------------------------------------------------- holders unknown
+
+
+class _Peers:
+    """The other node's control API: ``n1`` holds rank 1's step 5 (its primary, unless ``holds`` is
+    cleared), and answers only while ``reachable`` (a partition: every ask fails as a connect timeout
+    does)."""
+
+    def __init__(self) -> None:
+        self.reachable, self.holds = False, True
+        self.asked = 0
+
+    async def inventory(self, endpoint: str, job: str, *, node: str | None = None) -> NodeInventory:
+        self.asked += 1
+        if not self.reachable:
+            raise RetryableError(f"replicator {endpoint}: GET inventory failed: ConnectTimeout")
+        return _inventory("n1", {1: (5,)} if self.holds else {}, {5: 2})
+
+
+class _Worker:
+    """The replication worker's fetch: stages rank 1's step 5 as a replica, as a peer's copy would."""
+
+    def __init__(self, root: Path) -> None:
+        self.root, self.tasks = root, 0
+
+    def next_id(self) -> int:
+        return self.tasks + 1
+
+    async def run_task(self, task: FetchTask, progress: object) -> TaskResult:
+        assert [s.node for s in task.sources] == ["n1"], task
+        self.tasks += 1
+        replicas = replica_rank_dir(self.root, JOB, 1)
+        write_step(self.root, JOB, 1, 5, world_size=2, sizes=(1000,), parent=replicas)
+        return TaskResult(task.id, True, (Outcome("n1", "ok"),))
+
+
+def _cut_off_peer(root: Path, attempts: int) -> tuple[FetchRequests, _Peers, _Worker]:
+    """Node ``n0`` of a two-node job, holding rank 0's step 5; rank 1's is on ``n1``, cut off."""
+    write_step(root, JOB, 0, 5, world_size=2, sizes=(1000,))
+    nodes = {n: PeerNode(n, f"http://10.0.0.{i}:8470") for i, n in enumerate(("n0", "n1"))}
+    peers_of = {"n0": ("n1",), "n1": ("n0",)}
+    AssignmentStore(root).put(PeerAssignment(JOB, 1, nodes, peers_of, {"n0": 0, "n1": 1}))
+    peers, worker = _Peers(), _Worker(root)
+    scanner = InventoryScanner(root, node="n0", endpoint="http://127.0.0.1:1")
+
+    async def own(job: str) -> NodeInventory:
+        return scanner.inventory(job)
+
+    plan = RestorePlan(JOB, 5, 2, {0: Tier.LOCAL, 1: Tier.PEER})
+    served = FetchRequests(
+        root=root,
+        node="n0",
+        assignments=AssignmentStore(root),
+        supervisor=worker,  # type: ignore[arg-type]
+        peers=peers,  # type: ignore[arg-type]
+        own_inventory=own,
+        plan_of=lambda job: plan,
+        heartbeat=0.05,
+        attempts=attempts,
+        backoff=0.2,
+    )
+    return served, peers, worker
+
+
+async def test_a_request_after_a_partition_ends_asks_the_nodes_again(tmp_path: Path) -> None:
+    """Soak seed 1212452211, rounds 4 and 38: a DCP job grew while the holder of rank 1's step was cut
+    off; the load failed ("no node holds it") until the partition ended, and once more after: the request
+    made just after it ended was answered from the inventories gathered while the holder did not answer
+    (cached for a second). A gather some node did not answer is not served again."""
+    requests, peers, worker = _cut_off_peer(tmp_path, attempts=1)
+    try:
+        during = _request(ranks=(1,))
+        _write(tmp_path, during)
+        status = await _answer(requests, tmp_path, 0, during.id)
+        assert status.state is RestoreState.FAILED, status
+        peers.reachable = True  # the partition ends; the job restarts at once
+        after = _request(ranks=(1,))
+        _write(tmp_path, after)
+        status = await _answer(requests, tmp_path, 0, after.id)
+        assert status.state is RestoreState.READY and status.sources == {1: Tier.PEER}, status
+        assert worker.tasks == 1
+    finally:
+        await requests.close()
+
+
+async def test_a_fetch_asks_again_while_a_holder_does_not_answer(tmp_path: Path) -> None:
+    """ "No node holds it" is a verdict only once every node answered: while the holder is cut off, the
+    fetch makes its rounds, each gathering the inventories again, and fetches once the holder answers."""
+    requests, peers, worker = _cut_off_peer(tmp_path, attempts=4)
+    try:
+        req = _request(ranks=(1,))
+        _write(tmp_path, req)
+
+        async def partition_ends() -> None:
+            while peers.asked < 2:  # it asked, failed, and asked again
+                await asyncio.sleep(0.01)
+            peers.reachable = True
+
+        ending = asyncio.create_task(partition_ends())
+        status = await _answer(requests, tmp_path, 0, req.id)
+        ending.cancel()
+        assert status.state is RestoreState.READY and status.sources == {1: Tier.PEER}, status
+        assert worker.tasks == 1 and peers.asked >= 3
+    finally:
+        await requests.close()
+
+
+async def test_no_holder_among_every_node_fails_at_once(tmp_path: Path) -> None:
+    """Every node answered and none holds the step, nor the bucket: the verdict is final, not retried."""
+    requests, peers, worker = _cut_off_peer(tmp_path, attempts=4)
+    peers.reachable, peers.holds = True, False
+    try:
+        req = _request(ranks=(1,))
+        _write(tmp_path, req)
+        started = time.monotonic()
+        status = await _answer(requests, tmp_path, 0, req.id)
+        assert status.state is RestoreState.FAILED and "no node holds it" in status.message, status
+        assert "unknown" not in status.message and worker.tasks == 0
+        assert time.monotonic() - started < 0.2 * (1 + 2 + 4), "no rounds were waited out"
+    finally:
+        await requests.close()

@@ -211,3 +211,31 @@ async def test_a_restarted_replicator_stages_the_standing_plan_until_training_sa
     await asyncio.wait_for(stager.start(JOB), 10)
     assert asked == [JOB] and JOB not in stager.plans  # it computed a plan (this test's own fails)
     await stager.close()
+
+
+class EmptyBucket(HeldBucket):
+    """A bucket that holds no complete step of the job."""
+
+    async def complete_steps(self, job: str) -> tuple[int, ...]:
+        return ()
+
+
+async def test_a_rank_the_plans_step_did_not_have_is_told_the_step_though_its_primary_is_here(tmp_path: Path):
+    """A DCP job grew from 2 nodes to 3 onto node ``a`` (node rank 2, rank 2), saved step 11 there (3
+    ranks), and went back to step 8 (saved by 2 ranks; step 11 was not committed on every rank). Rank 2
+    has nothing to stage and learns step 8 at once. The stager took the ranks whose primaries live here
+    (rank 2's step 11) for this node's ranks, since its node rank gives none below the plan's world size,
+    and failed rank 2's restore of a step that never had it, every attempt (``step 8 is not complete in
+    the bucket``; found replaying the soak of seed 1212452211)."""
+    nodes = {n: PeerNode(n, f"http://10.0.0.{i}:8470") for i, n in enumerate(("b", "c", "a"))}
+    store = AssignmentStore(tmp_path)
+    store.put(PeerAssignment(JOB, 1, nodes, {}, {"b": 0, "c": 1, "a": 2}, procs_per_node=1, attempt=3))
+    write_step(tmp_path, JOB, 2, STEP + 3, world_size=3, sizes=(4096,))
+    bucket = EmptyBucket(tmp_path)
+    stager = _offline_stager(tmp_path, store, bucket)
+    plan = RestorePlan(JOB, STEP, 2, {0: Tier.LOCAL, 1: Tier.LOCAL}, {0: ("b",), 1: ("c",)}, generation=3)
+    await asyncio.wait_for(stager.start(JOB, plan), 10)
+    told = status(tmp_path, 2)
+    assert (told.state, told.step) == (RestoreState.READY, STEP), told
+    assert bucket.fetched == []
+    await stager.close()

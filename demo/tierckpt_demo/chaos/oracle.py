@@ -113,9 +113,11 @@ def newest_restorable(
 def committed_everywhere(copies: Iterable[Held], nodes: Iterable[str], world: int | None) -> int | None:
     """The newest step whose every rank (of the world that saved it; ``world``: only that one) has a
     committed primary on one of ``nodes``: what a crash now keeps without any other tier. A job that
-    reshards keeps the step it saved on fewer nodes (a job that grew has saved nothing on its new node
-    yet, and still restores that step)."""
-    return newest_restorable((c for c in copies if not c.replica), {}, nodes, world)
+    reshards (``world`` None) keeps the step it saved on fewer nodes (a job that grew has saved nothing on
+    its new node yet, and still restores that step), and counts replicas too: its load reads another
+    rank's step from its node's replica store (``dcp.fetch`` stages it there), so a job that restored a
+    step saved by a node it left holds that rank's step only as a replica until it saves again."""
+    return newest_restorable((c for c in copies if world is None or not c.replica), {}, nodes, world)
 
 
 def lost_work(last: int, committed: int | None, every: int) -> str:

@@ -12,7 +12,11 @@ rank its name says, and is only acted on for a step that the job's restore plan 
 same job are ever fetched, and only into this node's replica store.
 
 Each missing ``(rank, step)`` is fetched once per node, however many ranks ask for it: from a peer that
-holds it (its primary or a replica), else from the bucket. Progress goes to
+holds it (its primary or a replica), else from the bucket. "No node holds it" is only a verdict when
+every node of the job answered: while some did not (cut off, restarting), or a source failed, the
+fetch makes up to ``attempts`` rounds (1 s between them, doubling to ``retry_max``), each from the
+inventories gathered again, before it fails; a gather that some node did not answer is never served to
+a later round or request. Progress goes to
 ``<job>/control/fetch-rank-NNNNN.json`` (a ``control.FetchStatus``), refreshed every ``heartbeat`` seconds
 so the client waits on progress, not on a fixed timeout.
 """
@@ -60,8 +64,9 @@ MAX_REQUEST_BYTES = 1 << 20
 MAX_REQUESTS = 256
 """Request files looked at per job and scan (one per process rank of the node, in practice)."""
 INVENTORY_TTL = 1.0
-"""Seconds the job's gathered inventories serve further requests (a pod cannot make this node ask its
-peers more often than that, however many requests it writes)."""
+"""Seconds, from its start, that a gather of the job's inventories every node answered serves further
+requests; no gather starts sooner after the last (a pod cannot make this node ask its peers more often
+than that, however many requests it writes)."""
 _NAME_RE = re.compile(r"fetch-rank-([0-9]{5,9})\.json")
 
 
@@ -102,6 +107,15 @@ def check_request(
     return world
 
 
+@dataclasses.dataclass(frozen=True)
+class _Gathered:
+    """One gather of a job's inventories: when it started, and the assigned nodes that did not answer."""
+
+    started: float
+    inventories: list[NodeInventory]
+    unknown: tuple[str, ...]
+
+
 @dataclasses.dataclass
 class _Fetch:
     """One ``(rank, step)`` being brought to this node, shared by every request that needs it."""
@@ -126,15 +140,18 @@ class FetchRequests:
         plan_of: Callable[[str], RestorePlan | None],
         backup: BackupPort = NO_BACKUP,
         heartbeat: float = 1.0,
+        attempts: int = 1,
+        backoff: float = 1.0,
+        retry_max: float = 60.0,
     ) -> None:
         self.root, self.node, self.assignments, self.supervisor = root, node, assignments, supervisor
         self.peers, self.own_inventory, self.plan_of, self.backup = peers, own_inventory, plan_of, backup
-        self.heartbeat = heartbeat
+        self.heartbeat, self.attempts, self.backoff, self.retry_max = heartbeat, attempts, backoff, retry_max
         self._seen: dict[tuple[str, int], str] = {}
         self._serving: dict[tuple[str, int], asyncio.Task[None]] = {}
         self._fetches: dict[tuple[str, int, int], _Fetch] = {}
         self._refused: set[tuple[str, str]] = set()
-        self._gathered: dict[str, tuple[float, list[NodeInventory]]] = {}
+        self._gathered: dict[str, _Gathered] = {}
         self._gathering: dict[str, asyncio.Lock] = {}
 
     # ------------------------------------------------------------------ scanning
@@ -236,8 +253,8 @@ class FetchRequests:
         self, job: str, request: FetchRequest, progress: Callable[[FetchStatus], None]
     ) -> FetchStatus:
         base = FetchStatus(job, request.rank, request.id, request.step, RestoreState.STAGING)
-        assignment = self.assignments.get(job)
-        inventories = await self._inventories(job, assignment)
+        gathered = await self._inventories(job)
+        inventories = gathered.inventories
         try:
             check_request(
                 request, job=job, rank=request.rank, plan=self.plan_of(job), inventories=inventories
@@ -246,15 +263,13 @@ class FetchRequests:
             log.warning("job %s: refusing the fetch request of rank %d: %s", job, request.rank, exc)
             return dataclasses.replace(base, state=RestoreState.FAILED, message=f"refused: {exc}")
         step = request.step
-        in_bucket = any(step in inv.gcs for inv in inventories)
         fetches = {}
         for rank in request.ranks:
             key = (job, rank, step)
             fetch = self._fetches.get(key)  # one in flight: share it
             if fetch is None:
                 fetch = _Fetch()
-                peers = _sources(rank, step, inventories, assignment, self.node)
-                fetch.task = asyncio.create_task(self._fetch(job, rank, step, peers, in_bucket, fetch))
+                fetch.task = asyncio.create_task(self._fetch(job, rank, step, fetch, gathered))
                 fetch.task.add_done_callback(functools.partial(self._finished, key, fetch))
                 self._fetches[key] = fetch
             fetches[rank] = fetch
@@ -296,27 +311,70 @@ class FetchRequests:
             done, state=RestoreState.READY, message=f"fetched ranks {moved}" if moved else "all here already"
         )
 
-    async def _inventories(self, job: str, assignment: PeerAssignment | None) -> list[NodeInventory]:
-        """Every node's inventory of ``job``, gathered at most once per ``INVENTORY_TTL``."""
+    async def _inventories(self, job: str) -> _Gathered:
+        """Every node's inventory of ``job``, gathered at most once per ``INVENTORY_TTL``.
+
+        A gather serves later callers only if every assigned node answered, and only for
+        ``INVENTORY_TTL`` from its start (one that waited out a timeout is already old). After one that
+        some node did not answer, the next waits out the rest of the TTL and asks every node again: a
+        node cut off a moment ago may answer now, and holds what the fetch needs.
+        """
         lock = self._gathering.setdefault(job, asyncio.Lock())
         async with lock:
             cached = self._gathered.get(job)
-            if cached is not None and time.monotonic() - cached[0] < INVENTORY_TTL:
-                return cached[1]
+            if cached is not None:
+                age = time.monotonic() - cached.started
+                if age < INVENTORY_TTL:
+                    if not cached.unknown:
+                        return cached
+                    await asyncio.sleep(INVENTORY_TTL - age)
+            assignment = self.assignments.get(job)
+            started = time.monotonic()
             found = await gather_inventories(await self.own_inventory(job), assignment, self.peers)
-            self._gathered[job] = (time.monotonic(), found)
-            return found
+            expected = set(assignment.nodes) if assignment is not None else set()
+            gathered = _Gathered(started, found, tuple(sorted(expected - {inv.node for inv in found})))
+            self._gathered[job] = gathered
+            return gathered
 
     def _finished(self, key: tuple[str, int, int], fetch: _Fetch, _task: object = None) -> None:
         if self._fetches.get(key) is fetch:  # a later request checks again what is here
             del self._fetches[key]
 
-    async def _fetch(
+    async def _fetch(self, job: str, rank: int, step: int, fetch: _Fetch, gathered: _Gathered) -> Tier:
+        """Bring ``rank``'s ``step`` here, in up to ``attempts`` rounds, the first from ``gathered``, each
+        later one from the inventories gathered again; a round that finds no holder while every node
+        answered is the last."""
+        for attempt in range(1, self.attempts + 1):
+            if _held(self.root, job, rank, step):
+                return Tier.LOCAL
+            if attempt > 1:
+                gathered = await self._inventories(job)
+            sources = _sources(rank, step, gathered.inventories, self.assignments.get(job), self.node)
+            in_bucket = any(step in inv.gcs for inv in gathered.inventories)
+            try:
+                return await self._fetch_once(job, rank, step, sources, in_bucket, fetch)
+            except RetryableError as exc:
+                unknown = gathered.unknown
+                why = f"{exc} (holdings of {', '.join(unknown)} unknown)" if unknown else str(exc)
+                if (not unknown and not sources and not in_bucket) or attempt == self.attempts:
+                    raise RetryableError(why) from exc
+                wait = min(self.backoff * 2 ** (attempt - 1), self.retry_max)
+                log.warning(
+                    "job %s: rank %d step %d, attempt %d: %s; asking again in %.0f s",
+                    job,
+                    rank,
+                    step,
+                    attempt,
+                    why,
+                    wait,
+                )
+                await asyncio.sleep(wait)
+        raise AssertionError("unreachable: the last attempt returns or raises")
+
+    async def _fetch_once(
         self, job: str, rank: int, step: int, sources: tuple[FetchSource, ...], in_bucket: bool, fetch: _Fetch
     ) -> Tier:
-        """Bring ``rank``'s ``step`` here: nothing if held, else a peer, else the bucket."""
-        if _held(self.root, job, rank, step):
-            return Tier.LOCAL
+        """One round: a peer that holds it, else the bucket."""
         reasons = []
         if sources:
             task = FetchTask(

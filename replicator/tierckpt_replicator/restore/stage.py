@@ -321,18 +321,26 @@ class Stager:
         return plan
 
     def _ranks(self, job: str, plan: RestorePlan, assignment: PeerAssignment | None) -> tuple[int, ...]:
+        """This node's ranks of the plan's step: its node rank's block, else (no node rank known, or none
+        of its ranks below the step's world size) the ranks whose primaries live here that the step has.
+        A rank the step did not have (the job grew since, and this node saved it) has nothing to stage:
+        it learns the step from ``_tell_new_ranks``."""
         ranks = assignment.process_ranks(self.node, plan.world_size) if assignment is not None else ()
-        if not ranks:  # no node rank known: the ranks whose primaries live here
+        if not ranks:
             try:
                 with open_job(self.settings.root, job) as tree:
-                    ranks = tuple(rank_trees(tree, "primary"))
+                    ranks = tuple(
+                        r for r in rank_trees(tree, "primary") if plan.world_size <= 0 or r < plan.world_size
+                    )
             except (FileNotFoundError, NotADirectoryError):
                 ranks = ()
             if ranks:
                 log.warning(
-                    "restore %s: no node rank for %s in peers.json; staging local ranks %s",
+                    "restore %s: peers.json gives %s no rank of step %s's %d; staging its local ranks %s",
                     job,
                     self.node,
+                    plan.step,
+                    plan.world_size,
                     list(ranks),
                 )
         return ranks
