@@ -13,23 +13,30 @@ Variants: ``layout 2`` (whole objects, today's upload), ``chunks`` (layout 3, co
 default) and ``chunks+zstd`` / ``chunks+grouped`` (layout 3 with the codecs). For each: bytes sent per
 backup after the first (and against layout 2), the mean backup time of those, and the time to restore
 the newest step of the rank into an empty directory (MB/s of the step's bytes, best of ``--repeat``).
-The link is loopback to fake-gcs-server: the layout 2 first upload's MB/s is printed with the table.
+The link is loopback to fake-gcs-server (the layout 2 first upload's MB/s is printed with the table),
+or with ``--link RATE`` (root, iproute2) a veth pair to fake-gcs-server in a network namespace of its
+own, shaped to ``RATE`` each way (``tc tbf``, e.g. ``2gbit``): a node's share of the bucket's
+throughput, where loopback measures the CPU of this machine (fake-gcs-server, the hashing and copying of
+the restore on the same cores).
 
 Run from the repository root: ``.venv/bin/python bench/bucket_dedup_bench.py [--dim 2048 --layers 8
---adapter-rank 10 --steps 4] [--json]``.
+--adapter-rank 10 --steps 4] [--variants "layout 2,chunks"] [--link 2gbit] [--json]``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import os
 import platform
 import shutil
+import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -166,9 +173,37 @@ async def run(kind: str, args: argparse.Namespace, url: str, gcs: FakeGcsServer,
     return {"rows": rows}
 
 
+@contextlib.contextmanager
+def shaped_server(rate: str) -> Iterator[FakeGcsServer]:
+    """fake-gcs-server in a network namespace of its own behind a veth pair shaped to ``rate`` each way."""
+    tag = f"dd{os.getpid() % 100000}"
+    ns, host_if, net = f"{tag}ns", f"{tag}h", f"10.{200 + os.getpid() % 50}.{os.getpid() % 250}"
+
+    def sh(*cmd: str) -> None:
+        subprocess.run(cmd, check=True, capture_output=True)
+
+    tbf = ("root", "tbf", "rate", rate, "burst", "4mb", "latency", "100ms")
+    try:
+        sh("ip", "netns", "add", ns)
+        sh("ip", "link", "add", host_if, "type", "veth", "peer", "name", "eth0", "netns", ns)
+        sh("ip", "addr", "add", f"{net}.1/30", "dev", host_if)
+        sh("ip", "link", "set", host_if, "up")
+        sh("ip", "-n", ns, "addr", "add", f"{net}.2/30", "dev", "eth0")
+        sh("ip", "-n", ns, "link", "set", "eth0", "up")
+        sh("ip", "-n", ns, "link", "set", "lo", "up")
+        sh("tc", "qdisc", "add", "dev", host_if, *tbf)  # uploads
+        sh("tc", "-n", ns, "qdisc", "add", "dev", "eth0", *tbf)  # downloads (restores)
+        with FakeGcsServer(host=f"{net}.2", port=4443, netns=ns) as gcs:
+            yield gcs
+    finally:
+        subprocess.run(["ip", "link", "del", host_if], capture_output=True)
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
 async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
-    with FakeGcsServer() as gcs, tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
+    server = shaped_server(args.link) if args.link else FakeGcsServer()
+    with server as gcs, tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
         for kind in args.kinds.split(","):
             rows += (await run(kind, args, gcs.url, gcs, Path(tmp)))["rows"]
     return rows
@@ -184,6 +219,7 @@ def main() -> None:
     ap.add_argument("--variants", default=",".join(VARIANTS), help="of: " + ", ".join(VARIANTS))
     ap.add_argument("--repeat", type=int, default=3, help="restores timed (the best counts)")
     ap.add_argument("--tmp", default="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    ap.add_argument("--link", default="", help="shape the link to fake-gcs-server to this tc rate (root)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     rows = asyncio.run(main_async(args))
@@ -210,7 +246,8 @@ def main() -> None:
             f"{r['restore_MBps']:.0f} | {r['restore_vs_layout2']:.2f}x | {r['median_vs_layout2']:.2f}x | "
             f"{r['load'][0]:.1f}-{r['load'][1]:.1f} |"
         )
-    print(f"link (layout 2's first backup, loopback fake-gcs-server): {rows[0]['link_MBps']:.0f} MB/s")
+    link = f"shaped to {args.link}" if args.link else "loopback"
+    print(f"link ({link}; layout 2's first backup reached): {rows[0]['link_MBps']:.0f} MB/s")
 
 
 if __name__ == "__main__":
