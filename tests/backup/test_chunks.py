@@ -51,6 +51,7 @@ from tierckpt.protocol.format import (
 )
 from tierckpt.protocol.integrity import crc32c
 from tierckpt.protocol.replica import ReplicaRecord, content_key, group_id
+from tierckpt_demo.chaos.tiers import BucketView
 from tierckpt_demo.fakegcs import FakeGcsServer
 from tierckpt_demo.step_writer import step_files
 from tierckpt_replicator.backup import chunkstore
@@ -673,6 +674,28 @@ async def test_a_replica_group_uploads_each_shard_once_as_chunks_and_reuses_them
             step_dir(rank_dir(root, JOB, rank), steps[-1])
         )
     await svc.close()
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("chunks", [True, False])
+async def test_the_chaos_harness_finds_a_missing_chunk_or_data_object_of_a_complete_step(
+    gcs_server: FakeGcsServer, bucket: str, tmp_path: Path, chunks: bool
+) -> None:
+    """The soak's own look at the bucket (``BucketView.torn``) follows the chain of a complete step
+    through its index chunks to every data object, or in layout 3 every chunk: whole steps pass, and
+    a step one of whose chunks (or data objects) was deleted is reported."""
+    svc = make_service(make_store(gcs_server.url, bucket), tmp_path / "n", "n", keep_last=3, chunks=chunks)
+    for step in (1, 2):
+        write_tensor_step(tmp_path / "n", 0, step, fine_tune_tensors(0, step), 1)
+        assert await svc.backup_now(JOB) == step
+    await svc.close()
+    store = make_store(gcs_server.url, bucket)
+    view = BucketView(gcs_server.client().bucket(bucket), prefix="t")
+    assert view.torn(JOB) == []
+    gone = _changed_chunk(store) if chunks else LAYOUT.rank_file_key(JOB, 2, 0, "data-00000.bin")
+    store.delete(gone)
+    (problem,) = BucketView(gcs_server.client().bucket(bucket), prefix="t").torn(JOB)
+    assert problem.startswith("step 2: rank 0: data-00000.bin") and "missing" in problem
 
 
 def test_settings_refuse_an_unknown_compression(tmp_path: Path) -> None:

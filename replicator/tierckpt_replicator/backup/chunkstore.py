@@ -5,14 +5,16 @@ Spec: docs/bucket-layout.md, "Chunks (layout 3)". In short:
 
 * **Upload** (``ChunkUploads``, under the writer's lease of the step): wait until no sweep runs
   (``sweeping.json`` absent), then read the chunk list of the same rank in the newest complete step
-  before this one, and check that step is still complete. Its chunks are in the bucket and stay there
+  before this one (or of the replica group member its data files referred to there), and check that
+  step is still complete. Its chunks are in the bucket and stay there
   (below), so every chunk of this rank whose ``(SHA-256, codec)`` it names is not uploaded again. Every
   other chunk is read once into memory, hashed, checked and encoded from that one copy (a pod that
   rewrites its file meanwhile cannot make a chunk's content differ from its name), and uploaded. The
   chunks' crc32c, combined, must be the manifest's for the file, or nothing is committed.
 * **Restore** (``ChunkReads``): every distinct chunk of a rank is downloaded once, its stored size
   bounded by the chunk list, decoded with its raw size as the bound, and trusted only if its SHA-256 is
-  its name; the chunk list's crc32c of its chunks, combined, must be the manifest's for the file.
+  its name (a raw chunk's taken as it streams into place); the chunk list's crc32c of its chunks,
+  combined, must be the manifest's for the file.
 * **Sweep** (``Sweeper``, by the node that runs retention, under its writer lease): create
   ``sweeping.json``; if any other writer holds a live lease, give up until the next pass; otherwise list
   the chunks, then every chunk list of every step still in the bucket (complete, in progress, or
