@@ -16,6 +16,7 @@ import asyncio
 import dataclasses
 import random
 import shutil
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -164,9 +165,11 @@ def write_tensor_step(
     world_size: int,
     *,
     group: tuple[int, ...] = (),
+    objects: bytes = b"",
 ) -> Path:
     """Commit ``step`` of ``rank``: the given tensors back to back in one data file (saved in the
-    replica group ``group`` if given: its members hold the same tensors)."""
+    replica group ``group`` if given: its members hold the same tensors), and ``objects`` as
+    ``objects.pkl`` if given."""
     path = step_dir(rank_dir(root, JOB, rank), step)
     path.mkdir(parents=True)
     entries, offset = [], 0
@@ -178,13 +181,18 @@ def write_tensor_step(
             )
             offset += len(t)
     data = (path / "data-00000.bin").read_bytes()
+    if objects:
+        (path / "objects.pkl").write_bytes(objects)
     manifest = Manifest(
         job=JOB,
         rank=rank,
         world_size=world_size,
         step=step,
         created_at=time.time(),
-        files=(FileEntry(name="data-00000.bin", size=len(data), crc32c=crc32c(data)),),
+        files=(
+            FileEntry(name="data-00000.bin", size=len(data), crc32c=crc32c(data)),
+            *((FileEntry(name="objects.pkl", size=len(objects), crc32c=crc32c(objects)),) if objects else ()),
+        ),
         tensors=tuple(entries),
         tree={"t": [{"tensor": i} for i in range(len(tensors))]},
     )
@@ -584,6 +592,34 @@ async def test_raw_chunks_are_verified_as_they_stream_in_not_read_back(
     await svc.fetch_rank(JOB, 1, 0, tmp_path / "out")
     assert step_files(step_dir(tmp_path / "out", 1)) == step_files(step_dir(rank_dir(root, JOB, 0), 1))
     assert read_back == [MIN_CUT]  # the frozen tensor's second place only
+    await svc.close()
+
+
+class ObjectsFirst(MemoryBucket):
+    """A ``MemoryBucket`` whose chunk downloads wait (up to 5 s) until ``objects.pkl`` was asked for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked = threading.Event()
+
+    def download_to(self, key: str, fd: int, **kw: Any) -> int:
+        if key.endswith("/objects.pkl"):
+            self.asked.set()
+        elif key.startswith(LAYOUT.chunks_dir(JOB)) and not self.asked.wait(5):
+            raise TimeoutError(f"{key} was asked for before objects.pkl")
+        return super().download_to(key, fd, **kw)
+
+
+async def test_a_chunked_ranks_other_files_download_with_its_chunks_not_after_them(tmp_path: Path) -> None:
+    """``objects.pkl`` (a whole object) is asked for while the rank's chunks download: not one round
+    trip after the last of them."""
+    root = tmp_path / "n"
+    write_tensor_step(root, 0, 1, fine_tune_tensors(0, 1), 1, objects=random.Random(4).randbytes(3000))
+    bucket = ObjectsFirst()
+    svc = make_service(bucket, root, "n", chunks=True)
+    assert await svc.backup_now(JOB) == 1
+    await svc.fetch_rank(JOB, 1, 0, tmp_path / "out")
+    assert step_files(step_dir(tmp_path / "out", 1)) == step_files(step_dir(rank_dir(root, JOB, 0), 1))
     await svc.close()
 
 
