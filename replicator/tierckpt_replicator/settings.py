@@ -350,12 +350,12 @@ class Settings:
         ),
     )
     backup_chunks: bool = dataclasses.field(
-        default=False,
+        default=True,
         metadata=_opt(
             "Upload backups as content-addressed chunks (bucket layout 3: what the bucket holds from the "
-            "rank's previous step is not sent again). Off by default for now: replica groups' one upload "
-            "per shard is layout 2's, restores from chunks measured 0.70-0.90x, and every node must run a "
-            "version that reads layout 3 first. docs/bucket-layout.md."
+            "rank's previous step is not sent again). --no-backup-chunks: whole objects (layout 2), while "
+            "a node of the job still runs a replicator that cannot read layout 3 (an upgrade from one: "
+            "docs/bucket-layout.md, 'Layout versions')."
         ),
     )
     backup_compression: str = dataclasses.field(

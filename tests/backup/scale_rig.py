@@ -44,6 +44,7 @@ from tierckpt_replicator.backup.service import BackupPools, BackupService
 from tierckpt_replicator.backup.settings import BackupSettings
 from tierckpt_replicator.backup.store import (
     LIST_PAGE,
+    Digest,
     ObjectInfo,
     ObjectNotFound,
     ObjectStore,
@@ -137,6 +138,7 @@ class MemoryBucket:
         length: int,
         file_offset: int,
         on_bytes: Callable[[int], None] | None = None,
+        digest: Digest | None = None,
     ) -> int:
         with self._lock:
             o = self._objects.get(key)
@@ -144,6 +146,8 @@ class MemoryBucket:
             raise ObjectNotFound(f"{key}: not found")
         block = o.data[start : start + length]
         os.pwrite(fd, block, file_offset)
+        if digest is not None:
+            digest.update(block)
         if on_bytes is not None:
             on_bytes(len(block))
         return crc32c(block)

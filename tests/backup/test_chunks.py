@@ -13,8 +13,10 @@ chunk, a rotted local shard, and layout 2 steps restored by this version.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import shutil
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -28,7 +30,16 @@ from tests.backup.helpers import KiB, make_service, make_store, write_peers
 from tests.backup.scale_rig import MemoryBucket
 from tierckpt import Checkpointer
 from tierckpt.protocol.bucket_layout import BucketLayout, ChunkList, ChunkRef, FileChunks, RankBackup
-from tierckpt.protocol.chunks import CHUNK_SIZE, chunk_name, group_bytes, plan_chunks, ungroup_bytes
+from tierckpt.protocol.chunks import (
+    CHUNK_SIZE,
+    MAX_CHUNK_SIZE,
+    MIN_CUT,
+    TENSOR_CHUNK_SIZE,
+    chunk_name,
+    group_bytes,
+    plan_chunks,
+    ungroup_bytes,
+)
 from tierckpt.protocol.errors import CorruptShardError, FormatError
 from tierckpt.protocol.format import (
     FileEntry,
@@ -40,11 +51,15 @@ from tierckpt.protocol.format import (
     step_dir,
 )
 from tierckpt.protocol.integrity import crc32c
+from tierckpt.protocol.replica import ReplicaRecord, content_key, group_id
+from tierckpt_demo.chaos.tiers import BucketView
 from tierckpt_demo.fakegcs import FakeGcsServer
 from tierckpt_demo.step_writer import step_files
+from tierckpt_replicator.backup import chunkstore
 from tierckpt_replicator.backup.chunkcodec import decode, encode
 from tierckpt_replicator.backup.chunkstore import check_chunks
 from tierckpt_replicator.backup.service import BackupService
+from tierckpt_replicator.backup.spread import data_rank
 from tierckpt_replicator.backup.store import ObjectInfo, ObjectNotFound
 
 JOB = "default_chunks_0123abcd"
@@ -57,7 +72,7 @@ LAYOUT = BucketLayout("t")
 def test_large_tensors_start_and_end_chunks_and_small_ones_between_share_one() -> None:
     big, small = 5 << 20, 1000
     spans = [(0, big), (big, small), (big + small, small), (big + 2 * small, big)]
-    plan = plan_chunks(2 * big + 2 * small, spans)
+    plan = plan_chunks(2 * big + 2 * small, spans, tensor_chunk_size=CHUNK_SIZE)
     assert plan == [
         (0, CHUNK_SIZE),
         (CHUNK_SIZE, big - CHUNK_SIZE),
@@ -66,6 +81,26 @@ def test_large_tensors_start_and_end_chunks_and_small_ones_between_share_one() -
         (big + 2 * small + CHUNK_SIZE, big - CHUNK_SIZE),
     ]
     assert plan_chunks(0) == [] and plan_chunks(10, [(5, 100 << 20)]) == [(0, 10)]  # a span past the end
+
+
+def test_chunks_inside_a_large_tensor_are_larger_than_between_tensors() -> None:
+    """Inside a large tensor a chunk ends every ``TENSOR_CHUNK_SIZE`` bytes (fewer requests a GiB);
+    the small tensors between large ones, and a file without large ones, keep ``CHUNK_SIZE``."""
+    mib = 1 << 20
+    big, small = 2 * TENSOR_CHUNK_SIZE + 3 * mib, 1000
+    gap = 9 * mib  # many small tensors: no large one to cut at
+    spans = [(0, big), *((big + i * small, small) for i in range(gap // small)), (big + gap, 5 * mib)]
+    plan = plan_chunks(big + gap + 5 * mib, spans)
+    assert plan == [
+        (0, TENSOR_CHUNK_SIZE),
+        (TENSOR_CHUNK_SIZE, TENSOR_CHUNK_SIZE),
+        (2 * TENSOR_CHUNK_SIZE, 3 * mib),
+        (big, CHUNK_SIZE),
+        (big + CHUNK_SIZE, CHUNK_SIZE),
+        (big + 2 * CHUNK_SIZE, gap - 2 * CHUNK_SIZE),
+        (big + gap, 5 * mib),  # one chunk: the whole tensor
+    ]
+    assert plan_chunks(9 * mib) == [(0, CHUNK_SIZE), (CHUNK_SIZE, CHUNK_SIZE), (2 * CHUNK_SIZE, mib)]
 
 
 @pytest.mark.parametrize("width", [1, 2, 4, 8])
@@ -105,6 +140,9 @@ def test_a_chunk_list_must_cover_its_file_with_bounded_chunks() -> None:
         )
 
     assert check_chunks(entry, FileChunks(name=entry.name, chunks=(ref(200), ref(100))), 256) == [0, 200]
+    assert check_chunks(entry, FileChunks(name=entry.name, chunks=(ref(300),)), 300) == [0]
+    with pytest.raises(FormatError, match="chunk size"):  # a list may not raise every chunk's bound
+        check_chunks(entry, FileChunks(name=entry.name, chunks=(ref(300),)), MAX_CHUNK_SIZE + 1)
     for bad in (
         (ref(200),),  # short of the file
         (ref(300),),  # over the chunk size
@@ -119,8 +157,19 @@ def test_a_chunk_list_must_cover_its_file_with_bounded_chunks() -> None:
 # --------------------------------------------------------------------------------------------- steps
 
 
-def write_tensor_step(root: Path, rank: int, step: int, tensors: list[bytes], world_size: int) -> Path:
-    """Commit ``step`` of ``rank``: the given tensors back to back in one data file."""
+def write_tensor_step(
+    root: Path,
+    rank: int,
+    step: int,
+    tensors: list[bytes],
+    world_size: int,
+    *,
+    group: tuple[int, ...] = (),
+    objects: bytes = b"",
+) -> Path:
+    """Commit ``step`` of ``rank``: the given tensors back to back in one data file (saved in the
+    replica group ``group`` if given: its members hold the same tensors), and ``objects`` as
+    ``objects.pkl`` if given."""
     path = step_dir(rank_dir(root, JOB, rank), step)
     path.mkdir(parents=True)
     entries, offset = [], 0
@@ -132,16 +181,37 @@ def write_tensor_step(root: Path, rank: int, step: int, tensors: list[bytes], wo
             )
             offset += len(t)
     data = (path / "data-00000.bin").read_bytes()
+    if objects:
+        (path / "objects.pkl").write_bytes(objects)
     manifest = Manifest(
         job=JOB,
         rank=rank,
         world_size=world_size,
         step=step,
         created_at=time.time(),
-        files=(FileEntry(name="data-00000.bin", size=len(data), crc32c=crc32c(data)),),
+        files=(
+            FileEntry(name="data-00000.bin", size=len(data), crc32c=crc32c(data)),
+            *((FileEntry(name="objects.pkl", size=len(objects), crc32c=crc32c(objects)),) if objects else ()),
+        ),
         tensors=tuple(entries),
         tree={"t": [{"tensor": i} for i in range(len(tensors))]},
     )
+    if group:
+        record = ReplicaRecord(
+            version=1,
+            group=group_id(group),
+            members=group,
+            role="writer",
+            source=rank,
+            node="0" * 32,
+            fingerprint="ab",
+            diverged=False,
+            differs=(),
+            content=content_key(manifest.files, manifest.tensors),
+            written_bytes=manifest.total_bytes,
+            logical_bytes=manifest.total_bytes,
+        )
+        manifest = dataclasses.replace(manifest, replica=record)
     commit_step(path, manifest)
     return path
 
@@ -188,7 +258,8 @@ class JitteryBucket(MemoryBucket):
 
     def put_bytes(self, key: str, data: bytes, **kw: Any) -> ObjectInfo:
         self._jitter()
-        if "/chunks/" in key:  # uploads take a while: other nodes' passes run meanwhile
+        if "/chunks/" in key:
+            print("PUT", key, len(data))  # uploads take a while: other nodes' passes run meanwhile
             time.sleep(self.rng.random() * 0.05)
         return super().put_bytes(key, data, **kw)
 
@@ -495,6 +566,172 @@ async def test_layout_2_steps_stay_restorable_and_the_next_step_goes_up_as_chunk
         await svc.fetch_rank(JOB, step, 0, dest)
         assert step_files(step_dir(dest, step)) == step_files(step_dir(rank_dir(root, JOB, 0), step))
     await svc.close()
+
+
+async def test_raw_chunks_are_verified_as_they_stream_in_not_read_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A restore takes each raw chunk's SHA-256 and crc32c from the bytes as they arrive: no chunk is
+    read back from the staging file, but for a chunk the file holds twice (copied from its first place,
+    and checked again). The step restores bit-exact."""
+    root = tmp_path / "n"
+    frozen = random.Random(1).randbytes(MIN_CUT)
+    tensors = [frozen, random.Random(2).randbytes(300 * KiB), frozen, random.Random(3).randbytes(5 * KiB)]
+    write_tensor_step(root, 0, 1, tensors, 1)
+    bucket = MemoryBucket()
+    svc = make_service(bucket, root, "n", chunks=True)
+    assert await svc.backup_now(JOB) == 1
+    read_back: list[int] = []
+    real_pread = chunkstore.os.pread
+
+    def pread(fd: int, n: int, offset: int) -> bytes:
+        read_back.append(n)
+        return real_pread(fd, n, offset)
+
+    monkeypatch.setattr(chunkstore.os, "pread", pread)
+    await svc.fetch_rank(JOB, 1, 0, tmp_path / "out")
+    assert step_files(step_dir(tmp_path / "out", 1)) == step_files(step_dir(rank_dir(root, JOB, 0), 1))
+    assert read_back == [MIN_CUT]  # the frozen tensor's second place only
+    await svc.close()
+
+
+class ObjectsFirst(MemoryBucket):
+    """A ``MemoryBucket`` whose chunk downloads wait (up to 5 s) until ``objects.pkl`` was asked for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked = threading.Event()
+
+    def download_to(self, key: str, fd: int, **kw: Any) -> int:
+        if key.endswith("/objects.pkl"):
+            self.asked.set()
+        elif key.startswith(LAYOUT.chunks_dir(JOB)) and not self.asked.wait(5):
+            raise TimeoutError(f"{key} was asked for before objects.pkl")
+        return super().download_to(key, fd, **kw)
+
+
+async def test_a_chunked_ranks_other_files_download_with_its_chunks_not_after_them(tmp_path: Path) -> None:
+    """``objects.pkl`` (a whole object) is asked for while the rank's chunks download: not one round
+    trip after the last of them."""
+    root = tmp_path / "n"
+    write_tensor_step(root, 0, 1, fine_tune_tensors(0, 1), 1, objects=random.Random(4).randbytes(3000))
+    bucket = ObjectsFirst()
+    svc = make_service(bucket, root, "n", chunks=True)
+    assert await svc.backup_now(JOB) == 1
+    await svc.fetch_rank(JOB, 1, 0, tmp_path / "out")
+    assert step_files(step_dir(tmp_path / "out", 1)) == step_files(step_dir(rank_dir(root, JOB, 0), 1))
+    await svc.close()
+
+
+@pytest.mark.e2e
+async def test_layout_3_steps_of_4_mib_chunks_stay_restorable_and_the_next_step_reuses_what_it_can(
+    gcs_server: FakeGcsServer, bucket: str, tmp_path: Path
+) -> None:
+    """Step 1 as the previous layout 3 writer cut it (4 MiB chunks inside large tensors too), step 2 by
+    this version (up to ``TENSOR_CHUNK_SIZE`` inside large tensors): both restore bit-exact; step 2's
+    large frozen tensor is new chunks once, its small tensors' chunks are reused."""
+    root = tmp_path / "n"
+    big = random.Random(7).randbytes(TENSOR_CHUNK_SIZE // 2 + 3 * KiB)
+    small = [random.Random(8).randbytes(4 * KiB), random.Random(9).randbytes(6 * KiB)]
+    store = make_store(gcs_server.url, bucket)
+    old = make_service(store, root, "n", chunks=True)
+    assert old.uploader.chunks is not None
+    old.uploader.chunks.tensor_chunk_size = CHUNK_SIZE
+    write_tensor_step(root, 0, 1, [*small, big], 1)
+    assert await old.backup_now(JOB) == 1
+    await old.close()
+    svc = make_service(store, root, "n", chunks=True)
+    write_tensor_step(root, 0, 2, [*small, big], 1)
+    assert await svc.backup_now(JOB) == 2
+    lists = {
+        step: ChunkList.from_bytes(store.get_bytes(LAYOUT.chunk_list_key(JOB, step, 0), max_size=1 << 20))
+        for step in (1, 2)
+    }
+    assert [c.size for c in lists[1].files[0].chunks] == [10 * KiB, CHUNK_SIZE, CHUNK_SIZE, 3 * KiB]
+    assert [c.size for c in lists[2].files[0].chunks] == [10 * KiB, len(big)]
+    assert lists[1].files[0].chunks[0] == lists[2].files[0].chunks[0]
+    for step in (1, 2):
+        dest = tmp_path / f"out-{step}"
+        await svc.fetch_rank(JOB, step, 0, dest)
+        assert step_files(step_dir(dest, step)) == step_files(step_dir(rank_dir(root, JOB, 0), step))
+    await svc.close()
+
+
+class ChunkPuts(MemoryBucket):
+    """A ``MemoryBucket`` that counts the bytes of chunk objects put."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.chunk_bytes = 0
+
+    def put_bytes(self, key: str, data: bytes, **kw: Any) -> ObjectInfo:
+        if key.startswith(LAYOUT.chunks_dir(JOB)):
+            self.chunk_bytes += len(data)
+        return super().put_bytes(key, data, **kw)
+
+
+async def test_a_replica_group_uploads_each_shard_once_as_chunks_and_reuses_them_as_its_data_rank_rotates(
+    tmp_path: Path,
+) -> None:
+    """Ranks 0 and 1 of a replica group hold the same tensors (a frozen base and a small tensor that
+    changes at every step). At every step one member (its data rank, rotating over steps) uploads the
+    chunks and the other refers to it; after the first step only the changed tensor goes up, also at
+    a step whose data rank was not the previous step's (its chunks are found through the previous
+    step's reference); both ranks of the newest step restore bit-exact from the one upload."""
+    root = tmp_path / "n"
+    write_peers({"n": root}, JOB, 2)
+    group = (0, 1)
+    bucket = ChunkPuts()
+    svc = make_service(bucket, root, "n", chunks=True, keep_last=2)
+    steps = range(1, 7)
+    carriers = [data_rank(JOB, step, group) for step in steps]
+    assert len(set(carriers)) == 2  # the upload rotates over the members within these steps
+    for step in steps:
+        tensors = fine_tune_tensors(0, step)
+        for rank in group:
+            write_tensor_step(root, rank, step, tensors, 2, group=group)
+        before = bucket.chunk_bytes
+        assert await svc.backup_now(JOB) == step
+        sent = bucket.chunk_bytes - before
+        assert sent == (sum(map(len, tensors)) if step == 1 else len(tensors[-1])), step
+        commits = {
+            r: RankBackup.from_bytes(bucket.get_bytes(LAYOUT.rank_commit_key(JOB, step, r), max_size=1 << 20))
+            for r in group
+        }
+        carrier = data_rank(JOB, step, group)
+        other = group[1 - group.index(carrier)]
+        assert commits[carrier].chunks is not None and commits[carrier].data is None
+        assert commits[other].chunks is None and commits[other].data is not None
+        assert commits[other].data.rank == carrier
+    for rank in group:
+        dest = tmp_path / f"out-{rank}"
+        await svc.fetch_rank(JOB, steps[-1], rank, dest)
+        assert step_files(step_dir(dest, steps[-1])) == step_files(
+            step_dir(rank_dir(root, JOB, rank), steps[-1])
+        )
+    await svc.close()
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("chunks", [True, False])
+async def test_the_chaos_harness_finds_a_missing_chunk_or_data_object_of_a_complete_step(
+    gcs_server: FakeGcsServer, bucket: str, tmp_path: Path, chunks: bool
+) -> None:
+    """The soak's own look at the bucket (``BucketView.torn``) follows the chain of a complete step
+    through its index chunks to every data object, or in layout 3 every chunk: whole steps pass, and
+    a step one of whose chunks (or data objects) was deleted is reported."""
+    svc = make_service(make_store(gcs_server.url, bucket), tmp_path / "n", "n", keep_last=3, chunks=chunks)
+    for step in (1, 2):
+        write_tensor_step(tmp_path / "n", 0, step, fine_tune_tensors(0, step), 1)
+        assert await svc.backup_now(JOB) == step
+    await svc.close()
+    store = make_store(gcs_server.url, bucket)
+    view = BucketView(gcs_server.client().bucket(bucket), prefix="t")
+    assert view.torn(JOB) == []
+    gone = _changed_chunk(store) if chunks else LAYOUT.rank_file_key(JOB, 2, 0, "data-00000.bin")
+    store.delete(gone)
+    (problem,) = BucketView(gcs_server.client().bucket(bucket), prefix="t").torn(JOB)
+    assert problem.startswith("step 2: rank 0: data-00000.bin") and "missing" in problem
 
 
 def test_settings_refuse_an_unknown_compression(tmp_path: Path) -> None:

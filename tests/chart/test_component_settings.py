@@ -106,6 +106,9 @@ def test_replicator_reads_every_variable_the_chart_sets(monkeypatch) -> None:
     )
     assert str(s.root) == _env(_container(ds, "csi"))["TIERCKPT_RAMDISK_PATH"]
     assert _mount_for(rep, str(s.root)) == "ramdisk-parent"
+    assert s.backup_chunks  # bucket layout 3 unless turned off for an upgrade
+    whole = render({"gcs": {"bucket": "ckpt-bucket", "chunks": False}}).get("DaemonSet")
+    assert not parse_settings([], _env(_container(whole, "replicator"))).backup_chunks
     s.check_credentials()
     assert s.auth == "tls" and _mount_for(rep, str(s.tls_ca)) == "ca"
     assert _mount_for(rep, str(s.issuer_token_file)) == "identity-token"

@@ -20,7 +20,7 @@ from tests.dcp.dcp_dist import run_ranks
 from tests.fixtures.cluster import TEST_REPLICATOR_ARGS, committed, new_job, replica_path, wait_restored
 from tests.replicator import group_ranks
 from tests.replicator.test_cluster_e2e import backup_everywhere, lose
-from tierckpt.protocol.bucket_layout import BucketLayout, RankBackup
+from tierckpt.protocol.bucket_layout import BucketLayout, ChunkList, RankBackup
 from tierckpt.protocol.control import JobStatus, RestoreState, Tier
 from tierckpt.protocol.format import rank_dir, read_manifest, step_dir
 from tierckpt.verify import verify_step
@@ -166,7 +166,8 @@ def test_members_that_differ_are_reported_and_not_deduplicated(cluster4: LocalCl
         assert holders[rank].index == MEMBER[rank]
         assert _job_status(cluster4, cluster4.nodes[rank], job).diverged == ()
     assert any("hold other content" in cluster4.nodes[r].log_text() for r in (1, 3))
-    # In the bucket too: the diverged group's members each upload their own data files.
+    # In the bucket too: the diverged group's members each upload their own data files (as chunks,
+    # each rank its own chunk list).
     backup_everywhere(cluster4, job, 3)
     store = GcsStore(GcsSettings(bucket=cluster4.bucket, endpoint=cluster4.gcs.url))
     layout = BucketLayout("tierckpt")
@@ -174,8 +175,8 @@ def test_members_that_differ_are_reported_and_not_deduplicated(cluster4: LocalCl
         commit = RankBackup.from_bytes(
             store.get_bytes(layout.rank_commit_key(job, 3, rank), max_size=1 << 20)
         )
-        objects, _ = store.list(layout.rank_dir(job, 3, rank))
-        assert commit.data is None and any(o.name.rsplit("/", 1)[-1].startswith("data-") for o in objects)
+        assert commit.data is None and commit.chunks is not None
+        assert _listed(store, layout, job, 3, rank).files
 
 
 def test_each_shard_is_uploaded_once_and_every_rank_restores_from_it(cluster4: LocalCluster) -> None:
@@ -186,20 +187,24 @@ def test_each_shard_is_uploaded_once_and_every_rank_restores_from_it(cluster4: L
     store = GcsStore(GcsSettings(bucket=cluster4.bucket, endpoint=cluster4.gcs.url))
     layout = BucketLayout("tierckpt")
     carriers = {data_rank(job, 7, (0, 2)), data_rank(job, 7, (1, 3))}
-    uploaded = 0
+    uploaded, named = 0, set()
     for rank in range(WORLD):
         objects, _ = store.list(layout.rank_dir(job, 7, rank))
-        data = [o for o in objects if o.name.rsplit("/", 1)[-1].startswith("data-")]
+        assert not [o for o in objects if o.name.rsplit("/", 1)[-1].startswith("data-")]  # layout 3
         body = store.get_bytes(layout.rank_commit_key(job, 7, rank), max_size=1 << 20)
         commit = RankBackup.from_bytes(body)
-        if rank in carriers:
-            assert data and commit.data is None
-            uploaded += sum(o.size for o in data)
-        else:  # its data files are the other member's objects, named by a typed reference
-            assert not data and commit.data is not None and commit.data.rank == MEMBER[rank]
-    # One copy per shard in the bucket: half of what four full uploads would hold.
+        if rank in carriers:  # its data files are chunks, named by its chunk list
+            assert commit.data is None and commit.chunks is not None
+            listed = _listed(store, layout, job, 7, rank)
+            uploaded += sum(c.size for f in listed.files for c in f.chunks)
+            named |= {layout.chunk_key(job, name, codec) for name, codec in listed.names()}
+        else:  # its data files are the other member's chunks, named by a typed reference
+            assert commit.chunks is None and commit.data is not None and commit.data.rank == MEMBER[rank]
+            assert store.stat(layout.chunk_list_key(job, 7, rank)) is None
+    # One copy per shard in the bucket: half of what four full uploads would hold, and no other chunk.
     saved = sum(_data_bytes(step_dir(rank_dir(n.root, job, n.index), 7)) for n in cluster4.nodes)
     assert uploaded == saved // 2
+    assert {o.name for o in store.list(layout.chunks_dir(job))[0]} == named
     accounted = [a for n in cluster4.nodes if (a := _job_status(cluster4, n, job).step_bytes) is not None]
     # The nodes' accounting: what they did not upload is exactly the data files of the referring ranks.
     assert sum(a.uploaded_logical - a.uploaded for a in accounted) == saved // 2
@@ -215,25 +220,29 @@ def test_each_shard_is_uploaded_once_and_every_rank_restores_from_it(cluster4: L
         st = wait_restored(node, job, node.index)
         assert (st.state, st.step, st.source) == (RestoreState.READY, 7, Tier.GCS)
         assert step_files(step_dir(rank_dir(node.root, job, node.index), 7)) == sources[node.index]
-    # Restore once, fan out: every rank object was read from the bucket exactly once, the shared data
-    # objects included (the other member's node took them from the seeder, peer to peer).
+    # Restore once, fan out: every rank object was read from the bucket exactly once, and every chunk of
+    # the shared data files too (the other member's node took them from the seeder, peer to peer).
     reads = _rank_object_reads(cluster4, since)
     assert reads and all(n == 1 for n in reads.values()), reads
-    data_read = {k for k in reads if k.rsplit("/", 1)[-1].startswith("data-")}
-    assert {int(k.split("/rank-")[1][:5]) for k in data_read} == carriers
+    assert {k for k in reads if k.startswith("chunks/")} == {k.split(layout.job(job), 1)[1] for k in named}
     others = [n for n in cluster4.nodes if n.index not in carriers]
     assert all("(fan-out)" in n.log_text() for n in others)
 
 
+def _listed(store: GcsStore, layout: BucketLayout, job: str, step: int, rank: int) -> ChunkList:
+    return ChunkList.from_bytes(store.get_bytes(layout.chunk_list_key(job, step, rank), max_size=1 << 20))
+
+
 def _rank_object_reads(cluster: LocalCluster, since: float) -> dict[str, int]:
-    """Object (``steps/<step>/rank-<r>/<file>``) -> downloads of it through the counting proxy."""
+    """Object (``steps/<step>/rank-<r>/<file>``, ``chunks/<name>.<codec>``) -> downloads of it through
+    the counting proxy."""
     assert cluster.gcs_proxy is not None
     out: dict[str, int] = {}
     for hit in cluster.gcs_proxy.hits:
         target = unquote(hit.target)
         if hit.method != "GET" or hit.at < since or "alt=media" not in target:
             continue
-        m = re.search(r"/(steps/[0-9]{12,}/rank-[0-9]{5,}/[^?/]+)", target)
+        m = re.search(r"/(steps/[0-9]{12,}/rank-[0-9]{5,}/[^?/]+|chunks/[0-9a-f]{64}\.[a-z0-9]+)", target)
         if m:
             out[m.group(1)] = out.get(m.group(1), 0) + 1
     return out

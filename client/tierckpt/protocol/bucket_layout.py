@@ -516,6 +516,8 @@ class ChunkList(Message):
     step: int
     rank: int
     chunk_size: int
+    """The largest chunk the list may hold (4 MiB from writers before 16 MiB chunks inside large
+    tensors); readers refuse a larger chunk, and a list saying more than ``chunks.MAX_CHUNK_SIZE``."""
     files: tuple[FileChunks, ...]
 
     def names(self) -> set[tuple[str, str]]:

@@ -4,8 +4,9 @@ step in the bucket, and whether each is whole.
 These are the harness's own eyes, independent of the replicators' inventories: a committed step is a
 rank directory's ``step-*`` with its COMMIT marker (``tierckpt.protocol.format``), checked byte for byte
 by ``tierckpt.verify.step_problems``; a complete backup is a ``complete/<step>.json`` object whose chain
-(rank commits, COMMIT and manifest objects, every data object's size and crc32c as the bucket reports
-them) is checked link by link (``tierckpt.protocol.bucket_layout``). A step that vanishes while it is
+(index chunks, rank commits, COMMIT and manifest objects, every data object's size and crc32c as the
+bucket reports them, or in layout 3 the chunk list and every chunk object it names) is checked link by
+link (``tierckpt.protocol.bucket_layout``). A step that vanishes while it is
 checked (retention, a purge) is not torn: a problem counts only if the step is still committed when
 looked at again.
 """
@@ -20,7 +21,15 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from tierckpt.protocol.bucket_layout import BucketLayout, RankBackup, StepBackup
+from tierckpt.protocol.bucket_layout import (
+    BucketLayout,
+    ChunkList,
+    ChunkListRef,
+    RankBackup,
+    RankIndex,
+    RankRef,
+    StepBackup,
+)
 from tierckpt.protocol.errors import FormatError
 from tierckpt.protocol.format import (
     Manifest,
@@ -35,7 +44,7 @@ from tierckpt.protocol.format import (
     state_dir,
     step_dir,
 )
-from tierckpt.protocol.integrity import crc32c
+from tierckpt.protocol.integrity import crc32c, crc32c_concat
 from tierckpt.verify import step_problems
 from tierckpt_demo.chaos.oracle import Held
 
@@ -167,8 +176,11 @@ class BucketView:
             record = StepBackup.from_bytes(blob.download_as_bytes())
         except Exception as exc:
             return f"completion object unreadable: {exc}"
-        for rank, ref in sorted(record.ranks.items()):
-            problem = self._rank(job, step, rank, ref.size, ref.crc32c, ref.data_from, objects)
+        refs = self._refs(job, step, record, objects)
+        if isinstance(refs, str):
+            return refs if self.bucket.get_blob(self.layout.complete_key(job, step)) is not None else ""
+        for rank in sorted(refs):
+            problem = self._rank(job, step, rank, refs, objects)
             if problem:
                 if self.bucket.get_blob(self.layout.complete_key(job, step)) is None:
                     return ""  # retired meanwhile
@@ -176,21 +188,35 @@ class BucketView:
         self._whole.add(key)
         return ""
 
+    def _refs(
+        self, job: str, step: int, record: StepBackup, objects: dict[str, _Object]
+    ) -> dict[int, RankRef] | str:
+        """Every rank's reference: inline (layout 1) or from the index chunks (layout 2 and later)."""
+        if not record.index:
+            return dict(record.ranks)
+        out: dict[int, RankRef] = {}
+        for number, chunk in enumerate(record.index):
+            key = self.layout.index_key(job, step, record.index_writer, number)
+            body = self._fetch(key, chunk.size, chunk.crc32c, objects)
+            if isinstance(body, str):
+                return f"index chunk {number}: {body}"
+            index = RankIndex.from_bytes(body)
+            for rank in range(chunk.first, chunk.first + chunk.count):
+                out[rank] = index.ref(rank)
+        return out
+
+    def _commit(
+        self, job: str, step: int, rank: int, ref: RankRef, objects: dict[str, _Object]
+    ) -> RankBackup | str:
+        body = self._fetch(self.layout.rank_commit_key(job, step, rank), ref.size, ref.crc32c, objects)
+        return body if isinstance(body, str) else RankBackup.from_bytes(body)
+
     def _rank(
-        self,
-        job: str,
-        step: int,
-        rank: int,
-        size: int,
-        crc: int,
-        data_from: int | None,
-        objects: dict[str, _Object],
+        self, job: str, step: int, rank: int, refs: dict[int, RankRef], objects: dict[str, _Object]
     ) -> str:
-        key = self.layout.rank_commit_key(job, step, rank)
-        body = self._fetch(key, size, crc, objects)
-        if isinstance(body, str):
-            return f"rank commit: {body}"
-        commit = RankBackup.from_bytes(body)
+        commit = self._commit(job, step, rank, refs[rank], objects)
+        if isinstance(commit, str):
+            return f"rank commit: {commit}"
         marker = self._fetch(
             self.layout.rank_file_key(job, step, rank, "COMMIT"),
             commit.commit_size,
@@ -204,9 +230,24 @@ class BucketView:
         if isinstance(raw, str):
             return f"manifest: {raw}"
         manifest = Manifest.from_bytes(raw)
+        data_from = refs[rank].data_from
         data_rank = data_from if data_from is not None else rank
         data_names = {f.name for f in iter_data_files(manifest)}
+        owner_commit: RankBackup | str = commit
+        if data_rank != rank:
+            if data_rank not in refs:
+                return f"its data rank {data_rank} is not in the step"
+            owner_commit = self._commit(job, step, data_rank, refs[data_rank], objects)
+        if isinstance(owner_commit, str):
+            return f"rank commit of its data rank {data_rank}: {owner_commit}"
+        chunked: dict[str, str] = {}
+        if owner_commit.chunks is not None and data_names:
+            chunked = self._chunked(job, step, data_rank, owner_commit.chunks, manifest, data_names, objects)
         for entry in manifest.files:
+            if entry.name in chunked:
+                if chunked[entry.name]:
+                    return chunked[entry.name]
+                continue
             owner = data_rank if entry.name in data_names else rank
             obj = objects.get(self.layout.rank_file_key(job, step, owner, entry.name))
             if obj is None:
@@ -217,6 +258,49 @@ class BucketView:
                     f"{entry.size} {entry.crc32c:08x}"
                 )
         return ""
+
+    def _chunked(
+        self,
+        job: str,
+        step: int,
+        owner: int,
+        ref: ChunkListRef,
+        manifest: Manifest,
+        data_names: set[str],
+        objects: dict[str, _Object],
+    ) -> dict[str, str]:
+        """Layout 3: data file -> why its chunks are not whole ("" if they are): the chunk list of
+        ``owner`` (checked against ``ref``, from its rank commit) names chunks that add up to the
+        manifest's size and crc32c, each in the bucket with its stored size (stored raw: its crc32c)."""
+        key = self.layout.chunk_list_key(job, step, owner)
+        body = self._fetch(key, ref.size, ref.crc32c, objects)
+        if isinstance(body, str):
+            return dict.fromkeys(data_names, f"chunk list of rank {owner}: {body}")
+        listed = {f.name: f for f in ChunkList.from_bytes(body).files}
+        out = {}
+        for entry in manifest.files:
+            if entry.name not in data_names:
+                continue
+            chunks = listed.get(entry.name)
+            if chunks is None:
+                out[entry.name] = f"{entry.name}: not in the chunk list of rank {owner}"
+                continue
+            out[entry.name] = ""
+            for c in chunks.chunks:
+                obj = objects.get(self.layout.chunk_key(job, c.name, c.codec))
+                if obj is None:
+                    out[entry.name] = f"{entry.name}: chunk {c.name}.{c.codec} missing"
+                    break
+                if obj.size != c.stored or (c.codec == "raw" and obj.crc32c != c.crc32c):
+                    out[entry.name] = f"{entry.name}: chunk {c.name}.{c.codec} is not what its list says"
+                    break
+            whole = (
+                sum(c.size for c in chunks.chunks),
+                crc32c_concat([(c.crc32c, c.size) for c in chunks.chunks]),
+            )
+            if not out[entry.name] and whole != (entry.size, entry.crc32c):
+                out[entry.name] = f"{entry.name}: its chunks do not add up to the manifest's size and crc32c"
+        return out
 
     def _fetch(self, key: str, size: int, crc: int, objects: dict[str, _Object]) -> bytes | str:
         if key not in objects:

@@ -5,14 +5,16 @@ Spec: docs/bucket-layout.md, "Chunks (layout 3)". In short:
 
 * **Upload** (``ChunkUploads``, under the writer's lease of the step): wait until no sweep runs
   (``sweeping.json`` absent), then read the chunk list of the same rank in the newest complete step
-  before this one, and check that step is still complete. Its chunks are in the bucket and stay there
+  before this one (or of the replica group member its data files referred to there), and check that
+  step is still complete. Its chunks are in the bucket and stay there
   (below), so every chunk of this rank whose ``(SHA-256, codec)`` it names is not uploaded again. Every
   other chunk is read once into memory, hashed, checked and encoded from that one copy (a pod that
   rewrites its file meanwhile cannot make a chunk's content differ from its name), and uploaded. The
   chunks' crc32c, combined, must be the manifest's for the file, or nothing is committed.
 * **Restore** (``ChunkReads``): every distinct chunk of a rank is downloaded once, its stored size
   bounded by the chunk list, decoded with its raw size as the bound, and trusted only if its SHA-256 is
-  its name; the chunk list's crc32c of its chunks, combined, must be the manifest's for the file.
+  its name (a raw chunk's taken as it streams into place); the chunk list's crc32c of its chunks,
+  combined, must be the manifest's for the file.
 * **Sweep** (``Sweeper``, by the node that runs retention, under its writer lease): create
   ``sweeping.json``; if any other writer holds a live lease, give up until the next pass; otherwise list
   the chunks, then every chunk list of every step still in the bucket (complete, in progress, or
@@ -46,7 +48,16 @@ from tierckpt.protocol.bucket_layout import (
     SweepLock,
     encode_small,
 )
-from tierckpt.protocol.chunks import CHUNK_SIZE, MAX_CHUNKS, chunk_name, is_chunk_name, plan_chunks
+from tierckpt.protocol.chunks import (
+    CHUNK_SIZE,
+    MAX_CHUNK_SIZE,
+    MAX_CHUNKS,
+    TENSOR_CHUNK_SIZE,
+    ChunkDigest,
+    chunk_name,
+    is_chunk_name,
+    plan_chunks,
+)
 from tierckpt.protocol.errors import CorruptShardError, FormatError, MissingCheckpointError
 from tierckpt.protocol.format import FileEntry, TensorEntry
 from tierckpt.protocol.integrity import crc32c, crc32c_concat
@@ -77,9 +88,10 @@ Reuse = Mapping[tuple[str, str], ChunkRef]
 
 def check_chunks(entry: FileEntry, chunks: FileChunks, chunk_size: int) -> list[int]:
     """A chunk list's chunks of ``entry`` as every reader requires them: well-named, a known codec,
-    1 to ``chunk_size`` raw bytes each, the file's size in all, stored sizes within the codec's bound
-    (what is then downloaded is bounded by the chunk list alone). Returns each chunk's offset."""
-    if not 0 < chunk_size <= 64 * CHUNK_SIZE:
+    1 to ``chunk_size`` raw bytes each (the list's, at most ``MAX_CHUNK_SIZE``), the file's size in all,
+    stored sizes within the codec's bound (what is then downloaded is bounded by the chunk list alone).
+    Returns each chunk's offset."""
+    if not 0 < chunk_size <= MAX_CHUNK_SIZE:
         raise FormatError(f"chunk size {chunk_size} out of range")
     if len(chunks.chunks) > MAX_CHUNKS:
         raise FormatError(f"{entry.name}: {len(chunks.chunks)} chunks, more than {MAX_CHUNKS}")
@@ -118,23 +130,37 @@ class ChunkUploads:
         check_stop: Callable[[str], None],
         sweep_wait: float = 120.0,
         chunk_size: int = CHUNK_SIZE,
+        tensor_chunk_size: int = TENSOR_CHUNK_SIZE,
     ) -> None:
         self.store, self.layout, self.catalog, self.pool = store, layout, catalog, pool
         self.compression, self.max_list_bytes = compression, max_list_bytes
         self.on_bytes, self.check_stop = on_bytes, check_stop
-        self.sweep_wait, self.chunk_size = sweep_wait, chunk_size
+        self.sweep_wait, self.chunk_size, self.tensor_chunk_size = sweep_wait, chunk_size, tensor_chunk_size
 
     def reusable(self, job: str, step: int, rank: int) -> Reuse:
-        """The chunks this rank may refer to without uploading them: those of its chunk list in the
-        newest complete step before ``step`` (none if there is none, or it cannot be read)."""
+        """The chunks this rank may refer to without uploading them: those of its data files in the
+        newest complete step before ``step``: its own chunk list, or, if its data files there were
+        another replica group member's (``RankBackup.data``: the group's upload rotates over its
+        members), that member's (none if there is none, or it cannot be read)."""
         self._wait_for_sweep(job)
         complete = [s for s in self.catalog.complete_steps(job) if s < step]
         if not complete:
             return {}
         prev = max(complete)
         try:
+            commit = self.catalog.read_rank_commit(
+                job, prev, rank, ref=self.catalog.rank_ref(job, prev, rank)
+            )
+            source = rank if commit.data is None else commit.data.rank
             listed = read_chunk_list(
-                self.store, self.layout, self.catalog, job, prev, rank, self.max_list_bytes
+                self.store,
+                self.layout,
+                self.catalog,
+                job,
+                prev,
+                source,
+                self.max_list_bytes,
+                commit if source == rank else None,
             )
         except (FormatError, ObjectNotFound, MissingCheckpointError) as exc:
             log.info("rank %d of %s: no chunks of step %d to reuse (%s)", rank, job, prev, exc)
@@ -178,7 +204,12 @@ class ChunkUploads:
             mine = sorted((t for t in tensors if t.file == f.name), key=lambda t: t.offset)
             futures = [
                 self.pool.submit(self._chunk, job, step_path, f.name, off, length, mine, reuse, sent)
-                for off, length in plan_chunks(f.size, [(t.offset, t.length) for t in mine], self.chunk_size)
+                for off, length in plan_chunks(
+                    f.size,
+                    [(t.offset, t.length) for t in mine],
+                    self.chunk_size,
+                    tensor_chunk_size=self.tensor_chunk_size,
+                )
             ]
             jobs.append((f, futures))
         out = []
@@ -239,7 +270,8 @@ class ChunkUploads:
 
     def put_list(self, job: str, step: int, rank: int, files: tuple[FileChunks, ...]) -> ChunkListRef:
         """Write the rank's chunk list (before its rank commit, which records the returned pointer)."""
-        body = ChunkList(job=job, step=step, rank=rank, chunk_size=self.chunk_size, files=files).to_bytes()
+        largest = max(self.chunk_size, self.tensor_chunk_size)  # what readers bound every chunk by
+        body = ChunkList(job=job, step=step, rank=rank, chunk_size=largest, files=files).to_bytes()
         if len(body) > self.max_list_bytes:
             raise FormatError(f"the chunk list of rank {rank} of step {step} would be {len(body)} bytes")
         self.store.put_bytes(self.layout.chunk_list_key(job, step, rank), body)
@@ -333,19 +365,12 @@ class ChunkReads:
         on_bytes: Callable[[int], None] | None,
     ) -> None:
         key = self.layout.chunk_key(job, ref.name, ref.codec)
-        if ref.codec == "raw":  # streamed into its first place (no copy in memory), then read back
-            first, at = places[0]
-            fd = open_fd(first)
-            try:
-                got = self.store.download_to(key, fd, start=0, length=ref.size, file_offset=at)
-                raw = os.pread(fd, ref.size, at)
-            finally:
-                os.close(fd)
-            if got != ref.crc32c or len(raw) != ref.size:
-                raise CorruptShardError(
-                    f"gs object {key}: crc32c {got:08x}, its chunk list says {ref.crc32c:08x}", path=key
-                )
-            places, stored = places[1:], ref.size
+        raw: bytes | None = None
+        if ref.codec == "raw":  # streamed into its first place, its SHA-256 and crc32c taken on the way
+            self._stream(key, ref, places[0], open_fd)
+            stored, first, places = ref.size, places[0], places[1:]
+            if places:  # the same chunk elsewhere in the files: copied from the first, checked again
+                raw = _pread(open_fd, first[0], ref.size, first[1])
         else:
             blob = self.store.get_bytes(key, max_size=ref.stored)
             if len(blob) != ref.stored:
@@ -354,16 +379,43 @@ class ChunkReads:
                 )
             raw = decode(blob, ref.codec, ref.size, what=f"gs object {key}")
             stored = len(blob)
-        if chunk_name(raw) != ref.name:  # then its crc32c is the list's: the writer took both from it
-            raise CorruptShardError(f"gs object {key}: its content is not its name's", path=key)
-        for name, offset in places:
-            fd = open_fd(name)
-            try:
-                os.pwrite(fd, raw, offset)
-            finally:
-                os.close(fd)
+        if raw is not None:
+            if len(raw) != ref.size or chunk_name(raw) != ref.name:  # then its crc32c is the list's
+                raise CorruptShardError(f"gs object {key}: its content is not its name's", path=key)
+            for name, offset in places:
+                fd = open_fd(name)
+                try:
+                    os.pwrite(fd, raw, offset)
+                finally:
+                    os.close(fd)
         if on_bytes is not None:
             on_bytes(stored)
+
+    def _stream(self, key: str, ref: ChunkRef, place: tuple[str, int], open_fd: Callable[[str], int]) -> None:
+        """Download the raw chunk ``ref`` into ``place``, trusted only if the bytes that arrived have the
+        listed crc32c and hash to its name (computed as they stream in: not read back)."""
+        digest = ChunkDigest()
+        fd = open_fd(place[0])
+        try:
+            got = self.store.download_to(
+                key, fd, start=0, length=ref.size, file_offset=place[1], digest=digest
+            )
+        finally:
+            os.close(fd)
+        if got != ref.crc32c:
+            raise CorruptShardError(
+                f"gs object {key}: crc32c {got:08x}, its chunk list says {ref.crc32c:08x}", path=key
+            )
+        if digest.name() != ref.name:
+            raise CorruptShardError(f"gs object {key}: its content is not its name's", path=key)
+
+
+def _pread(open_fd: Callable[[str], int], name: str, length: int, offset: int) -> bytes:
+    fd = open_fd(name)
+    try:
+        return os.pread(fd, length, offset)
+    finally:
+        os.close(fd)
 
 
 class Sweeper:

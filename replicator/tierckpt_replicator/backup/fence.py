@@ -58,6 +58,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from tierckpt.protocol.bucket_layout import BucketLayout, PurgeFence, WriterLease, job_from_prefix
 from tierckpt.protocol.errors import TierckptError
 from tierckpt_replicator.backup.store import (
+    Digest,
     ObjectInfo,
     ObjectNotFound,
     ObjectStore,
@@ -475,9 +476,10 @@ class _FencedStore:
         length: int,
         file_offset: int,
         on_bytes: Callable[[int], None] | None = None,
+        digest: Digest | None = None,
     ) -> int:
         return self._raw.download_to(
-            key, fd, start=start, length=length, file_offset=file_offset, on_bytes=on_bytes
+            key, fd, start=start, length=length, file_offset=file_offset, on_bytes=on_bytes, digest=digest
         )
 
     def stat(self, key: str) -> ObjectInfo | None:

@@ -41,6 +41,7 @@ from google.cloud.storage.retry import DEFAULT_RETRY
 
 from tierckpt_replicator.backup.store import (
     LIST_PAGE,
+    Digest,
     ObjectInfo,
     ObjectNotFound,
     PreconditionFailed,
@@ -197,6 +198,7 @@ class GcsStore:
         length: int,
         file_offset: int,
         on_bytes: Callable[[int], None] | None = None,
+        digest: Digest | None = None,
     ) -> int:
         # Kept over google.cloud.storage.transfer_manager.download_chunks_concurrently, measured with
         # bench/gcs_bench.py --transfer-manager (fake-gcs-server, 2-vCPU VM, 8 workers, 64 MiB ranges,
@@ -208,7 +210,7 @@ class GcsStore:
         # service), and process workers cannot write into our descriptor or report bytes.
         if length == 0:
             return 0
-        sink = _RangeSink(fd, file_offset, length, on_bytes)
+        sink = _RangeSink(fd, file_offset, length, on_bytes, digest)
         with _errors(key):
             self._retry(lambda: self._get_range(key, start, sink))()  # each retry resumes where it stopped
         return sink.crc
@@ -401,16 +403,26 @@ class _Region(io.RawIOBase):
 
 
 class _RangeSink:
-    """Where a ranged download lands: ``length`` bytes into ``fd`` from ``offset``, with their crc32c."""
+    """Where a ranged download lands: ``length`` bytes into ``fd`` from ``offset``, with their crc32c
+    (and ``digest`` of them, if given: a chunk's SHA-256 taken as it streams in, not read back)."""
 
-    def __init__(self, fd: int, offset: int, length: int, on_bytes: Callable[[int], None] | None) -> None:
-        self.fd, self.offset, self.length, self.on_bytes = fd, offset, length, on_bytes
+    def __init__(
+        self,
+        fd: int,
+        offset: int,
+        length: int,
+        on_bytes: Callable[[int], None] | None,
+        digest: Digest | None = None,
+    ) -> None:
+        self.fd, self.offset, self.length, self.on_bytes, self.digest = fd, offset, length, on_bytes, digest
         self.written = 0
         self.crc = 0
         self.generation = ""
 
     def write(self, block: bytes) -> None:
         self.crc = google_crc32c.extend(self.crc, block)
+        if self.digest is not None:
+            self.digest.update(block)
         view, done = memoryview(block), 0
         while done < len(block):
             done += os.pwrite(self.fd, view[done:], self.offset + self.written + done)

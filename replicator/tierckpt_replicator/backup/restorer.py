@@ -165,13 +165,9 @@ class Restorer:
         listed = read_chunk_list(
             self.store, self.layout, self.catalog, job, step, source, self.max_manifest_bytes, commit
         )
-        if listed is not None:
-            chunked = [f for f in files if is_data_file(f.name)]
-            crcs = self.chunks.fetch(job, listed, chunked, writer.open_rw, on_bytes)
-            for f in chunked:
-                writer.record(f.name, crcs[f.name])
-            files = [f for f in files if not is_data_file(f.name)]
-        futures = {
+        chunked = [f for f in files if listed is not None and is_data_file(f.name)]
+        whole = [f for f in files if listed is None or not is_data_file(f.name)]
+        futures = {  # submitted first: they download while the chunks do, not after them
             f.name: self._submit(
                 job,
                 step,
@@ -180,10 +176,14 @@ class Restorer:
                 writer,
                 on_bytes,
             )
-            for f in files
+            for f in whole
         }
         try:
-            for f in files:
+            if listed is not None:
+                crcs = self.chunks.fetch(job, listed, chunked, writer.open_rw, on_bytes)
+                for f in chunked:
+                    writer.record(f.name, crcs[f.name])
+            for f in whole:
                 parts = [(fut.result(), length) for fut, length in futures[f.name]]
                 writer.record(f.name, crc32c_concat(parts))
         except BaseException:

@@ -78,10 +78,11 @@ class BackupSettings:
     input)."""
 
     # --- what goes to the bucket (docs/bucket-layout.md, "Chunks (layout 3)")
-    chunks: bool = False
-    """[False] Upload data files as content-addressed chunks (bucket layout 3): chunks the bucket holds
-    from the rank's previous complete step are not sent again. False: whole objects (layout 2), whose
-    replica groups upload each shard once (``--backup-chunks`` turns chunks on)."""
+    chunks: bool = True
+    """[True] Upload data files as content-addressed chunks (bucket layout 3): chunks the bucket holds
+    from the rank's previous complete step are not sent again. False: whole objects (layout 2), for a
+    job whose nodes include one that reads no layout 3 (``--no-backup-chunks``; docs/bucket-layout.md,
+    "Layout versions")."""
     compression: Compression = "off"
     """[off] How chunks are stored: ``off`` (raw), ``zstd`` (zstd level 1) or ``grouped`` (bytes
     grouped by element size, then zstd). Off by default: on the 2-vCPU nodes measured, no codec

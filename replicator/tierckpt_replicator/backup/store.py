@@ -21,6 +21,7 @@ from tierckpt.protocol.errors import RetryableError, TierckptError
 
 __all__ = [
     "LIST_PAGE",
+    "Digest",
     "ObjectInfo",
     "ObjectNotFound",
     "ObjectStore",
@@ -33,6 +34,12 @@ __all__ = [
 
 LIST_PAGE = 1000
 """Results per listing request (GCS's maximum page)."""
+
+
+class Digest(Protocol):
+    """What a download can feed its bytes to as they arrive (a ``hashlib`` hash)."""
+
+    def update(self, data: bytes, /) -> None: ...
 
 
 class StoreError(TierckptError):
@@ -109,9 +116,11 @@ class ObjectStore(Protocol):
         length: int,
         file_offset: int,
         on_bytes: Callable[[int], None] | None = None,
+        digest: Digest | None = None,
     ) -> int:
         """Write ``object[start:start+length]`` to ``fd`` at ``file_offset``; return the crc32c of the
-        bytes written. ``on_bytes(n)`` is called as bytes arrive."""
+        bytes written. ``on_bytes(n)`` is called as bytes arrive; ``digest`` is updated with every byte
+        written, in order, once (a resumed download feeds it only what it had not yet)."""
         ...
 
     def stat(self, key: str) -> ObjectInfo | None: ...
