@@ -39,7 +39,6 @@ from tierckpt.snapshot import rankdir
 from tierckpt.snapshot.bindings import BindingCache
 from tierckpt.snapshot.commit import RecordFor, StepIdentity, commit_files
 from tierckpt.snapshot.copy import copy_cpu, copy_into
-from tierckpt.snapshot.cpus import lower_priority
 from tierckpt.snapshot.devstage import DeviceStager, Speculation, StagedSave
 from tierckpt.snapshot.flatten import FlatState, flatten
 from tierckpt.snapshot.handle import SaveHandle
@@ -132,9 +131,7 @@ class SaveWriter:
         self.settings, self.rank_path, self.pool = settings, rank_path, pool
         self.packer, self.stager, self.manifests, self.bindings = packer, stager, manifests, bindings
         self.restore_status = restore_status
-        self._executor = concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix="tierckpt-commit", initializer=lower_priority
-        )
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tierckpt-commit")
         self._closed = False
         self.inflight: SaveJob | None = None
         """The newest save this rank wrote itself (what the next one may have to wait for)."""

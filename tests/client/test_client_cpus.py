@@ -34,13 +34,16 @@ def test_checksum_threads_run_nicer_than_the_caller():
     assert theirs == min(19, mine + cpus.BACKGROUND_NICE)
 
 
-def test_a_saves_commit_and_warm_up_threads_run_nicer_than_the_training_thread(root: Path, job: str):
+def test_pre_fault_threads_run_nicer_and_the_warm_up_and_commit_threads_do_not(root: Path, job: str):
     import torch
+
+    from tierckpt.snapshot.shardfile import _faulters
 
     seen: dict[str, int] = {}
     with Checkpointer(root=root, job=job) as ck:
         ck.save(1, {"w": torch.ones(4)}, blocking=True)
         seen["commit"] = ck._writer._executor.submit(_nice).result()
         seen["warm"] = ck._pool._warmer.submit(_nice).result()
-    want = min(19, _nice() + cpus.BACKGROUND_NICE)
-    assert seen == {"commit": want, "warm": want}
+    seen["fault"] = _faulters().submit(_nice).result()
+    mine = _nice()
+    assert seen == {"commit": mine, "warm": mine, "fault": min(19, mine + cpus.BACKGROUND_NICE)}

@@ -5,10 +5,12 @@ A node runs one trainer per GPU: each gets its share of the CPUs it may run on, 
 torchrun sets ``OMP_NUM_THREADS=1`` for the training's own kernels, which says nothing about threads
 that only copy memory.
 
-Background threads run at a lower priority (``lower_priority``, nice +10): while a save's checksums and
-the next slot's pre-faulting ran on every core at normal priority, the training thread waited for a core
-to launch its kernels, and steps between saves took 5-18 times as long (an H200 host, 16 cores, one
-trainer). At nice +10 they still take every core the training thread leaves idle.
+The pools that do bulk work on many cores, checksums and pre-faulting, run at a lower priority
+(``lower_priority``, nice +10): while a save's checksums and the next slot's pre-faulting ran on every
+core at normal priority, the training thread waited for a core to launch its kernels, and steps between
+saves took 5-18 times as long (an H200 host, 16 cores, one trainer). At nice +10 they still take every
+core the training thread leaves idle. The single warm-up and commit threads, which mostly wait for those
+pools, keep the training thread's priority.
 """
 
 from __future__ import annotations

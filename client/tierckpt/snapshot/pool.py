@@ -46,7 +46,6 @@ from tierckpt.protocol.format import (
     iter_data_files,
     step_dir,
 )
-from tierckpt.snapshot.cpus import lower_priority
 from tierckpt.snapshot.dtypes import torch_dtype
 from tierckpt.snapshot.layout import LayoutPlan
 from tierckpt.snapshot.restore import tensor_views
@@ -189,9 +188,7 @@ class SlotPool:
         self._stopping = False
         self._cond = threading.Condition()
         self._ids = itertools.count()
-        self._warmer = concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix="tierckpt-warm", initializer=lower_priority
-        )
+        self._warmer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tierckpt-warm")
         self._warming: concurrent.futures.Future[None] | None = None
         self._warm_active = False
         self._warm_plan: LayoutPlan | None = None
