@@ -124,6 +124,7 @@ class Daemon:
             domain=settings.domain,
             max_manifest_bytes=settings.transfer.max_manifest_bytes,
             fragments=FragmentScanner(settings.transfer.max_manifest_bytes),
+            plan_of=lambda job: self.stager.plans.get(job),  # the steps the run a job left saved
         )
         self.watcher = CommitWatcher(settings.root, poll_interval=settings.poll_interval)
         self.commits = CommitFeed(self.scanner)

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Literal
 
 from tierckpt.planning.common_step import current_ranks, newest_common_step
-from tierckpt.protocol.control import NodeInventory, RankHoldings, StepContent
+from tierckpt.protocol.control import NodeInventory, RankHoldings, RestorePlan, StepContent
 from tierckpt.protocol.errors import FormatError
 from tierckpt.protocol.format import (
     STATE_DIR_NAME,
@@ -72,9 +72,18 @@ class Holdings:
     """Rank -> bytes its newest local step's COMMIT declares (checked against the job's quota)."""
     newest_world: dict[int, int] = dataclasses.field(default_factory=dict)
     """Rank -> the world size its newest local step was saved with."""
+    left: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    """Rank -> its local steps the run the job went back from saved (``RestorePlan.left_behind``): held
+    (in ``ranks``) until the client's first commit retires them, but none is the rank's newest."""
+
+    def saved(self, rank: int) -> tuple[int, ...]:
+        """The rank's local steps but those left behind, oldest first."""
+        left = self.left.get(rank, ())
+        return tuple(s for s in self.ranks[rank].local if s not in left)
 
     def newest_local(self) -> dict[int, int]:
-        return {r: h.local[-1] for r, h in self.ranks.items() if h.local}
+        """Rank -> its newest local step (not one the run the job went back from saved)."""
+        return {r: steps[-1] for r in self.ranks if (steps := self.saved(r))}
 
     def newest_common(self) -> int | None:
         """The newest step every local rank the job still saves here has committed
@@ -82,8 +91,12 @@ class Holdings:
         current = current_ranks(
             {r: (self.newest_commit_at.get(r, 0.0), w) for r, w in self.newest_world.items()}
         )
-        return newest_common_step(h.local for r, h in self.ranks.items() if h.local and r in current)
+        return newest_common_step(steps for r in self.ranks if r in current and (steps := self.saved(r)))
 
+
+PlanOf = Callable[[str], RestorePlan | None]
+"""A job -> the restore plan this node staged for it last (``restore.stage.Stager.plans``, given by the
+daemon: it sits in a layer above this one)."""
 
 FragmentScan = Callable[[Beneath], dict[int, dict[int, tuple[tuple[int, int], int]]]]
 """A job tree -> rank -> step -> ((fragment index, k), world size) of the erasure-coded fragments held
@@ -92,6 +105,10 @@ FragmentScan = Callable[[Beneath], dict[int, dict[int, tuple[tuple[int, int], in
 
 def _no_fragments(_: Beneath) -> dict[int, dict[int, tuple[tuple[int, int], int]]]:
     return {}
+
+
+def _no_plan(_: str) -> RestorePlan | None:
+    return None
 
 
 class InventoryScanner:
@@ -104,9 +121,10 @@ class InventoryScanner:
         domain: str = "",
         max_manifest_bytes: int = 64 << 20,
         fragments: FragmentScan = _no_fragments,
+        plan_of: PlanOf = _no_plan,
     ) -> None:
         self.root, self.node, self.endpoint, self.domain = root, node, endpoint, domain
-        self.fragments = fragments
+        self.fragments, self.plan_of = fragments, plan_of
         self.max_manifest_bytes = max_manifest_bytes
         self._steps: dict[tuple[str, int], _StepFacts] = {}
 
@@ -117,11 +135,13 @@ class InventoryScanner:
         newest_at: dict[int, float] = {}
         newest_bytes: dict[int, int] = {}
         newest_world: dict[int, int] = {}
+        left: dict[int, tuple[int, ...]] = {}
         contents: list[StepContent] = []
         try:
             tree = open_job(self.root, job)
         except (FileNotFoundError, NotADirectoryError):
             return Holdings(ranks, world_sizes, 0, 0, newest_at)
+        plan = self.plan_of(job)
         with tree:
             tiers: tuple[tuple[Literal["local", "replica"], Copy], ...] = (
                 ("local", "primary"),
@@ -138,7 +158,9 @@ class InventoryScanner:
                         steps.append(step)
                         sizes[kind] += total
                         world_sizes.setdefault(step, facts.world_size)
-                        if kind == "local":
+                        if kind == "local" and plan is not None and plan.left_behind(step, committed_at):
+                            left[rank] = (*left.get(rank, ()), step)
+                        elif kind == "local":
                             newest_at[rank], newest_bytes[rank] = committed_at, total
                             newest_world[rank] = facts.world_size
                         if facts.content is not None:
@@ -160,6 +182,7 @@ class InventoryScanner:
             tuple(contents),
             newest_bytes,
             newest_world,
+            left,
         )
 
     def _step_info(self, step: Beneath) -> tuple[int, _StepFacts, float] | None:

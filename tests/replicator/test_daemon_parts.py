@@ -21,6 +21,7 @@ from tierckpt.protocol.client import ONE_ATTEMPT, ReplicatorClient, api_base
 from tierckpt.protocol.control import (
     PeerAssignment,
     PeerNode,
+    RestorePlan,
     RestoreState,
     RestoreStatus,
     Tier,
@@ -682,6 +683,80 @@ async def test_a_send_that_a_save_of_its_step_overtook_counts_no_copy_of_the_new
         assert worker.sent == 2 and holders() == {"b"}
     finally:
         worker.release.set()
+        await mgr.close()
+
+
+class _SentSteps(_HeldSends):
+    """Sends that succeed at once, recording the (rank, step) of each."""
+
+    def __init__(self, node: str) -> None:
+        super().__init__(node)
+        self.steps: list[tuple[int, int]] = []
+        self.release.set()
+
+    async def run_task(self, task: SendTask | ErasureTask) -> TaskResult:
+        self.steps.append((task.rank, task.step))
+        return await super().run_task(task)
+
+
+async def test_a_step_the_run_a_job_left_saved_is_not_sent_while_the_job_saves_it_again(tmp_path: Path):
+    """Soak run 6 (seed 613830794, rounds 29 and 31): a DCP job went back to step 27 (the operator's
+    plan) while node-0 still held rank 2's primary step 30 of the run it left. Staging dropped the
+    peers' replicas above 27; node-0's reconcile saw its copy gone and sent step 30 again, and again,
+    each send holding a lease on that primary, so the trainer's save of step 30 failed, attempt after
+    attempt ("leased (being read or copied): not overwriting"). A step above the plan's committed before
+    the plan was decided is not the rank's newest: it is held (reported, until the client's first commit
+    retires it) but neither counted nor sent; the new save of its step is."""
+    token = tmp_path / "token"
+    token.write_text("tok\n")
+    root = tmp_path / "ramdisk"
+    settings = Settings(
+        node_name="a",
+        root=root,
+        auth="token",
+        token_file=token,
+        listen_host="127.0.0.1",
+        advertise_host="127.0.0.1",
+        api_port=0,
+        data_port=_free_port(),
+        restore_on_start=False,
+    )
+    daemon = Daemon(settings)  # not started: its scanner and stager, as the daemon wires them
+    job = "went-back"
+    nodes = {n: PeerNode(n, f"http://{n}:1") for n in ("a", "b")}
+    daemon.assignments.put(PeerAssignment(job=job, generation=1, nodes=nodes, peers={"a": ("b",)}))
+    for step in (27, 30):  # the run the job left
+        write_step(root, job, 2, step, seed=step, world_size=3, sizes=(1000,))
+    await asyncio.sleep(0.01)
+    plan = RestorePlan(job=job, step=27, world_size=2, sources={0: Tier.LOCAL}, decided_at=time.time())
+    daemon.stager.plans[job] = plan  # this node staged it: the job went back to 27
+    worker = _SentSteps("b")
+    mgr = ReplicationManager(
+        node="a",
+        k=1,
+        scanner=daemon.scanner,
+        assignments=daemon.assignments,
+        supervisor=worker,  # type: ignore[arg-type]
+        peers=None,  # type: ignore[arg-type]
+        metrics=daemon.metrics,
+        reconcile_interval=3600.0,
+    )
+    try:
+        holdings = daemon.scanner.holdings(job)
+        assert holdings.ranks[2].local == (27, 30)  # still held (the inventory says so)
+        assert holdings.newest_local() == {2: 27}
+        await mgr.run_pass()
+        await asyncio.wait_for(_settled(mgr), 10)
+        mgr._uncount("b", [(job, 2, 30)])  # a reconcile: b dropped its copy for the restore
+        await mgr.run_pass()
+        await asyncio.wait_for(_settled(mgr), 10)
+        assert worker.steps == [(2, 27)], "a step of the run the job left was sent while it saves it again"
+        discard_step(step_dir(rank_dir(root, job, 2), 30))  # the job saves step 30 again
+        write_step(root, job, 2, 30, seed=300, world_size=3, sizes=(1000,))
+        await mgr.run_pass()
+        await asyncio.wait_for(_settled(mgr), 10)
+        assert worker.steps == [(2, 27), (2, 30)] and mgr.confirmed == {(job, 2, 30): {"b"}}
+    finally:
         await mgr.close()
 
 

@@ -239,3 +239,39 @@ async def test_a_rank_the_plans_step_did_not_have_is_told_the_step_though_its_pr
     assert (told.state, told.step) == (RestoreState.READY, STEP), told
     assert bucket.fetched == []
     await stager.close()
+
+
+async def test_a_fresh_start_drops_the_replicas_of_the_run_the_job_left(tmp_path: Path):
+    """A DCP job started afresh (no step restorable by every rank) while node ``a`` held a replica of
+    rank 2's step 3 of the run it left; the job saved step 3 again, sent it to another node, and went
+    back to it: rank 0's resharding load read the stale replica here and failed every attempt ("not the
+    step rank 2 wrote for this DCP checkpoint"; replaying the soak of seed 613830794). Staging a fresh
+    start drops every replica of the job here, as staging a step drops those above it; a leased one
+    stays until its reader is done."""
+    from tierckpt.protocol import leases
+    from tierckpt.protocol.format import replica_rank_dir
+
+    nodes = {n: PeerNode(n, f"http://10.0.0.{i}:8470") for i, n in enumerate(("a", "b", "c"))}
+    store = AssignmentStore(tmp_path)
+    store.put(PeerAssignment(JOB, 1, nodes, {}, {"a": 0, "b": 1, "c": 2}, procs_per_node=1, attempt=2))
+    write_step(tmp_path, JOB, 0, 3, world_size=3, sizes=(4096,))
+    for rank, step in ((2, 3), (1, 6)):
+        write_step(
+            tmp_path,
+            JOB,
+            rank,
+            step,
+            world_size=3,
+            sizes=(4096,),
+            parent=replica_rank_dir(tmp_path, JOB, rank),
+        )
+    leased = replica_rank_dir(tmp_path, JOB, 1)
+    read = leases.acquire(leased, 6, "reader", ttl=60)
+    stager = _offline_stager(tmp_path, store, EmptyBucket(tmp_path))
+    plan = RestorePlan(JOB, None, 0, {}, generation=2, decided_at=time.time())
+    await asyncio.wait_for(stager.start(JOB, plan), 10)
+    assert status(tmp_path, 0).state is RestoreState.NONE
+    assert read_commit(replica_rank_dir(tmp_path, JOB, 2) / "step-000000000003") is None
+    assert read_commit(replica_rank_dir(tmp_path, JOB, 1) / "step-000000000006") is not None  # leased
+    leases.release(leased, read)
+    await stager.close()

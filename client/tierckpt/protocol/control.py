@@ -434,6 +434,15 @@ class RestorePlan(Message):
             return f"the plan is for attempt {self.generation}, the node ranks for {assignment.attempt}"
         return None
 
+    def left_behind(self, step: int, committed_at: float) -> bool:
+        """Whether a rank's ``step``, committed at ``committed_at``, was saved by the run the job went back
+        from when it restored this plan's step: above that step (any step, for a fresh start) and
+        committed before the plan was decided. Training saves that step number again; until then the
+        step is nobody's newest (nothing sends or uploads it), and the client's first commit retires it.
+        False for every step when the decision time is unknown (0)."""
+        above = self.step is None or step > self.step
+        return above and self.decided_at > 0.0 and committed_at <= self.decided_at
+
 
 class RestoreState(str, enum.Enum):
     PENDING = "pending"

@@ -65,9 +65,9 @@ def apply_retention(root: Path, job: str, keep: int) -> list[tuple[int, int]]:
 
 def drop_above(root: Path, job: str, step: int) -> list[tuple[int, int]]:
     """Drop this node's replicas (and erasure-coded fragments) of ``job`` above ``step``, the step the job
-    restores: they were saved by the run the job goes back from, and training saves those step numbers
-    again. A leased one stays until its reader is done (a new save of its step replaces it). Returns the
-    ``(rank, step)`` dropped."""
+    restores (``FRESH_START`` for a fresh start: every step): they were saved by the run the job goes back
+    from, and training saves those step numbers again. A leased one stays until its reader is done (a new
+    save of its step replaces it). Returns the ``(rank, step)`` dropped."""
     try:
         tree = open_job(root, job)
     except FileNotFoundError:

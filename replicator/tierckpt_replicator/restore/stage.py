@@ -45,6 +45,7 @@ from typing import cast
 
 from tenacity import AsyncRetrying, RetryCallState, retry_if_result, stop_after_attempt, wait_exponential
 
+from tierckpt.planning.retention import FRESH_START
 from tierckpt.protocol.client import ReplicatorClient
 from tierckpt.protocol.control import (
     NodeInventory,
@@ -279,8 +280,8 @@ class Stager:
                         attempts=self.settings.restore_attempts,
                     )
                 self.plans[job] = plan
-                if plan.step is not None:
-                    drop_above(self.settings.root, job, plan.step)
+                # the run the job left saved the steps above the plan's (every step, for a fresh start)
+                drop_above(self.settings.root, job, FRESH_START if plan.step is None else plan.step)
                 ranks = self._ranks(job, plan, assignment)
                 pending.add(ranks)
                 if assignment is not None and assignment.process_ranks(self.node, plan.world_size):
