@@ -138,7 +138,9 @@ def test_a_restore_to_an_older_step_loads_it_on_every_node_the_survivors_include
     survivor = cluster3.nodes[2]
 
     plan = lose_peer_group(cluster3, job, generation=2)
-    assert plan.step == BACKED_UP and plan.sources[0] == Tier.GCS
+    # Rank 0's step 5 is in the bucket, and on the replaced nodes too once they staged it from there (and
+    # replicated it) before the operator's inventories were taken: the plan may name either source.
+    assert plan.step == BACKED_UP
     load_everywhere(cluster3, job, plan)
     assert committed_steps(rank_dir(survivor.root, job, 2)) == [5, 10, 15]  # kept until a save
 
