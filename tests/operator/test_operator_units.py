@@ -693,17 +693,21 @@ def test_peer_views_and_state_round_trip():
     )
 
 
-def test_a_replan_keeps_the_views_that_say_the_same():
-    """One node replaced changes a handful of views; making all 4,096 again took about 0.3 s of the
-    replacement. A view that says the same is kept (the same object, its generation too); every other
-    is made anew, and each equals what a plan from scratch makes of it."""
-    n = 300
-    state = JobState(
+def _spread_job(n: int) -> JobState:
+    """A job of ``n`` nodes over four failure domains, one pod each, no peers planned yet."""
+    return JobState(
         generation=1,
         nodes=tuple(f"n{i}" for i in range(n)),
         domains=tuple(f"z{i % 4}" for i in range(n)),
         pods=tuple(f"p{i}" for i in range(n)),
     )
+
+
+def test_a_replan_keeps_the_views_that_say_the_same():
+    """One node replaced changes a handful of views; making all 4,096 again took about 0.3 s of the
+    replacement. A view that says the same is kept (the same object, its generation too); every other
+    is made anew, and each equals what a plan from scratch makes of it."""
+    state = _spread_job(300)
     state = dataclasses.replace(state, peers=decide_peers(state, 2), peer_generation=9)
     endpoints = {node: f"https://10.0.{i // 200}.{i % 200}:8470" for i, node in enumerate(state.nodes)}
     first = peer_views("j", state, endpoints)
@@ -715,7 +719,7 @@ def test_a_replan_keeps_the_views_that_say_the_same():
     kept = peer_views("j", replaced, endpoints, (), first)
     fresh = peer_views("j", replaced, endpoints)
     same = [node for node in kept if kept[node] is first.get(node)]
-    assert 250 < len(same) < n and "new" not in same
+    assert 250 < len(same) < len(state.nodes) and "new" not in same
     for node in replaced.nodes:
         assert dataclasses.replace(kept[node], generation=10) == fresh[node]
         assert kept[node].generation == (9 if node in same else 10)
@@ -758,13 +762,7 @@ def test_a_reconcile_with_the_same_nodes_reuses_the_peer_plan(monkeypatch: pytes
     real = decisions.plan_peers
     monkeypatch.setattr(decisions, "plan_peers", lambda *a: calls.append(a) or real(*a))
     decisions._planned_peers.cache_clear()
-    n = 300
-    state = JobState(
-        generation=1,
-        nodes=tuple(f"n{i}" for i in range(n)),
-        domains=tuple(f"z{i % 4}" for i in range(n)),
-        pods=tuple(f"p{i}" for i in range(n)),
-    )
+    state = _spread_job(300)
     first = decide_peers(state, 2)
     assert decide_peers(dataclasses.replace(state), 2) is first and len(calls) == 1
     settled = dataclasses.replace(state, peers=tuple(list(p) for p in first))  # as read back from status
@@ -773,7 +771,7 @@ def test_a_reconcile_with_the_same_nodes_reuses_the_peer_plan(monkeypatch: pytes
     moved = dataclasses.replace(settled, domains=("z9", *state.domains[1:]))
     decide_peers(moved, 2)
     assert len(calls) == 3
-    partners = [[] for _ in range(n)]
+    partners = [[] for _ in range(len(state.nodes))]
     partners[0] = [150]
     assert 150 in decide_peers(settled, 2, partners)[0] and len(calls) == 4
 

@@ -254,21 +254,15 @@ async def test_a_watcher_cancelled_in_the_turn_it_wakes_is_cancelled(tmp_path: P
 async def test_the_daemons_shutdown_stops_a_replication_loop_woken_as_it_is_cancelled(tmp_path: Path):
     """SIGTERM's shutdown (the real worker process, the loops) finishes while changes keep waking the
     replication loop: each cancellation reaches it (it did not: CI seed 21's replicator did not exit)."""
-    token = tmp_path / "token"
-    token.write_text("tok\n")
     root = tmp_path / "ramdisk"
-    settings = Settings(
+    settings = _token_settings(
+        tmp_path,
         node_name="node-a",
         root=root,
-        auth="token",
-        token_file=token,
-        listen_host="127.0.0.1",
-        advertise_host="127.0.0.1",
         api_port=0,  # (the control API is not served here)
         data_port=_free_port(),
         poll_interval=30.0,
         restore_on_start=False,
-        transfer=TransferSettings(worker_nice=0),
     )
     daemon = Daemon(settings)
     await daemon.startup()
@@ -288,21 +282,26 @@ async def test_the_daemons_shutdown_stops_a_replication_loop_woken_as_it_is_canc
             await daemon.supervisor.stop()
 
 
-def _local_supervisor(tmp_path: Path) -> WorkerSupervisor:
-    """A worker supervisor of node ``n`` on loopback ports, token auth, at normal priority."""
+def _token_settings(tmp_path: Path, **overrides: Any) -> Settings:
+    """Settings of node ``n`` on loopback, token auth (the token written under ``tmp_path``), its
+    worker at normal priority; ``overrides`` on top."""
     token = tmp_path / "token"
     token.write_text("tok\n")
-    settings = Settings(
-        node_name="n",
-        root=tmp_path,
-        auth="token",
-        token_file=token,
-        advertise_host="127.0.0.1",
-        listen_host="127.0.0.1",
-        api_port=0,
-        data_port=0,
-        transfer=TransferSettings(worker_nice=0),
-    )
+    base: dict[str, Any] = {
+        "node_name": "n",
+        "root": tmp_path,
+        "auth": "token",
+        "token_file": token,
+        "advertise_host": "127.0.0.1",
+        "listen_host": "127.0.0.1",
+        "transfer": TransferSettings(worker_nice=0),
+    }
+    return Settings(**(base | overrides))
+
+
+def _local_supervisor(tmp_path: Path) -> WorkerSupervisor:
+    """A worker supervisor of node ``n`` on loopback ports, token auth, at normal priority."""
+    settings = _token_settings(tmp_path, api_port=0, data_port=0)
     return WorkerSupervisor(dataclasses.replace(worker_config(settings), data_port=0))
 
 
@@ -360,20 +359,8 @@ async def test_a_job_fenced_for_its_purge_starts_nothing_in_the_worker_nor_in_it
 async def test_a_purge_through_the_api_aborts_a_replica_still_arriving(tmp_path: Path):
     """The whole daemon (its worker process, the data port, the control API in-process): a peer's put
     admitted before the purge, whose header comes after it, is aborted; nothing re-creates the job."""
-    token = tmp_path / "token"
-    token.write_text("tok\n")
     root = tmp_path / "ramdisk"
-    settings = Settings(
-        node_name="n",
-        root=root,
-        auth="token",
-        token_file=token,
-        advertise_host="127.0.0.1",
-        listen_host="127.0.0.1",
-        api_port=0,
-        data_port=free_port(),
-        transfer=TransferSettings(worker_nice=0),
-    )
+    settings = _token_settings(tmp_path, root=root, api_port=0, data_port=free_port())
     job = "team_purge_1234abcd"
     src = write_step(tmp_path / "sender", job, 0, 3, sizes=(4 << 20,))
     commit, manifest = (src / "COMMIT").read_bytes(), (src / "manifest.json").read_bytes()
@@ -410,17 +397,7 @@ def test_docs_describe_every_option():
 
 
 async def test_worker_runs_at_lower_priority(tmp_path: Path):
-    token = tmp_path / "token"
-    token.write_text("tok\n")
-    settings = Settings(
-        node_name="n",
-        root=tmp_path,
-        auth="token",
-        token_file=token,
-        advertise_host="127.0.0.1",
-        listen_host="127.0.0.1",
-        transfer=TransferSettings(worker_nice=7, worker_idle=True),
-    )
+    settings = _token_settings(tmp_path, transfer=TransferSettings(worker_nice=7, worker_idle=True))
     sup = WorkerSupervisor(dataclasses.replace(worker_config(settings), data_port=0))
     await sup.start()
     try:
@@ -707,19 +684,9 @@ async def test_a_step_the_run_a_job_left_saved_is_not_sent_while_the_job_saves_i
     attempt ("leased (being read or copied): not overwriting"). A step above the plan's committed before
     the plan was decided is not the rank's newest: it is held (reported, until the client's first commit
     retires it) but neither counted nor sent; the new save of its step is."""
-    token = tmp_path / "token"
-    token.write_text("tok\n")
     root = tmp_path / "ramdisk"
-    settings = Settings(
-        node_name="a",
-        root=root,
-        auth="token",
-        token_file=token,
-        listen_host="127.0.0.1",
-        advertise_host="127.0.0.1",
-        api_port=0,
-        data_port=_free_port(),
-        restore_on_start=False,
+    settings = _token_settings(
+        tmp_path, node_name="a", root=root, api_port=0, data_port=_free_port(), restore_on_start=False
     )
     daemon = Daemon(settings)  # not started: its scanner and stager, as the daemon wires them
     job = "went-back"
