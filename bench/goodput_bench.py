@@ -26,6 +26,12 @@ byte. ``--trace`` samples every thread's Python frame every 2 ms inside each tra
 slowest steps that do not save (wall clock), where each thread was (and the longest gap between samples:
 the training thread holding the GIL). ``--pyspy`` samples trainer 0 of each checkpointing run with
 py-spy (``--gil``: only the threads holding the GIL), written as collapsed stacks to ``--out``.
+``--events`` adds tierckpt's debug log lines (slots prepared, staging banks) with their time since the
+loop started.
+
+A mode may carry settings of the client's tuning constants, for A/B runs in one call:
+``readme:BACKGROUND_DUTY=0.5/URGENT_DUTY=1.0`` is the ``readme`` run with ``pool.BACKGROUND_DUTY``
+0.5 and ``pool.URGENT_DUTY`` 1.0 (``TUNABLES`` lists what may be set).
 
 Run: ``python bench/goodput_bench.py --root /mnt/ramdisk [--trainers 4] [--modes none,readme,device]``.
 """
@@ -37,6 +43,7 @@ import cProfile
 import io
 import itertools
 import json
+import logging
 import os
 import pstats
 import shutil
@@ -49,6 +56,45 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
+TUNABLES = {
+    "BACKGROUND_DUTY": "tierckpt.snapshot.pool",
+    "URGENT_DUTY": "tierckpt.snapshot.pool",
+}
+"""Client constants a mode's settings may change (``mode:NAME=value/NAME=value``), and their modules."""
+
+
+def _tune(mode: str) -> str:
+    """Apply the settings a mode carries (see ``TUNABLES``); the plain mode."""
+    import importlib
+
+    mode, _, settings = mode.partition(":")
+    for item in filter(None, settings.split("/")):
+        name, _, value = item.partition("=")
+        module = importlib.import_module(TUNABLES[name])
+        setattr(module, name, type(getattr(module, name))(float(value)))
+    return mode
+
+
+class _Events(logging.Handler):
+    """tierckpt's debug log lines, with seconds since ``start``."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.start = time.perf_counter()
+        self.lines: list[tuple[float, str]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if len(self.lines) < 200:
+            self.lines.append((round(time.perf_counter() - self.start, 3), record.getMessage()[:300]))
+
+    def attach(self) -> _Events:
+        logger = logging.getLogger("tierckpt")
+        logger.setLevel(logging.DEBUG)
+        logger.addHandler(self)
+        return self
+
+    def detach(self) -> None:
+        logging.getLogger("tierckpt").removeHandler(self)
 
 
 # ------------------------------------------------------------------------------------------- trainer
@@ -151,11 +197,12 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     (run_dir / f"ready-{args.rank}").touch()
     while not (run_dir / "go").exists():
         time.sleep(0.005)
+    events = _Events().attach() if args.events else None
     started = time.perf_counter()
-    save, ckpt = _saver(args.mode, Path(args.root), args.rank, args.trainers, trainer)
+    save, ckpt = _saver(_tune(args.mode), Path(args.root), args.rank, args.trainers, trainer)
     checker = Checker() if args.check else None
     saved = types.SimpleNamespace(handles={}, ck=ckpt)  # what Checker.verify reads
-    profiler = cProfile.Profile() if args.profile and save is not None else None
+    profiler = cProfile.Profile() if (args.profile or args.profile_first) and save is not None else None
     every, steps = args.every, args.steps
     blocking: dict[int, float] = {}
     window: list[float] = []
@@ -176,7 +223,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             if k > every:
                 checker.verify(saved)
             checker.before_save(k, trainer.state())
-        profiling = profiler is not None and k > steps // 2
+        profiling = profiler is not None and (k <= 2 * every if args.profile_first else k > steps // 2)
         if profiling:
             profiler.enable()
         t0 = time.perf_counter()
@@ -213,6 +260,9 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     }
     if stalls:
         out["stalls"] = stalls
+    if events is not None:
+        events.detach()
+        out["events"] = events.lines
     if ckpt is not None:
         out["last_snapshot"] = ckpt.last_snapshot
         out["device_staging_bytes"] = ckpt.device_staging_bytes
@@ -224,7 +274,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         stats = pstats.Stats(profiler, stream=text)
         stats.sort_stats("tottime").print_stats(30)
         stats.sort_stats("cumulative").print_stats(40)
-        (Path(args.out) / f"profile-{args.mode}-{args.rank}.txt").write_text(text.getvalue())
+        which = "first" if args.profile_first else "steady"
+        (Path(args.out) / f"profile-{which}-{args.rank}.txt").write_text(text.getvalue())
     return out
 
 
@@ -267,7 +318,7 @@ def _tensors(trainer: Any) -> list[Any]:
 
 def launch(args: argparse.Namespace, mode: str, index: int, *, check: bool = False) -> list[dict[str, Any]]:
     """Start ``--trainers`` processes of ``mode`` together; their results."""
-    run_dir = Path(args.root) / f"run-{index}-{mode}"
+    run_dir = Path(args.root) / f"run-{index}"
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
     procs = []
@@ -278,6 +329,12 @@ def launch(args: argparse.Namespace, mode: str, index: int, *, check: bool = Fal
         cmd += [f"--{k}={getattr(args, k)}" for k in ("layers", "width", "seq", "vocab", "batch")]
         cmd += ["--check"] if check else []
         cmd += ["--trace"] if args.trace and not check else []
+        cmd += ["--events"] if args.events and not check else []
+        cmd += (
+            ["--profile-first", "--out", args.out]
+            if args.profile_first and not check and mode != "none"
+            else []
+        )
         cmd += ["--profile", "--out", args.out] if args.profile and check else []
         if args.pyspy and rank == 0 and mode != "none" and not check:
             trace = Path(args.out) / f"pyspy-{index}-{mode}.txt"
@@ -367,8 +424,12 @@ def main() -> None:
     p.add_argument("--check", action="store_true", help="also verify two saves of each mode bit-exact")
     p.add_argument("--pyspy", choices=["", "all", "gil"], default="", help="sample trainer 0 with py-spy")
     p.add_argument("--trace", action="store_true", help="where each thread was during the slowest steps")
+    p.add_argument("--events", action="store_true", help="tierckpt's debug log lines, timed")
     p.add_argument("--out", default=".", help="where py-spy and --profile write")
     p.add_argument("--profile", action="store_true", help="cProfile the check runs' steady saves")
+    p.add_argument(
+        "--profile-first", action="store_true", help="cProfile the first two saves of the timed runs"
+    )
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--mode", default="none", help=argparse.SUPPRESS)
     p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
