@@ -120,18 +120,22 @@ def register(
     read_only: bool = False,
     device: int | None = None,
     pace: Callable[[float], None] | None = None,
+    before: Callable[[int, int], None] | None = None,
 ) -> list[int]:
     """Page-lock ``nbytes`` of host memory at ``address`` for DMA, in ``device``'s context (a background
     thread would otherwise create a context on device 0), piece by piece (``REGISTER_PIECE``), calling
-    ``pace(seconds the piece took)`` after each (a background caller sleeps there, so the training
-    thread's CUDA calls get through). Returns the pieces' addresses for ``unregister``; an empty list
-    (and a log line) if CUDA refuses, with nothing left pinned."""
+    ``before(start, length)`` before each (e.g. to wait until its pages are faulted) and ``pace(seconds
+    the piece took)`` after each (a background caller sleeps there, so the training thread's CUDA calls
+    get through). Returns the pieces' addresses for ``unregister``; an empty list (and a log line) if
+    CUDA refuses, with nothing left pinned."""
     if nbytes == 0 or not available():
         return []
     flags = _HOST_REGISTER_PORTABLE | (_HOST_REGISTER_READ_ONLY if read_only else 0)
     done: list[int] = []
     with torch.cuda.device(device) if device is not None else contextlib.nullcontext():
         for start, length in _pieces(address, nbytes):
+            if before is not None:
+                before(start, length)
             began = time.perf_counter()
             err = int(torch.cuda.cudart().cudaHostRegister(start, length, flags))
             if err != 0:

@@ -7,6 +7,7 @@ through pinned ramdisk pages run on the device machine (``-m gpu``).
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,8 @@ import torch
 from tests.client.client_helpers import assert_same
 from tierckpt import Checkpointer, cuda
 from tierckpt.cuda import REGISTER_PIECE, _cut, _pieces
-from tierckpt.snapshot.shardfile import MappedFile
+from tierckpt.snapshot import shardfile
+from tierckpt.snapshot.shardfile import MappedFile, _FaultAhead
 
 MIB = 1 << 20
 
@@ -85,7 +87,95 @@ def test_without_cuda_nothing_is_registered(tmp_path: Path):
         f.close()
 
 
+def test_pinning_follows_the_faulting_piece_by_piece_and_waits_only_for_its_own_piece(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    span = 1 * MIB  # faulted at a time
+    monkeypatch.setattr(shardfile, "_AHEAD_SPAN", span)
+    f = MappedFile.open(_sized(tmp_path / "data.bin", 3 * span), populate=False)
+    faulted: list[tuple[int, int]] = []
+    hold = threading.Event()
+    real = shardfile._populate
+
+    def populate(mm, address, start, length, *, write):  # every span after the first waits for the test
+        if start > 0:
+            assert hold.wait(10)
+        real(mm, address, start, length, write=write)
+        faulted.append((start, length))
+
+    monkeypatch.setattr(shardfile, "_populate", populate)
+    try:
+        ahead = _FaultAhead(f._mapping, f.address, f.size, write=True)
+        first = min(f.size, -(-(f.address + 1) // span) * span - f.address)
+        ahead.wait_for(f.address, first)  # the first piece is faulted: no wait for the rest
+        assert faulted and faulted[0][0] == 0 and sum(n for _, n in faulted) == first < f.size
+        waited = threading.Thread(target=ahead.wait_for, args=(f.address + f.size - 1, 1))
+        waited.start()
+        waited.join(0.2)
+        assert waited.is_alive()  # the last piece is not faulted while the faulting is held
+        hold.set()
+        waited.join(10)
+        assert not waited.is_alive()
+        ahead.finish()
+        assert [start for start, _ in faulted] == sorted(start for start, _ in faulted)
+        assert sum(n for _, n in faulted) == f.size and ahead.seconds > 0
+    finally:
+        hold.set()
+        f.close()
+
+
+def test_a_faulting_that_fails_lets_the_pinning_go_on_and_reports_its_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    f = MappedFile.open(_sized(tmp_path / "data.bin", 4 * MIB), populate=False)
+
+    def populate(mm, address, start, length, *, write):
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(shardfile, "_populate", populate)
+    try:
+        ahead = _FaultAhead(f._mapping, f.address, f.size, write=True)
+        ahead.wait_for(f.address + f.size - 1, 1)  # does not hang
+        with pytest.raises(OSError, match="Cannot allocate memory"):
+            ahead.finish()
+    finally:
+        f.close()
+
+
+def test_preparing_without_cuda_faults_the_mapping_and_pins_nothing(tmp_path: Path):
+    if cuda.available():
+        pytest.skip("this machine has CUDA")
+    f = MappedFile.open(_sized(tmp_path / "data.bin", 4 * MIB), populate=False)
+    try:
+        assert f.prepare() == 0.0
+        assert f.populated and not f.registered
+    finally:
+        f.close()
+
+
+def _sized(path: Path, size: int) -> Path:
+    with path.open("wb") as out:
+        out.truncate(size)
+    return path
+
+
 # ----------------------------------------------------------------------------------- on the GPU
+
+
+@pytest.mark.gpu
+def test_a_mapping_faulted_ahead_of_its_pinning_is_pinned_and_takes_copies_bit_exact(root: Path):
+    f = MappedFile.open(_sized(root / "data.bin", 3 * REGISTER_PIECE + 8192), populate=False)
+    paused: list[float] = []
+    try:
+        assert f.prepare(pace=paused.append) > 0
+        assert f.populated and f.registered and len(paused) >= 3
+        src = torch.randint(0, 255, (3 * REGISTER_PIECE,), dtype=torch.uint8, device="cuda")
+        window = f.buffer[4096 : 4096 + src.numel()]
+        cuda.copy(window, src, non_blocking=True)
+        torch.cuda.synchronize()
+        assert torch.equal(window, src.cpu())
+    finally:
+        f.close()
 
 
 @pytest.mark.gpu

@@ -88,9 +88,9 @@ def test_a_save_during_warm_up_waits_for_the_slot_being_prepared_not_a_half_one(
         created = []
         real_create = MappedFile.create
 
-        def create(cls, path, size):
+        def create(cls, path, size, **options):
             created.append(path)
-            return real_create(path, size)
+            return real_create(path, size, **options)
 
         monkeypatch.setattr(MappedFile, "create", classmethod(create))
         saver = threading.Thread(target=lambda: ck.save(1, state, blocking=True))
@@ -117,10 +117,10 @@ def test_after_the_first_save_the_spares_are_prepared_in_the_background(root, jo
         on_training_thread = []
         real_create = MappedFile.create
 
-        def create(cls, path, size):
+        def create(cls, path, size, **options):
             if threading.current_thread() is threading.main_thread():
                 on_training_thread.append(path)
-            return real_create(path, size)
+            return real_create(path, size, **options)
 
         monkeypatch.setattr(MappedFile, "create", classmethod(create))
         for step in range(2, 6):
@@ -168,10 +168,10 @@ def test_a_load_prepares_the_slots_of_the_state_it_loads_so_no_save_creates_one(
     on_training_thread = []
     real_create = MappedFile.create
 
-    def create(cls, path, size):
+    def create(cls, path, size, **options):
         if threading.current_thread() is threading.main_thread():
             on_training_thread.append(path)
-        return real_create(path, size)
+        return real_create(path, size, **options)
 
     monkeypatch.setattr(MappedFile, "create", classmethod(create))
     state = state_of(6.0)

@@ -60,8 +60,9 @@ BACKGROUND_DUTY = 0.2
 as each piece took). A registration holds up the training thread's CUDA calls while it runs: on an H200
 host, 11 GiB pinned in one call or in 64 pieces back to back held one training step up by 0.18-0.43 s;
 paced at 20%, no step by more than 7-21% of a step, over 1.5-3.8 s (``bench/register_stall_bench.py``)."""
-URGENT_DUTY = 0.5
-"""The share while a save waits for the slot being prepared."""
+URGENT_DUTY = 1.0
+"""The share while a save waits for the slot being prepared (no pauses: the pool is behind, and a save
+held up seconds costs more than the pinning's hold-ups of the steps meanwhile)."""
 
 SHARED_GRACE = 2.0
 """Seconds the warm-up waits for a shared slot to be released before it prepares a new one."""
@@ -89,27 +90,29 @@ class Slot:
             f.move(directory / data_file_name(i))
         self.directory = directory
 
-    def _fit(self, plan: LayoutPlan) -> None:
+    def _fit(self, plan: LayoutPlan, populate: bool) -> None:
         for i, fp in enumerate(plan.files):
             if i < len(self.files):
                 self.files[i].resize(fp.size)
-                self.files[i].populate()
+                if populate:
+                    self.files[i].populate()
             else:
-                self.files.append(MappedFile.create(self.directory / fp.name, fp.size))
+                self.files.append(MappedFile.create(self.directory / fp.name, fp.size, populate=populate))
         for extra in self.files[len(plan.files) :]:
             extra.close(unlink=True)
         del self.files[len(plan.files) :]
 
-    def views(self, plan: LayoutPlan) -> list[torch.Tensor]:
+    def views(self, plan: LayoutPlan, *, populate: bool = True) -> list[torch.Tensor]:
         """One typed view per tensor of ``plan``, in plan order, into files sized for the plan.
 
-        The first call for a layout resizes the files and zeroes the padding; later calls with the
-        same plan object return the cached views.
+        The first call for a layout resizes the files (pre-faulting them unless ``populate`` is False:
+        ``prepare`` follows) and zeroes the padding; later calls with the same plan object return the
+        cached views.
         """
         if self._layout is plan:
             return self._views
         self._views, self._layout, self._read = [], None, None  # release exports before any resize
-        self._fit(plan)
+        self._fit(plan, populate)
         for i, f in enumerate(self.files):
             f.zero(plan.padding(i))
         buffers = [f.buffer for f in self.files]
@@ -133,6 +136,11 @@ class Slot:
     def populate(self) -> None:
         for f in self.files:
             f.populate()
+
+    def prepare(self, device: int | None = None, *, pace: Callable[[float], None] | None = None) -> float:
+        """Pre-fault and pin, the faulting running ahead of the pinning (``MappedFile.prepare``); the
+        seconds the faulting took."""
+        return sum(f.prepare(device, pace=pace) for f in self.files)
 
     @property
     def registered(self) -> bool:
@@ -166,9 +174,10 @@ class SlotPool:
         self.cuda_device: int | None = None
         """The CUDA device whose context pins the slots (background threads otherwise use device 0)."""
         self.last_warm_up: dict[str, float] = {}
-        """What the last slot the warm-up prepared cost, in seconds and bytes (``fault_s``,
-        ``register_s`` with the pauses between its pieces, ``register_busy_s`` without, ``bytes``): the
-        one-time price of a slot."""
+        """What the last slot the warm-up prepared cost, in seconds and bytes: ``fault_s`` (the faulting,
+        which runs ahead of the pinning when pinned), ``register_s`` (all of it, with the pauses between
+        the pinned pieces), ``register_busy_s`` (pinning, without the pauses), ``bytes``: the one-time
+        price of a slot."""
         self._by_step: dict[int, Slot] = {}
         self._lent: dict[int, Slot] = {}
         """Slots taken by saves not yet committed or forgotten, by ``id``."""
@@ -313,10 +322,11 @@ class SlotPool:
             with contextlib.suppress(OSError):
                 os.rmdir(spare_dir)
         try:
-            slot.views(plan)
-            slot.populate()
+            slot.views(plan, populate=not self.register_cuda)
             if self.register_cuda:
-                slot.register(self.cuda_device)
+                slot.prepare(self.cuda_device)
+            else:
+                slot.populate()
         except BaseException:
             self.forget(slot)
             raise
@@ -425,16 +435,17 @@ class SlotPool:
             start = time.perf_counter()
             if new:
                 slot.directory.mkdir(parents=True, exist_ok=True)
-            if plan is not None:
-                slot.views(plan)  # sized for the layout; the save that takes it finds its views built
-            slot.populate()
-            faulted = time.perf_counter()
+            if plan is not None:  # sized for the layout; the save that takes it finds its views built
+                slot.views(plan, populate=not self.register_cuda)
             self._register_busy = 0.0
-            if self.register_cuda:
-                slot.register(self.cuda_device, pace=self._pace)
+            if self.register_cuda:  # the pages are faulted ahead of the pinning, which is paced
+                faulting = slot.prepare(self.cuda_device, pace=self._pace)
+            else:
+                slot.populate()
+                faulting = time.perf_counter() - start
             self.last_warm_up = {
-                "fault_s": faulted - start,
-                "register_s": time.perf_counter() - faulted,
+                "fault_s": faulting,
+                "register_s": time.perf_counter() - start,
                 "register_busy_s": self._register_busy,
                 "bytes": float(slot.nbytes),
             }
@@ -446,12 +457,11 @@ class SlotPool:
             log.warning("could not prepare a spare slot (%s); the next save prepares its own", exc)
             return None
         log.debug(
-            "prepared a %s slot of %d bytes in %.3f s (fault %.3f s, register %.3f s paced, %.3f s busy)",
+            "prepared a %s slot of %d bytes in %.3f s (faulting %.3f s, pinning %.3f s busy, paced)",
             "new" if new else "adopted",
             slot.nbytes,
-            self.last_warm_up["fault_s"] + self.last_warm_up["register_s"],
-            self.last_warm_up["fault_s"],
             self.last_warm_up["register_s"],
+            self.last_warm_up["fault_s"],
             self.last_warm_up["register_busy_s"],
         )
         return slot

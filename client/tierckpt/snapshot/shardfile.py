@@ -25,6 +25,7 @@ import logging
 import mmap
 import os
 import threading
+import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -167,6 +168,56 @@ def _populate(mm: mmap.mmap, address: int, start: int, length: int, *, write: bo
         int(pages.sum())
 
 
+_AHEAD_SPAN = 4 * cuda.REGISTER_PIECE
+"""What ``_FaultAhead`` faults at a time: large enough for the fault threads to share it."""
+
+
+class _FaultAhead:
+    """Fault in ``[address, address + size)`` of ``mm`` on a thread of its own, in address order,
+    ``_AHEAD_SPAN`` at a time (over the fault threads), so that pinning can follow right behind
+    (``wait_for``) instead of waiting for the whole file."""
+
+    def __init__(self, mm: mmap.mmap, address: int, size: int, *, write: bool) -> None:
+        self._mm, self._address, self._size, self._write = mm, address, size, write
+        self._cond = threading.Condition()
+        self._done = 0
+        """Bytes from the start that are faulted in (all of them once an error stopped the faulting)."""
+        self._error: BaseException | None = None
+        self.seconds = 0.0
+        self._thread = threading.Thread(target=self._run, name="tierckpt-fault-ahead", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        began = time.perf_counter()
+        at = 0
+        try:
+            while at < self._size:
+                end = (self._address + at) // _AHEAD_SPAN * _AHEAD_SPAN + _AHEAD_SPAN
+                cut = min(self._size, end - self._address)
+                _populate(self._mm, self._address, at, cut - at, write=self._write)
+                at = cut
+                with self._cond:
+                    self._done = at
+                    self._cond.notify_all()
+        except BaseException as exc:
+            with self._cond:
+                self._error, self._done = exc, self._size  # nobody waits on a failed faulting
+                self._cond.notify_all()
+        self.seconds = time.perf_counter() - began
+
+    def wait_for(self, address: int, length: int) -> None:
+        """Until ``[address, address + length)`` is faulted in (or the faulting failed)."""
+        end = address + length - self._address
+        with self._cond:
+            self._cond.wait_for(lambda: self._done >= end)
+
+    def finish(self) -> None:
+        """Wait for the rest; raise what stopped the faulting, if anything did."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+
+
 class MappedFile:
     """A data file and its ``MAP_SHARED`` mapping. Not thread-safe; one owner at a time."""
 
@@ -187,13 +238,14 @@ class MappedFile:
     # ---------------------------------------------------------------------------------- creation
 
     @classmethod
-    def create(cls, path: Path, size: int) -> MappedFile:
-        """A new file of ``size`` bytes, reserved, mapped and pre-faulted."""
+    def create(cls, path: Path, size: int, *, populate: bool = True) -> MappedFile:
+        """A new file of ``size`` bytes, reserved, mapped and (``populate``) pre-faulted."""
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             allocate(fd, 0, size, path)
             f = cls(path, fd, size, writable=True)
-            f.populate()
+            if populate:
+                f.populate()
         except BaseException:
             os.close(fd)
             with contextlib.suppress(FileNotFoundError):
@@ -261,14 +313,41 @@ class MappedFile:
         """The file's hard-link count: above 1 while another rank's step links it (never rewrite it then)."""
         return os.fstat(self._fd).st_nlink if self._fd >= 0 else 0
 
-    def register(self, device: int | None = None, *, pace: Callable[[float], None] | None = None) -> bool:
+    def prepare(self, device: int | None = None, *, pace: Callable[[float], None] | None = None) -> float:
+        """``populate`` and ``register`` at once: the pages are faulted on another thread, ahead of the
+        pinning, which follows piece by piece (and pauses between pieces, ``pace``), so the two overlap
+        instead of adding up. Returns the seconds the faulting took (0 when there was none)."""
+        if self.populated or self._mm is None or not self.size or not cuda.available():
+            self.populate()
+            self.register(device, pace=pace)
+            return 0.0
+        ahead = _FaultAhead(self._mm, self.address, self.size, write=self.writable)
+        try:
+            self.register(device, pace=pace, before=ahead.wait_for)
+        finally:
+            ahead.finish()
+        self.populated = True
+        return ahead.seconds
+
+    def register(
+        self,
+        device: int | None = None,
+        *,
+        pace: Callable[[float], None] | None = None,
+        before: Callable[[int, int], None] | None = None,
+    ) -> bool:
         """Pin the mapping for CUDA DMA (once), in ``device``'s context, piece by piece (``pace`` runs
         between pieces: ``cuda.register``); False when CUDA is unavailable or refuses, or the file is
         closed."""
         with self._register_lock:
             if not self.registered and self.size and self._mm is not None:
                 self._pinned = cuda.register(
-                    self.address, self.size, read_only=not self.writable, device=device, pace=pace
+                    self.address,
+                    self.size,
+                    read_only=not self.writable,
+                    device=device,
+                    pace=pace,
+                    before=before,
                 )
                 self.registered = bool(self._pinned)
             return self.registered
