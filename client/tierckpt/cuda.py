@@ -54,6 +54,7 @@ __all__ = [
     "copy_to_host",
     "current_device",
     "drain_to_host",
+    "flat_bytes",
     "gather",
     "headroom",
     "in_use",
@@ -160,7 +161,8 @@ def unregister(pieces: Sequence[int]) -> None:
             log.warning("cudaHostUnregister failed (cudaError %d)", err)
 
 
-def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
+def flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a contiguous tensor's bytes."""
     return t.reshape(-1).view(torch.uint8)
 
 
@@ -176,7 +178,7 @@ def _cut(dst: torch.Tensor, src: torch.Tensor) -> list[tuple[torch.Tensor, torch
     same = dst.dtype == src.dtype and dst.shape == src.shape and host.is_contiguous()
     if same and (host is dst or dst.is_contiguous()):
         start = host.data_ptr()
-        d, s = _flat_bytes(dst), _flat_bytes(src.contiguous())
+        d, s = flat_bytes(dst), flat_bytes(src.contiguous())
         out = []
         for piece_start, length in _pieces(start, nbytes):
             at = piece_start - start

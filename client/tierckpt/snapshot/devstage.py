@@ -395,7 +395,7 @@ def _pair(dst: torch.Tensor, src: torch.Tensor, start: int, length: int) -> tupl
     """``(dst, src)``, or their byte ranges ``[start, start + length)`` for a piece of a split tensor."""
     if start == 0 and length == src.numel() * src.element_size():
         return dst, src
-    return _bytes(dst)[start : start + length], _bytes(src)[start : start + length]
+    return cuda.flat_bytes(dst)[start : start + length], cuda.flat_bytes(src)[start : start + length]
 
 
 class DeviceStager:
@@ -576,7 +576,7 @@ class DeviceStager:
                 if piece.start == 0 and piece.length == src.numel() * src.element_size():
                     staged.append((region.view(src.dtype).view(src.shape), src))
                 else:
-                    staged.append((region, _bytes(src)[piece.start : piece.start + piece.length]))
+                    staged.append((region, cuda.flat_bytes(src)[piece.start : piece.start + piece.length]))
             at = align_up(at + length, STAGE_ALIGN)
         known = self._layouts.get(buffer.device)
         if known is None or known[0] != buffer.data_ptr() or known[1] != tuple(runs):
@@ -644,8 +644,3 @@ class DeviceStager:
         self._buffers.clear()
         self._layouts.clear()
         self.last_drain.clear()
-
-
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    """A flat uint8 view of a contiguous tensor's bytes."""
-    return t.reshape(-1).view(torch.uint8)

@@ -109,16 +109,12 @@ def _targets(
     return [targets[i] for i in range(len(manifest.tensors))]
 
 
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1).view(torch.uint8)
-
-
 def _broadcast_large(t: torch.Tensor, *, src: int, group: Any, device: torch.device, sending: bool) -> None:
     direct = t.is_contiguous() and t.device == device
     buf = t if direct else torch.empty(t.shape, dtype=t.dtype, device=device)
     if sending and not direct:
         buf.copy_(t)
-    dist.broadcast(_bytes(buf), src, group=group)
+    dist.broadcast(cuda.flat_bytes(buf), src, group=group)
     if not sending and not direct:
         t.copy_(buf)
 

@@ -119,7 +119,7 @@ def _flat_bytes(t: torch.Tensor) -> torch.Tensor | None:
     """A uint8 view of a contiguous tensor's bytes (None when it is not plainly contiguous)."""
     if not t.is_contiguous() or t.is_conj() or t.is_neg():
         return None
-    return t.reshape(-1).view(torch.uint8)
+    return cuda.flat_bytes(t)
 
 
 def to_device(
