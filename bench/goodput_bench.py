@@ -10,6 +10,9 @@ fp32 weights, bf16 autocast, fused AdamW: 10.5 GiB of state) for ``--steps`` ste
 * ``readme``: exactly the README's snippet: ``tierckpt.Checkpointer()`` configured by the environment,
   ``ckpt.load(state, allow_missing=True)`` (a fresh job) and ``ckpt.save(step, state)`` with
   ``state = {"model": model, "optim": optimizer}``;
+* ``fresh``: the same in a brand-new job: the optimizer has no state yet when ``load`` runs (torch
+  creates it at the first step), so the slots prepared from ``load`` on are sized for the model alone
+  until the first save brings the whole layout;
 * ``plain`` (``Checkpointer(device_staging=False)`` with state dicts), ``overlap`` and ``device``
   (``overlap=True`` / ``device_staging=True`` with the optimizer registered): the explicit modes;
 * ``dicts``: the default ``Checkpointer()`` given ``model.state_dict()`` and ``optimizer.state_dict()``
@@ -106,6 +109,9 @@ def _saver(mode: str, root: Path, rank: int, world: int, trainer: Any) -> Any:
 
     if mode == "none":
         return None, None
+    if mode == "fresh":  # a brand-new job: torch creates the optimizer's state at its first step
+        trainer.opt.state.clear()
+        mode = "readme"
     if mode == "readme":
         os.environ.update(
             TIERCKPT_ROOT=str(root), TIERCKPT_JOB="bench", RANK=str(rank), WORLD_SIZE=str(world)

@@ -213,3 +213,52 @@ def test_once_the_pool_knows_the_layout_a_load_does_not_plan_the_slots_again(roo
         assert planned == [1]
         ck._registering.result(30)
         assert ck._pool.ready_spares >= 1
+
+
+def test_a_fresh_jobs_spares_are_refitted_in_the_background_once_its_optimizer_state_exists(
+    root, job, monkeypatch
+):
+    """The README's flow in a brand-new job: ``load`` runs before the first step, when the optimizer has no
+    state yet (torch creates it at the first step), so the slots prepared from ``load`` on fit the model
+    alone. Once the first save brings the whole layout, the warm-up resizes (and pins) the other spares
+    itself: the saves that follow take slots that fit and resize nothing on the training thread."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 256))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    state = {"model": model, "optim": opt}
+
+    def train_step() -> None:
+        model(torch.randn(4, 512)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    with Checkpointer(root=root, job=job, keep=2) as ck:
+        assert ck.load(state, allow_missing=True) is None  # a fresh job; the optimizer has no state yet
+        ck._registering.result(30)
+        small = {slot.nbytes for slot in ck._pool._ready}
+        train_step()  # AdamW's moments now exist: the state to save is about three times larger
+        ck.save(1, state, blocking=True)
+        ck._registering.result(30)
+        assert ck._pool.ready_spares == 2
+        fitted = ck._pool.slot_of(1).nbytes  # sized for the layout with the optimizer state
+        assert fitted > 2 * max(small)
+        assert [slot.nbytes for slot in ck._pool._ready] == [fitted, fitted], "the spares were refitted"
+        resized = []
+        real_resize = MappedFile.resize
+
+        def resize(self, size, **options):
+            if threading.current_thread() is threading.main_thread():
+                resized.append((self.path.name, size))
+            return real_resize(self, size, **options)
+
+        monkeypatch.setattr(MappedFile, "resize", resize)
+        for step in (2, 3):
+            train_step()
+            ck.save(step, state, blocking=True)
+        assert resized == [], "a save resized a spare on the training thread"
+        expected = {k: v.clone() for k, v in model.state_dict().items()}
+        with torch.no_grad():
+            for p in model.parameters():
+                p.zero_()
+        assert ck.load(state) == 3
+    assert_same(expected, dict(model.state_dict()))

@@ -90,10 +90,14 @@ class Slot:
             f.move(directory / data_file_name(i))
         self.directory = directory
 
+    def fits(self, plan: LayoutPlan) -> bool:
+        """Whether its files have the sizes of ``plan``'s (taking it for a save of ``plan`` resizes none)."""
+        return [f.size for f in self.files] == [fp.size for fp in plan.files]
+
     def _fit(self, plan: LayoutPlan, populate: bool) -> None:
         for i, fp in enumerate(plan.files):
             if i < len(self.files):
-                self.files[i].resize(fp.size)
+                self.files[i].resize(fp.size, prepare_later=not populate)
                 if populate:
                     self.files[i].populate()
             else:
@@ -336,9 +340,8 @@ class SlotPool:
     def _best(spares: list[Slot], plan: LayoutPlan) -> Slot | None:
         if not spares:
             return None
-        want = [f.size for f in plan.files]
         for i, s in enumerate(spares):
-            if [f.size for f in s.files] == want:
+            if s.fits(plan):
                 return spares.pop(i)
         return spares.pop()
 
@@ -384,8 +387,11 @@ class SlotPool:
                     if self._stopping:
                         break
                     self._reclaim_locked()
+                    misfit = self._misfit_locked()
                     if self._raw:
                         slot: Slot | None = self._raw.pop(0)
+                    elif misfit is not None:
+                        slot = misfit
                     elif self._warm_plan is not None and self._count() < self.target:
                         if self._shared and time.monotonic() < grace:
                             self._cond.wait(_SHARED_POLL)  # a shared slot is normally released soon
@@ -415,6 +421,16 @@ class SlotPool:
                 committed = list(self._by_step.values())
             for slot in committed:  # mapped unpinned by a load: pin for later saves and loads
                 slot.register(self.cuda_device, pace=self._pace)
+
+    def _misfit_locked(self) -> Slot | None:
+        """A ready spare whose files do not fit the newest layout, taken out to be prepared again (the
+        layout grew or shrank since it was prepared, e.g. a fresh job's optimizer state created after
+        ``load``: resized and pinned here, paced, instead of by the save that takes it); None if none."""
+        plan = self._warm_plan
+        for i, slot in enumerate(self._ready):
+            if plan is not None and not slot.fits(plan):
+                return self._ready.pop(i)
+        return None
 
     def _pace(self, took: float) -> None:
         """Between two pieces of a background registration: pause so that it is busy only

@@ -364,8 +364,9 @@ class MappedFile:
 
     # ---------------------------------------------------------------------------------- changes
 
-    def resize(self, size: int) -> None:
-        """Grow (reserving and faulting only the new part) or shrink the file and its mapping."""
+    def resize(self, size: int, *, prepare_later: bool = False) -> None:
+        """Grow (reserving and faulting only the new part) or shrink the file and its mapping, pinned
+        again if it was; ``prepare_later``: neither fault nor pin (the caller calls ``prepare``)."""
         if size == self.size:
             return
         if not self.writable:
@@ -384,6 +385,9 @@ class MappedFile:
         else:
             self._mm.resize(size)
             self.size = size
+        if prepare_later:  # the caller faults and pins it all (``prepare``; present pages fault cheaply)
+            self.populated = self.populated and size <= old
+            return
         if size > old and self.populated:
             _populate(self._mapping, self.address, old, size - old, write=True)
         if was_registered:
