@@ -16,11 +16,15 @@ from pathlib import Path
 import pytest
 
 from tests.fixtures.cluster import write_sparse_step
+from tierckpt.protocol import leases
 from tierckpt.protocol.format import committed_steps, job_dir, rank_dir, replica_rank_dir, step_dir
 from tierckpt.protocol.tokens import TokenFile
+from tierckpt.snapshot.pool import SlotPool
+from tierckpt.snapshot.rankdir import make_room
 from tierckpt_demo.step_writer import step_files, write_step
 from tierckpt_replicator.controls import remove_job_tree
-from tierckpt_replicator.replication.context import DataContext
+from tierckpt_replicator.replication import transfer
+from tierckpt_replicator.replication.context import DataContext, connect
 from tierckpt_replicator.replication.data_server import DataServer
 from tierckpt_replicator.replication.erasure import encode_step
 from tierckpt_replicator.replication.ipc import FetchSource, PeerAddress, SendTask, WorkerConfig
@@ -447,6 +451,52 @@ def test_a_sender_that_stalls_mid_stream_is_dropped_after_the_transfer_timeout(m
         assert b.events[-1].status == Status.ABORTED
         assert s.recv(1) == b""  # the receiver hung up
     assert committed_steps(replica_rank_dir(b.root, JOB, 0)) == [] and no_leftovers(b.root)
+
+
+@contextlib.contextmanager
+def unanswered_port() -> Iterator[int]:
+    """A port whose listener's accept queue is full: new connections' SYNs are dropped and their connects
+    time out, as through a partition that drops a node's new connections."""
+    with socket.create_server(("127.0.0.1", 0), backlog=0) as listener:
+        port = listener.getsockname()[1]
+        with socket.create_connection(("127.0.0.1", port), timeout=5):  # the one the queue takes
+            yield port
+
+
+def test_a_send_waiting_on_a_peer_that_does_not_answer_leaves_its_step_free_to_save_again(
+    make_peer, monkeypatch
+):
+    """Soak 7 (seed 1512564371, round 24): node-2 sent rank 0's step 39 to node-4, then to node-3, whose
+    one-way partition dropped node-2's new connections; the job meanwhile went back to step 36 and
+    trained to 39 again, and its save of step 39 was skipped ("already exists and is leased by a
+    reader"): the send held its lease on the primary while its connect waited out the timeout. The job
+    was held with only the run it left's step 39 on node-2, which no node sends. A send leases the
+    primary while it checks it and once connected, never while it connects."""
+    a, b = make_peer("a", connect_timeout=1.0), make_peer("b")
+    write_step(a.root, JOB, 0, 39, sizes=(1 << 20,), seed=1)
+    rank_path = rank_dir(a.root, JOB, 0)
+    saves: list[str | None] = []
+
+    def connect_meanwhile(ctx: DataContext, peer: PeerAddress):
+        # while the sender connects, the trainer saves step 39 again (the client's own decision)
+        saves.append(make_room(rank_path, 39, SlotPool(rank_path, target=2)))
+        return connect(ctx, peer)
+
+    monkeypatch.setattr(transfer, "connect", connect_meanwhile)
+    with unanswered_port() as port:
+        out = push_step(a.ctx, JOB, 0, 39, PeerAddress("b", "127.0.0.1", port))
+    assert saves == [None], f"the save of step 39 was refused while the send connected: {saves}"
+    assert out.status == "unreachable" and "timed out" in out.message
+    write_step(a.root, JOB, 0, 39, sizes=(1 << 20,), seed=2)
+    # connected, the send finds the step gone (replaced since its check): nothing goes out
+    out = push_step(a.ctx, JOB, 0, 39, b.address)
+    assert saves == [None, None] and out.status == "missing"
+    assert committed_steps(replica_rank_dir(b.root, JOB, 0)) == [] and no_leftovers(b.root)
+    monkeypatch.undo()
+    again = step_files(write_step(a.root, JOB, 0, 39, sizes=(1 << 20,), seed=3))
+    assert push_step(a.ctx, JOB, 0, 39, b.address).status == "ok"  # the new save is the one sent
+    assert step_files(replica(b, 0, 39)) == again
+    assert not leases.leased_steps(rank_path)
 
 
 def purge_here(peer: Peer) -> None:

@@ -17,7 +17,9 @@ import pytest
 from tests.fixtures.cluster import cluster3, committed, new_job, replica_path, wait
 from tierckpt.planning.restore_plan import choose_restore
 from tierckpt.protocol.format import discard_step, rank_dir, step_dir
-from tierckpt_demo.cluster import LocalCluster
+from tierckpt.snapshot.pool import SlotPool
+from tierckpt.snapshot.rankdir import make_room
+from tierckpt_demo.cluster import LocalCluster, Node
 from tierckpt_demo.step_writer import step_files, write_step
 
 pytestmark = [pytest.mark.root, pytest.mark.e2e, pytest.mark.slow]
@@ -102,3 +104,46 @@ def test_going_back_drops_the_replicas_of_the_steps_above_the_restore(cluster3):
     again = {r: save(cluster3, job, r, 10, seed=1000 + r) for r in range(WORLD)}
     for r in range(WORLD):
         wait(cluster3, lambda r=r: replica_is(cluster3, job, r, 10, again[r]), 30, f"rank {r}'s new step 10")
+
+
+def connecting(src: Node, dst: Node) -> set[str]:
+    """The local addresses of ``src``'s connections to ``dst``'s data port still waiting for an answer."""
+    out = src.run_in_node(
+        ["ss", "-Htn", "state", "syn-sent", "dst", f"{dst.ip}:{dst.data_port}"],
+        capture_output=True,
+        text=True,
+    ).stdout
+    return {line.split()[2] for line in out.splitlines() if line.strip()}
+
+
+def test_a_step_is_saved_again_while_its_send_waits_on_a_peer_that_drops_its_connections(cluster3):
+    """Soak 7 (seed 1512564371, round 24): node-2's replicator was sending rank 0's step 39 to node-3,
+    whose one-way partition dropped node-2's new connections, when the job went back to step 36 and
+    trained to 39 again; the save of step 39 was skipped (leased by a reader: the send, waiting out its
+    connect timeout), the job was held with the run it left's step 39, which no node sends, and the rank
+    was never healed. Here node-1 drops node-0's connections to its data port: each time the replicator
+    is seen connecting (the same connection before and after), the trainer saves step 39 again."""
+    job = new_job("unanswered")
+    cluster3.assign(job)
+    a, b, _ = cluster3.nodes
+    rank_path = rank_dir(a.root, job, 0)
+    b.drop_port(b.data_port, source=a)
+    try:
+        spanned = 0
+        for attempt in range(20):
+            save(cluster3, job, 0, 39, seed=attempt)
+            waiting = wait(cluster3, lambda: connecting(a, b), 30, "node-0 connecting to node-1")
+            refused = make_room(rank_path, 39, SlotPool(rank_path, target=2))
+            if not waiting & connecting(a, b):
+                continue  # that connect ended meanwhile: try again
+            spanned += 1
+            assert refused is None, (
+                f"the trainer could not save step 39 again while it was being sent: {refused}"
+            )
+            if spanned == 3:
+                break
+        assert spanned == 3, "never saw the trainer's save within one connect"
+    finally:
+        b.clear_drops()
+    saved = save(cluster3, job, 0, 39, seed=100)
+    wait(cluster3, lambda: replica_is(cluster3, job, 0, 39, saved), 30, "node-1's replica of the new save")

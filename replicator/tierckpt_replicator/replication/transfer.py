@@ -1,23 +1,25 @@
 """The client side of the data protocol: push a local step to a peer, or stage a step from a source.
 
 ``push_step`` copies this node's primary of a step to one peer (``put``), holding a lease on the
-primary throughout. ``fetch_step`` stages a step as this node's primary from a local replica (a copy
-within the ramdisk) or from a peer (``get``), or as a replica from a peer (another rank's step that a
-load on this node reads), verifying every file's crc32c as it arrives; a corrupt copy is reported to
-its holder, which re-verifies and drops it. Both return an ``Outcome`` and never raise for the failures
-a network, a peer or a tampered job tree can cause: every file is read and written through the job's
-confined tree (``stepio.open_job``), so a symlink a pod planted is refused ("failed", logged), never
-followed. A step that declares more bytes than its job's quota is neither pushed (checked before
-connecting) nor staged (checked before any byte is reserved): "too_large".
+primary while it reads it (checked before connecting, sent once connected), never while it connects.
+``fetch_step`` stages a step as this node's primary from a local replica (a copy within the ramdisk) or
+from a peer (``get``), or as a replica from a peer (another rank's step that a load on this node reads),
+verifying every file's crc32c as it arrives; a corrupt copy is reported to its holder, which re-verifies
+and drops it. Both return an ``Outcome`` and never raise for the failures a network, a peer or a
+tampered job tree can cause: every file is read and written through the job's confined tree
+(``stepio.open_job``), so a symlink a pod planted is refused ("failed", logged), never followed. A step
+that declares more bytes than its job's quota is neither pushed (checked before connecting) nor staged
+(checked before any byte is reserved): "too_large".
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import ssl
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 from tenacity import RetryCallState, Retrying, retry_if_exception_type, stop_after_attempt, wait_incrementing
@@ -124,29 +126,29 @@ def _push_from(
     started: float,
     base_rank: int = -1,
 ) -> Outcome:
+    """Check the primary (leased: committed, readable, within the quota; nothing connects for one that
+    is not), connect with no lease held, then send it under a lease of its own. A peer that does not
+    answer (a partition that drops its connections: the connect waits out ``--connect-timeout``) holds
+    no lease on the primary, so training may save that step again meanwhile: a job that went back saves
+    over the step of the run it left that this send started on (found by the chaos soak, seed
+    1512564371, round 24: that save was skipped, the step leased by a send waiting on a partitioned
+    peer, and the job was left with the step of the run it left, which no node sends)."""
     path = parent.at(step_name(step))
     try:
-        lease = leases.hold(parent, step, unique_holder(ctx.config.holder))
+        with _primary(ctx, parent, path, job, rank, step):
+            pass
+        try:
+            sock = connect(ctx, peer)
+        except ssl.SSLError as exc:
+            return Outcome(peer.node, "unauthorized", f"TLS with {peer.host}:{peer.port}: {exc}")
+        except OSError as exc:
+            return Outcome(peer.node, "unreachable", f"connect {peer.host}:{peer.port}: {exc}")
+        with sock, _primary(ctx, parent, path, job, rank, step) as (header, fds):
+            reply, nbytes, linked = _push(ctx, sock, header, path, fds, base_rank)
     except MissingCheckpointError:
         return Outcome(peer.node, "missing", "the primary is no longer committed")
-    except UnsafePathError as exc:
-        log.warning("refusing to push %s rank %d step %d: %s", job, rank, step, exc)
-        return Outcome(peer.node, "failed", f"refused: {exc}")
-    except OSError as exc:  # writing the lease on this node's ramdisk (ENOSPC: it is full)
-        return Outcome(peer.node, "local", f"cannot lease the primary here: {exc}")
-    try:
-        with lease:
-            header = _read_header(ctx, path, job, rank, step)
-            with open_files(path, header.manifest) as fds:  # all of them, before anything goes out
-                ctx.quotas.check(header.manifest, fds=fds)
-                try:
-                    sock = connect(ctx, peer)
-                except ssl.SSLError as exc:
-                    return Outcome(peer.node, "unauthorized", f"TLS with {peer.host}:{peer.port}: {exc}")
-                except OSError as exc:
-                    return Outcome(peer.node, "unreachable", f"connect {peer.host}:{peer.port}: {exc}")
-                with sock:
-                    sent = _push(ctx, sock, header, path, fds, base_rank)
+    except _CannotLease as exc:  # writing the lease on this node's ramdisk (ENOSPC: it is full)
+        return Outcome(peer.node, "local", f"cannot lease the primary here: {exc.__cause__}")
     except UnsafePathError as exc:
         log.warning("refusing to push %s rank %d step %d: %s", job, rank, step, exc)
         return Outcome(peer.node, "failed", f"refused: {exc}")
@@ -158,15 +160,36 @@ def _push_from(
         return Outcome(
             peer.node, "failed", f"transfer to {peer.node} broke: {exc}", seconds=time.monotonic() - started
         )
-    reply, nbytes, linked = sent
+    status = outcome_status(reply.status)
     return Outcome(
         peer.node,
-        outcome_status(reply.status),
+        status,
         reply.message,
         bytes=nbytes,
         seconds=time.monotonic() - started,
-        saved=linked if outcome_status(reply.status) == "ok" else 0,
+        saved=linked if status == "ok" else 0,
     )
+
+
+class _CannotLease(Exception):
+    """This node cannot write the lease (its ``__cause__``: the ``OSError``)."""
+
+
+@contextlib.contextmanager
+def _primary(
+    ctx: DataContext, parent: Beneath, path: Beneath, job: str, rank: int, step: int
+) -> Iterator[tuple[StepHeader, list[int]]]:
+    """The primary leased, its header read, its files open (all of them, before anything goes out) and
+    its quota checked, for the block."""
+    try:
+        lease = leases.hold(parent, step, unique_holder(ctx.config.holder))
+    except OSError as exc:
+        raise _CannotLease() from exc
+    with lease:
+        header = _read_header(ctx, path, job, rank, step)
+        with open_files(path, header.manifest) as fds:
+            ctx.quotas.check(header.manifest, fds=fds)
+            yield header, fds
 
 
 def step_request(
