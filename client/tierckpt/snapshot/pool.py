@@ -473,8 +473,8 @@ class SlotPool:
             log.warning("could not prepare a spare slot (%s); the next save prepares its own", exc)
             return None
         log.debug(
-            "prepared a %s slot of %d bytes in %.3f s (faulting %.3f s, pinning %.3f s busy, paced)",
-            "new" if new else "adopted",
+            "prepared %s slot of %d bytes in %.3f s (faulting %.3f s, pinning %.3f s busy, paced)",
+            "a new" if new else "an adopted",
             slot.nbytes,
             self.last_warm_up["register_s"],
             self.last_warm_up["fault_s"],
