@@ -111,6 +111,7 @@ class Daemon:
         # the node's state on disk (the backup, if any, was built over the same stores)
         stores = stores or NodeStores.open(settings)
         self.assignments, self.policies, self.quotas = stores.assignments, stores.policies, stores.quotas
+        self.plans = stores.plans  # the stager keeps them; the backup, if any, reads the same
         # who this node is, and who may call it
         self.identity = (identity or NodeIdentity(settings).loaded()) if settings.auth == "tls" else None
         self.tls = self.identity.credentials() if self.identity is not None else None
@@ -124,7 +125,7 @@ class Daemon:
             domain=settings.domain,
             max_manifest_bytes=settings.transfer.max_manifest_bytes,
             fragments=FragmentScanner(settings.transfer.max_manifest_bytes),
-            plan_of=lambda job: self.stager.plans.get(job),  # the steps the run a job left saved
+            plan_of=self.plans.get,  # the steps the run a job left saved
         )
         self.watcher = CommitWatcher(settings.root, poll_interval=settings.poll_interval)
         self.commits = CommitFeed(self.scanner)
@@ -183,6 +184,7 @@ class Daemon:
             own_inventory=self.local_inventory,
             backup=backup,
             states=restoring,
+            plans=self.plans,
         )
         self.requests = FetchRequests(
             root=settings.root,

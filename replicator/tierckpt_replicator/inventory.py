@@ -35,7 +35,7 @@ from tierckpt.protocol.replica import content_key
 from tierckpt.protocol.safefs import Beneath
 from tierckpt_replicator.stepio import Copy, open_job, rank_trees, step_name
 
-__all__ = ["Holdings", "InventoryScanner", "list_jobs"]
+__all__ = ["Holdings", "InventoryScanner", "PlanOf", "list_jobs", "no_plan"]
 
 log = logging.getLogger(__name__)
 
@@ -95,8 +95,8 @@ class Holdings:
 
 
 PlanOf = Callable[[str], RestorePlan | None]
-"""A job -> the restore plan this node staged for it last (``restore.stage.Stager.plans``, given by the
-daemon: it sits in a layer above this one)."""
+"""A job -> the restore plan this node staged for it last (``stores.NodeStores.plans``, which the
+daemon's ``restore.stage.Stager`` keeps)."""
 
 FragmentScan = Callable[[Beneath], dict[int, dict[int, tuple[tuple[int, int], int]]]]
 """A job tree -> rank -> step -> ((fragment index, k), world size) of the erasure-coded fragments held
@@ -107,7 +107,8 @@ def _no_fragments(_: Beneath) -> dict[int, dict[int, tuple[tuple[int, int], int]
     return {}
 
 
-def _no_plan(_: str) -> RestorePlan | None:
+def no_plan(_: str) -> RestorePlan | None:
+    """The ``PlanOf`` of a node that staged no restore (tools and tests): no step is left behind."""
     return None
 
 
@@ -121,7 +122,7 @@ class InventoryScanner:
         domain: str = "",
         max_manifest_bytes: int = 64 << 20,
         fragments: FragmentScan = _no_fragments,
-        plan_of: PlanOf = _no_plan,
+        plan_of: PlanOf = no_plan,
     ) -> None:
         self.root, self.node, self.endpoint, self.domain = root, node, endpoint, domain
         self.fragments, self.plan_of = fragments, plan_of

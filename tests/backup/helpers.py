@@ -20,6 +20,7 @@ from tierckpt_replicator.backup.metrics import BackupMetrics
 from tierckpt_replicator.backup.service import BackupService
 from tierckpt_replicator.backup.settings import BackupSettings
 from tierckpt_replicator.backup.store import ObjectStore
+from tierckpt_replicator.inventory import PlanOf, no_plan
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -59,9 +60,11 @@ def make_service(
     *,
     metrics: BackupMetrics | None = None,
     clock: Callable[[], float] = time.time,
+    plan_of: PlanOf = no_plan,
     **settings: Any,
 ) -> BackupService:
-    """A service on ``store`` with ``TEST_SETTINGS``, any ``BackupSettings`` field overridden."""
+    """A service on ``store`` with ``TEST_SETTINGS``, any ``BackupSettings`` field overridden
+    (``plan_of``: the restore plans the node staged, as the daemon's stager gives them)."""
     return BackupService(
         dataclasses.replace(TEST_SETTINGS, **settings),
         node=node,
@@ -69,6 +72,7 @@ def make_service(
         store=store,
         metrics=metrics or BackupMetrics(CollectorRegistry()),
         clock=clock,
+        plan_of=plan_of,
     )
 
 

@@ -14,14 +14,16 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry
 
 from tests.backup.helpers import KiB, make_service, make_store, write_cluster_step, write_peers
 from tests.fixtures.cluster import write_sparse_step
+from tierckpt.protocol import leases
 from tierckpt.protocol.bucket_layout import (
     INDEX_CHUNK_RANKS,
     LEGACY_COMPLETE_LIMIT,
@@ -34,9 +36,9 @@ from tierckpt.protocol.bucket_layout import (
     StepBackup,
     encode_small,
 )
-from tierckpt.protocol.control import JobPolicy, write_control
+from tierckpt.protocol.control import JobPolicy, RestorePlan, Tier, write_control
 from tierckpt.protocol.errors import CorruptShardError, MissingCheckpointError
-from tierckpt.protocol.format import rank_dir, read_manifest, replica_rank_dir, step_dir
+from tierckpt.protocol.format import discard_step, rank_dir, read_manifest, replica_rank_dir, step_dir
 from tierckpt_demo.fakegcs import FakeGcsServer, FaultProxy, FaultRule
 from tierckpt_demo.step_writer import step_files, write_step
 from tierckpt_replicator.backup.fence import JobFenced
@@ -206,7 +208,7 @@ async def test_completion_is_written_last_and_only_once(
     # Upload each node's share without completing, then let both nodes complete at the same moment.
     for svc in services.values():
         with open_job(svc.root, JOB) as tree, svc.fences.writing(JOB, 10):
-            local = svc._local_copies(tree, 10, ())
+            local = svc._local_copies(JOB, tree, 10, ())
             for r in svc._my_share(JOB, 10, 4, local, None, False):
                 svc.uploader.upload_rank(JOB, local[r][1])
     results: dict[str, bool] = {}
@@ -529,6 +531,90 @@ async def test_a_node_whose_job_resharded_backs_up_the_steps_of_the_ranks_it_run
     scanner = InventoryScanner(root, node="n", endpoint="https://n:8470")
     assert scanner.holdings(JOB).newest_common() == 15  # what the replicator tells the service
     await svc.close()
+
+
+def _spy_leases(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
+    """Record (holder, step) of every lease the services take on local steps."""
+    taken: list[tuple[str, int]] = []
+    hold_all = leases.hold_all
+
+    def spy(ranks: Mapping[int, Any], step: int, holder: str, *, ttl: float) -> Any:
+        taken.append((holder, step))
+        return hold_all(ranks, step, holder, ttl=ttl)
+
+    monkeypatch.setattr(leases, "hold_all", spy)
+    return taken
+
+
+def _save_again(root: Path, rank: int, step: int, world_size: int, seed: int) -> Path:
+    """The trainer saves ``step`` of ``rank`` anew (replacing the save the run its job left made)."""
+    time.sleep(0.01)
+    discard_step(step_dir(rank_dir(root, JOB, rank), step))
+    return write_step(root, JOB, rank, step, world_size=world_size, sizes=(8 * KiB,), seed=seed)
+
+
+async def test_a_job_that_went_back_never_backs_up_nor_leases_a_step_the_run_it_left_saved(
+    gcs_server: FakeGcsServer, bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The node holds steps 5 and 8 of rank 0; the job went back to step 5 (the restore plan this node
+    staged was decided after step 8 was committed), so training saves step 8 again. Step 8 is not the
+    node's newest step (``Holdings.left``, as the inventory counts it): neither a poll nor an on-demand
+    backup (SIGTERM) uploads it, which would put the run the job left in the bucket as step 8 and lease
+    its files while the trainer saves step 8 again (its save fails: "leased ... not overwriting"). The
+    new save of step 8 is backed up."""
+    root = tmp_path / "node"
+    for step in (5, 8):  # the run the job left
+        write_step(root, JOB, 0, step, sizes=(8 * KiB,), seed=step)
+    time.sleep(0.01)
+    plans = {JOB: RestorePlan(JOB, 5, 1, {0: Tier.LOCAL}, decided_at=time.time())}
+    taken = _spy_leases(monkeypatch)
+    svc = make_service(make_store(gcs_server.url, bucket), root, "n", plan_of=plans.get, interval_steps=1)
+    await svc.poll(JOB)
+    assert await svc.backup_now(JOB) == 5
+    assert await svc.complete_steps(JOB) == (5,)
+    assert [s for _, s in taken] == [5], "a step of the run the job left was leased"
+    new = _save_again(root, 0, 8, 1, seed=80)
+    await svc.poll(JOB)
+    assert await svc.complete_steps(JOB) == (5, 8)
+    await svc.fetch_rank(JOB, 8, 0, tmp_path / "out")
+    assert step_files(step_dir(tmp_path / "out", 8)) == step_files(new)
+    await svc.close()
+
+
+async def test_a_backup_in_progress_is_never_joined_with_a_save_of_the_run_the_job_left(
+    gcs_server: FakeGcsServer, bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ranks 0 (node-a) and 1 (node-b) of 2 went back from step 8 to step 5. node-b's trainer saved
+    step 8 anew and began its backup; node-a's has not yet. node-a's poll joins backups in progress:
+    its rank 0 of the old step 8 must not go into this one (a step 8 of two runs, complete in the
+    bucket: a torn checkpoint), nor be leased; its new save of step 8 completes it."""
+    roots = {n: tmp_path / n for n in ("node-a", "node-b")}
+    for rank, node in enumerate(sorted(roots)):
+        for step in (5, 8):  # the run the job left
+            write_step(roots[node], JOB, rank, step, world_size=2, sizes=(8 * KiB,), seed=10 * step + rank)
+    time.sleep(0.01)
+    plans = {JOB: RestorePlan(JOB, 5, 2, {0: Tier.LOCAL, 1: Tier.LOCAL}, decided_at=time.time())}
+    taken = _spy_leases(monkeypatch)
+    a, b = (
+        make_service(make_store(gcs_server.url, bucket), roots[n], n, plan_of=plans.get, interval_steps=1)
+        for n in sorted(roots)
+    )
+    await a.on_step_committed(JOB, 5, [0], {})
+    await b.on_step_committed(JOB, 5, [1], {})
+    assert await a.complete_steps(JOB) == (5,)
+    new = {1: _save_again(roots["node-b"], 1, 8, 2, seed=801)}
+    await b.on_step_committed(JOB, 8, [1], {})
+    await a.poll(JOB)
+    assert await a.complete_steps(JOB) == (5,), "step 8 completed with a rank of the run the job left"
+    assert ("backup.node-a", 8) not in taken, "a step of the run the job left was leased"
+    new[0] = _save_again(roots["node-a"], 0, 8, 2, seed=800)
+    await a.on_step_committed(JOB, 8, [0], {})
+    assert await a.complete_steps(JOB) == (5, 8)
+    for rank in (0, 1):
+        await a.fetch_rank(JOB, 8, rank, tmp_path / f"out-{rank}")
+        assert step_files(step_dir(tmp_path / f"out-{rank}", 8)) == step_files(new[rank])
+    for svc in (a, b):
+        await svc.close()
 
 
 async def test_a_newer_save_with_more_ranks_is_not_completed_as_the_older_one(

@@ -34,7 +34,7 @@ from tierckpt.protocol.tokens import TokenFile
 from tierckpt_demo.ports import free_port
 from tierckpt_demo.step_writer import write_step
 from tierckpt_replicator.assignments import AssignmentStore, data_endpoint
-from tierckpt_replicator.backup.jobs import NO_BACKUP
+from tierckpt_replicator.backup.jobs import NO_BACKUP, JobBackups
 from tierckpt_replicator.commits import CommitFeed, NewSteps, StepCommitted
 from tierckpt_replicator.controls import LocalInventory
 from tierckpt_replicator.daemon import Daemon, worker_config
@@ -51,6 +51,7 @@ from tierckpt_replicator.replication.manager import ReplicationManager
 from tierckpt_replicator.replication.supervisor import WorkerSupervisor
 from tierckpt_replicator.replication.wire import DataReply, DataRequest, ProtocolError, recv_frame, send_frame
 from tierckpt_replicator.settings import ENV_PREFIX, Settings, TransferSettings, build_parser, parse_settings
+from tierckpt_replicator.stores import NodeStores
 from tierckpt_replicator.watch import CommitWatcher
 
 
@@ -725,6 +726,35 @@ async def test_a_step_the_run_a_job_left_saved_is_not_sent_while_the_job_saves_i
         assert worker.steps == [(2, 27), (2, 30)] and mgr.confirmed == {(job, 2, 30): {"b"}}
     finally:
         await mgr.close()
+
+
+def test_the_backups_read_the_restore_plans_the_daemons_stager_keeps(tmp_path: Path):
+    """The daemon's backups (``JobBackups``, built before the daemon over the same ``NodeStores``) see
+    the plan the stager staged: after the job went back to step 5, its newest step for a backup is 5,
+    not 8, the run it left saved (the backup once uploaded and leased that one while the trainer saved
+    step 8 again)."""
+    root = tmp_path / "ramdisk"
+    settings = _token_settings(
+        tmp_path,
+        root=root,
+        api_port=0,
+        data_port=_free_port(),
+        restore_on_start=False,
+        gcs_bucket="b",
+        gcs_endpoint="http://127.0.0.1:1",
+    )
+    stores = NodeStores.open(settings)
+    backups = JobBackups(settings, stores=stores)
+    daemon = Daemon(settings, stores=stores, backup=backups)  # not started: the parts as wired
+    job = "went-back"
+    for step in (5, 8):  # the run the job left
+        write_step(root, job, 0, step, seed=step, sizes=(100,))
+    time.sleep(0.01)
+    svc = backups.service(job)
+    assert svc is not None and svc._newest_local(job) == 8  # no restore staged here
+    plan = RestorePlan(job=job, step=5, world_size=1, sources={0: Tier.LOCAL}, decided_at=time.time())
+    daemon.stager.plans[job] = plan  # this node staged it: the job went back to 5
+    assert svc._newest_local(job) == 5 and daemon.scanner.holdings(job).newest_common() == 5
 
 
 class _StuckBucket:

@@ -224,8 +224,9 @@ class JobBackups:
     ) -> None:
         self.settings, self.registry = settings, registry
         self.policies, self.quotas, self.assignments = stores.policies, stores.quotas, stores.assignments
+        self.plans = stores.plans
         """The node's stores (the daemon's): the policies route each job, the assignments spread its
-        uploads."""
+        uploads, the restore plans the daemon's stager keeps there say which steps it never uploads."""
         self.orbax = orbax or OrbaxStore(settings.root)
         """Orbax-mode jobs' state: the backup interval each asked for replaces its policy's schedule."""
         self._node: BackupSettings | None = None
@@ -286,6 +287,7 @@ class JobBackups:
                 metrics=self.metrics,
                 quotas=self.quotas,
                 assignments=self.assignments,
+                plan_of=self.plans.get,
             )
             self._services[settings] = svc
         return svc

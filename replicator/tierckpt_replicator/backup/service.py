@@ -44,11 +44,11 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from tierckpt.planning.common_step import current_ranks, newest_common_step
+from tierckpt.planning.common_step import newest_common_step
 from tierckpt.protocol import leases
 from tierckpt.protocol.bucket_layout import BucketLayout
 from tierckpt.protocol.errors import FormatError, TierckptError
-from tierckpt.protocol.format import Dir, committed_steps, read_commit, read_manifest
+from tierckpt.protocol.format import Dir, committed_steps, read_manifest
 from tierckpt.protocol.safefs import Beneath
 from tierckpt_replicator.assignments import AssignmentStore
 from tierckpt_replicator.backup.catalog import BucketView, Catalog
@@ -59,9 +59,10 @@ from tierckpt_replicator.backup.restorer import Restorer
 from tierckpt_replicator.backup.spread import assign_uploads, data_rank, holders_of, rendezvous_score
 from tierckpt_replicator.backup.store import ObjectStore, StoreError
 from tierckpt_replicator.backup.uploader import Uploader
+from tierckpt_replicator.inventory import InventoryScanner, PlanOf, no_plan
 from tierckpt_replicator.policies import PolicyStore
 from tierckpt_replicator.quota import JobQuotas, OverQuotaError
-from tierckpt_replicator.stepio import find_committed, open_job, rank_trees, step_name
+from tierckpt_replicator.stepio import find_committed, open_job, rank_trees
 
 __all__ = ["BackupPools", "BackupService", "BackupStatus"]
 
@@ -130,7 +131,9 @@ class BackupService:
     this node's ramdisk size). ``pools``: the thread pools to run in (default: its own; the scale rig
     runs many services, one per simulated node, on one shared pair). ``assignments``: the jobs' peer
     assignments (the daemon's store: the one reader of ``peers.json``; default: a store of its own
-    over ``root``), which spread the uploads over each rank's holders.
+    over ``root``), which spread the uploads over each rank's holders. ``plan_of``: the restore plan
+    this node staged for a job (the daemon's stager's): the steps the run the job went back from saved
+    (``RestorePlan.left_behind``) are neither backed up nor leased; training saves them again.
     """
 
     def __init__(
@@ -145,10 +148,16 @@ class BackupService:
         quotas: JobQuotas | None = None,
         pools: BackupPools | None = None,
         assignments: AssignmentStore | None = None,
+        plan_of: PlanOf = no_plan,
     ) -> None:
         self.settings, self.store, self.node, self.root = settings, store, node, Path(root)
         self.assignments = assignments or AssignmentStore(self.root)
         self.quotas = quotas or JobQuotas(self.root, PolicyStore(self.root))
+        self.inventory = InventoryScanner(
+            self.root, node=node, endpoint="", max_manifest_bytes=settings.max_manifest_bytes, plan_of=plan_of
+        )
+        """This node's steps as the replicator counts them (``Holdings``): with the restore plans it
+        staged (``plan_of``), none that the run a job went back from saved is backed up."""
         self.policy = settings.policy()
         self.layout = BucketLayout(settings.prefix)
         self.metrics = metrics or BackupMetrics.default()
@@ -257,6 +266,7 @@ class BackupService:
         metrics: BackupMetrics | None = None,
         quotas: JobQuotas | None = None,
         assignments: AssignmentStore | None = None,
+        plan_of: PlanOf = no_plan,
     ) -> BackupService:
         """The production path: the service on ``settings.bucket`` through a ``GcsStore`` (raises
         ``ValueError`` if no bucket is configured)."""
@@ -269,6 +279,7 @@ class BackupService:
             metrics=metrics,
             quotas=quotas,
             assignments=assignments,
+            plan_of=plan_of,
         )
 
     # ------------------------------------------------------------------------------------ API
@@ -403,6 +414,7 @@ class BackupService:
             self._standing_in,
         ):
             state.pop(job, None)  # its lock stays: a call waiting on it must not run beside a new one
+        self.inventory.forget(job)
         log.info("job %s: backup state forgotten on this node", job)
 
     async def delete_backups(self, job: str) -> None:
@@ -532,7 +544,7 @@ class BackupService:
         except FileNotFoundError:
             return set()
         with tree:
-            local = self._local_copies(tree, step, ())
+            local = self._local_copies(job, tree, step, ())
         return set(local) - self._committed(job, step, local)
 
     def _committed(self, job: str, step: int, ranks: Iterable[int]) -> set[int]:
@@ -579,7 +591,7 @@ class BackupService:
         all_local: bool,
         placed: Mapping[int, tuple[str, ...]] | None,
     ) -> bool:
-        local = self._local_copies(tree, step, hint)
+        local = self._local_copies(job, tree, step, hint)
         if not local:
             return False
         world_size = read_manifest(
@@ -872,14 +884,25 @@ class BackupService:
     # ------------------------------------------------------------------------------------ local data
 
     def _local_copies(
-        self, tree: Beneath, step: int, hint: Iterable[int]
+        self, job: str, tree: Beneath, step: int, hint: Iterable[int]
     ) -> dict[int, tuple[Beneath, Beneath]]:
         """Rank -> this node's committed copy of ``step`` in the job tree (the views of its rank and
         step directories; primary preferred over replica). Scans the ramdisk: the daemon reports its
-        primaries, but replicas held here are uploaded too."""
+        primaries, but replicas held here are uploaded too. Not a primary the run the job went back from
+        saved (``Holdings.left``): it is not this step as the job saves it now, and training saves it
+        again (a lease of it would fail that save)."""
         ranks = set(hint) | set(rank_trees(tree, "primary")) | set(rank_trees(tree, "replica"))
+        left = {r for r, steps in self.inventory.holdings(job).left.items() if step in steps}
+        if left & ranks:
+            log.info(
+                "step %d of %s: ranks %s here not backed up, saved by the run the job went back from "
+                "(training saves the step again)",
+                step,
+                job,
+                sorted(left & ranks),
+            )
         out = {}
-        for r in sorted(ranks):
+        for r in sorted(ranks - left):
             found = find_committed(tree, r, step)
             if found is not None:
                 out[r] = found
@@ -887,20 +910,17 @@ class BackupService:
 
     def _newest_local(self, job: str) -> int | None:
         """The newest step committed for every primary rank here that the job still saves
-        (``current_ranks``: not the ranks of a world size it left); replicas if the node has none."""
+        (``Holdings.newest_common``: not the ranks of a world size it left, nor a step the run it went
+        back from saved); replicas if the node has none."""
+        step = self.inventory.holdings(job).newest_common()
+        if step is not None:
+            return step
         try:
             tree = open_job(self.root, job)
         except FileNotFoundError:
             return None
         with tree:
-            for copy in ("primary", "replica"):
-                trees = rank_trees(tree, copy)
-                held = {r: committed_steps(p) for r, p in trees.items()}
-                current = current_ranks(_newest_facts(trees, held)) if copy == "primary" else set(held)
-                step = newest_common_step(steps for r, steps in held.items() if r in current)
-                if step is not None:
-                    return step
-        return None
+            return newest_common_step(committed_steps(p) for p in rank_trees(tree, "replica").values())
 
     # ------------------------------------------------------------------------------------ plumbing
 
@@ -992,19 +1012,3 @@ class _Progress:
         """On the loop, after the transfer: calls scheduled by the workers have already run."""
         if self._progress is not None:
             self._progress(self.done)
-
-
-def _newest_facts(
-    trees: Mapping[int, Beneath], held: Mapping[int, Sequence[int]]
-) -> dict[int, tuple[float, int]]:
-    """Rank -> commit time and world size of its newest committed step (unreadable ones: left out)."""
-    out = {}
-    for rank, steps in held.items():
-        if not steps:
-            continue
-        where = trees[rank].at(step_name(max(steps)))
-        with contextlib.suppress(FormatError, OSError):
-            marker = read_commit(where)
-            if marker is not None:
-                out[rank] = (marker.committed_at, read_manifest(where).world_size)
-    return out

@@ -157,11 +157,14 @@ class Stager:
         own_inventory: Callable[[str], Awaitable[NodeInventory]],
         backup: BackupPort = NO_BACKUP,
         states: dict[str, dict[int, RestoreState]] | None = None,
+        plans: dict[str, RestorePlan] | None = None,
     ) -> None:
         self.settings, self.assignments, self.supervisor = settings, assignments, supervisor
         self.peers, self.metrics, self.backup = peers, metrics, backup
         self.own_inventory = own_inventory
-        self.plans: dict[str, RestorePlan] = {}
+        self.plans: dict[str, RestorePlan] = plans if plans is not None else {}
+        """Job -> the plan this node staged last (``plans``: the map to keep them in, which this node's
+        inventory and backups read)."""
         self.states: dict[str, dict[int, RestoreState]] = states if states is not None else {}
         """Job -> rank -> the state of its staging (``states``: the map to keep them in, which this
         node's inventory reads)."""
