@@ -359,6 +359,48 @@ async def test_transient_errors_are_retried_with_backoff_and_the_backup_succeeds
     await svc.close()
 
 
+async def test_closing_abandons_an_upload_the_bucket_does_not_answer_within_the_grace(
+    bucket: str, proxy: FaultProxy, tmp_path: Path
+) -> None:
+    """SIGTERM's shutdown after the preemption backup: an upload stuck on a bucket that does not answer
+    (here: every request held for 30 s) does not hold the replicator; it is abandoned, and nothing of the
+    step is complete in the bucket."""
+    root = tmp_path / "n"
+    write_step(root, JOB, 0, 7, sizes=(64 * KiB,))
+    svc = make_service(make_store(proxy.url, bucket, read_timeout=30.0), root, "n")
+    proxy.add_rule(FaultRule(action="stall", seconds=30, times=None))
+    backing_up = asyncio.create_task(svc.backup_now(JOB))
+    deadline = time.monotonic() + 10
+    while not proxy.hits_for("stall") and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert proxy.hits_for("stall"), "the upload reached the bucket"
+    start = time.monotonic()
+    await svc.close(grace=0.5)
+    assert time.monotonic() - start < 5, "the shutdown waited for the stuck upload"
+    backing_up.cancel()
+    proxy.clear_rules()
+    reader = make_service(make_store(proxy.upstream_url, bucket), tmp_path / "reader", "reader")
+    assert await reader.complete_steps(JOB) == ()
+    await reader.close()
+
+
+def test_a_replicator_exits_though_threads_it_abandoned_still_run(tmp_path: Path) -> None:
+    """The process exits at once (status 0, a log line) instead of the interpreter waiting for them."""
+    script = textwrap.dedent(
+        """
+        import logging, threading, time
+        from tierckpt_replicator.__main__ import _exit_past_stuck_threads
+        logging.basicConfig(level=logging.INFO)
+        threading.Thread(target=time.sleep, args=(60,), name="backup-io_0").start()
+        _exit_past_stuck_threads()
+        """
+    )
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0 and time.monotonic() - start < 20
+    assert "exiting with 1 thread(s) still at work (backup-io_0): abandoned" in done.stderr
+
+
 async def test_a_dead_bucket_fails_cleanly_and_keeps_the_previous_backup(
     bucket: str, proxy: FaultProxy, tmp_path: Path
 ) -> None:

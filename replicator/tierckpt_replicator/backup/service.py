@@ -73,6 +73,8 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 MiB = 1 << 20
+CLOSE_GRACE = 5.0
+"""Seconds ``close`` lets the uploads under way finish before it abandons them."""
 _PROGRESS_EVERY = 8 * MiB
 ProgressCallback = Callable[[int], None]
 """``progress(bytes_done)``: cumulative bytes of the rank written so far."""
@@ -430,12 +432,35 @@ class BackupService:
     def status(self, job: str) -> BackupStatus:
         return self._status.get(job, BackupStatus())
 
-    async def close(self) -> None:
-        await asyncio.get_running_loop().run_in_executor(None, self._shutdown)
+    async def close(self, grace: float = CLOSE_GRACE) -> None:
+        """Stop the pools: queued work is cancelled, work under way gets ``grace`` seconds. An upload
+        still running then (a bucket that does not answer, its client retrying) is abandoned, as a
+        SIGKILL would: a step completes in the bucket atomically, so what it did not finish is not there.
+        The pools are shut down on a thread of their own, never the loop's default executor (which the
+        loop waits for when it closes)."""
+        if not self._own_pools:
+            return
+        loop = asyncio.get_running_loop()
+        stopped = loop.create_future()
 
-    def _shutdown(self) -> None:
-        if self._own_pools:
+        def settle() -> None:
+            if not stopped.done():
+                stopped.set_result(None)
+
+        def shut_down() -> None:
             self._pools.shutdown()
+            with contextlib.suppress(RuntimeError):  # the loop closed without waiting for it
+                loop.call_soon_threadsafe(settle)
+
+        threading.Thread(target=shut_down, name="backup-shutdown", daemon=True).start()
+        try:
+            await asyncio.wait_for(stopped, grace)
+        except TimeoutError:
+            log.warning(
+                "backup: uploads still under way %.0f s after the shutdown began are abandoned (the bucket "
+                "keeps only steps that completed)",
+                grace,
+            )
 
     # ------------------------------------------------------------------------------------ passes (blocking)
 
