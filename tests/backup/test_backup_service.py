@@ -44,7 +44,7 @@ from tierckpt_demo.step_writer import step_files, write_step
 from tierckpt_replicator.backup.fence import JobFenced
 from tierckpt_replicator.backup.gcs import GcsStore, RetryPolicy
 from tierckpt_replicator.backup.metrics import BackupMetrics
-from tierckpt_replicator.backup.service import BackupService
+from tierckpt_replicator.backup.service import BackupService, _manifests
 from tierckpt_replicator.backup.settings import BackupSettings
 from tierckpt_replicator.backup.spread import assign_uploads
 from tierckpt_replicator.backup.store import TransientStoreError, UploadCorrupted
@@ -209,7 +209,7 @@ async def test_completion_is_written_last_and_only_once(
     for svc in services.values():
         with open_job(svc.root, JOB) as tree, svc.fences.writing(JOB, 10):
             local = svc._local_copies(JOB, tree, 10, ())
-            for r in svc._my_share(JOB, 10, 4, local, None, False):
+            for r in svc._my_share(JOB, 10, 4, _manifests(local), None, False):
                 svc.uploader.upload_rank(JOB, local[r][1])
     results: dict[str, bool] = {}
 
@@ -657,6 +657,41 @@ async def test_a_backup_in_progress_is_never_joined_with_a_save_of_the_run_the_j
         assert step_files(step_dir(tmp_path / f"out-{rank}", 8)) == step_files(new[rank])
     for svc in (a, b):
         await svc.close()
+
+
+async def test_a_rank_committed_by_the_save_a_job_went_back_from_is_uploaded_again_from_the_new_save(
+    gcs_server: FakeGcsServer, bucket: str, tmp_path: Path
+) -> None:
+    """A 4-rank DCP job saved step 72; this node uploaded its rank 1 and another node rank 3, and the
+    step waited for ranks 0 and 2. The job went back to step 63, shrank to 3 ranks and saved 72 again:
+    the node's new rank 1 counted as committed (the node remembered committing rank 1, and the bucket
+    held a rank 1 commit, the earlier save's), so no node uploaded it or rank 2 (whose holders gave up
+    the step: "this node holds none of its missing ranks"), and every completion refused the step
+    ("rank commits disagree on the world size"; soak, seed 1512564371, round 40: the bucket held 63
+    while the job had saved 72). A rank counts as committed only with the manifest of this node's copy."""
+    root, other_root, gone_root = tmp_path / "node", tmp_path / "other", tmp_path / "gone"
+    write_step(root, JOB, 1, 72, world_size=4, sizes=(8 * KiB,), seed=1)
+    write_step(gone_root, JOB, 3, 72, world_size=4, sizes=(8 * KiB,), seed=1)
+    svc = make_service(make_store(gcs_server.url, bucket), root, "n")
+    gone = make_service(make_store(gcs_server.url, bucket), gone_root, "g")
+    assert await svc.backup_now(JOB) == 72  # the earlier save's rank 1: started, never complete
+    with gone.fences.writing(JOB, 72):
+        gone.uploader.upload_rank(JOB, step_dir(rank_dir(gone_root, JOB, 3), 72))
+    assert await svc.complete_steps(JOB) == ()
+    time.sleep(0.01)
+    shutil.rmtree(step_dir(rank_dir(root, JOB, 1), 72))  # the client's save of 72 replaces it
+    new = {1: write_step(root, JOB, 1, 72, world_size=3, sizes=(8 * KiB,), seed=2)}
+    for r in (0, 2):
+        new[r] = write_step(other_root, JOB, r, 72, world_size=3, sizes=(8 * KiB,), seed=2)
+    other = make_service(make_store(gcs_server.url, bucket), other_root, "o")
+    await svc.poll(JOB)  # joins the step in progress with the new save's rank 1
+    assert await other.backup_now(JOB) == 72
+    assert await other.complete_steps(JOB) == (72,)
+    for r in range(3):
+        await other.fetch_rank(JOB, 72, r, tmp_path / f"out-{r}")
+        assert step_files(step_dir(tmp_path / f"out-{r}", 72)) == step_files(new[r])
+    for s in (svc, gone, other):
+        await s.close()
 
 
 async def test_a_newer_save_with_more_ranks_is_not_completed_as_the_older_one(

@@ -275,3 +275,38 @@ async def test_a_fresh_start_drops_the_replicas_of_the_run_the_job_left(tmp_path
     assert read_commit(replica_rank_dir(tmp_path, JOB, 1) / "step-000000000006") is not None  # leased
     leases.release(leased, read)
     await stager.close()
+
+
+async def test_staging_drops_the_steps_the_run_the_job_left_saved_of_a_rank_no_longer_run_here(
+    tmp_path: Path,
+):
+    """A DCP job grew to 4 nodes, where node ``a`` ran rank 2 and saved steps 66 to 72, then shrank to 3
+    and went back to step 63: ``a`` now runs rank 0, so no client here retires rank 2's steps above 63.
+    Once training saved 72 again (rank 2 on another node), ``a``'s old rank 2 step 72 counted as the
+    rank's newest here: it was sent to a peer, and rank 0's load read it and failed every attempt ("not
+    the step rank 2 wrote for this DCP checkpoint"; soak, seed 1512564371, round 41). Staging the plan
+    drops them (a leased one stays until its reader is done), and only them: the plan's step and the
+    node's own rank's steps (its client retires those) stay."""
+    from tierckpt.protocol import leases
+    from tierckpt.protocol.format import rank_dir, step_dir
+
+    nodes = {n: PeerNode(n, f"http://10.0.0.{i}:8470") for i, n in enumerate(("a", "b", "c"))}
+    store = AssignmentStore(tmp_path)
+    store.put(PeerAssignment(JOB, 1, nodes, {}, {"a": 0, "b": 1, "c": 2}, procs_per_node=1, attempt=2))
+    for rank, step in ((0, 63), (0, 66), (2, 63), (2, 66), (2, 69), (2, 72)):
+        write_step(tmp_path, JOB, rank, step, world_size=3 if step == 63 else 4, sizes=(4096,))
+    leased = rank_dir(tmp_path, JOB, 2)
+    read = leases.acquire(leased, 69, "reader", ttl=60)
+    stager = _offline_stager(tmp_path, store, EmptyBucket(tmp_path))
+    plan = RestorePlan(JOB, 63, 3, {0: Tier.LOCAL}, generation=2, decided_at=time.time())
+    await asyncio.wait_for(stager.start(JOB, plan), 10)
+    await wait_state(tmp_path, 0, RestoreState.READY)
+
+    def held(rank: int, step: int) -> bool:
+        return read_commit(step_dir(rank_dir(tmp_path, JOB, rank), step)) is not None
+
+    assert not held(2, 66) and not held(2, 72)
+    assert held(2, 69)  # leased
+    assert held(2, 63) and held(0, 63) and held(0, 66)
+    leases.release(leased, read)
+    await stager.close()

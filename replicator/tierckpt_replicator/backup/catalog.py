@@ -293,12 +293,26 @@ class Catalog:
                 out[rank] = info
         return out
 
-    def committed(self, job: str, step: int, ranks: Iterable[int]) -> set[int]:
-        """Which of ``ranks`` have a rank commit of ``step`` (one request each, in parallel: for a
-        node's own few ranks, where listing every rank of the step would cost the world size)."""
+    def committed(self, job: str, step: int, ranks: Iterable[int]) -> dict[int, int]:
+        """Rank -> the crc32c of the manifest its rank commit of ``step`` names, for those of ``ranks``
+        that have one (one request each, in parallel: for a node's own few ranks, where listing every
+        rank of the step would cost the world size; a commit without a readable summary is read)."""
+
+        def manifest_of(rank: int) -> int | None:
+            info = self.store.stat(self.layout.rank_commit_key(job, step, rank))
+            if info is None:
+                return None
+            summary = _summary(info)
+            if summary is not None:
+                return summary.manifest_crc32c
+            try:
+                return self.read_rank_commit(job, step, rank).manifest_crc32c
+            except ObjectNotFound:  # deleted meanwhile
+                return None
+
         ranks = sorted(set(ranks))
-        found = self.pool.map(lambda r: self.store.stat(self.layout.rank_commit_key(job, step, r)), ranks)
-        return {r for r, info in zip(ranks, found, strict=True) if info is not None}
+        found = self.pool.map(manifest_of, ranks)
+        return {r: crc for r, crc in zip(ranks, found, strict=True) if crc is not None}
 
     def read_rank_commit(self, job: str, step: int, rank: int, *, ref: RankRef | None = None) -> RankBackup:
         key = self.layout.rank_commit_key(job, step, rank)

@@ -48,7 +48,7 @@ from tierckpt.planning.common_step import newest_common_step
 from tierckpt.protocol import leases
 from tierckpt.protocol.bucket_layout import BucketLayout
 from tierckpt.protocol.errors import FormatError, TierckptError
-from tierckpt.protocol.format import Dir, committed_steps, read_manifest
+from tierckpt.protocol.format import Dir, committed_steps, read_commit, read_manifest
 from tierckpt.protocol.safefs import Beneath
 from tierckpt_replicator.assignments import AssignmentStore
 from tierckpt_replicator.backup.catalog import BucketView, Catalog
@@ -186,9 +186,11 @@ class BackupService:
         self._status: dict[str, BackupStatus] = {}
         self._given_up: dict[str, set[int]] = {}
         """Job -> started steps this node found unable to complete (logged once each)."""
-        self._commits: dict[str, dict[int, set[int]]] = {}
-        """Job -> step -> ranks this node knows are committed in the bucket (it committed them, or saw
-        their commit): never asked about again."""
+        self._commits: dict[str, dict[int, dict[int, int]]] = {}
+        """Job -> step -> rank -> the crc32c of the manifest its rank commit in the bucket names, for the
+        ranks this node knows are committed there (it committed them, or saw their commit): never asked
+        about again. A rank counts as committed only if that is the manifest of this node's copy: a
+        commit of an earlier save of the step number (the run a job went back from) is not this one's."""
         self._seen_complete: dict[str, set[int]] = {}
         """Job -> steps this node saw complete (one no longer complete was retired: its ranks here go)."""
         self._cleaned: dict[str, set[int]] = {}
@@ -569,17 +571,19 @@ class BackupService:
         except FileNotFoundError:
             return set()
         with tree:
-            local = self._local_copies(job, tree, step, ())
+            local = _manifests(self._local_copies(job, tree, step, ()))
         return set(local) - self._committed(job, step, local)
 
-    def _committed(self, job: str, step: int, ranks: Iterable[int]) -> set[int]:
-        """Which of ``ranks`` are committed in the bucket: known ones from memory, the others asked one
-        by one (a node's own few ranks, never a listing of the whole step)."""
-        known = self._commits.setdefault(job, {}).setdefault(step, set())
-        unknown = set(ranks) - known
+    def _committed(self, job: str, step: int, manifests: Mapping[int, int]) -> set[int]:
+        """Which ranks of ``manifests`` (rank -> the crc32c of this node's manifest of it) are committed
+        in the bucket with that manifest: known ones from memory, the others asked one by one (a node's
+        own few ranks, never a listing of the whole step). A commit of another save of the step number
+        (the run the job went back from saved it) is not this copy's: its upload replaces it."""
+        known = self._commits.setdefault(job, {}).setdefault(step, {})
+        unknown = {r for r, crc in manifests.items() if known.get(r) != crc}
         if unknown:
-            known |= self.catalog.committed(job, step, unknown)
-        return known & set(ranks)
+            known.update(self.catalog.committed(job, step, unknown))
+        return {r for r, crc in manifests.items() if known.get(r) == crc}
 
     def _forget_commits(self, job: str, steps: set[int]) -> None:
         """Keep what is known of commits only for the steps still being backed up."""
@@ -622,13 +626,19 @@ class BackupService:
         world_size = read_manifest(
             next(iter(local.values()))[1], limit=self.settings.max_manifest_bytes
         ).world_size
-        mine = self._my_share(job, step, world_size, local, started_at, all_local, placed)
-        todo = sorted(set(mine) - self._commits.get(job, {}).get(step, set()))
+        manifests = _manifests(local)
+        mine = self._my_share(job, step, world_size, manifests, started_at, all_local, placed)
+        known = self._commits.get(job, {}).get(step, {})
+        todo = sorted(r for r in mine if known.get(r) != manifests.get(r))
         if todo or started_at is None:
             with self.fences.writing(job, step):
                 self._write_share(job, step, world_size, reason, started_at, todo, local)
                 if todo:
-                    self.catalog.share_done(job, step, self._committed(job, step, mine))
+                    self.catalog.share_done(
+                        job,
+                        step,
+                        self._committed(job, step, {r: manifests[r] for r in mine if r in manifests}),
+                    )
             if todo and self.catalog.shares_cover(job, step, world_size):
                 return self._complete(job, step, world_size)  # this node's share was the last
             return False
@@ -715,7 +725,7 @@ class BackupService:
         job: str,
         step: int,
         world_size: int,
-        local: Mapping[int, object],
+        local: Mapping[int, int],
         started_at: float | None,
         all_local: bool,
         placed: Mapping[int, tuple[str, ...]] | None = None,
@@ -743,7 +753,8 @@ class BackupService:
             )
             mine |= unheld
         if started_at is not None and self.clock() - started_at >= self.settings.takeover_after:
-            orphans = set(local) - mine - self._committed(job, step, set(local) - mine)
+            others = {r: crc for r, crc in local.items() if r not in mine}
+            orphans = set(others) - self._committed(job, step, others)
             if orphans:
                 log.warning(
                     "step %d of %s: taking over ranks %s, still missing %.0fs after its backup began",
@@ -769,7 +780,9 @@ class BackupService:
         for fut in cf.as_completed(futures):
             try:
                 done = fut.result()
-                self._commits.setdefault(job, {}).setdefault(step, set()).add(futures[fut])
+                self._commits.setdefault(job, {}).setdefault(step, {})[futures[fut]] = (
+                    done.commit.manifest_crc32c
+                )
                 sent += done.bytes_sent
                 logical += done.logical_bytes
                 self.metrics.chunk_bytes_reused.inc(done.reused_bytes)
@@ -1037,3 +1050,17 @@ class _Progress:
         """On the loop, after the transfer: calls scheduled by the workers have already run."""
         if self._progress is not None:
             self._progress(self.done)
+
+
+def _manifests(local: Mapping[int, tuple[Beneath, Beneath]]) -> dict[int, int]:
+    """Rank -> the crc32c of the manifest of this node's committed copy (``_local_copies``), for those
+    whose commit marker is still readable (a copy retired meanwhile is left out)."""
+    out = {}
+    for rank, (_, step) in local.items():
+        try:
+            marker = read_commit(step)
+        except (FormatError, OSError):
+            continue
+        if marker is not None:
+            out[rank] = marker.manifest_crc32c
+    return out

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+from collections.abc import Collection
 from pathlib import Path
 
 from tierckpt.protocol import leases
@@ -22,7 +23,15 @@ from tierckpt_replicator.replication.fragments import fragment_trees
 from tierckpt_replicator.replication.replica_retention import replicas_to_drop
 from tierckpt_replicator.stepio import open_job, rank_trees, step_name
 
-__all__ = ["apply_retention", "client_headroom", "drop_above", "free_bytes", "make_room", "pinned_steps"]
+__all__ = [
+    "apply_retention",
+    "client_headroom",
+    "drop_above",
+    "drop_left_behind",
+    "free_bytes",
+    "make_room",
+    "pinned_steps",
+]
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +96,51 @@ def drop_above(root: Path, job: str, step: int) -> list[tuple[int, int]]:
             job,
             dropped,
             step,
+        )
+    return dropped
+
+
+def drop_left_behind(
+    root: Path, job: str, plan: RestorePlan, running: Collection[int]
+) -> list[tuple[int, int]]:
+    """Drop the primary steps ``plan`` leaves behind (``RestorePlan.left_behind``: saved by the run the job
+    goes back from) of the ranks that no process of this node runs now (not in ``running``). A rank's
+    client retires those of its own rank at its first commit; a rank the node ran before the job was
+    resized has no client here to do it, and once training saves past the plan's step again, such a
+    step would be the rank's newest here while the rank's new save of that step number lives on another
+    node (it was sent, counted and read as the job's). A leased one stays until its reader is done.
+    Returns the ``(rank, step)`` dropped."""
+    try:
+        tree = open_job(root, job)
+    except FileNotFoundError:
+        return []
+    dropped = []
+    with tree:
+        for rank, parent in rank_trees(tree, "primary").items():
+            if rank in running:
+                continue
+            with leases.lock(parent):
+                leased = leases.leased_steps(parent)
+                for held in committed_steps(parent):
+                    step = parent.at(step_name(held))
+                    try:
+                        marker = read_commit(step)
+                    except (FormatError, OSError):
+                        continue  # unreadable: the inventory skips it too
+                    if (
+                        marker is not None
+                        and held not in leased
+                        and plan.left_behind(held, marker.committed_at)
+                    ):
+                        discard_step(step)
+                        dropped.append((rank, held))
+    if dropped:
+        log.info(
+            "job %s: dropped primary steps %s of ranks this node no longer runs: above step %s, the job "
+            "restores it (saved by the run it left)",
+            job,
+            dropped,
+            plan.step,
         )
     return dropped
 

@@ -63,7 +63,7 @@ from tierckpt_replicator.assignments import AssignmentStore
 from tierckpt_replicator.backup.jobs import NO_BACKUP, BackupPort
 from tierckpt_replicator.metrics import Metrics
 from tierckpt_replicator.replication.ipc import FetchSource, FetchTask, RebuildTask, TaskProgress, TaskResult
-from tierckpt_replicator.replication.replicas import drop_above
+from tierckpt_replicator.replication.replicas import drop_above, drop_left_behind
 from tierckpt_replicator.replication.supervisor import WorkerSupervisor
 from tierckpt_replicator.restore.fanout import FanOut
 from tierckpt_replicator.restore.gather import compute_plan
@@ -285,6 +285,9 @@ class Stager:
                 self.plans[job] = plan
                 # the run the job left saved the steps above the plan's (every step, for a fresh start)
                 drop_above(self.settings.root, job, FRESH_START if plan.step is None else plan.step)
+                running = _running_here(assignment, self.node)
+                if running is not None:  # and those of the ranks no process here saves again
+                    drop_left_behind(self.settings.root, job, plan, running)
                 ranks = self._ranks(job, plan, assignment)
                 pending.add(ranks)
                 if assignment is not None and assignment.process_ranks(self.node, plan.world_size):
@@ -597,3 +600,13 @@ def _result(attempt: RetryCallState) -> tuple[Tier | None, str]:
     """What a finished round of ``Stager._try_sources`` returned."""
     assert attempt.outcome is not None
     return cast("tuple[Tier | None, str]", attempt.outcome.result())
+
+
+def _running_here(assignment: PeerAssignment | None, node: str) -> tuple[int, ...] | None:
+    """The ranks the processes of ``node`` run under ``assignment`` (none: the node has no node rank);
+    None if that is not known (no assignment, or no count of processes per node)."""
+    if assignment is None:
+        return None
+    if node not in assignment.node_ranks:
+        return ()
+    return assignment.process_ranks(node) or None
