@@ -60,6 +60,24 @@ def test_restore_choice_picks_the_dcp_step(ramdisk: Path, job: str) -> None:
     assert plan.step == 9 and plan.world_size == 2 and plan.sources == {0: Tier.LOCAL, 1: Tier.LOCAL}
 
 
+def test_a_stale_primary_beside_a_replica_of_the_save_is_passed_over_for_the_replica(
+    ramdisk: Path, job: str, tmp_path: Path
+) -> None:
+    """Found by the chaos soak (docs/reliability.md, seed 1512564371, round 41): a node holds rank 1's
+    step 30 twice, as a primary the run the job left saved (another save of that step number) and as a
+    replica of the save the checkpoint names. The reader took the primary and refused it ("not the step
+    rank 1 wrote for this DCP checkpoint"), every attempt; it now reads the copy the checkpoint names."""
+    other = tmp_path / "the-run-the-job-left"
+    run_ranks(2, sc.save_plain, str(other), job, 30, 3)
+    run_ranks(2, sc.save_plain, str(ramdisk), job, 30, 5)
+    replica = replica_rank_dir(ramdisk, job, 1)
+    replica.parent.mkdir(parents=True)
+    shutil.move(rank_dir(ramdisk, job, 1), replica)
+    shutil.copytree(rank_dir(other, job, 1), rank_dir(ramdisk, job, 1))  # the stale primary
+    run_ranks(2, sc.load_plain, str(ramdisk), job, 30, 5)
+    run_ranks(2, sc.load_plain, str(ramdisk), job, None, 5)
+
+
 def test_a_rank_held_only_as_a_replica_is_read_from_there(ramdisk: Path, job: str) -> None:
     """After a node loss the replicator restores rank 1 as a replica on this node: the reader finds it."""
     run_ranks(2, sc.save_plain, str(ramdisk), job, 30, 5)

@@ -13,7 +13,7 @@ from pathlib import Path
 from tierckpt.protocol.errors import FormatError
 from tierckpt.protocol.format import rank_dir, read_commit, replica_rank_dir, step_dir
 
-__all__ = ["find_rank_step", "parse_step_id", "require_step_id"]
+__all__ = ["find_rank_step", "parse_step_id", "rank_step_copies", "require_step_id"]
 
 _STEP_ID_RE = re.compile(r"^(?:step-)?(\d{1,18})$")
 
@@ -42,11 +42,18 @@ def require_step_id(checkpoint_id: object) -> int:
 
 def find_rank_step(root: Path, job: str, rank: int, step: int) -> Path | None:
     """Rank ``rank``'s committed ``step`` on this root: its primary copy, else a replica held here."""
+    copies = rank_step_copies(root, job, rank, step)
+    return copies[0] if copies else None
+
+
+def rank_step_copies(root: Path, job: str, rank: int, step: int) -> list[Path]:
+    """Every committed copy of rank ``rank``'s ``step`` on this root: its primary first, then a replica."""
+    out = []
     for parent in (rank_dir(root, job, rank), replica_rank_dir(root, job, rank)):
         path = step_dir(parent, step)
         try:
             if read_commit(path) is not None:
-                return path
+                out.append(path)
         except FormatError:
             continue
-    return None
+    return out

@@ -71,7 +71,7 @@ from tierckpt.snapshot.shardfile import MappedFile
 from tierckpt.verify import verify_file
 
 from ._node import node_identity
-from ._paths import find_rank_step, parse_step_id, require_step_id
+from ._paths import find_rank_step, parse_step_id, rank_step_copies, require_step_id
 from ._store import live_mapping
 from .choice import NodeShare, newest_loadable
 from .fetch import fetch_rank_steps
@@ -392,7 +392,7 @@ class RamdiskReader(StorageReader):
         missing: list[str] = []
         for entry in record.entries:
             for index, holders in item_holders(entry).items():
-                rank = next((r for r in holders if self._where(r, step) is not None), None)
+                rank = next((r for r in holders if self._where(r, step, record) is not None), None)
                 if rank is None:
                     missing.append(item_key(index))
                     continue
@@ -433,11 +433,28 @@ class RamdiskReader(StorageReader):
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         return plans
 
-    def _where(self, rank: int, step: int) -> Path | None:
-        """Rank ``rank``'s committed ``step`` on this node (its primary, else a replica), looked up once."""
+    def _where(self, rank: int, step: int, record: DcpMetadata | None = None) -> Path | None:
+        """Rank ``rank``'s committed ``step`` on this node: with the checkpoint's ``record`` (default: the
+        one being loaded) the copy it names, the primary else a replica (a primary the run a job left
+        saved may stand beside a replica of this save), else the first copy (which ``_rank_step`` then
+        refuses clearly); without a record the first copy. Looked up once a load."""
+        record = record or self._record
+        if record is None:
+            return find_rank_step(self.root, self.job, rank, step)
         if (rank, step) not in self._present:
-            self._present[(rank, step)] = find_rank_step(self.root, self.job, rank, step)
+            copies = rank_step_copies(self.root, self.job, rank, step)
+            named = next((path for path in copies if self._is_save(path, record)), None)
+            self._present[(rank, step)] = named or (copies[0] if copies else None)
         return self._present[(rank, step)]
+
+    def _is_save(self, path: Path, record: DcpMetadata) -> bool:
+        """Whether the rank step at ``path`` is the one written for ``record``'s save."""
+        try:
+            manifest = self._manifest(path)
+        except (FormatError, OSError):
+            return False
+        got = manifest.extra.get("dcp", {}).get("save_id") if isinstance(manifest.extra, dict) else None
+        return manifest.manifest_kind == "dcp" and (not record.save_id or got == record.save_id)
 
     def _present_here(self, rank: int) -> bool:
         assert self.step is not None
@@ -518,7 +535,7 @@ class RamdiskReader(StorageReader):
         """Rank ``rank``'s ``step`` on this node, checked to be the one it wrote for ``record``'s save."""
         if (rank, step) in self._steps:
             return self._steps[(rank, step)]
-        path = self._where(rank, step)
+        path = self._where(rank, step, record)
         if path is None:
             raise MissingCheckpointError(
                 f"rank {rank}'s step {step} is not on this node (not in "
@@ -526,9 +543,7 @@ class RamdiskReader(StorageReader):
                 "loading this DCP checkpoint needs that rank's data here (docs/dcp.md)"
             )
         manifest = self._manifest(path)
-        want = record.save_id
-        got = manifest.extra.get("dcp", {}).get("save_id") if isinstance(manifest.extra, dict) else None
-        if manifest.manifest_kind != "dcp" or (want and got != want):
+        if not self._is_save(path, record):
             raise FormatError(
                 f"{path} is not the step rank {rank} wrote for this DCP checkpoint (rewritten since?)"
             )
