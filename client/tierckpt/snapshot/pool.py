@@ -387,10 +387,9 @@ class SlotPool:
                     if self._stopping:
                         break
                     self._reclaim_locked()
-                    misfit = self._misfit_locked()
                     if self._raw:
                         slot: Slot | None = self._raw.pop(0)
-                    elif misfit is not None:
+                    elif (misfit := self._misfit_locked()) is not None:
                         slot = misfit
                     elif self._warm_plan is not None and self._count() < self.target:
                         if self._shared and time.monotonic() < grace:
@@ -427,8 +426,10 @@ class SlotPool:
         layout grew or shrank since it was prepared, e.g. a fresh job's optimizer state created after
         ``load``: resized and pinned here, paced, instead of by the save that takes it); None if none."""
         plan = self._warm_plan
+        if plan is None:
+            return None
         for i, slot in enumerate(self._ready):
-            if plan is not None and not slot.fits(plan):
+            if not slot.fits(plan):
                 return self._ready.pop(i)
         return None
 
