@@ -12,8 +12,9 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from tierckpt.protocol.bucket_layout import BucketLayout, ChunkList, RankBackup, save_name
 from tierckpt.protocol.control import PeerAssignment, PeerNode, write_control
-from tierckpt.protocol.format import replica_rank_dir, step_dir
+from tierckpt.protocol.format import read_commit, replica_rank_dir, step_dir
 from tierckpt_demo.step_writer import write_step
 from tierckpt_replicator.backup.gcs import GcsSettings, GcsStore, RetryPolicy
 from tierckpt_replicator.backup.metrics import BackupMetrics
@@ -125,3 +126,20 @@ def write_peers(roots: dict[str, Path], job: str, world_size: int) -> None:
     )
     for root in roots.values():
         write_control(root, job, PeerAssignment.FILE, assignment)
+
+
+def saved_as(step_path: Path) -> str:
+    """The name of the bucket objects of the save committed at ``step_path`` (bucket layout 4)."""
+    return save_name(read_commit(step_path).manifest_crc32c)
+
+
+def rank_commit(store: ObjectStore, layout: BucketLayout, job: str, step: int, rank: int) -> RankBackup:
+    """A rank commit in the bucket, read as it is (no chain checked)."""
+    return RankBackup.from_bytes(store.get_bytes(layout.rank_commit_key(job, step, rank), max_size=1 << 20))
+
+
+def chunk_list(store: ObjectStore, layout: BucketLayout, job: str, step: int, rank: int) -> ChunkList:
+    """The chunk list the rank commit of ``rank`` in ``step`` names."""
+    commit = rank_commit(store, layout, job, step, rank)
+    key = layout.chunk_list_key(job, step, rank, commit.save)
+    return ChunkList.from_bytes(store.get_bytes(key, max_size=1 << 24))

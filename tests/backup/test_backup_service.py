@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 
-from tests.backup.helpers import KiB, make_service, make_store, write_cluster_step, write_peers
+from tests.backup.helpers import KiB, make_service, make_store, saved_as, write_cluster_step, write_peers
 from tests.fixtures.cluster import write_sparse_step
 from tierckpt.protocol import leases
 from tierckpt.protocol.bucket_layout import (
@@ -187,7 +187,7 @@ async def test_sliced_upload_is_composed_and_verified(
     spy = SpyStore(make_store(gcs_server.url, bucket))
     svc = make_service(spy, root, "n", slice_size=256 * KiB, range_size=200 * KiB, chunks=False)  # layout 2
     assert await svc.backup_now(JOB) == 5
-    assert ("compose", LAYOUT.rank_file_key(JOB, 5, 0, "data-00000.bin")) in spy.ops
+    assert ("compose", LAYOUT.rank_file_key(JOB, 5, 0, "data-00000.bin", saved_as(src))) in spy.ops
     objects, _ = spy.inner.list(LAYOUT.rank_dir(JOB, 5, 0))
     assert not [o.name for o in objects if "/.parts/" in o.name]  # slices cleaned up
     await svc.fetch_rank(JOB, 5, 0, tmp_path / "out")
@@ -471,10 +471,10 @@ async def test_a_corrupt_object_in_the_bucket_is_detected_and_nothing_is_committ
     gcs_server: FakeGcsServer, bucket: str, tmp_path: Path
 ) -> None:
     root = tmp_path / "n"
-    write_step(root, JOB, 0, 3, sizes=(64 * KiB,))
+    src = write_step(root, JOB, 0, 3, sizes=(64 * KiB,))
     svc = make_service(make_store(gcs_server.url, bucket), root, "n", chunks=False)  # chunks: test_chunks.py
     assert await svc.backup_now(JOB) == 3
-    key = LAYOUT.rank_file_key(JOB, 3, 0, "data-00000.bin")
+    key = LAYOUT.rank_file_key(JOB, 3, 0, "data-00000.bin", saved_as(src))
     raw = gcs_server.client().bucket(bucket).blob(key)
     data = bytearray(raw.download_as_bytes())
     data[1234] ^= 0xFF
@@ -502,7 +502,9 @@ async def test_a_rotted_local_shard_is_never_committed_to_the_bucket(
     with pytest.raises(UploadCorrupted):
         await svc.backup_now(JOB)
     store = make_store(gcs_server.url, bucket)
-    assert store.stat(LAYOUT.rank_file_key(JOB, 4, 0, "data-00000.bin")) is None  # deleted again
+    assert (
+        store.stat(LAYOUT.rank_file_key(JOB, 4, 0, "data-00000.bin", saved_as(src))) is None
+    )  # deleted again
     assert store.stat(LAYOUT.rank_commit_key(JOB, 4, 0)) is None
     assert await svc.complete_steps(JOB) == ()
     await svc.close()
@@ -527,6 +529,68 @@ async def test_a_newer_save_of_the_same_step_replaces_an_incomplete_older_one(
     with pytest.raises(StaleStepError, match="already complete"), svc_old.fences.writing(JOB, 60):
         svc_old.uploader.upload_rank(JOB, step_dir(rank_dir(old_root, JOB, 1), 60))
     for s in (svc_old, svc):
+        await s.close()
+
+
+class HeldStore(SpyStore):
+    """Holds this store's writes of checkpoint objects (not leases) until ``go`` is set (``held`` is set
+    when the first waits)."""
+
+    def __init__(self, inner: GcsStore) -> None:
+        super().__init__(inner)
+        self.held, self.go = threading.Event(), threading.Event()
+
+    def _hold(self, key: str) -> None:
+        if "/writers/" in key:
+            return
+        self.held.set()
+        assert self.go.wait(timeout=30)
+
+    def upload_file(self, key: str, fd: int, **kw: object):  # type: ignore[no-untyped-def]
+        self._hold(key)
+        return super().upload_file(key, fd, **kw)
+
+    def put_bytes(self, key: str, data: bytes, **kw: object):  # type: ignore[no-untyped-def]
+        self._hold(key)
+        return super().put_bytes(key, data, **kw)
+
+
+@pytest.mark.parametrize("chunks", [True, False], ids=["chunks", "whole-files"])
+async def test_an_older_saves_upload_never_writes_into_the_step_a_newer_save_completed(
+    gcs_server: FakeGcsServer, bucket: str, tmp_path: Path, chunks: bool
+) -> None:
+    """A node backing up an earlier save of step 60 (its preemption backup) read the bucket before the
+    newer save of step 60 completed there, and wrote its rank's objects after: its rank commit was
+    refused, but the COMMIT, manifest, chunk list and data objects it had written over the newer save's
+    stayed, and the complete step was torn (found by the chaos soak, seed 85416069, rounds 60-61).
+    Every object a save writes is its own, so the complete step reads back exactly as it was."""
+    old_root, new_root = tmp_path / "old", tmp_path / "new"
+    old = write_step(old_root, JOB, 0, 60, world_size=2, sizes=(8 * KiB, 3 * KiB), seed=1)
+    time.sleep(0.01)
+    new = {
+        r: write_step(new_root, JOB, r, 60, world_size=2, sizes=(8 * KiB, 3 * KiB), seed=2) for r in range(2)
+    }
+    assert step_files(old) != step_files(new[0])
+    held = HeldStore(make_store(gcs_server.url, bucket))
+    svc_old = make_service(held, old_root, "old", chunks=chunks)
+
+    def upload_old() -> None:
+        with svc_old.fences.writing(JOB, 60):
+            svc_old.uploader.upload_rank(JOB, step_dir(rank_dir(old_root, JOB, 0), 60))
+
+    late = asyncio.get_running_loop().run_in_executor(None, upload_old)
+    assert await asyncio.to_thread(held.held.wait, 30)  # it listed the rank's objects: none yet
+    svc = make_service(make_store(gcs_server.url, bucket), new_root, "new", chunks=chunks)
+    assert await svc.backup_now(JOB) == 60
+    held.go.set()
+    with pytest.raises(StaleStepError):
+        await late
+    reader = make_service(make_store(gcs_server.url, bucket), tmp_path / "reader", "reader", chunks=chunks)
+    assert await reader.complete_steps(JOB) == (60,)
+    for r in range(2):
+        await reader.fetch_rank(JOB, 60, r, tmp_path / f"out-{r}")
+        assert step_files(step_dir(tmp_path / f"out-{r}", 60)) == step_files(new[r])
+    for s in (svc_old, svc, reader):
         await s.close()
 
 

@@ -26,7 +26,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.backup.helpers import KiB, make_service, make_store, write_peers
+from tests.backup.helpers import KiB, chunk_list, make_service, make_store, saved_as, write_peers
 from tests.backup.scale_rig import MemoryBucket
 from tierckpt import Checkpointer
 from tierckpt.protocol.bucket_layout import BucketLayout, ChunkList, ChunkRef, FileChunks, RankBackup
@@ -236,7 +236,7 @@ def chunks_needed(store: Any) -> dict[int, set[str]]:
             if commit.chunks is None:
                 continue
             listed = ChunkList.from_bytes(
-                store.get_bytes(LAYOUT.chunk_list_key(JOB, step, rank), max_size=1 << 24)
+                store.get_bytes(LAYOUT.chunk_list_key(JOB, step, rank, commit.save), max_size=1 << 24)
             )
             keys |= {LAYOUT.chunk_key(JOB, n, c) for n, c in listed.names()}
         out[step] = keys
@@ -539,7 +539,7 @@ async def test_a_rotted_local_shard_is_never_committed_as_chunks(
         await svc.backup_now(JOB)
     store = make_store(gcs_server.url, bucket)
     assert store.stat(LAYOUT.rank_commit_key(JOB, 4, 0)) is None
-    assert store.stat(LAYOUT.chunk_list_key(JOB, 4, 0)) is None
+    assert store.list(LAYOUT.chunk_lists_of(JOB, 4, 0))[0] == []
     assert await svc.complete_steps(JOB) == ()
     await svc.close()
 
@@ -551,12 +551,12 @@ async def test_layout_2_steps_stay_restorable_and_the_next_step_goes_up_as_chunk
     """Step 1 uploaded as whole objects (layout 2, as the previous version wrote it), step 2 by this
     version as chunks, compressed: both restore bit-exact, step 1 with no chunk read."""
     root = tmp_path / "n"
-    write_tensor_step(root, 0, 1, fine_tune_tensors(0, 1), 1)
+    first = write_tensor_step(root, 0, 1, fine_tune_tensors(0, 1), 1)
     old = make_service(make_store(gcs_server.url, bucket), root, "n", chunks=False)
     assert await old.backup_now(JOB) == 1
     await old.close()
     store = make_store(gcs_server.url, bucket)
-    assert store.stat(LAYOUT.rank_file_key(JOB, 1, 0, "data-00000.bin")) is not None
+    assert store.stat(LAYOUT.rank_file_key(JOB, 1, 0, "data-00000.bin", saved_as(first))) is not None
     svc = make_service(store, root, "n", compression="grouped", chunks=True)
     write_tensor_step(root, 0, 2, fine_tune_tensors(0, 2), 1)
     assert await svc.backup_now(JOB) == 2
@@ -643,10 +643,7 @@ async def test_layout_3_steps_of_4_mib_chunks_stay_restorable_and_the_next_step_
     svc = make_service(store, root, "n", chunks=True)
     write_tensor_step(root, 0, 2, [*small, big], 1)
     assert await svc.backup_now(JOB) == 2
-    lists = {
-        step: ChunkList.from_bytes(store.get_bytes(LAYOUT.chunk_list_key(JOB, step, 0), max_size=1 << 20))
-        for step in (1, 2)
-    }
+    lists = {step: chunk_list(store, LAYOUT, JOB, step, 0) for step in (1, 2)}
     assert [c.size for c in lists[1].files[0].chunks] == [10 * KiB, CHUNK_SIZE, CHUNK_SIZE, 3 * KiB]
     assert [c.size for c in lists[2].files[0].chunks] == [10 * KiB, len(big)]
     assert lists[1].files[0].chunks[0] == lists[2].files[0].chunks[0]
@@ -722,13 +719,15 @@ async def test_the_chaos_harness_finds_a_missing_chunk_or_data_object_of_a_compl
     a step one of whose chunks (or data objects) was deleted is reported."""
     svc = make_service(make_store(gcs_server.url, bucket), tmp_path / "n", "n", keep_last=3, chunks=chunks)
     for step in (1, 2):
-        write_tensor_step(tmp_path / "n", 0, step, fine_tune_tensors(0, step), 1)
+        path = write_tensor_step(tmp_path / "n", 0, step, fine_tune_tensors(0, step), 1)
         assert await svc.backup_now(JOB) == step
     await svc.close()
     store = make_store(gcs_server.url, bucket)
     view = BucketView(gcs_server.client().bucket(bucket), prefix="t")
     assert view.torn(JOB) == []
-    gone = _changed_chunk(store) if chunks else LAYOUT.rank_file_key(JOB, 2, 0, "data-00000.bin")
+    gone = (
+        _changed_chunk(store) if chunks else LAYOUT.rank_file_key(JOB, 2, 0, "data-00000.bin", saved_as(path))
+    )
     store.delete(gone)
     (problem,) = BucketView(gcs_server.client().bucket(bucket), prefix="t").torn(JOB)
     assert problem.startswith("step 2: rank 0: data-00000.bin") and "missing" in problem

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tierckpt.protocol.bucket_layout import (
     BucketLayout,
+    RankBackup,
     RankRef,
     StepBackup,
     job_from_prefix,
     job_prefix,
     parse_gs_url,
+    save_name,
     split_job_id,
 )
 from tierckpt.protocol.contract import job_id_for
@@ -33,8 +37,12 @@ def test_kubernetes_job_keys_hold_namespace_jobset_and_uid() -> None:
     assert (
         layout.complete_key(job, 7) == "ckpt/prod/jobs/team-a/llama.train/0123abcd/complete/000000000007.json"
     )
-    key = layout.rank_file_key(job, 7, 3, "data-00001.bin")
-    assert key == "ckpt/prod/jobs/team-a/llama.train/0123abcd/steps/000000000007/rank-00003/data-00001.bin"
+    key = layout.rank_file_key(job, 7, 3, "data-00001.bin", save_name(0xBEEF))
+    assert key == (
+        "ckpt/prod/jobs/team-a/llama.train/0123abcd/steps/000000000007/rank-00003/0000beef/data-00001.bin"
+    )
+    assert layout.rank_file_key(job, 7, 3, "COMMIT", None).endswith("/rank-00003/COMMIT")  # layouts 1-3
+    assert layout.chunk_list_key(job, 7, 3, "0000beef").endswith("/chunklists/00003-0000beef.json")
 
 
 def test_local_ids_live_under_local() -> None:
@@ -57,22 +65,42 @@ def test_job_prefixes_are_prefix_free(ns: str, name: str, u: str, other: str) ->
 
 
 @settings(deadline=None)
-@given(job=st.one_of(local_job, st.builds(job_id_for, dns, dns, uid)), step=steps, rank=ranks)
-def test_every_key_parses_back(job: str, step: int, rank: int) -> None:
+@given(
+    job=st.one_of(local_job, st.builds(job_id_for, dns, dns, uid)),
+    step=steps,
+    rank=ranks,
+    save=st.one_of(st.none(), st.builds(save_name, st.integers(0, 2**32 - 1))),
+)
+def test_every_key_parses_back(job: str, step: int, rank: int, save: str | None) -> None:
     layout = BucketLayout("a/b")
     cases = {
-        layout.complete_key(job, step): ("complete", None, None, None),
-        layout.started_key(job, step): ("started", None, None, None),
-        layout.rank_commit_key(job, step, rank): ("rank_commit", rank, None, None),
-        layout.rank_file_key(job, step, rank, "data-00002.bin"): ("rank_file", rank, "data-00002.bin", None),
-        layout.rank_file_key(job, step, rank, "COMMIT"): ("rank_file", rank, "COMMIT", None),
-        layout.part_key(job, step, rank, "objects.pkl", 31): ("part", rank, "objects.pkl", 31),
-        layout.writer_key(job, step, "node-a.0123abcd"): ("writer", None, None, None),
+        layout.complete_key(job, step): ("complete", None, None, None, None),
+        layout.started_key(job, step): ("started", None, None, None, None),
+        layout.rank_commit_key(job, step, rank): ("rank_commit", rank, None, None, None),
+        layout.rank_file_key(job, step, rank, "data-00002.bin", save): (
+            "rank_file",
+            rank,
+            "data-00002.bin",
+            None,
+            save,
+        ),
+        layout.rank_file_key(job, step, rank, "COMMIT", save): ("rank_file", rank, "COMMIT", None, save),
+        layout.part_key(job, step, rank, "objects.pkl", 31, save): ("part", rank, "objects.pkl", 31, save),
+        layout.chunk_list_key(job, step, rank, save): ("chunk_list", rank, None, None, save),
+        layout.writer_key(job, step, "node-a.0123abcd"): ("writer", None, None, None, None),
     }
-    for key, (kind, r, f, part) in cases.items():
+    for key, (kind, r, f, part, s) in cases.items():
         parsed = layout.parse(key)
         assert parsed is not None and parsed.job == job, key
-        assert (parsed.kind, parsed.step, parsed.rank, parsed.file, parsed.part) == (kind, step, r, f, part)
+        assert (parsed.kind, parsed.step, parsed.rank, parsed.file, parsed.part, parsed.save) == (
+            kind,
+            step,
+            r,
+            f,
+            part,
+            s,
+        )
+    assert layout.chunk_list_key(job, step, rank, save).startswith(layout.chunk_lists_of(job, step, rank))
     assert layout.step_of_dir(job, layout.step_dir(job, step)) == step
     assert layout.step_of_complete(job, layout.complete_key(job, step)) == step
     assert layout.rank_of_commit(job, step, layout.rank_commit_key(job, step, rank)) == rank
@@ -105,7 +133,35 @@ def test_writer_names_are_one_safe_key_segment(bad: str) -> None:
 @pytest.mark.parametrize("bad", ["../evil", "a/b", "", "data-1.bin"])
 def test_file_names_cannot_escape_the_rank(bad: str) -> None:
     with pytest.raises(FormatError):
-        BucketLayout("t").rank_file_key("demo", 1, 0, bad)
+        BucketLayout("t").rank_file_key("demo", 1, 0, bad, None)
+
+
+@pytest.mark.parametrize("bad", ["..", "0000BEEF", "beef", "0000beef/x", "", "0000beeg"])
+def test_save_names_are_eight_hex_digits(bad: str) -> None:
+    with pytest.raises(FormatError):
+        BucketLayout("t").rank_file_key("demo", 1, 0, "COMMIT", bad)
+    with pytest.raises(FormatError):
+        BucketLayout("t").chunk_list_key("demo", 1, 0, bad)
+
+
+def test_a_rank_commit_names_the_save_of_its_own_manifest() -> None:
+    fields: dict[str, Any] = dict(
+        job="demo",
+        step=1,
+        rank=0,
+        world_size=1,
+        commit_size=10,
+        commit_crc32c=1,
+        manifest_size=20,
+        manifest_crc32c=0xBEEF,
+        total_bytes=0,
+        saved_at=0.0,
+        uploaded_by="n",
+        uploaded_at=0.0,
+    )
+    assert RankBackup(**fields, save="0000beef").save == "0000beef"
+    with pytest.raises(FormatError, match="not its manifest"):
+        RankBackup(**fields, save="0000beee")
 
 
 def test_gs_urls() -> None:

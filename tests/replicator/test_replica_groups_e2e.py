@@ -16,6 +16,7 @@ from urllib.parse import unquote
 
 import pytest
 
+from tests.backup.helpers import chunk_list
 from tests.dcp.dcp_dist import run_ranks
 from tests.fixtures.cluster import TEST_REPLICATOR_ARGS, committed, new_job, replica_path, wait_restored
 from tests.replicator import group_ranks
@@ -200,7 +201,7 @@ def test_each_shard_is_uploaded_once_and_every_rank_restores_from_it(cluster4: L
             named |= {layout.chunk_key(job, name, codec) for name, codec in listed.names()}
         else:  # its data files are the other member's chunks, named by a typed reference
             assert commit.chunks is None and commit.data is not None and commit.data.rank == MEMBER[rank]
-            assert store.stat(layout.chunk_list_key(job, 7, rank)) is None
+            assert store.list(layout.chunk_lists_of(job, 7, rank))[0] == []
     # One copy per shard in the bucket: half of what four full uploads would hold, and no other chunk.
     saved = sum(_data_bytes(step_dir(rank_dir(n.root, job, n.index), 7)) for n in cluster4.nodes)
     assert uploaded == saved // 2
@@ -230,11 +231,11 @@ def test_each_shard_is_uploaded_once_and_every_rank_restores_from_it(cluster4: L
 
 
 def _listed(store: GcsStore, layout: BucketLayout, job: str, step: int, rank: int) -> ChunkList:
-    return ChunkList.from_bytes(store.get_bytes(layout.chunk_list_key(job, step, rank), max_size=1 << 20))
+    return chunk_list(store, layout, job, step, rank)
 
 
 def _rank_object_reads(cluster: LocalCluster, since: float) -> dict[str, int]:
-    """Object (``steps/<step>/rank-<r>/<file>``, ``chunks/<name>.<codec>``) -> downloads of it through
+    """Object (``steps/<step>/rank-<r>/<save>/<file>``, ``chunks/<name>.<codec>``) -> downloads of it through
     the counting proxy."""
     assert cluster.gcs_proxy is not None
     out: dict[str, int] = {}
@@ -242,7 +243,10 @@ def _rank_object_reads(cluster: LocalCluster, since: float) -> dict[str, int]:
         target = unquote(hit.target)
         if hit.method != "GET" or hit.at < since or "alt=media" not in target:
             continue
-        m = re.search(r"/(steps/[0-9]{12,}/rank-[0-9]{5,}/[^?/]+|chunks/[0-9a-f]{64}\.[a-z0-9]+)", target)
+        m = re.search(
+            r"/(steps/[0-9]{12,}/rank-[0-9]{5,}/(?:[0-9a-f]{8}/)?[^?/]+|chunks/[0-9a-f]{64}\.[a-z0-9]+)",
+            target,
+        )
         if m:
             out[m.group(1)] = out.get(m.group(1), 0) + 1
     return out

@@ -10,13 +10,13 @@ Spec: docs/bucket-layout.md. Pure: no I/O, no cloud library. The replicator's ba
         steps/<step:012d>/started.json                 StepStarted: an upload of the step began
         steps/<step:012d>/refused.json                 StepRefused: a rank of it was refused (never complete)
         steps/<step:012d>/ranks/<rank:05d>.json        RankBackup: one rank's objects are all present
-        steps/<step:012d>/rank-<rank:05d>/COMMIT       the rank's ramdisk COMMIT marker, byte for byte
-        steps/<step:012d>/rank-<rank:05d>/manifest.json  its manifest, byte for byte
-        steps/<step:012d>/rank-<rank:05d>/data-NNNNN.bin, objects.pkl   its files
-        steps/<step:012d>/rank-<rank:05d>/.parts/<file>/<i:03d>         slices of a parallel upload
+        steps/<step:012d>/rank-<rank:05d>/<save>/COMMIT  the rank's ramdisk COMMIT marker, byte for byte
+        steps/<step:012d>/rank-<rank:05d>/<save>/manifest.json  its manifest, byte for byte
+        steps/<step:012d>/rank-<rank:05d>/<save>/data-NNNNN.bin, objects.pkl   its files
+        steps/<step:012d>/rank-<rank:05d>/<save>/.parts/<file>/<i:03d>  slices of a parallel upload
         steps/<step:012d>/shares/<count:06d>-<writer>.json  ShareDone: a node committed its share
         steps/<step:012d>/index/<writer>/<chunk:05d>.json  RankIndex: the rank refs of 1024 ranks
-        steps/<step:012d>/chunklists/<rank:05d>.json   ChunkList: its data files' chunks (layout 3)
+        steps/<step:012d>/chunklists/<rank:05d>-<save>.json  ChunkList: its data files' chunks (layout 3)
         chunks/<sha256>.<codec>                        a content-addressed chunk of data (layout 3)
         writers/<step:012d>/<writer>.json              WriterLease: a node is writing objects of the step
         purging.json                                   PurgeFence: a purge of the job is under way
@@ -42,6 +42,14 @@ each uploaded once per job under ``chunks/``, named by the SHA-256 of its raw by
 stored with; the rank commit points at the rank's ``ChunkList`` (size and crc32c), which names every
 chunk of every data file. Steps of layouts 1 and 2 (data files as whole objects) stay readable.
 docs/bucket-layout.md, "Chunks (layout 3)".
+
+Layout version 4: every object a rank's upload writes is its save's own. ``<save>`` (``save_name``) is
+the crc32c of the save's manifest, which the rank commit records, so two saves of one step number (a job
+that went back and saved the step again) never write the same key: an upload of an earlier save that
+started before the newer one completed the step cannot change a byte of it (its rank commit is refused,
+and its objects are garbage left for the step's retention). Rank commits name their save
+(``RankBackup.save``); those of layouts 1-3 (no save) have their objects directly under ``rank-<rank>/``
+and ``chunklists/<rank>.json``, and stay readable.
 """
 
 from __future__ import annotations
@@ -89,14 +97,16 @@ __all__ = [
     "job_from_prefix",
     "job_prefix",
     "parse_gs_url",
+    "save_name",
     "split_job_id",
 ]
 
-LAYOUT_VERSION = 3
+LAYOUT_VERSION = 4
 """1: the completion object lists every rank. 2: it points at index chunks (``RankIndex``), every small
 object is bounded by ``SMALL_OBJECT_LIMIT``, rank commits carry a ``RankSummary`` in their metadata, and
 ``catalog.json`` marks each change of the catalog. 3: data files are content-addressed chunks
-(``ChunkList``, ``chunks/``). docs/bucket-layout.md, "Layout versions"."""
+(``ChunkList``, ``chunks/``). 4: a rank's objects are under its save's name (``RankBackup.save``).
+docs/bucket-layout.md, "Layout versions"."""
 
 SMALL_OBJECT_LIMIT = 1 << 20
 """The largest small object (completion, index chunk, rank commit, started, refused, catalog, lease) any
@@ -117,6 +127,7 @@ _PREFIX_RE = re.compile(r"[A-Za-z0-9_.-]+(?:/[A-Za-z0-9_.-]+)*")
 _STEP_PART = r"([0-9]{12,})"
 _RANK_PART = r"([0-9]{5,})"
 _PART_RE = re.compile(r"[0-9]{3}")
+_SAVE_RE = re.compile(r"[0-9a-f]{8}")
 _WRITER_RE = re.compile(r"[A-Za-z0-9_.-]{1,160}")
 """A writer's name in ``writers/<step>/<writer>.json``: the node's name (made safe) and a nonce."""
 _CHUNK_KEY_RE = re.compile(r"([0-9a-f]{64})\.([a-z0-9]{1,16})")
@@ -208,6 +219,22 @@ class ParsedKey:
     rank: int | None = None
     file: str | None = None
     part: int | None = None
+    save: str | None = None
+
+
+def save_name(manifest_crc32c: int) -> str:
+    """The name of a save's objects in the bucket (layout 4): its manifest's crc32c, 8 hex digits."""
+    if not isinstance(manifest_crc32c, int) or not 0 <= manifest_crc32c < 1 << 32:
+        raise FormatError(f"invalid manifest crc32c {manifest_crc32c!r}")
+    return f"{manifest_crc32c:08x}"
+
+
+def _save_part(save: str | None) -> str:
+    if save is None:
+        return ""
+    if not isinstance(save, str) or not _SAVE_RE.fullmatch(save):
+        raise FormatError(f"invalid save name {save!r}")
+    return f"{save}/"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,16 +281,18 @@ class BucketLayout:
     def rank_dir(self, job: str, step: int, rank: int) -> str:
         return f"{self.step_dir(job, step)}rank-{_rank(rank)}/"
 
-    def rank_file_key(self, job: str, step: int, rank: int, name: str) -> str:
+    def rank_file_key(self, job: str, step: int, rank: int, name: str, save: str | None) -> str:
+        """The object of the file ``name`` of one save of a rank (``save``: ``RankBackup.save``; None:
+        a rank commit of layouts 1-3)."""
         if name not in (COMMIT_NAME, MANIFEST_NAME):
             check_file_name(name)
-        return f"{self.rank_dir(job, step, rank)}{name}"
+        return f"{self.rank_dir(job, step, rank)}{_save_part(save)}{name}"
 
-    def part_key(self, job: str, step: int, rank: int, name: str, index: int) -> str:
+    def part_key(self, job: str, step: int, rank: int, name: str, index: int, save: str | None) -> str:
         check_file_name(name)
         if not 0 <= index < 1000:
             raise FormatError(f"slice index {index} out of range")
-        return f"{self.rank_dir(job, step, rank)}.parts/{name}/{index:03d}"
+        return f"{self.rank_dir(job, step, rank)}{_save_part(save)}.parts/{name}/{index:03d}"
 
     def index_dir(self, job: str, step: int, writer: str) -> str:
         """The index chunks one completer wrote for ``step`` (``writer``: its name and a nonce)."""
@@ -336,8 +365,15 @@ class BucketLayout:
     def chunk_lists_dir(self, job: str, step: int) -> str:
         return f"{self.step_dir(job, step)}chunklists/"
 
-    def chunk_list_key(self, job: str, step: int, rank: int) -> str:
-        return f"{self.chunk_lists_dir(job, step)}{_rank(rank)}.json"
+    def chunk_list_key(self, job: str, step: int, rank: int, save: str | None) -> str:
+        """The chunk list of one save of a rank (``save`` as in ``rank_file_key``)."""
+        name = _rank(rank) if save is None else f"{_rank(rank)}-{_save_part(save)[:-1]}"
+        return f"{self.chunk_lists_dir(job, step)}{name}.json"
+
+    def chunk_lists_of(self, job: str, step: int, rank: int) -> str:
+        """The prefix of every chunk list of ``rank`` in ``step`` (of every save; it also prefixes those
+        of ranks with more digits: ``parse`` tells them apart)."""
+        return f"{self.chunk_lists_dir(job, step)}{_rank(rank)}"
 
     def parse(self, key: str) -> ParsedKey | None:
         """Classify a key; None if it is not under any job of this prefix."""
@@ -404,8 +440,11 @@ def _classify(job: str, parts: list[str]) -> ParsedKey:
         return ParsedKey(job, "refused", step=step)
     if len(parts) == 4 and parts[2] == "ranks" and (m := re.fullmatch(_RANK_PART + r"\.json", parts[3])):
         return ParsedKey(job, "rank_commit", step=step, rank=int(m.group(1)))
-    if len(parts) == 4 and parts[2] == "chunklists" and (m := re.fullmatch(_RANK_PART + r"\.json", parts[3])):
-        return ParsedKey(job, "chunk_list", step=step, rank=int(m.group(1)))
+    if len(parts) == 4 and parts[2] == "chunklists":
+        m = re.fullmatch(_RANK_PART + r"(?:-([0-9a-f]{8}))?\.json", parts[3])
+        if m:
+            return ParsedKey(job, "chunk_list", step=step, rank=int(m.group(1)), save=m.group(2))
+        return other
     if len(parts) == 4 and parts[2] == "shares" and (m := _SHARE_RE.fullmatch(parts[3])):
         if not m.group(2).startswith("."):
             return ParsedKey(job, "share", step=step, part=int(m.group(1)))
@@ -418,10 +457,12 @@ def _classify(job: str, parts: list[str]) -> ParsedKey:
     if not m:
         return other
     rank = int(m.group(1))
-    if len(parts) == 4:
-        return ParsedKey(job, "rank_file", step=step, rank=rank, file=parts[3])
-    if len(parts) == 6 and parts[3] == ".parts" and _PART_RE.fullmatch(parts[5]):
-        return ParsedKey(job, "part", step=step, rank=rank, file=parts[4], part=int(parts[5]))
+    save = parts[3] if len(parts) > 4 and _SAVE_RE.fullmatch(parts[3]) else None
+    rest = parts[4:] if save is not None else parts[3:]
+    if len(rest) == 1:
+        return ParsedKey(job, "rank_file", step=step, rank=rank, file=rest[0], save=save)
+    if len(rest) == 3 and rest[0] == ".parts" and _PART_RE.fullmatch(rest[2]):
+        return ParsedKey(job, "part", step=step, rank=rank, file=rest[1], part=int(rest[2]), save=save)
     return other
 
 
@@ -466,12 +507,18 @@ class RankBackup(Message):
     ``data.rank``'s (an identical replica group member; only COMMIT, manifest and the other files are
     here)."""
     chunks: ChunkListRef | None = None
-    """Layout 3: the rank's data files are chunks, listed in ``steps/<step>/chunklists/<rank>.json``
-    (this size and crc32c); None: they are whole objects under ``rank-<rank>/`` (layouts 1 and 2)."""
+    """Layout 3: the rank's data files are chunks, listed in the save's chunk list
+    (``BucketLayout.chunk_list_key``; this size and crc32c); None: they are whole objects (layouts 1
+    and 2)."""
+    save: str | None = None
+    """Layout 4: the name of this save's objects (``save_name`` of ``manifest_crc32c``), in every key
+    of them (``BucketLayout.rank_file_key``, ``chunk_list_key``); None: layouts 1-3."""
 
     def __post_init__(self) -> None:
         if self.data is not None and self.data.rank in (self.rank, None):
             raise FormatError(f"rank {self.rank}: a data reference must name another rank")
+        if self.save is not None and self.save != save_name(self.manifest_crc32c):
+            raise FormatError(f"rank {self.rank}: save {self.save!r} is not its manifest's crc32c")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -218,14 +218,14 @@ class BucketView:
         if isinstance(commit, str):
             return f"rank commit: {commit}"
         marker = self._fetch(
-            self.layout.rank_file_key(job, step, rank, "COMMIT"),
+            self.layout.rank_file_key(job, step, rank, "COMMIT", commit.save),
             commit.commit_size,
             commit.commit_crc32c,
             objects,
         )
         if isinstance(marker, str):
             return f"COMMIT: {marker}"
-        manifest_key = self.layout.rank_file_key(job, step, rank, "manifest.json")
+        manifest_key = self.layout.rank_file_key(job, step, rank, "manifest.json", commit.save)
         raw = self._fetch(manifest_key, commit.manifest_size, commit.manifest_crc32c, objects)
         if isinstance(raw, str):
             return f"manifest: {raw}"
@@ -242,16 +242,18 @@ class BucketView:
             return f"rank commit of its data rank {data_rank}: {owner_commit}"
         chunked: dict[str, str] = {}
         if owner_commit.chunks is not None and data_names:
-            chunked = self._chunked(job, step, data_rank, owner_commit.chunks, manifest, data_names, objects)
+            chunked = self._chunked(
+                job, step, owner_commit.chunks, owner_commit, manifest, data_names, objects
+            )
         for entry in manifest.files:
             if entry.name in chunked:
                 if chunked[entry.name]:
                     return chunked[entry.name]
                 continue
-            owner = data_rank if entry.name in data_names else rank
-            obj = objects.get(self.layout.rank_file_key(job, step, owner, entry.name))
+            owner = owner_commit if entry.name in data_names else commit
+            obj = objects.get(self.layout.rank_file_key(job, step, owner.rank, entry.name, owner.save))
             if obj is None:
-                return f"{entry.name} (of rank {owner}) missing"
+                return f"{entry.name} (of rank {owner.rank}) missing"
             if (obj.size, obj.crc32c) != (entry.size, entry.crc32c):
                 return (
                     f"{entry.name}: {obj.size} bytes crc32c {obj.crc32c:08x}, manifest says "
@@ -263,16 +265,17 @@ class BucketView:
         self,
         job: str,
         step: int,
-        owner: int,
         ref: ChunkListRef,
+        owner_commit: RankBackup,
         manifest: Manifest,
         data_names: set[str],
         objects: dict[str, _Object],
     ) -> dict[str, str]:
-        """Layout 3: data file -> why its chunks are not whole ("" if they are): the chunk list of
-        ``owner`` (checked against ``ref``, from its rank commit) names chunks that add up to the
-        manifest's size and crc32c, each in the bucket with its stored size (stored raw: its crc32c)."""
-        key = self.layout.chunk_list_key(job, step, owner)
+        """Layout 3: data file -> why its chunks are not whole ("" if they are): the chunk list of the
+        save ``owner_commit`` names (checked against ``ref``, its pointer) names chunks that add up to
+        the manifest's size and crc32c, each in the bucket with its stored size (stored raw: its crc32c)."""
+        owner = owner_commit.rank
+        key = self.layout.chunk_list_key(job, step, owner, owner_commit.save)
         body = self._fetch(key, ref.size, ref.crc32c, objects)
         if isinstance(body, str):
             return dict.fromkeys(data_names, f"chunk list of rank {owner}: {body}")

@@ -569,13 +569,16 @@ class Catalog:
 
     def delete_ranks(self, job: str, step: int, ranks: Iterable[int], *, chunk_lists: bool = True) -> int:
         """Delete the objects of ``ranks`` of a step that is no longer complete: each rank commit, then
-        its chunk list (with ``chunk_lists``: this node uploads layout 3; the chunks it names go at the
-        next sweep, if no other step names them) and the rank's files. Returns objects deleted."""
+        its chunk lists (with ``chunk_lists``: this node uploads layout 3; the chunks they name go at the
+        next sweep, if no other step names them) and the rank's files, of every save. Returns objects
+        deleted."""
 
         def one(rank: int) -> int:
             n = int(self.store.delete(self.layout.rank_commit_key(job, step, rank)))
             if chunk_lists:
-                n += int(self.store.delete(self.layout.chunk_list_key(job, step, rank)))
+                lists, _ = self.store.list(self.layout.chunk_lists_of(job, step, rank))
+                mine = [o.name for o in lists if (p := self.layout.parse(o.name)) and p.rank == rank]
+                n += sum(int(self.store.delete(key)) for key in mine)
             objects, _ = self.store.list(self.layout.rank_dir(job, step, rank))
             return n + sum(int(self.store.delete(o.name)) for o in objects)
 

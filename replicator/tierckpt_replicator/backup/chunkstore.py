@@ -268,13 +268,16 @@ class ChunkUploads:
         self.on_bytes(len(blob))
         return ChunkRef(name=digest, codec=codec, size=length, stored=len(blob), crc32c=crc)
 
-    def put_list(self, job: str, step: int, rank: int, files: tuple[FileChunks, ...]) -> ChunkListRef:
-        """Write the rank's chunk list (before its rank commit, which records the returned pointer)."""
+    def put_list(
+        self, job: str, step: int, rank: int, save: str, files: tuple[FileChunks, ...]
+    ) -> ChunkListRef:
+        """Write the chunk list of a save of the rank (before its rank commit, which records the returned
+        pointer)."""
         largest = max(self.chunk_size, self.tensor_chunk_size)  # what readers bound every chunk by
         body = ChunkList(job=job, step=step, rank=rank, chunk_size=largest, files=files).to_bytes()
         if len(body) > self.max_list_bytes:
             raise FormatError(f"the chunk list of rank {rank} of step {step} would be {len(body)} bytes")
-        self.store.put_bytes(self.layout.chunk_list_key(job, step, rank), body)
+        self.store.put_bytes(self.layout.chunk_list_key(job, step, rank, save), body)
         return ChunkListRef(size=len(body), crc32c=crc32c(body))
 
 
@@ -304,7 +307,7 @@ def read_chunk_list(
         commit = catalog.read_rank_commit(job, step, rank, ref=catalog.rank_ref(job, step, rank))
     if commit.chunks is None:
         return None
-    key = layout.chunk_list_key(job, step, rank)
+    key = layout.chunk_list_key(job, step, rank, commit.save)
     if commit.chunks.size > limit:
         raise FormatError(f"{key}: {commit.chunks.size} bytes, over the {limit} allowed")
     body = store.get_bytes(key, max_size=commit.chunks.size)

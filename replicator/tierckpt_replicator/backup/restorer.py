@@ -94,7 +94,7 @@ class Restorer:
             (COMMIT_NAME, commit.commit_size, commit.commit_crc32c, SMALL_OBJECT_LIMIT),
             (MANIFEST_NAME, commit.manifest_size, commit.manifest_crc32c, self.max_manifest_bytes),
         ):
-            key = self.layout.rank_file_key(job, step, rank, name)
+            key = self.layout.rank_file_key(job, step, rank, name, commit.save)
             body = self.store.get_bytes(key, max_size=limit)
             if len(body) != size or crc32c(body) != crc:
                 raise CorruptShardError(f"gs object {key} does not match its rank commit", path=key)
@@ -160,22 +160,15 @@ class Restorer:
         writer.prepare()
         files = writer.pending()
         data_from = self.catalog.rank_ref(job, step, rank).data_from
-        source = data_from if data_from is not None else rank
-        commit = self._commits.pop((job, step, rank), None) if source == rank else None
+        own = self._rank_commit(job, step, rank)
+        owner = own if data_from is None else self._rank_commit(job, step, data_from)
         listed = read_chunk_list(
-            self.store, self.layout, self.catalog, job, step, source, self.max_manifest_bytes, commit
+            self.store, self.layout, self.catalog, job, step, owner.rank, self.max_manifest_bytes, owner
         )
         chunked = [f for f in files if listed is not None and is_data_file(f.name)]
         whole = [f for f in files if listed is None or not is_data_file(f.name)]
         futures = {  # submitted first: they download while the chunks do, not after them
-            f.name: self._submit(
-                job,
-                step,
-                data_from if data_from is not None and is_data_file(f.name) else rank,
-                f,
-                writer,
-                on_bytes,
-            )
+            f.name: self._submit(job, step, owner if is_data_file(f.name) else own, f, writer, on_bytes)
             for f in whole
         }
         try:
@@ -199,10 +192,18 @@ class Restorer:
             finally:
                 os.close(fd)
 
+    def _rank_commit(self, job: str, step: int, rank: int) -> RankBackup:
+        """The rank commit of ``rank`` in the complete ``step`` (as ``header`` read it, or read now)."""
+        cached = self._commits.pop((job, step, rank), None)
+        if cached is not None:
+            return cached
+        return self.catalog.read_rank_commit(job, step, rank, ref=self.catalog.rank_ref(job, step, rank))
+
     def _submit(
-        self, job: str, step: int, rank: int, f: FileEntry, writer: StepWriter, on_bytes: OnBytes
+        self, job: str, step: int, commit: RankBackup, f: FileEntry, writer: StepWriter, on_bytes: OnBytes
     ) -> list[tuple[cf.Future[int], int]]:
-        key = self.layout.rank_file_key(job, step, rank, f.name)
+        """The ranged downloads of ``f`` from the objects of the save ``commit`` names."""
+        key = self.layout.rank_file_key(job, step, commit.rank, f.name, commit.save)
         return [
             (self.pool.submit(self._get_range, key, writer, f.name, off, length, on_bytes), length)
             for off, length in plan_ranges(f.size, self.range_size)

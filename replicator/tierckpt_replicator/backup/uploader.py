@@ -6,9 +6,12 @@ Every object is checked against the crc32c the manifest (or commit marker) recor
 rotted on the ramdisk or in flight never gets a rank commit. Objects already in the bucket with the
 right size and crc32c (an earlier, interrupted attempt) are not uploaded again.
 
-If a rank commit for the same step and rank already exists with a different manifest (a step number
-saved again by a later attempt of the job), the newer save wins while the step is incomplete; a
-complete step is never touched.
+Every object of a rank's upload is its save's own (bucket layout 4: keys under ``save_name`` of its
+manifest's crc32c), so an upload never writes over another save's objects. If a rank commit for the
+same step and rank already exists with a different manifest (a step number saved again by a later
+attempt of the job), the newer save wins while the step is incomplete; a complete step is never
+touched (an upload of another save that was under way when it completed writes only objects of its own
+save, then its rank commit is refused).
 
 A rank saved in a replica group whose data rank (``spread.data_rank``: one member per group and step)
 is another member uploads only its small files when that member's rank commit appears (within
@@ -45,6 +48,7 @@ from tierckpt.protocol.bucket_layout import (
     RankBackup,
     RankSummary,
     encode_small,
+    save_name,
 )
 from tierckpt.protocol.errors import CorruptShardError, FormatError
 from tierckpt.protocol.format import (
@@ -143,6 +147,7 @@ class Uploader:
             raise FormatError(f"{step_path.where} belongs to job {manifest.job!r}, not {job!r}")
         with open_files(step_path, manifest) as fds:  # before anything goes to the bucket
             self.quotas.check(manifest, fds=fds)
+        save = save_name(marker.manifest_crc32c)
         present = {o.name: o for o in self.store.list(self.layout.rank_dir(job, step, rank))[0]}
         if self._saved_before(job, step, rank, present):
             # this rank's COMMIT or manifest is in the bucket: it may be committed (by this save or
@@ -155,17 +160,17 @@ class Uploader:
         ref = self._data_ref(job, manifest)
         chunked = self.chunks is not None and ref is None
         whole = tuple(f for f in manifest.files if (ref is None and not chunked) or not is_data_file(f.name))
-        sent = self._upload_files(job, step, rank, step_path, whole, present)
+        sent = self._upload_files(job, step, rank, save, step_path, whole, present)
         listed, reused = None, 0
         if self.chunks is not None and chunked:
             reuse = self.chunks.reusable(job, step, rank)
             data = [f for f in manifest.files if is_data_file(f.name)]
             lists, more, reused = self.chunks.upload_files(job, step_path, data, manifest.tensors, reuse)
-            listed = self.chunks.put_list(job, step, rank, lists)
+            listed = self.chunks.put_list(job, step, rank, save, lists)
             sent += more
         self._check_stop(job)
         for name, body in ((COMMIT_NAME, commit_bytes), (MANIFEST_NAME, manifest_bytes)):
-            self.store.put_bytes(self.layout.rank_file_key(job, step, rank, name), body)
+            self.store.put_bytes(self.layout.rank_file_key(job, step, rank, name, save), body)
         commit = RankBackup(
             job=job,
             step=step,
@@ -181,6 +186,7 @@ class Uploader:
             uploaded_at=time.time(),
             data=ref,
             chunks=listed,
+            save=save,
         )
         summary = RankSummary(
             world_size=commit.world_size,
@@ -239,7 +245,7 @@ class Uploader:
             time.sleep(0.2)
         if other.data is not None:
             return None
-        key = self.layout.rank_file_key(job, step, source, MANIFEST_NAME)
+        key = self.layout.rank_file_key(job, step, source, MANIFEST_NAME, other.save)
         body = self.store.get_bytes(key, max_size=self.max_manifest_bytes)
         if len(body) != other.manifest_size or crc32c(body) != other.manifest_crc32c:
             raise CorruptShardError(f"gs object {key} does not match its rank commit", path=key)
@@ -284,10 +290,15 @@ class Uploader:
         return commit_bytes, manifest_bytes, marker, manifest
 
     def _saved_before(self, job: str, step: int, rank: int, present: dict[str, ObjectInfo]) -> bool:
-        """Whether a save of this rank got as far as its COMMIT or manifest: a rank commit is created only
-        after both, and deleted before them. A fresh upload (neither there) reads no rank commit."""
-        keys = (self.layout.rank_file_key(job, step, rank, n) for n in (COMMIT_NAME, MANIFEST_NAME))
-        return any(k in present for k in keys)
+        """Whether a save of this rank (any) got as far as its COMMIT or manifest: a rank commit is created
+        only after both, and deleted before them. A fresh upload (none there) reads no rank commit."""
+        names = (COMMIT_NAME, MANIFEST_NAME)
+        return any(
+            (p := self.layout.parse(key)) is not None
+            and (p.kind, p.step, p.rank) == ("rank_file", step, rank)
+            and p.file in names
+            for key in present
+        )
 
     def _existing_commit(self, job: str, step: int, rank: int) -> RankBackup | None:
         try:
@@ -311,6 +322,7 @@ class Uploader:
         job: str,
         step: int,
         rank: int,
+        save: str,
         step_path: Beneath,
         files: tuple[FileEntry, ...],
         present: dict[str, ObjectInfo],
@@ -326,9 +338,10 @@ class Uploader:
         # plain upload_from_filename 66 / 55 MB/s; 256 MiB at 107 / 65, plain 85 / 78.
         futures: list[cf.Future[None]] = []
         composed: list[tuple[FileEntry, list[str]]] = []
+        key_of: dict[str, str] = {}
         sent = 0
         for f in files:
-            key = self.layout.rank_file_key(job, step, rank, f.name)
+            key = self.layout.rank_file_key(job, step, rank, f.name, save)
             have = present.get(key)
             if have is not None and have.size == f.size and have.crc32c == f.crc32c:
                 continue
@@ -337,15 +350,16 @@ class Uploader:
             if len(slices) == 1:
                 futures.append(self.pool.submit(self._put, job, key, step_path, f.name, 0, f.size, f.crc32c))
                 continue
-            parts = [self.layout.part_key(job, step, rank, f.name, i) for i in range(len(slices))]
+            parts = [self.layout.part_key(job, step, rank, f.name, i, save) for i in range(len(slices))]
             composed.append((f, parts))
+            key_of[f.name] = key
             for part, (off, length) in zip(parts, slices, strict=True):
                 futures.append(self.pool.submit(self._put, job, part, step_path, f.name, off, length, None))
         try:
             _wait_all(futures)
             _wait_all(
                 [
-                    self.pool.submit(self._compose, job, step, rank, step_path, f, parts)
+                    self.pool.submit(self._compose, key_of[f.name], step_path, f, parts)
                     for f, parts in composed
                 ]
             )
@@ -365,9 +379,9 @@ class Uploader:
             os.close(fd)
         self.on_bytes(length)
 
-    def _compose(self, job: str, step: int, rank: int, path: Beneath, f: FileEntry, parts: list[str]) -> None:
-        """Compose a file's slices and check the result against the manifest's size and crc32c."""
-        key = self.layout.rank_file_key(job, step, rank, f.name)
+    def _compose(self, key: str, path: Beneath, f: FileEntry, parts: list[str]) -> None:
+        """Compose a file's slices into ``key`` and check the result against the manifest's size and
+        crc32c."""
         info = self.store.compose(key, parts)
         if info.crc32c != f.crc32c or info.size != f.size:
             self.store.delete(key)
