@@ -22,6 +22,7 @@ import contextlib
 import functools
 import logging
 import os
+import threading
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -119,6 +120,8 @@ class Checkpointer:
             weakref.WeakKeyDictionary()
         )
         self._planner = SavePlanner(s)
+        self._plan_ahead: concurrent.futures.Future[None] | None = None
+        """A fresh job's plan of its whole state once its optimizer has stepped (``_plan_at_first_step``)."""
         self._writer = SaveWriter(
             s,
             self.rank_path,
@@ -182,6 +185,8 @@ class Checkpointer:
 
     def _release(self) -> None:
         self._closed = True
+        if self._plan_ahead is not None:  # a thread of its own may still be planning (milliseconds)
+            concurrent.futures.wait([self._plan_ahead], timeout=10)
         self._pool.stop_building()
         self._writer.close()
         for handles in self._optimizers.values():
@@ -337,12 +342,47 @@ class Checkpointer:
         job loads is the state it saves.
         """
         self._check_open()
-        flat = flatten(self._expand(state_dict).state)
+        expanded = self._expand(state_dict)
+        flat = flatten(expanded.state)
         self._writer.use_cuda(flat)
         future = self._writer.warm(self._planner.layout(flat, self._protected()))
+        self._plan_at_first_step(state_dict, expanded.optimizers)
         if blocking:
             future.result()
         return future
+
+    def _plan_at_first_step(
+        self, state_dict: dict[Any, Any], optimizers: list[torch.optim.Optimizer]
+    ) -> None:
+        """A fresh job prepares its slots from ``load``, before the first step, when its optimizers have
+        no state yet (torch creates it at their first step): that layout holds the model alone. Once an
+        optimizer without state has stepped, plan the whole state again, on a thread of its own, so the
+        warm-up refits the spares from the first step on rather than from the first save (which would
+        otherwise flatten and lay out the new state, and take a slot still sized for the model)."""
+        fresh = [o for o in optimizers if not o.state]
+        if not fresh or self._plan_ahead is not None:
+            return
+        done: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._plan_ahead = done
+        fired = threading.Event()
+
+        def plan() -> None:
+            try:
+                if not self._closed:
+                    log.debug("the optimizer stepped for the first time: preparing slots for the whole state")
+                    self.prepare(state_dict, blocking=False)
+            except Exception as exc:  # e.g. closed meanwhile, or a state that cannot be flattened
+                log.debug("not preparing slots after the first optimizer step: %s", exc)
+            finally:
+                done.set_result(None)
+
+        def after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            if not fired.is_set():  # hooks cannot be removed while torch runs them: a no-op from now on
+                fired.set()
+                threading.Thread(target=plan, name="tierckpt-plan", daemon=True).start()
+
+        for optimizer in fresh:
+            self._optimizers[optimizer].append(optimizer.register_step_post_hook(after_step))
 
     def _prepare_saves(self, state_dict: dict[Any, Any]) -> None:
         """After a load: prepare the slots for this state in the background (``prepare(blocking=False)``),

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import threading
 from collections.abc import Iterable
 from typing import Any
 
@@ -62,10 +63,12 @@ def protected_storages(optimizers: Iterable[torch.optim.Optimizer]) -> frozenset
 
 
 class SavePlanner:
-    """Plans saves for one rank; keeps the last few layouts, so a loop saving one state plans once."""
+    """Plans saves for one rank; keeps the last few layouts, so a loop saving one state plans once.
+    Thread-safe (a fresh job's first optimizer step plans on a thread of its own)."""
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
+        self._lock = threading.Lock()
         self._layouts: collections.OrderedDict[tuple[Any, ...], LayoutPlan] = collections.OrderedDict()
         self._last: tuple[tuple[Any, ...], LayoutPlan] | None = None
         self._structure: tuple[LayoutPlan, int] | None = None
@@ -80,6 +83,10 @@ class SavePlanner:
     def layout(self, flat: FlatState, protected: frozenset[int] = frozenset()) -> LayoutPlan:
         """The layout for this state; the same object for the same keys, dtypes, shapes, devices (and,
         in overlap mode, the same optimizer-owned tensors)."""
+        with self._lock:
+            return self._layout(flat, protected)
+
+    def _layout(self, flat: FlatState, protected: frozenset[int]) -> LayoutPlan:
         s = self.settings
         tensors = flat.tensors
         later = (

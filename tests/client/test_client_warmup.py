@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from tests.client.client_helpers import assert_same
-from tierckpt import Checkpointer
+from tierckpt import Checkpointer, save_plan
 from tierckpt.protocol.format import step_dir
 from tierckpt.snapshot import shardfile
+from tierckpt.snapshot.layout import plan_layout
 from tierckpt.snapshot.pool import SPARE_DIR
 from tierckpt.snapshot.shardfile import MappedFile
 
@@ -261,4 +262,56 @@ def test_a_fresh_jobs_spares_are_refitted_in_the_background_once_its_optimizer_s
             for p in model.parameters():
                 p.zero_()
         assert ck.load(state) == 3
+    assert_same(expected, dict(model.state_dict()))
+
+
+def test_a_fresh_jobs_first_optimizer_step_refits_the_spares_before_its_first_save(root, job, monkeypatch):
+    """The same brand-new job, one step earlier: once the optimizer has stepped (its state exists), the
+    whole state is planned again on a thread of its own and the warm-up refits the spares, so not even
+    the first save lays out the new state, resizes a slot or prepares one on the training thread."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 256))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    state = {"model": model, "optim": opt}
+
+    def train_step() -> None:
+        model(torch.randn(4, 512)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    with Checkpointer(root=root, job=job, keep=2) as ck:
+        assert ck.load(state, allow_missing=True) is None  # a fresh job; the optimizer has no state yet
+        ck._registering.result(30)
+        small = {slot.nbytes for slot in ck._pool._ready}
+        assert ck._plan_ahead is not None and not ck._plan_ahead.done()  # waits for the first step
+        train_step()
+        ck._plan_ahead.result(30)
+        ck._registering.result(30)
+        fitted = {slot.nbytes for slot in ck._pool._ready}
+        assert len(fitted) == 1 and min(fitted) > 2 * max(small), (small, fitted)
+        assert ck._pool.ready_spares == 3
+        on_training_thread = []
+        for name in ("resize", "prepare"):
+            real = getattr(MappedFile, name)
+
+            def spy(self, *args, _real=real, _name=name, **options):
+                if threading.current_thread() is threading.main_thread():
+                    on_training_thread.append((_name, self.path.name))
+                return _real(self, *args, **options)
+
+            monkeypatch.setattr(MappedFile, name, spy)
+        planned = []
+        monkeypatch.setattr(
+            save_plan, "plan_layout", lambda *a, **k: planned.append(1) or plan_layout(*a, **k)
+        )
+        for _ in range(3):  # the hook does nothing after the first step
+            train_step()
+        ck.save(1, state, blocking=True)
+        assert on_training_thread == [], "the first save resized or prepared a slot on the training thread"
+        assert planned == [], "the first save laid out a state the first step had planned already"
+        expected = {k: v.clone() for k, v in model.state_dict().items()}
+        with torch.no_grad():
+            for p in model.parameters():
+                p.zero_()
+        assert ck.load(state) == 1
     assert_same(expected, dict(model.state_dict()))
