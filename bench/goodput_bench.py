@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import io
 import itertools
 import json
@@ -76,6 +77,35 @@ def _tune(mode: str) -> str:
         module = importlib.import_module(TUNABLES[name])
         setattr(module, name, type(getattr(module, name))(float(value)))
     return mode
+
+
+class _Collections:
+    """The garbage collector's passes while attached: each full (generation 2) collection's start
+    (seconds since ``start``) and duration, and the total time of the younger ones."""
+
+    def __init__(self, start: float) -> None:
+        self.start = start
+        self.full: list[tuple[float, float, int]] = []
+        self.young_s = 0.0
+        self._began = 0.0
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        now = time.perf_counter()
+        if phase == "start":
+            self._began = now
+        elif info["generation"] == 2:
+            self.full.append(
+                (round(self._began - self.start, 3), round(now - self._began, 4), info["collected"])
+            )
+        else:
+            self.young_s += now - self._began
+
+    def attach(self) -> _Collections:
+        gc.callbacks.append(self)
+        return self
+
+    def detach(self) -> None:
+        gc.callbacks.remove(self)
 
 
 class _Events(logging.Handler):
@@ -205,6 +235,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         time.sleep(0.005)
     events = _Events().attach() if args.events else None
     started = time.perf_counter()
+    collections = _Collections(started).attach()
     save, ckpt = _saver(_tune(args.mode), Path(args.root), args.rank, args.trainers, trainer)
     checker = Checker() if args.check else None
     saved = types.SimpleNamespace(handles={}, ck=ckpt)  # what Checker.verify reads
@@ -264,6 +295,10 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         "window_steps": steps - steps // 2,
         "run_s": time.perf_counter() - started,
     }
+    collections.detach()
+    out["full_gc"] = collections.full  # [seconds since start, duration, objects collected]
+    out["young_gc_s"] = round(collections.young_s, 4)
+    out["step_starts"] = [round(w - started, 3) for w in walls[:-1]]
     if stalls:
         out["stalls"] = stalls
     if events is not None:
