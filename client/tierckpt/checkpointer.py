@@ -20,9 +20,11 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import functools
+import gc
 import logging
 import os
 import threading
+import time
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -57,6 +59,25 @@ from tierckpt.snapshot.rankdir import WRITER_LOCK
 __all__ = ["WRITER_LOCK", "Checkpointer"]
 
 log = logging.getLogger(__name__)
+
+@functools.cache
+def _freeze_set_up() -> None:
+    """Once per process (``Settings.freeze_gc``): collect, then move every object alive out of the
+    collector's generations. A training process holds hundreds of thousands of long-lived objects
+    (torch's modules and the model among them); each save keeps some objects alive for a while, which
+    the collector promotes to its oldest generation, and once enough have been promoted it walks the
+    whole generation in one pass, holding the GIL: measured once every dozen saves, 0.19-0.23 s
+    (docs/benchmarks.md). Frozen, those objects are no longer walked; the ones created later still
+    are, so cyclic garbage made from then on is still collected."""
+    started = time.perf_counter()
+    gc.collect()
+    gc.freeze()
+    log.debug(
+        "froze %d objects out of the garbage collector's generations in %.3f s (freeze_gc=False keeps them)",
+        gc.get_freeze_count(),
+        time.perf_counter() - started,
+    )
+
 
 _MISMATCH = "mismatch"
 
@@ -106,6 +127,8 @@ class Checkpointer:
             **options,
         )
         s = self.settings
+        if s.freeze_gc:
+            _freeze_set_up()
         self.rank_path = rank_dir(s.root, s.job, s.rank)
         self.rank_path.mkdir(parents=True, exist_ok=True)
         self._lock_fd = rankdir.lock_writer(self.rank_path, s.writer_lock_timeout)

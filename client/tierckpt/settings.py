@@ -89,6 +89,12 @@ class Settings:
     broadcast_load: bool = False
     """Replica groups: ``load`` reads each step on one member and broadcasts it to the others over the
     group's process group (``load(broadcast=...)`` overrides it per call)."""
+    freeze_gc: bool = True
+    """The first ``Checkpointer`` of a process collects garbage once and moves every object alive then
+    (torch's modules, the model, the set-up's objects) out of the collector's generations
+    (``gc.freeze()``), so that the objects saves create do not make the collector's occasional full pass
+    walk all of them while training waits (0.19-0.23 s on an H200 host, once every dozen saves of a
+    0.94 B-parameter model). False: leave the collector as it is."""
 
     def __post_init__(self) -> None:
         check_job_id(self.job)

@@ -7,6 +7,8 @@ save arrives exactly while that slot is half-prepared.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -315,3 +317,42 @@ def test_a_fresh_jobs_first_optimizer_step_refits_the_spares_before_its_first_sa
                 p.zero_()
         assert ck.load(state) == 1
     assert_same(expected, dict(model.state_dict()))
+
+
+_FREEZE_CHECK = """
+import gc, sys, weakref
+import tierckpt
+
+class Node:
+    pass
+
+before = [Node() for _ in range(1000)]  # the set-up's objects
+for a, b in zip(before, before[1:]):
+    a.next, b.prev = b, a
+with tierckpt.Checkpointer(root=sys.argv[1], job="gc", freeze_gc=sys.argv[2] == "1"):
+    frozen = gc.get_freeze_count()
+    cycle = Node()  # garbage made after the freeze is still collected
+    cycle.me = cycle
+    gone = weakref.ref(cycle)
+    del cycle
+    gc.collect()
+    print(frozen, gone() is None)
+"""
+
+
+@pytest.mark.parametrize("freeze", [True, False])
+def test_the_first_checkpointer_moves_the_set_ups_objects_out_of_the_collectors_generations(root, freeze):
+    """``freeze_gc`` (the default): the objects alive when the process makes its first ``Checkpointer``
+    are frozen out of the garbage collector's generations, so its full passes no longer walk them while
+    training waits; cyclic garbage made afterwards is still collected. In a process of its own: the
+    collector's state is the whole process's."""
+    done = subprocess.run(
+        [sys.executable, "-c", _FREEZE_CHECK, str(root), "1" if freeze else "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    frozen, collected = done.stdout.split()
+    assert collected == "True"
+    assert (int(frozen) > 1000) if freeze else (int(frozen) == 0)
