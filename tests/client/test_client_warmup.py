@@ -17,10 +17,13 @@ import torch
 
 from tests.client.client_helpers import assert_same
 from tierckpt import Checkpointer, save_plan
-from tierckpt.protocol.format import step_dir
+from tierckpt.protocol.format import rank_dir, step_dir
+from tierckpt.save_plan import SavePlanner
+from tierckpt.settings import resolve
 from tierckpt.snapshot import shardfile
+from tierckpt.snapshot.flatten import flatten
 from tierckpt.snapshot.layout import plan_layout
-from tierckpt.snapshot.pool import SPARE_DIR
+from tierckpt.snapshot.pool import SPARE_DIR, SlotPool
 from tierckpt.snapshot.shardfile import MappedFile
 
 
@@ -356,3 +359,58 @@ def test_the_first_checkpointer_moves_the_set_ups_objects_out_of_the_collectors_
     frozen, collected = done.stdout.split()
     assert collected == "True"
     assert (int(frozen) > 1000) if freeze else (int(frozen) == 0)
+
+
+class _SlowRelease:
+    """The pool's condition, with a pause after the warm-up thread's first release of it once ``armed``
+    is set: whoever waits for the lock then gets it first."""
+
+    def __init__(self, inner: threading.Condition) -> None:
+        self.inner, self.armed, self.paused = inner, threading.Event(), False
+
+    def __enter__(self) -> bool:
+        return self.inner.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        self.inner.__exit__(*exc)
+        if (
+            self.armed.is_set()
+            and not self.paused
+            and threading.current_thread().name.startswith("tierckpt-warm")
+        ):
+            self.paused = True
+            time.sleep(0.3)
+
+    def __getattr__(self, name: str):  # wait, notify_all
+        return getattr(self.inner, name)
+
+
+def test_a_warm_up_asked_for_as_the_last_one_stops_builds_the_slots(root, job):
+    """The race behind a flaky test: a ``Checkpointer`` starts a warm-up with no layout (adopted spares,
+    none here) and ``load``'s ``prepare`` asks for one with the layout just as it decides there is
+    nothing to do. That call used to join the stopping warm-up (still marked active until it took the lock
+    again), which built nothing: no slot got ready. The decision now clears the mark in the same critical
+    section, so the call starts a warm-up of its own."""
+    settings = resolve(root=root, job=job, rank=0, world_size=1)
+    layout = SavePlanner(settings).layout(flatten(state_of(1.0)))
+    pool = SlotPool(rank_dir(root, job, 0), target=3)
+    slow = _SlowRelease(pool._cond)
+    pool._cond = slow  # type: ignore[assignment]
+    deciding = threading.Event()
+    real_misfit = pool._misfit_locked
+
+    def misfit():  # called under the lock by the warm-up with no layout: it stops right after
+        deciding.set()
+        slow.armed.set()
+        return real_misfit()
+
+    pool._misfit_locked = misfit  # type: ignore[method-assign]
+    try:
+        pool.warm(None)
+        assert deciding.wait(30)
+        pool._misfit_locked = real_misfit  # type: ignore[method-assign]
+        future = pool.warm(layout)  # waits for the lock the stopping warm-up holds
+        future.result(30)
+        assert pool.ready_spares == 3
+    finally:
+        pool.close()

@@ -381,10 +381,14 @@ class SlotPool:
 
     def _warm_up(self) -> None:
         grace = time.monotonic() + SHARED_GRACE
+        # ``active`` is cleared in the same critical section as the decision to stop, so that a ``warm``
+        # call after that decision starts a new warm-up rather than joining this one, which builds no more.
+        active = True
         try:
-            while True:
+            while active:
                 with self._cond:
                     if self._stopping:
+                        active = self._warm_active = False
                         break
                     self._reclaim_locked()
                     if self._raw:
@@ -397,6 +401,8 @@ class SlotPool:
                             continue
                         slot = None
                     else:
+                        active = self._warm_active = False
+                        self._cond.notify_all()
                         break
                     self._preparing += 1
                     plan = self._warm_plan
@@ -408,13 +414,14 @@ class SlotPool:
                         self._preparing -= 1
                         if ready is not None:
                             self._ready.append(ready)
+                        else:
+                            active = self._warm_active = False
                         self._cond.notify_all()
-                if ready is None:
-                    break
         finally:
-            with self._cond:
-                self._warm_active = False
-                self._cond.notify_all()
+            if active:  # an error out of the loop
+                with self._cond:
+                    self._warm_active = False
+                    self._cond.notify_all()
         if self.register_cuda and not self._stopping:
             with self._cond:
                 committed = list(self._by_step.values())
