@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -221,22 +222,29 @@ def test_once_the_pool_knows_the_layout_a_load_does_not_plan_the_slots_again(roo
         assert ck._pool.ready_spares >= 1
 
 
-def test_a_fresh_jobs_spares_are_refitted_in_the_background_once_its_optimizer_state_exists(
-    root, job, monkeypatch
-):
-    """The README's flow in a brand-new job: ``load`` runs before the first step, when the optimizer has no
-    state yet (torch creates it at the first step), so the slots prepared from ``load`` on fit the model
-    alone. Once the first save brings the whole layout, the warm-up resizes (and pins) the other spares
-    itself: the saves that follow take slots that fit and resize nothing on the training thread."""
+def _fresh_job() -> tuple[torch.nn.Module, dict, Callable[[], None]]:
+    """A model, its AdamW optimizer with no state yet (a brand-new job), the state to save, and a step."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 256))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    state = {"model": model, "optim": opt}
 
     def train_step() -> None:
         model(torch.randn(4, 512)).square().mean().backward()
         opt.step()
         opt.zero_grad()
+
+    return model, {"model": model, "optim": opt}, train_step
+
+
+def test_a_fresh_jobs_spares_are_refitted_in_the_background_once_its_optimizer_state_exists(
+    root, job, monkeypatch
+):
+    """The README's flow in a brand-new job: ``load`` runs before the first step, when the optimizer has no
+    state yet (torch creates it at the first step), so the slots prepared from ``load`` on fit the model
+    alone. Once the whole layout is known (the first optimizer step, or at the latest the first save), the
+    warm-up resizes (and pins) the spares itself: the saves that follow take slots that fit and resize
+    nothing on the training thread."""
+    model, state, train_step = _fresh_job()
 
     with Checkpointer(root=root, job=job, keep=2) as ck:
         assert ck.load(state, allow_missing=True) is None  # a fresh job; the optimizer has no state yet
@@ -274,15 +282,7 @@ def test_a_fresh_jobs_first_optimizer_step_refits_the_spares_before_its_first_sa
     """The same brand-new job, one step earlier: once the optimizer has stepped (its state exists), the
     whole state is planned again on a thread of its own and the warm-up refits the spares, so not even
     the first save lays out the new state, resizes a slot or prepares one on the training thread."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 256))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    state = {"model": model, "optim": opt}
-
-    def train_step() -> None:
-        model(torch.randn(4, 512)).square().mean().backward()
-        opt.step()
-        opt.zero_grad()
+    model, state, train_step = _fresh_job()
 
     with Checkpointer(root=root, job=job, keep=2) as ck:
         assert ck.load(state, allow_missing=True) is None  # a fresh job; the optimizer has no state yet
