@@ -60,6 +60,7 @@ __all__ = ["WRITER_LOCK", "Checkpointer"]
 
 log = logging.getLogger(__name__)
 
+
 @functools.cache
 def _freeze_set_up() -> None:
     """Once per process (``Settings.freeze_gc``): collect, then move every object alive out of the
