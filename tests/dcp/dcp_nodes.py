@@ -73,3 +73,19 @@ def save_divergent(rank: int, world_size: int, base: str, per_node: int, job: st
         Path(out, f"rank-{rank}.json").write_text(json.dumps([str(e) for e, _tb in exc.failures.values()]))
         return
     raise AssertionError("a save whose replicated key differs between nodes succeeded")
+
+
+def save_sharded_on(
+    rank: int, world_size: int, roots: list[str], job: str, step: int, ref: str, seed: int
+) -> None:
+    """``save_sharded`` with rank ``r`` on the node whose ramdisk root is ``roots[r]``."""
+    os.environ["TIERCKPT_NODE_NAME"] = f"node-{rank}"
+    sc.save_sharded(rank, world_size, roots[rank], job, step, ref, seed=seed)
+
+
+def load_sharded_fetching(rank: int, world_size: int, root: str, job: str, step: int, ref: str) -> None:
+    """``load_sharded`` on the node whose ramdisk root is ``root``, which a replicator serves: the ranks'
+    steps it lacks are fetched (``RamdiskReader(fetch=True)``), waiting at most 60 s without progress."""
+    os.environ["TIERCKPT_REPLICATOR_URL"] = "http://replicator.invalid"  # only says that one serves the node
+    os.environ["TIERCKPT_RESTORE_WAIT"] = "60"
+    sc.load_sharded(rank, world_size, root, job, step, ref)

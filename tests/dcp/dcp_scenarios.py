@@ -141,10 +141,11 @@ def _full(value: Any) -> Any:
 
 
 def save_sharded(
-    rank: int, world_size: int, root: str, job: str, step: int, ref: str, mode: str = "sync"
+    rank: int, world_size: int, root: str, job: str, step: int, ref: str, mode: str = "sync", seed: int = 0
 ) -> None:
-    """Train an FSDP2 model two steps, save model + optimizer state; rank 0 keeps the full values."""
-    model, opt = _model(world_size, seed=0)
+    """Train an FSDP2 model (initialized from ``seed``) two steps, save model + optimizer state; rank 0
+    keeps the full values."""
+    model, opt = _model(world_size, seed=seed)
     for i in range(2):
         torch.manual_seed(100 + i)
         model(torch.randn(4, 8)).pow(2).sum().backward()

@@ -28,7 +28,7 @@ from tierckpt.protocol.control import (
     read_restore_status,
 )
 from tierckpt.protocol.errors import FormatError, RetryableError
-from tierckpt.protocol.format import replica_rank_dir, requests_dir
+from tierckpt.protocol.format import commit_step, dcp_save_id, read_manifest, replica_rank_dir, requests_dir
 from tierckpt_demo.step_writer import write_step
 from tierckpt_replicator.assignments import AssignmentStore
 from tierckpt_replicator.inventory import InventoryScanner
@@ -59,12 +59,28 @@ def _inventory(node: str, held: dict[int, tuple[int, ...]], world: dict[int, int
         {"ranks": (-1,)},
         {"step": -3},
         {"ranks": tuple(range(MAX_FETCH_RANKS + 1))},
+        {"save_id": "a" * 65},
+        {"save_id": "../../etc/passwd"},
+        {"save_id": "ABCDEF12-3456"},
+        {"save_id": "0123\n"},
+        {"save_id": 7},
     ],
 )
 def test_a_malformed_request_does_not_decode(change: dict[str, object]) -> None:
     body = _request().to_dict() | change
     with pytest.raises(FormatError):
         FetchRequest.from_dict(body)
+
+
+def test_a_request_names_the_save_it_reads_or_none() -> None:
+    save = str(uuid.uuid4())
+    named = dataclasses.replace(_request(), save_id=save)
+    assert FetchRequest.from_bytes(named.to_bytes()).save_id == save
+    older = _request().to_dict()
+    del older["save_id"]  # a request of a client that names no save
+    assert FetchRequest.from_dict(older).save_id == ""
+    with pytest.raises(FormatError, match="save_id"):
+        dataclasses.replace(_request(), save_id="x" * 64)
 
 
 # ------------------------------------------------------------------------------------- admission
@@ -273,10 +289,13 @@ class _Peers:
 
 
 class _Worker:
-    """The replication worker's fetch: stages rank 1's step 5 as a replica, as a peer's copy would."""
+    """The replication worker's fetch: stages rank 1's step 5 as a replica, as a peer's copy would (a DCP
+    step of save ``hands_over``, if set)."""
 
     def __init__(self, root: Path) -> None:
         self.root, self.tasks = root, 0
+        self.hands_over = ""
+        self.asked_for: list[str] = []
 
     def next_id(self) -> int:
         return self.tasks + 1
@@ -284,9 +303,21 @@ class _Worker:
     async def run_task(self, task: FetchTask, progress: object) -> TaskResult:
         assert [s.node for s in task.sources] == ["n1"], task
         self.tasks += 1
+        self.asked_for.append(task.save_id)
         replicas = replica_rank_dir(self.root, JOB, 1)
-        write_step(self.root, JOB, 1, 5, world_size=2, sizes=(1000,), parent=replicas)
+        if self.hands_over:
+            _dcp_step(self.root, 1, self.hands_over, parent=replicas)
+        else:
+            write_step(self.root, JOB, 1, 5, world_size=2, sizes=(1000,), parent=replicas)
         return TaskResult(task.id, True, (Outcome("n1", "ok"),))
+
+
+def _dcp_step(root: Path, rank: int, save_id: str, parent: Path | None = None) -> Path:
+    """Rank ``rank``'s step 5 as DCP writes it for save ``save_id`` (its manifest names the save)."""
+    path = write_step(root, JOB, rank, 5, world_size=2, sizes=(1000,), parent=parent)
+    manifest = read_manifest(path)
+    commit_step(path, dataclasses.replace(manifest, manifest_kind="dcp", extra={"dcp": {"save_id": save_id}}))
+    return path
 
 
 def _cut_off_peer(root: Path, attempts: int) -> tuple[FetchRequests, _Peers, _Worker]:
@@ -372,5 +403,52 @@ async def test_no_holder_among_every_node_fails_at_once(tmp_path: Path) -> None:
         assert status.state is RestoreState.FAILED and "no node holds it" in status.message, status
         assert "unknown" not in status.message and worker.tasks == 0
         assert time.monotonic() - started < 0.2 * (1 + 2 + 4), "no rounds were waited out"
+    finally:
+        await requests.close()
+
+
+# ------------------------------------------------------------------------------------- another save
+
+
+SAVE, OTHER = str(uuid.uuid4()), str(uuid.uuid4())
+
+
+def _of_save(save_id: str) -> FetchRequest:
+    return dataclasses.replace(_request(ranks=(1,)), save_id=save_id)
+
+
+async def test_a_copy_here_of_another_save_is_replaced_by_the_saves(tmp_path: Path) -> None:
+    """Issue 20: this node holds rank 1's step 5 only as a replica of another save of the step (the run
+    the job left saved it); the checkpoint's save is on ``n1``. The request names the save: the copy
+    here is not it (it answered "all here already"), so it is fetched, naming the save, in its place."""
+    requests, peers, worker = _cut_off_peer(tmp_path, attempts=1)
+    peers.reachable = True
+    replica = _dcp_step(tmp_path, 1, OTHER, parent=replica_rank_dir(tmp_path, JOB, 1))
+    worker.hands_over = SAVE
+    try:
+        req = _of_save(SAVE)
+        _write(tmp_path, req)
+        status = await _answer(requests, tmp_path, 0, req.id)
+        assert status.state is RestoreState.READY and status.sources == {1: Tier.PEER}, status
+        assert worker.asked_for == [SAVE] and dcp_save_id(read_manifest(replica)) == SAVE
+        again = _of_save(SAVE)  # now it is here
+        _write(tmp_path, again)
+        status = await _answer(requests, tmp_path, 0, again.id)
+        assert status.state is RestoreState.READY and status.sources == {1: Tier.LOCAL}, status
+        assert worker.tasks == 1
+    finally:
+        await requests.close()
+
+
+async def test_a_source_that_hands_over_another_save_fails_the_fetch_naming_it(tmp_path: Path) -> None:
+    """The peer's copy is of another save too (and the bucket holds none): the fetch is not ready on it."""
+    requests, peers, worker = _cut_off_peer(tmp_path, attempts=1)
+    peers.reachable = True
+    worker.hands_over = OTHER
+    try:
+        req = _of_save(SAVE)
+        _write(tmp_path, req)
+        status = await _answer(requests, tmp_path, 0, req.id)
+        assert status.state is RestoreState.FAILED and f"not of save {SAVE}" in status.message, status
     finally:
         await requests.close()

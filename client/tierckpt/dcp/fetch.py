@@ -2,9 +2,10 @@
 
 A DCP load under another sharding (or on a node that lost its copies) reads chunks that ranks of other
 nodes wrote. Training pods cannot call the replicator's API, so the request is a file: this rank writes a
-``control.FetchRequest`` into ``<job>/requests/fetch-rank-NNNNN.json`` naming the step and the ranks it
-needs; the replicator (``tierckpt_replicator.restore.requests``) fetches each missing one once for the
-whole node, from a peer or the bucket, and writes its progress as a ``control.FetchStatus`` into
+``control.FetchRequest`` into ``<job>/requests/fetch-rank-NNNNN.json`` naming the step, the ranks it
+needs and the DCP save it reads (a copy here of another save of the step does not count); the replicator
+(``tierckpt_replicator.restore.requests``) fetches each missing one once for the whole node, from a peer
+or the bucket, and writes its progress as a ``control.FetchStatus`` into
 ``<job>/control/fetch-rank-NNNNN.json``. The client waits while that status moves, like a restore wait
 (``snapshot.restore_wait``), and removes its request when it is answered.
 """
@@ -39,6 +40,7 @@ def fetch_rank_steps(
     step: int,
     ranks: Iterable[int],
     *,
+    save_id: str = "",
     stall_timeout: float,
     poll: float = 0.1,
     clock: Callable[[], float] = time.monotonic,
@@ -46,11 +48,13 @@ def fetch_rank_steps(
 ) -> FetchStatus:
     """Have ``step`` of every rank in ``ranks`` committed on this node; returns the replicator's answer.
 
+    ``save_id``: the DCP save the load reads (its metadata's ``save_id``): a copy here of another save of
+    the step does not count, the replicator fetches the save's (``""``: any committed copy).
     ``MissingCheckpointError`` when the replicator cannot fetch one of them, or its status does not move
     for ``stall_timeout`` seconds (no replicator watches this node, or it is stuck).
     """
     wanted = tuple(sorted(set(ranks)))
-    request = FetchRequest(job, rank, uuid.uuid4().hex, step, wanted, time.time())
+    request = FetchRequest(job, rank, uuid.uuid4().hex, step, wanted, time.time(), save_id)
     path = requests_dir(root, job) / fetch_request_name(rank)
     path.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(path, request.to_bytes())

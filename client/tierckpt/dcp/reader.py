@@ -10,9 +10,10 @@ DCP's call order, and what each call does here:
    manifest, decode it into DCP's ``Metadata``.
 3. (all ranks) ``set_up_storage_reader``: raise what went wrong in ``read_metadata`` (see there).
 4. (all ranks) ``prepare_local_plan``: for every item this rank reads, pick a rank holding it whose step
-   is on this node (the writer DCP chose, or a copy). Items that no rank of this node holds (a reshard
-   across nodes, or a node that lost its copies) are fetched first: the reader asks the node's
-   replicator for those ranks' steps (``tierckpt.dcp.fetch``) and waits.
+   is on this node as the checkpoint's save wrote it (the writer DCP chose, or a copy). Items that no
+   rank of this node holds (a reshard across nodes, a node that lost its copies, or one that holds only
+   another save of the step) are fetched first: the reader asks the node's replicator for those ranks'
+   steps of the save (``tierckpt.dcp.fetch``) and waits.
 5. (all ranks) ``read_data``: for each item, open (and lease) the holding rank's committed step (under
    ``<root>/<job>/rank-NNNNN`` or ``<root>/<job>/replicas/rank-NNNNN``), find the item in its manifest,
    map the data file, verify the item's crc32c, and copy its bytes once into the destination tensor
@@ -54,6 +55,7 @@ from tierckpt.protocol.format import (
     Manifest,
     TensorEntry,
     committed_steps,
+    dcp_save_id,
     job_dir,
     rank_dir,
     ranks_in,
@@ -436,15 +438,18 @@ class RamdiskReader(StorageReader):
     def _where(self, rank: int, step: int, record: DcpMetadata | None = None) -> Path | None:
         """Rank ``rank``'s committed ``step`` on this node: with the checkpoint's ``record`` (default: the
         one being loaded) the copy it names, the primary else a replica (a primary the run a job left
-        saved may stand beside a replica of this save), else the first copy (which ``_rank_step`` then
-        refuses clearly); without a record the first copy. Looked up once a load."""
+        saved may stand beside a replica of this save). A copy of another save is not the rank's step:
+        None when only such copies are here (a load fetches the save's, naming it), unless the record
+        names no save (then the first copy, which ``_rank_step`` refuses clearly); without a record the
+        first copy. Looked up once a load."""
         record = record or self._record
         if record is None:
             return find_rank_step(self.root, self.job, rank, step)
         if (rank, step) not in self._present:
             copies = rank_step_copies(self.root, self.job, rank, step)
             named = next((path for path in copies if self._is_save(path, record)), None)
-            self._present[(rank, step)] = named or (copies[0] if copies else None)
+            fallback = None if record.save_id or not copies else copies[0]
+            self._present[(rank, step)] = named or fallback
         return self._present[(rank, step)]
 
     def _is_save(self, path: Path, record: DcpMetadata) -> bool:
@@ -453,8 +458,9 @@ class RamdiskReader(StorageReader):
             manifest = self._manifest(path)
         except (FormatError, OSError):
             return False
-        got = manifest.extra.get("dcp", {}).get("save_id") if isinstance(manifest.extra, dict) else None
-        return manifest.manifest_kind == "dcp" and (not record.save_id or got == record.save_id)
+        return manifest.manifest_kind == "dcp" and (
+            not record.save_id or dcp_save_id(manifest) == record.save_id
+        )
 
     def _present_here(self, rank: int) -> bool:
         assert self.step is not None
@@ -486,13 +492,21 @@ class RamdiskReader(StorageReader):
             )
         self._fetch(sorted(missing), self.step)
         self.fetched = tuple(sorted({*self.fetched, *missing}))
-        self._present = {}
+        self._present, self._manifests = {}, {}  # a fetch may have replaced a copy of another save
         self._choose([r for r in items if r.storage_index in set(pending)], fetch=False)
 
     def _fetch(self, ranks: list[int], step: int) -> None:
         rank = resolve(root=self.root, job=self.job).rank
         started = time.monotonic()
-        status = fetch_rank_steps(self.root, self.job, rank, step, ranks, stall_timeout=self.stall_timeout)
+        status = fetch_rank_steps(
+            self.root,
+            self.job,
+            rank,
+            step,
+            ranks,
+            save_id=self._record.save_id if self._record is not None else "",
+            stall_timeout=self.stall_timeout,
+        )
         self.fetch_seconds += time.monotonic() - started
         self.fetched_bytes += status.bytes_done
 

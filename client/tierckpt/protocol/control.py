@@ -478,6 +478,7 @@ class RestoreStatus(Message):
 MAX_FETCH_RANKS = 1 << 16
 """Most rank-steps one ``FetchRequest`` may name (a request names at most the step's world size)."""
 _REQUEST_ID_RE = re.compile(r"[0-9a-f]{32}")
+_SAVE_ID_RE = re.compile(r"[0-9a-f-]{0,64}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -489,7 +490,9 @@ class FetchRequest(Message):
     the job whose directory holds the file, only a step the job's restore plan or some inventory
     names, and only ranks below that step's world size. Each named ``(rank, step)`` ends up committed
     on this node (as a replica, if it is not a primary here); several requests naming the same one
-    share one fetch. Progress: ``FetchStatus`` in ``control/fetch-rank-<rank:05d>.json``.
+    share one fetch. With a ``save_id``, a copy counts only if its manifest names that DCP save (one of
+    another save of the step number is replaced by the save's). Progress: ``FetchStatus`` in
+    ``control/fetch-rank-<rank:05d>.json``.
     """
 
     KIND = "tierckpt.fetch-request"
@@ -504,10 +507,15 @@ class FetchRequest(Message):
     ranks: tuple[int, ...]
     """The ranks whose ``step`` is needed on this node, each once."""
     requested_at: float = 0.0
+    save_id: str = ""
+    """The DCP save the load reads (its metadata's ``save_id``, a uuid): at most 64 of ``[0-9a-f-]``;
+    ``""``: any committed copy of the step will do (a request of an older client)."""
 
     def __post_init__(self) -> None:
         if not _REQUEST_ID_RE.fullmatch(self.id):
             raise FormatError("fetch request: id must be 32 lowercase hex digits")
+        if not _SAVE_ID_RE.fullmatch(self.save_id):
+            raise FormatError("fetch request: save_id must be at most 64 of [0-9a-f-]")
         if self.rank < 0 or self.step < 0 or any(r < 0 for r in self.ranks):
             raise FormatError("fetch request: ranks and step must not be negative")
         if len(self.ranks) > MAX_FETCH_RANKS or len(set(self.ranks)) != len(self.ranks):

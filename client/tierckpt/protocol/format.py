@@ -71,6 +71,7 @@ __all__ = [
     "committed_steps",
     "control_dir",
     "data_file_name",
+    "dcp_save_id",
     "decode_commit",
     "discard_step",
     "fsync_dir",
@@ -480,6 +481,14 @@ def read_commit(step_path: Dir) -> CommitMarker | None:
     except (FileNotFoundError, NotADirectoryError):
         return None
     return decode_commit(body, where)
+
+
+def dcp_save_id(manifest: Manifest) -> str:
+    """The DCP save a rank's step was written for (``extra["dcp"]["save_id"]``, the id its checkpoint's
+    metadata names); ``""`` for a step of another kind or one that names none."""
+    dcp = manifest.extra.get("dcp") if manifest.manifest_kind == "dcp" else None
+    save_id = dcp.get("save_id") if isinstance(dcp, dict) else None
+    return save_id if isinstance(save_id, str) else ""
 
 
 def read_manifest(step_path: Dir, *, limit: int = MANIFEST_LIMIT) -> Manifest:

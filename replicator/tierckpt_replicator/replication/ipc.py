@@ -181,6 +181,9 @@ class FetchTask(StepTask):
 
     sources: tuple[FetchSource, ...]
     into: Literal["primary", "replica"] = "primary"
+    save_id: str = ""
+    """A DCP save (``FetchRequest.save_id``): only a copy whose manifest names it counts as here already
+    or is taken from a source (a source's copy of another save: "missing"). ``""``: any copy."""
 
 
 @dataclasses.dataclass(frozen=True)

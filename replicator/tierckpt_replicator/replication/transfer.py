@@ -32,7 +32,7 @@ from tierckpt.protocol.errors import (
     RamdiskFullError,
     UnsafePathError,
 )
-from tierckpt.protocol.format import discard_step, read_commit
+from tierckpt.protocol.format import dcp_save_id, discard_step, read_commit
 from tierckpt.protocol.safefs import Beneath
 from tierckpt_replicator.quota import OverQuotaError
 from tierckpt_replicator.replication.channel import DataConnection
@@ -254,15 +254,19 @@ def fetch_step(
     on_progress: OnProgress,
     *,
     into: str = "primary",
+    save_id: str = "",
 ) -> Outcome:
     """Stage ``job``/``rank``/``step`` on this node from ``source``: as its committed primary, or
-    (``into="replica"``) as a committed replica, unless a committed copy is here already."""
+    (``into="replica"``) as a committed replica, unless a committed copy is here already. With a
+    ``save_id`` (a DCP save), only a copy whose manifest names it: one here of another save does not
+    count, and a source's copy of another save is refused ("missing") before a byte of it is received."""
     started = time.monotonic()
     kinds: tuple[Copy, ...] = ("primary", "replica") if into == "replica" else ("primary",)
     try:
         with open_job(ctx.root, job, create=True) as tree:
             for kind in kinds:
-                if read_commit(rank_tree(tree, kind, rank).at(step_name(step))) is not None:
+                here = rank_tree(tree, kind, rank).at(step_name(step))
+                if read_commit(here) is not None and _of_save(ctx, here, job, rank, step, save_id):
                     return Outcome(
                         source.node, "already", f"already committed here as a {kind} ({into} wanted)"
                     )
@@ -271,7 +275,7 @@ def fetch_step(
                     raise _Refused("missing", "no committed local replica")
                 nbytes = _copy_replica(ctx, tree, job, rank, step, on_progress)
             else:
-                nbytes = _download(ctx, tree, job, rank, step, source, on_progress, into)
+                nbytes = _download(ctx, tree, job, rank, step, source, on_progress, into, save_id)
     except UnsafePathError as exc:
         log.warning("refusing to stage %s rank %d step %d: %s", job, rank, step, exc)
         return Outcome(source.node, "failed", f"refused: {exc}")
@@ -294,6 +298,17 @@ def fetch_step(
     except (OSError, ProtocolError) as exc:
         return Outcome(source.node, "failed", f"fetch from {source.node} broke: {exc}")
     return Outcome(source.node, "ok", bytes=nbytes, seconds=time.monotonic() - started)
+
+
+def _of_save(ctx: DataContext, step_tree: Beneath, job: str, rank: int, step: int, save_id: str) -> bool:
+    """Whether the committed step ``step_tree`` is a copy of DCP save ``save_id`` (any copy without one)."""
+    if not save_id:
+        return True
+    try:
+        header = _read_header(ctx, step_tree, job, rank, step)
+    except (OSError, FormatError, UnsafePathError):
+        return False
+    return dcp_save_id(header.manifest) == save_id
 
 
 class _Refused(Exception):
@@ -351,6 +366,7 @@ def _download(
     source: FetchSource,
     on_progress: OnProgress,
     into: str,
+    save_id: str = "",
 ) -> int:
     try:
         sock = connect(ctx, PeerAddress(source.node, source.host, source.port))
@@ -376,6 +392,8 @@ def _download(
             rank=rank,
             step=step,
         )
+        if save_id and dcp_save_id(header.manifest) != save_id:
+            raise _Refused("missing", f"{source.node} holds another save of the step, not {save_id}")
         ctx.quotas.check(header.manifest)  # before a byte of it is reserved here
         total, done = header.manifest.total_bytes, 0
 

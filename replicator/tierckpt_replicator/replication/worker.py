@@ -110,7 +110,9 @@ def run_fetch(ctx: DataContext, task: FetchTask) -> TaskResult:
     outcomes: list[Outcome] = []
     progress = _progress(ctx, task.id)
     for source in task.sources:
-        out = fetch_step(ctx, task.job, task.rank, task.step, source, progress, into=task.into)
+        out = fetch_step(
+            ctx, task.job, task.rank, task.step, source, progress, into=task.into, save_id=task.save_id
+        )
         outcomes.append(out)
         log_outcome(log, "fetch", task, f"<- {source.node} ({source.kind})", out)
         if out.status in ("ok", "already"):

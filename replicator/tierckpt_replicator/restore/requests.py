@@ -12,7 +12,11 @@ rank its name says, and is only acted on for a step that the job's restore plan 
 same job are ever fetched, and only into this node's replica store.
 
 Each missing ``(rank, step)`` is fetched once per node, however many ranks ask for it: from a peer that
-holds it (its primary or a replica), else from the bucket. "No node holds it" is only a verdict when
+holds it (its primary or a replica), else from the bucket. A request that names a DCP save
+(``FetchRequest.save_id``) counts a copy as held only if its manifest names that save, and shares only
+fetches of that save: a replica here of another save of the step number (the run a job left saved it)
+is dropped for the save's (``discard_step``: its COMMIT first), and a copy a peer or the bucket holds
+of another save is passed over for the next source. "No node holds it" is only a verdict when
 every node of the job answered: while some did not (cut off, restarting), or a source failed, the
 fetch makes up to ``attempts`` rounds (1 s between them, doubling to ``retry_max``), each from the
 inventories gathered again, before it fails; a gather that some node did not answer is never served to
@@ -34,6 +38,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from tierckpt.protocol import leases
 from tierckpt.protocol.client import ReplicatorClient
 from tierckpt.protocol.control import (
     FetchRequest,
@@ -46,7 +51,15 @@ from tierckpt.protocol.control import (
     write_fetch_status,
 )
 from tierckpt.protocol.errors import FormatError, RetryableError, TierckptError, UnsafePathError
-from tierckpt.protocol.format import COMMIT_NAME, decode_commit, replica_rank_dir
+from tierckpt.protocol.format import (
+    COMMIT_LIMIT,
+    COMMIT_NAME,
+    dcp_save_id,
+    decode_commit,
+    discard_step,
+    read_manifest,
+    replica_rank_dir,
+)
 from tierckpt.protocol.safefs import Beneath
 from tierckpt_replicator.assignments import AssignmentStore
 from tierckpt_replicator.backup.jobs import NO_BACKUP, BackupPort
@@ -54,6 +67,7 @@ from tierckpt_replicator.inventory import list_jobs
 from tierckpt_replicator.replication.ipc import FetchSource, FetchTask, TaskProgress
 from tierckpt_replicator.replication.supervisor import WorkerSupervisor
 from tierckpt_replicator.restore.gather import gather_inventories
+from tierckpt_replicator.stepio import rank_tree, step_name
 
 __all__ = ["FetchRequests", "check_request"]
 
@@ -118,7 +132,7 @@ class _Gathered:
 
 @dataclasses.dataclass
 class _Fetch:
-    """One ``(rank, step)`` being brought to this node, shared by every request that needs it."""
+    """One ``(rank, step)`` of one save being brought to this node, shared by every request that needs it."""
 
     done: int = 0
     total: int = 0
@@ -149,7 +163,8 @@ class FetchRequests:
         self.heartbeat, self.attempts, self.backoff, self.retry_max = heartbeat, attempts, backoff, retry_max
         self._seen: dict[tuple[str, int], str] = {}
         self._serving: dict[tuple[str, int], asyncio.Task[None]] = {}
-        self._fetches: dict[tuple[str, int, int], _Fetch] = {}
+        self._fetches: dict[tuple[str, int, int, str], _Fetch] = {}
+        """(job, rank, step, save_id) -> its fetch in flight."""
         self._refused: set[tuple[str, str]] = set()
         self._gathered: dict[str, _Gathered] = {}
         self._gathering: dict[str, asyncio.Lock] = {}
@@ -265,11 +280,13 @@ class FetchRequests:
         step = request.step
         fetches = {}
         for rank in request.ranks:
-            key = (job, rank, step)
+            key = (job, rank, step, request.save_id)
             fetch = self._fetches.get(key)  # one in flight: share it
             if fetch is None:
                 fetch = _Fetch()
-                fetch.task = asyncio.create_task(self._fetch(job, rank, step, fetch, gathered))
+                fetch.task = asyncio.create_task(
+                    self._fetch(job, rank, step, request.save_id, fetch, gathered)
+                )
                 fetch.task.add_done_callback(functools.partial(self._finished, key, fetch))
                 self._fetches[key] = fetch
             fetches[rank] = fetch
@@ -336,23 +353,25 @@ class FetchRequests:
             self._gathered[job] = gathered
             return gathered
 
-    def _finished(self, key: tuple[str, int, int], fetch: _Fetch, _task: object = None) -> None:
+    def _finished(self, key: tuple[str, int, int, str], fetch: _Fetch, _task: object = None) -> None:
         if self._fetches.get(key) is fetch:  # a later request checks again what is here
             del self._fetches[key]
 
-    async def _fetch(self, job: str, rank: int, step: int, fetch: _Fetch, gathered: _Gathered) -> Tier:
-        """Bring ``rank``'s ``step`` here, in up to ``attempts`` rounds, the first from ``gathered``, each
-        later one from the inventories gathered again; a round that finds no holder while every node
-        answered is the last."""
+    async def _fetch(
+        self, job: str, rank: int, step: int, save_id: str, fetch: _Fetch, gathered: _Gathered
+    ) -> Tier:
+        """Bring ``rank``'s ``step`` (of DCP save ``save_id``, if one is named) here, in up to
+        ``attempts`` rounds, the first from ``gathered``, each later one from the inventories gathered
+        again; a round that finds no holder while every node answered is the last."""
         for attempt in range(1, self.attempts + 1):
-            if _held(self.root, job, rank, step):
+            if _held(self.root, job, rank, step, save_id):
                 return Tier.LOCAL
             if attempt > 1:
                 gathered = await self._inventories(job)
             sources = _sources(rank, step, gathered.inventories, self.assignments.get(job), self.node)
             in_bucket = any(step in inv.gcs for inv in gathered.inventories)
             try:
-                return await self._fetch_once(job, rank, step, sources, in_bucket, fetch)
+                return await self._fetch_once(job, rank, step, save_id, sources, in_bucket, fetch)
             except RetryableError as exc:
                 unknown = gathered.unknown
                 why = f"{exc} (holdings of {', '.join(unknown)} unknown)" if unknown else str(exc)
@@ -372,13 +391,29 @@ class FetchRequests:
         raise AssertionError("unreachable: the last attempt returns or raises")
 
     async def _fetch_once(
-        self, job: str, rank: int, step: int, sources: tuple[FetchSource, ...], in_bucket: bool, fetch: _Fetch
+        self,
+        job: str,
+        rank: int,
+        step: int,
+        save_id: str,
+        sources: tuple[FetchSource, ...],
+        in_bucket: bool,
+        fetch: _Fetch,
     ) -> Tier:
-        """One round: a peer that holds it, else the bucket."""
+        """One round: a peer that holds it, else the bucket; with a ``save_id``, only a copy of that save
+        (the worker passes over a peer's copy of another save; what arrives is checked here)."""
         reasons = []
+        if save_id:
+            _drop_other_save(self.root, job, rank, step, save_id)
         if sources:
             task = FetchTask(
-                id=self.supervisor.next_id(), job=job, rank=rank, step=step, sources=sources, into="replica"
+                id=self.supervisor.next_id(),
+                job=job,
+                rank=rank,
+                step=step,
+                sources=sources,
+                into="replica",
+                save_id=save_id,
             )
 
             def progress(p: TaskProgress) -> None:
@@ -390,9 +425,12 @@ class FetchRequests:
                 result = None
                 reasons.append(str(exc))
             if result is not None and result.ok:
-                log.info("job %s: rank %d step %d fetched from %s", job, rank, step, result.outcomes[-1].node)
-                return Tier.LOCAL if result.outcomes[-1].status == "already" else Tier.PEER
-            if result is not None:
+                node = result.outcomes[-1].node
+                if not save_id or _held(self.root, job, rank, step, save_id):  # checked, not taken on trust
+                    log.info("job %s: rank %d step %d fetched from %s", job, rank, step, node)
+                    return Tier.LOCAL if result.outcomes[-1].status == "already" else Tier.PEER
+                reasons.append(f"{node}: the copy it gave is not of save {save_id}")
+            elif result is not None:
                 reasons.extend(f"{o.node}: {o.status} {o.message}".strip() for o in result.outcomes)
         if in_bucket:
 
@@ -406,10 +444,14 @@ class FetchRequests:
             except (TierckptError, OSError) as exc:
                 reasons.append(f"bucket: {exc}")
             else:
-                if _held(self.root, job, rank, step):
+                if _held(self.root, job, rank, step, save_id):
                     log.info("job %s: rank %d step %d fetched from the bucket", job, rank, step)
                     return Tier.GCS
-                reasons.append("bucket: the fetch returned without a committed step")
+                reasons.append(
+                    f"bucket: it holds another save of the step, not {save_id}"
+                    if _held(self.root, job, rank, step)
+                    else "bucket: the fetch returned without a committed step"
+                )
         raise RetryableError("; ".join(reasons) or "no node holds it and it is not in the bucket")
 
     # ------------------------------------------------------------------ status files
@@ -429,20 +471,42 @@ class FetchRequests:
             log.warning("job %s: cannot write the fetch status of rank %d: %s", job, status.rank, exc)
 
 
-def _held(root: Path, job: str, rank: int, step: int) -> bool:
-    """Whether ``rank``'s ``step`` is committed on this node (primary or replica), read without following
-    any link the pod may have planted in its job tree."""
-    name = f"rank-{rank:05d}/step-{step:012d}/{COMMIT_NAME}"
+def _held(root: Path, job: str, rank: int, step: int, save_id: str = "") -> bool:
+    """Whether ``rank``'s ``step`` is committed on this node (primary or replica), and with a
+    ``save_id``, whether that copy's manifest names that DCP save; read without following any link the
+    pod may have planted in its job tree, manifests bounded (``read_manifest``)."""
+    name = f"rank-{rank:05d}/step-{step:012d}"
     try:
         with Beneath.open(root, job) as tree:
             for rel in (name, f"replicas/{name}"):
                 with contextlib.suppress(FileNotFoundError, NotADirectoryError, FormatError, UnsafePathError):
-                    marker = decode_commit(tree.read_bytes(rel, limit=1 << 16), rel)
-                    if (marker.job, marker.rank, marker.step) == (job, rank, step):
+                    where = f"{rel}/{COMMIT_NAME}"
+                    marker = decode_commit(tree.read_bytes(where, limit=COMMIT_LIMIT), where)
+                    if (marker.job, marker.rank, marker.step) != (job, rank, step):
+                        continue
+                    if not save_id or dcp_save_id(read_manifest(tree.at(rel))) == save_id:
                         return True
     except (OSError, UnsafePathError):
         return False
     return False
+
+
+def _drop_other_save(root: Path, job: str, rank: int, step: int, save_id: str) -> None:
+    """Discard this node's replica of ``rank``'s ``step`` unless it is a copy of DCP save ``save_id``
+    (another save of the step number, or torn), so the save's can be committed in its place: its COMMIT
+    first (``discard_step``), so a crash leaves no step rather than a torn one. Never while it is leased
+    (being read or sent): ``RetryableError``. A primary of another save is left to its rank."""
+    with Beneath.open(root, job) as tree:
+        parent = rank_tree(tree, "replica", rank)
+        if not parent.exists(step_name(step)) or _held(root, job, rank, step, save_id):
+            return
+        with leases.lock(parent):
+            if step in leases.leased_steps(parent):
+                raise RetryableError(f"another save of step {step} of rank {rank} is being read here")
+            discard_step(parent.at(step_name(step)))
+    log.info(
+        "job %s: dropped this node's replica of rank %d step %d (not of save %s)", job, rank, step, save_id
+    )
 
 
 def _sources(
