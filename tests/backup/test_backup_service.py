@@ -39,6 +39,7 @@ from tierckpt.protocol.bucket_layout import (
 from tierckpt.protocol.control import JobPolicy, RestorePlan, Tier, write_control
 from tierckpt.protocol.errors import CorruptShardError, MissingCheckpointError
 from tierckpt.protocol.format import discard_step, rank_dir, read_manifest, replica_rank_dir, step_dir
+from tierckpt_demo.chaos.tiers import BucketView
 from tierckpt_demo.fakegcs import FakeGcsServer, FaultProxy, FaultRule
 from tierckpt_demo.step_writer import step_files, write_step
 from tierckpt_replicator.backup.fence import JobFenced
@@ -591,6 +592,64 @@ async def test_an_older_saves_upload_never_writes_into_the_step_a_newer_save_com
         await reader.fetch_rank(JOB, 60, r, tmp_path / f"out-{r}")
         assert step_files(step_dir(tmp_path / f"out-{r}", 60)) == step_files(new[r])
     for s in (svc_old, svc, reader):
+        await s.close()
+
+
+class CompletesBeforeDelete(SpyStore):
+    """Runs ``complete()`` (another node completing the step) just before this store deletes a rank
+    commit: after the replacing upload checked that the step was not complete, before it replaced the
+    commit."""
+
+    def __init__(self, inner: GcsStore, complete: Callable[[], object]) -> None:
+        super().__init__(inner)
+        self.complete, self.outcome = complete, None
+
+    def delete(self, key: str) -> bool:
+        if "/ranks/" in key and self.outcome is None:
+            self.outcome = self.complete()
+        return super().delete(key)
+
+
+async def test_a_step_completed_while_a_newer_save_replaced_one_of_its_rank_commits_is_withdrawn(
+    gcs_server: FakeGcsServer, bucket: str, tmp_path: Path
+) -> None:
+    """Step 3 was saved twice; both ranks of the earlier save were in the bucket, and a node replaced rank
+    1's with the newer save's. Another node completed the step from the earlier commits (and checked them
+    again) just after the replacing node saw the step incomplete, and before it deleted the old commit:
+    the completion's index named a rank commit that no longer existed (found by the chaos soak, seed
+    790299293, round 6: `rank commit of its data rank 1: 379 bytes, the chain says 378`). The replacing
+    node now looks again once its commit is in: a completion whose index names another commit for its
+    rank is withdrawn, so no complete step is ever torn, and the step completes again from the commits
+    that are there."""
+    old_root, new_root = tmp_path / "old", tmp_path / "new"
+    for r in range(2):
+        write_step(old_root, JOB, r, 3, world_size=2, sizes=(8 * KiB,), seed=1)
+    svc_old = make_service(make_store(gcs_server.url, bucket), old_root, "old")
+    with svc_old.fences.writing(JOB, 3):
+        for r in range(2):
+            svc_old.uploader.upload_rank(JOB, step_dir(rank_dir(old_root, JOB, r), 3))
+    time.sleep(0.01)
+    write_step(new_root, JOB, 1, 3, world_size=2, sizes=(8 * KiB,), seed=2)
+
+    def complete_on_the_old_node() -> object:
+        with svc_old.fences.writing(JOB, 3):
+            return svc_old.catalog.complete(JOB, 3, 2)
+
+    store = CompletesBeforeDelete(make_store(gcs_server.url, bucket), complete_on_the_old_node)
+    svc_new = make_service(store, new_root, "new")
+    with svc_new.fences.writing(JOB, 3):
+        svc_new.uploader.upload_rank(JOB, step_dir(rank_dir(new_root, JOB, 1), 3))
+    assert store.outcome == "written"  # the race happened: the step was complete before the replacement
+    view = BucketView(gcs_server.client().bucket(bucket), prefix="t")
+    assert view.torn(JOB) == []
+    reader = make_service(make_store(gcs_server.url, bucket), tmp_path / "reader", "reader")
+    assert await reader.complete_steps(JOB) == ()  # withdrawn; the new commits complete it again
+    with svc_new.fences.writing(JOB, 3):
+        assert svc_new.catalog.complete(JOB, 3, 2) == "written"
+    assert view.torn(JOB) == []
+    for r in range(2):
+        await reader.fetch_rank(JOB, 3, r, tmp_path / f"out-{r}")
+    for s in (svc_old, svc_new, reader):
         await s.close()
 
 

@@ -454,6 +454,32 @@ class Catalog:
         )
         return "written"
 
+    def withdraw_unless_indexed(self, job: str, step: int, rank: int, size: int, crc: int) -> bool:
+        """After ``rank``'s commit of an incomplete ``step`` was replaced by a newer save's (``size`` and
+        ``crc`` bytes): if a node completed the step meanwhile from the commit replaced (its listings of
+        the rank commits, before and after it wrote the completion object, both came before the
+        replacement), the completion names a commit that is gone: withdraw it (the step completes
+        again from the commits there). Between them, the completer's second listing and this look
+        leave no order of the two in which a torn step stays complete. True if it was withdrawn."""
+        if self.store.stat(self.layout.complete_key(job, step)) is None:
+            return False
+        try:
+            ref = self.rank_ref(job, step, rank, fresh=True)
+            if (ref.size, ref.crc32c) == (size, crc):
+                return False
+        except (FormatError, CorruptShardError, ObjectNotFound, MissingCheckpointError) as exc:
+            log.info("step %d of %s: its completion cannot be read (%s)", step, job, exc)
+        log.warning(
+            "step %d of %s was completed from the rank %d commit this node replaced; withdrawing it",
+            step,
+            job,
+            rank,
+        )
+        self.store.delete(self.layout.complete_key(job, step))
+        self._drop(job, step)
+        self.announce(job, step, "retired")
+        return True
+
     def _earlier_save(
         self, job: str, step: int, world_size: int, infos: Mapping[int, ObjectInfo]
     ) -> set[int]:

@@ -149,6 +149,7 @@ class Uploader:
             self.quotas.check(manifest, fds=fds)
         save = save_name(marker.manifest_crc32c)
         present = {o.name: o for o in self.store.list(self.layout.rank_dir(job, step, rank))[0]}
+        replaced = False
         if self._saved_before(job, step, rank, present):
             # this rank's COMMIT or manifest is in the bucket: it may be committed (by this save or
             # another one), or be an older save's upload that this one replaces
@@ -157,6 +158,7 @@ class Uploader:
                 if existing.manifest_crc32c == marker.manifest_crc32c:
                     return RankUpload(existing, 0, skipped=True)
                 self._replace_stale(job, step, rank, existing, manifest)
+                replaced = True
         ref = self._data_ref(job, manifest)
         chunked = self.chunks is not None and ref is None
         whole = tuple(f for f in manifest.files if (ref is None and not chunked) or not is_data_file(f.name))
@@ -194,10 +196,11 @@ class Uploader:
             total_bytes=commit.total_bytes,
             data_from=ref.rank if ref is not None else None,
         )
+        body = encode_small(commit, f"the rank commit of rank {rank} of step {step}")
         try:
             self.store.put_bytes(
                 self.layout.rank_commit_key(job, step, rank),
-                encode_small(commit, f"the rank commit of rank {rank} of step {step}"),
+                body,
                 create_only=True,
                 metadata={SUMMARY_METADATA_KEY: summary.to_bytes().decode()},
             )
@@ -211,6 +214,8 @@ class Uploader:
             return RankUpload(
                 other, sent, skipped=False, logical_bytes=manifest.total_bytes, reused_bytes=reused
             )
+        if replaced:  # a node may have completed the step from the commit replaced: see there
+            self.catalog.withdraw_unless_indexed(job, step, rank, len(body), crc32c(body))
         how = f", data files are rank {ref.rank}'s" if ref is not None else ""
         how += f", {reused} bytes of chunks reused" if listed is not None else ""
         log.info("uploaded rank %d of step %d of %s (%d bytes sent%s)", rank, step, job, sent, how)
