@@ -385,6 +385,35 @@ async def test_closing_abandons_an_upload_the_bucket_does_not_answer_within_the_
     await reader.close()
 
 
+async def test_a_purge_does_not_wait_for_an_upload_the_bucket_does_not_answer(
+    bucket: str, proxy: FaultProxy, tmp_path: Path
+) -> None:
+    """A node cut off from the bucket while it uploads a step, then the job is purged: the fence its purge
+    puts up waited for the backup pass, whose bucket calls retried for minutes, and the purge with it (the
+    chaos soak, seed 1727629969, round 7: 15 minutes, the round's liveness bound). It waits ``grace``, then
+    goes on: the pass writes nothing more (the job is fenced here) and what it has in flight lands under
+    a writer lease that the purge takes away, so nothing of the step is complete."""
+    root = tmp_path / "n"
+    write_step(root, JOB, 0, 7, sizes=(64 * KiB,))
+    svc = make_service(make_store(proxy.url, bucket, read_timeout=30.0), root, "n")
+    proxy.add_rule(FaultRule(action="stall", seconds=8, times=None))
+    backing_up = asyncio.create_task(svc.backup_now(JOB))
+    deadline = time.monotonic() + 10
+    while not proxy.hits_for("stall") and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert proxy.hits_for("stall"), "the upload reached the bucket"
+    start = time.monotonic()
+    await svc.fence(JOB, grace=0.5)
+    assert time.monotonic() - start < 5, "the purge's fence waited for the stuck upload"
+    proxy.clear_rules()
+    with pytest.raises((JobFenced, TransientStoreError)):  # it gave up, or was fenced at its next write
+        await backing_up
+    reader = make_service(make_store(proxy.upstream_url, bucket), tmp_path / "reader", "reader")
+    assert await reader.complete_steps(JOB) == ()
+    for s in (svc, reader):
+        await s.close()
+
+
 def test_a_replicator_exits_though_threads_it_abandoned_still_run(tmp_path: Path) -> None:
     """The process exits at once (status 0, a log line) instead of the interpreter waiting for them."""
     script = textwrap.dedent(

@@ -75,6 +75,9 @@ T = TypeVar("T")
 MiB = 1 << 20
 CLOSE_GRACE = 5.0
 """Seconds ``close`` lets the uploads under way finish before it abandons them."""
+FENCE_GRACE = 10.0
+"""Seconds ``fence`` (a purge) waits for the job's backup pass under way to stop before it goes on without
+it (a bucket that does not answer keeps a pass in its client's retries for minutes)."""
 _PROGRESS_EVERY = 8 * MiB
 ProgressCallback = Callable[[int], None]
 """``progress(bytes_done)``: cumulative bytes of the rank written so far."""
@@ -393,13 +396,32 @@ class BackupService:
         own); a restore can then fetch that rank's step from the peer restoring it instead."""
         return await self._run(self.restorer.data_source, job, step, rank)
 
-    async def fence(self, job: str) -> None:
+    async def fence(self, job: str, *, grace: float = FENCE_GRACE) -> None:
         """Stop backing ``job`` up on this node until ``unfence``: no pass of it starts, and the one
-        running stops at its next bucket write (a partial step stays invisible) and is waited for.
-        Call it before deleting anything of the job."""
+        running stops at its next bucket write (a partial step stays invisible) and is waited for, at
+        most ``grace`` seconds. A pass still running then (a bucket call retrying against a bucket that
+        does not answer) is left behind: it writes nothing more (the job is fenced here, and a purge
+        elsewhere took its writer lease away), and a write of it that lands late is deleted again by
+        its writer lease (``Fences.write``), so a purge need not wait for it. Call it before deleting
+        anything of the job."""
         self.fences.fence_here(job)
-        async with self._lock(job):
-            pass  # the running pass has stopped
+        if not await self._wait_for_pass(job, grace):
+            log.warning(
+                "job %s: its backup pass did not stop within %.0fs of the fence (a bucket call still "
+                "retrying); going on without it: it writes nothing more",
+                job,
+                grace,
+            )
+
+    async def _wait_for_pass(self, job: str, timeout: float) -> bool:
+        """Whether the pass of ``job`` under way (if any) ended within ``timeout`` seconds."""
+        lock = self._lock(job)
+        try:
+            await asyncio.wait_for(lock.acquire(), timeout)
+        except TimeoutError:
+            return False
+        lock.release()
+        return True
 
     def unfence(self, job: str) -> None:
         """Lift the fence (the job was purged): forget its state here; it starts afresh if it returns."""
