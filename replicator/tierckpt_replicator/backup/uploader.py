@@ -190,11 +190,29 @@ class Uploader:
             chunks=listed,
             save=save,
         )
+        other = self._put_commit(commit, replaced=replaced)
+        if other is not None:
+            return RankUpload(
+                other, sent, skipped=False, logical_bytes=manifest.total_bytes, reused_bytes=reused
+            )
+        how = f", data files are rank {ref.rank}'s" if ref is not None else ""
+        how += f", {reused} bytes of chunks reused" if listed is not None else ""
+        log.info("uploaded rank %d of step %d of %s (%d bytes sent%s)", rank, step, job, sent, how)
+        return RankUpload(
+            commit, sent, skipped=False, logical_bytes=manifest.total_bytes, reused_bytes=reused
+        )
+
+    def _put_commit(self, commit: RankBackup, *, replaced: bool) -> RankBackup | None:
+        """Create the rank commit (create-only, its ``RankSummary`` in its metadata): None once it is in,
+        or the commit another node created first of the same save (``StaleStepError`` if of another
+        save). ``replaced``: this upload replaced another save's commit, and a node may have completed
+        the step from that one meanwhile (``Catalog.withdraw_unless_indexed``)."""
+        job, step, rank = commit.job, commit.step, commit.rank
         summary = RankSummary(
             world_size=commit.world_size,
             manifest_crc32c=commit.manifest_crc32c,
             total_bytes=commit.total_bytes,
-            data_from=ref.rank if ref is not None else None,
+            data_from=commit.data.rank if commit.data is not None else None,
         )
         body = encode_small(commit, f"the rank commit of rank {rank} of step {step}")
         try:
@@ -211,17 +229,10 @@ class Uploader:
                     f"rank {rank} of step {step} was committed by {other.uploaded_by} with another manifest "
                     "while we uploaded it"
                 ) from None
-            return RankUpload(
-                other, sent, skipped=False, logical_bytes=manifest.total_bytes, reused_bytes=reused
-            )
-        if replaced:  # a node may have completed the step from the commit replaced: see there
+            return other
+        if replaced:
             self.catalog.withdraw_unless_indexed(job, step, rank, len(body), crc32c(body))
-        how = f", data files are rank {ref.rank}'s" if ref is not None else ""
-        how += f", {reused} bytes of chunks reused" if listed is not None else ""
-        log.info("uploaded rank %d of step %d of %s (%d bytes sent%s)", rank, step, job, sent, how)
-        return RankUpload(
-            commit, sent, skipped=False, logical_bytes=manifest.total_bytes, reused_bytes=reused
-        )
+        return None
 
     def _data_ref(self, job: str, manifest: Manifest) -> DataRef | None:
         """The member whose uploaded data files are this rank's, or None (upload them here)."""
