@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 from tierckpt.planning.placement import RankAssignment, peer_churn
+from tierckpt.planning.restore_plan import BUCKET_PATIENCE, bucket_unknown
 from tierckpt.protocol.client import ReplicatorClient, ReplicatorError
 from tierckpt.protocol.control import (
     JobPolicy,
@@ -556,6 +557,14 @@ class JobController:
                 self._retry_later(self.ctx.settings.restore_grace - waited)
                 return state
             invs = await self._inventories(state.nodes, cluster)
+            if bucket_unknown(invs) and waited < self.ctx.settings.restore_grace + BUCKET_PATIENCE:
+                log.info(
+                    "%s/%s: no replicator has listed the bucket yet (slow to answer); asking again before "
+                    "choosing the restore step",
+                    *self.key,
+                )
+                self._retry_later(2.0)
+                return state
             # Orbax restores only onto the topology it saved from: steps of as many processes as nodes
             world = len(state.nodes) if info.mode == "orbax" else None
             plan = restore_plan(info.job_id, state, invs, world, time.time())

@@ -85,15 +85,15 @@ class LocalInventory:
         self.restoring: Mapping[str, Mapping[int, RestoreState]] = restoring if restoring is not None else {}
         """Job -> rank -> state of this node's restore staging (the stager's ``states``)."""
         self._cache: dict[str, tuple[float, dict[int, int]]] = {}
-        self._listing: dict[str, asyncio.Task[dict[int, int]]] = {}
+        self._listing: dict[str, asyncio.Task[dict[int, int] | None]] = {}
 
     async def __call__(self, job: str) -> NodeInventory:
-        bucket = await self.bucket_steps(job)
+        bucket, known = await self._bucket(job)
         inv = self.scanner.inventory(job, gcs=tuple(bucket))
         # a step known only from the bucket still needs its world size, or nobody knows its ranks
         world_sizes = {**{s: ws for s, ws in bucket.items() if ws > 0}, **inv.world_sizes}
         restoring = {r: s.value for r, s in self.restoring.get(job, {}).items()}
-        inv = dataclasses.replace(inv, world_sizes=world_sizes, restoring=restoring)
+        inv = dataclasses.replace(inv, world_sizes=world_sizes, restoring=restoring, gcs_pending=not known)
         replication = self.replication
         if replication is not None:
             inv = dataclasses.replace(
@@ -107,24 +107,33 @@ class LocalInventory:
 
     async def bucket_steps(self, job: str) -> dict[int, int]:
         """Step -> world size of every step complete in the bucket (cached a few seconds)."""
+        return (await self._bucket(job))[0]
+
+    async def _bucket(self, job: str) -> tuple[dict[int, int], bool]:
+        """``bucket_steps``, and whether they are known: False when the listing did not answer within
+        ``_GCS_WAIT_SECONDS`` (or failed) and no earlier one is cached (the steps are then unknown)."""
         cached = self._cache.get(job)
         if cached and time.monotonic() - cached[0] < _GCS_CACHE_SECONDS:
-            return cached[1]
+            return cached[1], True
         listing = self._listing.get(job)
         if listing is None or listing.done():
             listing = self._listing[job] = asyncio.create_task(self._list(job), name=f"bucket-steps-{job}")
         if await done_within(listing, _GCS_WAIT_SECONDS):  # (the listing goes on for the next call)
-            return listing.result()
-        log.info("job %s: the bucket is slow to list; answering with the steps known before", job)
-        return cached[1] if cached else {}
+            listed = listing.result()
+            if listed is not None:
+                return listed, True
+        else:
+            log.info("job %s: the bucket is slow to list; answering with the steps known before", job)
+        cached = self._cache.get(job)
+        return (cached[1], True) if cached else ({}, False)
 
-    async def _list(self, job: str) -> dict[int, int]:
+    async def _list(self, job: str) -> dict[int, int] | None:
+        """The bucket's complete steps; None if it cannot be listed (they are unknown, not fatal)."""
         try:
             steps = await self.backup.complete_world_sizes(job)
-        except Exception as exc:  # the bucket being unreachable makes its steps unknown, not fatal
+        except Exception as exc:
             log.warning("job %s: cannot list complete steps in the bucket: %s", job, exc)
-            cached = self._cache.get(job)
-            return cached[1] if cached else {}
+            return None
         self._cache[job] = (time.monotonic(), steps)
         return steps
 

@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tierckpt.planning.restore_plan import bucket_unknown
 from tierckpt.protocol.client import ONE_ATTEMPT, ReplicatorClient, api_base
 from tierckpt.protocol.control import (
     PeerAssignment,
@@ -785,9 +786,28 @@ async def test_an_unreachable_bucket_does_not_hold_up_the_inventory(tmp_path: Pa
     assert time.monotonic() - started < 2.0, "the inventory waited for the bucket"
     assert first.ranks[0].local == (7,) and first.gcs == () and second.gcs == ()
     assert bucket.listings == 1, "one listing at a time per job"
+    assert first.gcs_pending and second.gcs_pending, "a bucket not listed yet is unknown, not empty"
     await asyncio.sleep(3.5)  # the listing answered meanwhile
-    assert (await inventory(job)).gcs == (5,)
+    third = await inventory(job)
+    assert third.gcs == (5,) and not third.gcs_pending
     assert bucket.listings == 1
+
+
+async def test_a_bucket_that_cannot_be_listed_leaves_its_steps_unknown_not_empty(tmp_path: Path):
+    """A listing that fails (no earlier one cached) says the bucket's steps are unknown (``gcs_pending``):
+    found by the chaos soak (seed 2127330875, round 2), where both nodes of a job moved to new nodes
+    answered "nothing in the bucket" while every bucket request was delayed, and the plan started the
+    job afresh over its complete step 39."""
+
+    class Failing:
+        async def complete_world_sizes(self, job: str) -> dict[int, int]:
+            raise TimeoutError("the bucket did not answer")
+
+    scanner = InventoryScanner(tmp_path, node="n0", endpoint="https://n0:8470")
+    inv = await LocalInventory(scanner, Failing())("j")  # type: ignore[arg-type]
+    assert inv.gcs == () and inv.gcs_pending
+    assert bucket_unknown([inv]) and not bucket_unknown([inv, dataclasses.replace(inv, gcs_pending=False)])
+    assert not bucket_unknown([])
 
 
 async def test_the_commit_feed_tells_the_backup_once_per_step_every_local_rank_committed(tmp_path: Path):

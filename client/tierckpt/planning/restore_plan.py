@@ -27,7 +27,11 @@ from collections.abc import Iterable
 from tierckpt.protocol.control import NodeInventory, RestorePlan, Tier
 from tierckpt.protocol.errors import ContractError
 
-__all__ = ["choose_restore", "restorable_steps"]
+__all__ = ["BUCKET_PATIENCE", "bucket_unknown", "choose_restore", "restorable_steps"]
+
+BUCKET_PATIENCE = 60.0
+"""Seconds a restore plan is held back while no node has listed the bucket (``bucket_unknown``); then it
+is chosen from the other tiers, as for a job without backups."""
 
 
 def choose_restore(
@@ -77,6 +81,14 @@ def choose_restore(
         generation=generation,
         decided_at=decided_at,
     )
+
+
+def bucket_unknown(inventories: Iterable[NodeInventory]) -> bool:
+    """Whether no node knows the bucket's complete steps (each one's look at it had not answered:
+    ``NodeInventory.gcs_pending``): a plan chosen now could start a job afresh over a complete backup,
+    so its callers ask again, for a while, before they choose one without the bucket."""
+    invs = list(inventories)
+    return bool(invs) and all(inv.gcs_pending for inv in invs)
 
 
 def restorable_steps(

@@ -371,6 +371,9 @@ class NodeInventory(Message):
     """Step -> world size recorded in its manifests (steps of different world sizes never mix)."""
     gcs: tuple[int, ...] = ()
     """Steps this node knows to be complete in the bucket (complete manifest object present)."""
+    gcs_pending: bool = False
+    """This node's look at the bucket had not answered (a slow or unreachable bucket) and it knew no
+    earlier one: ``gcs`` is then unknown, not empty. A restore plan waits for a node that knows."""
     domain: str = ""
     redundancy: Redundancy | None = None
     """Replicas of this node's ranks against the job's replication factor (None: no local ranks)."""

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from tierckpt.planning.placement import Member, Placement, assign_ranks, plan_peers
-from tierckpt.planning.restore_plan import choose_restore
+from tierckpt.planning.restore_plan import BUCKET_PATIENCE, bucket_unknown, choose_restore
 from tierckpt.protocol.control import JobPolicy, NodeInventory, PeerAssignment, PeerNode, RestorePlan
 from tierckpt_demo.chaos.jobs import EVERY, JobRun
 from tierckpt_demo.chaos.rig import Rig
@@ -112,9 +112,12 @@ class Operator:
         return [inv for inv in found if isinstance(inv, NodeInventory)]
 
     def publish_plan(self, job: JobRun) -> RestorePlan:
-        plan = choose_restore(
-            self.inventories(job), job=job.job_id, generation=job.attempt, decided_at=time.time()
-        )
+        invs = self.inventories(job)
+        deadline = time.monotonic() + BUCKET_PATIENCE
+        while bucket_unknown(invs) and time.monotonic() < deadline:  # as the operator waits
+            time.sleep(1.0)
+            invs = self.inventories(job)
+        plan = choose_restore(invs, job=job.job_id, generation=job.attempt, decided_at=time.time())
         self._each(job.nodes, lambda n: self.api.put_restore_plan(n.endpoint, plan, node=n.name))
         return plan
 
